@@ -1,0 +1,59 @@
+# moecert_add_library(NAME CAP off|check|audit|full): the library from every
+# source, with its contract cap compiled in. The installed library is built
+# at MOECERT_CONTRACT_CAP; the tests also build one at cap `off` to show that
+# checks compile out. Call it from the top directory only: per-file ISA flags
+# (set_source_files_properties) are scoped to the directory that sets them.
+
+set(MOECERT_SOURCES
+  contracts/engine.cpp
+  contracts/config.cpp
+  contracts/registry.cpp
+  ops/core/build_info.cpp
+  ops/gemm/dispatch.cpp
+)
+
+if(CMAKE_BUILD_TYPE STREQUAL "Debug")
+  set(MOECERT_DEFAULT_LEVEL 2)  # audit
+else()
+  set(MOECERT_DEFAULT_LEVEL 0)  # off
+endif()
+
+find_package(Git QUIET)
+set(MOECERT_GIT_COMMIT "unknown")
+if(GIT_FOUND)
+  execute_process(COMMAND ${GIT_EXECUTABLE} rev-parse --short=12 HEAD
+    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR} OUTPUT_VARIABLE _commit
+    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _rc)
+  if(_rc EQUAL 0 AND _commit)
+    set(MOECERT_GIT_COMMIT "${_commit}")
+  endif()
+endif()
+
+function(moecert_add_library name)
+  cmake_parse_arguments(ARG "" "CAP" "" ${ARGN})
+  set(_levels off check audit full)
+  list(FIND _levels "${ARG_CAP}" _cap)
+  if(_cap LESS 0)
+    message(FATAL_ERROR "contract cap '${ARG_CAP}': expected off, check, audit or full")
+  endif()
+  list(TRANSFORM MOECERT_SOURCES PREPEND ${PROJECT_SOURCE_DIR}/ OUTPUT_VARIABLE _sources)
+  add_library(${name} STATIC ${_sources})
+  target_include_directories(${name}
+    PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include> $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>
+    PRIVATE ${PROJECT_SOURCE_DIR})
+  target_compile_features(${name} PUBLIC cxx_std_20)
+  string(TOUPPER "${CMAKE_BUILD_TYPE}" _bt)
+  target_compile_definitions(${name} PRIVATE
+    MOECERT_CONTRACT_CAP_LEVEL=${_cap}
+    MOECERT_DEFAULT_LEVEL=${MOECERT_DEFAULT_LEVEL}
+    MOECERT_VERSION="${PROJECT_VERSION}"
+    MOECERT_BUILD_TYPE="${CMAKE_BUILD_TYPE}"
+    MOECERT_CXX_FLAGS="${CMAKE_CXX_FLAGS} ${CMAKE_CXX_FLAGS_${_bt}}"
+    MOECERT_GIT_COMMIT="${MOECERT_GIT_COMMIT}")
+  # Boost is header-only and used privately: not part of the installed interface.
+  target_link_libraries(${name} PUBLIC fmt::fmt TBB::tbb PRIVATE $<BUILD_INTERFACE:Boost::headers>)
+  if(MOECERT_SANITIZE)
+    # A sanitized static library needs the runtime in whatever links it.
+    target_link_options(${name} INTERFACE -fsanitize=address,undefined)
+  endif()
+endfunction()

@@ -1,0 +1,40 @@
+// Every clause the library defines, by family. Ids, kinds, groups and
+// levels here must match the tables next to the ops' declarations in
+// include/moecert (tests/contracts_test.cpp checks that they agree).
+#pragma once
+
+#include <span>
+
+#include "moecert/contracts.hpp"
+
+namespace moecert::clauses {
+
+constexpr ClauseInfo pre(std::string_view id, Group g, std::string_view text,
+                         Level l = Level::check) {
+  return {id, ClauseKind::pre, g, l, text};
+}
+constexpr ClauseInfo post(std::string_view id, Group g, std::string_view text,
+                          Level l = Level::check) {
+  return {id, ClauseKind::post, g, l, text};
+}
+
+namespace config {
+inline constexpr ClauseInfo kExpertsRange = pre("core.config.experts_range", Group::shape, "1 <= E <= 65536");
+inline constexpr ClauseInfo kHiddenRange = pre("core.config.hidden_range", Group::shape, "1 <= H <= 65536");
+inline constexpr ClauseInfo kInterRange = pre("core.config.inter_range", Group::shape, "1 <= I <= 65536");
+inline constexpr ClauseInfo kTopkRange = pre("core.config.topk_range", Group::shape, "1 <= K <= min(E, 64)");
+inline constexpr ClauseInfo kRankRange = pre("core.config.rank_range", Group::shape, "0 <= r <= 256");
+inline constexpr ClauseInfo kAlphaFinite = pre("core.config.alpha_finite", Group::shape, "alpha finite, > 0 when r > 0");
+inline constexpr ClauseInfo kTokensRange = pre("core.config.tokens_range", Group::shape, "1 <= T_max <= 2^20");
+inline constexpr ClauseInfo kRouterKind = pre("core.config.router_kind", Group::shape, "router is a known kind");
+inline constexpr ClauseInfo kProductKeySquare = pre("core.config.product_key_square", Group::shape, "E = n*n");
+inline constexpr ClauseInfo kGroupsDivide = pre("core.config.groups_divide", Group::shape, "G >= 1 divides E");
+inline constexpr ClauseInfo kTopkGroupRange = pre("core.config.topk_group_range", Group::shape, "1 <= topk_group <= G, K <= topk_group*E/G");
+inline constexpr ClauseInfo kScalingFinite = pre("core.config.scaling_finite", Group::shape, "c finite, > 0");
+
+inline constexpr ClauseInfo kAll[] = {kExpertsRange, kHiddenRange,      kInterRange,    kTopkRange,
+                                      kRankRange,    kAlphaFinite,      kTokensRange,   kRouterKind,
+                                      kProductKeySquare, kGroupsDivide, kTopkGroupRange, kScalingFinite};
+}  // namespace config
+
+}  // namespace moecert::clauses

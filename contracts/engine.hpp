@@ -1,0 +1,88 @@
+// Internal interface ops use to evaluate clauses at their API boundary.
+//
+//   detail::Checker c{"router.product_key.backward"};
+//   MOECERT_CONTRACT(c, clauses::kIdxInRange) {
+//     for (...) if (bad) c.fail(clauses::kIdxInRange, loc, observed, expected);
+//   }
+//   if (c.stop()) return;  // a precondition failed under `observe`
+//
+// A clause whose level is above the compile-time cap is a discarded
+// `if constexpr` branch: its body is not compiled into the library.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "moecert/contracts.hpp"
+
+#ifndef MOECERT_CONTRACT_CAP_LEVEL
+#define MOECERT_CONTRACT_CAP_LEVEL 3
+#endif
+
+namespace moecert::detail {
+
+inline constexpr Level kContractCap = static_cast<Level>(MOECERT_CONTRACT_CAP_LEVEL);
+static_assert(MOECERT_CONTRACT_CAP_LEVEL >= 0 && MOECERT_CONTRACT_CAP_LEVEL <= 3);
+
+constexpr bool cap_allows(Level clause_level) { return clause_level <= kContractCap; }
+
+/// One op call's view of the contract engine.
+class Checker {
+ public:
+  explicit Checker(std::string_view op);
+
+  /// True when `clause` is to be evaluated now (level, group, semantic);
+  /// counts the evaluation.
+  bool on(const ClauseInfo& clause);
+
+  /// Reports a failure of `clause`: counts it, calls the handler, then
+  /// throws ContractViolation under enforce. Under observe it returns, and
+  /// a failed precondition makes stop() true.
+  void fail(const ClauseInfo& clause, std::string location, std::string observed,
+            std::string expected,
+            std::source_location where = std::source_location::current());
+
+  /// True after a precondition failed under observe: the op must return
+  /// without writing any output.
+  bool stop() const { return pre_failed_; }
+
+  /// The level in effect for this call (already clamped to the cap).
+  Level level() const { return settings_.level; }
+  std::string_view op() const { return op_; }
+
+ private:
+  std::string_view op_;
+  ContractSettings settings_;
+  bool pre_failed_ = false;
+};
+
+/// The first (lowest-index) pair of byte ranges that overlap among `n`
+/// ranges, or {-1, -1}. Quadratic in n; n is the argument count of one op.
+struct OverlapPair {
+  int a = -1;
+  int b = -1;
+  explicit operator bool() const { return a >= 0; }
+};
+OverlapPair first_overlap(const ByteRange* ranges, int n);
+
+/// "[0x..., 0x...)", for alias messages.
+std::string format_range(ByteRange r);
+
+}  // namespace moecert::detail
+
+/// Evaluates the following block when `clause` is compiled in (cap) and on
+/// (runtime settings). `clause` must be a constant expression.
+#define MOECERT_CONTRACT(checker, clause)                            \
+  if constexpr (::moecert::detail::cap_allows((clause).level)) \
+    if ((checker).on(clause))
+
+/// A broken internal invariant: a moecert bug, not bad input. Always on.
+#define MOECERT_ASSERT(cond)                                                          \
+  ((cond) ? static_cast<void>(0)                                                       \
+          : ::moecert::detail::assert_fail(#cond, std::source_location::current()))
+
+namespace moecert::detail {
+[[noreturn]] void assert_fail(const char* cond, std::source_location where);
+}

@@ -1,0 +1,13 @@
+// The clause registry: every family's table, in one list for coverage.
+#include "contracts/clauses.hpp"
+
+namespace moecert {
+
+std::vector<ClauseInfo> all_clauses() {
+  std::vector<ClauseInfo> out;
+  for (const auto& table : {std::span<const ClauseInfo>(clauses::config::kAll)})
+    out.insert(out.end(), table.begin(), table.end());
+  return out;
+}
+
+}  // namespace moecert

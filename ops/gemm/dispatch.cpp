@@ -1,0 +1,166 @@
+// ISA detection and the MOECERT_ISA override: the one place that decides
+// which kernel level may run (CPUID, XGETBV, the AMX permission request).
+#include <cpuid.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "moecert/isa.hpp"
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace moecert {
+namespace {
+
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+std::uint64_t xgetbv0() {
+  std::uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<std::uint64_t>(hi) << 32) | lo;
+}
+
+bool cpuid(unsigned leaf, unsigned sub, unsigned (&r)[4]) {
+  return __get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3]) != 0;
+}
+
+// Asks Linux for permission to use AMX tile data; without it the first tile
+// instruction raises SIGILL. Called once, from detect().
+bool request_amx_permission() {
+#if defined(__linux__)
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+CpuInfo detect() {
+  CpuInfo c;
+  unsigned r[4] = {};
+  if (!cpuid(0, 0, r)) return c;
+  const unsigned max_leaf = r[0];
+  char vendor[13] = {};
+  std::memcpy(vendor + 0, &r[1], 4);
+  std::memcpy(vendor + 4, &r[3], 4);
+  std::memcpy(vendor + 8, &r[2], 4);
+  c.vendor = vendor;
+
+  bool osxsave = false;
+  if (cpuid(1, 0, r)) {
+    c.stepping = r[0] & 0xf;
+    c.family = ((r[0] >> 8) & 0xf) + (((r[0] >> 8) & 0xf) == 0xf ? ((r[0] >> 20) & 0xff) : 0);
+    c.model_id = ((r[0] >> 4) & 0xf) | ((r[0] >> 12) & 0xf0);
+    osxsave = (r[2] >> 27) & 1;
+  }
+  if (max_leaf >= 7 && cpuid(7, 0, r)) {
+    c.avx512f = (r[1] >> 16) & 1;
+    c.avx512bw = (r[1] >> 30) & 1;
+    c.avx512vl = (r[1] >> 31) & 1;
+    c.amx_bf16 = (r[3] >> 22) & 1;
+    c.amx_tile = (r[3] >> 24) & 1;
+    if (cpuid(7, 1, r)) c.avx512_bf16 = (r[0] >> 5) & 1;
+  }
+  if (osxsave) {
+    const std::uint64_t xcr0 = xgetbv0();
+    c.os_avx512 = (xcr0 & 0xe6) == 0xe6;                          // SSE, AVX, opmask, ZMM
+    c.os_amx = ((xcr0 >> 17) & 3) == 3;                            // XTILECFG, XTILEDATA
+  }
+  if (c.amx_tile && c.amx_bf16 && c.os_amx) c.amx_permission = request_amx_permission();
+
+  if (cpuid(0x80000000u, 0, r) && r[0] >= 0x80000004u) {
+    char brand[49] = {};
+    for (unsigned i = 0; i < 3; ++i) {
+      cpuid(0x80000002u + i, 0, r);
+      std::memcpy(brand + 16 * i, r, 16);
+    }
+    std::string s = brand;
+    while (!s.empty() && s.back() == ' ') s.pop_back();
+    while (!s.empty() && s.front() == ' ') s.erase(s.begin());
+    c.model = s;
+  }
+  return c;
+}
+
+bool hw_detected(Isa isa) {
+  const CpuInfo& c = cpu_info();
+  const bool avx512 = c.avx512f && c.avx512bw && c.avx512vl && c.os_avx512;
+  switch (isa) {
+    case Isa::scalar: return true;
+    case Isa::avx512_bf16: return avx512 && c.avx512_bf16;
+    case Isa::amx_bf16: return c.amx_tile && c.amx_bf16 && c.os_amx && c.amx_permission;
+    case Isa::amx_emu: return true;
+  }
+  return false;
+}
+
+struct Forced {
+  std::optional<Isa> isa;  // MOECERT_ISA, validated
+};
+
+const Forced& forced() {
+  static const Forced f = [] {
+    Forced out;
+    const char* env = std::getenv("MOECERT_ISA");
+    if (!env || !*env) return out;
+    const auto isa = parse_isa(env);
+    if (!isa)
+      throw std::invalid_argument(fmt::format(
+          "MOECERT_ISA={}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", env));
+    if (!hw_detected(*isa))
+      throw std::invalid_argument(fmt::format(
+          "MOECERT_ISA={}: not supported by this CPU/OS; usable here: {}", env,
+          hw_detected(Isa::amx_bf16)       ? "scalar, avx512_bf16, amx_bf16, amx_emu"
+          : hw_detected(Isa::avx512_bf16) ? "scalar, avx512_bf16, amx_emu"
+                                          : "scalar, amx_emu"));
+    out.isa = isa;
+    return out;
+  }();
+  return f;
+}
+
+}  // namespace
+
+const CpuInfo& cpu_info() {
+  static const CpuInfo info = detect();  // thread-safe, once per process
+  return info;
+}
+
+bool isa_detected(Isa isa) { return hw_detected(isa); }
+
+bool isa_usable(Isa isa) {
+  if (!hw_detected(isa)) return false;
+  const auto& f = forced().isa;
+  if (!f || isa == Isa::amx_emu || isa == Isa::scalar) return true;
+  if (*f == Isa::amx_emu) return false;  // only scalar and the emulator
+  return static_cast<int>(isa) <= static_cast<int>(*f);
+}
+
+Isa default_isa() {
+  if (const auto& f = forced().isa) return *f;
+  for (Isa isa : {Isa::amx_bf16, Isa::avx512_bf16})
+    if (hw_detected(isa)) return isa;
+  return Isa::scalar;
+}
+
+std::vector<Isa> usable_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : kAllIsas)
+    if (isa_usable(isa)) out.push_back(isa);
+  return out;
+}
+
+std::optional<Isa> parse_isa(std::string_view name) {
+  for (Isa isa : kAllIsas)
+    if (isa_name(isa) == name) return isa;
+  return std::nullopt;
+}
+
+}  // namespace moecert

@@ -1,0 +1,40 @@
+// ISA detection and dispatch facts.
+#include "moecert/isa.hpp"
+#include "test_util.hpp"
+
+using namespace moecert;
+
+TEST_CASE("core.isa: detection agrees with the compiler's CPU model", "[core][isa]") {
+  const CpuInfo& c = cpu_info();
+  CHECK(c.avx512f == static_cast<bool>(__builtin_cpu_supports("avx512f")));
+  CHECK(c.avx512_bf16 == static_cast<bool>(__builtin_cpu_supports("avx512bf16")));
+  CHECK(c.amx_tile == static_cast<bool>(__builtin_cpu_supports("amx-tile")));
+  CHECK(c.amx_bf16 == static_cast<bool>(__builtin_cpu_supports("amx-bf16")));
+  CHECK_FALSE(c.vendor.empty());
+  CHECK(&cpu_info() == &c);  // detected once
+}
+
+TEST_CASE("core.isa: AMX needs CPUID, XCR0 and the permission", "[core][isa]") {
+  const CpuInfo& c = cpu_info();
+  CHECK(isa_detected(Isa::amx_bf16) == (c.amx_tile && c.amx_bf16 && c.os_amx && c.amx_permission));
+  if (!(c.amx_tile && c.amx_bf16 && c.os_amx)) CHECK_FALSE(c.amx_permission);  // never asked
+  CHECK(isa_detected(Isa::avx512_bf16) ==
+        (c.avx512f && c.avx512bw && c.avx512vl && c.avx512_bf16 && c.os_avx512));
+}
+
+TEST_CASE("core.isa: the default ISA is usable; scalar and amx_emu always are", "[core][isa]") {
+  CHECK(isa_usable(default_isa()));
+  CHECK(isa_usable(Isa::scalar));
+  CHECK(isa_usable(Isa::amx_emu));
+  const auto usable = usable_isas();
+  REQUIRE(usable.size() >= 2);
+  CHECK(usable.front() == Isa::scalar);
+  CHECK(usable.back() == Isa::amx_emu);
+  for (Isa isa : usable) CHECK(isa_detected(isa));
+}
+
+TEST_CASE("core.isa: names parse; unknown names are refused", "[core][isa]") {
+  for (Isa isa : kAllIsas) CHECK(parse_isa(isa_name(isa)) == isa);
+  CHECK_FALSE(parse_isa("avx2"));
+  CHECK_FALSE(parse_isa("AMX_BF16"));
+}

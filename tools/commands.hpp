@@ -1,0 +1,11 @@
+// The moecert subcommands; each takes the arguments after its name.
+#pragma once
+
+#include "tools/cli.hpp"
+
+namespace moecert::tools {
+
+int run_info(int argc, char** argv);
+int run_conform(int argc, char** argv);
+
+}  // namespace moecert::tools

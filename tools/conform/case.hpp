@@ -1,0 +1,60 @@
+// A conformance case and its result: what `moecert conform` runs and reports.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecert/contracts.hpp"
+#include "moecert/types.hpp"
+
+namespace moecert::tools {
+
+enum class Suite : std::uint8_t { smoke = 0, def = 1, full = 2 };
+enum class Verdict : std::uint8_t { pass, fail, skip };
+
+struct RunContext {
+  int threads = 1;
+  std::uint64_t seed = 0;
+  std::vector<Isa> isas;  // the ISAs this run covers (--isa, else every usable one)
+};
+
+struct CaseResult {
+  Verdict verdict = Verdict::pass;
+  std::string detail;          // why it failed or was skipped; a short note otherwise
+  double max_abs_err = 0;
+  double max_rel_err = 0;
+  double max_bound_utilization = 0;  // |err| / bound, <= 1 passes
+  std::string worst;           // the worst element's location and values
+  bool deterministic = true;   // re-run with another thread count, bitwise equal
+  std::vector<std::string> clauses_fired;  // clause ids whose violation the case provoked
+};
+
+struct CaseDef {
+  std::string op;       // dotted op id
+  std::string variant;  // e.g. "roundtrip"
+  std::string isa;      // ISA name, or "any"
+  std::string shape;    // shape class and sizes
+  std::string data;     // data class
+  Suite suite = Suite::smoke;  // the smallest suite that runs it
+  Level level = Level::full;   // the contract level it runs at
+  std::function<CaseResult(const RunContext&)> run;
+
+  std::string id() const { return op + "/" + variant + "/" + isa + "/" + shape + "/" + data; }
+};
+
+struct CaseRecord {
+  CaseDef def;
+  CaseResult result;
+  std::vector<std::string> clauses_checked;  // clause ids evaluated during the case
+  double seconds = 0;
+};
+
+/// Every case of the engine's self-checks (bf16, config, contracts, ISA).
+void add_core_cases(std::vector<CaseDef>& out);
+
+/// Fails the case with `detail` unless `ok`; returns ok.
+bool expect(CaseResult& r, bool ok, const std::string& detail);
+
+}  // namespace moecert::tools

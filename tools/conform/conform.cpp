@@ -1,0 +1,137 @@
+// `moecert conform`: runs a suite of cases, then writes the report.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
+
+#include "moecert/moecert.hpp"
+#include "tools/commands.hpp"
+#include "tools/conform/report.hpp"
+
+namespace moecert::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Suite parse_suite(const std::string& s) {
+  if (s == "smoke") return Suite::smoke;
+  if (s == "default") return Suite::def;
+  if (s == "full") return Suite::full;
+  throw std::invalid_argument(fmt::format("--suite {}: expected smoke, default or full", s));
+}
+
+std::map<std::string, std::uint64_t> checked_counts() {
+  std::map<std::string, std::uint64_t> m;
+  for (const auto& c : clause_counts()) m[c.id] = c.checked;
+  return m;
+}
+
+// Progress on stderr: a bar redrawn in place on a terminal, lines otherwise.
+class Progress {
+ public:
+  explicit Progress(std::size_t total) : total_(total), tty_(isatty(STDERR_FILENO)) {}
+  void step(std::size_t i, const CaseRecord& c) {
+    if (tty_) {
+      const int width = 30, done = static_cast<int>(width * (i + 1) / total_);
+      fmt::print(stderr, "\r[{:=<{}}{: <{}}] {}/{} {:<60.60}", "", done, "", width - done, i + 1,
+                 total_, c.def.id());
+      if (i + 1 == total_) fmt::print(stderr, "\n");
+    } else {
+      fmt::print(stderr, "conform: [{}/{}] {} {} ({:.2f} s)\n", i + 1, total_,
+                 verdict_name(c.result.verdict), c.def.id(), c.seconds);
+    }
+  }
+
+ private:
+  std::size_t total_;
+  bool tty_;
+};
+
+CaseRecord run_case(const CaseDef& def, const RunContext& ctx) {
+  CaseRecord rec{def, {}, {}, 0};
+  const auto before = checked_counts();
+  const auto t0 = Clock::now();
+  try {
+    ContractScope scope{def.level, Semantic::enforce};
+    rec.result = def.run(ctx);
+  } catch (const ContractViolation& v) {
+    rec.result.verdict = Verdict::fail;
+    rec.result.detail = fmt::format("unexpected violation: {}", v.what());
+  } catch (const std::exception& e) {
+    rec.result.verdict = Verdict::fail;
+    rec.result.detail = fmt::format("exception: {}", e.what());
+  }
+  rec.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (const auto& [id, n] : checked_counts()) {
+    auto it = before.find(id);
+    if (n > (it == before.end() ? 0 : it->second)) rec.clauses_checked.push_back(id);
+  }
+  return rec;
+}
+
+}  // namespace
+
+int run_conform(int argc, char** argv) {
+  Args args(argc, argv, {"suite", "out", "isa", "threads", "seed"});
+  const std::string suite_name = args.get_or("suite", "default");
+  const Suite suite = parse_suite(suite_name);
+  const std::string out = args.get_or("out", "build/report");
+  const int threads = static_cast<int>(args.get_int("threads", default_threads()));
+  if (threads < 1) throw std::invalid_argument("--threads: expected N >= 1");
+
+  RunContext ctx;
+  ctx.threads = threads;
+  ctx.seed = static_cast<std::uint64_t>(args.get_int("seed", 20261122));
+  std::string isa_used;
+  for (const auto& name : args.all("isa")) {
+    const auto isa = parse_isa(name);
+    if (!isa)
+      throw std::invalid_argument(
+          fmt::format("--isa {}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", name));
+    ctx.isas.push_back(*isa);  // kept even if unusable here: its cases are reported as skip
+    isa_used += (isa_used.empty() ? "" : ",") + name;
+  }
+  if (ctx.isas.empty()) ctx.isas = usable_isas();
+
+  oneapi::tbb::global_control limit(oneapi::tbb::global_control::max_allowed_parallelism,
+                                    static_cast<std::size_t>(threads));
+  std::vector<CaseDef> defs;
+  add_core_cases(defs);
+  std::erase_if(defs, [&](const CaseDef& d) { return d.suite > suite; });
+
+  Report report;
+  report.env = environment(threads, isa_used);
+  report.suite = suite_name;
+  report.seed = ctx.seed;
+  reset_clause_counts();
+  Progress progress(defs.size());
+  const auto t0 = Clock::now();
+  for (std::size_t i = 0; i < defs.size(); ++i) {
+    report.cases.push_back(run_case(defs[i], ctx));
+    progress.step(i, report.cases.back());
+  }
+  report.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  std::set<std::string> fired;
+  for (const auto& c : report.cases) fired.insert(c.result.clauses_fired.begin(), c.result.clauses_fired.end());
+  const auto counts = checked_counts();
+  for (const auto& info : all_clauses()) {
+    auto it = counts.find(std::string(info.id));
+    report.clauses.push_back({info, it == counts.end() ? 0 : it->second, fired.count(std::string(info.id)) > 0});
+  }
+
+  write_report(report, out);
+  fmt::print("conform: {} suite: {} cases, {} passed, {} failed, {} skipped; clauses exercised {}/{}; report in {}\n",
+             suite_name, report.cases.size(), report.passed(), report.failed(), report.skipped(),
+             report.clauses_exercised(), report.clauses.size(), out);
+  for (const auto& c : report.cases)
+    if (c.result.verdict == Verdict::fail) fmt::print("conform: FAIL {}: {}\n", c.def.id(), c.result.detail);
+  return report.failed() ? 1 : 0;
+}
+
+}  // namespace moecert::tools

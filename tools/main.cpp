@@ -1,0 +1,43 @@
+// moecert: the command-line program (info, conform).
+#include <cstdio>
+#include <exception>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "tools/commands.hpp"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: moecert COMMAND [OPTIONS]\n"
+    "commands:\n"
+    "  info [--json]                          CPU, ISA levels, build, contracts, versions\n"
+    "  conform [--suite smoke|default|full] [--out DIR] [--isa NAME...] [--threads N] [--seed S]\n"
+    "                                         run a conformance suite and write the report\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  const std::string_view cmd = argv[1];
+  try {
+    if (cmd == "info") return moecert::tools::run_info(argc - 2, argv + 2);
+    if (cmd == "conform") return moecert::tools::run_conform(argc - 2, argv + 2);
+    if (cmd == "--help" || cmd == "-h" || cmd == "help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    fmt::print(stderr, "moecert: unknown command '{}'\n{}", cmd, kUsage);
+    return 2;
+  } catch (const std::invalid_argument& e) {
+    fmt::print(stderr, "moecert {}: {}\n", cmd, e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "moecert {}: error: {}\n", cmd, e.what());
+    return 3;
+  }
+}
