@@ -8,6 +8,8 @@ set(MOECERT_SOURCES
   contracts/engine.cpp
   contracts/config.cpp
   contracts/registry.cpp
+  contracts/compare.cpp
+  contracts/verify.cpp
   ops/core/build_info.cpp
   ops/gemm/dispatch.cpp
 )

@@ -1,0 +1,51 @@
+// Comparison of kernel results with the reference: bound-based (utilisation
+// |err| / bound), ULP distance, and the tie-aware top-k comparison.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "moecert/types.hpp"
+
+namespace moecert::compare {
+
+/// The outcome of comparing n results with reference values and bounds.
+struct Bounded {
+  std::size_t count = 0;
+  std::size_t exceeded = 0;       // elements with |err| > bound (or non-finite)
+  double max_abs_err = 0;
+  double max_rel_err = 0;         // |err| / |ref| over elements with ref != 0
+  double max_utilization = 0;     // max |err| / bound; +Inf for a non-finite result
+  std::size_t worst = 0;          // index of the element of max utilisation
+  double worst_got = 0, worst_ref = 0, worst_bound = 0;
+  bool pass() const { return exceeded == 0; }
+};
+
+/// Element i passes when |got[i] - ref[i]| <= bound[i] + 2^-52 |ref[i]|
+/// (the second term covers the reference's own rounding to double).
+/// A non-finite got[i] never passes.
+Bounded bounded(std::span<const float> got, std::span<const double> ref, std::span<const double> bound);
+
+/// Distance in units in the last place: the number of floats strictly
+/// between a and b, plus one (0 when equal; +0 and -0 are equal). NaN: max.
+std::uint64_t ulp_distance(float a, float b);
+std::uint64_t ulp_distance(bf16 a, bf16 b);
+
+/// Tie-aware top-k comparison of a candidate selection with the reference
+/// one (DESIGN.md "Reference and bounds"). Per token row of `scores` [T x E]
+/// (the scores selection ranks by), idx rows [T x K] with -1 tail slots:
+///  - -1 slots appear only at the tail and equally often in both;
+///  - candidate indices lie in [0, E) and are distinct within a row;
+///  - slot by slot the selected scores are equal (so indices may differ only
+///    among experts of equal score at the k-th boundary).
+struct Topk {
+  bool ok = true;
+  std::size_t t = 0, j = 0;  // first offending slot
+  std::string reason;        // empty when ok
+};
+Topk topk_tie_aware(MatView<const float> scores, MatView<const std::int32_t> candidate,
+                    MatView<const std::int32_t> reference);
+
+}  // namespace moecert::compare

@@ -1,0 +1,101 @@
+// The audit probe: no false alarm on correct products, and wrong products
+// (one term dropped, one element moved by one bf16 ulp) caught at K = 1024.
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "contracts/reference/basic.hpp"
+#include "contracts/verify.hpp"
+#include "test_util.hpp"
+
+using namespace moecert;
+
+namespace {
+
+struct Problem {
+  std::size_t m, n, k;
+  std::vector<bf16> a, b;
+  std::vector<float> c;
+  MatView<const bf16> A() const { return {a.data(), m, k}; }
+  MatView<const bf16> B() const { return {b.data(), n, k}; }
+  MatView<const float> C() const { return {c.data(), m, n}; }
+};
+
+// Magnitudes in [lo, 1), random signs unless `positive`; C by a plain fp32
+// kernel (sequential FMA), i.e. a correct product.
+Problem make(std::mt19937_64& rng, std::size_t m, std::size_t n, std::size_t k, float lo, bool positive) {
+  std::uniform_real_distribution<float> u(lo, 1.0f);
+  auto draw = [&] { return bf16(u(rng) * ((positive || (rng() & 1)) ? 1.0f : -1.0f)); };
+  Problem p{m, n, k, std::vector<bf16>(m * k), std::vector<bf16>(n * k), std::vector<float>(m * n)};
+  for (auto& v : p.a) v = draw();
+  for (auto& v : p.b) v = draw();
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      float s = 0;
+      for (std::size_t kk = 0; kk < k; ++kk) s = std::fma(p.a[i * k + kk].to_float(), p.b[j * k + kk].to_float(), s);
+      p.c[i * n + j] = s;
+    }
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("verify: no false alarm on 10^4 correct products", "[verify][numeric]") {
+  std::mt19937_64 rng(21);
+  double worst = 0;
+  for (int t = 0; t < 10000; ++t) {
+    const std::size_t m = 1 + rng() % 6, n = 1 + rng() % 20, k = 1 + rng() % 1024;
+    Problem p = make(rng, m, n, k, t % 2 ? 0.0f : 0.5f, t % 3 == 0);
+    const auto r = verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = 1 + rng() % 8, .seed = rng()});
+    REQUIRE(r.pass);
+    worst = std::max(worst, r.max_ratio);
+  }
+  std::printf("verify.probe: 10^4 correct products, max residual/threshold %.3g\n", worst);
+}
+
+TEST_CASE("verify: a dropped term is caught at K = 1024", "[verify][numeric]") {
+  std::mt19937_64 rng(22);
+  int caught = 0;
+  const int trials = 300;
+  for (int t = 0; t < trials; ++t) {
+    Problem p = make(rng, 8, 32, 1024, 0.5f, false);
+    const std::size_t i = rng() % 8, j = rng() % 32, kk = rng() % 1024;
+    p.c[i * 32 + j] -= p.a[i * 1024 + kk].to_float() * p.b[j * 1024 + kk].to_float();
+    caught += !verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.seed = rng()}).pass;
+  }
+  std::printf("verify.probe: dropped term caught in %d of %d trials (width 4)\n", caught, trials);
+  CHECK(caught >= trials * 99 / 100);
+}
+
+TEST_CASE("verify: one element moved by one bf16 ulp is caught at K = 1024", "[verify][numeric]") {
+  std::mt19937_64 rng(23);
+  int caught = 0, caught_signed = 0;
+  const int trials = 300;
+  for (int t = 0; t < trials; ++t) {
+    for (bool positive : {true, false}) {
+      Problem p = make(rng, 8, 32, 1024, 0.5f, positive);
+      const std::size_t i = rng() % 8, j = rng() % 32;
+      float& x = p.c[i * 32 + j];
+      const bf16 xb(x);
+      x = bf16::from_bits(static_cast<std::uint16_t>(xb.bits + ((rng() & 1) ? 1 : -1))).to_float();
+      const bool hit = !verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.seed = rng()}).pass;
+      (positive ? caught : caught_signed) += hit;
+    }
+  }
+  std::printf("verify.probe: one-ulp move caught in %d of %d (nonnegative products), %d of %d (signed, "
+              "informational)\n", caught, trials, caught_signed, trials);
+  CHECK(caught >= trials * 99 / 100);
+}
+
+TEST_CASE("verify: sampled rows recomputed by the reference", "[verify][numeric]") {
+  std::mt19937_64 rng(24);
+  Problem p = make(rng, 16, 24, 300, 0.0f, false);
+  auto ok = verify::check_rows_gemm_nt(p.A(), p.B(), p.C(), {0, 7, 15});
+  CHECK(ok.pass());
+  CHECK(ok.count == 3 * 24);
+  p.c[7 * 24 + 5] += 0.5f;
+  auto bad = verify::check_rows_gemm_nt(p.A(), p.B(), p.C(), {0, 7, 15});
+  CHECK_FALSE(bad.pass());
+  CHECK(bad.worst == 24 + 5);
+}
