@@ -45,7 +45,7 @@ ProbeResult probe_gemm_nt(MatView<const bf16> a, MatView<const bf16> b, MatView<
       // Sum over the block of the per-element bounds (§1, and §2 when C is
       // bf16), plus the probe's own rounding.
       double threshold = bounds::gamma(static_cast<double>(k)) * mag +
-                         static_cast<double>(w * k) * bounds::kMinNormal32;
+                         2 * static_cast<double>(w * k) * bounds::kMinNormal32;
       if (opt.c_is_bf16) threshold += bounds::kUbf16 * (mag + threshold) + w * bounds::kBf16HalfDenormal;
       threshold += g_probe * (mag + cabs) * 2;
       const double residual = std::fabs(lhs - rhs);

@@ -30,9 +30,9 @@ constexpr double gamma(double n, double u = kU32) {
 
 /// §1: an fp32 sum of n products (exact bf16 products, or rounded fp32
 /// products), in any order and any summation tree, FMA or not, with
-/// denormal flushing: |s_hat - s| <= gamma_n sum|a_i b_i| + n 2^-126.
+/// denormal flushing: |s_hat - s| <= gamma_n sum|a_i b_i| + 2 n 2^-126.
 constexpr double dot(std::size_t n, double sum_abs_products) {
-  return gamma(static_cast<double>(n)) * sum_abs_products + static_cast<double>(n) * kMinNormal32;
+  return gamma(static_cast<double>(n)) * sum_abs_products + 2 * static_cast<double>(n) * kMinNormal32;
 }
 
 /// §2: rounding a computed value x_hat (|x_hat - x| <= e) to bf16:
@@ -51,9 +51,9 @@ constexpr double propagate(double ea, double abs_b, double abs_a, double eb) {
 }
 
 /// §4: sigma(z) = 1 / (1 + exp(-z)) in fp32 with exp within kExpUlps,
-/// input error e_z: |sigma_hat - sigma| <= gamma_{c+2} sigma + e_z / 4 + 2^-126.
+/// input error e_z: |sigma_hat - sigma| <= gamma_{c+2} (sigma + e_z/4) + e_z/4 + 2^-126.
 constexpr double sigmoid(double sigma_exact, double e_z = 0) {
-  return gamma(kExpUlps + 2) * sigma_exact + e_z / 4 + kMinNormal32;
+  return gamma(kExpUlps + 2) * (sigma_exact + e_z / 4) + e_z / 4 + kMinNormal32;
 }
 
 /// max_z |silu'(z)| < 1.0999 (attained near z = 2.3994).
