@@ -9,10 +9,24 @@ set(MOECERT_SOURCES
   contracts/config.cpp
   contracts/registry.cpp
   contracts/compare.cpp
-  contracts/verify.cpp
   ops/core/build_info.cpp
+  contracts/gemm.cpp
   ops/gemm/dispatch.cpp
+  ops/gemm/pack.cpp
+  ops/gemm/loops.cpp
+  ops/gemm/matmul.cpp
+  ops/gemm/ukernel_scalar.cpp
+  ops/gemm/ukernel_avx512_bf16.cpp
+  ops/gemm/ukernel_amx_bf16.cpp
+  ops/gemm/ukernel_amx_emu.cpp
 )
+
+# ISA flags on the microkernel files only (one binary carries every ISA and
+# picks at run time; ops/gemm/dispatch.cpp).
+set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_avx512_bf16.cpp PROPERTIES
+  COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512bf16")
+set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_amx_bf16.cpp PROPERTIES
+  COMPILE_OPTIONS "-mamx-tile;-mamx-bf16")
 
 if(CMAKE_BUILD_TYPE STREQUAL "Debug")
   set(MOECERT_DEFAULT_LEVEL 2)  # audit

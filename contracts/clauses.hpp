@@ -37,4 +37,21 @@ inline constexpr ClauseInfo kAll[] = {kExpertsRange, kHiddenRange,      kInterRa
                                       kProductKeySquare, kGroupsDivide, kTopkGroupRange, kScalingFinite};
 }  // namespace config
 
+namespace gemm {
+inline constexpr ClauseInfo kPackShape = pre("gemm.pack.shape", Group::shape, "stride >= cols; second of w's shape");
+inline constexpr ClauseInfo kPackWFinite = pre("gemm.pack.w_finite", Group::finite, "every W element finite");
+inline constexpr ClauseInfo kPackWRange = pre("gemm.pack.w_range", Group::numeric, "W element 0 or 2^-60 <= |w| <= 2^60");
+inline constexpr ClauseInfo kPackChecksum = {"gemm.pack.checksum", ClauseKind::invariant, Group::memory, Level::audit,
+                                             "packed bytes hash to the pack-time checksum"};
+inline constexpr ClauseInfo kShape = pre("gemm.matmul.shape", Group::shape, "a.cols == w.k, c is a.rows x w.n");
+inline constexpr ClauseInfo kAFinite = pre("gemm.matmul.a_finite", Group::finite, "every A element finite");
+inline constexpr ClauseInfo kARange = pre("gemm.matmul.a_range", Group::numeric, "A element 0 or 2^-60 <= |a| <= 2^60");
+inline constexpr ClauseInfo kNoAlias = pre("gemm.matmul.no_alias", Group::alias, "C shares no byte with A or W");
+inline constexpr ClauseInfo kCFinite = post("gemm.matmul.c_finite", Group::finite, "every C element finite");
+inline constexpr ClauseInfo kProbe = post("gemm.matmul.probe", Group::numeric, "Freivalds probe within bound", Level::audit);
+inline constexpr ClauseInfo kWithinBound = post("gemm.matmul.within_bound", Group::numeric, "|C - ref| <= bounds::dot", Level::full);
+inline constexpr ClauseInfo kAll[] = {kPackShape, kPackWFinite, kPackWRange, kPackChecksum, kShape, kAFinite, kARange,
+                                      kNoAlias, kCFinite, kProbe, kWithinBound};
+}  // namespace gemm
+
 }  // namespace moecert::clauses

@@ -5,7 +5,8 @@ namespace moecert {
 
 std::vector<ClauseInfo> all_clauses() {
   std::vector<ClauseInfo> out;
-  for (const auto& table : {std::span<const ClauseInfo>(clauses::config::kAll)})
+  for (const auto& table : {std::span<const ClauseInfo>(clauses::config::kAll),
+                            std::span<const ClauseInfo>(clauses::gemm::kAll)})
     out.insert(out.end(), table.begin(), table.end());
   return out;
 }

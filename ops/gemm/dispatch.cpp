@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "moecert/isa.hpp"
+#include "ops/gemm/ukernel.hpp"
 
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -156,6 +157,32 @@ std::vector<Isa> usable_isas() {
     if (isa_usable(isa)) out.push_back(isa);
   return out;
 }
+
+namespace gemm {
+namespace {
+void no_hook() {}
+}  // namespace
+
+const KernelInfo& kernel_info(Isa isa) {
+  // The kernel table: each kernel registered once, with its block sizes.
+  static const KernelInfo table[] = {
+      {Isa::scalar, 8, 32, ukernel_scalar_8x32, no_hook, no_hook, "ukernel_scalar_8x32"},
+      {Isa::avx512_bf16, 8, 32, ukernel_avx512_bf16_8x32, no_hook, no_hook, "ukernel_avx512_bf16_8x32"},
+      {Isa::amx_bf16, 32, 32, ukernel_amx_bf16_32x32, amx_bf16_tile_begin, amx_bf16_tile_end,
+       "ukernel_amx_bf16_32x32"},
+      {Isa::amx_emu, 32, 32, ukernel_amx_emu_32x32, amx_emu_tile_begin, amx_emu_tile_end,
+       "ukernel_amx_emu_32x32"},
+  };
+  if (!isa_usable(isa))
+    throw std::invalid_argument(fmt::format("isa {}: not usable on this machine (usable: {})",
+                                            isa_name(isa), [] {
+                                              std::string s;
+                                              for (Isa i : usable_isas()) s += (s.empty() ? "" : ", ") + std::string(isa_name(i));
+                                              return s;
+                                            }()));
+  return table[static_cast<int>(isa)];
+}
+}  // namespace gemm
 
 std::optional<Isa> parse_isa(std::string_view name) {
   for (Isa isa : kAllIsas)

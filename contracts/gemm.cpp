@@ -1,0 +1,80 @@
+// Clauses of gemm.pack and gemm.matmul.
+#include "contracts/gemm.hpp"
+
+#include "contracts/checks.hpp"
+#include "contracts/clauses.hpp"
+#include "contracts/verify.hpp"
+
+namespace moecert::contracts {
+
+namespace k = clauses::gemm;
+
+void gemm_pack_pre(detail::Checker& c, MatView<const bf16> w, MatView<const bf16> second) {
+  MOECERT_CONTRACT(c, k::kPackShape) {
+    if (w.stride < w.cols || (second.data && (second.rows != w.rows || second.cols != w.cols || second.stride < second.cols)))
+      c.fail(k::kPackShape, "", fmt::format("w {}x{} (stride {}), second {}x{} (stride {})", w.rows, w.cols, w.stride,
+                                            second.rows, second.cols, second.stride),
+             "stride >= cols; second absent or of w's shape");
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kPackWFinite) {
+    detail::scan_finite(c, k::kPackWFinite, "w", w) && (!second.data || detail::scan_finite(c, k::kPackWFinite, "w2", second));
+  }
+  MOECERT_CONTRACT(c, k::kPackWRange) {
+    detail::scan_bf16_range(c, k::kPackWRange, "w", w) &&
+        (!second.data || detail::scan_bf16_range(c, k::kPackWRange, "w2", second));
+  }
+}
+
+void gemm_checksum(detail::Checker& c, const gemm::PackedWeights& w, std::string_view name) {
+  MOECERT_CONTRACT(c, k::kPackChecksum) {
+    const auto now = w.compute_checksum();
+    if (now != w.checksum())
+      c.fail(k::kPackChecksum, std::string(name), fmt::format("checksum {:#018x}", now),
+             fmt::format("{:#018x} (taken at pack time)", w.checksum()));
+  }
+}
+
+void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w, MatView<float> out) {
+  MOECERT_CONTRACT(c, k::kShape) {
+    if (a.cols != w.k() || out.rows != a.rows || out.cols != w.n() || a.stride < a.cols || out.stride < out.cols)
+      c.fail(k::kShape, "", fmt::format("a {}x{} (stride {}), w {}x{}, c {}x{} (stride {})", a.rows, a.cols, a.stride,
+                                        w.n(), w.k(), out.rows, out.cols, out.stride),
+             fmt::format("a ?x{}, c {}x{}", w.k(), a.rows, w.n()));
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kNoAlias) {
+    const ByteRange wr{reinterpret_cast<std::uintptr_t>(w.data()),
+                       reinterpret_cast<std::uintptr_t>(w.data() + w.size())};
+    if (overlaps(out.bytes(), a.bytes()) || overlaps(out.bytes(), wr))
+      c.fail(k::kNoAlias, "", fmt::format("c {} overlaps {}", detail::format_range(out.bytes()),
+                                          overlaps(out.bytes(), a.bytes()) ? "a " + detail::format_range(a.bytes())
+                                                                           : "w " + detail::format_range(wr)),
+             "disjoint");
+  }
+  MOECERT_CONTRACT(c, k::kAFinite) { detail::scan_finite(c, k::kAFinite, "a", a); }
+  MOECERT_CONTRACT(c, k::kARange) { detail::scan_bf16_range(c, k::kARange, "a", a); }
+  gemm_checksum(c, w, "w");
+}
+
+void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w, MatView<const float> out) {
+  MOECERT_CONTRACT(c, k::kCFinite) { detail::scan_finite(c, k::kCFinite, "c", out); }
+  auto b_at = [&](std::size_t j, std::size_t kk) { return w.at(j, kk); };
+  MOECERT_CONTRACT(c, k::kProbe) {
+    const auto r = verify::probe_gemm_nt(a, w.n(), b_at, out);
+    if (!r.pass)
+      c.fail(k::kProbe, fmt::format("row {} column block {}", r.row, r.block),
+             fmt::format("residual {:.6g}", r.residual), fmt::format("<= {:.6g} (proofs/bounds.md §9)", r.threshold));
+  }
+  MOECERT_CONTRACT(c, k::kWithinBound) {
+    std::vector<std::size_t> rows(a.rows);
+    for (std::size_t i = 0; i < a.rows; ++i) rows[i] = i;
+    const auto r = verify::check_rows_gemm_nt(a, w.n(), b_at, out, rows);
+    if (!r.pass())
+      c.fail(k::kWithinBound, fmt::format("i={} j={}", r.worst / w.n(), r.worst % w.n()),
+             fmt::format("c={:.9g} ref={:.17g} (utilisation {:.3g})", r.worst_got, r.worst_ref, r.max_utilization),
+             fmt::format("|c - ref| <= {:.6g} (proofs/bounds.md §1)", r.worst_bound));
+  }
+}
+
+}  // namespace moecert::contracts

@@ -1,0 +1,78 @@
+// BF16 x BF16 -> FP32 GEMM against weights packed once: C = A W^T.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+
+#include "moecert/types.hpp"
+
+namespace moecert {
+namespace detail {
+struct AlignedFree {
+  void operator()(bf16* p) const { ::operator delete[](p, std::align_val_t(64)); }
+};
+}  // namespace detail
+
+namespace gemm {
+
+/// Weights W [N x K] (row n = output column n, as in W[out, in]) packed for
+/// every kernel: 16-column panels of VNNI pairs, N padded to a multiple of
+/// 32 and K to a multiple of 32, padding zero (ops/gemm/ukernel.hpp).
+/// A checksum of the packed bytes is taken at pack time.
+///
+/// Clauses (contracts/gemm.cpp):
+///   gemm.pack.shape      pre  shape    stride >= cols; `second` absent or of w's shape
+///   gemm.pack.w_finite   pre  finite   every W element finite
+///   gemm.pack.w_range    pre  numeric  every W element 0 or 2^-60 <= |w| <= 2^60 (no product of
+///                                      two in-range bf16 underflows or overflows; proofs/bounds.md §0)
+///   gemm.pack.checksum   invariant memory  the packed bytes still hash to the pack-time checksum
+///                                      (audit level, verified by the ops that read them)
+class PackedWeights {
+ public:
+  PackedWeights() = default;
+
+  /// Packs W. With `second`, packs two matrices of equal shape interleaved by
+  /// panel (W's panel p, then second's panel p, ...): the fused gate+up
+  /// layout, N = 2 * round_up(rows, 16) columns.
+  static PackedWeights pack(MatView<const bf16> w, MatView<const bf16> second = {});
+
+  std::size_t n() const { return n_; }    // logical columns (rows of W; 2x for a fused pair)
+  std::size_t k() const { return k_; }    // logical depth
+  std::size_t np() const { return np_; }  // padded columns (multiple of 32)
+  std::size_t kp() const { return kp_; }  // padded depth (multiple of 32)
+  bool interleaved() const { return interleaved_; }
+  const bf16* data() const { return data_.get(); }
+  std::size_t size() const { return np_ * kp_; }  // elements
+  /// W[n][k] read back from the packed layout (n < np, k < kp).
+  bf16 at(std::size_t n, std::size_t k) const;
+  std::uint64_t checksum() const { return checksum_; }
+  std::uint64_t compute_checksum() const;
+  /// Test hook: lets a test corrupt the packed bytes (mutable access).
+  bf16* mutable_data_for_testing() { return data_.get(); }
+
+ private:
+  std::unique_ptr<bf16[], moecert::detail::AlignedFree> data_;
+  std::size_t n_ = 0, k_ = 0, np_ = 0, kp_ = 0;
+  bool interleaved_ = false;
+  std::uint64_t checksum_ = 0;
+};
+
+/// C [M x N] = A [M x K] W^T in fp32 on kernel `isa` (every element written;
+/// one writer each; the same bits for any thread count).
+///
+/// Clauses (contracts/gemm.cpp):
+///   gemm.matmul.shape      pre   shape    a.cols == w.k(), c.rows == a.rows, c.cols == w.n()
+///   gemm.matmul.a_finite   pre   finite   every A element finite
+///   gemm.matmul.a_range    pre   numeric  every A element 0 or 2^-60 <= |a| <= 2^60
+///   gemm.matmul.no_alias   pre   alias    C shares no byte with A or the packed weights
+///   gemm.matmul.c_finite   post  finite   every C element finite
+///   gemm.matmul.probe      post  numeric  Freivalds probe within its bound (audit; proofs/bounds.md §9)
+///   gemm.matmul.within_bound post numeric every element within bounds::dot of the reference (full; §1)
+/// `isa` must be usable here (std::invalid_argument otherwise: no AMX
+/// instruction ever runs on a machine without AMX).
+void matmul(MatView<const bf16> a, const PackedWeights& w, MatView<float> c, Isa isa);
+
+}  // namespace gemm
+}  // namespace moecert

@@ -1,0 +1,56 @@
+// Loops around the microkernel (BLIS shape): for each NR-wide column block,
+// for each MR-tall row block, one microkernel call over the whole of K.
+// Each element of C is written by exactly one call, and its accumulation
+// order is the kernel's alone: results do not depend on the partition.
+#include "ops/gemm/loops.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace moecert::gemm {
+
+void pack_a(MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
+            std::size_t kp, bf16* dst) {
+  for (std::size_t i = 0; i < m; ++i) {
+    const bf16* src = a.row(rows ? static_cast<std::size_t>(rows[i]) : i);
+    std::memcpy(static_cast<void*>(dst + i * kp), src, a.cols * sizeof(bf16));
+    std::memset(static_cast<void*>(dst + i * kp + a.cols), 0, (kp - a.cols) * sizeof(bf16));
+  }
+  std::memset(static_cast<void*>(dst + m * kp), 0, (m_padded - m) * kp * sizeof(bf16));
+}
+
+void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
+                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc) {
+  const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp();
+  alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
+  kernel.thread_begin();
+  // Assumptions: a holds round_up(m, mr) rows of kp elements; w has np >=
+  // n_end columns; n_begin % nr == 0.
+  for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
+    const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
+    if (nn == 0) break;
+    UkernelArgs args{};
+    args.lda = kp;
+    args.b = w.data() + (n0 / kPanel) * kp * kPanel;
+    args.panel_stride = kp * kPanel;
+    args.kp = kp;
+    args.accumulate = false;
+    for (std::size_t m0 = 0; m0 < m; m0 += mr) {
+      const std::size_t mm = std::min(mr, m - m0);
+      args.a = a + m0 * kp;
+      if (mm == mr && nn == nr) {  // full block: straight into C
+        args.c = c + m0 * ldc + n0;
+        args.ldc = ldc;
+        kernel.ukernel(args);
+      } else {  // edge: through the scratch block
+        args.c = edge;
+        args.ldc = nr;
+        kernel.ukernel(args);
+        for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, edge + i * nr, nn * sizeof(float));
+      }
+    }
+  }
+  kernel.thread_end();
+}
+
+}  // namespace moecert::gemm

@@ -1,0 +1,27 @@
+// The loops around the microkernels: packing of A rows and the blocked
+// traversal of one C block. ISA-free: the kernel comes in as KernelInfo.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moecert/gemm.hpp"
+#include "ops/gemm/ukernel.hpp"
+
+namespace moecert::gemm {
+
+/// Copies rows of A (row rows[i] of `a`, or row i when rows is null) into
+/// dst [m_padded x kp], K zero-padded to kp and rows m..m_padded-1 zero.
+void pack_a(MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
+            std::size_t kp, bf16* dst);
+
+/// C[0:m, n_begin:n_end) = A W^T for packed A (lda = w.kp(), rows padded to
+/// the kernel's MR) and packed W; columns at or past n_valid are not
+/// written. n_begin is a multiple of the kernel's NR. Calls the kernel's
+/// thread hooks around the work.
+void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
+                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc);
+
+inline std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace moecert::gemm

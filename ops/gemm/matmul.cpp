@@ -1,0 +1,39 @@
+// gemm::matmul: clauses at the boundary, then packing of A and the blocked
+// loops in parallel.
+#include <vector>
+
+#include <oneapi/tbb/blocked_range2d.h>
+#include <oneapi/tbb/parallel_for.h>
+
+#include "contracts/gemm.hpp"
+#include "ops/gemm/loops.hpp"
+
+namespace moecert::gemm {
+
+void matmul(MatView<const bf16> a, const PackedWeights& w, MatView<float> c, Isa isa) {
+  detail::Checker chk{"gemm.matmul"};
+  contracts::gemm_matmul_pre(chk, a, w, c);
+  if (chk.stop()) return;
+  const KernelInfo& kernel = kernel_info(isa);
+  const std::size_t m = a.rows, kp = w.kp();
+  if (m > 0 && w.n() > 0) {
+    // Work items: blocks of 4 MR rows x 8 NR columns; no two share an element of C.
+    const std::size_t mb = 4 * kernel.mr, nb = 8 * kernel.nr;
+    const std::size_t m_padded = round_up(m, kernel.mr);
+    std::vector<bf16> ap(m_padded * kp);
+    pack_a(a, nullptr, m, m_padded, kp, ap.data());
+    oneapi::tbb::parallel_for(
+        oneapi::tbb::blocked_range2d<std::size_t>(0, (m + mb - 1) / mb, 0, (w.n() + nb - 1) / nb),
+        [&](const oneapi::tbb::blocked_range2d<std::size_t>& r) {
+          for (std::size_t bi = r.rows().begin(); bi < r.rows().end(); ++bi) {
+            const std::size_t m0 = bi * mb, mm = std::min(mb, m - m0);
+            for (std::size_t bj = r.cols().begin(); bj < r.cols().end(); ++bj)
+              gemm_block(kernel, ap.data() + m0 * kp, mm, w, bj * nb, std::min(w.n(), (bj + 1) * nb), w.n(),
+                         c.data + m0 * c.stride, c.stride);
+          }
+        });
+  }
+  contracts::gemm_matmul_post(chk, a, w, c);
+}
+
+}  // namespace moecert::gemm

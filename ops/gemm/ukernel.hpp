@@ -1,0 +1,57 @@
+// The one microkernel signature, and what each kernel declares about itself.
+//
+// Packed layouts (ops/gemm/pack.cpp):
+//  - B (weights W [N x K], C = A W^T) in panels of 16 columns. Panel p holds,
+//    for each k pair kk = 0..kp/2-1, the 16 pairs (W[16p+n][2kk], W[16p+n][2kk+1])
+//    for n = 0..15: 64 bytes per kk, kp/2 * 64 bytes per panel (VNNI; one AMX
+//    B tile per 32 k; one zmm per kk). N is padded to 16 and K to 32 with zeros.
+//  - A [M x K] row-major with row stride lda >= kp, K zero-padded to kp, rows
+//    padded with zeros to the kernel's MR.
+#pragma once
+
+#include <cstddef>
+
+#include "moecert/types.hpp"
+
+namespace moecert::gemm {
+
+inline constexpr std::size_t kPanel = 16;  // columns per packed B panel
+inline constexpr std::size_t kKStep = 32;  // K padding (one AMX tile of bf16)
+
+struct UkernelArgs {
+  const bf16* a;             // MR rows, stride lda elements
+  std::size_t lda;
+  const bf16* b;             // NR / 16 consecutive panels
+  std::size_t panel_stride;  // elements from one panel to the next (= kp * 16)
+  std::size_t kp;            // K, padded to kKStep
+  float* c;                  // MR x NR, stride ldc elements
+  std::size_t ldc;
+  bool accumulate;           // false: C is written without being read (it may hold NaN)
+};
+
+using UkernelFn = void (*)(const UkernelArgs&);
+
+/// A kernel as registered in dispatch.cpp.
+struct KernelInfo {
+  Isa isa;
+  std::size_t mr, nr;     // block of C per call
+  UkernelFn ukernel;
+  void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
+  void (*thread_end)();    // after its last (AMX: tile release)
+  const char* name;        // e.g. "ukernel_amx_bf16_32x32"
+};
+
+/// The kernel of `isa` (amx_bf16 only where usable: dispatch refuses otherwise).
+const KernelInfo& kernel_info(Isa isa);
+
+// One exported function per microkernel file.
+void ukernel_scalar_8x32(const UkernelArgs&);
+void ukernel_avx512_bf16_8x32(const UkernelArgs&);
+void ukernel_amx_bf16_32x32(const UkernelArgs&);
+void ukernel_amx_emu_32x32(const UkernelArgs&);
+void amx_bf16_tile_begin();
+void amx_bf16_tile_end();
+void amx_emu_tile_begin();
+void amx_emu_tile_end();
+
+}  // namespace moecert::gemm

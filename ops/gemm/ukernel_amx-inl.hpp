@@ -1,0 +1,69 @@
+// The AMX microkernel body, 32 x 32, written once and templated on its tile
+// backend: hardware tiles (ukernel_amx_bf16.cpp) or the software model
+// (ukernel_amx_emu.cpp), so the emulator runs this very code.
+//
+// C tiles 0-3 (16 x 16 fp32 each) hold the 32 x 32 block of C; per 32-wide
+// k step, A tiles 4, 5 (16 rows x 32 bf16) and B tiles 6, 7 (16 k pairs x 16
+// columns, VNNI: one packed panel's 16 rows of 64 bytes) feed four
+// TDPBF16PS. Accumulation order per element: for each k step in order,
+// C = C + (even + odd) over that step's 16 pairs (amx_tile_model.hpp).
+// Starting from zeroed tiles, C is written without being read.
+#pragma once
+
+#include "ops/gemm/amx_tile_model.hpp"
+#include "ops/gemm/ukernel.hpp"
+
+namespace moecert::gemm::amx {
+
+inline constexpr std::size_t kMr = 32, kNr = 32;
+
+/// All eight tiles 16 rows x 64 bytes.
+inline TileConfig tile_config() {
+  TileConfig c;
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  return c;
+}
+
+template <class Tiles>
+inline void ukernel_32x32(const UkernelArgs& p) {
+  const std::size_t lda_bytes = p.lda * sizeof(bf16), ldc_bytes = p.ldc * sizeof(float);
+  float* c0 = p.c;
+  float* c1 = p.c + 16;
+  float* c2 = p.c + 16 * p.ldc;
+  float* c3 = p.c + 16 * p.ldc + 16;
+  if (p.accumulate) {
+    Tiles::template load<0>(c0, ldc_bytes);
+    Tiles::template load<1>(c1, ldc_bytes);
+    Tiles::template load<2>(c2, ldc_bytes);
+    Tiles::template load<3>(c3, ldc_bytes);
+  } else {
+    Tiles::template zero<0>();
+    Tiles::template zero<1>();
+    Tiles::template zero<2>();
+    Tiles::template zero<3>();
+  }
+  const bf16* a0 = p.a;
+  const bf16* a1 = p.a + 16 * p.lda;
+  const bf16* b0 = p.b;
+  const bf16* b1 = p.b + p.panel_stride;
+  for (std::size_t k = 0; k < p.kp; k += kKStep) {
+    Tiles::template load<4>(a0 + k, lda_bytes);
+    Tiles::template load<5>(a1 + k, lda_bytes);
+    Tiles::template load<6>(b0 + k * kPanel, 64);  // 16 rows of 64 bytes from k/2
+    Tiles::template load<7>(b1 + k * kPanel, 64);
+    Tiles::template dp<0, 4, 6>();
+    Tiles::template dp<1, 4, 7>();
+    Tiles::template dp<2, 5, 6>();
+    Tiles::template dp<3, 5, 7>();
+  }
+  Tiles::template store<0>(c0, ldc_bytes);
+  Tiles::template store<1>(c1, ldc_bytes);
+  Tiles::template store<2>(c2, ldc_bytes);
+  Tiles::template store<3>(c3, ldc_bytes);
+}
+
+}  // namespace moecert::gemm::amx

@@ -1,0 +1,49 @@
+// AVX-512 BF16 microkernel, 8 x 32 (16 zmm accumulators).
+//
+// Per k pair kk: two zmm loads of B (two panels, 16 column pairs each), and
+// for each of the 8 rows a 32-bit broadcast of A's pair (A[i][2kk], A[i][2kk+1])
+// and two VDPBF16PS. Accumulation order per element (KERNEL_NOTES.md):
+// acc = fma(a_odd, b_odd, acc), then acc = fma(a_even, b_even, acc), with
+// denormal inputs and results flushed; one chain over k from 0 (or from C).
+// Built with its own ISA flags (ops/gemm CMake); nothing else lives here.
+#include <immintrin.h>
+
+#include "ops/gemm/ukernel.hpp"
+
+namespace moecert::gemm {
+namespace {
+
+constexpr int kMr = 8;
+
+template <bool kAccumulate>
+inline void run(const UkernelArgs& p) {
+  __m512 acc[kMr][2];
+  for (int i = 0; i < kMr; ++i)
+    for (int h = 0; h < 2; ++h)
+      acc[i][h] = kAccumulate ? _mm512_loadu_ps(p.c + i * p.ldc + h * 16) : _mm512_setzero_ps();
+  const bf16* b0 = p.b;
+  const bf16* b1 = p.b + p.panel_stride;
+  const std::size_t kpairs = p.kp / 2;
+  for (std::size_t kk = 0; kk < kpairs; ++kk) {
+    const __m512bh vb0 = (__m512bh)_mm512_loadu_si512(b0 + kk * 32);
+    const __m512bh vb1 = (__m512bh)_mm512_loadu_si512(b1 + kk * 32);
+    for (int i = 0; i < kMr; ++i) {
+      int32_t pair;
+      __builtin_memcpy(&pair, p.a + i * p.lda + 2 * kk, sizeof pair);
+      const __m512bh va = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], va, vb0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], va, vb1);
+    }
+  }
+  for (int i = 0; i < kMr; ++i)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(p.c + i * p.ldc + h * 16, acc[i][h]);
+}
+
+}  // namespace
+
+void ukernel_avx512_bf16_8x32(const UkernelArgs& p) {
+  if (p.accumulate) run<true>(p);
+  else run<false>(p);
+}
+
+}  // namespace moecert::gemm

@@ -1,0 +1,37 @@
+// Scalar microkernel, 8 x 32: the portable kernel every other one is
+// compared with.
+//
+// C[i][j] (+)= sum_k A[i][k] W[j][k] over the packed layouts of ukernel.hpp.
+// Accumulation order per element: one fp32 chain from 0 (or from C), in k
+// order, each product (exact: bf16 x bf16) added with one rounding. No FMA
+// (the project builds with -ffp-contract=off).
+#include "ops/gemm/ukernel.hpp"
+
+namespace moecert::gemm {
+namespace {
+constexpr std::size_t kMr = 8, kNr = 32;
+}  // namespace
+
+void ukernel_scalar_8x32(const UkernelArgs& p) {
+  float acc[kMr][kNr];
+  for (std::size_t i = 0; i < kMr; ++i)
+    for (std::size_t j = 0; j < kNr; ++j) acc[i][j] = p.accumulate ? p.c[i * p.ldc + j] : 0.0f;
+  for (std::size_t kk = 0; kk < p.kp / 2; ++kk) {
+    for (std::size_t half = 0; half < kNr / kPanel; ++half) {
+      const bf16* brow = p.b + half * p.panel_stride + kk * 2 * kPanel;
+      for (std::size_t i = 0; i < kMr; ++i) {
+        const float a0 = p.a[i * p.lda + 2 * kk].to_float();
+        const float a1 = p.a[i * p.lda + 2 * kk + 1].to_float();
+        for (std::size_t n = 0; n < kPanel; ++n) {
+          float& c = acc[i][half * kPanel + n];
+          c += a0 * brow[2 * n].to_float();
+          c += a1 * brow[2 * n + 1].to_float();
+        }
+      }
+    }
+  }
+  for (std::size_t i = 0; i < kMr; ++i)
+    for (std::size_t j = 0; j < kNr; ++j) p.c[i * p.ldc + j] = acc[i][j];
+}
+
+}  // namespace moecert::gemm

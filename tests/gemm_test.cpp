@@ -1,0 +1,274 @@
+// GEMM: every usable ISA against the reference within bounds over odd
+// shapes; bit-exact models of the AMX and AVX-512 accumulation orders;
+// determinism across thread counts; every gemm clause.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <oneapi/tbb/global_control.h>
+
+#include "contracts/bounds/basic.hpp"
+#include "contracts/checks.hpp"
+#include "contracts/compare.hpp"
+#include "contracts/gemm.hpp"
+#include "contracts/reference/basic.hpp"
+#include "moecert/gemm.hpp"
+#include "moecert/isa.hpp"
+#include "ops/gemm/amx_tile_model.hpp"
+#include "ops/gemm/ukernel.hpp"
+#include "test_util.hpp"
+
+using namespace moecert;
+
+namespace {
+
+std::vector<bf16> random_bf16(std::mt19937_64& rng, std::size_t n, float scale = 1) {
+  std::normal_distribution<float> nd(0, scale);
+  std::vector<bf16> v(n);
+  for (auto& x : v) {
+    x = bf16(nd(rng));
+    if (!detail::bf16_in_range(x)) x = bf16(0.0f);
+  }
+  return v;
+}
+
+std::vector<float> run(Isa isa, const std::vector<bf16>& a, std::size_t m, std::size_t k, const gemm::PackedWeights& w,
+                       float fill = NAN) {
+  std::vector<float> c(m * w.n(), fill);
+  gemm::matmul(MatView<const bf16>(a.data(), m, k), w, MatView<float>(c.data(), m, w.n()), isa);
+  return c;
+}
+
+// Plain models of two accumulation orders (KERNEL_NOTES.md).
+float model_amx(const bf16* a, const bf16* b, std::size_t k) {
+  using gemm::amx_model::ftz;
+  float c = 0;
+  for (std::size_t k0 = 0; k0 < k; k0 += 32) {
+    float even = 0, odd = 0;
+    for (std::size_t kk = k0; kk < k0 + 32; kk += 2) {
+      const float a0 = kk < k ? a[kk].to_float() : 0, b0 = kk < k ? b[kk].to_float() : 0;
+      const float a1 = kk + 1 < k ? a[kk + 1].to_float() : 0, b1 = kk + 1 < k ? b[kk + 1].to_float() : 0;
+      even = ftz(std::fma(ftz(a0), ftz(b0), even));
+      odd = ftz(std::fma(ftz(a1), ftz(b1), odd));
+    }
+    c = ftz(c + ftz(even + odd));
+  }
+  return c;
+}
+float model_avx512(const bf16* a, const bf16* b, std::size_t k) {
+  using gemm::amx_model::ftz;
+  float acc = 0;
+  for (std::size_t kk = 0; kk < k; kk += 2) {
+    const float a1 = kk + 1 < k ? a[kk + 1].to_float() : 0, b1 = kk + 1 < k ? b[kk + 1].to_float() : 0;
+    acc = ftz(std::fma(ftz(a1), ftz(b1), acc));
+    acc = ftz(std::fma(ftz(a[kk].to_float()), ftz(b[kk].to_float()), acc));
+  }
+  return acc;
+}
+
+struct Shape {
+  std::size_t m, n, k;
+};
+const Shape kShapes[] = {{0, 16, 32}, {1, 1, 1},   {1, 17, 3},  {7, 31, 33},  {33, 50, 100},
+                         {65, 64, 64}, {40, 96, 257}, {3, 200, 31}, {100, 33, 500}};
+
+}  // namespace
+
+TEST_CASE("gemm.matmul: every usable ISA within bounds of the reference over odd shapes", "[gemm][matmul][numeric]") {
+  std::mt19937_64 rng(31);
+  for (Isa isa : usable_isas()) {
+    DYNAMIC_SECTION(isa_name(isa)) {
+      for (const auto& s : kShapes) {
+        INFO("M=" << s.m << " N=" << s.n << " K=" << s.k);
+        const auto a = random_bf16(rng, s.m * s.k), wv = random_bf16(rng, s.n * s.k);
+        const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
+        std::vector<float> c;
+        {
+          ContractScope full{Level::full, Semantic::enforce};  // the within_bound clause runs too
+          c = run(isa, a, s.m, s.k, w);
+        }
+        std::vector<double> ref, bound;
+        for (std::size_t i = 0; i < s.m; ++i)
+          for (std::size_t j = 0; j < s.n; ++j) {
+            ref.push_back(ref::to_double(ref::dot<ref::DoubleDouble>(&a[i * s.k], &wv[j * s.k], s.k)));
+            double sa = 0;
+            for (std::size_t kk = 0; kk < s.k; ++kk) sa += std::fabs(double(a[i * s.k + kk].to_float()) * wv[j * s.k + kk].to_float());
+            bound.push_back(bounds::dot(s.k, sa));
+          }
+        const auto cmp = compare::bounded(c, ref, bound);
+        CHECK(cmp.pass());
+        CHECK(cmp.max_utilization <= 1);
+      }
+    }
+  }
+}
+
+TEST_CASE("gemm.matmul: amx_emu equals a plain model of TDPBF16PS bit for bit", "[gemm][matmul][amx_emu]") {
+  std::mt19937_64 rng(32);
+  for (const auto& s : kShapes) {
+    const auto a = random_bf16(rng, s.m * s.k, 3), wv = random_bf16(rng, s.n * s.k, 3);
+    const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
+    const auto c = run(Isa::amx_emu, a, s.m, s.k, w);
+    for (std::size_t i = 0; i < s.m; ++i)
+      for (std::size_t j = 0; j < s.n; ++j) {
+        const float want = model_amx(&a[i * s.k], &wv[j * s.k], s.k);
+        REQUIRE(std::memcmp(&c[i * s.n + j], &want, 4) == 0);
+      }
+  }
+}
+
+TEST_CASE("gemm.matmul: avx512_bf16 equals a plain model of VDPBF16PS bit for bit", "[gemm][matmul][avx512_bf16]") {
+  if (!isa_usable(Isa::avx512_bf16)) {
+    WARN("avx512_bf16 not usable here: nothing to compare");
+    return;
+  }
+  std::mt19937_64 rng(33);
+  for (const auto& s : kShapes) {
+    const auto a = random_bf16(rng, s.m * s.k, 3), wv = random_bf16(rng, s.n * s.k, 3);
+    const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
+    const auto c = run(Isa::avx512_bf16, a, s.m, s.k, w);
+    for (std::size_t i = 0; i < s.m; ++i)
+      for (std::size_t j = 0; j < s.n; ++j) {
+        const float want = model_avx512(&a[i * s.k], &wv[j * s.k], s.k);
+        REQUIRE(std::memcmp(&c[i * s.n + j], &want, 4) == 0);
+      }
+  }
+}
+
+TEST_CASE("gemm.matmul: denormal flushing in the AMX model", "[gemm][amx_emu]") {
+  // A product below 2^-126 is flushed by TDPBF16PS; the model must flush it.
+  ContractScope off{Level::off};  // the range clauses would refuse these inputs
+  const std::vector<bf16> a = {bf16(0x1p-70f)}, wv = {bf16(0x1p-70f)};
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 1, 1));
+  CHECK(run(Isa::amx_emu, a, 1, 1, w)[0] == 0.0f);
+  CHECK(run(Isa::scalar, a, 1, 1, w)[0] == 0x1p-140f);
+}
+
+TEST_CASE("gemm.matmul: results are bitwise identical for 1, 2 and 7 threads", "[gemm][matmul]") {
+  std::mt19937_64 rng(34);
+  const std::size_t m = 150, n = 300, k = 200;
+  const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+  for (Isa isa : usable_isas()) {
+    std::vector<std::vector<float>> out;
+    for (int threads : {1, 2, 7}) {
+      oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, threads);
+      out.push_back(run(isa, a, m, k, w));
+    }
+    INFO(isa_name(isa));
+    CHECK(std::memcmp(out[0].data(), out[1].data(), out[0].size() * 4) == 0);
+    CHECK(std::memcmp(out[0].data(), out[2].data(), out[0].size() * 4) == 0);
+  }
+}
+
+TEST_CASE("gemm.matmul: an ISA this machine cannot run is refused", "[gemm][isa]") {
+  for (Isa isa : kAllIsas)
+    if (!isa_usable(isa)) CHECK_THROWS_AS(gemm::kernel_info(isa), std::invalid_argument);
+  CHECK(std::string(gemm::kernel_info(Isa::amx_emu).name) == "ukernel_amx_emu_32x32");
+  CHECK(gemm::kernel_info(Isa::scalar).isa == Isa::scalar);
+}
+
+TEST_CASE("gemm.pack: packed layout reads back and pads with zeros", "[gemm][pack]") {
+  std::mt19937_64 rng(35);
+  const auto g = random_bf16(rng, 20 * 45), u = random_bf16(rng, 20 * 45);
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(g.data(), 20, 45));
+  CHECK(w.np() == 32);
+  CHECK(w.kp() == 64);
+  for (std::size_t n = 0; n < w.np(); ++n)
+    for (std::size_t k = 0; k < w.kp(); ++k)
+      REQUIRE(w.at(n, k) == ((n < 20 && k < 45) ? g[n * 45 + k] : bf16(0.0f)));
+  const auto gu = gemm::PackedWeights::pack(MatView<const bf16>(g.data(), 20, 45), MatView<const bf16>(u.data(), 20, 45));
+  CHECK(gu.n() == 64);  // two panels of each, interleaved
+  CHECK(gu.at(16 + 3, 7) == u[3 * 45 + 7]);
+  CHECK(gu.at(32 + 2, 7) == g[(16 + 2) * 45 + 7]);
+  CHECK(gu.at(48 + 2, 7) == u[(16 + 2) * 45 + 7]);
+  CHECK(gu.at(48 + 5, 7) == bf16(0.0f));
+  CHECK(w.checksum() == w.compute_checksum());
+}
+
+TEST_CASE("gemm.matmul: shape clause, output untouched", "[gemm][matmul][shape]") {
+  std::vector<bf16> a(4 * 8, bf16(1.0f)), wv(3 * 8, bf16(1.0f));
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 3, 8));
+  std::vector<float> c(4 * 3, 5.0f);
+  test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 4, 7), w, MatView<float>(c.data(), 4, 3), Isa::scalar); },
+                         "gemm.matmul.shape");
+  CHECK(c == std::vector<float>(12, 5.0f));
+}
+
+TEST_CASE("gemm.matmul: a_finite and a_range clauses", "[gemm][matmul][finite]") {
+  std::vector<bf16> a(2 * 4, bf16(1.0f)), wv(2 * 4, bf16(1.0f));
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4));
+  std::vector<float> c(4, 5.0f);
+  a[5] = bf16(NAN);
+  auto v = test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 2, 4), w, MatView<float>(c.data(), 2, 2), Isa::scalar); },
+                                  "gemm.matmul.a_finite");
+  CHECK(v.location == "a[1, 1]");
+  a[5] = bf16::from_bits(0x0001);  // a bf16 denormal: flushed by AMX, so out of range
+  test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 2, 4), w, MatView<float>(c.data(), 2, 2), Isa::scalar); },
+                         "gemm.matmul.a_range");
+  CHECK(c == std::vector<float>(4, 5.0f));
+}
+
+TEST_CASE("gemm.matmul: no_alias clause", "[gemm][matmul][alias]") {
+  std::vector<bf16> wv(2 * 4, bf16(1.0f));
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4));
+  std::vector<float> buf(64, 0.0f);
+  // A (bf16) viewed over the same bytes as C.
+  MatView<const bf16> a(reinterpret_cast<const bf16*>(buf.data()), 2, 4);
+  test::expect_violation([&] { gemm::matmul(a, w, MatView<float>(buf.data() + 1, 2, 2), Isa::scalar); }, "gemm.matmul.no_alias");
+}
+
+TEST_CASE("gemm.matmul: c_finite fires when in-range products overflow", "[gemm][matmul][finite]") {
+  std::vector<bf16> a(300, bf16(0x1p60f)), wv(300, bf16(0x1p60f));
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 1, 300));
+  std::vector<float> c(1);
+  test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 1, 300), w, MatView<float>(c.data(), 1, 1), Isa::scalar); },
+                         "gemm.matmul.c_finite", Level::check);
+}
+
+TEST_CASE("gemm.matmul: probe and within_bound clauses catch a wrong result", "[gemm][matmul][numeric]") {
+  std::mt19937_64 rng(36);
+  const std::size_t m = 5, n = 9, k = 64;
+  const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+  auto c = run(Isa::scalar, a, m, k, w, 0);
+  c[2 * n + 4] += 1.0f;  // a wrong element, as a buggy kernel would leave it
+  MatView<const bf16> av(a.data(), m, k);
+  MatView<const float> cv(c.data(), m, n);
+  test::expect_violation([&] { detail::Checker chk{"gemm.matmul"}; contracts::gemm_matmul_post(chk, av, w, cv); },
+                         "gemm.matmul.probe", Level::audit);
+  // Under observe both numeric clauses run; within_bound names the element.
+  ContractSettings no_probe{Level::full, Semantic::observe};
+  static int fired = 0;
+  auto prev = set_violation_handler([](const Violation& x) { fired += x.clause == "gemm.matmul.within_bound"; });
+  {
+    ContractScope scope{no_probe};
+    detail::Checker chk{"gemm.matmul"};
+    contracts::gemm_matmul_post(chk, av, w, cv);
+  }
+  set_violation_handler(prev);
+  CHECK(fired == 1);
+  CHECK(violation_count("gemm.matmul.within_bound") >= 1);
+}
+
+TEST_CASE("gemm.pack: w_finite, w_range and shape clauses", "[gemm][pack][finite]") {
+  std::vector<bf16> wv(2 * 4, bf16(1.0f));
+  wv[6] = bf16(INFINITY);
+  test::expect_violation([&] { gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4)); }, "gemm.pack.w_finite");
+  wv[6] = bf16(0x1p100f);
+  test::expect_violation([&] { gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4)); }, "gemm.pack.w_range");
+  wv[6] = bf16(1.0f);
+  test::expect_violation([&] { gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4), MatView<const bf16>(wv.data(), 1, 4)); },
+                         "gemm.pack.shape");
+}
+
+TEST_CASE("gemm.pack: checksum clause catches packed weights changed after packing", "[gemm][pack][memory]") {
+  std::vector<bf16> a(4, bf16(1.0f)), wv(2 * 4, bf16(1.0f));
+  auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4));
+  std::vector<float> c(2, 7.0f);
+  w.mutable_data_for_testing()[1] = bf16(2.0f);  // a stale or overwritten packed copy
+  test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 1, 4), w, MatView<float>(c.data(), 1, 2), Isa::scalar); },
+                         "gemm.pack.checksum", Level::audit);
+  CHECK(c == std::vector<float>(2, 7.0f));
+}
