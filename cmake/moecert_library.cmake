@@ -11,6 +11,10 @@ set(MOECERT_SOURCES
   contracts/compare.cpp
   ops/core/build_info.cpp
   contracts/gemm.cpp
+  contracts/experts.cpp
+  ops/experts/grouping.cpp
+  ops/experts/pack.cpp
+  ops/experts/forward.cpp
   ops/gemm/dispatch.cpp
   ops/gemm/pack.cpp
   ops/gemm/loops.cpp

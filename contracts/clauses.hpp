@@ -54,4 +54,21 @@ inline constexpr ClauseInfo kAll[] = {kPackShape, kPackWFinite, kPackWRange, kPa
                                       kNoAlias, kCFinite, kProbe, kWithinBound};
 }  // namespace gemm
 
+namespace experts {
+inline constexpr ClauseInfo kShape = pre("experts.forward.shape", Group::shape, "x T x H, idx/weights T x K, y T x H");
+inline constexpr ClauseInfo kIdxInRange = pre("experts.forward.idx_in_range", Group::index, "-1 <= idx < E, -1 only at the tail");
+inline constexpr ClauseInfo kIdxUnique = pre("experts.forward.idx_unique", Group::index, "no expert twice in a row");
+inline constexpr ClauseInfo kWeightFinite = pre("experts.forward.weight_finite", Group::finite, "weights finite, 0 at -1 slots");
+inline constexpr ClauseInfo kXFinite = pre("experts.forward.x_finite", Group::finite, "every x element finite");
+inline constexpr ClauseInfo kXRange = pre("experts.forward.x_range", Group::numeric, "x element 0 or 2^-60 <= |x| <= 2^60");
+inline constexpr ClauseInfo kNoAlias = pre("experts.forward.no_alias", Group::alias, "y shares no byte with any input");
+inline constexpr ClauseInfo kPermutation = {"experts.forward.permutation", ClauseKind::invariant, Group::index, Level::check,
+                                            "grouping holds every valid slot once"};
+inline constexpr ClauseInfo kYFinite = post("experts.forward.y_finite", Group::finite, "every y element finite");
+inline constexpr ClauseInfo kProbe = post("experts.forward.probe", Group::numeric, "probes of both GEMMs within bound", Level::audit);
+inline constexpr ClauseInfo kWithinBound = post("experts.forward.within_bound", Group::numeric, "|y - ref| <= chained bound", Level::full);
+inline constexpr ClauseInfo kAll[] = {kShape, kIdxInRange, kIdxUnique, kWeightFinite, kXFinite, kXRange,
+                                      kNoAlias, kPermutation, kYFinite, kProbe, kWithinBound};
+}  // namespace experts
+
 }  // namespace moecert::clauses

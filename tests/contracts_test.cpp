@@ -305,7 +305,7 @@ TEST_CASE("core.contracts: every clause is documented next to its op and tested"
     CHECK(ids.insert(c.id).second);  // unique
     CHECK(std::count(c.id.begin(), c.id.end(), '.') == 2);  // family.op.clause
     // The documentation table: "///   <id>  <kind>  <group>  <condition>".
-    const auto at = headers.find(std::string(c.id) + " ");
+    const auto at = headers.find("///   " + std::string(c.id) + " ");
     REQUIRE(at != std::string::npos);
     const std::string line = headers.substr(at, headers.find('\n', at) - at);
     CHECK(line.find(std::string(" ") + std::string(clause_kind_name(c.kind)) + " ") != std::string::npos);

@@ -14,9 +14,9 @@ void pack_a(MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std:
   for (std::size_t i = 0; i < m; ++i) {
     const bf16* src = a.row(rows ? static_cast<std::size_t>(rows[i]) : i);
     std::memcpy(static_cast<void*>(dst + i * kp), src, a.cols * sizeof(bf16));
-    std::memset(static_cast<void*>(dst + i * kp + a.cols), 0, (kp - a.cols) * sizeof(bf16));
+    if (kp > a.cols) std::memset(static_cast<void*>(dst + i * kp + a.cols), 0, (kp - a.cols) * sizeof(bf16));
   }
-  std::memset(static_cast<void*>(dst + m * kp), 0, (m_padded - m) * kp * sizeof(bf16));
+  if (m_padded > m) std::memset(static_cast<void*>(dst + m * kp), 0, (m_padded - m) * kp * sizeof(bf16));
 }
 
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,

@@ -1,0 +1,182 @@
+// Clauses of experts.forward: shapes, routing indices, finiteness, aliasing,
+// the grouping invariant, and the numeric postconditions.
+#include "contracts/experts.hpp"
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include "contracts/bounds/experts.hpp"
+#include "contracts/checks.hpp"
+#include "contracts/clauses.hpp"
+#include "contracts/compare.hpp"
+#include "contracts/gemm.hpp"
+#include "contracts/verify.hpp"
+
+namespace moecert::contracts {
+
+namespace k = clauses::experts;
+
+void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
+                         MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y) {
+  const std::size_t t = x.rows, kk = idx.cols, e_count = w.experts();
+  MOECERT_CONTRACT(c, k::kShape) {
+    if (x.cols != w.hidden() || idx.rows != t || weights.rows != t || weights.cols != kk || y.rows != t ||
+        y.cols != w.hidden() || x.stride < x.cols || y.stride < y.cols || idx.stride < kk || weights.stride < kk)
+      c.fail(k::kShape, "",
+             fmt::format("x {}x{}, idx {}x{}, weights {}x{}, y {}x{}", x.rows, x.cols, idx.rows, idx.cols,
+                         weights.rows, weights.cols, y.rows, y.cols),
+             fmt::format("x Tx{0}, idx and weights TxK, y Tx{0}", w.hidden()));
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kIdxInRange) {
+    for (std::size_t i = 0; i < t; ++i) {
+      bool tail = false;
+      for (std::size_t j = 0; j < kk; ++j) {
+        const std::int32_t e = idx(i, j);
+        if (e < -1 || e >= static_cast<std::int64_t>(e_count) || (tail && e != -1)) {
+          c.fail(k::kIdxInRange, fmt::format("t={} j={}", i, j), fmt::format("idx={}", e),
+                 tail ? "-1 (after a -1 slot)" : fmt::format("-1 <= idx < {}", e_count));
+          i = t;
+          break;
+        }
+        tail = tail || e == -1;
+      }
+    }
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kIdxUnique) {
+    for (std::size_t i = 0; i < t && !c.stop(); ++i)
+      for (std::size_t j = 0; j < kk; ++j)
+        for (std::size_t l = 0; l < j; ++l)
+          if (idx(i, j) >= 0 && idx(i, j) == idx(i, l)) {
+            c.fail(k::kIdxUnique, fmt::format("t={} j={}", i, j), fmt::format("idx={} also at j={}", idx(i, j), l),
+                   "distinct experts in a row");
+            i = t;
+            j = kk;
+            break;
+          }
+  }
+  MOECERT_CONTRACT(c, k::kWeightFinite) {
+    for (std::size_t i = 0; i < t; ++i)
+      for (std::size_t j = 0; j < kk; ++j)
+        if (!std::isfinite(weights(i, j)) || (idx(i, j) == -1 && weights(i, j) != 0)) {
+          c.fail(k::kWeightFinite, fmt::format("t={} j={}", i, j), fmt::format("w={} idx={}", weights(i, j), idx(i, j)),
+                 idx(i, j) == -1 ? "0 at a -1 slot" : "finite");
+          i = t;
+          break;
+        }
+  }
+  MOECERT_CONTRACT(c, k::kXFinite) { detail::scan_finite(c, k::kXFinite, "x", x); }
+  MOECERT_CONTRACT(c, k::kXRange) { detail::scan_bf16_range(c, k::kXRange, "x", x); }
+  MOECERT_CONTRACT(c, k::kNoAlias) {
+    const ByteRange yr = y.bytes();
+    const std::pair<const char*, ByteRange> inputs[] = {{"x", x.bytes()}, {"idx", idx.bytes()}, {"weights", weights.bytes()}};
+    for (const auto& [name, r] : inputs)
+      if (overlaps(yr, r)) c.fail(k::kNoAlias, "", fmt::format("y {} overlaps {} {}", detail::format_range(yr), name, detail::format_range(r)), "disjoint");
+    for (std::size_t e = 0; e < e_count; ++e)
+      for (const auto* p : {&w.gate_up(e), &w.down(e)}) {
+        const ByteRange r{reinterpret_cast<std::uintptr_t>(p->data()), reinterpret_cast<std::uintptr_t>(p->data() + p->size())};
+        if (overlaps(yr, r)) c.fail(k::kNoAlias, fmt::format("e={}", e), fmt::format("y {} overlaps packed weights {}", detail::format_range(yr), detail::format_range(r)), "disjoint");
+      }
+  }
+  for (std::size_t e = 0; e < e_count; ++e) {
+    gemm_checksum(c, w.gate_up(e), fmt::format("gate_up e={}", e));
+    gemm_checksum(c, w.down(e), fmt::format("down e={}", e));
+  }
+}
+
+void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx, const experts::Grouping& g) {
+  MOECERT_CONTRACT(c, k::kPermutation) {
+    // Every valid slot maps to a row of its own expert's group that maps back
+    // to it; the histogram sums to the number of valid slots.
+    std::size_t valid = 0, sum = 0;
+    for (std::size_t e = 0; e < g.experts; ++e) sum += g.count[e];
+    for (std::size_t s = 0; s < idx.rows * idx.cols; ++s) {
+      const std::int32_t e = idx(s / idx.cols, s % idx.cols);
+      const std::int64_t row = g.slot_row[s];
+      if (e < 0) {
+        if (row != -1) c.fail(k::kPermutation, fmt::format("slot {}", s), fmt::format("row={}", row), "-1 for an empty slot");
+        continue;
+      }
+      ++valid;
+      const auto ue = static_cast<std::size_t>(e);
+      if (row < static_cast<std::int64_t>(g.begin[ue]) || row >= static_cast<std::int64_t>(g.begin[ue] + g.count[ue]) ||
+          g.row_slot[static_cast<std::size_t>(row)] != static_cast<std::int32_t>(s)) {
+        c.fail(k::kPermutation, fmt::format("slot {}", s), fmt::format("row={} (expert {})", row, e),
+               fmt::format("a row in [{}, {}) mapping back to the slot", g.begin[ue], g.begin[ue] + g.count[ue]));
+        return;
+      }
+    }
+    if (valid != sum || valid != g.routed)
+      c.fail(k::kPermutation, "", fmt::format("histogram sum {} routed {}", sum, g.routed), fmt::format("{} valid slots", valid));
+  }
+}
+
+ExpertsReference experts_forward_reference(const experts::PackedExperts& w, MatView<const bf16> x,
+                                           MatView<const std::int32_t> idx, MatView<const float> weights) {
+  const std::size_t t_count = x.rows, kk = idx.cols, hidden = w.hidden(), inter = w.inter();
+  ExpertsReference r;
+  r.y.assign(t_count * hidden, 0.0);
+  r.bound.assign(t_count * hidden, 0.0);
+  oneapi::tbb::parallel_for(std::size_t{0}, t_count, [&](std::size_t t) {
+    std::vector<double> sum_we(hidden, 0.0), sum_wmag(hidden, 0.0);
+    for (std::size_t j = 0; j < kk; ++j) {
+      const std::int32_t e = idx(t, j);
+      if (e < 0) continue;
+      const auto ue = static_cast<std::size_t>(e);
+      const auto row = bounds::expert_row(
+          hidden, inter, [&](std::size_t h) { return double(x(t, h).to_float()); },
+          [&](std::size_t i, std::size_t h) { return double(w.gate(ue, i, h).to_float()); },
+          [&](std::size_t i, std::size_t h) { return double(w.up(ue, i, h).to_float()); },
+          [&](std::size_t m, std::size_t i) { return double(w.down(ue, m, i).to_float()); });
+      const double wt = weights(t, j);
+      for (std::size_t m = 0; m < hidden; ++m) {
+        r.y[t * hidden + m] += wt * row.o[m];
+        sum_we[m] += std::fabs(wt) * row.o_bound[m];
+        sum_wmag[m] += std::fabs(wt) * (std::fabs(row.o[m]) + row.o_bound[m]);
+      }
+    }
+    for (std::size_t m = 0; m < hidden; ++m)
+      r.bound[t * hidden + m] = bounds::kReferenceSlack * bounds::combine(sum_we[m], sum_wmag[m], kk);
+  });
+  return r;
+}
+
+void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
+                          MatView<const std::int32_t> idx, MatView<const float> weights, MatView<const float> y,
+                          const experts::ForwardState& st) {
+  MOECERT_CONTRACT(c, k::kYFinite) { detail::scan_finite(c, k::kYFinite, "y", y); }
+  MOECERT_CONTRACT(c, k::kProbe) {
+    const auto& g = st.grouping;
+    for (std::size_t e = 0; e < g.experts; ++e) {
+      if (g.count[e] == 0) continue;
+      const std::size_t r0 = g.begin[e], m = g.count[e];
+      const auto& gu = w.gate_up(e);
+      const auto& dn = w.down(e);
+      const auto p1 = verify::probe_gemm_nt(MatView<const bf16>(st.a.data() + r0 * st.lda, m, w.hidden(), st.lda), gu.n(),
+                                            [&](std::size_t j, std::size_t kk) { return gu.at(j, kk); },
+                                            MatView<const float>(st.c1.data() + r0 * st.ldc1, m, gu.n(), st.ldc1));
+      const auto p2 = verify::probe_gemm_nt(MatView<const bf16>(st.h.data() + r0 * st.ldh, m, w.inter(), st.ldh), w.hidden(),
+                                            [&](std::size_t j, std::size_t kk) { return dn.at(j, kk); },
+                                            MatView<const float>(st.o.data() + r0 * st.ldo, m, w.hidden(), st.ldo));
+      for (const auto* p : {&p1, &p2})
+        if (!p->pass) {
+          c.fail(k::kProbe, fmt::format("e={} {} GEMM row {} column block {}", e, p == &p1 ? "gate_up" : "down", p->row, p->block),
+                 fmt::format("residual {:.6g}", p->residual), fmt::format("<= {:.6g} (proofs/bounds.md §9)", p->threshold));
+          return;
+        }
+    }
+  }
+  MOECERT_CONTRACT(c, k::kWithinBound) {
+    const auto ref = experts_forward_reference(w, x, idx, weights);
+    std::vector<float> got(y.rows * y.cols);
+    for (std::size_t t = 0; t < y.rows; ++t)
+      for (std::size_t m = 0; m < y.cols; ++m) got[t * y.cols + m] = y(t, m);
+    const auto cmp = compare::bounded(got, ref.y, ref.bound);
+    if (!cmp.pass())
+      c.fail(k::kWithinBound, fmt::format("t={} h={}", cmp.worst / y.cols, cmp.worst % y.cols),
+             fmt::format("y={:.9g} ref={:.17g} (utilisation {:.3g})", cmp.worst_got, cmp.worst_ref, cmp.max_utilization),
+             fmt::format("|y - ref| <= {:.6g} (proofs/bounds.md §10)", cmp.worst_bound));
+  }
+}
+
+}  // namespace moecert::contracts

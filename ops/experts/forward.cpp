@@ -1,0 +1,144 @@
+// Grouped SwiGLU expert forward: group, gather, gate+up GEMM with the SwiGLU
+// epilogue, down GEMM, weighted combine in slot order.
+#include "ops/experts/forward.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include "contracts/experts.hpp"
+#include "moecert/isa.hpp"
+#include "ops/gemm/loops.hpp"
+
+namespace moecert::experts {
+namespace {
+
+// Work item: rows [m0, m1) of one expert's group, columns [n0, n1).
+struct Tile {
+  std::size_t e, m0, m1, n0, n1;
+};
+
+// Tiles of every expert's rows x n columns; no two share an output element.
+std::vector<Tile> tiles(const Grouping& g, std::size_t n, std::size_t mb, std::size_t nb) {
+  std::vector<Tile> out;
+  for (std::size_t e = 0; e < g.experts; ++e)
+    for (std::size_t m0 = 0; m0 < g.count[e]; m0 += mb)
+      for (std::size_t n0 = 0; n0 < n; n0 += nb)
+        out.push_back({e, m0, std::min(g.count[e], m0 + mb), n0, std::min(n, n0 + nb)});
+  return out;
+}
+
+template <class F>
+void for_each_tile(const std::vector<Tile>& ts, F f) {
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, ts.size(), 1),
+                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+                              for (std::size_t i = r.begin(); i < r.end(); ++i) f(ts[i]);
+                            });
+}
+
+// h = silu(g) * u in fp32, rounded to bf16 (proofs/bounds.md §5, §2): the
+// kernel whose error bounds::silu_mul describes.
+inline bf16 swiglu(float g, float u) {
+  const float s = 1.0f / (1.0f + std::exp(-g));
+  return bf16((g * s) * u);
+}
+
+Isa choose_isa(const ForwardOptions& opt, std::size_t routed, std::size_t experts) {
+  if (opt.isa) return *opt.isa;
+  const Isa d = default_isa();
+  if (d == Isa::amx_bf16 && routed <= 4 * experts && isa_usable(Isa::avx512_bf16)) return Isa::avx512_bf16;
+  return d;
+}
+
+}  // namespace
+
+ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
+                     MatView<const float> weights, MatView<float> y, const ForwardOptions& opt) {
+  moecert::detail::Checker chk{"experts.forward"};
+  contracts::experts_forward_pre(chk, w, x, idx, weights, y);
+  if (chk.stop()) return {};
+  const std::size_t t_count = x.rows, k = idx.cols, hidden = w.hidden(), inter = w.inter();
+  std::size_t routed = 0;
+  for (std::size_t t = 0; t < t_count; ++t)
+    for (std::size_t j = 0; j < k; ++j) routed += idx(t, j) >= 0;
+  ForwardStats stats;
+  stats.isa = choose_isa(opt, routed, w.experts());
+  const gemm::KernelInfo& kernel = gemm::kernel_info(stats.isa);
+
+  // 1. Group the routed slots by expert (stable counting sort).
+  ForwardState st;
+  st.grouping = group_by_expert(idx, w.experts(), kernel.mr);
+  const Grouping& g = st.grouping;
+  contracts::experts_forward_grouping(chk, idx, g);
+  stats.routed_rows = g.routed;
+  stats.padded_rows = g.rows();
+  const std::size_t rows = g.rows();
+  if (w.experts() > 0) {
+    st.lda = w.gate_up(0).kp();
+    st.ldc1 = w.gate_up(0).n();
+    st.ldh = w.down(0).kp();
+    st.ldo = hidden;
+  }
+  st.a.resize(rows * st.lda);
+  st.c1.resize(rows * st.ldc1);
+  st.h.resize(rows * st.ldh);
+  st.o.resize(rows * st.ldo);
+
+  // 2. Gather each expert's token rows (padding rows and columns zero).
+  oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
+    std::vector<std::int32_t> tokens(g.count[e]);
+    for (std::size_t r = 0; r < g.count[e]; ++r) tokens[r] = g.row_slot[g.begin[e] + r] / static_cast<std::int32_t>(k);
+    gemm::pack_a(x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], st.lda, st.a.data() + g.begin[e] * st.lda);
+  });
+
+  // 3. Gate+up GEMM, then h = silu(g) * u per 32-column panel pair (16 gate
+  //    columns, then the same 16 up columns). Tiles are pair-aligned.
+  const std::size_t mb = 4 * kernel.mr;
+  for_each_tile(tiles(g, st.ldc1, mb, 256), [&](const Tile& tl) {
+    const std::size_t r0 = g.begin[tl.e] + tl.m0;
+    gemm::gemm_block(kernel, st.a.data() + r0 * st.lda, tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1,
+                     st.c1.data() + r0 * st.ldc1, st.ldc1);
+    for (std::size_t r = r0; r < r0 + (tl.m1 - tl.m0); ++r) {
+      const float* c = st.c1.data() + r * st.ldc1;
+      bf16* h = st.h.data() + r * st.ldh;
+      for (std::size_t n = tl.n0; n < tl.n1; n += 2 * gemm::kPanel)
+        for (std::size_t i = 0; i < gemm::kPanel; ++i) {
+          const std::size_t col = n / 2 + i;  // intermediate index
+          if (col < inter) h[col] = swiglu(c[n + i], c[n + gemm::kPanel + i]);
+        }
+    }
+  });
+  // Zero h's K padding (columns I..ldh) and the padding rows, which the down
+  // GEMM reads: a stale NaN there would reach valid outputs as 0 * NaN.
+  for (std::size_t e = 0; e < w.experts(); ++e) {
+    for (std::size_t r = g.begin[e]; r < g.begin[e] + g.count[e]; ++r)
+      std::fill(st.h.begin() + r * st.ldh + inter, st.h.begin() + (r + 1) * st.ldh, bf16(0.0f));
+    std::fill(st.h.begin() + (g.begin[e] + g.count[e]) * st.ldh, st.h.begin() + g.begin[e + 1] * st.ldh, bf16(0.0f));
+  }
+
+  // 4. Down GEMM.
+  for_each_tile(tiles(g, hidden, mb, 256), [&](const Tile& tl) {
+    const std::size_t r0 = g.begin[tl.e] + tl.m0;
+    gemm::gemm_block(kernel, st.h.data() + r0 * st.ldh, tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden,
+                     st.o.data() + r0 * st.ldo, st.ldo);
+  });
+
+  // 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.
+  oneapi::tbb::parallel_for(std::size_t{0}, t_count, [&](std::size_t t) {
+    float* yt = y.row(t);
+    std::fill(yt, yt + hidden, 0.0f);
+    for (std::size_t j = 0; j < k; ++j) {
+      const std::int64_t row = g.slot_row[t * k + j];
+      if (row < 0) continue;
+      const float wt = weights(t, j);
+      const float* o = st.o.data() + static_cast<std::size_t>(row) * st.ldo;
+      for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
+    }
+  });
+
+  contracts::experts_forward_post(chk, w, x, idx, weights, y, st);
+  return stats;
+}
+
+}  // namespace moecert::experts

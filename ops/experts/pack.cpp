@@ -1,0 +1,43 @@
+// PackedExperts: per-expert packing of gate+up (fused) and down.
+#include <oneapi/tbb/parallel_for.h>
+
+#include "moecert/experts.hpp"
+#include "ops/gemm/ukernel.hpp"
+
+namespace moecert::experts {
+
+PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gate, MatView<const bf16> w_up,
+                                  MatView<const bf16> w_down) {
+  PackedExperts out;
+  out.hidden_ = w_gate.cols;
+  out.inter_ = experts ? w_gate.rows / experts : 0;
+  out.gate_up_.resize(experts);
+  out.down_.resize(experts);
+  const std::size_t i_rows = out.inter_, h_rows = out.hidden_;
+  // gemm.pack's clauses run per matrix (a violation escapes the parallel loop
+  // as the exception oneTBB rethrows).
+  oneapi::tbb::parallel_for(std::size_t{0}, experts, [&](std::size_t e) {
+    MatView<const bf16> g(w_gate.row(e * i_rows), i_rows, w_gate.cols, w_gate.stride);
+    MatView<const bf16> u(w_up.row(e * i_rows), i_rows, w_up.cols, w_up.stride);
+    MatView<const bf16> d(w_down.row(e * h_rows), h_rows, w_down.cols, w_down.stride);
+    out.gate_up_[e] = gemm::PackedWeights::pack(g, u);
+    out.down_[e] = gemm::PackedWeights::pack(d);
+  });
+  return out;
+}
+
+bf16 PackedExperts::gate(std::size_t e, std::size_t i, std::size_t h) const {
+  return gate_up_[e].at(2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel, h);
+}
+
+bf16 PackedExperts::up(std::size_t e, std::size_t i, std::size_t h) const {
+  return gate_up_[e].at(2 * gemm::kPanel * (i / gemm::kPanel) + gemm::kPanel + i % gemm::kPanel, h);
+}
+
+std::size_t PackedExperts::bytes() const {
+  std::size_t b = 0;
+  for (std::size_t e = 0; e < experts(); ++e) b += (gate_up_[e].size() + down_[e].size()) * sizeof(bf16);
+  return b;
+}
+
+}  // namespace moecert::experts

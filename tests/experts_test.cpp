@@ -1,0 +1,267 @@
+// Grouped expert forward: every usable ISA within the chained bound over odd
+// shapes and routing classes; determinism across thread counts; clauses.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <oneapi/tbb/global_control.h>
+
+#include "contracts/checks.hpp"
+#include "contracts/compare.hpp"
+#include "contracts/experts.hpp"
+#include "moecert/experts.hpp"
+#include "moecert/isa.hpp"
+#include "ops/gemm/ukernel.hpp"
+#include "test_util.hpp"
+
+using namespace moecert;
+
+namespace {
+
+enum class Routing { random, one_expert, empty_slots, some_idle };
+
+struct Problem {
+  std::size_t e, h, i, k, t;
+  std::vector<bf16> wg, wu, wd, x;
+  std::vector<std::int32_t> idx;
+  std::vector<float> w;
+  experts::PackedExperts packed;
+  MatView<const bf16> X() const { return {x.data(), t, h}; }
+  MatView<const std::int32_t> Idx() const { return {idx.data(), t, k}; }
+  MatView<const float> W() const { return {w.data(), t, k}; }
+};
+
+Problem make(std::uint64_t seed, std::size_t e, std::size_t h, std::size_t i, std::size_t k, std::size_t t,
+             Routing routing) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0, 1);
+  auto fill = [&](std::vector<bf16>& v, std::size_t n, float scale) {
+    v.resize(n);
+    for (auto& x : v) x = bf16(nd(rng) * scale);
+  };
+  Problem p{e, h, i, k, t, {}, {}, {}, {}, {}, {}, {}};
+  fill(p.wg, e * i * h, 1 / std::sqrt(float(h)));
+  fill(p.wu, e * i * h, 1 / std::sqrt(float(h)));
+  fill(p.wd, e * h * i, 1 / std::sqrt(float(i)));
+  fill(p.x, t * h, 1);
+  p.idx.assign(t * k, -1);
+  p.w.assign(t * k, 0.0f);
+  for (std::size_t r = 0; r < t; ++r) {
+    std::vector<std::int32_t> perm(e);
+    for (std::size_t q = 0; q < e; ++q) perm[q] = static_cast<std::int32_t>(q);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::size_t valid = k;
+    if (routing == Routing::empty_slots) valid = rng() % (k + 1);
+    if (routing == Routing::one_expert) valid = 1, perm[0] = 0;
+    if (routing == Routing::some_idle) {  // only the first half of the experts get tokens
+      std::sort(perm.begin(), perm.begin() + std::min(e, (e + 1) / 2));
+      std::shuffle(perm.begin(), perm.begin() + (e + 1) / 2, rng);
+      valid = std::min(valid, (e + 1) / 2);
+    }
+    for (std::size_t j = 0; j < std::min(valid, e); ++j) {
+      p.idx[r * k + j] = perm[j];
+      p.w[r * k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
+    }
+  }
+  p.packed = experts::PackedExperts::pack(e, MatView<const bf16>(p.wg.data(), e * i, h),
+                                          MatView<const bf16>(p.wu.data(), e * i, h),
+                                          MatView<const bf16>(p.wd.data(), e * h, i));
+  return p;
+}
+
+std::vector<float> run(const Problem& p, Isa isa, float fill = NAN) {
+  std::vector<float> y(p.t * p.h, fill);
+  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = isa});
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("experts.forward: every usable ISA within the chained bound", "[experts][forward][numeric]") {
+  struct S { std::size_t e, h, i, k, t; Routing r; };
+  const S shapes[] = {{1, 17, 5, 1, 1, Routing::random},     {3, 40, 33, 2, 7, Routing::random},
+                      {8, 64, 48, 3, 50, Routing::random},   {8, 33, 20, 2, 40, Routing::one_expert},
+                      {6, 48, 40, 3, 30, Routing::empty_slots}, {9, 32, 17, 2, 25, Routing::some_idle},
+                      {4, 24, 16, 2, 0, Routing::random}};
+  std::uint64_t seed = 40;
+  for (Isa isa : usable_isas()) {
+    DYNAMIC_SECTION(isa_name(isa)) {
+      for (const auto& s : shapes) {
+        INFO("E=" << s.e << " H=" << s.h << " I=" << s.i << " K=" << s.k << " T=" << s.t << " routing " << int(s.r));
+        const Problem p = make(seed++, s.e, s.h, s.i, s.k, s.t, s.r);
+        std::vector<float> y;
+        {
+          ContractScope full{Level::full, Semantic::enforce};  // probe and within_bound run inside
+          y = run(p, isa);
+        }
+        const auto ref = contracts::experts_forward_reference(p.packed, p.X(), p.Idx(), p.W());
+        const auto cmp = compare::bounded(y, ref.y, ref.bound);
+        CHECK(cmp.pass());
+        if (s.t > 0) CHECK(cmp.max_utilization > 0);  // the comparison saw real errors or exact results
+        // Tokens with no valid slot get exactly zero.
+        for (std::size_t t = 0; t < s.t; ++t)
+          if (p.idx[t * s.k] == -1)
+            for (std::size_t m = 0; m < s.h; ++m) REQUIRE(y[t * s.h + m] == 0.0f);
+      }
+    }
+  }
+}
+
+TEST_CASE("experts.forward: bitwise identical for 1, 2 and 7 threads", "[experts][forward]") {
+  const Problem p = make(50, 6, 96, 80, 2, 120, Routing::random);
+  for (Isa isa : usable_isas()) {
+    std::vector<std::vector<float>> out;
+    for (int threads : {1, 2, 7}) {
+      oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, threads);
+      out.push_back(run(p, isa));
+    }
+    INFO(isa_name(isa));
+    CHECK(std::memcmp(out[0].data(), out[1].data(), out[0].size() * 4) == 0);
+    CHECK(std::memcmp(out[0].data(), out[2].data(), out[0].size() * 4) == 0);
+  }
+}
+
+TEST_CASE("experts.forward: the default kernel choice and its stats", "[experts][forward]") {
+  const Problem p = make(51, 8, 32, 16, 2, 10, Routing::random);
+  std::vector<float> y(p.t * p.h);
+  const auto st = experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h));
+  CHECK(st.routed_rows == 20);
+  CHECK(st.padded_rows % gemm::kernel_info(st.isa).mr == 0);
+  CHECK(isa_usable(st.isa));
+}
+
+namespace {
+// Runs forward on a spoiled copy and expects `clause`, with y untouched.
+template <class Spoil>
+void expect_pre(Spoil spoil, std::string_view clause) {
+  Problem p = make(60, 4, 16, 8, 2, 6, Routing::random);
+  std::vector<float> y(p.t * p.h, 3.0f);
+  MatView<float> yv(y.data(), p.t, p.h);
+  spoil(p, yv);
+  test::expect_violation([&] { experts::forward(p.packed, p.X(), p.Idx(), p.W(), yv, {.isa = Isa::scalar}); }, clause);
+  for (float v : y) REQUIRE(v == 3.0f);
+}
+}  // namespace
+
+TEST_CASE("experts.forward: shape clause", "[experts][forward][shape]") {
+  expect_pre([](Problem& p, MatView<float>& y) { y.cols = p.h - 1; }, "experts.forward.shape");
+}
+
+TEST_CASE("experts.forward: idx_in_range clause", "[experts][forward][index]") {
+  expect_pre([](Problem& p, MatView<float>&) { p.idx[3] = 4; }, "experts.forward.idx_in_range");
+  expect_pre([](Problem& p, MatView<float>&) { p.idx[3] = -2; }, "experts.forward.idx_in_range");
+  expect_pre([](Problem& p, MatView<float>&) { p.idx[2] = -1; p.w[2] = 0; }, "experts.forward.idx_in_range");  // -1 before a valid slot
+}
+
+TEST_CASE("experts.forward: idx_unique clause", "[experts][forward][index]") {
+  expect_pre([](Problem& p, MatView<float>&) { p.idx[5] = p.idx[4]; }, "experts.forward.idx_unique");
+}
+
+TEST_CASE("experts.forward: weight_finite clause", "[experts][forward][finite]") {
+  expect_pre([](Problem& p, MatView<float>&) { p.w[1] = NAN; }, "experts.forward.weight_finite");
+  expect_pre([](Problem& p, MatView<float>&) { p.idx[1] = -1; p.w[1] = 0.5f; }, "experts.forward.weight_finite");
+}
+
+TEST_CASE("experts.forward: x_finite and x_range clauses", "[experts][forward][finite]") {
+  expect_pre([](Problem& p, MatView<float>&) { p.x[7] = bf16(INFINITY); }, "experts.forward.x_finite");
+  expect_pre([](Problem& p, MatView<float>&) { p.x[7] = bf16(0x1p-90f); }, "experts.forward.x_range");
+}
+
+TEST_CASE("experts.forward: no_alias clause", "[experts][forward][alias]") {
+  expect_pre([](Problem& p, MatView<float>& y) { y.data = reinterpret_cast<float*>(p.x.data()); y.rows = 1; y.cols = p.h; p.t = 1; },
+             "experts.forward.no_alias");
+}
+
+TEST_CASE("experts.forward: permutation invariant catches a lost row", "[experts][forward][index]") {
+  const Problem p = make(61, 4, 16, 8, 2, 6, Routing::random);
+  auto g = experts::group_by_expert(p.Idx(), 4, 8);
+  {
+    detail::Checker c{"experts.forward"};
+    ContractScope s{Level::check, Semantic::enforce};
+    CHECK_NOTHROW(contracts::experts_forward_grouping(c, p.Idx(), g));
+  }
+  g.row_slot[g.slot_row[3]] = -1;  // a missing row in the counting sort
+  test::expect_violation([&] { detail::Checker c{"experts.forward"}; contracts::experts_forward_grouping(c, p.Idx(), g); },
+                         "experts.forward.permutation");
+}
+
+TEST_CASE("experts.forward: y_finite clause on overflow", "[experts][forward][finite]") {
+  Problem p = make(62, 2, 32, 16, 1, 3, Routing::random);
+  for (auto& v : p.w) v = 3e38f;  // finite weights whose products overflow
+  for (auto& v : p.x) v = bf16(v.to_float() * 64);
+  std::vector<float> y(p.t * p.h);
+  test::expect_violation([&] { experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = Isa::scalar}); },
+                         "experts.forward.y_finite", Level::check);
+}
+
+namespace {
+// The state a correct run leaves for one expert and four tokens (mr = 8),
+// computed in double and rounded: what the post-conditions judge.
+experts::ForwardState exact_state(const Problem& p) {
+  experts::ForwardState st;
+  st.grouping = experts::group_by_expert(p.Idx(), p.e, 8);
+  const auto& gu = p.packed.gate_up(0);
+  const auto& dn = p.packed.down(0);
+  st.lda = gu.kp(); st.ldc1 = gu.n(); st.ldh = dn.kp(); st.ldo = p.h;
+  st.a.assign(8 * st.lda, bf16(0.0f));
+  st.c1.assign(8 * st.ldc1, 0.0f);
+  st.h.assign(8 * st.ldh, bf16(0.0f));
+  st.o.assign(8 * st.ldo, 0.0f);
+  for (std::size_t r = 0; r < p.t; ++r) {
+    for (std::size_t k = 0; k < p.h; ++k) st.a[r * st.lda + k] = p.x[r * p.h + k];
+    for (std::size_t n = 0; n < gu.n(); ++n) {
+      double s = 0;
+      for (std::size_t k = 0; k < p.h; ++k) s += double(st.a[r * st.lda + k].to_float()) * gu.at(n, k).to_float();
+      st.c1[r * st.ldc1 + n] = static_cast<float>(s);
+    }
+    for (std::size_t i = 0; i < p.i; ++i) {
+      const std::size_t n = 2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel;
+      const double g = st.c1[r * st.ldc1 + n], u = st.c1[r * st.ldc1 + n + gemm::kPanel];
+      st.h[r * st.ldh + i] = bf16(static_cast<float>(g / (1 + std::exp(-g)) * u));
+    }
+    for (std::size_t m = 0; m < p.h; ++m) {
+      double s = 0;
+      for (std::size_t i = 0; i < p.i; ++i) s += double(st.h[r * st.ldh + i].to_float()) * dn.at(m, i).to_float();
+      st.o[r * st.ldo + m] = static_cast<float>(s);
+    }
+  }
+  return st;
+}
+}  // namespace
+
+TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forward][numeric]") {
+  const Problem p = make(64, 2, 32, 16, 1, 4, Routing::one_expert);
+  experts::ForwardState st = exact_state(p);
+  std::vector<float> y(p.t * p.h);
+  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = Isa::scalar});
+  auto post = [&] {
+    detail::Checker c{"experts.forward"};
+    contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(), MatView<const float>(y.data(), p.t, p.h), st);
+  };
+  {
+    ContractScope s{Level::full, Semantic::enforce};
+    CHECK_NOTHROW(post());  // the correct state passes both numeric clauses
+  }
+  st.o[2 * st.ldo + 7] += 0.5f;  // one wrong element of the down GEMM
+  auto v = test::expect_violation(post, "experts.forward.probe", Level::audit);
+  CHECK(v.location.find("down GEMM row 2") != std::string::npos);
+}
+
+TEST_CASE("experts.forward: within_bound catches a wrong output", "[experts][forward][numeric]") {
+  const Problem p = make(65, 2, 32, 16, 1, 4, Routing::one_expert);
+  const experts::ForwardState st = exact_state(p);
+  std::vector<float> y(p.t * p.h);
+  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = Isa::scalar});
+  y[p.h + 5] += 0.25f;
+  auto v = test::expect_violation([&] {
+    detail::Checker c{"experts.forward"};
+    contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(), MatView<const float>(y.data(), p.t, p.h), st);
+  }, "experts.forward.within_bound", Level::full);
+  CHECK(v.location == "t=1 h=5");
+}
+
+TEST_CASE("experts.forward: packed weights changed after packing are caught", "[experts][forward][memory]") {
+  expect_pre([](Problem& p, MatView<float>&) { p.packed.mutable_down_for_testing(1).mutable_data_for_testing()[0] = bf16(9.0f); },
+             "gemm.pack.checksum");
+}
