@@ -23,11 +23,14 @@ set(MOECERT_SOURCES
   ops/gemm/ukernel_avx512_bf16.cpp
   ops/gemm/ukernel_amx_bf16.cpp
   ops/gemm/ukernel_amx_emu.cpp
+  ops/gemm/epilogue_scalar.cpp
+  ops/gemm/epilogue_avx512.cpp
 )
 
 # ISA flags on the microkernel files only (one binary carries every ISA and
 # picks at run time; ops/gemm/dispatch.cpp).
-set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_avx512_bf16.cpp PROPERTIES
+set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_avx512_bf16.cpp
+                            ${PROJECT_SOURCE_DIR}/ops/gemm/epilogue_avx512.cpp PROPERTIES
   COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512bf16")
 set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_amx_bf16.cpp PROPERTIES
   COMPILE_OPTIONS "-mamx-tile;-mamx-bf16")

@@ -198,16 +198,26 @@ TEST_CASE("experts.forward: y_finite clause on overflow", "[experts][forward][fi
 namespace {
 // The state a correct run leaves for one expert and four tokens (mr = 8),
 // computed in double and rounded: what the post-conditions judge.
-experts::ForwardState exact_state(const Problem& p) {
+struct ExactState {
   experts::ForwardState st;
+  std::vector<bf16> a, h;
+  std::vector<float> c1, o;
+};
+ExactState exact_state(const Problem& p) {
+  ExactState ex;
+  experts::ForwardState& st = ex.st;
   st.grouping = experts::group_by_expert(p.Idx(), p.e, 8);
   const auto& gu = p.packed.gate_up(0);
   const auto& dn = p.packed.down(0);
   st.lda = gu.kp(); st.ldc1 = gu.n(); st.ldh = dn.kp(); st.ldo = p.h;
-  st.a.assign(8 * st.lda, bf16(0.0f));
-  st.c1.assign(8 * st.ldc1, 0.0f);
-  st.h.assign(8 * st.ldh, bf16(0.0f));
-  st.o.assign(8 * st.ldo, 0.0f);
+  ex.a.assign(8 * st.lda, bf16(0.0f));
+  ex.c1.assign(8 * st.ldc1, 0.0f);
+  ex.h.assign(8 * st.ldh, bf16(0.0f));
+  ex.o.assign(8 * st.ldo, 0.0f);
+  st.a = ex.a.data();
+  st.c1 = ex.c1.data();
+  st.h = ex.h.data();
+  st.o = ex.o.data();
   for (std::size_t r = 0; r < p.t; ++r) {
     for (std::size_t k = 0; k < p.h; ++k) st.a[r * st.lda + k] = p.x[r * p.h + k];
     for (std::size_t n = 0; n < gu.n(); ++n) {
@@ -226,13 +236,14 @@ experts::ForwardState exact_state(const Problem& p) {
       st.o[r * st.ldo + m] = static_cast<float>(s);
     }
   }
-  return st;
+  return ex;
 }
 }  // namespace
 
 TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forward][numeric]") {
   const Problem p = make(64, 2, 32, 16, 1, 4, Routing::one_expert);
-  experts::ForwardState st = exact_state(p);
+  ExactState ex = exact_state(p);
+  const experts::ForwardState& st = ex.st;
   std::vector<float> y(p.t * p.h);
   experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = Isa::scalar});
   auto post = [&] {
@@ -250,7 +261,8 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
 
 TEST_CASE("experts.forward: within_bound catches a wrong output", "[experts][forward][numeric]") {
   const Problem p = make(65, 2, 32, 16, 1, 4, Routing::one_expert);
-  const experts::ForwardState st = exact_state(p);
+  const ExactState ex = exact_state(p);
+  const experts::ForwardState& st = ex.st;
   std::vector<float> y(p.t * p.h);
   experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = Isa::scalar});
   y[p.h + 5] += 0.25f;

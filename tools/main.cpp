@@ -1,4 +1,4 @@
-// moecert: the command-line program (info, conform).
+// moecert: the command-line program (info, conform, bench).
 #include <cstdio>
 #include <exception>
 #include <string_view>
@@ -14,7 +14,9 @@ constexpr const char* kUsage =
     "commands:\n"
     "  info [--json]                          CPU, ISA levels, build, contracts, versions\n"
     "  conform [--suite smoke|default|full] [--out DIR] [--isa NAME...] [--threads N] [--seed S]\n"
-    "                                         run a conformance suite and write the report\n";
+    "                                         run a conformance suite and write the report\n"
+    "  bench [--case NAME...] [--json FILE] [--isa NAME] [--threads N] [--reps N] [--list]\n"
+    "                                         time cases against oneDNN in the same run\n";
 
 }  // namespace
 
@@ -27,6 +29,7 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "info") return moecert::tools::run_info(argc - 2, argv + 2);
     if (cmd == "conform") return moecert::tools::run_conform(argc - 2, argv + 2);
+    if (cmd == "bench") return moecert::tools::run_bench(argc - 2, argv + 2);
     if (cmd == "--help" || cmd == "-h" || cmd == "help") {
       std::fputs(kUsage, stdout);
       return 0;

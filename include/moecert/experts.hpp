@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -41,11 +42,30 @@ class PackedExperts {
   std::size_t hidden_ = 0, inter_ = 0;
 };
 
+/// Scratch and saved activations of the expert forward, kept across calls:
+/// buffers grow as needed and are reused, never cleared (every element a
+/// call reads, it has written). One workspace per concurrent caller.
+class Workspace {
+ public:
+  Workspace();
+  ~Workspace();
+  Workspace(Workspace&&) noexcept;
+  Workspace& operator=(Workspace&&) noexcept;
+  std::size_t bytes() const;  // held now
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 struct ForwardOptions {
   /// Kernel; default: default_isa(), except that with at most 4 routed rows
   /// per expert on average an AMX default gives way to avx512_bf16 (the
   /// 32-row AMX block would be mostly padding). Results stay within bound.
   std::optional<Isa> isa;
+  /// Reused scratch; null: a temporary one for this call.
+  Workspace* workspace = nullptr;
 };
 
 /// What a forward call did (for reports and tests).

@@ -37,13 +37,6 @@ void for_each_tile(const std::vector<Tile>& ts, F f) {
                             });
 }
 
-// h = silu(g) * u in fp32, rounded to bf16 (proofs/bounds.md §5, §2): the
-// kernel whose error bounds::silu_mul describes.
-inline bf16 swiglu(float g, float u) {
-  const float s = 1.0f / (1.0f + std::exp(-g));
-  return bf16((g * s) * u);
-}
-
 Isa choose_isa(const ForwardOptions& opt, std::size_t routed, std::size_t experts) {
   if (opt.isa) return *opt.isa;
   const Isa d = default_isa();
@@ -52,6 +45,14 @@ Isa choose_isa(const ForwardOptions& opt, std::size_t routed, std::size_t expert
 }
 
 }  // namespace
+
+Workspace::Workspace() : impl_(std::make_unique<Impl>()) {}
+Workspace::~Workspace() = default;
+Workspace::Workspace(Workspace&&) noexcept = default;
+Workspace& Workspace::operator=(Workspace&&) noexcept = default;
+std::size_t Workspace::bytes() const {
+  return impl_->a.capacity() + impl_->c1.capacity() + impl_->h.capacity() + impl_->o.capacity();
+}
 
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y, const ForwardOptions& opt) {
@@ -67,7 +68,9 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   const gemm::KernelInfo& kernel = gemm::kernel_info(stats.isa);
 
   // 1. Group the routed slots by expert (stable counting sort).
-  ForwardState st;
+  Workspace temporary_ws;
+  Workspace::Impl& ws = (opt.workspace ? *opt.workspace : temporary_ws).impl();
+  ForwardState& st = ws.state;
   st.grouping = group_by_expert(idx, w.experts(), kernel.mr);
   const Grouping& g = st.grouping;
   contracts::experts_forward_grouping(chk, idx, g);
@@ -80,16 +83,16 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
     st.ldh = w.down(0).kp();
     st.ldo = hidden;
   }
-  st.a.resize(rows * st.lda);
-  st.c1.resize(rows * st.ldc1);
-  st.h.resize(rows * st.ldh);
-  st.o.resize(rows * st.ldo);
+  st.a = ws.a.get<bf16>(rows * st.lda);
+  st.c1 = ws.c1.get<float>(rows * st.ldc1);
+  st.h = ws.h.get<bf16>(rows * st.ldh);
+  st.o = ws.o.get<float>(rows * st.ldo);
 
   // 2. Gather each expert's token rows (padding rows and columns zero).
   oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
     std::vector<std::int32_t> tokens(g.count[e]);
     for (std::size_t r = 0; r < g.count[e]; ++r) tokens[r] = g.row_slot[g.begin[e] + r] / static_cast<std::int32_t>(k);
-    gemm::pack_a(x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], st.lda, st.a.data() + g.begin[e] * st.lda);
+    gemm::pack_a(x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], st.lda, st.a + g.begin[e] * st.lda);
   });
 
   // 3. Gate+up GEMM, then h = silu(g) * u per 32-column panel pair (16 gate
@@ -97,31 +100,30 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   const std::size_t mb = 4 * kernel.mr;
   for_each_tile(tiles(g, st.ldc1, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    gemm::gemm_block(kernel, st.a.data() + r0 * st.lda, tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1,
-                     st.c1.data() + r0 * st.ldc1, st.ldc1);
+    gemm::gemm_block(kernel, st.a + r0 * st.lda, tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1,
+                     st.c1 + r0 * st.ldc1, st.ldc1);
     for (std::size_t r = r0; r < r0 + (tl.m1 - tl.m0); ++r) {
-      const float* c = st.c1.data() + r * st.ldc1;
-      bf16* h = st.h.data() + r * st.ldh;
-      for (std::size_t n = tl.n0; n < tl.n1; n += 2 * gemm::kPanel)
-        for (std::size_t i = 0; i < gemm::kPanel; ++i) {
-          const std::size_t col = n / 2 + i;  // intermediate index
-          if (col < inter) h[col] = swiglu(c[n + i], c[n + gemm::kPanel + i]);
-        }
+      const float* c = st.c1 + r * st.ldc1;
+      bf16* h = st.h + r * st.ldh;
+      for (std::size_t n = tl.n0; n < tl.n1; n += 2 * gemm::kPanel) {
+        const std::size_t col = n / 2;  // first intermediate index of the pair
+        if (col < inter) kernel.swiglu(c + n, c + n + gemm::kPanel, h + col, std::min(gemm::kPanel, inter - col));
+      }
     }
   });
   // Zero h's K padding (columns I..ldh) and the padding rows, which the down
   // GEMM reads: a stale NaN there would reach valid outputs as 0 * NaN.
   for (std::size_t e = 0; e < w.experts(); ++e) {
     for (std::size_t r = g.begin[e]; r < g.begin[e] + g.count[e]; ++r)
-      std::fill(st.h.begin() + r * st.ldh + inter, st.h.begin() + (r + 1) * st.ldh, bf16(0.0f));
-    std::fill(st.h.begin() + (g.begin[e] + g.count[e]) * st.ldh, st.h.begin() + g.begin[e + 1] * st.ldh, bf16(0.0f));
+      std::fill(st.h + r * st.ldh + inter, st.h + (r + 1) * st.ldh, bf16(0.0f));
+    std::fill(st.h + (g.begin[e] + g.count[e]) * st.ldh, st.h + g.begin[e + 1] * st.ldh, bf16(0.0f));
   }
 
   // 4. Down GEMM.
   for_each_tile(tiles(g, hidden, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    gemm::gemm_block(kernel, st.h.data() + r0 * st.ldh, tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden,
-                     st.o.data() + r0 * st.ldo, st.ldo);
+    gemm::gemm_block(kernel, st.h + r0 * st.ldh, tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden,
+                     st.o + r0 * st.ldo, st.ldo);
   });
 
   // 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.
@@ -132,7 +134,7 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
       const std::int64_t row = g.slot_row[t * k + j];
       if (row < 0) continue;
       const float wt = weights(t, j);
-      const float* o = st.o.data() + static_cast<std::size_t>(row) * st.ldo;
+      const float* o = st.o + static_cast<std::size_t>(row) * st.ldo;
       for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
     }
   });

@@ -1,5 +1,5 @@
-// Loops around the microkernel (BLIS shape): for each NR-wide column block,
-// for each MR-tall row block, one microkernel call over the whole of K.
+// Loops around the microkernel (BLIS shape): K blocks, NR-wide column
+// blocks, MR-tall row blocks, one microkernel call each.
 // Each element of C is written by exactly one call, and its accumulation
 // order is the kernel's alone: results do not depend on the partition.
 #include "ops/gemm/loops.hpp"
@@ -25,28 +25,39 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
   kernel.thread_begin();
   // Assumptions: a holds round_up(m, mr) rows of kp elements; w has np >=
-  // n_end columns; n_begin % nr == 0.
-  for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
-    const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
-    if (nn == 0) break;
-    UkernelArgs args{};
-    args.lda = kp;
-    args.b = w.data() + (n0 / kPanel) * kp * kPanel;
-    args.panel_stride = kp * kPanel;
-    args.kp = kp;
-    args.accumulate = false;
-    for (std::size_t m0 = 0; m0 < m; m0 += mr) {
-      const std::size_t mm = std::min(mr, m - m0);
-      args.a = a + m0 * kp;
-      if (mm == mr && nn == nr) {  // full block: straight into C
-        args.c = c + m0 * ldc + n0;
-        args.ldc = ldc;
-        kernel.ukernel(args);
-      } else {  // edge: through the scratch block
-        args.c = edge;
-        args.ldc = nr;
-        kernel.ukernel(args);
-        for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, edge + i * nr, nn * sizeof(float));
+  // n_end columns; n_begin % nr == 0; kKc % kKStep == 0.
+  // Loop 1: K in blocks of kKc, so that the B sub-panel (kKc x NR) stays in
+  // L1 while every row block uses it. C is accumulated across K blocks in
+  // fp32 (an exact store and reload: the accumulation order is unchanged).
+  for (std::size_t k0 = 0; k0 < kp; k0 += kKc) {
+    const std::size_t kc = std::min(kKc, kp - k0);
+    // Loop 2: NR-wide column blocks (panel pairs).
+    for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
+      const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
+      if (nn == 0) break;
+      UkernelArgs args{};
+      args.lda = kp;
+      args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
+      args.panel_stride = kp * kPanel;
+      args.kp = kc;
+      args.accumulate = k0 > 0;
+      // Loop 3: MR-tall row blocks, one microkernel call each.
+      for (std::size_t m0 = 0; m0 < m; m0 += mr) {
+        const std::size_t mm = std::min(mr, m - m0);
+        args.a = a + m0 * kp + k0;
+        if (mm == mr && nn == nr) {  // full block: straight into C
+          args.c = c + m0 * ldc + n0;
+          args.ldc = ldc;
+          kernel.ukernel(args);
+        } else {  // edge: through a scratch block, C's valid part copied in and out
+          float* blk = edge + 0;
+          if (args.accumulate)
+            for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, c + (m0 + i) * ldc + n0, nn * sizeof(float));
+          args.c = blk;
+          args.ldc = nr;
+          kernel.ukernel(args);
+          for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, blk + i * nr, nn * sizeof(float));
+        }
       }
     }
   }

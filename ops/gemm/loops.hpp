@@ -22,6 +22,9 @@ void pack_a(MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std:
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
                 std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc);
 
+/// K block of the loops, in elements: a 384 x 32 bf16 B sub-panel is 24 KiB.
+inline constexpr std::size_t kKc = std::size_t{1} << 30;
+
 inline std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }
 
 }  // namespace moecert::gemm

@@ -18,7 +18,7 @@ void matmul(MatView<const bf16> a, const PackedWeights& w, MatView<float> c, Isa
   const std::size_t m = a.rows, kp = w.kp();
   if (m > 0 && w.n() > 0) {
     // Work items: blocks of 4 MR rows x 8 NR columns; no two share an element of C.
-    const std::size_t mb = 4 * kernel.mr, nb = 8 * kernel.nr;
+    const std::size_t mb = 16 * kernel.mr, nb = 4 * kernel.nr;
     const std::size_t m_padded = round_up(m, kernel.mr);
     std::vector<bf16> ap(m_padded * kp);
     pack_a(a, nullptr, m, m_padded, kp, ap.data());

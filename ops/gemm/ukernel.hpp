@@ -31,6 +31,11 @@ struct UkernelArgs {
 
 using UkernelFn = void (*)(const UkernelArgs&);
 
+/// h[i] = bf16(silu(g[i]) * u[i]) for i < n (proofs/bounds.md §5): the
+/// expert forward's epilogue. Every implementation is bit-identical
+/// (exp_poly.hpp), so the choice never changes a result.
+using SwigluFn = void (*)(const float* g, const float* u, bf16* h, std::size_t n);
+
 /// A kernel as registered in dispatch.cpp.
 struct KernelInfo {
   Isa isa;
@@ -38,6 +43,7 @@ struct KernelInfo {
   UkernelFn ukernel;
   void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
   void (*thread_end)();    // after its last (AMX: tile release)
+  SwigluFn swiglu;         // the epilogue to pair with it
   const char* name;        // e.g. "ukernel_amx_bf16_32x32"
 };
 
@@ -49,6 +55,8 @@ void ukernel_scalar_8x32(const UkernelArgs&);
 void ukernel_avx512_bf16_8x32(const UkernelArgs&);
 void ukernel_amx_bf16_32x32(const UkernelArgs&);
 void ukernel_amx_emu_32x32(const UkernelArgs&);
+void swiglu_scalar(const float* g, const float* u, bf16* h, std::size_t n);
+void swiglu_avx512(const float* g, const float* u, bf16* h, std::size_t n);
 void amx_bf16_tile_begin();
 void amx_bf16_tile_end();
 void amx_emu_tile_begin();

@@ -1,0 +1,55 @@
+// Benchmark cases for `moecert bench`: moecert against a peer in the same
+// process, on the same data and thread count; medians of repeated runs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecert/types.hpp"
+
+namespace moecert::bench {
+
+struct Shape {
+  std::size_t e = 0, h = 0, i = 0, k = 0, r = 0, t = 0;
+};
+
+struct Options {
+  int threads = 1;
+  Isa isa = Isa::scalar;
+  int reps = 5;  // timed runs per side (after one warm-up)
+};
+
+struct Result {
+  std::string name, op, isa, peer;
+  Shape shape;
+  int threads = 0;
+  double flops = 0;                 // per run
+  double median_ms = 0, peer_median_ms = 0;
+  std::vector<double> ms, peer_ms;  // every timed run
+  std::string skipped;              // reason, when the case could not run here
+  std::string note;
+};
+
+struct Case {
+  std::string name;
+  std::string op;
+  Shape shape;
+  std::size_t bytes_needed;  // host memory the case allocates (both sides)
+  std::function<Result(const Options&)> run;
+};
+
+/// Every registered case.
+std::vector<Case> all_cases();
+
+/// Median of `reps` timed calls of f (after one untimed warm-up), in ms.
+std::vector<double> time_ms(int reps, const std::function<void()>& f);
+double median(std::vector<double> v);
+
+/// Fills v with deterministic pseudo-random bf16 uniform in [-scale, scale),
+/// in parallel (each block from its own counter-based stream).
+void fill_uniform(std::vector<bf16>& v, std::uint64_t seed, float scale);
+
+}  // namespace moecert::bench

@@ -1,0 +1,106 @@
+// `moecert bench`: times cases against peers measured in the same run.
+#include <fstream>
+#include <regex>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
+
+#include "bench/bench.hpp"
+#include "bench/onednn_peer.hpp"
+#include "moecert/isa.hpp"
+#include "tools/commands.hpp"
+#include "tools/environment.hpp"
+
+namespace moecert::tools {
+namespace {
+
+std::size_t available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  std::size_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return 0;
+}
+
+boost::json::object to_json(const bench::Result& r) {
+  const double speedup = r.median_ms > 0 ? r.peer_median_ms / r.median_ms : 0;
+  boost::json::object o{
+      {"name", r.name},
+      {"op", r.op},
+      {"shape", {{"E", r.shape.e}, {"H", r.shape.h}, {"I", r.shape.i}, {"K", r.shape.k}, {"r", r.shape.r}, {"T", r.shape.t}}},
+      {"isa", r.isa},
+      {"threads", r.threads},
+      {"median_ms", r.median_ms},
+      {"tflops", r.median_ms > 0 ? r.flops / (r.median_ms * 1e9) : 0.0},
+      {"peer", r.peer},
+      {"peer_median_ms", r.peer_median_ms},
+      {"peer_tflops", r.peer_median_ms > 0 ? r.flops / (r.peer_median_ms * 1e9) : 0.0},
+      {"speedup_vs_peer", speedup},
+      {"runs_ms", boost::json::array(r.ms.begin(), r.ms.end())},
+      {"peer_runs_ms", boost::json::array(r.peer_ms.begin(), r.peer_ms.end())},
+      {"note", r.note}};
+  if (!r.skipped.empty()) o["skipped"] = r.skipped;
+  return o;
+}
+
+}  // namespace
+
+int run_bench(int argc, char** argv) {
+  Args args(argc, argv, {"case", "json", "isa", "threads", "reps"}, {"list"});
+  const auto cases = bench::all_cases();
+  if (args.flag("list")) {
+    for (const auto& c : cases) fmt::print("{}\n", c.name);
+    return 0;
+  }
+  bench::Options opt;
+  opt.threads = static_cast<int>(args.get_int("threads", default_threads()));
+  opt.reps = static_cast<int>(args.get_int("reps", 5));
+  if (opt.threads < 1 || opt.reps < 1) throw std::invalid_argument("--threads and --reps: expected N >= 1");
+  opt.isa = default_isa();
+  if (auto name = args.get("isa")) {
+    const auto isa = parse_isa(*name);
+    if (!isa) throw std::invalid_argument(fmt::format("--isa {}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", *name));
+    if (!isa_usable(*isa)) throw std::invalid_argument(fmt::format("--isa {}: not usable on this machine", *name));
+    opt.isa = *isa;
+  }
+  const auto patterns = args.all("case");
+  oneapi::tbb::global_control limit(oneapi::tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(opt.threads));
+  bench::OnednnExperts::set_threads(opt.threads);
+
+  boost::json::array results;
+  fmt::print("{:<44} {:>6} {:>11} {:>9} {:>11} {:>9} {:>8}\n", "case", "isa", "median ms", "TFLOP/s", "onednn ms", "TFLOP/s", "speedup");
+  for (const auto& c : cases) {
+    bool selected = patterns.empty();
+    for (const auto& p : patterns) selected |= c.name.find(p) != std::string::npos;
+    if (!selected) continue;
+    bench::Result r;
+    if (c.bytes_needed > available_bytes() * 9 / 10) {
+      r.name = c.name;
+      r.op = c.op;
+      r.shape = c.shape;
+      r.threads = opt.threads;
+      r.skipped = fmt::format("needs about {:.1f} GiB, {:.1f} GiB available", c.bytes_needed / 1073741824.0,
+                              available_bytes() / 1073741824.0);
+      fmt::print("{:<44} skipped: {}\n", c.name, r.skipped);
+    } else {
+      r = c.run(opt);
+      fmt::print("{:<44} {:>6} {:>11.2f} {:>9.3f} {:>11.2f} {:>9.3f} {:>7.2f}x  {}\n", c.name, r.isa.substr(0, 6), r.median_ms,
+                 r.flops / (r.median_ms * 1e9), r.peer_median_ms, r.flops / (r.peer_median_ms * 1e9),
+                 r.peer_median_ms / r.median_ms, r.note);
+    }
+    std::fflush(stdout);
+    results.push_back(to_json(r));
+  }
+  if (auto path = args.get("json")) {
+    auto env = to_json(environment(opt.threads, std::string(isa_name(opt.isa))));
+    env["versions"].as_object()["onednn"] = bench::OnednnExperts::version();
+    boost::json::object doc{{"schema", "moecert-bench/1"}, {"environment", env}, {"cases", results}};
+    std::ofstream(*path) << boost::json::serialize(doc) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace moecert::tools
