@@ -11,6 +11,8 @@
 #include "moecert/isa.hpp"
 #include "ops/gemm/loops.hpp"
 
+using moecert::gemm::round_up;
+
 namespace moecert::experts {
 namespace {
 
@@ -97,7 +99,10 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
 
   // 3. Gate+up GEMM, then h = silu(g) * u per 32-column panel pair (16 gate
   //    columns, then the same 16 up columns). Tiles are pair-aligned.
-  const std::size_t mb = 4 * kernel.mr;
+  // Work items: (expert, up to 512 rows, 256 columns). Tall items make each
+  // weight column block stream from memory once per expert, not once per
+  // row block; 256 columns leave enough items for every thread.
+  const std::size_t mb = round_up(512, kernel.mr);
   for_each_tile(tiles(g, st.ldc1, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     gemm::gemm_block(kernel, st.a + r0 * st.lda, tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1,

@@ -53,6 +53,8 @@ struct CaseRecord {
 
 /// Every case of the engine's self-checks (bf16, config, contracts, ISA).
 void add_core_cases(std::vector<CaseDef>& out);
+/// GEMM and expert forward cases for each of `isas` (unusable ones: skip).
+void add_kernel_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
 
 /// Fails the case with `detail` unless `ok`; returns ok.
 bool expect(CaseResult& r, bool ok, const std::string& detail);

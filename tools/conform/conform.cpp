@@ -96,12 +96,14 @@ int run_conform(int argc, char** argv) {
     ctx.isas.push_back(*isa);  // kept even if unusable here: its cases are reported as skip
     isa_used += (isa_used.empty() ? "" : ",") + name;
   }
-  if (ctx.isas.empty()) ctx.isas = usable_isas();
+  // Every ISA by default: those this CPU cannot run are reported as skip.
+  if (ctx.isas.empty()) ctx.isas.assign(std::begin(kAllIsas), std::end(kAllIsas));
 
   oneapi::tbb::global_control limit(oneapi::tbb::global_control::max_allowed_parallelism,
                                     static_cast<std::size_t>(threads));
   std::vector<CaseDef> defs;
   add_core_cases(defs);
+  add_kernel_cases(defs, ctx.isas);
   std::erase_if(defs, [&](const CaseDef& d) { return d.suite > suite; });
 
   Report report;
