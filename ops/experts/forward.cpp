@@ -80,9 +80,9 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   stats.padded_rows = g.rows();
   const std::size_t rows = g.rows();
   if (w.experts() > 0) {
-    st.lda = w.gate_up(0).kp();
+    st.lda = gemm::a_stride(w.gate_up(0).kp());
     st.ldc1 = w.gate_up(0).n();
-    st.ldh = w.down(0).kp();
+    st.ldh = gemm::a_stride(w.down(0).kp());
     st.ldo = hidden;
   }
   st.a = ws.a.get<bf16>(rows * st.lda);
@@ -94,7 +94,8 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
     std::vector<std::int32_t> tokens(g.count[e]);
     for (std::size_t r = 0; r < g.count[e]; ++r) tokens[r] = g.row_slot[g.begin[e] + r] / static_cast<std::int32_t>(k);
-    gemm::pack_a(x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], st.lda, st.a + g.begin[e] * st.lda);
+    gemm::pack_a(x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], w.gate_up(0).kp(), st.lda,
+                 st.a + g.begin[e] * st.lda);
   });
 
   // 3. Gate+up GEMM, then h = silu(g) * u per 32-column panel pair (16 gate
@@ -105,7 +106,7 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   const std::size_t mb = round_up(512, kernel.mr);
   for_each_tile(tiles(g, st.ldc1, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    gemm::gemm_block(kernel, st.a + r0 * st.lda, tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1,
+    gemm::gemm_block(kernel, st.a + r0 * st.lda, st.lda, tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1,
                      st.c1 + r0 * st.ldc1, st.ldc1);
     for (std::size_t r = r0; r < r0 + (tl.m1 - tl.m0); ++r) {
       const float* c = st.c1 + r * st.ldc1;
@@ -127,7 +128,7 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   // 4. Down GEMM.
   for_each_tile(tiles(g, hidden, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    gemm::gemm_block(kernel, st.h + r0 * st.ldh, tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden,
+    gemm::gemm_block(kernel, st.h + r0 * st.ldh, st.ldh, tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden,
                      st.o + r0 * st.ldo, st.ldo);
   });
 

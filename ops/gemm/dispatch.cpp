@@ -165,15 +165,18 @@ void no_hook() {}
 
 const KernelInfo& kernel_info(Isa isa) {
   // The kernel table: each kernel registered once, with its block sizes.
+  // K block of the AMX loops: all of K. Blocks of 256 to 1024 measured
+  // slower on the AMX machine (docs/PERFORMANCE.md), prefetching won instead.
+  constexpr std::size_t kAmxKc = 0;
   // The vector epilogue wherever AVX-512 runs (AMX machines have it); the
   // emulator takes it too where it can, and the results never differ.
   static const SwigluFn vec = isa_usable(Isa::avx512_bf16) ? swiglu_avx512 : swiglu_scalar;
   static const KernelInfo table[] = {
-      {Isa::scalar, 8, 32, ukernel_scalar_8x32, no_hook, no_hook, swiglu_scalar, "ukernel_scalar_8x32"},
-      {Isa::avx512_bf16, 8, 32, ukernel_avx512_bf16_8x32, no_hook, no_hook, swiglu_avx512, "ukernel_avx512_bf16_8x32"},
-      {Isa::amx_bf16, 32, 32, ukernel_amx_bf16_32x32, amx_bf16_tile_begin, amx_bf16_tile_end, swiglu_avx512,
+      {Isa::scalar, 8, 32, 0, ukernel_scalar_8x32, no_hook, no_hook, swiglu_scalar, "ukernel_scalar_8x32"},
+      {Isa::avx512_bf16, 8, 32, 0, ukernel_avx512_bf16_8x32, no_hook, no_hook, swiglu_avx512, "ukernel_avx512_bf16_8x32"},
+      {Isa::amx_bf16, 32, 32, kAmxKc, ukernel_amx_bf16_32x32, amx_bf16_tile_begin, amx_bf16_tile_end, swiglu_avx512,
        "ukernel_amx_bf16_32x32"},
-      {Isa::amx_emu, 32, 32, ukernel_amx_emu_32x32, amx_emu_tile_begin, amx_emu_tile_end, vec,
+      {Isa::amx_emu, 32, 32, kAmxKc, ukernel_amx_emu_32x32, amx_emu_tile_begin, amx_emu_tile_end, vec,
        "ukernel_amx_emu_32x32"},
   };
   if (!isa_usable(isa))

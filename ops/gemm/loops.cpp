@@ -10,33 +10,35 @@
 namespace moecert::gemm {
 
 void pack_a(MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
-            std::size_t kp, bf16* dst) {
+            std::size_t kp, std::size_t lda, bf16* dst) {
   for (std::size_t i = 0; i < m; ++i) {
     const bf16* src = a.row(rows ? static_cast<std::size_t>(rows[i]) : i);
-    std::memcpy(static_cast<void*>(dst + i * kp), src, a.cols * sizeof(bf16));
-    if (kp > a.cols) std::memset(static_cast<void*>(dst + i * kp + a.cols), 0, (kp - a.cols) * sizeof(bf16));
+    std::memcpy(static_cast<void*>(dst + i * lda), src, a.cols * sizeof(bf16));
+    if (kp > a.cols) std::memset(static_cast<void*>(dst + i * lda + a.cols), 0, (kp - a.cols) * sizeof(bf16));
   }
-  if (m_padded > m) std::memset(static_cast<void*>(dst + m * kp), 0, (m_padded - m) * kp * sizeof(bf16));
+  for (std::size_t i = m; i < m_padded; ++i) std::memset(static_cast<void*>(dst + i * lda), 0, kp * sizeof(bf16));
 }
 
-void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
+void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t lda, std::size_t m, const PackedWeights& w,
                 std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc) {
   const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp();
   alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
   kernel.thread_begin();
-  // Assumptions: a holds round_up(m, mr) rows of kp elements; w has np >=
-  // n_end columns; n_begin % nr == 0; kKc % kKStep == 0.
-  // Loop 1: K in blocks of kKc, so that the B sub-panel (kKc x NR) stays in
-  // L1 while every row block uses it. C is accumulated across K blocks in
-  // fp32 (an exact store and reload: the accumulation order is unchanged).
-  for (std::size_t k0 = 0; k0 < kp; k0 += kKc) {
-    const std::size_t kc = std::min(kKc, kp - k0);
+  // Assumptions: a holds round_up(m, mr) rows of kp elements at stride lda; w has np >=
+  // n_end columns; n_begin % nr == 0; kernel.kc % kKStep == 0.
+  // Loop 1: K in blocks of the kernel's kc (all of K when 0), so that the A
+  // rows of the item stay in L2 and a B sub-panel (kc x NR) in L1. C is
+  // accumulated across K blocks in fp32: an exact store and reload, so the
+  // accumulation order and every bit of the result are unchanged.
+  const std::size_t kc_step = kernel.kc ? kernel.kc : kp;
+  for (std::size_t k0 = 0; k0 < kp; k0 += kc_step) {
+    const std::size_t kc = std::min(kc_step, kp - k0);
     // Loop 2: NR-wide column blocks (panel pairs).
     for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
       const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
       if (nn == 0) break;
       UkernelArgs args{};
-      args.lda = kp;
+      args.lda = lda;
       args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
       args.panel_stride = kp * kPanel;
       args.kp = kc;
@@ -44,7 +46,7 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
       // Loop 3: MR-tall row blocks, one microkernel call each.
       for (std::size_t m0 = 0; m0 < m; m0 += mr) {
         const std::size_t mm = std::min(mr, m - m0);
-        args.a = a + m0 * kp + k0;
+        args.a = a + m0 * lda + k0;
         if (mm == mr && nn == nr) {  // full block: straight into C
           args.c = c + m0 * ldc + n0;
           args.ldc = ldc;

@@ -40,6 +40,7 @@ using SwigluFn = void (*)(const float* g, const float* u, bf16* h, std::size_t n
 struct KernelInfo {
   Isa isa;
   std::size_t mr, nr;     // block of C per call
+  std::size_t kc;         // K block of the loops (multiple of kKStep); 0: all of K in one call
   UkernelFn ukernel;
   void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
   void (*thread_end)();    // after its last (AMX: tile release)

@@ -51,6 +51,19 @@ inline void ukernel_32x32(const UkernelArgs& p) {
   const bf16* b0 = p.b;
   const bf16* b1 = p.b + p.panel_stride;
   for (std::size_t k = 0; k < p.kp; k += kKStep) {
+    // Prefetch the next k step's four tiles into L1: a tile register cannot
+    // be loaded again until the products reading it are done, so without
+    // this every TILELOADD waits for L2 (measured on the AMX machine:
+    // 0.30 -> 0.43 TFLOP/s on one core, 4.4 -> 5.3 on 16).
+    if (k + kKStep < p.kp) {
+      const std::size_t kn = k + kKStep;
+      for (std::size_t r = 0; r < 16; ++r) {
+        __builtin_prefetch(a0 + r * p.lda + kn, 0, 3);
+        __builtin_prefetch(a1 + r * p.lda + kn, 0, 3);
+        __builtin_prefetch(b0 + kn * kPanel + r * 2 * kPanel, 0, 3);
+        __builtin_prefetch(b1 + kn * kPanel + r * 2 * kPanel, 0, 3);
+      }
+    }
     Tiles::template load<4>(a0 + k, lda_bytes);
     Tiles::template load<5>(a1 + k, lda_bytes);
     Tiles::template load<6>(b0 + k * kPanel, 64);  // 16 rows of 64 bytes from k/2
