@@ -152,12 +152,15 @@ void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w, M
       const std::size_t r0 = g.begin[e], m = g.count[e];
       const auto& gu = w.gate_up(e);
       const auto& dn = w.down(e);
-      const auto p1 = verify::probe_gemm_nt(MatView<const bf16>(st.a + r0 * st.lda, m, w.hidden(), st.lda), gu.n(),
-                                            [&](std::size_t j, std::size_t kk) { return gu.at(j, kk); },
-                                            MatView<const float>(st.c1 + r0 * st.ldc1, m, gu.n(), st.ldc1));
-      const auto p2 = verify::probe_gemm_nt(MatView<const bf16>(st.h + r0 * st.ldh, m, w.inter(), st.ldh), w.hidden(),
-                                            [&](std::size_t j, std::size_t kk) { return dn.at(j, kk); },
-                                            MatView<const float>(st.o + r0 * st.ldo, m, w.hidden(), st.ldo));
+      // Gate+up: A read from x through the grouping (so the gather is
+      // checked too); down: A read from h in the kernel's layout.
+      const auto p1 = verify::probe_gemm_nt(
+          m, w.hidden(), [&](std::size_t i, std::size_t kk) { return x(static_cast<std::size_t>(g.row_slot[r0 + i]) / idx.cols, kk); },
+          gu.n(), [&](std::size_t j, std::size_t kk) { return gu.at(j, kk); },
+          MatView<const float>(st.c1 + r0 * st.ldc1, m, gu.n(), st.ldc1));
+      const auto p2 = verify::probe_gemm_nt(
+          m, w.inter(), [&](std::size_t i, std::size_t kk) { return st.h_at(r0 + i, kk); }, w.hidden(),
+          [&](std::size_t j, std::size_t kk) { return dn.at(j, kk); }, MatView<const float>(st.o + r0 * st.ldo, m, w.hidden(), st.ldo));
       for (const auto* p : {&p1, &p2})
         if (!p->pass) {
           c.fail(k::kProbe, fmt::format("e={} {} GEMM row {} column block {}", e, p == &p1 ? "gate_up" : "down", p->row, p->block),

@@ -61,7 +61,7 @@ void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::Pac
   MOECERT_CONTRACT(c, k::kCFinite) { detail::scan_finite(c, k::kCFinite, "c", out); }
   auto b_at = [&](std::size_t j, std::size_t kk) { return w.at(j, kk); };
   MOECERT_CONTRACT(c, k::kProbe) {
-    const auto r = verify::probe_gemm_nt(a, w.n(), b_at, out);
+    const auto r = verify::probe_gemm_nt(a.rows, a.cols, a, w.n(), b_at, out);
     if (!r.pass)
       c.fail(k::kProbe, fmt::format("row {} column block {}", r.row, r.block),
              fmt::format("residual {:.6g}", r.residual), fmt::format("<= {:.6g} (proofs/bounds.md §9)", r.threshold));
@@ -69,7 +69,7 @@ void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::Pac
   MOECERT_CONTRACT(c, k::kWithinBound) {
     std::vector<std::size_t> rows(a.rows);
     for (std::size_t i = 0; i < a.rows; ++i) rows[i] = i;
-    const auto r = verify::check_rows_gemm_nt(a, w.n(), b_at, out, rows);
+    const auto r = verify::check_rows_gemm_nt(a.cols, a, w.n(), b_at, out, rows);
     if (!r.pass())
       c.fail(k::kWithinBound, fmt::format("i={} j={}", r.worst / w.n(), r.worst % w.n()),
              fmt::format("c={:.9g} ref={:.17g} (utilisation {:.3g})", r.worst_got, r.worst_ref, r.max_utilization),

@@ -40,11 +40,10 @@ struct ProbeResult {
 /// per column block, all rows at once. Cost (N / width)(M K + N K) binary64
 /// operations. Never fails for a C within bounds::dot of the exact product
 /// (§9: the threshold includes the probe's own rounding).
-template <class BAt>
-ProbeResult probe_gemm_nt(MatView<const bf16> a, std::size_t n, BAt b, MatView<const float> c,
+template <class AAt, class BAt>
+ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BAt b, MatView<const float> c,
                           const ProbeOptions& opt = {}) {
   ProbeResult res;
-  const std::size_t m = a.rows, k = a.cols;
   const std::size_t width = std::max<std::size_t>(opt.width, 1);
   std::mt19937_64 rng(opt.seed);
   std::vector<double> br(k), babs(k), r(width);
@@ -96,24 +95,26 @@ ProbeResult probe_gemm_nt(MatView<const bf16> a, std::size_t n, BAt b, MatView<c
 
 inline ProbeResult probe_gemm_nt(MatView<const bf16> a, MatView<const bf16> b, MatView<const float> c,
                                  const ProbeOptions& opt = {}) {
-  return probe_gemm_nt(a, b.rows, [&](std::size_t j, std::size_t kk) { return b(j, kk); }, c, opt);
+  return probe_gemm_nt(a.rows, a.cols, a, b.rows, [&](std::size_t j, std::size_t kk) { return b(j, kk); }, c, opt);
 }
 
-/// Recomputes rows `rows` of C = A B^T with the double-double reference and
-/// compares every element within bounds::dot (and §2 when C is bf16).
-template <class BAt>
-compare::Bounded check_rows_gemm_nt(MatView<const bf16> a, std::size_t n, BAt b, MatView<const float> c,
+/// Recomputes rows `rows` of C = A B^T (A [m x k] via a(i, k)) with the
+/// double-double reference and compares every element within bounds::dot
+/// (and §2 when C is bf16).
+template <class AAt, class BAt>
+compare::Bounded check_rows_gemm_nt(std::size_t k, AAt a, std::size_t n, BAt b, MatView<const float> c,
                                     const std::vector<std::size_t>& rows, bool c_is_bf16 = false) {
   std::vector<float> got;
   std::vector<double> want, bound;
-  std::vector<bf16> col(a.cols);
+  std::vector<bf16> col(k), row(k);
   for (std::size_t i : rows) {  // output in row-major order of the sampled rows
+    for (std::size_t kk = 0; kk < k; ++kk) row[kk] = a(i, kk);
     for (std::size_t j = 0; j < n; ++j) {
-      for (std::size_t kk = 0; kk < a.cols; ++kk) col[kk] = b(j, kk);
+      for (std::size_t kk = 0; kk < k; ++kk) col[kk] = b(j, kk);
       double sum_abs = 0;
-      for (std::size_t kk = 0; kk < a.cols; ++kk) sum_abs += std::fabs(double(a(i, kk).to_float()) * double(col[kk].to_float()));
-      const double exact = ref::to_double(ref::dot<ref::DoubleDouble>(a.row(i), col.data(), a.cols));
-      double e = bounds::dot(a.cols, sum_abs);
+      for (std::size_t kk = 0; kk < k; ++kk) sum_abs += std::fabs(double(row[kk].to_float()) * double(col[kk].to_float()));
+      const double exact = ref::to_double(ref::dot<ref::DoubleDouble>(row.data(), col.data(), k));
+      double e = bounds::dot(k, sum_abs);
       if (c_is_bf16) e = bounds::bf16_store(std::fabs(exact), e);
       got.push_back(c(i, j));
       want.push_back(exact);
@@ -125,7 +126,7 @@ compare::Bounded check_rows_gemm_nt(MatView<const bf16> a, std::size_t n, BAt b,
 
 inline compare::Bounded check_rows_gemm_nt(MatView<const bf16> a, MatView<const bf16> b, MatView<const float> c,
                                            const std::vector<std::size_t>& rows, bool c_is_bf16 = false) {
-  return check_rows_gemm_nt(a, b.rows, [&](std::size_t j, std::size_t kk) { return b(j, kk); }, c, rows, c_is_bf16);
+  return check_rows_gemm_nt(a.cols, a, b.rows, [&](std::size_t j, std::size_t kk) { return b(j, kk); }, c, rows, c_is_bf16);
 }
 
 }  // namespace moecert::verify

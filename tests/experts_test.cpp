@@ -209,6 +209,7 @@ ExactState exact_state(const Problem& p) {
   st.grouping = experts::group_by_expert(p.Idx(), p.e, 8);
   const auto& gu = p.packed.gate_up(0);
   const auto& dn = p.packed.down(0);
+  st.layout = gemm::ALayout::rows;
   st.lda = gu.kp(); st.ldc1 = gu.n(); st.ldh = dn.kp(); st.ldo = p.h;
   ex.a.assign(8 * st.lda, bf16(0.0f));
   ex.c1.assign(8 * st.ldc1, 0.0f);

@@ -342,13 +342,27 @@ TEST_CASE("gemm.loops: K blocking leaves every bit unchanged", "[gemm][loops]") 
     gemm::KernelInfo whole = gemm::kernel_info(isa), blocked = whole;
     whole.kc = 0;
     blocked.kc = 64;
-    const std::size_t lda = gemm::a_stride(w.kp()), mp = gemm::round_up(m, whole.mr);
-    std::vector<bf16> ap(mp * lda);
-    gemm::pack_a(MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(), lda, ap.data());
+    const std::size_t mp = gemm::round_up(m, whole.mr);
+    std::vector<bf16> ap(gemm::a_size(whole.a_layout, mp, w.kp()));
+    gemm::pack_a(whole.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(), ap.data());
     std::vector<float> c1(m * n, NAN), c2(m * n, NAN);
-    gemm::gemm_block(whole, ap.data(), lda, m, w, 0, w.np(), n, c1.data(), n);
-    gemm::gemm_block(blocked, ap.data(), lda, m, w, 0, w.np(), n, c2.data(), n);
+    gemm::gemm_block(whole, ap.data(), m, w, 0, w.np(), n, c1.data(), n);
+    gemm::gemm_block(blocked, ap.data(), m, w, 0, w.np(), n, c2.data(), n);
     INFO(isa_name(isa));
     CHECK(std::memcmp(c1.data(), c2.data(), c1.size() * 4) == 0);
+  }
+}
+
+TEST_CASE("gemm.pack_a: both A layouts hold the same matrix, padding zero", "[gemm][pack]") {
+  std::mt19937_64 rng(40);
+  const std::size_t m = 37, k = 70, kp = 96, mp = 64;
+  const auto a = random_bf16(rng, m * k);
+  for (gemm::ALayout l : {gemm::ALayout::rows, gemm::ALayout::tiles}) {
+    std::vector<bf16> ap(gemm::a_size(l, mp, kp), bf16(NAN));
+    gemm::pack_a(l, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, kp, ap.data());
+    const std::size_t lda = gemm::a_stride(l, kp);
+    for (std::size_t r = 0; r < mp; ++r)
+      for (std::size_t c = 0; c < kp; ++c)
+        REQUIRE(ap[gemm::a_offset(l, lda, r, c)] == ((r < m && c < k) ? a[r * k + c] : bf16(0.0f)));
   }
 }

@@ -79,57 +79,59 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   stats.routed_rows = g.routed;
   stats.padded_rows = g.rows();
   const std::size_t rows = g.rows();
-  if (w.experts() > 0) {
-    st.lda = gemm::a_stride(w.gate_up(0).kp());
-    st.ldc1 = w.gate_up(0).n();
-    st.ldh = gemm::a_stride(w.down(0).kp());
-    st.ldo = hidden;
-  }
-  st.a = ws.a.get<bf16>(rows * st.lda);
+  const gemm::ALayout layout = kernel.a_layout;
+  const std::size_t kp1 = w.experts() ? w.gate_up(0).kp() : 0, kp2 = w.experts() ? w.down(0).kp() : 0;
+  st.layout = layout;
+  st.lda = gemm::a_stride(layout, kp1);
+  st.ldc1 = w.experts() ? w.gate_up(0).n() : 0;
+  st.ldh = gemm::a_stride(layout, kp2);
+  st.ldo = hidden;
+  st.a = ws.a.get<bf16>(gemm::a_size(layout, rows, kp1));
   st.c1 = ws.c1.get<float>(rows * st.ldc1);
-  st.h = ws.h.get<bf16>(rows * st.ldh);
+  st.h = ws.h.get<bf16>(gemm::a_size(layout, rows, kp2));
   st.o = ws.o.get<float>(rows * st.ldo);
+  // First element of padded row r in the packed A and h buffers (r is a
+  // multiple of the kernel's MR wherever a block starts).
+  auto a_row = [&](std::size_t r) { return st.a + gemm::a_offset(layout, st.lda, r, 0); };
+  auto h_at = [&](std::size_t r, std::size_t col) { return st.h + gemm::a_offset(layout, st.ldh, r, col); };
 
   // 2. Gather each expert's token rows (padding rows and columns zero).
   oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
     std::vector<std::int32_t> tokens(g.count[e]);
     for (std::size_t r = 0; r < g.count[e]; ++r) tokens[r] = g.row_slot[g.begin[e] + r] / static_cast<std::int32_t>(k);
-    gemm::pack_a(x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], w.gate_up(0).kp(), st.lda,
-                 st.a + g.begin[e] * st.lda);
+    gemm::pack_a(layout, x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], kp1, a_row(g.begin[e]));
   });
 
   // 3. Gate+up GEMM, then h = silu(g) * u per 32-column panel pair (16 gate
-  //    columns, then the same 16 up columns). Tiles are pair-aligned.
-  // Work items: (expert, up to 512 rows, 256 columns). Tall items make each
-  // weight column block stream from memory once per expert, not once per
-  // row block; 256 columns leave enough items for every thread.
+  //    columns, then the same 16 up columns), written into h in the
+  //    kernel's A layout for the down GEMM. Work items: (expert, up to 512
+  //    rows, 256 columns, pair-aligned). Tall items make each weight column
+  //    block stream from memory once per expert, not once per row block;
+  //    256 columns leave enough items for every thread.
   const std::size_t mb = round_up(512, kernel.mr);
   for_each_tile(tiles(g, st.ldc1, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    gemm::gemm_block(kernel, st.a + r0 * st.lda, st.lda, tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1,
-                     st.c1 + r0 * st.ldc1, st.ldc1);
+    gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, st.c1 + r0 * st.ldc1,
+                     st.ldc1);
     for (std::size_t r = r0; r < r0 + (tl.m1 - tl.m0); ++r) {
       const float* c = st.c1 + r * st.ldc1;
-      bf16* h = st.h + r * st.ldh;
       for (std::size_t n = tl.n0; n < tl.n1; n += 2 * gemm::kPanel) {
-        const std::size_t col = n / 2;  // first intermediate index of the pair
-        if (col < inter) kernel.swiglu(c + n, c + n + gemm::kPanel, h + col, std::min(gemm::kPanel, inter - col));
+        const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
+        if (col < inter) kernel.swiglu(c + n, c + n + gemm::kPanel, h_at(r, col), std::min(gemm::kPanel, inter - col));
       }
     }
   });
-  // Zero h's K padding (columns I..ldh) and the padding rows, which the down
+  // Zero h's K padding (columns I..kp2) and the padding rows, which the down
   // GEMM reads: a stale NaN there would reach valid outputs as 0 * NaN.
-  for (std::size_t e = 0; e < w.experts(); ++e) {
-    for (std::size_t r = g.begin[e]; r < g.begin[e] + g.count[e]; ++r)
-      std::fill(st.h + r * st.ldh + inter, st.h + (r + 1) * st.ldh, bf16(0.0f));
-    std::fill(st.h + (g.begin[e] + g.count[e]) * st.ldh, st.h + g.begin[e + 1] * st.ldh, bf16(0.0f));
-  }
+  oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
+    for (std::size_t r = g.begin[e]; r < g.begin[e + 1]; ++r)
+      for (std::size_t col = r < g.begin[e] + g.count[e] ? inter : 0; col < kp2; ++col) *h_at(r, col) = bf16{};
+  });
 
   // 4. Down GEMM.
   for_each_tile(tiles(g, hidden, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    gemm::gemm_block(kernel, st.h + r0 * st.ldh, st.ldh, tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden,
-                     st.o + r0 * st.ldo, st.ldo);
+    gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden, st.o + r0 * st.ldo, st.ldo);
   });
 
   // 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.

@@ -172,11 +172,11 @@ const KernelInfo& kernel_info(Isa isa) {
   // emulator takes it too where it can, and the results never differ.
   static const SwigluFn vec = isa_usable(Isa::avx512_bf16) ? swiglu_avx512 : swiglu_scalar;
   static const KernelInfo table[] = {
-      {Isa::scalar, 8, 32, 0, ukernel_scalar_8x32, no_hook, no_hook, swiglu_scalar, "ukernel_scalar_8x32"},
-      {Isa::avx512_bf16, 8, 32, 0, ukernel_avx512_bf16_8x32, no_hook, no_hook, swiglu_avx512, "ukernel_avx512_bf16_8x32"},
-      {Isa::amx_bf16, 32, 32, kAmxKc, ukernel_amx_bf16_32x32, amx_bf16_tile_begin, amx_bf16_tile_end, swiglu_avx512,
+      {Isa::scalar, 8, 32, 0, ALayout::rows, ukernel_scalar_8x32, no_hook, no_hook, swiglu_scalar, "ukernel_scalar_8x32"},
+      {Isa::avx512_bf16, 8, 32, 0, ALayout::rows, ukernel_avx512_bf16_8x32, no_hook, no_hook, swiglu_avx512, "ukernel_avx512_bf16_8x32"},
+      {Isa::amx_bf16, 32, 32, kAmxKc, ALayout::tiles, ukernel_amx_bf16_32x32, amx_bf16_tile_begin, amx_bf16_tile_end, swiglu_avx512,
        "ukernel_amx_bf16_32x32"},
-      {Isa::amx_emu, 32, 32, kAmxKc, ukernel_amx_emu_32x32, amx_emu_tile_begin, amx_emu_tile_end, vec,
+      {Isa::amx_emu, 32, 32, kAmxKc, ALayout::tiles, ukernel_amx_emu_32x32, amx_emu_tile_begin, amx_emu_tile_end, vec,
        "ukernel_amx_emu_32x32"},
   };
   if (!isa_usable(isa))

@@ -9,22 +9,35 @@
 
 namespace moecert::gemm {
 
-void pack_a(MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
-            std::size_t kp, std::size_t lda, bf16* dst) {
-  for (std::size_t i = 0; i < m; ++i) {
-    const bf16* src = a.row(rows ? static_cast<std::size_t>(rows[i]) : i);
-    std::memcpy(static_cast<void*>(dst + i * lda), src, a.cols * sizeof(bf16));
-    if (kp > a.cols) std::memset(static_cast<void*>(dst + i * lda + a.cols), 0, (kp - a.cols) * sizeof(bf16));
+void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
+            std::size_t kp, bf16* dst) {
+  const std::size_t lda = a_stride(l, kp);
+  const bf16 zero{};
+  for (std::size_t i = 0; i < m_padded; ++i) {
+    const bf16* src = i < m ? a.row(rows ? static_cast<std::size_t>(rows[i]) : i) : nullptr;
+    const std::size_t valid = src ? a.cols : 0;
+    if (l == ALayout::rows) {  // one contiguous row
+      bf16* d = dst + i * lda;
+      if (valid) std::memcpy(static_cast<void*>(d), src, valid * sizeof(bf16));
+      std::fill(d + valid, d + kp, zero);
+    } else {  // the row's 32-element pieces, one per tile
+      for (std::size_t k0 = 0; k0 < kp; k0 += kKStep) {
+        bf16* d = dst + a_offset(l, lda, i, k0);
+        const std::size_t n = k0 < valid ? std::min(kKStep, valid - k0) : 0;
+        if (n) std::memcpy(static_cast<void*>(d), src + k0, n * sizeof(bf16));
+        std::fill(d + n, d + kKStep, zero);
+      }
+    }
   }
-  for (std::size_t i = m; i < m_padded; ++i) std::memset(static_cast<void*>(dst + i * lda), 0, kp * sizeof(bf16));
 }
 
-void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t lda, std::size_t m, const PackedWeights& w,
+void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
                 std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc) {
-  const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp();
+  const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp(), lda = a_stride(kernel.a_layout, kp);
   alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
   kernel.thread_begin();
-  // Assumptions: a holds round_up(m, mr) rows of kp elements at stride lda; w has np >=
+  // Assumptions: a holds round_up(m, mr) rows of kp elements in the kernel's
+  // layout; w has np >=
   // n_end columns; n_begin % nr == 0; kernel.kc % kKStep == 0.
   // Loop 1: K in blocks of the kernel's kc (all of K when 0), so that the A
   // rows of the item stay in L2 and a B sub-panel (kc x NR) in L1. C is
@@ -46,7 +59,7 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t lda, std::s
       // Loop 3: MR-tall row blocks, one microkernel call each.
       for (std::size_t m0 = 0; m0 < m; m0 += mr) {
         const std::size_t mm = std::min(mr, m - m0);
-        args.a = a + m0 * lda + k0;
+        args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
         if (mm == mr && nn == nr) {  // full block: straight into C
           args.c = c + m0 * ldc + n0;
           args.ldc = ldc;

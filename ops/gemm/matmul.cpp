@@ -21,16 +21,16 @@ void matmul(MatView<const bf16> a, const PackedWeights& w, MatView<float> c, Isa
     // machine; the AVX-512 kernel is insensitive); no two share an element of C.
     const std::size_t mb = std::max<std::size_t>(64, 2 * kernel.mr), nb = 512;
     const std::size_t m_padded = round_up(m, kernel.mr);
-    const std::size_t lda = a_stride(kp);
-    std::vector<bf16> ap(m_padded * lda);
-    pack_a(a, nullptr, m, m_padded, kp, lda, ap.data());
+    const ALayout layout = kernel.a_layout;
+    std::vector<bf16> ap(a_size(layout, m_padded, kp));
+    pack_a(layout, a, nullptr, m, m_padded, kp, ap.data());
     oneapi::tbb::parallel_for(
         oneapi::tbb::blocked_range2d<std::size_t>(0, (m + mb - 1) / mb, 0, (w.n() + nb - 1) / nb),
         [&](const oneapi::tbb::blocked_range2d<std::size_t>& r) {
           for (std::size_t bi = r.rows().begin(); bi < r.rows().end(); ++bi) {
             const std::size_t m0 = bi * mb, mm = std::min(mb, m - m0);
             for (std::size_t bj = r.cols().begin(); bj < r.cols().end(); ++bj)
-              gemm_block(kernel, ap.data() + m0 * lda, lda, mm, w, bj * nb, std::min(w.n(), (bj + 1) * nb), w.n(),
+              gemm_block(kernel, ap.data() + a_offset(layout, a_stride(layout, kp), m0, 0), mm, w, bj * nb, std::min(w.n(), (bj + 1) * nb), w.n(),
                          c.data + m0 * c.stride, c.stride);
           }
         });

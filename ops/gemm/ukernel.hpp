@@ -5,11 +5,14 @@
 //    for each k pair kk = 0..kp/2-1, the 16 pairs (W[16p+n][2kk], W[16p+n][2kk+1])
 //    for n = 0..15: 64 bytes per kk, kp/2 * 64 bytes per panel (VNNI; one AMX
 //    B tile per 32 k; one zmm per kk). N is padded to 16 and K to 32 with zeros.
-//  - A [M x K] row-major with row stride lda >= kp, K zero-padded to kp, rows
-//    padded with zeros to the kernel's MR.
+//  - A [M x K], K zero-padded to kp, rows padded with zeros to the kernel's
+//    MR, in the kernel's ALayout: `rows` (row-major, row stride lda >= kp) or
+//    `tiles` (AMX: each 16-row x 32-k tile contiguous, 1 KiB, k steps in
+//    order within a 16-row block, lda = elements per 16-row block = 16 kp).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "moecert/types.hpp"
 
@@ -17,10 +20,19 @@ namespace moecert::gemm {
 
 inline constexpr std::size_t kPanel = 16;  // columns per packed B panel
 inline constexpr std::size_t kKStep = 32;  // K padding (one AMX tile of bf16)
+inline constexpr std::size_t kTileRows = 16;
+
+enum class ALayout : std::uint8_t { rows, tiles };
+
+/// Offset of A element (r, k) in a packed A of the given layout and lda.
+constexpr std::size_t a_offset(ALayout l, std::size_t lda, std::size_t r, std::size_t k) {
+  return l == ALayout::rows ? r * lda + k
+                            : (r / kTileRows) * lda + (k / kKStep) * (kTileRows * kKStep) + (r % kTileRows) * kKStep + k % kKStep;
+}
 
 struct UkernelArgs {
-  const bf16* a;             // MR rows, stride lda elements
-  std::size_t lda;
+  const bf16* a;             // MR rows from column k0, in the kernel's ALayout
+  std::size_t lda;           // rows: row stride; tiles: 16-row block stride (elements)
   const bf16* b;             // NR / 16 consecutive panels
   std::size_t panel_stride;  // elements from one panel to the next (= kp * 16)
   std::size_t kp;            // K, padded to kKStep
@@ -41,6 +53,7 @@ struct KernelInfo {
   Isa isa;
   std::size_t mr, nr;     // block of C per call
   std::size_t kc;         // K block of the loops (multiple of kKStep); 0: all of K in one call
+  ALayout a_layout;       // how A is packed for it
   UkernelFn ukernel;
   void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
   void (*thread_end)();    // after its last (AMX: tile release)

@@ -5,7 +5,9 @@
 // C tiles 0-3 (16 x 16 fp32 each) hold the 32 x 32 block of C; per 32-wide
 // k step, A tiles 4, 5 (16 rows x 32 bf16) and B tiles 6, 7 (16 k pairs x 16
 // columns, VNNI: one packed panel's 16 rows of 64 bytes) feed four
-// TDPBF16PS. Accumulation order per element: for each k step in order,
+// TDPBF16PS. A comes in the `tiles` layout (ukernel.hpp): each A tile is 1
+// KiB contiguous, so a k step touches 4 KiB in 4 runs instead of 64 lines
+// on 32 pages. Accumulation order per element: for each k step in order,
 // C = C + (even + odd) over that step's 16 pairs (amx_tile_model.hpp).
 // Starting from zeroed tiles, C is written without being read.
 #pragma once
@@ -30,7 +32,8 @@ inline TileConfig tile_config() {
 
 template <class Tiles>
 inline void ukernel_32x32(const UkernelArgs& p) {
-  const std::size_t lda_bytes = p.lda * sizeof(bf16), ldc_bytes = p.ldc * sizeof(float);
+  const std::size_t ldc_bytes = p.ldc * sizeof(float);
+  constexpr std::size_t kTile = kTileRows * kKStep;  // elements per A tile
   float* c0 = p.c;
   float* c1 = p.c + 16;
   float* c2 = p.c + 16 * p.ldc;
@@ -46,8 +49,8 @@ inline void ukernel_32x32(const UkernelArgs& p) {
     Tiles::template zero<2>();
     Tiles::template zero<3>();
   }
-  const bf16* a0 = p.a;
-  const bf16* a1 = p.a + 16 * p.lda;
+  const bf16* a0 = p.a;          // rows 0-15: tile per k step, contiguous
+  const bf16* a1 = p.a + p.lda;  // rows 16-31
   const bf16* b0 = p.b;
   const bf16* b1 = p.b + p.panel_stride;
   for (std::size_t k = 0; k < p.kp; k += kKStep) {
@@ -58,14 +61,14 @@ inline void ukernel_32x32(const UkernelArgs& p) {
     if (k + kKStep < p.kp) {
       const std::size_t kn = k + kKStep;
       for (std::size_t r = 0; r < 16; ++r) {
-        __builtin_prefetch(a0 + r * p.lda + kn, 0, 3);
-        __builtin_prefetch(a1 + r * p.lda + kn, 0, 3);
+        __builtin_prefetch(a0 + (kn / kKStep) * kTile + r * kKStep, 0, 3);
+        __builtin_prefetch(a1 + (kn / kKStep) * kTile + r * kKStep, 0, 3);
         __builtin_prefetch(b0 + kn * kPanel + r * 2 * kPanel, 0, 3);
         __builtin_prefetch(b1 + kn * kPanel + r * 2 * kPanel, 0, 3);
       }
     }
-    Tiles::template load<4>(a0 + k, lda_bytes);
-    Tiles::template load<5>(a1 + k, lda_bytes);
+    Tiles::template load<4>(a0 + (k / kKStep) * kTile, 64);
+    Tiles::template load<5>(a1 + (k / kKStep) * kTile, 64);
     Tiles::template load<6>(b0 + k * kPanel, 64);  // 16 rows of 64 bytes from k/2
     Tiles::template load<7>(b1 + k * kPanel, 64);
     Tiles::template dp<0, 4, 6>();
