@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "moecert/isa.hpp"
+#include "ops/gemm/dispatch.hpp"
 #include "ops/gemm/ukernel.hpp"
 
 #if defined(__linux__)
@@ -102,28 +103,32 @@ bool hw_detected(Isa isa) {
   return false;
 }
 
-struct Forced {
-  std::optional<Isa> isa;  // MOECERT_ISA, validated
-};
+}  // namespace
 
-const Forced& forced() {
-  static const Forced f = [] {
-    Forced out;
-    const char* env = std::getenv("MOECERT_ISA");
-    if (!env || !*env) return out;
-    const auto isa = parse_isa(env);
-    if (!isa)
-      throw std::invalid_argument(fmt::format(
-          "MOECERT_ISA={}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", env));
-    if (!hw_detected(*isa))
-      throw std::invalid_argument(fmt::format(
-          "MOECERT_ISA={}: not supported by this CPU/OS; usable here: {}", env,
-          hw_detected(Isa::amx_bf16)       ? "scalar, avx512_bf16, amx_bf16, amx_emu"
-          : hw_detected(Isa::avx512_bf16) ? "scalar, avx512_bf16, amx_emu"
-                                          : "scalar, amx_emu"));
-    out.isa = isa;
-    return out;
-  }();
+namespace detail {
+
+std::optional<Isa> resolve_forced_isa(const char* env) {
+  if (!env || !*env) return std::nullopt;
+  const auto isa = parse_isa(env);
+  if (!isa)
+    throw std::invalid_argument(
+        fmt::format("MOECERT_ISA={}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", env));
+  if (!hw_detected(*isa))
+    throw std::invalid_argument(fmt::format(
+        "MOECERT_ISA={}: not supported by this CPU/OS; usable here: {}", env,
+        hw_detected(Isa::amx_bf16)       ? "scalar, avx512_bf16, amx_bf16, amx_emu"
+        : hw_detected(Isa::avx512_bf16) ? "scalar, avx512_bf16, amx_emu"
+                                        : "scalar, amx_emu"));
+  return isa;
+}
+
+}  // namespace detail
+
+namespace {
+
+// MOECERT_ISA, read and validated once per process.
+const std::optional<Isa>& forced_isa() {
+  static const std::optional<Isa> f = detail::resolve_forced_isa(std::getenv("MOECERT_ISA"));
   return f;
 }
 
@@ -138,14 +143,14 @@ bool isa_detected(Isa isa) { return hw_detected(isa); }
 
 bool isa_usable(Isa isa) {
   if (!hw_detected(isa)) return false;
-  const auto& f = forced().isa;
+  const auto& f = forced_isa();
   if (!f || isa == Isa::amx_emu || isa == Isa::scalar) return true;
   if (*f == Isa::amx_emu) return false;  // only scalar and the emulator
   return static_cast<int>(isa) <= static_cast<int>(*f);
 }
 
 Isa default_isa() {
-  if (const auto& f = forced().isa) return *f;
+  if (const auto& f = forced_isa()) return *f;
   for (Isa isa : {Isa::amx_bf16, Isa::avx512_bf16})
     if (hw_detected(isa)) return isa;
   return Isa::scalar;

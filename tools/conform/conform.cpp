@@ -76,6 +76,31 @@ CaseRecord run_case(const CaseDef& def, const RunContext& ctx) {
 
 }  // namespace
 
+Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx, const std::string& suite_name,
+                 const std::string& isa_used) {
+  Report report;
+  report.env = environment(ctx.threads, isa_used);
+  report.suite = suite_name;
+  report.seed = ctx.seed;
+  reset_clause_counts();
+  Progress progress(defs.size());
+  const auto t0 = Clock::now();
+  for (std::size_t i = 0; i < defs.size(); ++i) {
+    report.cases.push_back(run_case(defs[i], ctx));
+    progress.step(i, report.cases.back());
+  }
+  report.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  std::set<std::string> fired;
+  for (const auto& c : report.cases) fired.insert(c.result.clauses_fired.begin(), c.result.clauses_fired.end());
+  const auto counts = checked_counts();
+  for (const auto& info : all_clauses()) {
+    auto it = counts.find(std::string(info.id));
+    report.clauses.push_back({info, it == counts.end() ? 0 : it->second, fired.count(std::string(info.id)) > 0});
+  }
+  return report;
+}
+
 int run_conform(int argc, char** argv) {
   Args args(argc, argv, {"suite", "out", "isa", "threads", "seed"});
   const std::string suite_name = args.get_or("suite", "default");
@@ -106,27 +131,7 @@ int run_conform(int argc, char** argv) {
   add_kernel_cases(defs, ctx.isas);
   std::erase_if(defs, [&](const CaseDef& d) { return d.suite > suite; });
 
-  Report report;
-  report.env = environment(threads, isa_used);
-  report.suite = suite_name;
-  report.seed = ctx.seed;
-  reset_clause_counts();
-  Progress progress(defs.size());
-  const auto t0 = Clock::now();
-  for (std::size_t i = 0; i < defs.size(); ++i) {
-    report.cases.push_back(run_case(defs[i], ctx));
-    progress.step(i, report.cases.back());
-  }
-  report.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-
-  std::set<std::string> fired;
-  for (const auto& c : report.cases) fired.insert(c.result.clauses_fired.begin(), c.result.clauses_fired.end());
-  const auto counts = checked_counts();
-  for (const auto& info : all_clauses()) {
-    auto it = counts.find(std::string(info.id));
-    report.clauses.push_back({info, it == counts.end() ? 0 : it->second, fired.count(std::string(info.id)) > 0});
-  }
-
+  const Report report = run_cases(defs, ctx, suite_name, isa_used);
   write_report(report, out);
   fmt::print("conform: {} suite: {} cases, {} passed, {} failed, {} skipped; clauses exercised {}/{}; report in {}\n",
              suite_name, report.cases.size(), report.passed(), report.failed(), report.skipped(),
