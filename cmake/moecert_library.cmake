@@ -12,6 +12,10 @@ set(MOECERT_SOURCES
   ops/core/build_info.cpp
   contracts/gemm.cpp
   contracts/experts.cpp
+  contracts/router.cpp
+  ops/router/softmax_topk.cpp
+  ops/router/sigmoid_topk.cpp
+  ops/router/product_key.cpp
   ops/experts/grouping.cpp
   ops/experts/pack.cpp
   ops/experts/forward.cpp

@@ -71,4 +71,54 @@ inline constexpr ClauseInfo kAll[] = {kShape, kIdxInRange, kIdxUnique, kWeightFi
                                       kNoAlias, kPermutation, kYFinite, kProbe, kWithinBound};
 }  // namespace experts
 
+namespace router {
+#define MOECERT_ROUTER_CLAUSE(var, kind, id, group, text) inline constexpr ClauseInfo var = kind(id, Group::group, text);
+MOECERT_ROUTER_CLAUSE(kSmShape, pre, "router.softmax_topk.shape", shape, "z T x E; idx, w T x K; 1 <= K <= E")
+MOECERT_ROUTER_CLAUSE(kSmFinite, pre, "router.softmax_topk.scores_finite", finite, "every z finite")
+MOECERT_ROUTER_CLAUSE(kSmNoAlias, pre, "router.softmax_topk.no_alias", alias, "outputs disjoint from inputs and each other")
+MOECERT_ROUTER_CLAUSE(kSmIdxValid, post, "router.softmax_topk.idx_valid", index, "0 <= idx < E, -1 only at the tail")
+MOECERT_ROUTER_CLAUSE(kSmIdxUnique, post, "router.softmax_topk.idx_unique", index, "no expert twice in a row")
+MOECERT_ROUTER_CLAUSE(kSmSorted, post, "router.softmax_topk.sorted", index, "slots follow the total order")
+MOECERT_ROUTER_CLAUSE(kSmTopk, post, "router.softmax_topk.topk_property", index, "no unselected expert outranks the K-th")
+MOECERT_ROUTER_CLAUSE(kSmWeights, post, "router.softmax_topk.weights_range", numeric, "0 <= w <= 1; sum 1 or <= 1")
+MOECERT_ROUTER_CLAUSE(kSmbShape, pre, "router.softmax_topk_backward.shape", shape, "z, dz T x E; idx, g T x K")
+MOECERT_ROUTER_CLAUSE(kSmbIdx, pre, "router.softmax_topk_backward.idx_valid", index, "0 <= idx < E or -1 at the tail; unique")
+MOECERT_ROUTER_CLAUSE(kSmbFinite, pre, "router.softmax_topk_backward.g_finite", finite, "every g and z finite")
+MOECERT_ROUTER_CLAUSE(kSmbNoAlias, pre, "router.softmax_topk_backward.no_alias", alias, "dz disjoint from inputs")
+MOECERT_ROUTER_CLAUSE(kSmbUnselected, post, "router.softmax_topk_backward.unselected_grad", numeric, "unselected: 0 (renormalised) or sign of -sum_S p g")
+MOECERT_ROUTER_CLAUSE(kSgShape, pre, "router.sigmoid_topk.shape", shape, "z T x E; bias E; idx, w T x K; groups valid")
+MOECERT_ROUTER_CLAUSE(kSgFinite, pre, "router.sigmoid_topk.scores_finite", finite, "every z and bias finite")
+MOECERT_ROUTER_CLAUSE(kSgNoAlias, pre, "router.sigmoid_topk.no_alias", alias, "outputs disjoint from inputs and each other")
+MOECERT_ROUTER_CLAUSE(kSgIdxValid, post, "router.sigmoid_topk.idx_valid", index, "0 <= idx < E, -1 only at the tail")
+MOECERT_ROUTER_CLAUSE(kSgIdxUnique, post, "router.sigmoid_topk.idx_unique", index, "no expert twice in a row")
+MOECERT_ROUTER_CLAUSE(kSgSorted, post, "router.sigmoid_topk.sorted", index, "slots follow the total order on s + bias")
+MOECERT_ROUTER_CLAUSE(kSgTopk, post, "router.sigmoid_topk.topk_property", index, "no eligible unselected expert outranks the K-th")
+MOECERT_ROUTER_CLAUSE(kSgWeights, post, "router.sigmoid_topk.weights_range", numeric, "0 <= w <= c; sum <= c (1 + §7)")
+MOECERT_ROUTER_CLAUSE(kSgbShape, pre, "router.sigmoid_topk_backward.shape", shape, "z, dz T x E; idx, g T x K")
+MOECERT_ROUTER_CLAUSE(kSgbIdx, pre, "router.sigmoid_topk_backward.idx_valid", index, "0 <= idx < E or -1 at the tail; unique")
+MOECERT_ROUTER_CLAUSE(kSgbFinite, pre, "router.sigmoid_topk_backward.g_finite", finite, "every g and z finite")
+MOECERT_ROUTER_CLAUSE(kSgbNoAlias, pre, "router.sigmoid_topk_backward.no_alias", alias, "dz disjoint from inputs")
+MOECERT_ROUTER_CLAUSE(kSgbUnselected, post, "router.sigmoid_topk_backward.unselected_grad", numeric, "dz_j == 0 for every unselected j")
+MOECERT_ROUTER_CLAUSE(kPkShape, pre, "router.product_key.shape", shape, "sx, sy T x n; idx, w T x K; 1 <= K <= n*n")
+MOECERT_ROUTER_CLAUSE(kPkFinite, pre, "router.product_key.scores_finite", finite, "every sx, sy finite")
+MOECERT_ROUTER_CLAUSE(kPkNoAlias, pre, "router.product_key.no_alias", alias, "outputs disjoint from inputs and each other")
+MOECERT_ROUTER_CLAUSE(kPkIdxValid, post, "router.product_key.idx_valid", index, "0 <= idx < n*n")
+MOECERT_ROUTER_CLAUSE(kPkIdxUnique, post, "router.product_key.idx_unique", index, "no expert twice in a row")
+MOECERT_ROUTER_CLAUSE(kPkSorted, post, "router.product_key.sorted", index, "slots follow the total order")
+MOECERT_ROUTER_CLAUSE(kPkWeights, post, "router.product_key.weights_range", numeric, "finite; softmax: in [0,1], sum 1")
+MOECERT_ROUTER_CLAUSE(kPkbShape, pre, "router.product_key_backward.shape", shape, "sx, sy, dsx, dsy T x n; idx, g T x K")
+MOECERT_ROUTER_CLAUSE(kPkbIdx, pre, "router.product_key_backward.idx_in_range", index, "-1 <= idx < n*n, -1 only at the tail; unique")
+MOECERT_ROUTER_CLAUSE(kPkbFinite, pre, "router.product_key_backward.g_finite", finite, "every g, sx, sy finite")
+MOECERT_ROUTER_CLAUSE(kPkbNoAlias, pre, "router.product_key_backward.no_alias", alias, "dsx, dsy disjoint from inputs and each other")
+MOECERT_ROUTER_CLAUSE(kPkbUnused, post, "router.product_key_backward.unused_zero", numeric, "dsx/dsy == 0 where no valid slot points")
+#undef MOECERT_ROUTER_CLAUSE
+inline constexpr ClauseInfo kAll[] = {
+    kSmShape, kSmFinite, kSmNoAlias, kSmIdxValid, kSmIdxUnique, kSmSorted, kSmTopk, kSmWeights,
+    kSmbShape, kSmbIdx, kSmbFinite, kSmbNoAlias, kSmbUnselected,
+    kSgShape, kSgFinite, kSgNoAlias, kSgIdxValid, kSgIdxUnique, kSgSorted, kSgTopk, kSgWeights,
+    kSgbShape, kSgbIdx, kSgbFinite, kSgbNoAlias, kSgbUnselected,
+    kPkShape, kPkFinite, kPkNoAlias, kPkIdxValid, kPkIdxUnique, kPkSorted, kPkWeights,
+    kPkbShape, kPkbIdx, kPkbFinite, kPkbNoAlias, kPkbUnused};
+}  // namespace router
+
 }  // namespace moecert::clauses

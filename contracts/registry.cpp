@@ -7,7 +7,8 @@ std::vector<ClauseInfo> all_clauses() {
   std::vector<ClauseInfo> out;
   for (const auto& table : {std::span<const ClauseInfo>(clauses::config::kAll),
                             std::span<const ClauseInfo>(clauses::gemm::kAll),
-                            std::span<const ClauseInfo>(clauses::experts::kAll)})
+                            std::span<const ClauseInfo>(clauses::experts::kAll),
+                            std::span<const ClauseInfo>(clauses::router::kAll)})
     out.insert(out.end(), table.begin(), table.end());
   return out;
 }

@@ -1,0 +1,742 @@
+// Routers: selection against brute force under the total order, weights and
+// gradients against the high-precision reference within derived bounds,
+// finite-difference checks of the reference, the field regressions, the
+// bounded-exhaustive product-key proof check, and every clause.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <oneapi/tbb/global_control.h>
+
+#include "contracts/bounds/router.hpp"
+#include "contracts/compare.hpp"
+#include "contracts/reference/router.hpp"
+#include "contracts/router.hpp"
+#include "moecert/router.hpp"
+#include "ops/router/select.hpp"
+#include "test_util.hpp"
+
+using namespace moecert;
+using router::KeyWeights;
+
+namespace moecert::router::detail {
+void product_key_select_row(const float* sx, const float* sy, std::size_t n, std::size_t k, std::int32_t* idx,
+                            std::vector<std::int32_t>& ids);
+}
+
+namespace {
+
+std::vector<float> normal(std::mt19937_64& rng, std::size_t n, float scale) {
+  std::normal_distribution<float> nd(0, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// Brute force: all candidates sorted by (score desc, index asc).
+template <class Better>
+std::vector<std::int32_t> brute(std::size_t n, std::size_t k, Better better) {
+  std::vector<std::int32_t> ids(n);
+  for (std::size_t i = 0; i < n; ++i) ids[i] = static_cast<std::int32_t>(i);
+  std::stable_sort(ids.begin(), ids.end(), better);
+  ids.resize(k);
+  return ids;
+}
+
+std::vector<std::int32_t> brute_product_key(const float* sx, const float* sy, std::size_t n, std::size_t k) {
+  const auto ni = static_cast<std::int32_t>(n);
+  return brute(n * n, k, [&](std::int32_t a, std::int32_t b) {
+    const auto ka = router::detail::exact_sum(sx[a / ni], sy[a % ni]), kb = router::detail::exact_sum(sx[b / ni], sy[b % ni]);
+    return ka > kb || (ka == kb && a < b);
+  });
+}
+
+double max_shift(const float* z, const std::int32_t* idx, std::size_t v, std::size_t e, bool over_all) {
+  double m = -INFINITY, lo = INFINITY;
+  for (std::size_t i = 0; i < (over_all ? e : v); ++i) {
+    const double x = z[over_all ? i : static_cast<std::size_t>(idx[i])];
+    m = std::max(m, x);
+    lo = std::min(lo, x);
+  }
+  return m - lo;
+}
+
+}  // namespace
+
+TEST_CASE("router.softmax_topk.forward: exact selection, weights within bound", "[router][softmax_topk][numeric]") {
+  std::mt19937_64 rng(71);
+  const std::size_t t = 64, e = 37, k = 5;
+  auto z = normal(rng, t * e, 3);
+  for (std::size_t i = 0; i < t * e; i += 7) z[i] = z[i / 7 % (t * e)];  // some ties
+  for (bool renorm : {true, false}) {
+    std::vector<std::int32_t> idx(t * k);
+    std::vector<float> w(t * k);
+    {
+      ContractScope full{Level::full, Semantic::enforce};
+      router::softmax_topk_forward(MatView<const float>(z.data(), t, e), MatView<std::int32_t>(idx.data(), t, k),
+                                   MatView<float>(w.data(), t, k), renorm);
+    }
+    for (std::size_t r = 0; r < t; ++r) {
+      const float* zr = &z[r * e];
+      const auto want = brute(e, k, [&](std::int32_t a, std::int32_t b) { return router::detail::outranks(zr[a], a, zr[b], b); });
+      REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
+      const auto ref = ref::softmax_topk_weights<ref::DoubleDouble>(zr, e, &idx[r * k], k, renorm);
+      const double eps = bounds::softmax_rel(renorm ? k : e, max_shift(zr, &idx[r * k], k, e, !renorm));
+      for (std::size_t j = 0; j < k; ++j) {
+        const double wr = ref::to_double(ref[j]);
+        REQUIRE(std::fabs(w[r * k + j] - wr) <= eps * wr + 2 * bounds::kMinNormal32);
+      }
+    }
+  }
+}
+
+TEST_CASE("router.softmax_topk.backward: within bound of the reference", "[router][softmax_topk][numeric]") {
+  std::mt19937_64 rng(72);
+  const std::size_t t = 40, e = 23, k = 4;
+  const auto z = normal(rng, t * e, 2), g = normal(rng, t * k, 1);
+  for (bool renorm : {true, false}) {
+    std::vector<std::int32_t> idx(t * k);
+    std::vector<float> w(t * k), dz(t * e, NAN);
+    router::softmax_topk_forward(MatView<const float>(z.data(), t, e), MatView<std::int32_t>(idx.data(), t, k),
+                                 MatView<float>(w.data(), t, k), renorm);
+    for (std::size_t r = 0; r < t; r += 5) idx[r * k + k - 1] = -1;  // replayed rows with an empty tail slot
+    {
+      ContractScope full{Level::full, Semantic::enforce};
+      router::softmax_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
+                                    MatView<const float>(g.data(), t, k), MatView<float>(dz.data(), t, e), renorm);
+    }
+    double worst = 0;
+    for (std::size_t r = 0; r < t; ++r) {
+      const float* zr = &z[r * e];
+      const std::int32_t* ir = &idx[r * k];
+      const std::size_t v = ref::valid_prefix(ir, k);
+      const auto dref = ref::softmax_topk_grad<ref::DoubleDouble>(zr, e, ir, &g[r * k], k, renorm);
+      const auto wsel = ref::softmax_topk_weights<ref::DoubleDouble>(zr, e, ir, k, renorm);
+      const auto p = ref::softmax<ref::DoubleDouble>(zr, e);
+      double d = 0, swg = 0, sg = 0;
+      for (std::size_t j = 0; j < v; ++j) {
+        d += ref::to_double(wsel[j]) * g[r * k + j];
+        swg += ref::to_double(wsel[j]) * std::fabs(g[r * k + j]);
+        sg += std::fabs(g[r * k + j]);
+      }
+      const double eps = bounds::softmax_rel(renorm ? v : e, max_shift(zr, ir, v, e, !renorm));
+      for (std::size_t i = 0; i < e; ++i) {
+        double gi = 0, wi = renorm ? 0 : ref::to_double(p[i]);
+        for (std::size_t j = 0; j < v; ++j)
+          if (ir[j] == static_cast<std::int32_t>(i)) gi = g[r * k + j], wi = ref::to_double(wsel[j]);
+        const bool selected = std::find(ir, ir + v, static_cast<std::int32_t>(i)) != ir + v;
+        if (renorm && !selected) {
+          REQUIRE(dz[r * e + i] == 0.0f);  // exactly: the math says 0
+          continue;
+        }
+        const double bound = bounds::weighted_diff(wi, gi, d, swg, sg, v, eps);
+        const double err = std::fabs(dz[r * e + i] - ref::to_double(dref[i]));
+        REQUIRE(err <= bound);
+        worst = std::max(worst, err / bound);
+      }
+    }
+    INFO("max utilisation " << worst);
+    CHECK(worst > 0);
+  }
+}
+
+TEST_CASE("router.sigmoid_topk.forward: group-limited selection and weights", "[router][sigmoid_topk][numeric]") {
+  std::mt19937_64 rng(73);
+  const std::size_t t = 50, e = 32, k = 6;
+  const router::SigmoidTopkParams p{8, 3, 2.5f};
+  const auto z = normal(rng, t * e, 2), bias = normal(rng, e, 0.1f);
+  std::vector<std::int32_t> idx(t * k);
+  std::vector<float> w(t * k);
+  {
+    ContractScope full{Level::full, Semantic::enforce};
+    router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
+                                 MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+  }
+  for (std::size_t r = 0; r < t; ++r) {
+    // Brute force: every expert ranked; groups ranked by their top-two sums.
+    std::vector<float> sel(e);
+    for (std::size_t i = 0; i < e; ++i) sel[i] = router::detail::sigmoid(z[r * e + i]) + bias[i];
+    std::vector<float> gs(p.groups);
+    for (std::size_t q = 0; q < p.groups; ++q) {
+      std::vector<float> v(sel.begin() + q * 4, sel.begin() + q * 4 + 4);
+      std::sort(v.rbegin(), v.rend());
+      gs[q] = v[0] + v[1];
+    }
+    const auto groups = brute(p.groups, p.topk_group, [&](std::int32_t a, std::int32_t b) { return router::detail::outranks(gs[a], a, gs[b], b); });
+    auto all = brute(e, e, [&](std::int32_t a, std::int32_t b) { return router::detail::outranks(sel[a], a, sel[b], b); });
+    std::erase_if(all, [&](std::int32_t i) { return std::find(groups.begin(), groups.end(), i / 4) == groups.end(); });
+    all.resize(k);
+    REQUIRE(std::equal(all.begin(), all.end(), &idx[r * k]));
+    const auto ref = ref::sigmoid_topk_weights<ref::DoubleDouble>(&z[r * e], &idx[r * k], k, p.scaling);
+    for (std::size_t j = 0; j < k; ++j) {
+      const double wr = ref::to_double(ref[j]);
+      REQUIRE(std::fabs(w[r * k + j] - wr) <= bounds::renormalized_rel(k, bounds::gamma(bounds::kExpUlps + 2), 1) * wr + 1e-30);
+    }
+  }
+}
+
+TEST_CASE("router.sigmoid_topk.forward: -1 tail slots when the kept groups hold fewer than K experts", "[router][sigmoid_topk][index]") {
+  std::mt19937_64 rng(74);
+  const std::size_t t = 10, e = 16, k = 6;
+  const router::SigmoidTopkParams p{4, 1, 1.0f};  // one group of 4 kept, K = 6
+  const auto z = normal(rng, t * e, 1);
+  const std::vector<float> bias(e, 0.0f);
+  std::vector<std::int32_t> idx(t * k);
+  std::vector<float> w(t * k);
+  ContractScope full{Level::full, Semantic::enforce};
+  router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
+                               MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+  for (std::size_t r = 0; r < t; ++r) {
+    double sum = 0;
+    for (std::size_t j = 0; j < k; ++j) {
+      REQUIRE((j < 4) == (idx[r * k + j] >= 0));
+      if (j >= 4) REQUIRE(w[r * k + j] == 0.0f);
+      sum += w[r * k + j];
+    }
+    CHECK(std::fabs(sum - 1) < 1e-6);  // c = 1 spread over the 4 valid slots
+  }
+}
+
+TEST_CASE("router.sigmoid_topk.backward: within bound, zero off the selection", "[router][sigmoid_topk][numeric]") {
+  std::mt19937_64 rng(75);
+  const std::size_t t = 30, e = 24, k = 5;
+  const router::SigmoidTopkParams p{4, 2, 2.0f};
+  const auto z = normal(rng, t * e, 2), g = normal(rng, t * k, 1);
+  const std::vector<float> bias(e, 0.0f);
+  std::vector<std::int32_t> idx(t * k);
+  std::vector<float> w(t * k), dz(t * e, NAN);
+  router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
+                               MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+  {
+    ContractScope full{Level::full, Semantic::enforce};
+    router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
+                                  MatView<const float>(g.data(), t, k), p, MatView<float>(dz.data(), t, e));
+  }
+  for (std::size_t r = 0; r < t; ++r) {
+    const std::int32_t* ir = &idx[r * k];
+    const auto dref = ref::sigmoid_topk_grad<ref::DoubleDouble>(&z[r * e], e, ir, &g[r * k], k, p.scaling);
+    double sum_s = 0, d = 0, sgr = 0, sg = 0;
+    for (std::size_t j = 0; j < k; ++j) sum_s += ref::sigmoid(double(z[r * e + ir[j]]));
+    for (std::size_t j = 0; j < k; ++j) {
+      const double rj = ref::sigmoid(double(z[r * e + ir[j]])) / sum_s;
+      d += g[r * k + j] * rj;
+      sgr += std::fabs(g[r * k + j]) * rj;
+      sg += std::fabs(g[r * k + j]);
+    }
+    for (std::size_t j = 0; j < k; ++j) {
+      const auto i = static_cast<std::size_t>(ir[j]);
+      const double s = ref::sigmoid(double(z[r * e + i]));
+      const double bound = bounds::sigmoid_grad(s, g[r * k + j], p.scaling, sum_s, d, sgr, sg, k) + 1e-12 * std::fabs(ref::to_double(dref[i]));
+      REQUIRE(std::fabs(dz[r * e + i] - ref::to_double(dref[i])) <= bound);
+    }
+  }
+}
+
+TEST_CASE("router.product_key.forward: two-stage selection equals brute force", "[router][product_key][index]") {
+  std::mt19937_64 rng(76);
+  const std::size_t t = 40, n = 12;
+  for (std::size_t k : {1u, 5u, 12u, 20u}) {
+    const auto sx = normal(rng, t * n, 1), sy = normal(rng, t * n, 1);
+    std::vector<std::int32_t> idx(t * k);
+    std::vector<float> w(t * k);
+    ContractScope full{Level::full, Semantic::enforce};
+    router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
+                                KeyWeights::softmax, MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+    for (std::size_t r = 0; r < t; ++r) {
+      const auto want = brute_product_key(&sx[r * n], &sy[r * n], n, k);
+      REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
+    }
+  }
+}
+
+TEST_CASE("router.product_key.forward: 1024 tokens x 4096 experts with ties everywhere", "[router][product_key][index]") {
+  // FIELD_NOTES 2: scores drawn from a few values, so ties are everywhere.
+  std::mt19937_64 rng(77);
+  const std::size_t t = 1024, n = 64, k = 16;
+  const float values[] = {-1.0f, -0.5f, 0.0f, 0.25f, 0.5f, 1.0f};
+  std::vector<float> sx(t * n), sy(t * n);
+  for (auto& v : sx) v = values[rng() % 6];
+  for (auto& v : sy) v = values[rng() % 6];
+  std::vector<std::int32_t> idx(t * k);
+  std::vector<float> w(t * k);
+  router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), KeyWeights::raw,
+                              MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+  std::vector<float> scores(t * n * n);
+  for (std::size_t r = 0; r < t; ++r) {
+    const auto want = brute_product_key(&sx[r * n], &sy[r * n], n, k);
+    REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
+    for (std::size_t e = 0; e < n * n; ++e) scores[r * n * n + e] = sx[r * n + e / n] + sy[r * n + e % n];
+  }
+  // The tie-aware comparison accepts another correct tie break (the last tie
+  // group at the boundary broken by index descending) and rejects a selection
+  // that trades one expert for one of lower score.
+  std::vector<std::int32_t> other = idx, lower = idx;
+  int swapped = 0;
+  for (std::size_t r = 0; r < t; ++r) {
+    const float kth = scores[r * n * n + idx[r * k + k - 1]];
+    std::vector<std::int32_t> ties;  // all experts scoring the k-th score
+    for (std::size_t e = 0; e < n * n; ++e)
+      if (scores[r * n * n + e] == kth) ties.push_back(static_cast<std::int32_t>(e));
+    std::size_t first = k;
+    while (first > 0 && scores[r * n * n + idx[r * k + first - 1]] == kth) --first;
+    std::sort(ties.rbegin(), ties.rend());
+    for (std::size_t j = first; j < k; ++j) other[r * k + j] = ties[j - first];
+    swapped += ties.size() > k - first;
+    for (std::size_t e = 0; e < n * n; ++e)  // the best expert strictly below the k-th score
+      if (scores[r * n * n + e] < kth && (lower[r * k + k - 1] == idx[r * k + k - 1] ||
+                                          scores[r * n * n + e] > scores[r * n * n + lower[r * k + k - 1]]))
+        lower[r * k + k - 1] = static_cast<std::int32_t>(e);
+  }
+  CHECK(swapped > 500);  // most rows really have a tie at the boundary
+  MatView<const float> sv(scores.data(), t, n * n);
+  MatView<const std::int32_t> ref(idx.data(), t, k);
+  CHECK(compare::topk_tie_aware(sv, MatView<const std::int32_t>(other.data(), t, k), ref).ok);
+  const auto bad = compare::topk_tie_aware(sv, MatView<const std::int32_t>(lower.data(), t, k), ref);
+  CHECK_FALSE(bad.ok);
+  CHECK(bad.j == k - 1);
+}
+
+TEST_CASE("router.product_key: two-stage equals brute force for every score vector over a small alphabet (proofs/router.md §2)",
+          "[router][product_key][proof]") {
+  const float alphabet[] = {-1.0f, 0.0f, 0.5f};
+  std::vector<std::int32_t> ids, got(16);
+  std::size_t checked = 0;
+  for (std::size_t n = 1; n <= 4; ++n) {
+    std::size_t combos = 1;
+    for (std::size_t i = 0; i < 2 * n; ++i) combos *= 3;
+    std::vector<float> sx(n), sy(n);
+    for (std::size_t c = 0; c < combos; ++c) {
+      std::size_t x = c;
+      for (std::size_t i = 0; i < n; ++i, x /= 3) sx[i] = alphabet[x % 3];
+      for (std::size_t i = 0; i < n; ++i, x /= 3) sy[i] = alphabet[x % 3];
+      for (std::size_t k = 1; k <= std::min<std::size_t>(4, n * n); ++k) {
+        router::detail::product_key_select_row(sx.data(), sy.data(), n, k, got.data(), ids);
+        const auto want = brute_product_key(sx.data(), sy.data(), n, k);
+        REQUIRE(std::equal(want.begin(), want.end(), got.begin()));
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 9 * 1 + 81 * 4 + 729 * 4 + 6561 * 4);
+}
+
+TEST_CASE("router.product_key.backward: -1 slots add nothing; never-selected keys get exactly 0", "[router][product_key][index]") {
+  // FIELD_NOTES 1: with idx = -1, a truncating ix = idx / n, iy = idx - ix n
+  // lands the gradient on expert (0, -1). Here every row has -1 tail slots.
+  std::mt19937_64 rng(78);
+  const std::size_t t = 64, n = 8, k = 6;
+  const auto sx = normal(rng, t * n, 1), sy = normal(rng, t * n, 1), g = normal(rng, t * k, 1);
+  for (KeyWeights mode : {KeyWeights::raw, KeyWeights::exp, KeyWeights::softmax}) {
+    std::vector<std::int32_t> idx(t * k);
+    std::vector<float> w(t * k);
+    router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), mode,
+                                MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+    for (std::size_t r = 0; r < t; ++r)
+      for (std::size_t j = 1 + r % (k - 1); j < k; ++j) idx[r * k + j] = -1;
+    std::vector<float> dsx(t * n, NAN), dsy(t * n, NAN);
+    {
+      ContractScope full{Level::full, Semantic::enforce};
+      router::product_key_backward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
+                                   MatView<const std::int32_t>(idx.data(), t, k), MatView<const float>(g.data(), t, k), mode,
+                                   MatView<float>(dsx.data(), t, n), MatView<float>(dsy.data(), t, n));
+    }
+    for (std::size_t r = 0; r < t; ++r) {
+      std::vector<double> rx, ry;
+      ref::product_key_grad<double>(&sx[r * n], &sy[r * n], n, &idx[r * k], &g[r * k], k, mode, rx, ry);
+      const std::size_t v = ref::valid_prefix(&idx[r * k], k);
+      const auto wref = ref::product_key_weights<double>(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
+      for (std::size_t i = 0; i < n; ++i) {
+        for (int half = 0; half < 2; ++half) {
+          const float got = half ? dsy[r * n + i] : dsx[r * n + i];
+          const double want = half ? ry[i] : rx[i];
+          double terms = 0, errs = 0;
+          std::size_t count = 0;
+          double shift = 0, top = -INFINITY, dot = 0, swg = 0, sg = 0;
+          for (std::size_t j = 0; j < v; ++j) top = std::max(top, double(sx[r * n + idx[r * k + j] / n]) + sy[r * n + idx[r * k + j] % n]);
+          for (std::size_t j = 0; j < v; ++j) {
+            const double s = double(sx[r * n + idx[r * k + j] / n]) + sy[r * n + idx[r * k + j] % n];
+            shift = std::max(shift, top - s);
+            dot += wref[j] * g[r * k + j];
+            swg += wref[j] * std::fabs(g[r * k + j]);
+            sg += std::fabs(g[r * k + j]);
+          }
+          for (std::size_t j = 0; j < v; ++j) {
+            const auto e = static_cast<std::size_t>(idx[r * k + j]);
+            if ((half ? e % n : e / n) != i) continue;
+            ++count;
+            const double gj = g[r * k + j], wj = wref[j];
+            const double s = double(sx[r * n + e / n]) + sy[r * n + e % n];
+            double ds = gj, e_ds = 0;
+            if (mode == KeyWeights::exp) {
+              const double e_w = bounds::exp(wj, bounds::kU32 * std::fabs(s));
+              ds = gj * wj;
+              e_ds = std::fabs(gj) * e_w + bounds::kU32 * std::fabs(gj) * (wj + e_w);
+            } else if (mode == KeyWeights::softmax) {
+              ds = wj * (gj - dot);
+              e_ds = bounds::weighted_diff(wj, gj, dot, swg, sg, v, bounds::softmax_rel(v, shift, 2 * bounds::kU32 * std::fabs(top) + 2 * bounds::kU32 * shift));
+            }
+            terms += std::fabs(ds);
+            errs += e_ds;
+          }
+          if (count == 0) {
+            REQUIRE(got == 0.0f);  // never selected: exactly zero
+          } else {
+            REQUIRE(std::fabs(got - want) <= bounds::accumulated(terms, errs, count) + 1e-15 * std::fabs(want));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("router: reference gradients agree with 50-digit central differences", "[router][reference]") {
+  using ref::Hp;
+  std::mt19937_64 rng(79);
+  const std::size_t e = 7, k = 3, n = 3;
+  const auto z = normal(rng, e, 1.5f), g = normal(rng, k, 1);
+  const auto sx = normal(rng, n, 1), sy = normal(rng, n, 1);
+  const std::int32_t idx[k] = {4, 1, 6};
+  const Hp h("1e-20");
+  double worst = 0;
+  auto agree = [&](const Hp& fd, const Hp& an) {
+    // Relative, with a floor of 1e-20 for gradients that are exactly 0
+    // (the 50-digit difference quotient is noise of order 1e-50 / h there).
+    const Hp scale = ref::abs(an) + Hp("1e-20");
+    const double rel = ref::to_double(ref::abs(fd - an) / scale);
+    worst = std::max(worst, rel);
+    INFO("fd " << ref::to_double(fd) << " analytic " << ref::to_double(an));
+    REQUIRE(rel <= 1e-10);
+  };
+  // L = sum_j g_j w_j; dL/dz_i by central differences of the reference forward
+  // (the selection held fixed, as the backward assumes).
+  for (bool renorm : {true, false}) {
+    const auto an = ref::softmax_topk_grad<Hp>(z.data(), e, idx, g.data(), k, renorm);
+    for (std::size_t i = 0; i < e; ++i) {
+      std::vector<Hp> zp(z.begin(), z.end()), zm(z.begin(), z.end());
+      zp[i] += h;
+      zm[i] -= h;
+      auto loss = [&](const std::vector<Hp>& zz) {  // softmax in Hp over the perturbed logits
+        Hp m = zz[0], sum(0), l(0);
+        for (const auto& v : zz) if (v > m) m = v;
+        if (renorm) {
+          for (std::size_t j = 0; j < k; ++j) sum += ref::exp(zz[idx[j]] - m);
+          for (std::size_t j = 0; j < k; ++j) l += Hp(g[j]) * ref::exp(zz[idx[j]] - m) / sum;
+        } else {
+          for (const auto& v : zz) sum += ref::exp(v - m);
+          for (std::size_t j = 0; j < k; ++j) l += Hp(g[j]) * ref::exp(zz[idx[j]] - m) / sum;
+        }
+        return l;
+      };
+      agree((loss(zp) - loss(zm)) / (Hp(2) * h), an[i]);
+    }
+  }
+  {  // sigmoid: L = sum_j g_j c s_j / sum s
+    const double c = 2.5;
+    const auto an = ref::sigmoid_topk_grad<Hp>(z.data(), e, idx, g.data(), k, c);
+    for (std::size_t i = 0; i < e; ++i) {
+      auto loss = [&](const Hp& dzi) {
+        Hp sum(0), l(0);
+        auto zz = [&](std::int32_t q) { return Hp(z[q]) + (q == static_cast<std::int32_t>(i) ? dzi : Hp(0)); };
+        for (std::size_t j = 0; j < k; ++j) sum += ref::sigmoid(zz(idx[j]));
+        for (std::size_t j = 0; j < k; ++j) l += Hp(g[j]) * Hp(c) * ref::sigmoid(zz(idx[j])) / sum;
+        return l;
+      };
+      agree((loss(h) - loss(-h)) / (Hp(2) * h), an[i]);
+    }
+  }
+  for (KeyWeights mode : {KeyWeights::raw, KeyWeights::exp, KeyWeights::softmax}) {  // product key: dsx
+    const std::int32_t pidx[k] = {5, 0, 7};
+    std::vector<Hp> ax, ay;
+    ref::product_key_grad<Hp>(sx.data(), sy.data(), n, pidx, g.data(), k, mode, ax, ay);
+    for (std::size_t i = 0; i < n; ++i) {
+      auto loss = [&](const Hp& d) {
+        std::vector<Hp> s(k);
+        for (std::size_t j = 0; j < k; ++j)
+          s[j] = Hp(sx[pidx[j] / 3]) + (pidx[j] / 3 == static_cast<std::int32_t>(i) ? d : Hp(0)) + Hp(sy[pidx[j] % 3]);
+        Hp l(0), m = s[0], sum(0);
+        for (const auto& v : s) if (v > m) m = v;
+        for (const auto& v : s) sum += ref::exp(v - m);
+        for (std::size_t j = 0; j < k; ++j)
+          l += Hp(g[j]) * (mode == KeyWeights::raw ? s[j] : mode == KeyWeights::exp ? ref::exp(s[j]) : ref::exp(s[j] - m) / sum);
+        return l;
+      };
+      agree((loss(h) - loss(-h)) / (Hp(2) * h), ax[i]);
+    }
+  }
+  INFO("worst relative disagreement " << worst);
+  CHECK(worst <= 1e-10);
+}
+
+TEST_CASE("router: bitwise identical for 1, 2 and 7 threads", "[router]") {
+  std::mt19937_64 rng(80);
+  const std::size_t t = 300, e = 64, k = 6;
+  const auto z = normal(rng, t * e, 2);
+  std::vector<std::vector<float>> outs;
+  for (int threads : {1, 2, 7}) {
+    oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, threads);
+    std::vector<std::int32_t> idx(t * k);
+    std::vector<float> w(t * k);
+    router::softmax_topk_forward(MatView<const float>(z.data(), t, e), MatView<std::int32_t>(idx.data(), t, k),
+                                 MatView<float>(w.data(), t, k), true);
+    outs.push_back(w);
+  }
+  CHECK(std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4) == 0);
+  CHECK(std::memcmp(outs[0].data(), outs[2].data(), outs[0].size() * 4) == 0);
+}
+
+// ---- clauses: every precondition through the op (outputs untouched), every
+// postcondition through its contract on a corrupted result ----------------
+
+namespace {
+
+struct SmRun {
+  std::size_t t = 3, e = 6, k = 2;
+  std::vector<float> z = std::vector<float>(18, 0.0f);
+  std::vector<std::int32_t> idx = std::vector<std::int32_t>(6, 99);
+  std::vector<float> w = std::vector<float>(6, 9.0f);
+  SmRun() {
+    for (std::size_t i = 0; i < z.size(); ++i) z[i] = static_cast<float>((i * 7) % 11) * 0.25f;
+  }
+  void forward() {
+    router::softmax_topk_forward(MatView<const float>(z.data(), t, e), MatView<std::int32_t>(idx.data(), t, k),
+                                 MatView<float>(w.data(), t, k), true);
+  }
+  void untouched() const {
+    for (auto v : idx) REQUIRE(v == 99);
+    for (auto v : w) REQUIRE(v == 9.0f);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("router.softmax_topk: precondition clauses", "[router][softmax_topk][shape]") {
+  {
+    SmRun r;
+    r.k = 7;  // K > E
+    r.idx.resize(21, 99);
+    r.w.resize(21, 9.0f);
+    test::expect_violation([&] { r.forward(); }, "router.softmax_topk.shape");
+    r.untouched();
+  }
+  {
+    SmRun r;
+    r.z[4] = INFINITY;
+    auto v = test::expect_violation([&] { r.forward(); }, "router.softmax_topk.scores_finite");
+    CHECK(v.location == "z[0, 4]");
+    r.untouched();
+  }
+  {
+    SmRun r;
+    test::expect_violation([&] {
+      router::softmax_topk_forward(MatView<const float>(r.z.data(), r.t, r.e), MatView<std::int32_t>(r.idx.data(), r.t, r.k),
+                                   MatView<float>(r.z.data() + 2, r.t, r.k), true);
+    }, "router.softmax_topk.no_alias");
+  }
+}
+
+TEST_CASE("router.softmax_topk: postcondition clauses catch corrupted selections and weights", "[router][softmax_topk][index]") {
+  SmRun r;
+  r.forward();
+  MatView<const float> z(r.z.data(), r.t, r.e);
+  auto post = [&](std::vector<std::int32_t> idx, std::vector<float> w) {
+    detail::Checker c{"router.softmax_topk.forward"};
+    contracts::softmax_topk_post(c, z, MatView<const std::int32_t>(idx.data(), r.t, r.k), MatView<const float>(w.data(), r.t, r.k), true);
+  };
+  auto bad = r.idx;
+  bad[1] = 6;
+  test::expect_violation([&] { post(bad, r.w); }, "router.softmax_topk.idx_valid");
+  bad = r.idx;
+  bad[1] = bad[0];
+  test::expect_violation([&] { post(bad, r.w); }, "router.softmax_topk.idx_unique");
+  bad = r.idx;
+  std::swap(bad[0], bad[1]);
+  test::expect_violation([&] { post(bad, r.w); }, "router.softmax_topk.sorted");
+  bad = r.idx;  // a valid, sorted, but not top-k selection: the worst expert in slot 1
+  {
+    std::int32_t worst = 0;
+    for (std::int32_t i = 0; i < 6; ++i)
+      if (router::detail::outranks(r.z[worst], worst, r.z[i], i)) worst = i;
+    bad[1] = worst;
+  }
+  test::expect_violation([&] { post(bad, r.w); }, "router.softmax_topk.topk_property");
+  auto wb = r.w;
+  wb[0] += 0.01f;  // sum != 1
+  test::expect_violation([&] { post(r.idx, wb); }, "router.softmax_topk.weights_range");
+}
+
+TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index]") {
+  SmRun r;
+  r.forward();
+  std::vector<float> g(r.t * r.k, 1.0f), dz(r.t * r.e, 5.0f);
+  auto run = [&](std::vector<std::int32_t> idx, std::vector<float> gg, MatView<float> out) {
+    router::softmax_topk_backward(MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(idx.data(), r.t, r.k),
+                                  MatView<const float>(gg.data(), r.t, r.k), out, true);
+  };
+  MatView<float> dzv(dz.data(), r.t, r.e);
+  test::expect_violation([&] { run(r.idx, g, MatView<float>(dz.data(), r.t, r.e - 1)); }, "router.softmax_topk_backward.shape");
+  auto bad = r.idx;
+  bad[0] = -1;  // -1 before a valid slot
+  test::expect_violation([&] { run(bad, g, dzv); }, "router.softmax_topk_backward.idx_valid");
+  auto gb = g;
+  gb[3] = NAN;
+  test::expect_violation([&] { run(r.idx, gb, dzv); }, "router.softmax_topk_backward.g_finite");
+  for (float v : dz) REQUIRE(v == 5.0f);
+  test::expect_violation([&] { run(r.idx, g, MatView<float>(g.data(), 1, r.e)); }, "router.softmax_topk_backward.shape");
+  test::expect_violation([&] {
+    router::softmax_topk_backward(MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
+                                  MatView<const float>(g.data(), r.t, r.k), MatView<float>(r.z.data(), r.t, r.e), true);
+  }, "router.softmax_topk_backward.no_alias");
+  // Post: a gradient on an expert no slot selected.
+  run(r.idx, g, dzv);
+  std::int32_t unselected = 0;
+  while (unselected == r.idx[0] || unselected == r.idx[1]) ++unselected;
+  dz[static_cast<std::size_t>(unselected)] = 1e-3f;
+  test::expect_violation([&] {
+    detail::Checker c{"router.softmax_topk.backward"};
+    contracts::softmax_topk_backward_post(c, MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
+                                          MatView<const float>(g.data(), r.t, r.k), MatView<const float>(dz.data(), r.t, r.e), true);
+  }, "router.softmax_topk_backward.unselected_grad");
+}
+
+TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
+  std::mt19937_64 rng(81);
+  const std::size_t t = 4, e = 8, k = 2;
+  auto z = normal(rng, t * e, 1);
+  std::vector<float> bias(e, 0.0f), w(t * k, 9.0f), g(t * k, 1.0f), dz(t * e, 5.0f);
+  std::vector<std::int32_t> idx(t * k, 99);
+  router::SigmoidTopkParams p{4, 2, 1.0f};
+  auto fwd = [&](View<const float> b, const router::SigmoidTopkParams& pp) {
+    router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), b, pp, MatView<std::int32_t>(idx.data(), t, k),
+                                 MatView<float>(w.data(), t, k));
+  };
+  test::expect_violation([&] { fwd(View<const float>{bias.data(), e - 1}, p); }, "router.sigmoid_topk.shape");  // bias length
+  test::expect_violation([&] { fwd(View<const float>{bias.data(), e}, {3, 1, 1.0f}); }, "router.sigmoid_topk.shape");  // G does not divide E
+  test::expect_violation([&] { fwd(View<const float>{bias.data(), e}, {4, 5, 1.0f}); }, "router.sigmoid_topk.shape");  // topk_group > G
+  bias[2] = NAN;
+  test::expect_violation([&] { fwd(View<const float>{bias.data(), e}, p); }, "router.sigmoid_topk.scores_finite");
+  bias[2] = 0;
+  test::expect_violation([&] { fwd(View<const float>{reinterpret_cast<const float*>(idx.data()), e}, p); },
+                         "router.sigmoid_topk.no_alias");
+  for (auto v : idx) REQUIRE(v == 99);
+  for (auto v : w) REQUIRE(v == 9.0f);
+  fwd(View<const float>{bias.data(), e}, p);
+  auto post = [&](std::vector<std::int32_t> ii, std::vector<float> ww) {
+    detail::Checker c{"router.sigmoid_topk.forward"};
+    contracts::sigmoid_topk_post(c, MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
+                                 MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(ww.data(), t, k));
+  };
+  auto bad = idx;
+  bad[0] = -2;
+  test::expect_violation([&] { post(bad, w); }, "router.sigmoid_topk.idx_valid");
+  bad = idx;
+  bad[1] = bad[0];
+  test::expect_violation([&] { post(bad, w); }, "router.sigmoid_topk.idx_unique");
+  bad = idx;
+  std::swap(bad[0], bad[1]);
+  test::expect_violation([&] { post(bad, w); }, "router.sigmoid_topk.sorted");
+  bad = idx;  // an expert from a group that was not kept, ranked last
+  {
+    std::vector<float> sel(e);
+    for (std::size_t i = 0; i < e; ++i) sel[i] = router::detail::sigmoid(z[i]);
+    std::int32_t pick = -1;
+    for (std::int32_t i = 0; i < static_cast<std::int32_t>(e); ++i)
+      if (i / 2 != idx[0] / 2 && i / 2 != idx[1] / 2 && router::detail::outranks(sel[idx[0]], idx[0], sel[i], i) &&
+          (pick < 0 || router::detail::outranks(sel[i], i, sel[pick], pick)))
+        pick = i;
+    if (pick >= 0 && router::detail::outranks(sel[idx[0]], idx[0], sel[pick], pick)) bad[1] = pick;
+  }
+  REQUIRE(bad[1] != idx[1]);  // the data has such an expert
+  test::expect_violation([&] { post(bad, w); }, "router.sigmoid_topk.topk_property");
+  auto wb = w;
+  wb[0] = 1.5f;  // above c
+  test::expect_violation([&] { post(idx, wb); }, "router.sigmoid_topk.weights_range");
+  // Backward.
+  auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> out) {
+    router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(ii.data(), t, k),
+                                  MatView<const float>(gg.data(), t, k), p, out);
+  };
+  test::expect_violation([&] { bwd(idx, g, MatView<float>(dz.data(), t - 1, e)); }, "router.sigmoid_topk_backward.shape");
+  bad = idx;
+  bad[2] = 8;
+  test::expect_violation([&] { bwd(bad, g, MatView<float>(dz.data(), t, e)); }, "router.sigmoid_topk_backward.idx_valid");
+  auto gb = g;
+  gb[0] = INFINITY;
+  test::expect_violation([&] { bwd(idx, gb, MatView<float>(dz.data(), t, e)); }, "router.sigmoid_topk_backward.g_finite");
+  test::expect_violation([&] { bwd(idx, g, MatView<float>(z.data(), t, e)); }, "router.sigmoid_topk_backward.no_alias");
+  for (auto v : dz) REQUIRE(v == 5.0f);
+  bwd(idx, g, MatView<float>(dz.data(), t, e));
+  std::int32_t off = 0;
+  while (off == idx[0] || off == idx[1]) ++off;
+  dz[static_cast<std::size_t>(off)] = 1e-7f;
+  test::expect_violation([&] {
+    detail::Checker c{"router.sigmoid_topk.backward"};
+    contracts::sigmoid_topk_backward_post(c, MatView<const std::int32_t>(idx.data(), t, k), MatView<const float>(dz.data(), t, e));
+  }, "router.sigmoid_topk_backward.unselected_grad");
+}
+
+TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
+  std::mt19937_64 rng(82);
+  const std::size_t t = 3, n = 4, k = 3;
+  auto sx = normal(rng, t * n, 1), sy = normal(rng, t * n, 1);
+  std::vector<float> w(t * k, 9.0f), g(t * k, 1.0f), dsx(t * n, 5.0f), dsy(t * n, 5.0f);
+  std::vector<std::int32_t> idx(t * k, 99);
+  auto fwd = [&](std::size_t kk, MatView<float> out) {
+    router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), KeyWeights::softmax,
+                                MatView<std::int32_t>(idx.data(), t, kk), out);
+  };
+  test::expect_violation([&] { fwd(17, MatView<float>(w.data(), t, 17)); }, "router.product_key.shape");  // K > n^2
+  sx[5] = NAN;
+  test::expect_violation([&] { fwd(k, MatView<float>(w.data(), t, k)); }, "router.product_key.scores_finite");
+  sx[5] = 0.5f;
+  test::expect_violation([&] { fwd(k, MatView<float>(sy.data(), t, k)); }, "router.product_key.no_alias");
+  for (auto v : idx) REQUIRE(v == 99);
+  fwd(k, MatView<float>(w.data(), t, k));
+  auto post = [&](std::vector<std::int32_t> ii, std::vector<float> ww) {
+    detail::Checker c{"router.product_key.forward"};
+    contracts::product_key_post(c, MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), KeyWeights::softmax,
+                                MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(ww.data(), t, k));
+  };
+  auto bad = idx;
+  bad[2] = -1;
+  test::expect_violation([&] { post(bad, w); }, "router.product_key.idx_valid");
+  bad = idx;
+  bad[2] = bad[0];
+  test::expect_violation([&] { post(bad, w); }, "router.product_key.idx_unique");
+  bad = idx;
+  std::swap(bad[0], bad[2]);
+  test::expect_violation([&] { post(bad, w); }, "router.product_key.sorted");
+  auto wb = w;
+  wb[1] = -0.1f;
+  test::expect_violation([&] { post(idx, wb); }, "router.product_key.weights_range");
+  auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> ox, MatView<float> oy) {
+    router::product_key_backward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
+                                 MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(gg.data(), t, k), KeyWeights::raw, ox, oy);
+  };
+  MatView<float> ox(dsx.data(), t, n), oy(dsy.data(), t, n);
+  test::expect_violation([&] { bwd(idx, g, MatView<float>(dsx.data(), t, n - 1), oy); }, "router.product_key_backward.shape");
+  bad = idx;
+  bad[4] = 16;
+  test::expect_violation([&] { bwd(bad, g, ox, oy); }, "router.product_key_backward.idx_in_range");
+  auto gb = g;
+  gb[8] = NAN;
+  test::expect_violation([&] { bwd(idx, gb, ox, oy); }, "router.product_key_backward.g_finite");
+  test::expect_violation([&] { bwd(idx, g, ox, ox); }, "router.product_key_backward.no_alias");
+  for (auto v : dsx) REQUIRE(v == 5.0f);
+  // Post: the field bug. With idx = -1 decoded as ix = 0, iy = -1 the
+  // gradient lands on key 0 of sx (and a neighbour of sy): never selected.
+  bad = idx;
+  bad[k - 1] = -1;
+  bwd(bad, g, ox, oy);
+  std::size_t unused = 0;
+  while (unused < n && (bad[0] / 4 == static_cast<std::int32_t>(unused) || bad[1] / 4 == static_cast<std::int32_t>(unused))) ++unused;
+  REQUIRE(unused < n);
+  REQUIRE(dsx[unused] == 0.0f);
+  dsx[unused] += g[k - 1];  // what the truncating decode would have added
+  test::expect_violation([&] {
+    detail::Checker c{"router.product_key.backward"};
+    contracts::product_key_backward_post(c, MatView<const std::int32_t>(bad.data(), t, k), MatView<const float>(dsx.data(), t, n),
+                                         MatView<const float>(dsy.data(), t, n));
+  }, "router.product_key_backward.unused_zero");
+}
