@@ -53,6 +53,8 @@ struct CaseRecord {
 
 /// Every case of the engine's self-checks (bf16, config, contracts, ISA).
 void add_core_cases(std::vector<CaseDef>& out);
+/// Router cases (ISA-independent): softmax and product-key, forward and backward.
+void add_router_cases(std::vector<CaseDef>& out);
 /// GEMM and expert forward cases for each of `isas` (unusable ones: skip).
 void add_kernel_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
 

@@ -128,6 +128,7 @@ int run_conform(int argc, char** argv) {
                                     static_cast<std::size_t>(threads));
   std::vector<CaseDef> defs;
   add_core_cases(defs);
+  add_router_cases(defs);
   add_kernel_cases(defs, ctx.isas);
   std::erase_if(defs, [&](const CaseDef& d) { return d.suite > suite; });
 

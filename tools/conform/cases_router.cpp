@@ -1,0 +1,230 @@
+// Conformance cases for the routers: selection against brute force under
+// the total order, weights and gradients against the binary64 reference
+// within the bounds of proofs/router.md, determinism.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
+
+#include "contracts/bounds/router.hpp"
+#include "contracts/reference/router.hpp"
+#include "moecert/router.hpp"
+#include "ops/router/select.hpp"
+#include "tools/conform/case.hpp"
+
+namespace moecert::tools {
+namespace {
+
+struct Shape {
+  const char* cls;
+  std::size_t t, e, k;
+  Suite suite;
+};
+
+std::vector<float> scores(std::mt19937_64& rng, std::size_t n, bool ties) {
+  std::normal_distribution<float> nd(0, 2);
+  const float few[] = {-1.0f, -0.25f, 0.0f, 0.5f, 1.0f};
+  std::vector<float> v(n);
+  for (auto& x : v) x = ties ? few[rng() % 5] : nd(rng);
+  return v;
+}
+
+// Tracks the worst |err| / bound over a case. The references run in
+// binary64: `slack` |want| (a few E 2^-52) covers their own rounding.
+struct Tally {
+  CaseResult r;
+  double slack = 0;
+  void add(double got, double want, double bound, const std::string& where) {
+    bound += slack * std::fabs(want);
+    const double err = std::fabs(got - want), util = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0);
+    r.max_abs_err = std::max(r.max_abs_err, err);
+    if (want != 0) r.max_rel_err = std::max(r.max_rel_err, err / std::fabs(want));
+    if (util > r.max_bound_utilization) {
+      r.max_bound_utilization = util;
+      r.worst = fmt::format("{}: got {:.9g}, ref {:.17g}, bound {:.3g}", where, got, want, bound);
+    }
+    if (!(util <= 1) && r.verdict != Verdict::fail) {
+      r.verdict = Verdict::fail;
+      r.detail = "beyond bound at " + r.worst;
+    }
+  }
+  void fail(const std::string& why) {
+    if (r.verdict != Verdict::fail) r = {Verdict::fail, why};
+  }
+};
+
+template <class F>
+auto threads(int n, F f) {
+  oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(n));
+  return f();
+}
+
+CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward, const RunContext& ctx) {
+  std::mt19937_64 rng(ctx.seed ^ (s.t * 31 + s.e));
+  const auto z = scores(rng, s.t * s.e, ties), g = scores(rng, s.t * s.k, false);
+  MatView<const float> zv(z.data(), s.t, s.e);
+  auto fwd = [&] {
+    std::pair<std::vector<std::int32_t>, std::vector<float>> out{std::vector<std::int32_t>(s.t * s.k), std::vector<float>(s.t * s.k)};
+    router::softmax_topk_forward(zv, MatView<std::int32_t>(out.first.data(), s.t, s.k), MatView<float>(out.second.data(), s.t, s.k), renorm);
+    return out;
+  };
+  const auto [idx, w] = threads(ctx.threads, fwd);
+  Tally tl;
+  tl.slack = static_cast<double>(4 * s.e + 16) * 0x1p-52;
+  tl.r.deterministic = threads(1, fwd).second == w;
+  for (std::size_t t = 0; t < s.t; ++t) {
+    const float* zr = &z[t * s.e];
+    const std::int32_t* ir = &idx[t * s.k];
+    std::vector<std::int32_t> all(s.e);
+    for (std::size_t i = 0; i < s.e; ++i) all[i] = static_cast<std::int32_t>(i);
+    std::stable_sort(all.begin(), all.end(), [&](auto a, auto b) { return router::detail::outranks(zr[a], a, zr[b], b); });
+    if (!std::equal(ir, ir + s.k, all.begin())) {
+      tl.fail(fmt::format("row {}: selection differs from brute force under the total order", t));
+      break;
+    }
+    double lo = INFINITY, hi = -INFINITY;
+    for (std::size_t i = 0; i < (renorm ? s.k : s.e); ++i) {
+      const double x = renorm ? zr[ir[i]] : zr[i];
+      lo = std::min(lo, x), hi = std::max(hi, x);
+    }
+    const double eps = bounds::softmax_rel(renorm ? s.k : s.e, hi - lo);
+    if (!backward) {
+      const auto wr = ref::softmax_topk_weights<double>(zr, s.e, ir, s.k, renorm);
+      for (std::size_t j = 0; j < s.k; ++j)
+        tl.add(w[t * s.k + j], ref::to_double(wr[j]), eps * ref::to_double(wr[j]) + 2 * bounds::kMinNormal32, fmt::format("t={} j={}", t, j));
+      continue;
+    }
+  }
+  if (backward && tl.r.verdict != Verdict::fail) {
+    auto idx2 = idx;
+    for (std::size_t t = 0; t < s.t; t += 3) idx2[t * s.k + s.k - 1] = -1;  // replayed rows with an empty tail slot
+    auto bwd = [&] {
+      std::vector<float> dz(s.t * s.e);
+      router::softmax_topk_backward(zv, MatView<const std::int32_t>(idx2.data(), s.t, s.k), MatView<const float>(g.data(), s.t, s.k),
+                                    MatView<float>(dz.data(), s.t, s.e), renorm);
+      return dz;
+    };
+    const auto dz = threads(ctx.threads, bwd);
+    tl.r.deterministic = threads(1, bwd) == dz;
+    for (std::size_t t = 0; t < s.t; ++t) {
+      const float* zr = &z[t * s.e];
+      const std::int32_t* ir = &idx2[t * s.k];
+      const std::size_t v = ref::valid_prefix(ir, s.k);
+      const auto dref = ref::softmax_topk_grad<double>(zr, s.e, ir, &g[t * s.k], s.k, renorm);
+      const auto wsel = ref::softmax_topk_weights<double>(zr, s.e, ir, s.k, renorm);
+      const auto p = ref::softmax<double>(zr, s.e);
+      double d = 0, swg = 0, sg = 0, lo = INFINITY, hi = -INFINITY;
+      for (std::size_t j = 0; j < v; ++j) {
+        d += ref::to_double(wsel[j]) * g[t * s.k + j];
+        swg += ref::to_double(wsel[j]) * std::fabs(g[t * s.k + j]);
+        sg += std::fabs(g[t * s.k + j]);
+      }
+      for (std::size_t i = 0; i < (renorm ? v : s.e); ++i) {
+        const double x = renorm ? zr[ir[i]] : zr[i];
+        lo = std::min(lo, x), hi = std::max(hi, x);
+      }
+      const double eps = bounds::softmax_rel(renorm ? v : s.e, hi - lo);
+      for (std::size_t i = 0; i < s.e; ++i) {
+        double gi = 0, wi = renorm ? 0 : ref::to_double(p[i]);
+        bool selected = false;
+        for (std::size_t j = 0; j < v; ++j)
+          if (ir[j] == static_cast<std::int32_t>(i)) gi = g[t * s.k + j], wi = ref::to_double(wsel[j]), selected = true;
+        const double b = renorm && !selected ? 0 : bounds::weighted_diff(wi, gi, d, swg, sg, v, eps);
+        tl.add(dz[t * s.e + i], ref::to_double(dref[i]), b, fmt::format("t={} e={}", t, i));
+      }
+    }
+  }
+  if (!tl.r.deterministic) tl.fail("results differ between 1 and N threads");
+  if (tl.r.verdict == Verdict::pass) tl.r.detail = backward ? "every dz within proofs/router.md §4.1; unselected exactly 0 where the math says so"
+                                                            : "selection = brute force; weights within proofs/bounds.md §6";
+  return tl.r;
+}
+
+CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunContext& ctx) {
+  const std::size_t n = static_cast<std::size_t>(std::lround(std::sqrt(double(s.e))));
+  std::mt19937_64 rng(ctx.seed ^ (s.t * 37 + n));
+  const auto sx = scores(rng, s.t * n, ties), sy = scores(rng, s.t * n, ties), g = scores(rng, s.t * s.k, false);
+  MatView<const float> xv(sx.data(), s.t, n), yv(sy.data(), s.t, n);
+  auto fwd = [&] {
+    std::vector<std::int32_t> idx(s.t * s.k);
+    std::vector<float> w(s.t * s.k);
+    router::product_key_forward(xv, yv, router::KeyWeights::raw, MatView<std::int32_t>(idx.data(), s.t, s.k), MatView<float>(w.data(), s.t, s.k));
+    return idx;
+  };
+  auto idx = threads(ctx.threads, fwd);
+  Tally tl;
+  tl.slack = static_cast<double>(4 * s.k + 16) * 0x1p-52;
+  tl.r.deterministic = threads(1, fwd) == idx;
+  const auto ni = static_cast<std::int32_t>(n);
+  for (std::size_t t = 0; t < s.t && tl.r.verdict != Verdict::fail; ++t) {
+    std::vector<std::int32_t> all(n * n);
+    for (std::size_t e = 0; e < n * n; ++e) all[e] = static_cast<std::int32_t>(e);
+    std::stable_sort(all.begin(), all.end(), [&](auto a, auto b) {
+      const auto ka = router::detail::exact_sum(sx[t * n + a / ni], sy[t * n + a % ni]);
+      const auto kb = router::detail::exact_sum(sx[t * n + b / ni], sy[t * n + b % ni]);
+      return ka > kb || (ka == kb && a < b);
+    });
+    if (!std::equal(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(s.k), &idx[t * s.k]))
+      tl.fail(fmt::format("row {}: two-stage selection differs from brute force", t));
+  }
+  if (backward && tl.r.verdict != Verdict::fail) {
+    for (std::size_t t = 0; t < s.t; ++t)
+      for (std::size_t j = 1 + t % s.k; j < s.k; ++j) idx[t * s.k + j] = -1;  // -1 tails of every length
+    auto bwd = [&] {
+      std::vector<float> dsx(s.t * n), dsy(s.t * n);
+      router::product_key_backward(xv, yv, MatView<const std::int32_t>(idx.data(), s.t, s.k), MatView<const float>(g.data(), s.t, s.k),
+                                   router::KeyWeights::raw, MatView<float>(dsx.data(), s.t, n), MatView<float>(dsy.data(), s.t, n));
+      dsx.insert(dsx.end(), dsy.begin(), dsy.end());
+      return dsx;
+    };
+    const auto d = threads(ctx.threads, bwd);
+    tl.r.deterministic = tl.r.deterministic && threads(1, bwd) == d;
+    for (std::size_t t = 0; t < s.t; ++t) {
+      std::vector<double> rx, ry;
+      ref::product_key_grad<double>(&sx[t * n], &sy[t * n], n, &idx[t * s.k], &g[t * s.k], s.k, router::KeyWeights::raw, rx, ry);
+      for (std::size_t i = 0; i < n; ++i)
+        for (int half = 0; half < 2; ++half) {
+          double terms = 0;
+          std::size_t count = 0;
+          for (std::size_t j = 0; j < ref::valid_prefix(&idx[t * s.k], s.k); ++j) {
+            const auto e = static_cast<std::size_t>(idx[t * s.k + j]);
+            if ((half ? e % n : e / n) == i) terms += std::fabs(g[t * s.k + j]), ++count;
+          }
+          const double got = half ? d[s.t * n + t * n + i] : d[t * n + i];
+          // Never-selected keys must be exactly 0 (FIELD_NOTES 1): a zero bound.
+          tl.add(got, half ? ry[i] : rx[i], count ? bounds::accumulated(terms, 0, count) + 0x1p-52 * terms : 0,
+                 fmt::format("t={} {}[{}]", t, half ? "dsy" : "dsx", i));
+        }
+    }
+  }
+  if (!tl.r.deterministic) tl.fail("results differ between 1 and N threads");
+  if (tl.r.verdict == Verdict::pass)
+    tl.r.detail = backward ? "-1 slots add nothing; unselected keys exactly 0; others within §4.3" : "two-stage top-K = brute force (proofs/router.md §2)";
+  return tl.r;
+}
+
+}  // namespace
+
+void add_router_cases(std::vector<CaseDef>& out) {
+  const Shape shapes[] = {{"tiny", 2, 4, 1, Suite::smoke}, {"odd", 37, 49, 5, Suite::smoke}, {"realistic", 256, 4096, 16, Suite::def}};
+  for (const auto& s : shapes)
+    for (bool ties : {false, true}) {
+      const std::string shape = fmt::format("{}:T{}_E{}_K{}", s.cls, s.t, s.e, s.k);
+      const char* data = ties ? "ties" : "normal";
+      const Level level = s.suite == Suite::smoke ? Level::full : Level::check;
+      for (bool renorm : {true, false})
+        for (bool bwd : {false, true})
+          out.push_back({bwd ? "router.softmax_topk.backward" : "router.softmax_topk.forward", renorm ? "renormalized" : "dense", "any",
+                         shape, bwd ? std::string(data) + ",minus1_slots" : data, s.suite, level,
+                         [=](const RunContext& ctx) { return softmax_case(s, ties, renorm, bwd, ctx); }});
+      for (bool bwd : {false, true})
+        out.push_back({bwd ? "router.product_key.backward" : "router.product_key.forward", "raw", "any", shape,
+                       bwd ? std::string(data) + ",minus1_slots" : data, s.suite, level,
+                       [=](const RunContext& ctx) { return product_key_case(s, ties, bwd, ctx); }});
+    }
+}
+
+}  // namespace moecert::tools
