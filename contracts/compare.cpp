@@ -1,6 +1,7 @@
 // Bound-based, ULP and tie-aware top-k comparison.
 #include "contracts/compare.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -9,6 +10,15 @@
 #include <fmt/format.h>
 
 namespace moecert::compare {
+
+void UtilizationHistogram::add(double u) {
+  int bin;
+  if (!(u <= 1)) bin = kBins - 1;
+  else if (u >= 0.1) bin = kBins - 2;
+  else if (u < 1e-6) bin = 0;
+  else bin = std::clamp(static_cast<int>(std::floor(std::log10(u))) + 7, 1, kBins - 3);
+  ++count[bin];
+}
 
 Bounded bounded(std::span<const float> got, std::span<const double> ref, std::span<const double> bound) {
   Bounded b;
@@ -26,6 +36,7 @@ Bounded bounded(std::span<const float> got, std::span<const double> ref, std::sp
       if (ref[i] != 0) b.max_rel_err = std::max(b.max_rel_err, err / std::fabs(ref[i]));
     }
     if (!(util <= 1)) ++b.exceeded;
+    b.histogram.add(util);
     if (i == 0 || util > b.max_utilization) {
       b.max_utilization = util;
       b.worst = i;

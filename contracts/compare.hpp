@@ -12,6 +12,18 @@
 namespace moecert::compare {
 
 /// The outcome of comparing n results with reference values and bounds.
+/// Counts of elements by bound utilisation u = |err| / bound: bin 0 holds
+/// u < 1e-6 (exact results included), bin i (1..6) 10^(i-7) <= u < 10^(i-6),
+/// bin 7 holds 0.1 <= u <= 1, bin 8 u > 1 (failures).
+struct UtilizationHistogram {
+  static constexpr int kBins = 9;
+  std::uint64_t count[kBins] = {};
+  void add(double u);
+  void merge(const UtilizationHistogram& o) {
+    for (int i = 0; i < kBins; ++i) count[i] += o.count[i];
+  }
+};
+
 struct Bounded {
   std::size_t count = 0;
   std::size_t exceeded = 0;       // elements with |err| > bound (or non-finite)
@@ -20,6 +32,7 @@ struct Bounded {
   double max_utilization = 0;     // max |err| / bound; +Inf for a non-finite result
   std::size_t worst = 0;          // index of the element of max utilisation
   double worst_got = 0, worst_ref = 0, worst_bound = 0;
+  UtilizationHistogram histogram;
   bool pass() const { return exceeded == 0; }
 };
 

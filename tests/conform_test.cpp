@@ -74,7 +74,8 @@ void validate_report(const json::value& doc) {
                                 {"max_rel_err", T::num_or_null}, {"max_bound_utilization", T::num_or_null},
                                 {"worst", T::str}, {"deterministic", T::boolean}, {"verdict", T::str},
                                 {"detail", T::str}, {"seconds", T::num}, {"clauses_checked", T::strs},
-                                {"clauses_fired", T::strs}}, "case");
+                                {"clauses_fired", T::strs}, {"utilization_histogram", T::array}}, "case");
+    CHECK(c.at("utilization_histogram").as_array().size() == 9);
     const std::string v(c.at("verdict").as_string());
     CHECK((v == "pass" || v == "fail" || v == "skip"));
     passed += v == "pass";

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "contracts/compare.hpp"
 #include "moecert/contracts.hpp"
 #include "moecert/types.hpp"
 
@@ -29,6 +30,7 @@ struct CaseResult {
   std::string worst;           // the worst element's location and values
   bool deterministic = true;   // re-run with another thread count, bitwise equal
   std::vector<std::string> clauses_fired;  // clause ids whose violation the case provoked
+  compare::UtilizationHistogram histogram;   // of every compared element
 };
 
 struct CaseDef {

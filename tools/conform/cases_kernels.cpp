@@ -21,8 +21,16 @@
 namespace moecert::tools {
 namespace {
 
-enum class Data { normal, wide, zeros };
-const char* data_name(Data d) { return d == Data::normal ? "normal" : d == Data::wide ? "wide_exponent" : "zeros"; }
+enum class Data { normal, wide, zeros, near_overflow };
+const char* data_name(Data d) {
+  switch (d) {
+    case Data::normal: return "normal";
+    case Data::wide: return "wide_exponent";
+    case Data::zeros: return "zeros";
+    case Data::near_overflow: return "near_overflow";
+  }
+  return "?";
+}
 
 std::vector<bf16> draw(std::mt19937_64& rng, std::size_t n, Data d, float scale) {
   std::normal_distribution<float> nd(0, scale);
@@ -31,6 +39,7 @@ std::vector<bf16> draw(std::mt19937_64& rng, std::size_t n, Data d, float scale)
   for (auto& x : v) {
     float f = nd(rng);
     if (d == Data::wide) f = std::ldexp(f, ex(rng));
+    if (d == Data::near_overflow) f = std::ldexp(f, 59);  // products near 2^118, sums within 2^128
     if (d == Data::zeros && rng() % 3) f = 0;
     x = bf16(f);
     if (!detail::bf16_in_range(x)) x = bf16(0.0f);
@@ -59,6 +68,7 @@ CaseResult fill_from(const compare::Bounded& b, CaseResult r) {
   r.max_rel_err = b.max_rel_err;
   r.max_bound_utilization = b.max_utilization;
   r.worst = fmt::format("element {}: got {:.9g}, ref {:.17g}, bound {:.3g}", b.worst, b.worst_got, b.worst_ref, b.worst_bound);
+  r.histogram.merge(b.histogram);
   if (!b.pass()) {
     r.verdict = Verdict::fail;
     r.detail = fmt::format("{} of {} elements beyond their bound; worst {}", b.exceeded, b.count, r.worst);
@@ -99,13 +109,14 @@ CaseResult gemm_case(Isa isa, std::size_t m, std::size_t n, std::size_t k, Data 
   return r;
 }
 
-enum class Routing { normal, one_expert, empty_experts, empty_slots };
+enum class Routing { normal, one_expert, empty_experts, empty_slots, sparse };
 const char* routing_name(Routing r) {
   switch (r) {
     case Routing::normal: return "normal";
     case Routing::one_expert: return "all_on_one_expert";
     case Routing::empty_experts: return "empty_experts";
     case Routing::empty_slots: return "minus1_slots";
+    case Routing::sparse: return "sparse_routing";
   }
   return "?";
 }
@@ -128,6 +139,7 @@ CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, st
     std::size_t valid = std::min(k, usable_experts);
     if (routing == Routing::one_expert) valid = 1, perm[0] = 0;
     if (routing == Routing::empty_slots) valid = rng() % (valid + 1);
+    if (routing == Routing::sparse) valid = rng() % 4 == 0 ? 1 : 0;  // a quarter of the tokens, one expert each
     for (std::size_t j = 0; j < valid; ++j) {
       idx[r * k + j] = perm[j];
       w[r * k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
@@ -169,8 +181,8 @@ void add_kernel_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
                      {"realistic", 1024, 2816, 2048, Suite::full, true}};
   for (Isa isa : isas)
     for (const auto& g : gemms)
-      for (Data d : {Data::normal, Data::wide, Data::zeros}) {
-        if (g.suite == Suite::full && d != Data::normal) continue;
+      for (Data d : {Data::normal, Data::wide, Data::zeros, Data::near_overflow}) {
+        if ((g.suite == Suite::full && d != Data::normal) || (d == Data::near_overflow && g.k > 300)) continue;
         out.push_back({"gemm.matmul.forward", "bf16_fp32", std::string(isa_name(isa)),
                        fmt::format("{}:M{}_N{}_K{}", g.cls, g.m, g.n, g.k), data_name(d), g.suite,
                        g.suite == Suite::smoke ? Level::full : Level::check,
@@ -182,7 +194,7 @@ void add_kernel_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
                   {"realistic", 64, 2048, 1408, 6, 64, Suite::full}};
   for (Isa isa : isas)
     for (const auto& x : xs)
-      for (Routing rt : {Routing::normal, Routing::one_expert, Routing::empty_experts, Routing::empty_slots}) {
+      for (Routing rt : {Routing::normal, Routing::one_expert, Routing::empty_experts, Routing::empty_slots, Routing::sparse}) {
         if (x.suite != Suite::smoke && rt != Routing::normal && rt != Routing::empty_slots) continue;
         out.push_back({"experts.forward", "swiglu", std::string(isa_name(isa)),
                        fmt::format("{}:E{}_H{}_I{}_K{}_T{}", x.cls, x.e, x.h, x.i, x.k, x.t), routing_name(rt), x.suite,

@@ -40,6 +40,7 @@ struct Tally {
   void add(double got, double want, double bound, const std::string& where) {
     bound += slack * std::fabs(want);
     const double err = std::fabs(got - want), util = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0);
+    r.histogram.add(util);
     r.max_abs_err = std::max(r.max_abs_err, err);
     if (want != 0) r.max_rel_err = std::max(r.max_rel_err, err / std::fabs(want));
     if (util > r.max_bound_utilization) {
@@ -206,10 +207,89 @@ CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunC
   return tl.r;
 }
 
+CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t topk_group, const RunContext& ctx) {
+  std::mt19937_64 rng(ctx.seed ^ (s.t * 41 + s.e));
+  const router::SigmoidTopkParams p{8, topk_group, 2.5f};
+  const std::size_t size = s.e / p.groups;
+  const auto z = scores(rng, s.t * s.e, ties), g = scores(rng, s.t * s.k, false);
+  std::vector<float> bias = scores(rng, s.e, false);
+  for (auto& b : bias) b *= 0.05f;
+  MatView<const float> zv(z.data(), s.t, s.e);
+  auto fwd = [&] {
+    std::pair<std::vector<std::int32_t>, std::vector<float>> o{std::vector<std::int32_t>(s.t * s.k), std::vector<float>(s.t * s.k)};
+    router::sigmoid_topk_forward(zv, View<const float>{bias.data(), s.e}, p, MatView<std::int32_t>(o.first.data(), s.t, s.k),
+                                 MatView<float>(o.second.data(), s.t, s.k));
+    return o;
+  };
+  const auto [idx, w] = threads(ctx.threads, fwd);
+  Tally tl;
+  tl.slack = 64 * 0x1p-52;
+  tl.r.deterministic = threads(1, fwd).second == w;
+  for (std::size_t t = 0; t < s.t && tl.r.verdict != Verdict::fail; ++t) {
+    // Brute force: groups by the sum of their top two selection scores, then experts.
+    std::vector<float> sel(s.e), gs(p.groups);
+    for (std::size_t i = 0; i < s.e; ++i) sel[i] = router::detail::sigmoid(z[t * s.e + i]) + bias[i];
+    for (std::size_t q = 0; q < p.groups; ++q) {
+      std::vector<float> v(sel.begin() + q * size, sel.begin() + (q + 1) * size);
+      std::sort(v.rbegin(), v.rend());
+      gs[q] = v[0] + v[1];
+    }
+    std::vector<std::int32_t> order(p.groups), all(s.e);
+    for (std::size_t q = 0; q < p.groups; ++q) order[q] = static_cast<std::int32_t>(q);
+    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return router::detail::outranks(gs[a], a, gs[b], b); });
+    for (std::size_t i = 0; i < s.e; ++i) all[i] = static_cast<std::int32_t>(i);
+    std::stable_sort(all.begin(), all.end(), [&](auto a, auto b) { return router::detail::outranks(sel[a], a, sel[b], b); });
+    std::erase_if(all, [&](std::int32_t i) { return std::find(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(p.topk_group), i / static_cast<std::int32_t>(size)) == order.begin() + static_cast<std::ptrdiff_t>(p.topk_group); });
+    all.resize(s.k, -1);  // fewer eligible than K: -1 tail
+    if (!std::equal(all.begin(), all.end(), &idx[t * s.k])) {
+      tl.fail(fmt::format("row {}: selection differs from brute force", t));
+      break;
+    }
+    const std::int32_t* ir = &idx[t * s.k];
+    if (!backward) {
+      const auto wr = ref::sigmoid_topk_weights<double>(&z[t * s.e], ir, s.k, p.scaling);
+      const double rel = bounds::renormalized_rel(s.k, bounds::gamma(bounds::kExpUlps + 2), 1);
+      for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], rel * wr[j], fmt::format("t={} j={}", t, j));
+    }
+  }
+  if (backward && tl.r.verdict != Verdict::fail) {
+    auto bwd = [&] {
+      std::vector<float> dz(s.t * s.e);
+      router::sigmoid_topk_backward(zv, MatView<const std::int32_t>(idx.data(), s.t, s.k), MatView<const float>(g.data(), s.t, s.k), p,
+                                    MatView<float>(dz.data(), s.t, s.e));
+      return dz;
+    };
+    const auto dz = threads(ctx.threads, bwd);
+    tl.r.deterministic = threads(1, bwd) == dz;
+    for (std::size_t t = 0; t < s.t; ++t) {
+      const std::int32_t* ir = &idx[t * s.k];
+      const std::size_t v = ref::valid_prefix(ir, s.k);
+      const auto dref = ref::sigmoid_topk_grad<double>(&z[t * s.e], s.e, ir, &g[t * s.k], s.k, p.scaling);
+      double sum_s = 0, d = 0, sgr = 0, sg = 0;
+      for (std::size_t j = 0; j < v; ++j) sum_s += ref::sigmoid(double(z[t * s.e + ir[j]]));
+      for (std::size_t j = 0; j < v; ++j) {
+        const double rj = ref::sigmoid(double(z[t * s.e + ir[j]])) / sum_s;
+        d += g[t * s.k + j] * rj, sgr += std::fabs(g[t * s.k + j]) * rj, sg += std::fabs(g[t * s.k + j]);
+      }
+      for (std::size_t i = 0; i < s.e; ++i) {
+        const auto* at = std::find(ir, ir + v, static_cast<std::int32_t>(i));
+        const double b = at == ir + v ? 0
+                                      : bounds::sigmoid_grad(ref::sigmoid(double(z[t * s.e + i])), g[t * s.k + (at - ir)], p.scaling,
+                                                             sum_s, d, sgr, sg, v);
+        tl.add(dz[t * s.e + i], dref[i], b, fmt::format("t={} e={}", t, i));
+      }
+    }
+  }
+  if (!tl.r.deterministic) tl.fail("results differ between 1 and N threads");
+  if (tl.r.verdict == Verdict::pass)
+    tl.r.detail = backward ? "within proofs/router.md §4.2; unselected exactly 0" : "group-limited selection = brute force; weights within §7";
+  return tl.r;
+}
+
 }  // namespace
 
 void add_router_cases(std::vector<CaseDef>& out) {
-  const Shape shapes[] = {{"tiny", 2, 4, 1, Suite::smoke}, {"odd", 37, 49, 5, Suite::smoke}, {"realistic", 256, 4096, 16, Suite::def}};
+  const Shape shapes[] = {{"tiny", 2, 16, 1, Suite::smoke}, {"odd", 37, 64, 9, Suite::smoke}, {"realistic", 256, 4096, 16, Suite::def}};
   for (const auto& s : shapes)
     for (bool ties : {false, true}) {
       const std::string shape = fmt::format("{}:T{}_E{}_K{}", s.cls, s.t, s.e, s.k);
@@ -220,6 +300,13 @@ void add_router_cases(std::vector<CaseDef>& out) {
           out.push_back({bwd ? "router.softmax_topk.backward" : "router.softmax_topk.forward", renorm ? "renormalized" : "dense", "any",
                          shape, bwd ? std::string(data) + ",minus1_slots" : data, s.suite, level,
                          [=](const RunContext& ctx) { return softmax_case(s, ties, renorm, bwd, ctx); }});
+      for (bool bwd : {false, true})
+        for (std::size_t kept : {4u, 1u}) {  // kept = 1 with 8 groups: fewer than K eligible when K > E/8
+          if (kept == 1 && s.k <= s.e / 8) continue;
+          out.push_back({bwd ? "router.sigmoid_topk.backward" : "router.sigmoid_topk.forward", fmt::format("G8_keep{}", kept), "any",
+                         shape, kept == 1 ? std::string(data) + ",minus1_slots" : data, s.suite, level,
+                         [=](const RunContext& ctx) { return sigmoid_case(s, ties, bwd, kept, ctx); }});
+        }
       for (bool bwd : {false, true})
         out.push_back({bwd ? "router.product_key.backward" : "router.product_key.forward", "raw", "any", shape,
                        bwd ? std::string(data) + ",minus1_slots" : data, s.suite, level,

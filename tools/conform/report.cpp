@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -91,14 +92,14 @@ std::string utilization_svg(const Report& r) {
   for (const auto& c : r.cases)
     if (c.result.max_bound_utilization > 0) rows.push_back(&c);
   if (rows.empty()) return "<p>No case in this run compares against a bound yet.</p>";
-  const int h = 18, label = 420, width = 300;
+  const int h = 16, label = 640, width = 300;
   std::string s = fmt::format(R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}">)",
                               label + width + 80, h * static_cast<int>(rows.size()) + 20);
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const double u = rows[i]->result.max_bound_utilization;
     const int y = static_cast<int>(i) * h;
     const double w = std::min(u, 1.2) / 1.2 * width;
-    s += fmt::format(R"(<text x="0" y="{}" font-size="11">{}</text>)", y + 13,
+    s += fmt::format(R"(<text x="0" y="{}" font-size="10">{}</text>)", y + 12,
                      escape_xml(rows[i]->def.id()));
     s += fmt::format(R"(<rect x="{}" y="{}" width="{:.1f}" height="{}" fill="{}"/>)", label, y + 3, w,
                      h - 6, u <= 1 ? "#4a8" : "#c44");
@@ -108,6 +109,32 @@ std::string utilization_svg(const Report& r) {
   s += fmt::format(R"(<line x1="{0:.1f}" y1="0" x2="{0:.1f}" y2="{1}" stroke="#000" stroke-dasharray="3"/>)",
                    one, h * static_cast<int>(rows.size()));
   return s + "</svg>";
+}
+
+// Per (op, isa): how many compared elements fell in each utilisation decade.
+std::string histogram_svgs(const Report& r) {
+  std::map<std::string, compare::UtilizationHistogram> groups;
+  for (const auto& c : r.cases) groups[c.def.op + " on " + c.def.isa].merge(c.result.histogram);
+  static const char* kLabels[] = {"<1e-6", "1e-6", "1e-5", "1e-4", "1e-3", "1e-2", "1e-1", "0.1-1", ">1"};
+  std::string s;
+  for (const auto& [name, h] : groups) {
+    std::uint64_t total = 0, top = 1;
+    for (auto n : h.count) total += n, top = std::max(top, n);
+    if (total == 0) continue;
+    const int bw = 52, height = 90;
+    s += fmt::format(R"(<figure style="display:inline-block;margin:6px"><svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}">)",
+                     bw * compare::UtilizationHistogram::kBins, height + 30);
+    for (int i = 0; i < compare::UtilizationHistogram::kBins; ++i) {
+      const double frac = std::log1p(double(h.count[i])) / std::log1p(double(top));  // log scale
+      const int bh = static_cast<int>(frac * height);
+      s += fmt::format(R"(<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{}: {}</title></rect>)", i * bw + 4,
+                       height - bh, bw - 8, bh, i == compare::UtilizationHistogram::kBins - 1 ? "#c44" : "#48a", kLabels[i], h.count[i]);
+      s += fmt::format(R"(<text x="{}" y="{}" font-size="10">{}</text>)", i * bw + 4, height + 12, kLabels[i]);
+      s += fmt::format(R"(<text x="{}" y="{}" font-size="9">{}</text>)", i * bw + 4, height + 24, h.count[i]);
+    }
+    s += fmt::format("</svg><figcaption>{} ({} elements)</figcaption></figure>", escape_xml(name), total);
+  }
+  return s.empty() ? "<p>No element comparisons in this run.</p>" : s;
 }
 
 std::string html(const Report& r) {
@@ -122,7 +149,8 @@ td,th{border:1px solid #ccc;padding:2px 6px}.pass{color:#173}.fail{color:#b00;fo
   s += fmt::format("<p>{} &middot; ISA used {} &middot; {} threads &middot; {} {} &middot; commit {}</p>",
                    escape_xml(r.env.cpu_model), escape_xml(r.env.isa_used), r.env.threads,
                    escape_xml(r.env.compiler), escape_xml(r.env.build_type), escape_xml(r.env.git_commit));
-  s += "<h2>Bound utilisation</h2>" + utilization_svg(r);
+  s += "<h2>Bound utilisation (worst element per case)</h2>" + utilization_svg(r);
+  s += "<h2>Error histograms: elements by |err| / bound, per op and ISA (log-scaled bars)</h2>" + histogram_svgs(r);
   s += "<h2>Cases</h2><table><tr><th>verdict</th><th>case</th><th>level</th><th>max abs err</th><th>max bound util</th><th>deterministic</th><th>detail</th></tr>";
   for (const auto& c : r.cases) {
     const auto v = verdict_name(c.result.verdict);
@@ -195,7 +223,8 @@ boost::json::object to_json(const Report& r) {
         {"deterministic", x.deterministic}, {"verdict", verdict_name(x.verdict)},
         {"detail", x.detail}, {"seconds", c.seconds},
         {"clauses_checked", json::array(c.clauses_checked.begin(), c.clauses_checked.end())},
-        {"clauses_fired", json::array(x.clauses_fired.begin(), x.clauses_fired.end())}});
+        {"clauses_fired", json::array(x.clauses_fired.begin(), x.clauses_fired.end())},
+        {"utilization_histogram", json::array(std::begin(x.histogram.count), std::end(x.histogram.count))}});
   }
   json::array clauses;
   for (const auto& c : r.clauses)
