@@ -4,6 +4,7 @@
 
 #include <oneapi/tbb/blocked_range2d.h>
 #include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
 
 #include "contracts/gemm.hpp"
 #include "ops/gemm/loops.hpp"
@@ -18,8 +19,13 @@ void matmul(MatView<const bf16> a, const PackedWeights& w, MatView<float> c, Isa
   const std::size_t m = a.rows, kp = w.kp();
   if (m > 0 && w.n() > 0) {
     // Work items: 64 rows x 512 columns (measured best for AMX on the AMX
-    // machine; the AVX-512 kernel is insensitive); no two share an element of C.
-    const std::size_t mb = std::max<std::size_t>(64, 2 * kernel.mr), nb = 512;
+    // machine; the AVX-512 kernel is insensitive), narrower when that leaves
+    // fewer than 4 items per thread (few rows); no two share an element of C,
+    // so the partition never changes a result.
+    const std::size_t mb = std::max<std::size_t>(64, 2 * kernel.mr);
+    const std::size_t threads = static_cast<std::size_t>(oneapi::tbb::this_task_arena::max_concurrency());
+    std::size_t nb = 512;
+    while (nb > 2 * kernel.nr && ((m + mb - 1) / mb) * ((w.n() + nb - 1) / nb) < 4 * threads) nb /= 2;
     const std::size_t m_padded = round_up(m, kernel.mr);
     const ALayout layout = kernel.a_layout;
     std::vector<bf16> ap(a_size(layout, m_padded, kp));
