@@ -346,7 +346,7 @@ void sigmoid_topk_backward_post(detail::Checker& c, MatView<const std::int32_t> 
 // ---- product_key ----------------------------------------------------------------
 
 void product_key_pre(detail::Checker& c, MatView<const float> sx, MatView<const float> sy, ByteRange in_x,
-                     ByteRange in_y, MatView<std::int32_t> idx, MatView<float> w) {
+                     ByteRange in_y, router::KeyWeights mode, MatView<std::int32_t> idx, MatView<float> w) {
   MOECERT_CONTRACT(c, k::kPkShape) {
     if (sy.rows != sx.rows || sy.cols != sx.cols || idx.rows != sx.rows || w.rows != sx.rows || w.cols != idx.cols ||
         idx.cols < 1 || idx.cols > sx.cols * sx.cols || sx.cols * sx.cols > (std::size_t{1} << 31))
@@ -356,7 +356,20 @@ void product_key_pre(detail::Checker& c, MatView<const float> sx, MatView<const 
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kPkFinite) {
-    detail::scan_finite(c, k::kPkFinite, "sx", sx) && detail::scan_finite(c, k::kPkFinite, "sy", sy);
+    // Finite, and small enough that every fp32 sum sx + sy is finite (and,
+    // for exp weights, that exp(sx + sy) is).
+    auto ok = [](float v) { return std::isfinite(v) && std::fabs(v) <= 0x1p126f; };
+    if (detail::scan(c, k::kPkFinite, "sx", sx, ok, "finite, |s| <= 2^126") &&
+        detail::scan(c, k::kPkFinite, "sy", sy, ok, "finite, |s| <= 2^126") && mode == router::KeyWeights::exp)
+      for (std::size_t t = 0; t < sx.rows; ++t) {
+        float mx = -INFINITY, my = -INFINITY;
+        for (std::size_t i = 0; i < sx.cols; ++i) mx = std::max(mx, sx(t, i)), my = std::max(my, sy(t, i));
+        if (!(double(mx) + my <= 88.0)) {
+          c.fail(k::kPkFinite, fmt::format("t={}", t), fmt::format("max sx + max sy = {}", double(mx) + my),
+                 "<= 88 for exp weights (exp stays finite)");
+          return;
+        }
+      }
   }
   MOECERT_CONTRACT(c, k::kPkNoAlias) {
     disjoint(c, k::kPkNoAlias, {{"idx", idx.bytes()}, {"w", w.bytes()}, {"sx", in_x}});

@@ -24,7 +24,7 @@ void sigmoid_topk_backward_pre(detail::Checker& c, MatView<const float> z, MatVi
 void sigmoid_topk_backward_post(detail::Checker& c, MatView<const std::int32_t> idx, MatView<const float> dz);
 
 void product_key_pre(detail::Checker& c, MatView<const float> sx, MatView<const float> sy, ByteRange in_x,
-                     ByteRange in_y, MatView<std::int32_t> idx, MatView<float> w);
+                     ByteRange in_y, router::KeyWeights mode, MatView<std::int32_t> idx, MatView<float> w);
 void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const float> sy, router::KeyWeights mode,
                       MatView<const std::int32_t> idx, MatView<const float> w);
 void product_key_backward_pre(detail::Checker& c, MatView<const float> sx, MatView<const float> sy,

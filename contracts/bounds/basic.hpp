@@ -8,6 +8,7 @@
 // (true unless a product underflows: a precondition of the ops using §1).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -79,11 +80,18 @@ constexpr double silu_mul(double silu_exact_abs, double u_abs, double e_g = 0, d
   return e_prod + kU32 * (silu_exact_abs * u_abs + e_prod) + kMinNormal32;
 }
 
+/// Beyond this shift below the maximum, exp underflows to 0 (§6).
+inline constexpr double kUnderflowShift = 104.0;
+
 /// §6: relative error of every fp32 softmax output over n scores (shift by
 /// the exact maximum, exp within kExpUlps, any summation order), where
 /// max_shift = max_i |z_i - m|; input errors e_z in every score.
 /// The bound on p_i is softmax_rel(...) * p_i + 2^-125.
 inline double softmax_rel(std::size_t n, double max_shift, double e_z = 0) {
+  // Terms with z_i - m < -104 underflow to 0 in both the kernel and the exact
+  // softmax (|e^d| < 2^-150): the absolute term covers them, so the shift
+  // that matters is capped (found by router_fuzzer with |z| near 1e38).
+  max_shift = std::min(max_shift, kUnderflowShift);
   const double rho = std::expm1(max_shift * kU32) + (1 + std::expm1(max_shift * kU32)) * kExpUlps * kU32;
   const double theta = (1 + rho) * (1 + gamma(static_cast<double>(n > 0 ? n - 1 : 0))) - 1;
   const double rounding = (1 + rho) * (1 + kU32) / (1 - theta) - 1;
@@ -115,6 +123,7 @@ constexpr double renormalized(double w_exact, std::size_t k, double eps, double 
 /// kExpUlps, add the maximum back): absolute error, given exact |lse|, the
 /// exact log-sum L = lse - m and the maximum shift.
 inline double logsumexp(double lse_abs, double l_abs, std::size_t n, double max_shift) {
+  max_shift = std::min(max_shift, kUnderflowShift);
   const double rho = std::expm1(max_shift * kU32) + (1 + std::expm1(max_shift * kU32)) * kExpUlps * kU32;
   const double theta = (1 + rho) * (1 + gamma(static_cast<double>(n > 0 ? n - 1 : 0))) - 1;
   const double e_log_arg = -std::log1p(-theta);          // |log S_hat - log S|

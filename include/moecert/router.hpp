@@ -113,7 +113,8 @@ enum class KeyWeights : std::uint8_t {
 ///
 /// Clauses:
 ///   router.product_key.shape         pre   shape    sx, sy T x n; idx, w T x K; 1 <= K <= n*n
-///   router.product_key.scores_finite pre   finite   every sx, sy finite
+///   router.product_key.scores_finite pre   finite   every sx, sy finite with |s| <= 2^126 (sums stay
+///                                                  finite); exp weights: max sx + max sy <= 88
 ///   router.product_key.no_alias      pre   alias    idx, w share no byte with sx, sy or each other
 ///   router.product_key.idx_valid     post  index    0 <= idx < n*n
 ///   router.product_key.idx_unique    post  index    no expert twice in a row

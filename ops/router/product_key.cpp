@@ -51,7 +51,7 @@ namespace {
 void forward_impl(MatView<const float> sx, MatView<const float> sy, ByteRange in_x, ByteRange in_y, KeyWeights mode,
                   MatView<std::int32_t> idx, MatView<float> w) {
   moecert::detail::Checker c{"router.product_key.forward"};
-  contracts::product_key_pre(c, sx, sy, in_x, in_y, idx, w);
+  contracts::product_key_pre(c, sx, sy, in_x, in_y, mode, idx, w);
   if (c.stop()) return;
   const std::size_t n = sx.cols, k = idx.cols;
   oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, sx.rows, 16), [&](const auto& r) {
