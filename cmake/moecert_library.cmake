@@ -78,6 +78,11 @@ function(moecert_add_library name)
     MOECERT_CXX_FLAGS="${CMAKE_CXX_FLAGS} ${CMAKE_CXX_FLAGS_${_bt}}"
     MOECERT_GIT_COMMIT="${MOECERT_GIT_COMMIT}")
   # Boost is header-only and used privately: not part of the installed interface.
+  if(MOECERT_MUTANT)
+    # A seeded bug (docs/MUTANTS.md), for measuring what the contracts catch.
+    string(TOUPPER "${MOECERT_MUTANT}" _mutant)
+    target_compile_definitions(${name} PRIVATE MOECERT_MUTANT_${_mutant})
+  endif()
   target_link_libraries(${name} PUBLIC fmt::fmt TBB::tbb PRIVATE $<BUILD_INTERFACE:Boost::headers>)
   if(MOECERT_SANITIZE)
     # A sanitized static library needs the runtime in whatever links it.

@@ -259,7 +259,7 @@ bool Checker::on(const ClauseInfo& clause) {
 }
 
 void Checker::fail(const ClauseInfo& clause, std::string location, std::string observed,
-                   std::string expected, std::source_location where) {
+                   std::string expected, SourceLocation where) {
   Violation v;
   v.op = std::string(op_);
   v.clause = std::string(clause.id);
@@ -291,9 +291,9 @@ OverlapPair first_overlap(const ByteRange* ranges, int n) {
 
 std::string format_range(ByteRange r) { return fmt::format("[{:#x}, {:#x})", r.begin, r.end); }
 
-void assert_fail(const char* cond, std::source_location where) {
+void assert_fail(const char* cond, SourceLocation where) {
   std::fprintf(stderr, "moecert: internal assertion failed: %s at %s:%u (a moecert bug)\n", cond,
-               where.file_name(), static_cast<unsigned>(where.line()));
+               where.file_name(), where.line());
   std::abort();
 }
 

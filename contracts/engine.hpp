@@ -42,7 +42,7 @@ class Checker {
   /// a failed precondition makes stop() true.
   void fail(const ClauseInfo& clause, std::string location, std::string observed,
             std::string expected,
-            std::source_location where = std::source_location::current());
+            SourceLocation where = ::moecert::SourceLocation::current());
 
   /// True after a precondition failed under observe: the op must return
   /// without writing any output.
@@ -81,8 +81,8 @@ std::string format_range(ByteRange r);
 /// A broken internal invariant: a moecert bug, not bad input. Always on.
 #define MOECERT_ASSERT(cond)                                                          \
   ((cond) ? static_cast<void>(0)                                                       \
-          : ::moecert::detail::assert_fail(#cond, std::source_location::current()))
+          : ::moecert::detail::assert_fail(#cond, ::moecert::SourceLocation::current()))
 
 namespace moecert::detail {
-[[noreturn]] void assert_fail(const char* cond, std::source_location where);
+[[noreturn]] void assert_fail(const char* cond, SourceLocation where);
 }

@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
-#include <source_location>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,6 +40,18 @@ std::optional<Level> parse_level(std::string_view);
 std::optional<Semantic> parse_semantic(std::string_view);
 std::optional<Group> parse_group(std::string_view);
 
+/// Where a violation was detected. (std::source_location is not usable with
+/// clang 14 on libstdc++ 12; these builtins are, in GCC and clang alike.)
+struct SourceLocation {
+  const char* file = "";
+  unsigned line_number = 0;
+  static constexpr SourceLocation current(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
+    return {file, line};
+  }
+  constexpr const char* file_name() const { return file; }
+  constexpr unsigned line() const { return line_number; }
+};
+
 /// A clause: a stable dotted id `family.op.clause`, documented next to its
 /// op's declaration. The engine counts how often each clause was evaluated
 /// and how often it failed.
@@ -64,7 +75,7 @@ struct Violation {
   std::string location;  // e.g. "t=17 j=3"; empty when the clause is about a whole argument
   std::string observed;  // e.g. "idx=-2"
   std::string expected;  // bound or expected value, e.g. "-1 <= idx < 256"
-  std::source_location source;
+  SourceLocation source;
 
   /// One line a person can act on: "op: precondition clause failed at loc:
   /// observed, expected ...".

@@ -93,10 +93,16 @@ void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatV
     std::fill(dsy.row(t), dsy.row(t) + n, 0.0f);
     std::size_t valid = 0;
     while (valid < k && it[valid] >= 0) ++valid;  // -1 slots (only at the tail) add nothing
+#ifdef MOECERT_MUTANT_PK_MINUS1_UNMASKED
+    valid = k;  // mutant (docs/MUTANTS.md): -1 slots not masked, decoded as ix = 0, iy = -1 (FIELD_NOTES 1)
+#endif
     if (valid == 0) return;
     std::vector<float> ws(valid), ds(valid);
     const auto ni = static_cast<std::int32_t>(n);
-    for (std::size_t j = 0; j < valid; ++j) ws[j] = sx(t, it[j] / ni) + sy(t, it[j] % ni);
+    // Key indices as signed offsets into the row: ix = idx / n, iy = idx - ix n.
+    auto ix = [&](std::size_t j) { return static_cast<std::ptrdiff_t>(it[j] / ni); };
+    auto iy = [&](std::size_t j) { return static_cast<std::ptrdiff_t>(it[j] - (it[j] / ni) * ni); };
+    for (std::size_t j = 0; j < valid; ++j) ws[j] = sx.row(t)[ix(j)] + sy.row(t)[iy(j)];
     detail::key_weights(mode, ws.data(), valid);
     float dot = 0;
     if (mode == KeyWeights::softmax)
@@ -105,8 +111,8 @@ void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatV
       ds[j] = mode == KeyWeights::raw ? gt[j] : mode == KeyWeights::exp ? gt[j] * ws[j] : ws[j] * (gt[j] - dot);
     // Accumulate in slot order: every element has one writer, no atomics.
     for (std::size_t j = 0; j < valid; ++j) {
-      dsx(t, static_cast<std::size_t>(it[j] / ni)) += ds[j];
-      dsy(t, static_cast<std::size_t>(it[j] % ni)) += ds[j];
+      dsx.row(t)[ix(j)] += ds[j];
+      dsy.row(t)[iy(j)] += ds[j];
     }
   });
   contracts::product_key_backward_post(c, idx, dsx, dsy);
