@@ -35,8 +35,9 @@ fuzz: bootstrap
 	  mkdir -p build/fuzz/corpus/$$f build/fuzz/artifacts; \
 	  echo "fuzz: $$f for $(FUZZ_SECONDS) s"; \
 	  build/fuzz/fuzz/$$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
-	    -artifact_prefix=build/fuzz/artifacts/$$f- build/fuzz/corpus/$$f fuzz/corpus/$$f 2>&1 | \
-	    grep -E "stat::number_of_executed_units|stat::average_exec_per_sec|ERROR|finding|SUMMARY|Done" ; \
+	    -artifact_prefix=build/fuzz/artifacts/$$f- build/fuzz/corpus/$$f fuzz/corpus/$$f \
+	    > build/fuzz/$$f.log 2>&1 || { tail -40 build/fuzz/$$f.log; exit 1; }; \
+	  grep -E "stat::number_of_executed_units|stat::average_exec_per_sec" build/fuzz/$$f.log; \
 	done
 
 clean:

@@ -120,6 +120,10 @@ void weight_rows(detail::Checker& c, const ClauseInfo& clause, MatView<const std
   }
 }
 
+// sigma(z) is a normal float for z >= -87 (e^-87 > 2^-126); below, it
+// underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
+bool sigmoid_logit_ok(float z) { return std::isfinite(z) && z >= -87.0f; }
+
 std::size_t valid_slots(MatView<const std::int32_t> idx, std::size_t t) {
   std::size_t v = 0;
   while (v < idx.cols && idx(t, v) >= 0) ++v;
@@ -244,7 +248,7 @@ void sigmoid_topk_pre(detail::Checker& c, MatView<const float> z, ByteRange z_by
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kSgFinite) {
-    detail::scan_finite(c, k::kSgFinite, "z", z) &&
+    detail::scan(c, k::kSgFinite, "z", z, sigmoid_logit_ok, "finite and >= -87 (sigma(z) normal)") &&
         detail::scan_finite(c, k::kSgFinite, "bias", MatView<const float>(bias.data, 1, bias.size));
   }
   MOECERT_CONTRACT(c, k::kSgNoAlias) {
@@ -318,7 +322,8 @@ void sigmoid_topk_backward_pre(detail::Checker& c, MatView<const float> z, MatVi
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kSgbIdx) { index_rows(c, k::kSgbIdx, k::kSgbIdx, idx, z.cols, true, true, true); }
   MOECERT_CONTRACT(c, k::kSgbFinite) {
-    detail::scan_finite(c, k::kSgbFinite, "g", g) && detail::scan_finite(c, k::kSgbFinite, "z", z);
+    detail::scan_finite(c, k::kSgbFinite, "g", g) &&
+        detail::scan(c, k::kSgbFinite, "z", z, sigmoid_logit_ok, "finite and >= -87 (sigma(z) normal)");
   }
   MOECERT_CONTRACT(c, k::kSgbNoAlias) {
     disjoint(c, k::kSgbNoAlias, {{"dz", dz.bytes()}, {"z", z.bytes()}});

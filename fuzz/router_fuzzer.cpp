@@ -126,7 +126,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::vector<float> bias(d.flag() ? e : d.range(0, 30));
     for (auto& b : bias) b = d.value_f32() * 0.01f;
     MatView<const float> zv(z.data(), t, e);
-    const bool ok = scores_ok && k_ok && all_finite(bias) && bias.size() == e && e % p.groups == 0 && p.topk_group <= p.groups &&
+    bool logits_ok = true;  // sigma(z) normal: z >= -87
+    for (float v : z) logits_ok = logits_ok && v >= -87.0f;
+    const bool ok = scores_ok && logits_ok && k_ok && all_finite(bias) && bias.size() == e && e % p.groups == 0 && p.topk_group <= p.groups &&
                     std::isfinite(p.scaling) && p.scaling > 0;
     expect(ok, [&] { router::sigmoid_topk_forward(zv, View<const float>{bias.data(), bias.size()}, p, iv, wv); }, {outs[0], outs[1]},
            "sigmoid_topk.forward");

@@ -740,3 +740,30 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
                                          MatView<const float>(dsy.data(), t, n));
   }, "router.product_key_backward.unused_zero");
 }
+
+TEST_CASE("router: bf16 scores give the results of their exact fp32 values", "[router]") {
+  std::mt19937_64 rng(83);
+  const std::size_t t = 20, e = 16, k = 3, n = 4;
+  auto zf = normal(rng, t * e, 2);
+  std::vector<bf16> zb(zf.size());
+  for (std::size_t i = 0; i < zf.size(); ++i) zf[i] = (zb[i] = bf16(zf[i])).to_float();
+  std::vector<std::int32_t> i1(t * k), i2(t * k);
+  std::vector<float> w1(t * k), w2(t * k);
+  router::softmax_topk_forward(MatView<const float>(zf.data(), t, e), MatView<std::int32_t>(i1.data(), t, k), MatView<float>(w1.data(), t, k), true);
+  router::softmax_topk_forward(MatView<const bf16>(zb.data(), t, e), MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k), true);
+  CHECK(i1 == i2);
+  CHECK(w1 == w2);
+  const std::vector<float> bias(e, 0.0f);
+  router::sigmoid_topk_forward(MatView<const float>(zf.data(), t, e), View<const float>{bias.data(), e}, {4, 2, 1.0f},
+                               MatView<std::int32_t>(i1.data(), t, k), MatView<float>(w1.data(), t, k));
+  router::sigmoid_topk_forward(MatView<const bf16>(zb.data(), t, e), View<const float>{bias.data(), e}, {4, 2, 1.0f},
+                               MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k));
+  CHECK(i1 == i2);
+  CHECK(w1 == w2);
+  router::product_key_forward(MatView<const float>(zf.data(), t, n), MatView<const float>(zf.data() + t * n, t, n), KeyWeights::exp,
+                              MatView<std::int32_t>(i1.data(), t, k), MatView<float>(w1.data(), t, k));
+  router::product_key_forward(MatView<const bf16>(zb.data(), t, n), MatView<const bf16>(zb.data() + t * n, t, n), KeyWeights::exp,
+                              MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k));
+  CHECK(i1 == i2);
+  CHECK(w1 == w2);
+}

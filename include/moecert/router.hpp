@@ -71,7 +71,8 @@ struct SigmoidTopkParams {
 /// Clauses:
 ///   router.sigmoid_topk.shape         pre   shape    z T x E; bias E; idx, w T x K; 1 <= K <= E;
 ///                                                  G >= 1 divides E; 1 <= topk_group <= G; c finite > 0
-///   router.sigmoid_topk.scores_finite pre   finite   every z and bias finite
+///   router.sigmoid_topk.scores_finite pre   finite   every bias finite; every z finite and >= -87
+///                                                  (sigma(z) normal; below, weights are 0 / 0)
 ///   router.sigmoid_topk.no_alias      pre   alias    idx, w share no byte with z, bias or each other
 ///   router.sigmoid_topk.idx_valid     post  index    0 <= idx < E, or -1 only at the tail
 ///   router.sigmoid_topk.idx_unique    post  index    no expert twice in a row
@@ -91,7 +92,7 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
 /// Clauses:
 ///   router.sigmoid_topk_backward.shape     pre   shape    z, dz T x E; idx, g T x K
 ///   router.sigmoid_topk_backward.idx_valid pre   index    0 <= idx < E or -1 only at the tail; unique
-///   router.sigmoid_topk_backward.g_finite  pre   finite   every g and z finite
+///   router.sigmoid_topk_backward.g_finite  pre   finite   every g finite; every z finite and >= -87
 ///   router.sigmoid_topk_backward.no_alias  pre   alias    dz shares no byte with z, idx, g
 ///   router.sigmoid_topk_backward.unselected_grad post numeric dz_j == 0 exactly for every j not selected
 void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
