@@ -306,8 +306,11 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
   MOECERT_CONTRACT(c, k::kSgWeights) {
     // w = c s_j / sum_S s: §7 with eps = gamma_{c+2} (sigma, §4) and one
     // multiplication by c; the sum is c unless rows hold -1 slots only.
-    const double rel = bounds::renormalized_rel(idx.cols, bounds::gamma(bounds::kExpUlps + 2), 1) + 1e-30;
-    weight_rows(c, k::kSgWeights, idx, w, p.scaling * (1 + rel), 0, p.scaling * (1 + rel));
+    // A denormal c (or product) rounds absolutely: eta per weight (found by
+    // router_fuzzer with c = 9e-41).
+    const double rel = bounds::renormalized_rel(idx.cols, bounds::gamma(bounds::kExpUlps + 2), 1);
+    const double eta = bounds::kMinNormal32;
+    weight_rows(c, k::kSgWeights, idx, w, p.scaling * (1 + rel) + eta, 0, p.scaling * (1 + rel) + idx.cols * eta);
   }
 }
 

@@ -111,7 +111,8 @@ TEST_CASE("reference: transcendentals at 50 digits", "[reference]") {
     const Hp fd = (ref::silu(hz + h) - ref::silu(hz - h)) / (two * h);
     CHECK(ref::to_double(ref::abs(fd - ref::silu_grad(hz))) < 1e-28);
     // The double evaluator agrees to double precision.
-    CHECK(std::fabs(ref::silu(z) - ref::to_double(ref::silu(hz))) <= 1e-15 * (1 + std::fabs(z)));
+    // libm exp is within 1 ulp; silu's few operations add a few more (binary64).
+    CHECK(std::fabs(ref::silu(z) - ref::to_double(ref::silu(hz))) <= 8 * 0x1p-53 * (1 + std::fabs(z)));
   }
   // Double-double transcendentals go through 50 digits.
   const DoubleDouble e1 = ref::exp(DoubleDouble(1.0));
