@@ -124,6 +124,29 @@ void weight_rows(detail::Checker& c, const ClauseInfo& clause, MatView<const std
 // underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
 bool sigmoid_logit_ok(float z) { return std::isfinite(z) && z >= -87.0f; }
 
+// The preconditions the dense router backwards share: shapes, slot indices,
+// finite g and acceptable z, dz disjoint from every input. (Clauses as
+// template arguments keep MOECERT_CONTRACT's compile-time cap.)
+template <const ClauseInfo& kShape, const ClauseInfo& kIdx, const ClauseInfo& kFinite, const ClauseInfo& kAlias, class ZOk>
+void dense_backward_pre(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
+                        MatView<float> dz, ZOk z_ok, std::string_view z_expected) {
+  MOECERT_CONTRACT(c, kShape) {
+    if (idx.rows != z.rows || g.rows != z.rows || g.cols != idx.cols || dz.rows != z.rows || dz.cols != z.cols || idx.cols < 1)
+      c.fail(kShape, "", fmt::format("{}, {}, {}, {}", shape_of("z", z.rows, z.cols), shape_of("idx", idx.rows, idx.cols),
+                                     shape_of("g", g.rows, g.cols), shape_of("dz", dz.rows, dz.cols)),
+             "z, dz T x E; idx, g T x K");
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, kIdx) { index_rows(c, kIdx, kIdx, idx, z.cols, true, true, true); }
+  MOECERT_CONTRACT(c, kFinite) {
+    detail::scan_finite(c, kFinite, "g", g) && detail::scan(c, kFinite, "z", z, z_ok, z_expected);
+  }
+  MOECERT_CONTRACT(c, kAlias) {
+    for (const auto& in : {std::pair<const char*, ByteRange>{"z", z.bytes()}, {"idx", idx.bytes()}, {"g", g.bytes()}})
+      disjoint(c, kAlias, {{"dz", dz.bytes()}, in});
+  }
+}
+
 std::size_t valid_slots(MatView<const std::int32_t> idx, std::size_t t) {
   std::size_t v = 0;
   while (v < idx.cols && idx(t, v) >= 0) ++v;
@@ -169,22 +192,8 @@ void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const
 
 void softmax_topk_backward_pre(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
                                MatView<const float> g, MatView<float> dz) {
-  MOECERT_CONTRACT(c, k::kSmbShape) {
-    if (idx.rows != z.rows || g.rows != z.rows || g.cols != idx.cols || dz.rows != z.rows || dz.cols != z.cols || idx.cols < 1)
-      c.fail(k::kSmbShape, "", fmt::format("{}, {}, {}, {}", shape_of("z", z.rows, z.cols), shape_of("idx", idx.rows, idx.cols),
-                                           shape_of("g", g.rows, g.cols), shape_of("dz", dz.rows, dz.cols)),
-             "z, dz T x E; idx, g T x K");
-  }
-  if (c.stop()) return;
-  MOECERT_CONTRACT(c, k::kSmbIdx) { index_rows(c, k::kSmbIdx, k::kSmbIdx, idx, z.cols, true, true, true); }
-  MOECERT_CONTRACT(c, k::kSmbFinite) {
-    detail::scan_finite(c, k::kSmbFinite, "g", g) && detail::scan_finite(c, k::kSmbFinite, "z", z);
-  }
-  MOECERT_CONTRACT(c, k::kSmbNoAlias) {
-    disjoint(c, k::kSmbNoAlias, {{"dz", dz.bytes()}, {"z", z.bytes()}});
-    disjoint(c, k::kSmbNoAlias, {{"dz", dz.bytes()}, {"idx", idx.bytes()}});
-    disjoint(c, k::kSmbNoAlias, {{"dz", dz.bytes()}, {"g", g.bytes()}});
-  }
+  dense_backward_pre<k::kSmbShape, k::kSmbIdx, k::kSmbFinite, k::kSmbNoAlias>(
+      c, z, idx, g, dz, [](float v) { return std::isfinite(v); }, "finite");
 }
 
 void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
@@ -316,23 +325,8 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
 
 void sigmoid_topk_backward_pre(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
                                MatView<const float> g, MatView<float> dz) {
-  MOECERT_CONTRACT(c, k::kSgbShape) {
-    if (idx.rows != z.rows || g.rows != z.rows || g.cols != idx.cols || dz.rows != z.rows || dz.cols != z.cols || idx.cols < 1)
-      c.fail(k::kSgbShape, "", fmt::format("{}, {}, {}, {}", shape_of("z", z.rows, z.cols), shape_of("idx", idx.rows, idx.cols),
-                                           shape_of("g", g.rows, g.cols), shape_of("dz", dz.rows, dz.cols)),
-             "z, dz T x E; idx, g T x K");
-  }
-  if (c.stop()) return;
-  MOECERT_CONTRACT(c, k::kSgbIdx) { index_rows(c, k::kSgbIdx, k::kSgbIdx, idx, z.cols, true, true, true); }
-  MOECERT_CONTRACT(c, k::kSgbFinite) {
-    detail::scan_finite(c, k::kSgbFinite, "g", g) &&
-        detail::scan(c, k::kSgbFinite, "z", z, sigmoid_logit_ok, "finite and >= -87 (sigma(z) normal)");
-  }
-  MOECERT_CONTRACT(c, k::kSgbNoAlias) {
-    disjoint(c, k::kSgbNoAlias, {{"dz", dz.bytes()}, {"z", z.bytes()}});
-    disjoint(c, k::kSgbNoAlias, {{"dz", dz.bytes()}, {"idx", idx.bytes()}});
-    disjoint(c, k::kSgbNoAlias, {{"dz", dz.bytes()}, {"g", g.bytes()}});
-  }
+  dense_backward_pre<k::kSgbShape, k::kSgbIdx, k::kSgbFinite, k::kSgbNoAlias>(c, z, idx, g, dz, sigmoid_logit_ok,
+                                                                              "finite and >= -87 (sigma(z) normal)");
 }
 
 void sigmoid_topk_backward_post(detail::Checker& c, MatView<const std::int32_t> idx, MatView<const float> dz) {
