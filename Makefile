@@ -3,6 +3,7 @@ JOBS ?= $(shell nproc)
 
 .PHONY: check report bootstrap debug release fuzz clean
 FUZZ_SECONDS ?= 60
+FUZZ_SEED ?= 1
 FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer
 
 bootstrap:
@@ -34,7 +35,7 @@ fuzz: bootstrap
 	@set -e; for f in $(FUZZERS); do \
 	  mkdir -p build/fuzz/corpus/$$f build/fuzz/artifacts; \
 	  echo "fuzz: $$f for $(FUZZ_SECONDS) s"; \
-	  build/fuzz/fuzz/$$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	  build/fuzz/fuzz/$$f -max_total_time=$(FUZZ_SECONDS) -seed=$(FUZZ_SEED) -print_final_stats=1 \
 	    -artifact_prefix=build/fuzz/artifacts/$$f- build/fuzz/corpus/$$f fuzz/corpus/$$f \
 	    > build/fuzz/$$f.log 2>&1 || { tail -40 build/fuzz/$$f.log; exit 1; }; \
 	  grep -E "stat::number_of_executed_units|stat::average_exec_per_sec" build/fuzz/$$f.log; \
