@@ -62,7 +62,7 @@ ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BA
         babs[kk] += std::fabs(v);
       }
     for (std::size_t i = 0; i < m; ++i) {
-      double lhs = 0, cabs = 0, rhs = 0, mag = 0;
+      double lhs = 0, cabs = 0, rhs = 0, mag = 0, flushed = 0;
       for (std::size_t j = 0; j < w; ++j) {
         lhs += static_cast<double>(c(i, j0 + j)) * r[j];
         cabs += std::fabs(static_cast<double>(c(i, j0 + j)));
@@ -71,11 +71,12 @@ ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BA
         const double av = a(i, kk).to_float();
         rhs += av * br[kk];
         mag += std::fabs(av) * babs[kk];  // (|A| (|B|^T |r|))_i
+        if (bounds::flushable(av)) flushed += std::fabs(av) * babs[kk];  // Lemma 1'
       }
       // The block's element bounds (§1, and §2 when C is bf16), summed,
       // plus the probe's own rounding.
       double threshold = bounds::gamma(static_cast<double>(k)) * mag +
-                         2 * static_cast<double>(w * k) * bounds::kMinNormal32;
+                         3 * static_cast<double>(w * k) * bounds::kMinNormal32 + flushed;
       if (opt.c_is_bf16) threshold += bounds::kUbf16 * (mag + threshold) + static_cast<double>(w) * bounds::kBf16HalfDenormal;
       threshold += 2 * g_probe * (mag + cabs);
       const double residual = std::fabs(lhs - rhs);
@@ -111,10 +112,14 @@ compare::Bounded check_rows_gemm_nt(std::size_t k, AAt a, std::size_t n, BAt b, 
     for (std::size_t kk = 0; kk < k; ++kk) row[kk] = a(i, kk);
     for (std::size_t j = 0; j < n; ++j) {
       for (std::size_t kk = 0; kk < k; ++kk) col[kk] = b(j, kk);
-      double sum_abs = 0;
-      for (std::size_t kk = 0; kk < k; ++kk) sum_abs += std::fabs(double(row[kk].to_float()) * double(col[kk].to_float()));
+      double sum_abs = 0, flushed = 0;
+      for (std::size_t kk = 0; kk < k; ++kk) {
+        const double p = std::fabs(double(row[kk].to_float()) * double(col[kk].to_float()));
+        sum_abs += p;
+        if (bounds::flushable(row[kk].to_float()) || bounds::flushable(col[kk].to_float())) flushed += p;
+      }
       const double exact = ref::to_double(ref::dot<ref::DoubleDouble>(row.data(), col.data(), k));
-      double e = bounds::dot(k, sum_abs);
+      double e = bounds::dot(k, sum_abs, flushed);
       if (c_is_bf16) e = bounds::bf16_store(std::fabs(exact), e);
       got.push_back(c(i, j));
       want.push_back(exact);

@@ -32,10 +32,16 @@ constexpr double gamma(double n, double u = kU32) {
 
 /// §1: an fp32 sum of n products (exact bf16 products, or rounded fp32
 /// products), in any order and any summation tree, FMA or not, with
-/// denormal flushing: |s_hat - s| <= gamma_n sum|a_i b_i| + 2 n 2^-126.
-constexpr double dot(std::size_t n, double sum_abs_products) {
-  return gamma(static_cast<double>(n)) * sum_abs_products + 2 * static_cast<double>(n) * kMinNormal32;
+/// denormal flushing of results and of products that underflow:
+/// |s_hat - s| <= gamma_n sum|a_i b_i| + 3 n 2^-126, plus (§1, Lemma 1')
+/// sum |a_i b_i| over inputs a_i that are themselves denormal (flushed):
+/// `flushed_inputs`, 0 wherever the inputs are range-checked.
+constexpr double dot(std::size_t n, double sum_abs_products, double flushed_inputs = 0) {
+  return gamma(static_cast<double>(n)) * sum_abs_products + 3 * static_cast<double>(n) * kMinNormal32 + flushed_inputs;
 }
+
+/// True for an input a kernel may flush to zero (a nonzero denormal).
+constexpr bool flushable(double a) { return a != 0 && (a < 0 ? -a : a) < kMinNormal32; }
 
 /// §2: rounding a computed value x_hat (|x_hat - x| <= e) to bf16:
 /// |bf16(x_hat) - x| <= e + u_bf16 (|x| + e) + 2^-134.

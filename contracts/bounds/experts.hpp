@@ -41,15 +41,17 @@ ExpertRow expert_row(std::size_t hidden, std::size_t inter, X x, Wg wg, Wu wu, W
   r.o.resize(hidden);
   r.o_bound.resize(hidden);
   for (std::size_t m = 0; m < hidden; ++m) {
-    double o = 0, propagated = 0, mag = 0;
+    double o = 0, propagated = 0, mag = 0, flushed = 0;
     for (std::size_t i = 0; i < inter; ++i) {
       const double d = wd(m, i);
       o += h[i] * d;
       propagated += eh[i] * std::fabs(d);                // §3 with eb = 0
       mag += (std::fabs(h[i]) + eh[i]) * std::fabs(d);  // |h_hat| |W_d|
+      // h_hat may be a denormal bf16 (flushed by AMX and AVX-512): Lemma 1'.
+      if (std::fabs(h[i]) - eh[i] < kMinNormal32) flushed += (std::fabs(h[i]) + eh[i]) * std::fabs(d);
     }
     r.o[m] = o;
-    r.o_bound[m] = propagated + dot(inter, mag);
+    r.o_bound[m] = propagated + dot(inter, mag, flushed);
   }
   return r;
 }
