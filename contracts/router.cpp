@@ -62,6 +62,10 @@ void index_rows(detail::Checker& c, const ClauseInfo& valid, const ClauseInfo& u
   }
 }
 
+std::size_t valid_slots(MatView<const std::int32_t> idx, std::size_t t) {
+  return router::detail::valid_slots(idx.row(t), idx.cols);
+}
+
 // sorted and top-k property for a router whose eligible experts of row t
 // are given by `eligible(t, i)` and ranked by `score(t, i)` (desc, index asc).
 template <class Score, class Eligible>
@@ -69,8 +73,7 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
                 std::size_t e, Score score, Eligible eligible) {
   std::vector<char> chosen(e, 0);
   for (std::size_t t = 0; t < idx.rows; ++t) {
-    std::size_t valid = 0;
-    while (valid < idx.cols && idx(t, valid) >= 0) ++valid;
+    const std::size_t valid = valid_slots(idx, t);
     for (std::size_t j = 1; j < valid; ++j) {
       const std::int32_t a = idx(t, j - 1), b = idx(t, j);
       if (!outranks(score(t, a), a, score(t, b), b)) {
@@ -145,12 +148,6 @@ void dense_backward_pre(detail::Checker& c, MatView<const float> z, MatView<cons
     for (const auto& in : {std::pair<const char*, ByteRange>{"z", z.bytes()}, {"idx", idx.bytes()}, {"g", g.bytes()}})
       disjoint(c, kAlias, {{"dz", dz.bytes()}, in});
   }
-}
-
-std::size_t valid_slots(MatView<const std::int32_t> idx, std::size_t t) {
-  std::size_t v = 0;
-  while (v < idx.cols && idx(t, v) >= 0) ++v;
-  return v;
 }
 
 }  // namespace

@@ -172,6 +172,7 @@ TEST_CASE("bounds: silu(g)*u with perturbed inputs", "[bounds]") {
   Stats st;
   for (int i = 0; i < 100000; ++i) {
     const double g = u(rng) * 10, v = u(rng) * 3;
+    // Input perturbation sizes (not tolerances): errors of up to 1e-3 in g and u.
     const double eg = std::fabs(u(rng)) * 1e-3, ev = std::fabs(u(rng)) * 1e-3;
     const float gh = static_cast<float>(g + eg * u(rng)), vh = static_cast<float>(v + ev * u(rng));
     const double eg_real = std::fabs(double(gh) - g), ev_real = std::fabs(double(vh) - v);

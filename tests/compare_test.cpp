@@ -33,6 +33,7 @@ TEST_CASE("compare: a non-finite result never passes", "[compare][finite]") {
   }
   // A zero bound admits only an exact result.
   CHECK(compare::bounded(std::vector<float>{0.0f}, std::vector<double>{0.0}, std::vector<double>{0.0}).pass());
+  // ... and refuses any nonzero error, however small (1e-30 is an input here).
   CHECK_FALSE(compare::bounded(std::vector<float>{1e-30f}, std::vector<double>{0.0}, std::vector<double>{0.0}).pass());
 }
 

@@ -107,18 +107,26 @@ TEST_CASE("gemm.matmul: every usable ISA within bounds of the reference over odd
   }
 }
 
-TEST_CASE("gemm.matmul: amx_emu equals a plain model of TDPBF16PS bit for bit", "[gemm][matmul][amx_emu]") {
-  std::mt19937_64 rng(32);
+namespace {
+// Every element of `isa`'s result over kShapes equals `model` bit for bit.
+template <class Model>
+void expect_bit_exact(Isa isa, Model model, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
   for (const auto& s : kShapes) {
     const auto a = random_bf16(rng, s.m * s.k, 3), wv = random_bf16(rng, s.n * s.k, 3);
     const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
-    const auto c = run(Isa::amx_emu, a, s.m, s.k, w);
+    const auto c = run(isa, a, s.m, s.k, w);
     for (std::size_t i = 0; i < s.m; ++i)
       for (std::size_t j = 0; j < s.n; ++j) {
-        const float want = model_amx(&a[i * s.k], &wv[j * s.k], s.k);
+        const float want = model(&a[i * s.k], &wv[j * s.k], s.k);
         REQUIRE(std::memcmp(&c[i * s.n + j], &want, 4) == 0);
       }
   }
+}
+}  // namespace
+
+TEST_CASE("gemm.matmul: amx_emu equals a plain model of TDPBF16PS bit for bit", "[gemm][matmul][amx_emu]") {
+  expect_bit_exact(Isa::amx_emu, model_amx, 32);
 }
 
 TEST_CASE("gemm.matmul: avx512_bf16 equals a plain model of VDPBF16PS bit for bit", "[gemm][matmul][avx512_bf16]") {
@@ -126,17 +134,7 @@ TEST_CASE("gemm.matmul: avx512_bf16 equals a plain model of VDPBF16PS bit for bi
     WARN("avx512_bf16 not usable here: nothing to compare");
     return;
   }
-  std::mt19937_64 rng(33);
-  for (const auto& s : kShapes) {
-    const auto a = random_bf16(rng, s.m * s.k, 3), wv = random_bf16(rng, s.n * s.k, 3);
-    const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
-    const auto c = run(Isa::avx512_bf16, a, s.m, s.k, w);
-    for (std::size_t i = 0; i < s.m; ++i)
-      for (std::size_t j = 0; j < s.n; ++j) {
-        const float want = model_avx512(&a[i * s.k], &wv[j * s.k], s.k);
-        REQUIRE(std::memcmp(&c[i * s.n + j], &want, 4) == 0);
-      }
-  }
+  expect_bit_exact(Isa::avx512_bf16, model_avx512, 33);
 }
 
 TEST_CASE("gemm.matmul: denormal flushing in the AMX model", "[gemm][amx_emu]") {

@@ -2,7 +2,6 @@
 // epilogue, down GEMM, weighted combine in slot order.
 #include "ops/experts/forward.hpp"
 
-#include <cmath>
 #include <cstring>
 
 #include <oneapi/tbb/parallel_for.h>

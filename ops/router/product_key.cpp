@@ -91,8 +91,7 @@ void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatV
     const float* gt = g.row(t);
     std::fill(dsx.row(t), dsx.row(t) + n, 0.0f);
     std::fill(dsy.row(t), dsy.row(t) + n, 0.0f);
-    std::size_t valid = 0;
-    while (valid < k && it[valid] >= 0) ++valid;  // -1 slots (only at the tail) add nothing
+    std::size_t valid = detail::valid_slots(it, k);  // -1 slots (only at the tail) add nothing
 #ifdef MOECERT_MUTANT_PK_MINUS1_UNMASKED
     valid = k;  // mutant (docs/MUTANTS.md): -1 slots not masked, decoded as ix = 0, iy = -1 (FIELD_NOTES 1)
 #endif

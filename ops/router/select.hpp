@@ -22,6 +22,13 @@ void top_k(std::size_t n, std::size_t k, Better better, std::int32_t* out, std::
   std::copy(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), out);
 }
 
+/// Slots of a row before its first -1 (-1 slots sit only at the tail).
+inline std::size_t valid_slots(const std::int32_t* idx, std::size_t k) {
+  std::size_t v = 0;
+  while (v < k && idx[v] >= 0) ++v;
+  return v;
+}
+
 /// Score descending, then index ascending.
 inline bool outranks(float sa, std::int32_t a, float sb, std::int32_t b) { return sa > sb || (sa == sb && a < b); }
 

@@ -91,8 +91,7 @@ void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
     const float* gt = g.row(t);
     float* dt = dz.row(t);
     std::fill(dt, dt + e, 0.0f);
-    std::size_t valid = 0;
-    while (valid < k && it[valid] >= 0) ++valid;
+    const std::size_t valid = detail::valid_slots(it, k);
     float sum = 0, dot = 0;  // sum_S s; sum_S g s / sum_S s
     for (std::size_t j = 0; j < valid; ++j) sum += detail::sigmoid(zt[it[j]]);
     for (std::size_t j = 0; j < valid; ++j) dot += gt[j] * (detail::sigmoid(zt[it[j]]) / sum);

@@ -64,8 +64,7 @@ void softmax_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
     const std::int32_t* it = idx.row(t);
     const float* gt = g.row(t);
     float* dt = dz.row(t);
-    std::size_t valid = 0;
-    while (valid < k && it[valid] >= 0) ++valid;  // -1 slots, only at the tail, add nothing
+    const std::size_t valid = detail::valid_slots(it, k);  // -1 slots, only at the tail, add nothing
     std::fill(dt, dt + e, 0.0f);
     if (valid == 0) return;
     float m = zt[it[0]];
