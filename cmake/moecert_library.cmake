@@ -19,6 +19,9 @@ set(MOECERT_SOURCES
   ops/experts/grouping.cpp
   ops/experts/pack.cpp
   ops/experts/forward.cpp
+  ops/workspace/plan.cpp
+  ops/workspace/arena.cpp
+  contracts/workspace.cpp
   ops/gemm/dispatch.cpp
   ops/gemm/pack.cpp
   ops/gemm/loops.cpp

@@ -121,4 +121,17 @@ inline constexpr ClauseInfo kAll[] = {
     kPkbShape, kPkbIdx, kPkbFinite, kPkbNoAlias, kPkbUnused};
 }  // namespace router
 
+namespace workspace {
+inline constexpr ClauseInfo kTokensRange = pre("workspace.plan.tokens_range", Group::shape, "0 <= tokens <= T_max");
+inline constexpr ClauseInfo kOverflow = pre("workspace.plan.overflow", Group::memory, "no size overflows 64 bits");
+inline constexpr ClauseInfo kMemoryCap = pre("workspace.plan.memory_cap", Group::memory, "total_bytes <= memory cap");
+inline constexpr ClauseInfo kDisjoint = {"workspace.plan.disjoint", ClauseKind::invariant, Group::memory, Level::check,
+                                         "co-live buffers disjoint, inside the total, aligned"};
+inline constexpr ClauseInfo kArenaDisjoint = {"workspace.arena.disjoint", ClauseKind::invariant, Group::alias,
+                                              Level::check, "co-live bound buffers share no byte"};
+inline constexpr ClauseInfo kArenaGuard = {"workspace.arena.guard", ClauseKind::invariant, Group::memory, Level::check,
+                                           "guard zones intact"};
+inline constexpr ClauseInfo kAll[] = {kTokensRange, kOverflow, kMemoryCap, kDisjoint, kArenaDisjoint, kArenaGuard};
+}  // namespace workspace
+
 }  // namespace moecert::clauses

@@ -8,7 +8,8 @@ std::vector<ClauseInfo> all_clauses() {
   for (const auto& table : {std::span<const ClauseInfo>(clauses::config::kAll),
                             std::span<const ClauseInfo>(clauses::gemm::kAll),
                             std::span<const ClauseInfo>(clauses::experts::kAll),
-                            std::span<const ClauseInfo>(clauses::router::kAll)})
+                            std::span<const ClauseInfo>(clauses::router::kAll),
+                            std::span<const ClauseInfo>(clauses::workspace::kAll)})
     out.insert(out.end(), table.begin(), table.end());
   return out;
 }

@@ -1,4 +1,4 @@
-// moecert: the command-line program (info, conform, bench).
+// moecert: the command-line program (info, conform, bench, plan).
 #include <cstdio>
 #include <exception>
 #include <string_view>
@@ -16,7 +16,10 @@ constexpr const char* kUsage =
     "  conform [--suite smoke|default|full] [--out DIR] [--isa NAME...] [--threads N] [--seed S]\n"
     "                                         run a conformance suite and write the report\n"
     "  bench [--case NAME...] [--json FILE] [--isa NAME] [--threads N] [--reps N] [--list]\n"
-    "                                         time cases against oneDNN in the same run\n";
+    "                                         time cases against oneDNN in the same run\n"
+    "  plan --experts E --hidden H --inter I --topk K --tokens T [--rank R] [--alpha A]\n"
+    "       [--router KIND] [--groups G] [--topk-group N] [--cap BYTES] [--forward-only] [--json]\n"
+    "                                         print the workspace plan of a layer call\n";
 
 }  // namespace
 
@@ -30,6 +33,7 @@ int main(int argc, char** argv) {
     if (cmd == "info") return moecert::tools::run_info(argc - 2, argv + 2);
     if (cmd == "conform") return moecert::tools::run_conform(argc - 2, argv + 2);
     if (cmd == "bench") return moecert::tools::run_bench(argc - 2, argv + 2);
+    if (cmd == "plan") return moecert::tools::run_plan(argc - 2, argv + 2);
     if (cmd == "--help" || cmd == "-h" || cmd == "help") {
       std::fputs(kUsage, stdout);
       return 0;

@@ -9,6 +9,7 @@
 #include "contracts/experts.hpp"
 #include "moecert/isa.hpp"
 #include "ops/gemm/loops.hpp"
+#include "ops/workspace/planner.hpp"
 
 using moecert::gemm::round_up;
 
@@ -51,9 +52,7 @@ Workspace::Workspace() : impl_(std::make_unique<Impl>()) {}
 Workspace::~Workspace() = default;
 Workspace::Workspace(Workspace&&) noexcept = default;
 Workspace& Workspace::operator=(Workspace&&) noexcept = default;
-std::size_t Workspace::bytes() const {
-  return impl_->a.capacity() + impl_->c1.capacity() + impl_->h.capacity() + impl_->o.capacity();
-}
+std::size_t Workspace::bytes() const { return impl_->arena.capacity(); }
 
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y, const ForwardOptions& opt) {
@@ -85,10 +84,10 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   st.ldc1 = w.experts() ? w.gate_up(0).n() : 0;
   st.ldh = gemm::a_stride(layout, kp2);
   st.ldo = hidden;
-  st.a = ws.a.get<bf16>(gemm::a_size(layout, rows, kp1));
-  st.c1 = ws.c1.get<float>(rows * st.ldc1);
-  st.h = ws.h.get<bf16>(gemm::a_size(layout, rows, kp2));
-  st.o = ws.o.get<float>(rows * st.ldo);
+  workspace::Arena& arena = ws.arena;
+  arena.bind(workspace::plan_shape({w.experts(), hidden, inter, k, 0, t_count, 0}, false, 0, chk), chk);
+  arena.enter(workspace::f_gather, chk);
+  st.a = arena.get<bf16>("experts.a", gemm::a_size(layout, rows, kp1));
   // First element of padded row r in the packed A and h buffers (r is a
   // multiple of the kernel's MR wherever a block starts).
   auto a_row = [&](std::size_t r) { return st.a + gemm::a_offset(layout, st.lda, r, 0); };
@@ -101,6 +100,9 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
     gemm::pack_a(layout, x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], kp1, a_row(g.begin[e]));
   });
 
+  arena.enter(workspace::f_gate_up, chk);
+  st.c1 = arena.get<float>("experts.c1", rows * st.ldc1);
+  st.h = arena.get<bf16>("experts.h", gemm::a_size(layout, rows, kp2));
   // 3. Gate+up GEMM, then h = silu(g) * u per 32-column panel pair (16 gate
   //    columns, then the same 16 up columns), written into h in the
   //    kernel's A layout for the down GEMM. Work items: (expert, up to 512
@@ -128,12 +130,15 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   });
 
   // 4. Down GEMM.
+  arena.enter(workspace::f_down, chk);
+  st.o = arena.get<float>("experts.o", rows * st.ldo);
   for_each_tile(tiles(g, hidden, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden, st.o + r0 * st.ldo, st.ldo);
   });
 
   // 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.
+  arena.enter(workspace::f_combine, chk);
   oneapi::tbb::parallel_for(std::size_t{0}, t_count, [&](std::size_t t) {
     float* yt = y.row(t);
     std::fill(yt, yt + hidden, 0.0f);
@@ -146,6 +151,7 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
     }
   });
 
+  arena.leave(chk);
   contracts::experts_forward_post(chk, w, x, idx, weights, y, st);
   return stats;
 }

@@ -4,12 +4,11 @@
 #pragma once
 
 #include <cstddef>
-#include <memory>
-#include <new>
 
 #include "moecert/experts.hpp"
 #include "ops/experts/grouping.hpp"
 #include "ops/gemm/ukernel.hpp"
+#include "ops/workspace/arena.hpp"
 
 namespace moecert::experts {
 
@@ -25,31 +24,9 @@ struct ForwardState {
   bf16 h_at(std::size_t r, std::size_t k) const { return h[gemm::a_offset(layout, ldh, r, k)]; }
 };
 
-/// Uninitialised, 64-byte aligned storage that grows on demand.
-class RawBuffer {
- public:
-  template <class T>
-  T* get(std::size_t n) {
-    const std::size_t bytes = n * sizeof(T);
-    if (bytes > capacity_) {
-      data_.reset(static_cast<std::byte*>(::operator new[](bytes, std::align_val_t(64))));
-      capacity_ = bytes;
-    }
-    return reinterpret_cast<T*>(data_.get());
-  }
-  std::size_t capacity() const { return capacity_; }
-
- private:
-  struct Free {
-    void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t(64)); }
-  };
-  std::unique_ptr<std::byte[], Free> data_;
-  std::size_t capacity_ = 0;
-};
-
 struct Workspace::Impl {
   ForwardState state;
-  RawBuffer a, c1, h, o;
+  workspace::Arena arena;
 };
 
 }  // namespace moecert::experts

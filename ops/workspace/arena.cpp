@@ -1,0 +1,111 @@
+// Arena: allocation, guards, poison.
+#include "ops/workspace/arena.hpp"
+
+#include <cstring>
+#include <new>
+
+#include "contracts/clauses.hpp"
+#include "contracts/workspace.hpp"
+#include "ops/workspace/planner.hpp"
+
+namespace moecert::workspace {
+
+namespace k = clauses::workspace;
+
+void Arena::Free::operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t(64)); }
+
+void Arena::bind(const Plan& p, detail::Checker& c) {
+  const std::size_t need = kGuard + p.total_bytes;
+  if (need > capacity_) {
+    block_.reset(static_cast<std::byte*>(::operator new[](need, std::align_val_t(64))));
+    capacity_ = need;
+  }
+  plan_ = p;
+  current_ = -1;
+  offsets_.clear();
+  for (const auto& b : plan_.buffers) offsets_.push_back(b.offset);
+  for (const auto& [a, b] : test_aliases_) apply_alias(a, b);
+  std::memset(block_.get(), kGuardByte, kGuard);
+  MOECERT_CONTRACT(c, k::kArenaDisjoint) {
+    if (auto o = contracts::first_co_live_overlap(plan_, offsets_.data()))
+      c.fail(k::kArenaDisjoint, fmt::format("{} and {}", plan_.buffers[o.a].name, plan_.buffers[o.b].name),
+             fmt::format("[{}, {}) and [{}, {}) both live", offsets_[o.a], offsets_[o.a] + plan_.buffers[o.a].bytes,
+                         offsets_[o.b], offsets_[o.b] + plan_.buffers[o.b].bytes),
+             "disjoint");
+  }
+}
+
+void* Arena::raw(std::string_view name, std::size_t bytes) {
+  for (std::size_t i = 0; i < plan_.buffers.size(); ++i)
+    if (plan_.buffers[i].name == name) {
+      MOECERT_ASSERT(bytes <= plan_.buffers[i].bytes);
+      return block_.get() + kGuard + offsets_[i];
+    }
+  MOECERT_ASSERT(false && "buffer not in the plan");
+  return nullptr;
+}
+
+// A buffer's guard zone belongs to it only while it is live: other buffers
+// may use those bytes at other steps. So guards are written when a buffer's
+// interval starts and checked at every later step of it and at its end.
+void Arena::check_guards(detail::Checker& c, std::string_view when) {
+  if (current_ < 0) return;
+  MOECERT_CONTRACT(c, k::kArenaGuard) {
+    auto intact = [](const std::byte* g) {
+      for (std::size_t i = 0; i < kGuard; ++i)
+        if (g[i] != std::byte{kGuardByte}) return false;
+      return true;
+    };
+    if (!intact(block_.get())) c.fail(k::kArenaGuard, fmt::format("before the first buffer, at {}", when), "damaged", "intact");
+    const std::byte* base = block_.get() + kGuard;
+    for (std::size_t i = 0; i < plan_.buffers.size(); ++i) {
+      const auto& b = plan_.buffers[i];
+      if (b.first > current_ || b.last < current_) continue;
+      if (!intact(base + offsets_[i] + round_up(b.bytes, kAlign))) {
+        c.fail(k::kArenaGuard, fmt::format("after {}, at {}", b.name, when), "damaged", "intact");
+        return;
+      }
+    }
+  }
+}
+
+void Arena::enter(int step, detail::Checker& c) {
+  check_guards(c, step_name(step));
+  const int previous = current_;
+  current_ = step;
+  std::byte* base = block_.get() + kGuard;
+  bool poison = false;
+  MOECERT_CONTRACT(c, k::kArenaGuard) { poison = true; }
+  for (std::size_t i = 0; i < plan_.buffers.size(); ++i) {
+    const auto& b = plan_.buffers[i];
+    if (b.first <= previous || b.first > step) continue;  // not fresh here
+    const std::uint64_t size = round_up(b.bytes, kAlign);
+    std::memset(base + offsets_[i] + size, kGuardByte, kGuard);
+    if (poison) {
+      auto* w = reinterpret_cast<std::uint32_t*>(base + offsets_[i]);
+      std::fill(w, w + size / 4, kPoison);
+    }
+  }
+}
+
+void Arena::leave(detail::Checker& c) {
+  check_guards(c, "end");
+  current_ = -1;
+}
+
+void Arena::alias_for_testing(std::string_view a, std::string_view b) {
+  test_aliases_.emplace_back(std::string(a), std::string(b));
+}
+
+void Arena::apply_alias(std::string_view a, std::string_view b) {
+  std::size_t ia = plan_.buffers.size(), ib = ia;
+  for (std::size_t i = 0; i < plan_.buffers.size(); ++i) {
+    if (plan_.buffers[i].name == a) ia = i;
+    if (plan_.buffers[i].name == b) ib = i;
+  }
+  MOECERT_ASSERT(ia < plan_.buffers.size() && ib < plan_.buffers.size());
+  MOECERT_ASSERT(plan_.buffers[ib].bytes <= plan_.buffers[ia].bytes);
+  offsets_[ib] = offsets_[ia];
+}
+
+}  // namespace moecert::workspace
