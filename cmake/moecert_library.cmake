@@ -19,6 +19,10 @@ set(MOECERT_SOURCES
   ops/experts/grouping.cpp
   ops/experts/pack.cpp
   ops/experts/forward.cpp
+  ops/experts/lora.cpp
+  ops/layer/forward.cpp
+  ops/layer/backward.cpp
+  contracts/layer.cpp
   ops/workspace/plan.cpp
   ops/workspace/arena.cpp
   contracts/workspace.cpp

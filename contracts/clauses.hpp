@@ -134,4 +134,28 @@ inline constexpr ClauseInfo kArenaGuard = {"workspace.arena.guard", ClauseKind::
 inline constexpr ClauseInfo kAll[] = {kTokensRange, kOverflow, kMemoryCap, kDisjoint, kArenaDisjoint, kArenaGuard};
 }  // namespace workspace
 
+namespace layer {
+inline constexpr ClauseInfo kFwdShape = pre("layer.forward.shape", Group::shape, "x, y T x H; router, LoRA, packed experts of the config");
+inline constexpr ClauseInfo kFwdXFinite = pre("layer.forward.x_finite", Group::finite, "x, router weights and bias finite");
+inline constexpr ClauseInfo kFwdLoraFinite = pre("layer.forward.lora_finite", Group::finite, "LoRA finite, 0 or 2^-60 <= |a| <= 2^60");
+inline constexpr ClauseInfo kFwdScale = pre("layer.forward.scale_finite", Group::numeric, "s = float(alpha / r) finite, > 0");
+inline constexpr ClauseInfo kFwdNoAlias = pre("layer.forward.no_alias", Group::alias, "y shares no byte with any input");
+inline constexpr ClauseInfo kFwdLoraPadding = {"layer.forward.lora_padding", ClauseKind::invariant, Group::numeric, Level::check,
+                                               "packed LoRA rank padding is zero"};
+inline constexpr ClauseInfo kFwdYFinite = post("layer.forward.y_finite", Group::finite, "every y finite");
+inline constexpr ClauseInfo kFwdWithin = post("layer.forward.within_bound", Group::numeric, "z and y within bound", Level::full);
+inline constexpr ClauseInfo kBwdState = pre("layer.backward.state", Group::shape, "saved holds a training forward of this config and T");
+inline constexpr ClauseInfo kBwdShape = pre("layer.backward.shape", Group::shape, "dy T x H; gradients of their weights' shapes");
+inline constexpr ClauseInfo kBwdDyFinite = pre("layer.backward.dy_finite", Group::finite, "every dy finite");
+inline constexpr ClauseInfo kBwdNoAlias = pre("layer.backward.no_alias", Group::alias, "gradients disjoint from each other and inputs");
+inline constexpr ClauseInfo kBwdSavedFinite = pre("layer.backward.saved_finite", Group::finite, "saved activations finite");
+inline constexpr ClauseInfo kBwdGradFinite = post("layer.backward.grad_finite", Group::finite, "every gradient finite");
+inline constexpr ClauseInfo kBwdEmptyZero = post("layer.backward.empty_expert_zero", Group::numeric, "no tokens: LoRA gradients exactly 0");
+inline constexpr ClauseInfo kBwdRouterMasked = post("layer.backward.router_masked", Group::numeric, "dL/dw 0 at -1 slots");
+inline constexpr ClauseInfo kBwdWithin = post("layer.backward.within_bound", Group::numeric, "gradients within bound", Level::full);
+inline constexpr ClauseInfo kAll[] = {kFwdShape, kFwdXFinite, kFwdLoraFinite, kFwdScale, kFwdNoAlias, kFwdLoraPadding,
+                                      kFwdYFinite, kFwdWithin, kBwdState, kBwdShape, kBwdDyFinite, kBwdNoAlias,
+                                      kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero, kBwdRouterMasked, kBwdWithin};
+}  // namespace layer
+
 }  // namespace moecert::clauses

@@ -9,7 +9,8 @@ std::vector<ClauseInfo> all_clauses() {
                             std::span<const ClauseInfo>(clauses::gemm::kAll),
                             std::span<const ClauseInfo>(clauses::experts::kAll),
                             std::span<const ClauseInfo>(clauses::router::kAll),
-                            std::span<const ClauseInfo>(clauses::workspace::kAll)})
+                            std::span<const ClauseInfo>(clauses::workspace::kAll),
+                            std::span<const ClauseInfo>(clauses::layer::kAll)})
     out.insert(out.end(), table.begin(), table.end());
   return out;
 }

@@ -21,15 +21,20 @@ class PackedExperts {
 
   /// w_gate, w_up: [E*I x H] (expert e: rows e*I .. e*I + I - 1, i.e. W_g[e]
   /// [I x H]); w_down: [E*H x I] (W_d[e] [H x I]). Runs gemm.pack's clauses
-  /// on every matrix.
+  /// on every matrix. With `backward`, also the orientations the layer
+  /// backward multiplies by: W_d[e]^T ([I x H] as packed W, for dh = do W_d)
+  /// and [W_g[e]^T | W_u[e]^T] ([H x 2I], for dx = [dg du] [W_g; W_u]).
   static PackedExperts pack(std::size_t experts, MatView<const bf16> w_gate, MatView<const bf16> w_up,
-                            MatView<const bf16> w_down);
+                            MatView<const bf16> w_down, bool backward = false);
 
   std::size_t experts() const { return gate_up_.size(); }
   std::size_t hidden() const { return hidden_; }
   std::size_t inter() const { return inter_; }
   const gemm::PackedWeights& gate_up(std::size_t e) const { return gate_up_[e]; }
   const gemm::PackedWeights& down(std::size_t e) const { return down_[e]; }
+  bool has_backward() const { return !down_t_.empty(); }
+  const gemm::PackedWeights& down_t(std::size_t e) const { return down_t_[e]; }
+  const gemm::PackedWeights& gate_up_t(std::size_t e) const { return gate_up_t_[e]; }
   gemm::PackedWeights& mutable_down_for_testing(std::size_t e) { return down_[e]; }
   /// Weights read back from the packed layout.
   bf16 gate(std::size_t e, std::size_t i, std::size_t h) const;
@@ -38,7 +43,7 @@ class PackedExperts {
   std::size_t bytes() const;
 
  private:
-  std::vector<gemm::PackedWeights> gate_up_, down_;
+  std::vector<gemm::PackedWeights> gate_up_, down_, down_t_, gate_up_t_;
   std::size_t hidden_ = 0, inter_ = 0;
 };
 

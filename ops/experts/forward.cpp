@@ -1,6 +1,7 @@
 // Grouped SwiGLU expert forward: group, gather, gate+up GEMM with the SwiGLU
 // epilogue, down GEMM, weighted combine in slot order.
 #include "ops/experts/forward.hpp"
+#include "ops/experts/lora.hpp"
 
 #include <cstring>
 
@@ -14,39 +15,6 @@
 using moecert::gemm::round_up;
 
 namespace moecert::experts {
-namespace {
-
-// Work item: rows [m0, m1) of one expert's group, columns [n0, n1).
-struct Tile {
-  std::size_t e, m0, m1, n0, n1;
-};
-
-// Tiles of every expert's rows x n columns; no two share an output element.
-std::vector<Tile> tiles(const Grouping& g, std::size_t n, std::size_t mb, std::size_t nb) {
-  std::vector<Tile> out;
-  for (std::size_t e = 0; e < g.experts; ++e)
-    for (std::size_t m0 = 0; m0 < g.count[e]; m0 += mb)
-      for (std::size_t n0 = 0; n0 < n; n0 += nb)
-        out.push_back({e, m0, std::min(g.count[e], m0 + mb), n0, std::min(n, n0 + nb)});
-  return out;
-}
-
-template <class F>
-void for_each_tile(const std::vector<Tile>& ts, F f) {
-  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, ts.size(), 1),
-                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
-                              for (std::size_t i = r.begin(); i < r.end(); ++i) f(ts[i]);
-                            });
-}
-
-Isa choose_isa(const ForwardOptions& opt, std::size_t routed, std::size_t experts) {
-  if (opt.isa) return *opt.isa;
-  const Isa d = default_isa();
-  if (d == Isa::amx_bf16 && routed <= 4 * experts && isa_usable(Isa::avx512_bf16)) return Isa::avx512_bf16;
-  return d;
-}
-
-}  // namespace
 
 Workspace::Workspace() : impl_(std::make_unique<Impl>()) {}
 Workspace::~Workspace() = default;
@@ -54,38 +22,57 @@ Workspace::Workspace(Workspace&&) noexcept = default;
 Workspace& Workspace::operator=(Workspace&&) noexcept = default;
 std::size_t Workspace::bytes() const { return impl_->arena.capacity(); }
 
+Isa choose_isa(std::optional<Isa> forced, std::size_t routed, std::size_t experts) {
+  if (forced) return *forced;
+  const Isa d = default_isa();
+  if (d == Isa::amx_bf16 && routed <= 4 * experts && isa_usable(Isa::avx512_bf16)) return Isa::avx512_bf16;
+  return d;
+}
+
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y, const ForwardOptions& opt) {
   moecert::detail::Checker chk{"experts.forward"};
   contracts::experts_forward_pre(chk, w, x, idx, weights, y);
   if (chk.stop()) return {};
-  const std::size_t t_count = x.rows, k = idx.cols, hidden = w.hidden(), inter = w.inter();
+  const std::size_t t_count = x.rows, k = idx.cols;
   std::size_t routed = 0;
   for (std::size_t t = 0; t < t_count; ++t)
     for (std::size_t j = 0; j < k; ++j) routed += idx(t, j) >= 0;
   ForwardStats stats;
-  stats.isa = choose_isa(opt, routed, w.experts());
+  stats.isa = choose_isa(opt.isa, routed, w.experts());
   const gemm::KernelInfo& kernel = gemm::kernel_info(stats.isa);
-
-  // 1. Group the routed slots by expert (stable counting sort).
   Workspace temporary_ws;
   Workspace::Impl& ws = (opt.workspace ? *opt.workspace : temporary_ws).impl();
-  ForwardState& st = ws.state;
+  ws.arena.bind(workspace::plan_shape({w.experts(), w.hidden(), w.inter(), k, 0, t_count, 0}, false, 0, chk), chk);
+  forward_impl(w, nullptr, x, idx, weights, y, kernel, ws.arena, ws.state);
+  ws.arena.leave(chk);
+  stats.routed_rows = ws.state.grouping.routed;
+  stats.padded_rows = ws.state.grouping.rows();
+  contracts::experts_forward_post(chk, w, x, idx, weights, y, ws.state);
+  return stats;
+}
+
+void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const bf16> x,
+                  MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
+                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st) {
+  moecert::detail::Checker chk{"experts.forward"};
+  const std::size_t t_count = x.rows, k = idx.cols, hidden = w.hidden(), inter = w.inter();
+  const std::size_t rank = lora ? lora->rank : 0;
+  // 1. Group the routed slots by expert (stable counting sort).
   st.grouping = group_by_expert(idx, w.experts(), kernel.mr);
   const Grouping& g = st.grouping;
   contracts::experts_forward_grouping(chk, idx, g);
-  stats.routed_rows = g.routed;
-  stats.padded_rows = g.rows();
   const std::size_t rows = g.rows();
   const gemm::ALayout layout = kernel.a_layout;
   const std::size_t kp1 = w.experts() ? w.gate_up(0).kp() : 0, kp2 = w.experts() ? w.down(0).kp() : 0;
+  const std::size_t kr1 = round_up(2 * rank, gemm::kKStep), kr2 = round_up(rank, gemm::kKStep);
   st.layout = layout;
   st.lda = gemm::a_stride(layout, kp1);
   st.ldc1 = w.experts() ? w.gate_up(0).n() : 0;
   st.ldh = gemm::a_stride(layout, kp2);
   st.ldo = hidden;
-  workspace::Arena& arena = ws.arena;
-  arena.bind(workspace::plan_shape({w.experts(), hidden, inter, k, 0, t_count, 0}, false, 0, chk), chk);
+  st.rank = rank;
+  st.scale = lora ? lora->scale : 0.0f;
   arena.enter(workspace::f_gather, chk);
   st.a = arena.get<bf16>("experts.a", gemm::a_size(layout, rows, kp1));
   // First element of padded row r in the packed A and h buffers (r is a
@@ -103,7 +90,26 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   arena.enter(workspace::f_gate_up, chk);
   st.c1 = arena.get<float>("experts.c1", rows * st.ldc1);
   st.h = arena.get<bf16>("experts.h", gemm::a_size(layout, rows, kp2));
-  // 3. Gate+up GEMM, then h = silu(g) * u per 32-column panel pair (16 gate
+  // 2b. LoRA, first factor: xa = x [A_g; A_u]^T in fp32 (saved), and the
+  //     second product's A operand lb = bf16(s xa) in the kernel's layout.
+  bf16* lb_gu = nullptr;
+  const std::size_t ld_lb1 = gemm::a_stride(layout, kr1);
+  if (rank) {
+    st.xa = arena.get<float>("lora.xa", rows * 2 * rank);
+    lb_gu = arena.get<bf16>("lora.lb_gu", gemm::a_size(layout, rows, kr1));
+    for_each_tile(tiles(g, 2 * rank, round_up(512, kernel.mr), 256), [&](const Tile& tl) {
+      const std::size_t r0 = g.begin[tl.e] + tl.m0;
+      gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, lora->experts[tl.e].a_gu, tl.n0, tl.n1, 2 * rank,
+                       st.xa + r0 * 2 * rank, 2 * rank);
+    });
+    oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
+      gemm::pack_a_f32(layout, st.xa + g.begin[e] * 2 * rank, 2 * rank, nullptr, g.count[e], g.begin[e + 1] - g.begin[e],
+                       2 * rank, kr1, st.scale, lb_gu + gemm::a_offset(layout, ld_lb1, g.begin[e], 0));
+    });
+  }
+
+  // 3. Gate+up GEMM (+ the LoRA product accumulated into the same fp32
+  //    tile), then h = silu(g) * u per 32-column panel pair (16 gate
   //    columns, then the same 16 up columns), written into h in the
   //    kernel's A layout for the down GEMM. Work items: (expert, up to 512
   //    rows, 256 columns, pair-aligned). Tall items make each weight column
@@ -114,6 +120,9 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, st.c1 + r0 * st.ldc1,
                      st.ldc1);
+    if (rank)
+      gemm::gemm_block(kernel, lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0), tl.m1 - tl.m0, lora->experts[tl.e].b_gu,
+                       tl.n0, tl.n1, st.ldc1, st.c1 + r0 * st.ldc1, st.ldc1, true);
     for (std::size_t r = r0; r < r0 + (tl.m1 - tl.m0); ++r) {
       const float* c = st.c1 + r * st.ldc1;
       for (std::size_t n = tl.n0; n < tl.n1; n += 2 * gemm::kPanel) {
@@ -129,12 +138,30 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
       for (std::size_t col = r < g.begin[e] + g.count[e] ? inter : 0; col < kp2; ++col) *h_at(r, col) = bf16{};
   });
 
-  // 4. Down GEMM.
+  // 4. Down GEMM (+ LoRA: ha = h A_d^T saved, lb = bf16(s ha), o += lb B_d^T).
   arena.enter(workspace::f_down, chk);
   st.o = arena.get<float>("experts.o", rows * st.ldo);
+  bf16* lb_d = nullptr;
+  const std::size_t ld_lb2 = gemm::a_stride(layout, kr2);
+  if (rank) {
+    st.ha = arena.get<float>("lora.ha", rows * rank);
+    lb_d = arena.get<bf16>("lora.lb_d", gemm::a_size(layout, rows, kr2));
+    for_each_tile(tiles(g, rank, mb, 256), [&](const Tile& tl) {
+      const std::size_t r0 = g.begin[tl.e] + tl.m0;
+      gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, lora->experts[tl.e].a_d, tl.n0, tl.n1, rank,
+                       st.ha + r0 * rank, rank);
+    });
+    oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
+      gemm::pack_a_f32(layout, st.ha + g.begin[e] * rank, rank, nullptr, g.count[e], g.begin[e + 1] - g.begin[e], rank,
+                       kr2, st.scale, lb_d + gemm::a_offset(layout, ld_lb2, g.begin[e], 0));
+    });
+  }
   for_each_tile(tiles(g, hidden, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden, st.o + r0 * st.ldo, st.ldo);
+    if (rank)
+      gemm::gemm_block(kernel, lb_d + gemm::a_offset(layout, ld_lb2, r0, 0), tl.m1 - tl.m0, lora->experts[tl.e].b_d,
+                       tl.n0, tl.n1, hidden, st.o + r0 * st.ldo, st.ldo, true);
   });
 
   // 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.
@@ -150,10 +177,6 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
       for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
     }
   });
-
-  arena.leave(chk);
-  contracts::experts_forward_post(chk, w, x, idx, weights, y, st);
-  return stats;
 }
 
 }  // namespace moecert::experts

@@ -6,6 +6,8 @@
 #include <cstddef>
 
 #include "moecert/experts.hpp"
+#include <oneapi/tbb/parallel_for.h>
+
 #include "ops/experts/grouping.hpp"
 #include "ops/gemm/ukernel.hpp"
 #include "ops/workspace/arena.hpp"
@@ -20,9 +22,51 @@ struct ForwardState {
   float* c1 = nullptr;  // gate/up GEMM output [rows x ldc1], interleaved 16-column panels
   bf16* h = nullptr;    // silu(g) * u in bf16, in `layout` (ldh), K padding zero
   float* o = nullptr;   // down GEMM output [rows x ldo]
+  // LoRA (rank > 0): fp32 products of the first LoRA factor, saved for the
+  // backward; the second product's A operand is bf16(scale * these).
+  std::size_t rank = 0;
+  float scale = 0.0f;
+  float* xa = nullptr;  // [rows x 2r] x [A_g; A_u]^T
+  float* ha = nullptr;  // [rows x r]  h A_d^T
   bf16 a_at(std::size_t r, std::size_t k) const { return a[gemm::a_offset(layout, lda, r, k)]; }
   bf16 h_at(std::size_t r, std::size_t k) const { return h[gemm::a_offset(layout, ldh, r, k)]; }
 };
+
+struct PackedLora;
+
+// Work item: rows [m0, m1) of one expert's group, columns [n0, n1).
+struct Tile {
+  std::size_t e, m0, m1, n0, n1;
+};
+
+// Tiles of every expert's rows x n columns; no two share an output element.
+inline std::vector<Tile> tiles(const Grouping& g, std::size_t n, std::size_t mb, std::size_t nb) {
+  std::vector<Tile> out;
+  for (std::size_t e = 0; e < g.experts; ++e)
+    for (std::size_t m0 = 0; m0 < g.count[e]; m0 += mb)
+      for (std::size_t n0 = 0; n0 < n; n0 += nb)
+        out.push_back({e, m0, std::min(g.count[e], m0 + mb), n0, std::min(n, n0 + nb)});
+  return out;
+}
+
+template <class F>
+void for_each_tile(const std::vector<Tile>& ts, F f) {
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, ts.size(), 1),
+                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+                              for (std::size_t i = r.begin(); i < r.end(); ++i) f(ts[i]);
+                            });
+}
+
+
+
+/// The forward on a bound arena (steps f_gather .. f_combine): the body of
+/// experts::forward and of the layer's forward. `lora` may be null.
+void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const bf16> x,
+                  MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
+                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st);
+
+/// Kernel choice of the expert ops (see ForwardOptions::isa).
+Isa choose_isa(std::optional<Isa> forced, std::size_t routed, std::size_t experts);
 
 struct Workspace::Impl {
   ForwardState state;

@@ -7,7 +7,7 @@
 namespace moecert::experts {
 
 PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gate, MatView<const bf16> w_up,
-                                  MatView<const bf16> w_down) {
+                                  MatView<const bf16> w_down, bool backward) {
   PackedExperts out;
   out.hidden_ = w_gate.cols;
   out.inter_ = experts ? w_gate.rows / experts : 0;
@@ -23,6 +23,20 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
     out.gate_up_[e] = gemm::PackedWeights::pack(g, u);
     out.down_[e] = gemm::PackedWeights::pack(d);
   });
+  if (!backward) return out;
+  out.down_t_.resize(experts);
+  out.gate_up_t_.resize(experts);
+  oneapi::tbb::parallel_for(std::size_t{0}, experts, [&](std::size_t e) {
+    std::vector<bf16> dt(i_rows * h_rows), gut(h_rows * 2 * i_rows);
+    for (std::size_t h = 0; h < h_rows; ++h)
+      for (std::size_t i = 0; i < i_rows; ++i) {
+        dt[i * h_rows + h] = w_down(e * h_rows + h, i);
+        gut[h * 2 * i_rows + i] = w_gate(e * i_rows + i, h);
+        gut[h * 2 * i_rows + i_rows + i] = w_up(e * i_rows + i, h);
+      }
+    out.down_t_[e] = gemm::PackedWeights::pack(MatView<const bf16>(dt.data(), i_rows, h_rows));
+    out.gate_up_t_[e] = gemm::PackedWeights::pack(MatView<const bf16>(gut.data(), h_rows, 2 * i_rows));
+  });
   return out;
 }
 
@@ -37,6 +51,7 @@ bf16 PackedExperts::up(std::size_t e, std::size_t i, std::size_t h) const {
 std::size_t PackedExperts::bytes() const {
   std::size_t b = 0;
   for (std::size_t e = 0; e < experts(); ++e) b += (gate_up_[e].size() + down_[e].size()) * sizeof(bf16);
+  for (std::size_t e = 0; e < down_t_.size(); ++e) b += (down_t_[e].size() + gate_up_t_[e].size()) * sizeof(bf16);
   return b;
 }
 

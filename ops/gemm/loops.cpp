@@ -31,8 +31,19 @@ void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::siz
   }
 }
 
+void pack_a_f32(ALayout l, const float* src, std::size_t ld, const std::int32_t* rows, std::size_t m,
+                std::size_t m_padded, std::size_t k, std::size_t kp, float scale, bf16* dst) {
+  const std::size_t lda = a_stride(l, kp);
+  for (std::size_t i = 0; i < m_padded; ++i) {
+    const float* s = i < m ? src + (rows ? static_cast<std::size_t>(rows[i]) : i) * ld : nullptr;
+    for (std::size_t kk = 0; kk < kp; ++kk)
+      dst[a_offset(l, lda, i, kk)] = s && kk < k ? bf16(scale * s[kk]) : bf16{};
+  }
+}
+
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
-                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc) {
+                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc,
+                bool accumulate) {
   const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp(), lda = a_stride(kernel.a_layout, kp);
   alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
   kernel.thread_begin();
@@ -55,7 +66,7 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
       args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
       args.panel_stride = kp * kPanel;
       args.kp = kc;
-      args.accumulate = k0 > 0;
+      args.accumulate = accumulate || k0 > 0;
       // Loop 3: MR-tall row blocks, one microkernel call each.
       for (std::size_t m0 = 0; m0 < m; m0 += mr) {
         const std::size_t mm = std::min(mr, m - m0);

@@ -29,8 +29,17 @@ void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::siz
 /// packed W; columns at or past n_valid are not written. n_begin is a
 /// multiple of the kernel's NR. Calls the kernel's thread hooks around the
 /// work.
+/// With `accumulate`, C += A W^T (the products added to C's values, as the
+/// kernel adds every K block: the fp32 model of proofs/bounds.md §1 with
+/// C's value as one more term).
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
-                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc);
+                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc,
+                bool accumulate = false);
+
+/// pack_a from fp32 rows: dst row i = bf16(scale * src[rows[i] or i][0:k])
+/// (one fp32 multiplication, then round to nearest even), zero-padded.
+void pack_a_f32(ALayout l, const float* src, std::size_t ld, const std::int32_t* rows, std::size_t m,
+                std::size_t m_padded, std::size_t k, std::size_t kp, float scale, bf16* dst);
 
 inline std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }
 

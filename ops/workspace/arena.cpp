@@ -88,10 +88,7 @@ void Arena::enter(int step, detail::Checker& c) {
   }
 }
 
-void Arena::leave(detail::Checker& c) {
-  check_guards(c, "end");
-  current_ = -1;
-}
+void Arena::leave(detail::Checker& c) { check_guards(c, "end"); }
 
 void Arena::alias_for_testing(std::string_view a, std::string_view b) {
   test_aliases_.emplace_back(std::string(a), std::string(b));

@@ -45,6 +45,15 @@ class Arena {
   T* get(std::string_view name, std::size_t count) {
     return static_cast<T*>(raw(name, count * sizeof(T)));
   }
+  template <class T>
+  const T* get(std::string_view name, std::size_t count) const {
+    return static_cast<const T*>(const_cast<Arena*>(this)->raw(name, count * sizeof(T)));
+  }
+  /// The bytes the arena holds (for alias clauses).
+  ByteRange bytes() const {
+    const auto b = reinterpret_cast<std::uintptr_t>(block_.get());
+    return {b, b + capacity_};
+  }
 
   /// Starts `step` (steps in increasing order): checks the guard zones of
   /// the buffers live in the previous step (workspace.arena.guard, naming
@@ -53,7 +62,8 @@ class Arena {
   /// poisons them.
   void enter(int step, detail::Checker& c);
 
-  /// Checks the guards of the last step's buffers at the end of a call.
+  /// Checks the guards of the last step's buffers at the end of a call; a
+  /// later call may enter the following steps (the layer's backward).
   void leave(detail::Checker& c);
 
   const Plan& plan() const { return plan_; }

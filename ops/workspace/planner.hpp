@@ -102,10 +102,10 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
   add("router.idx", TK * N(4), f_route, last);
   add("router.weights", TK * N(4), f_route, last);
   add("experts.c1", R * round_up(I, kKStep) * N(2) * N(4), f_gate_up, training ? b_swiglu : f_combine);
-  add("experts.h", packed_a(I), f_gate_up, training ? b_swiglu : f_combine);
+  add("experts.h", packed_a(I), f_gate_up, training ? b_scatter : f_combine);
   // LoRA buffers are sized by r (empty when r = 0).
   add("lora.xa", R * r * N(2) * N(4), f_gate_up, training ? b_scatter : f_combine);
-  add("lora.ha", R * r * N(4), f_down, training ? b_swiglu : f_combine);
+  add("lora.ha", R * r * N(4), f_down, training ? b_scatter : f_combine);
   // Forward scratch.
   add("experts.o", R * H * N(4), f_down, f_combine);
   add("experts.a", packed_a(H), f_gather, f_gate_up);
@@ -115,11 +115,11 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
   add("bwd.dx_rows", R * H * N(4), b_dx, b_scatter);
   add("bwd.dy", packed_a(H), b_gather, b_dh);
   add("bwd.dh", R * round_up(I, kKStep) * N(4), b_dh, b_swiglu);
-  add("lora.dyb", R * r * N(4), b_dh, b_swiglu);
+  add("lora.dyb", R * r * N(4), b_dh, b_scatter);  // read by the statistics
   add("lora.qd", packed_a(r), b_dh, b_dh);
-  add("router.dw", TK * N(4), b_dh, b_router);
+  add("router.dw", TK * N(4), b_dh, b_scatter);  // read by the postconditions
   add("router.dz", T * d.router_out * N(4), b_router, b_scatter);
-  add("bwd.dgu", packed_a(I * N(2)), b_swiglu, b_dx);
+  add("bwd.dgu", packed_a(I * N(2)), b_swiglu, b_scatter);  // LoRA gate/up gradients, statistics
   add("lora.dgb", R * r * N(2) * N(4), b_swiglu, b_scatter);
   add("lora.qgu", packed_a(r * N(2)), b_dx, b_dx);
   total = N(0);

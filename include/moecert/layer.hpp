@@ -1,0 +1,127 @@
+// The MoE layer: router linear + router + SwiGLU experts with LoRA, forward
+// and backward. The backward splits into the expert path and the router
+// path (DESIGN.md, FIELD_NOTES 5), each callable and checkable on its own.
+//
+//   z = x W_r^T + b                  router logits [T x R] (R = E, or 2n for product_key)
+//   idx, w = router(z)               softmax_topk | sigmoid_topk | product_key (softmax weights)
+//   g = x W_g^T + s (x A_g^T) B_g^T  per routed (t, e); u likewise with W_u, A_u, B_u
+//   h = silu(g) * u
+//   o = h W_d^T + s (h A_d^T) B_d^T
+//   y_t = sum_j w[t,j] o_{t,idx[t,j]}
+// with s = float(alpha / r). Kernel rounding points (the bounds follow
+// them): x A^T and h A_d^T in fp32, then s * (.) rounded to bf16 for the
+// second LoRA product, accumulated into the base GEMM's fp32 result; h in
+// bf16. Backward: dy rows in bf16 for the GEMMs, dg and du in bf16, LoRA and
+// router gradients accumulated in fp32 (fixed order), dw in binary64.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "moecert/config.hpp"
+#include "moecert/experts.hpp"
+#include "moecert/types.hpp"
+
+namespace moecert::layer {
+
+/// LoRA factors of every expert, stacked by expert (expert e: rows
+/// e*rows .. e*rows + rows - 1): a_gate, a_up [E*r x H]; b_gate, b_up
+/// [E*I x r]; a_down [E*r x I]; b_down [E*H x r]. Empty views when r = 0.
+struct Lora {
+  MatView<const bf16> a_gate, b_gate, a_up, b_up, a_down, b_down;
+};
+
+struct Weights {
+  const experts::PackedExperts* experts = nullptr;  // packed with backward = true for a backward
+  MatView<const float> router_w;  // [R x H]
+  View<const float> router_b;     // [R]
+  View<const float> router_bias;  // sigmoid_topk: selection bias [E]; empty otherwise
+  Lora lora;
+};
+
+/// Gradients. Each output is written entirely (the sum over the paths that
+/// run; 0 where a path that does not run would contribute); an empty view
+/// is not computed. Shapes as the matching weights; m_a, m_g [T x E].
+struct Gradients {
+  MatView<float> dx;                                  // [T x H]
+  MatView<float> router_w;                            // [R x H]
+  View<float> router_b;                               // [R]
+  MatView<float> a_gate, b_gate, a_up, b_up, a_down, b_down;  // LoRA
+  MatView<float> m_a, m_g;                            // per-token statistics (DESIGN.md)
+};
+
+/// What a forward keeps for the backward: the workspace arena with the
+/// saved activations, the grouping, and the identity of the call.
+class Saved {
+ public:
+  Saved();
+  ~Saved();
+  Saved(Saved&&) noexcept;
+  Saved& operator=(Saved&&) noexcept;
+  bool valid() const;
+  std::size_t bytes() const;  // arena held
+  MatView<const std::int32_t> idx() const;
+  MatView<const float> weights() const;
+  struct Impl;
+  Impl& impl() { return *impl_; }
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ForwardOptions {
+  std::optional<Isa> isa;         // as experts::ForwardOptions
+  bool training = true;           // keep what the backward needs
+  std::uint64_t memory_cap = 0;   // workspace.plan.memory_cap (0: none)
+};
+
+struct BackwardOptions {
+  bool expert_path = true;  // dx through the experts, LoRA gradients
+  bool router_path = true;  // dw = <dy, o>, router backward, router linear backward
+};
+
+/// Forward. x [T x H] bf16, y [T x H] fp32 (written). Saves into `saved`.
+///
+/// Clauses (contracts/layer.cpp; bounds: proofs/layer.md):
+///   layer.forward.shape         pre   shape    x T x H with T <= T_max; y T x H; router weights R x H,
+///                                              bias R; LoRA views of their shapes; packed experts of
+///                                              this config
+///   layer.forward.x_finite      pre   finite   every x, router weight and bias element finite
+///   layer.forward.lora_finite   pre   finite   every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60
+///   layer.forward.scale_finite  pre   numeric  s = float(alpha / r) finite and > 0 (r > 0)
+///   layer.forward.no_alias      pre   alias    y shares no byte with x or any weight
+///   layer.forward.lora_padding  invariant numeric  the packed LoRA factors' rank padding is zero
+///   layer.forward.y_finite      post  finite   every y element finite
+///   layer.forward.within_bound  post  numeric  every y element within the chained bound (full)
+/// and the clauses of the router, experts.forward and workspace.* it runs.
+void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y, Saved& saved,
+             const ForwardOptions& opt = {});
+
+/// Backward from dy [T x H] fp32, with the forward's `saved` and the same x
+/// and weights.
+///
+/// Clauses:
+///   layer.backward.state        pre   shape    saved holds a training forward of this config and T
+///                                              (not: backward before forward, another config)
+///   layer.backward.shape        pre   shape    dy T x H; every requested gradient of its weight's shape
+///   layer.backward.dy_finite    pre   finite   every dy element finite
+///   layer.backward.no_alias     pre   alias    gradients share no byte with each other, x, dy, weights
+///                                              or the saved activations
+///   layer.backward.saved_finite pre   finite   the saved activations read by the backward are finite
+///                                              (a NaN there names the buffer: read-before-write,
+///                                              FIELD_NOTES 3)
+///   layer.backward.grad_finite  post  finite   every gradient element finite
+///   layer.backward.empty_expert_zero post numeric  an expert with no routed token has LoRA gradients
+///                                              exactly 0
+///   layer.backward.router_masked post numeric  router path: dL/dw is 0 at -1 slots, and the router
+///                                              backward's unselected-gradient clause holds
+///                                              (FIELD_NOTES 1, 5)
+///   layer.backward.within_bound post  numeric  every gradient within its derived bound of the
+///                                              reference backward (full)
+void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<const float> dy,
+              Saved& saved, const Gradients& grads, const BackwardOptions& opt = {});
+
+}  // namespace moecert::layer

@@ -1,0 +1,68 @@
+// PackedLora: every expert's LoRA factors, packed as the B operands of the
+// GEMMs that multiply by them (ops/experts/lora.hpp).
+#include "ops/experts/lora.hpp"
+
+#include <oneapi/tbb/parallel_for.h>
+
+namespace moecert::experts {
+
+namespace {
+
+// A small row-major bf16 matrix built from the factors before packing.
+struct Dense {
+  std::size_t rows, cols;
+  std::vector<bf16> v;
+  Dense(std::size_t r, std::size_t c) : rows(r), cols(c), v(r * c) {}
+  bf16& operator()(std::size_t i, std::size_t j) { return v[i * cols + j]; }
+  MatView<const bf16> view() const { return {v.data(), rows, cols, cols}; }
+};
+
+}  // namespace
+
+PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool backward) {
+  PackedLora out;
+  out.rank = static_cast<std::size_t>(cfg.lora_rank);
+  if (out.rank == 0) return out;
+  out.scale = static_cast<float>(cfg.lora_alpha / static_cast<double>(cfg.lora_rank));
+  const std::size_t r = out.rank, H = static_cast<std::size_t>(cfg.hidden), I = static_cast<std::size_t>(cfg.inter);
+  out.experts.resize(static_cast<std::size_t>(cfg.experts));
+  oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), [&](std::size_t e) {
+    auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };
+    auto au = [&](std::size_t k, std::size_t h) { return l.a_up(e * r + k, h); };
+    auto bg = [&](std::size_t i, std::size_t k) { return l.b_gate(e * I + i, k); };
+    auto bu = [&](std::size_t i, std::size_t k) { return l.b_up(e * I + i, k); };
+    auto ad = [&](std::size_t k, std::size_t i) { return l.a_down(e * r + k, i); };
+    auto bd = [&](std::size_t h, std::size_t k) { return l.b_down(e * H + h, k); };
+    PackedLoraExpert& p = out.experts[e];
+    Dense agu(2 * r, H), bg0(I, 2 * r), bu0(I, 2 * r), a_d(r, I), b_d(H, r);
+    for (std::size_t k = 0; k < r; ++k)
+      for (std::size_t h = 0; h < H; ++h) agu(k, h) = ag(k, h), agu(r + k, h) = au(k, h);
+    for (std::size_t i = 0; i < I; ++i)
+      for (std::size_t k = 0; k < r; ++k) bg0(i, k) = bg(i, k), bu0(i, r + k) = bu(i, k);
+    for (std::size_t k = 0; k < r; ++k)
+      for (std::size_t i = 0; i < I; ++i) a_d(k, i) = ad(k, i);
+    for (std::size_t h = 0; h < H; ++h)
+      for (std::size_t k = 0; k < r; ++k) b_d(h, k) = bd(h, k);
+    p.a_gu = gemm::PackedWeights::pack(agu.view());
+    p.b_gu = gemm::PackedWeights::pack(bg0.view(), bu0.view());
+    p.a_d = gemm::PackedWeights::pack(a_d.view());
+    p.b_d = gemm::PackedWeights::pack(b_d.view());
+    if (!backward) return;
+    Dense b_d_t(r, H), a_d_t(I, r), b_gu_t(2 * r, 2 * I), a_gu_t(H, 2 * r);
+    for (std::size_t h = 0; h < H; ++h)
+      for (std::size_t k = 0; k < r; ++k) b_d_t(k, h) = bd(h, k);
+    for (std::size_t k = 0; k < r; ++k)
+      for (std::size_t i = 0; i < I; ++i) a_d_t(i, k) = ad(k, i);
+    for (std::size_t i = 0; i < I; ++i)
+      for (std::size_t k = 0; k < r; ++k) b_gu_t(k, i) = bg(i, k), b_gu_t(r + k, I + i) = bu(i, k);
+    for (std::size_t h = 0; h < H; ++h)
+      for (std::size_t k = 0; k < r; ++k) a_gu_t(h, k) = ag(k, h), a_gu_t(h, r + k) = au(k, h);
+    p.b_d_t = gemm::PackedWeights::pack(b_d_t.view());
+    p.a_d_t = gemm::PackedWeights::pack(a_d_t.view());
+    p.b_gu_t = gemm::PackedWeights::pack(b_gu_t.view());
+    p.a_gu_t = gemm::PackedWeights::pack(a_gu_t.view());
+  });
+  return out;
+}
+
+}  // namespace moecert::experts

@@ -1,0 +1,312 @@
+// MoE layer backward: the expert path (dy rows -> dh -> dg, du -> dx rows,
+// LoRA gradients) and the router path (dw = <dy, o>, router backward,
+// router linear backward), on the forward's arena. Every output element has
+// one writer and a fixed summation order: the same bits for any thread count.
+#include <cmath>
+#include <cstring>
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include "contracts/layer.hpp"
+#include "moecert/router.hpp"
+#include "ops/gemm/exp_poly.hpp"
+#include "ops/gemm/loops.hpp"
+#include "ops/layer/state.hpp"
+#include "ops/workspace/planner.hpp"
+
+namespace moecert::layer {
+
+using gemm::round_up;
+
+namespace {
+
+void zero(MatView<float> m) {
+  for (std::size_t i = 0; i < m.rows; ++i) std::fill(m.row(i), m.row(i) + m.cols, 0.0f);
+}
+
+// dg, du of one element (the fp32 sequence of proofs/layer.md §2):
+// s = 1 / (1 + exp(-g)); silu = g s; dsilu = s (1 + g (1 - s)); dhv = w dh;
+// dg = bf16((dhv u) dsilu), du = bf16(dhv silu).
+inline void swiglu_backward(float g, float u, float dhv, bf16& dg, bf16& du) {
+  const float s = 1.0f / (1.0f + gemm::exp_poly::exp(-g));
+  const float silu = g * s;
+  const float dsilu = s * (1.0f + g * (1.0f - s));
+  dg = bf16((dhv * u) * dsilu);
+  du = bf16(dhv * silu);
+}
+
+// out rows [e * rows_out, (e + 1) * rows_out) = scale * sum over expert e's
+// rows q of a(q, i) * b(q, k), for every expert: fp32 in row order, one
+// writer per element, (expert, i) pairs in parallel.
+template <class A, class B>
+void outer_sums(const experts::Grouping& gr, std::size_t rows_out, std::size_t cols_out, A a, B b, float scale,
+                MatView<float> out) {
+  if (out.empty()) return;
+  oneapi::tbb::parallel_for(std::size_t{0}, gr.experts * rows_out, [&](std::size_t ei) {
+    const std::size_t e = ei / rows_out, i = ei % rows_out;
+    float* o = out.row(ei);
+    std::fill(o, o + cols_out, 0.0f);
+    for (std::size_t q = gr.begin[e]; q < gr.begin[e] + gr.count[e]; ++q) {
+      const float ai = a(q, i);
+      for (std::size_t k = 0; k < cols_out; ++k) o[k] += ai * b(q, k);
+    }
+    for (std::size_t k = 0; k < cols_out; ++k) o[k] = scale * o[k];
+  });
+}
+
+}  // namespace
+
+void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<const float> dy, Saved& saved,
+              const Gradients& grads, const BackwardOptions& opt) {
+  detail::Checker chk{"layer.backward"};
+  contracts::layer_backward_pre(chk, cfg, w, x, dy, saved, grads);
+  if (chk.stop()) return;
+  Saved::Impl& s = saved.impl();
+  experts::ForwardState& st = s.st;
+  const experts::Grouping& gr = st.grouping;
+  const experts::PackedExperts& pe = *w.experts;
+  const gemm::KernelInfo& kernel = gemm::kernel_info(s.isa);
+  const gemm::ALayout layout = st.layout;
+  const std::size_t T = x.rows, H = pe.hidden(), I = pe.inter(), E = pe.experts(), K = static_cast<std::size_t>(cfg.topk);
+  const std::size_t r = st.rank, R = static_cast<std::size_t>(workspace::router_outputs(cfg)), rows = gr.rows();
+  const float sc = st.scale;
+  const std::size_t mb = round_up(512, kernel.mr);
+  workspace::Arena& arena = s.arena;
+  const bool need_dh = opt.expert_path || opt.router_path;
+
+  // Rows of expert e's tokens (token index per grouped row).
+  auto token_of = [&](std::size_t row) { return static_cast<std::size_t>(gr.row_slot[row]) / K; };
+  auto weight_of = [&](std::size_t row) { return s.weights[static_cast<std::size_t>(gr.row_slot[row])]; };
+
+  // 1. dy rows in bf16, in the kernel's A layout.
+  arena.enter(workspace::b_gather, chk);
+  contracts::layer_backward_saved(chk, cfg, x, saved);
+  if (chk.stop()) return;
+  const std::size_t kph = round_up(H, gemm::kKStep), lddy = gemm::a_stride(layout, kph);
+  bf16* dyr = arena.get<bf16>("bwd.dy", gemm::a_size(layout, rows, kph));
+  auto dy_row = [&](std::size_t row) { return dyr + gemm::a_offset(layout, lddy, row, 0); };
+  if (need_dh)
+    oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
+      std::vector<std::int32_t> tokens(gr.count[e]);
+      for (std::size_t q = 0; q < gr.count[e]; ++q) tokens[q] = static_cast<std::int32_t>(token_of(gr.begin[e] + q));
+      gemm::pack_a_f32(layout, dy.data, dy.stride, tokens.data(), gr.count[e], gr.begin[e + 1] - gr.begin[e], H, kph, 1.0f,
+                       dy_row(gr.begin[e]));
+    });
+
+  // 2. dh' = dy W_d (+ LoRA), dyb = dy B_d; router path: dw = <dy W_d, h> + <dyb, lb_d>.
+  arena.enter(workspace::b_dh, chk);
+  const std::size_t ldd = round_up(I, gemm::kKStep);
+  float* dh = arena.get<float>("bwd.dh", rows * ldd);
+  float* dyb = r ? arena.get<float>("lora.dyb", rows * r) : nullptr;
+  float* dw = arena.get<float>("router.dw", T * K);
+  const std::size_t kr1 = round_up(2 * r, gemm::kKStep), kr2 = round_up(r, gemm::kKStep);
+  if (need_dh) {
+    for_each_tile(experts::tiles(gr, I, mb, 256), [&](const experts::Tile& tl) {
+      const std::size_t r0 = gr.begin[tl.e] + tl.m0;
+      gemm::gemm_block(kernel, dy_row(r0), tl.m1 - tl.m0, pe.down_t(tl.e), tl.n0, tl.n1, I, dh + r0 * ldd, ldd);
+    });
+    if (r)
+      for_each_tile(experts::tiles(gr, r, mb, 256), [&](const experts::Tile& tl) {
+        const std::size_t r0 = gr.begin[tl.e] + tl.m0;
+        gemm::gemm_block(kernel, dy_row(r0), tl.m1 - tl.m0, s.lora.experts[tl.e].b_d_t, tl.n0, tl.n1, r, dyb + r0 * r, r);
+      });
+  }
+  std::fill(dw, dw + T * K, 0.0f);
+  if (opt.router_path)
+    oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
+      if (gr.row_slot[row] < 0) return;
+      double acc = 0;
+      for (std::size_t i = 0; i < I; ++i) acc += double(dh[row * ldd + i]) * double(st.h_at(row, i).to_float());
+      for (std::size_t k = 0; k < r; ++k)
+        acc += double(dyb[row * r + k]) * double(bf16(sc * st.ha[row * r + k]).to_float());  // lb_d, as the forward rounded it
+      dw[static_cast<std::size_t>(gr.row_slot[row])] = static_cast<float>(acc);
+    });
+  if (opt.expert_path && r) {
+    bf16* qd = arena.get<bf16>("lora.qd", gemm::a_size(layout, rows, kr2));
+    const std::size_t ldq = gemm::a_stride(layout, kr2);
+    oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
+      gemm::pack_a_f32(layout, dyb + gr.begin[e] * r, r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], r, kr2, sc,
+                       qd + gemm::a_offset(layout, ldq, gr.begin[e], 0));
+    });
+    for_each_tile(experts::tiles(gr, I, mb, 256), [&](const experts::Tile& tl) {
+      const std::size_t r0 = gr.begin[tl.e] + tl.m0;
+      gemm::gemm_block(kernel, qd + gemm::a_offset(layout, ldq, r0, 0), tl.m1 - tl.m0, s.lora.experts[tl.e].a_d_t, tl.n0,
+                       tl.n1, I, dh + r0 * ldd, ldd, true);
+    });
+  }
+
+  // 3. Router path: the router's backward from dw, into dz [T x R].
+  arena.enter(workspace::b_router, chk);
+  float* dz = arena.get<float>("router.dz", T * R);
+  const MatView<const float> z(s.logits, T, R, R);
+  // dz as [T x R] rows; for product_key as two planes dsx [T x n], dsy [T x n]
+  // (the router's backward wants them disjoint).
+  const bool planes = cfg.router == RouterKind::product_key;
+  const std::size_t half = R / 2;
+  auto dz_at = [&](std::size_t t, std::size_t e) {
+    return planes ? (e < half ? dz[t * half + e] : dz[T * half + t * half + e - half]) : dz[t * R + e];
+  };
+  const MatView<float> dzv(dz, T, R, R);
+  if (opt.router_path) {
+    const MatView<const std::int32_t> idx = saved.idx();
+    const MatView<const float> g(dw, T, K, K);
+    switch (cfg.router) {
+      case RouterKind::softmax_topk: router::softmax_topk_backward(z, idx, g, dzv, cfg.renormalize); break;
+      case RouterKind::sigmoid_topk:
+        router::sigmoid_topk_backward(z, idx, g,
+                                      {static_cast<std::size_t>(cfg.groups), static_cast<std::size_t>(cfg.topk_group),
+                                       static_cast<float>(cfg.scaling)},
+                                      dzv);
+        break;
+      case RouterKind::product_key:
+        router::product_key_backward(MatView<const float>(z.data, T, half, R), MatView<const float>(z.data + half, T, half, R),
+                                     idx, g, router::KeyWeights::softmax, MatView<float>(dz, T, half, half),
+                                     MatView<float>(dz + T * half, T, half, half));
+        break;
+    }
+  } else {
+    zero(dzv);
+  }
+
+  // 4. dg, du (bf16, A layout of depth 2I); LoRA: dgb = [dg du] blockdiag(B_g, B_u)
+  //    and the down factors' gradients.
+  arena.enter(workspace::b_swiglu, chk);
+  const std::size_t kp2i = round_up(2 * I, gemm::kKStep), ldg = gemm::a_stride(layout, kp2i);
+  bf16* dgu = arena.get<bf16>("bwd.dgu", gemm::a_size(layout, rows, kp2i));
+  auto dgu_at = [&](std::size_t row, std::size_t col) -> bf16& { return dgu[gemm::a_offset(layout, ldg, row, col)]; };
+  float* dgb = r ? arena.get<float>("lora.dgb", rows * 2 * r) : nullptr;
+  if (opt.expert_path) {
+    oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
+      const bool valid = gr.row_slot[row] >= 0;
+      const float wt = valid ? weight_of(row) : 0.0f;
+      const float* c = st.c1 + row * st.ldc1;
+      for (std::size_t i = 0; i < kp2i; ++i) dgu_at(row, i) = bf16{};
+      if (!valid) return;
+      for (std::size_t i = 0; i < I; ++i) {
+        const std::size_t at = 2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel;  // gate; up 16 further
+        swiglu_backward(c[at], c[at + gemm::kPanel], wt * dh[row * ldd + i], dgu_at(row, i), dgu_at(row, I + i));
+      }
+    });
+    if (r)
+      for_each_tile(experts::tiles(gr, 2 * r, mb, 256), [&](const experts::Tile& tl) {
+        const std::size_t r0 = gr.begin[tl.e] + tl.m0;
+        gemm::gemm_block(kernel, &dgu_at(r0, 0), tl.m1 - tl.m0, s.lora.experts[tl.e].b_gu_t, tl.n0, tl.n1, 2 * r,
+                         dgb + r0 * 2 * r, 2 * r);
+      });
+    if (r) {
+      // dB_d[e] = s sum_rows (w dy) ha^T [H x r]; dA_d[e] = s sum_rows (w dyb) h^T [r x I].
+      outer_sums(
+          gr, H, r, [&](std::size_t q, std::size_t m) { return weight_of(q) * dy(token_of(q), m); },
+          [&](std::size_t q, std::size_t k) { return st.ha[q * r + k]; }, sc, grads.b_down);
+      outer_sums(
+          gr, r, I, [&](std::size_t q, std::size_t k) { return weight_of(q) * dyb[q * r + k]; },
+          [&](std::size_t q, std::size_t i) { return st.h_at(q, i).to_float(); }, sc, grads.a_down);
+    }
+  }
+
+  // 5. dx rows = [dg du] [W_g; W_u] (+ LoRA: bf16(s dgb) [A_g; A_u]).
+  arena.enter(workspace::b_dx, chk);
+  float* dxr = arena.get<float>("bwd.dx_rows", rows * H);
+  if (opt.expert_path) {
+    bf16* qgu = r ? arena.get<bf16>("lora.qgu", gemm::a_size(layout, rows, kr1)) : nullptr;
+    const std::size_t ldq = gemm::a_stride(layout, kr1);
+    if (r)
+      oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
+        gemm::pack_a_f32(layout, dgb + gr.begin[e] * 2 * r, 2 * r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], 2 * r,
+                         kr1, sc, qgu + gemm::a_offset(layout, ldq, gr.begin[e], 0));
+      });
+    for_each_tile(experts::tiles(gr, H, mb, 256), [&](const experts::Tile& tl) {
+      const std::size_t r0 = gr.begin[tl.e] + tl.m0;
+      gemm::gemm_block(kernel, &dgu_at(r0, 0), tl.m1 - tl.m0, pe.gate_up_t(tl.e), tl.n0, tl.n1, H, dxr + r0 * H, H);
+      if (r)
+        gemm::gemm_block(kernel, qgu + gemm::a_offset(layout, ldq, r0, 0), tl.m1 - tl.m0, s.lora.experts[tl.e].a_gu_t, tl.n0,
+                         tl.n1, H, dxr + r0 * H, H, true);
+    });
+  }
+
+  // 6. dx = sum_j dx rows (slot order) + dz W_r; LoRA gate/up gradients;
+  //    router linear gradients; per-token statistics.
+  arena.enter(workspace::b_scatter, chk);
+  if (!grads.dx.empty())
+    oneapi::tbb::parallel_for(std::size_t{0}, T, [&](std::size_t t) {
+      float* o = grads.dx.row(t);
+      std::fill(o, o + H, 0.0f);
+      if (opt.expert_path)
+        for (std::size_t j = 0; j < K; ++j) {
+          const std::int64_t row = gr.slot_row[t * K + j];
+          if (row < 0) continue;
+          const float* src = dxr + static_cast<std::size_t>(row) * H;
+          for (std::size_t m = 0; m < H; ++m) o[m] += src[m];
+        }
+      if (opt.router_path) {
+        std::vector<float> acc(H, 0.0f);
+        for (std::size_t e = 0; e < R; ++e) {
+          const float d = dz_at(t, e);
+          const float* wr = w.router_w.row(e);
+          for (std::size_t m = 0; m < H; ++m) acc[m] += d * wr[m];
+        }
+        for (std::size_t m = 0; m < H; ++m) o[m] += acc[m];
+      }
+    });
+  if (r && opt.expert_path) {
+    // dB_g[e] = s sum_rows dg xa_g^T, dA_g[e] = s sum_rows dgb_g x^T; up likewise.
+    auto x_of = [&](std::size_t q, std::size_t m) { return x(token_of(q), m).to_float(); };
+    outer_sums(
+        gr, I, r, [&](std::size_t q, std::size_t i) { return dgu_at(q, i).to_float(); },
+        [&](std::size_t q, std::size_t k) { return st.xa[q * 2 * r + k]; }, sc, grads.b_gate);
+    outer_sums(
+        gr, I, r, [&](std::size_t q, std::size_t i) { return dgu_at(q, I + i).to_float(); },
+        [&](std::size_t q, std::size_t k) { return st.xa[q * 2 * r + r + k]; }, sc, grads.b_up);
+    outer_sums(gr, r, H, [&](std::size_t q, std::size_t k) { return dgb[q * 2 * r + k]; }, x_of, sc, grads.a_gate);
+    outer_sums(gr, r, H, [&](std::size_t q, std::size_t k) { return dgb[q * 2 * r + r + k]; }, x_of, sc, grads.a_up);
+  } else {
+    for (const auto& g : {grads.a_gate, grads.b_gate, grads.a_up, grads.b_up, grads.a_down, grads.b_down})
+      if (!g.empty()) zero(g);
+  }
+  if (!grads.router_w.empty())
+    oneapi::tbb::parallel_for(std::size_t{0}, R, [&](std::size_t e) {
+      float* o = grads.router_w.row(e);
+      std::fill(o, o + H, 0.0f);
+      float b = 0;
+      if (opt.router_path)
+        for (std::size_t t = 0; t < T; ++t) {
+          const float d = dz_at(t, e);
+          b += d;
+          for (std::size_t m = 0; m < H; ++m) o[m] += d * x(t, m).to_float();
+        }
+      if (!grads.router_b.empty()) grads.router_b[e] = b;
+    });
+  if (!grads.m_a.empty() || !grads.m_g.empty()) {
+    if (!grads.m_a.empty()) zero(grads.m_a);
+    if (!grads.m_g.empty()) zero(grads.m_g);
+    if (opt.expert_path)
+      oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
+        if (gr.row_slot[row] < 0) return;
+        const std::size_t t = token_of(row), e = static_cast<std::size_t>(s.idx[gr.row_slot[row]]);
+        auto sq = [](double v) { return v * v; };
+        double x2 = 0, dy2 = 0, h2 = 0, dg2 = 0, du2 = 0;
+        for (std::size_t m = 0; m < H; ++m) x2 += sq(x(t, m).to_float()), dy2 += sq(dy(t, m));
+        for (std::size_t i = 0; i < I; ++i)
+          h2 += sq(st.h_at(row, i).to_float()), dg2 += sq(dgu_at(row, i).to_float()), du2 += sq(dgu_at(row, I + i).to_float());
+        const double wt = weight_of(row), w2 = wt * wt;
+        double g2;
+        if (r) {
+          double bg2 = 0, bu2 = 0, xg2 = 0, xu2 = 0, yb2 = 0, ha2 = 0;
+          for (std::size_t k = 0; k < r; ++k) {
+            bg2 += sq(dgb[row * 2 * r + k]), bu2 += sq(dgb[row * 2 * r + r + k]);
+            xg2 += sq(st.xa[row * 2 * r + k]), xu2 += sq(st.xa[row * 2 * r + r + k]);
+            yb2 += sq(dyb[row * r + k]), ha2 += sq(st.ha[row * r + k]);
+          }
+          g2 = double(sc) * sc * (bg2 * x2 + dg2 * xg2 + bu2 * x2 + du2 * xu2 + w2 * yb2 * h2 + w2 * dy2 * ha2);
+        } else {
+          g2 = dg2 * x2 + du2 * x2 + w2 * dy2 * h2;
+        }
+        if (!grads.m_a.empty()) grads.m_a(t, e) = static_cast<float>(std::sqrt(x2 + h2));
+        if (!grads.m_g.empty()) grads.m_g(t, e) = static_cast<float>(std::sqrt(g2));
+      });
+  }
+  arena.leave(chk);
+  contracts::layer_backward_post(chk, cfg, w, x, dy, saved, grads, opt);
+}
+
+}  // namespace moecert::layer

@@ -1,0 +1,105 @@
+// MoE layer forward: router linear, router, experts with LoRA; saves what the
+// backward needs in the planned arena.
+#include <cmath>
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include "contracts/layer.hpp"
+#include "moecert/router.hpp"
+#include "ops/layer/state.hpp"
+#include "ops/workspace/planner.hpp"
+
+namespace moecert::layer {
+
+Saved::Saved() : impl_(std::make_unique<Impl>()) {}
+Saved::~Saved() = default;
+Saved::Saved(Saved&&) noexcept = default;
+Saved& Saved::operator=(Saved&&) noexcept = default;
+bool Saved::valid() const { return impl_->valid; }
+std::size_t Saved::bytes() const { return impl_->arena.capacity(); }
+MatView<const std::int32_t> Saved::idx() const {
+  return {impl_->idx, impl_->tokens, static_cast<std::size_t>(impl_->cfg.topk), static_cast<std::size_t>(impl_->cfg.topk)};
+}
+MatView<const float> Saved::weights() const {
+  return {impl_->weights, impl_->tokens, static_cast<std::size_t>(impl_->cfg.topk), static_cast<std::size_t>(impl_->cfg.topk)};
+}
+
+void router_linear(MatView<const bf16> x, MatView<const float> wr, View<const float> b, MatView<float> z) {
+  const std::size_t hidden = x.cols, outs = wr.rows;
+  oneapi::tbb::parallel_for(std::size_t{0}, x.rows, [&](std::size_t t) {
+    std::vector<float> xf(hidden);
+    for (std::size_t h = 0; h < hidden; ++h) xf[h] = x(t, h).to_float();
+    for (std::size_t e = 0; e < outs; ++e) {
+      // 16 partial sums (one vector register), then a fixed tree: an fp32
+      // sum of H + 1 terms in one fixed order (proofs/bounds.md §1).
+      float acc[16] = {};
+      const float* w = wr.row(e);
+      std::size_t h = 0;
+      for (; h + 16 <= hidden; h += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += xf[h + l] * w[h + l];
+      for (int l = 0; h < hidden; ++h, ++l) acc[l] += xf[h] * w[h];
+      for (int width = 8; width >= 1; width /= 2)
+        for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+      z(t, e) = acc[0] + b[e];
+    }
+  });
+}
+
+void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z, MatView<std::int32_t> idx,
+                MatView<float> weights) {
+  switch (cfg.router) {
+    case RouterKind::softmax_topk: router::softmax_topk_forward(z, idx, weights, cfg.renormalize); break;
+    case RouterKind::sigmoid_topk:
+      router::sigmoid_topk_forward(z, w.router_bias,
+                                   {static_cast<std::size_t>(cfg.groups), static_cast<std::size_t>(cfg.topk_group),
+                                    static_cast<float>(cfg.scaling)},
+                                   idx, weights);
+      break;
+    case RouterKind::product_key: {
+      const std::size_t n = z.cols / 2;
+      router::product_key_forward(MatView<const float>(z.data, z.rows, n, z.stride),
+                                  MatView<const float>(z.data + n, z.rows, n, z.stride), router::KeyWeights::softmax, idx,
+                                  weights);
+      break;
+    }
+  }
+}
+
+void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y, Saved& saved,
+             const ForwardOptions& opt) {
+  validate(cfg);
+  detail::Checker chk{"layer.forward"};
+  contracts::layer_forward_pre(chk, cfg, w, x, y);
+  if (chk.stop()) return;
+  Saved::Impl& s = saved.impl();
+  s.valid = false;
+  s.cfg = cfg;
+  s.tokens = x.rows;
+  const std::size_t t_count = x.rows, k = static_cast<std::size_t>(cfg.topk);
+  const std::size_t outs = static_cast<std::size_t>(workspace::router_outputs(cfg));
+  const workspace::Plan plan = workspace::plan(cfg, static_cast<std::int64_t>(t_count),
+                                               {.training = opt.training, .memory_cap = opt.memory_cap});
+  if (plan.buffers.empty()) return;  // a plan clause failed under observe
+  s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training);
+  contracts::layer_lora_padding(chk, s.lora);
+  s.arena.bind(plan, chk);
+  s.arena.enter(workspace::f_route, chk);
+  s.logits = s.arena.get<float>("router.logits", t_count * outs);
+  s.idx = s.arena.get<std::int32_t>("router.idx", t_count * k);
+  s.weights = s.arena.get<float>("router.weights", t_count * k);
+  const MatView<float> z(s.logits, t_count, outs, outs);
+  router_linear(x, w.router_w, w.router_b, z);
+  run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k), MatView<float>(s.weights, t_count, k, k));
+  std::size_t routed = 0;
+  for (std::size_t i = 0; i < t_count * k; ++i) routed += s.idx[i] >= 0;
+  s.isa = experts::choose_isa(opt.isa, routed, w.experts->experts());
+  experts::forward_impl(*w.experts, cfg.lora_rank ? &s.lora : nullptr, x, saved.idx(), saved.weights(), y,
+                        gemm::kernel_info(s.isa), s.arena, s.st);
+  s.arena.leave(chk);
+  s.training = opt.training;
+  s.valid = true;
+  ++s.generation;
+  contracts::layer_forward_post(chk, cfg, w, x, y, s);
+}
+
+}  // namespace moecert::layer
