@@ -71,7 +71,7 @@ int run_bench(int argc, char** argv) {
   bench::OnednnExperts::set_threads(opt.threads);
 
   boost::json::array results;
-  fmt::print("{:<44} {:>6} {:>11} {:>9} {:>11} {:>9} {:>8}\n", "case", "isa", "median ms", "TFLOP/s", "onednn ms", "TFLOP/s", "speedup");
+  fmt::print("{:<44} {:>6} {:>11} {:>9} {:>11} {:>9} {:>8}\n", "case", "isa", "median ms", "TFLOP/s", "peer ms", "TFLOP/s", "speedup");
   for (const auto& c : cases) {
     bool selected = patterns.empty();
     for (const auto& p : patterns) selected |= c.name.find(p) != std::string::npos;
