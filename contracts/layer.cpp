@@ -443,7 +443,8 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
       }
   }
   MOECERT_CONTRACT(c, k::kBwdWithin) {
-    const auto ref = layer_bounds(cfg, w, x, dy.data, s, {opt.expert_path, opt.router_path}, dw);
+    static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
+    const auto ref = layer_bounds(cfg, w, x, dy.data ? dy.data : &no_tokens, s, {opt.expert_path, opt.router_path}, dw);
     auto mat = [&](MatView<float> m) { return [m](std::size_t i, std::size_t j) { return m(i, j); }; };
     if (opt.router_path && !within(c, k::kBwdWithin, "dL/dw", x.rows, d.K, [&](std::size_t t, std::size_t j) { return dw[t * d.K + j]; }, ref.dw)) return;
     if (!g.dx.empty() && !within(c, k::kBwdWithin, "dx", x.rows, d.H, mat(g.dx), ref.dx)) return;

@@ -1,0 +1,91 @@
+// Property: the MoE layer backward (expert path, router path, or both) at
+// level full, after a valid forward of a decoded layer
+// (fuzz/layer_common.hpp): invalid input (non-finite dy, a gradient view of
+// the wrong shape or overlapping another, a saved state of another config)
+// raises exactly a precondition violation and leaves every gradient
+// untouched; valid input raises nothing: gradients finite, LoRA gradients of
+// idle experts exactly 0, dL/dw 0 at -1 slots, every gradient within its
+// derived bound of the reference (proofs/layer.md). A valid dy large enough
+// to overflow fp32 may fail grad_finite.
+#include <cstring>
+
+#include "fuzz/layer_common.hpp"
+#include "moecert/isa.hpp"
+
+using namespace moecert;
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  fuzz::Decoder d(data, size);
+  const fuzz::LayerInput in = fuzz::decode_layer(d, true);
+  if (!(in.x_ok && in.lora_ok && in.scale_ok)) return 0;  // lora_fuzzer covers the forward's preconditions
+  std::vector<Isa> isas = usable_isas();
+  isas.push_back(Isa::amx_emu);
+  const Isa isa = isas[d.u8() % isas.size()];
+  std::vector<float> y(in.T * in.H);
+  layer::Saved saved;
+  try {
+    ContractScope s{Level::check, Semantic::enforce};
+    layer::forward(in.cfg, in.weights(), {in.x.data(), in.T, in.H}, {y.data(), in.T, in.H}, saved, {.isa = isa});
+  } catch (const ContractViolation&) {
+    return 0;  // router domain or overflow: nothing saved to differentiate
+  }
+  // One buffer holds every gradient at decoded offsets (overlap possible).
+  const std::size_t E = in.E, H = in.H, I = in.I, r = in.r, R = in.R, T = in.T;
+  const std::size_t sizes[11] = {T * H, R * H, R, E * r * H, E * I * r, E * r * H, E * I * r, E * r * I, E * H * r, T * E, T * E};
+  std::size_t total = 0;
+  for (auto s : sizes) total += s;
+  std::vector<float> buf(total + 64, 777.0f);
+  std::size_t offs[11], at = 0;
+  const bool alias = (d.u8() & 15) == 0;
+  for (int i = 0; i < 11; ++i) {
+    offs[i] = at;
+    at += sizes[i];
+  }
+  if (alias) offs[2] = offs[0] + d.range(0, 8);  // router_b grad inside dx
+  const bool bad_shape = (d.u8() & 15) == 0;
+  auto view = [&](int i, std::size_t rows, std::size_t cols) { return MatView<float>(buf.data() + offs[i], rows, cols); };
+  layer::Gradients g;
+  g.dx = view(0, T, H + (bad_shape ? 1 : 0));
+  g.router_w = view(1, R, H);
+  g.router_b = {buf.data() + offs[2], R};
+  if (r) {
+    g.a_gate = view(3, E * r, H), g.b_gate = view(4, E * I, r), g.a_up = view(5, E * r, H);
+    g.b_up = view(6, E * I, r), g.a_down = view(7, E * r, I), g.b_down = view(8, E * H, r);
+  }
+  if (d.flag()) g.m_a = view(9, T, E), g.m_g = view(10, T, E);
+  layer::BackwardOptions opt;
+  switch (d.u8() % 3) {
+    case 0: break;
+    case 1: opt.router_path = false; break;
+    case 2: opt.expert_path = false; break;
+  }
+  MoeConfig cfg = in.cfg;
+  const bool other_config = (d.u8() & 31) == 0;
+  if (other_config) cfg.lora_alpha += 1.0;
+  const bool any_out = T && H;  // an empty dx view is "not computed"
+  // Any two non-empty gradient views sharing a byte.
+  const ByteRange ranges[] = {g.dx.bytes(), g.router_w.bytes(), g.router_b.bytes(), g.a_gate.bytes(), g.b_gate.bytes(),
+                              g.a_up.bytes(), g.b_up.bytes(), g.a_down.bytes(), g.b_down.bytes(), g.m_a.bytes(), g.m_g.bytes()};
+  bool overlap = false;
+  for (std::size_t i = 0; i < std::size(ranges); ++i)
+    for (std::size_t j = i + 1; j < std::size(ranges); ++j)
+      overlap = overlap || (!ranges[i].empty() && !ranges[j].empty() && overlaps(ranges[i], ranges[j]));
+  const bool valid = in.dy_ok && !(bad_shape && any_out) && !overlap && !other_config;
+  const std::vector<float> before = buf;
+  try {
+    ContractScope s{Level::full, Semantic::enforce};
+    layer::backward(cfg, in.weights(), {in.x.data(), T, H}, {in.dy.data(), T, H}, saved, g, opt);
+    if (!valid) fuzz::finding("layer_backward_fuzzer", "backward accepted invalid input");
+  } catch (const ContractViolation& v) {
+    const std::string c = v.clause();
+    const bool router_pre = c.rfind("router.", 0) == 0 && v.violation().kind == ClauseKind::pre;  // dw out of its domain
+    if (valid && c != "layer.backward.grad_finite" && !router_pre)
+      fuzz::finding("layer_backward_fuzzer", std::string(isa_name(isa)) + ": " + v.what());
+    if (!valid && v.violation().kind != ClauseKind::pre)
+      fuzz::finding("layer_backward_fuzzer", std::string("invalid input, not a precondition: ") + v.what());
+    if (v.violation().kind == ClauseKind::pre && c.rfind("layer.", 0) == 0 &&
+        std::memcmp(before.data(), buf.data(), buf.size() * 4) != 0)
+      fuzz::finding("layer_backward_fuzzer", c + " wrote a gradient before failing a precondition");
+  }
+  return 0;
+}
