@@ -514,3 +514,16 @@ TEST_CASE("layer: FIELD_NOTES 3, two co-live buffers made to share memory", "[la
     CHECK(std::isnan(g.dx[0]));  // nothing written
   }
 }
+
+TEST_CASE("layer: amx_bf16 bitwise equal to amx_emu (on a machine with AMX)", "[layer][amx]") {
+  if (!isa_usable(Isa::amx_bf16)) {
+    WARN("amx_bf16 not usable here: " << isa_name(default_isa()) << " machine; run on the AMX machine");
+    return;
+  }
+  for (RouterKind kind : kKinds) {
+    const Problem p = make(kind, kind == RouterKind::product_key ? 16 : 12, 96, 72, 4, 8, 70);
+    const Run hw = run(p, Isa::amx_bf16), emu = run(p, Isa::amx_emu);
+    CHECK(hw.y == emu.y);
+    CHECK(hw.g == emu.g);
+  }
+}
