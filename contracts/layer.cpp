@@ -130,11 +130,15 @@ std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const floa
       for (std::size_t j = 0; j < v; ++j)
         if (ir[j] == static_cast<std::int32_t>(i)) gi = g[j];
       out[i] = bounds::weighted_diff(std::exp(double(z[i]) - m) / sum, gi, dot, swg, sg, v, eps);
+      if (std::isnan(out[i])) out[i] = INFINITY;
     }
     return out;
   }
   if (d.kind == RouterKind::softmax_topk) {
-    for (std::size_t j = 0; j < v; ++j) out[static_cast<std::size_t>(ir[j])] = bounds::weighted_diff(w[j], g[j], dot, swg, sg, v, eps);
+    for (std::size_t j = 0; j < v; ++j) {
+      const double b = bounds::weighted_diff(w[j], g[j], dot, swg, sg, v, eps);
+      out[static_cast<std::size_t>(ir[j])] = std::isnan(b) ? INFINITY : b;
+    }
     return out;
   }
   // Product key: ds_j within weighted_diff, then fp32 sums into dsx, dsy (§4.3).
@@ -149,6 +153,11 @@ std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const floa
   }
   for (std::size_t i = 0; i < d.R; ++i)
     out[i] = count[i] ? bounds::accumulated(terms_abs[i], errs[i], count[i]) - errs[i] + 0x1p-52 * terms_abs[i] : 0;
+  // Scores so large that their fp32 rounding exceeds the softmax's range
+  // (|s| beyond about 1e5) leave the weights unconstrained: a vacuous bound
+  // (+inf, never NaN from inf - inf).
+  for (auto& o : out)
+    if (std::isnan(o)) o = INFINITY;
   return out;
 }
 

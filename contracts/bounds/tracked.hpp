@@ -18,6 +18,13 @@
 
 namespace moecert::bounds {
 
+/// propagate() with 0 * inf = 0: an exactly zero operand contributes no
+/// error however large the other's bound (a vacuous bound stays +inf, never NaN).
+inline double propagate_safe(double ea, double abs_b, double abs_a, double eb) {
+  auto mul = [](double p, double q) { return p == 0 || q == 0 ? 0.0 : p * q; };
+  return mul(ea, abs_b) + mul(abs_a, eb) + mul(ea, eb);
+}
+
 struct Tracked {
   double v = 0;  // exact-math value (binary64)
   double e = 0;  // |kernel value - exact value| <= e
@@ -30,7 +37,7 @@ inline Tracked operator+(Tracked a, Tracked b) { return {a.v + b.v, a.e + b.e}; 
 inline Tracked operator-(Tracked a, Tracked b) { return {a.v - b.v, a.e + b.e}; }
 inline Tracked operator-(Tracked a) { return {-a.v, a.e}; }
 inline Tracked operator*(Tracked a, Tracked b) {
-  return {a.v * b.v, propagate(a.e, std::fabs(b.v), std::fabs(a.v), b.e)};
+  return {a.v * b.v, propagate_safe(a.e, std::fabs(b.v), std::fabs(a.v), b.e)};
 }
 inline Tracked operator/(Tracked a, Tracked b) {
   // |a_hat / b_hat - a / b| <= (e_a + |a / b| e_b) / (|b| - e_b), for e_b < |b|.
@@ -85,8 +92,8 @@ S kdot(std::size_t count, A a, B b, std::size_t n_terms) {
     for (std::size_t i = 0; i < count; ++i) {
       const Tracked x = a(i), y = b(i);
       v += x.v * y.v;
-      prop += propagate(x.e, std::fabs(y.v), std::fabs(x.v), y.e);
-      const double m = x.mag() * y.mag();
+      prop += propagate_safe(x.e, std::fabs(y.v), std::fabs(x.v), y.e);
+      const double m = x.mag() == 0 || y.mag() == 0 ? 0.0 : x.mag() * y.mag();
       mag += m;
       if ((x.mag() > 0 && std::fabs(x.v) - x.e < kMinNormal32) || (y.mag() > 0 && std::fabs(y.v) - y.e < kMinNormal32))
         flushed += m;
