@@ -41,6 +41,7 @@ namespace gemm {
 inline constexpr ClauseInfo kPackShape = pre("gemm.pack.shape", Group::shape, "stride >= cols; second of w's shape");
 inline constexpr ClauseInfo kPackWFinite = pre("gemm.pack.w_finite", Group::finite, "every W element finite");
 inline constexpr ClauseInfo kPackWRange = pre("gemm.pack.w_range", Group::numeric, "W element 0 or 2^-60 <= |w| <= 2^60");
+inline constexpr ClauseInfo kPackRoundtrip = post("gemm.pack.roundtrip", Group::memory, "every W element reads back from the packed layout");
 inline constexpr ClauseInfo kPackChecksum = {"gemm.pack.checksum", ClauseKind::invariant, Group::memory, Level::audit,
                                              "packed bytes hash to the pack-time checksum"};
 inline constexpr ClauseInfo kShape = pre("gemm.matmul.shape", Group::shape, "a.cols == w.k, c is a.rows x w.n");
@@ -50,7 +51,7 @@ inline constexpr ClauseInfo kNoAlias = pre("gemm.matmul.no_alias", Group::alias,
 inline constexpr ClauseInfo kCFinite = post("gemm.matmul.c_finite", Group::finite, "every C element finite");
 inline constexpr ClauseInfo kProbe = post("gemm.matmul.probe", Group::numeric, "Freivalds probe within bound", Level::audit);
 inline constexpr ClauseInfo kWithinBound = post("gemm.matmul.within_bound", Group::numeric, "|C - ref| <= bounds::dot", Level::full);
-inline constexpr ClauseInfo kAll[] = {kPackShape, kPackWFinite, kPackWRange, kPackChecksum, kShape, kAFinite, kARange,
+inline constexpr ClauseInfo kAll[] = {kPackShape, kPackWFinite, kPackWRange, kPackRoundtrip, kPackChecksum, kShape, kAFinite, kARange,
                                       kNoAlias, kCFinite, kProbe, kWithinBound};
 }  // namespace gemm
 

@@ -1,5 +1,6 @@
 // Clauses of gemm.pack and gemm.matmul.
 #include "contracts/gemm.hpp"
+#include "ops/gemm/ukernel.hpp"
 
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
@@ -23,6 +24,25 @@ void gemm_pack_pre(detail::Checker& c, MatView<const bf16> w, MatView<const bf16
   MOECERT_CONTRACT(c, k::kPackWRange) {
     detail::scan_bf16_range(c, k::kPackWRange, "w", w) &&
         (!second.data || detail::scan_bf16_range(c, k::kPackWRange, "w2", second));
+  }
+}
+
+void gemm_pack_post(detail::Checker& c, MatView<const bf16> w, MatView<const bf16> second, const gemm::PackedWeights& out) {
+  MOECERT_CONTRACT(c, k::kPackRoundtrip) {
+    // Column n of the packed W is row n of w (or, interleaved by 16-column
+    // panel, of w and second).
+    for (std::size_t n = 0; n < out.n(); ++n) {
+      const std::size_t panel = n / gemm::kPanel, lane = n % gemm::kPanel;
+      const MatView<const bf16>& src = out.interleaved() && panel % 2 ? second : w;
+      const std::size_t row = out.interleaved() ? (panel / 2) * gemm::kPanel + lane : n;
+      if (row >= src.rows) continue;  // padding of an interleaved panel
+      for (std::size_t kk = 0; kk < w.cols; ++kk)
+        if (out.at(n, kk).bits != src(row, kk).bits) {
+          c.fail(k::kPackRoundtrip, fmt::format("w[{}, {}]", row, kk), fmt::format("packed {}", out.at(n, kk).to_float()),
+                 fmt::format("{} (the input)", src(row, kk).to_float()));
+          return;
+        }
+    }
   }
 }
 

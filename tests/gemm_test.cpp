@@ -253,6 +253,25 @@ TEST_CASE("gemm.matmul: probe and within_bound clauses catch a wrong result", "[
   CHECK(violation_count("gemm.matmul.within_bound") >= 1);
 }
 
+TEST_CASE("gemm.pack: roundtrip catches a packed element that is not the input's", "[gemm][pack]") {
+  std::vector<bf16> g(20 * 40), u(20 * 40);
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = bf16(float(i % 13) - 6), u[i] = bf16(float(i % 7) + 1);
+  const MatView<const bf16> gv(g.data(), 20, 40), uv(u.data(), 20, 40);
+  ContractScope s{Level::check, Semantic::enforce};
+  auto w = gemm::PackedWeights::pack(gv, uv);  // interleaved: a correct pack passes
+  // Swap one VNNI pair of up-row 17 (column 16 + 16 + 1 of the packed W).
+  const std::size_t n = 2 * gemm::kPanel + gemm::kPanel + 1, k = 6;
+  std::swap(w.mutable_data_for_testing()[(n / gemm::kPanel) * w.kp() * gemm::kPanel + (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2],
+            w.mutable_data_for_testing()[(n / gemm::kPanel) * w.kp() * gemm::kPanel + (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2 + 1]);
+  auto v = test::expect_violation(
+      [&] {
+        detail::Checker c{"gemm.pack"};
+        contracts::gemm_pack_post(c, gv, uv, w);
+      },
+      "gemm.pack.roundtrip", Level::check);
+  CHECK(v.location == "w[17, 6]");
+}
+
 TEST_CASE("gemm.pack: w_finite, w_range and shape clauses", "[gemm][pack][finite]") {
   std::vector<bf16> wv(2 * 4, bf16(1.0f));
   wv[6] = bf16(INFINITY);

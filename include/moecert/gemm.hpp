@@ -27,6 +27,7 @@ namespace gemm {
 ///   gemm.pack.w_finite   pre  finite   every W element finite
 ///   gemm.pack.w_range    pre  numeric  every W element 0 or 2^-60 <= |w| <= 2^60 (no product of
 ///                                      two in-range bf16 underflows or overflows; proofs/bounds.md §0)
+///   gemm.pack.roundtrip  post memory   every W element reads back from the packed layout (at())
 ///   gemm.pack.checksum   invariant memory  the packed bytes still hash to the pack-time checksum
 ///                                      (audit level, verified by the ops that read them)
 class PackedWeights {

@@ -127,7 +127,11 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
       const float* c = st.c1 + r * st.ldc1;
       for (std::size_t n = tl.n0; n < tl.n1; n += 2 * gemm::kPanel) {
         const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
+#ifdef MOECERT_MUTANT_SWIGLU_GATE_UP_SWAPPED
+        if (col < inter) kernel.swiglu(c + n + gemm::kPanel, c + n, h_at(r, col), std::min(gemm::kPanel, inter - col));  // mutant (docs/MUTANTS.md): silu(u) g
+#else
         if (col < inter) kernel.swiglu(c + n, c + n + gemm::kPanel, h_at(r, col), std::min(gemm::kPanel, inter - col));
+#endif
       }
     }
   });
@@ -172,7 +176,11 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
     for (std::size_t j = 0; j < k; ++j) {
       const std::int64_t row = g.slot_row[t * k + j];
       if (row < 0) continue;
+#ifdef MOECERT_MUTANT_COMBINE_OTHER_SLOT_WEIGHT
+      const float wt = weights(t, (j + 1) % k);  // mutant (docs/MUTANTS.md): another slot's weight
+#else
       const float wt = weights(t, j);
+#endif
       const float* o = st.o + static_cast<std::size_t>(row) * st.ldo;
       for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
     }

@@ -23,7 +23,11 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
   PackedLora out;
   out.rank = static_cast<std::size_t>(cfg.lora_rank);
   if (out.rank == 0) return out;
+#ifdef MOECERT_MUTANT_LORA_SCALE_INVERTED
+  out.scale = static_cast<float>(static_cast<double>(cfg.lora_rank) / cfg.lora_alpha);  // mutant (docs/MUTANTS.md): r / alpha
+#else
   out.scale = static_cast<float>(cfg.lora_alpha / static_cast<double>(cfg.lora_rank));
+#endif
   const std::size_t r = out.rank, H = static_cast<std::size_t>(cfg.hidden), I = static_cast<std::size_t>(cfg.inter);
   out.experts.resize(static_cast<std::size_t>(cfg.experts));
   oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), [&](std::size_t e) {
@@ -46,7 +50,12 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
     p.a_gu = gemm::PackedWeights::pack(agu.view());
     p.b_gu = gemm::PackedWeights::pack(bg0.view(), bu0.view());
     p.a_d = gemm::PackedWeights::pack(a_d.view());
+#ifdef MOECERT_MUTANT_LORA_PADDING_GARBAGE
     p.b_d = gemm::PackedWeights::pack(b_d.view());
+    if (p.b_d.kp() > r) p.b_d.mutable_data_for_testing()[2 * r + 1] = bf16(0.5f);  // mutant (docs/MUTANTS.md): rank padding (row 0, k = r) not zero
+#else
+    p.b_d = gemm::PackedWeights::pack(b_d.view());
+#endif
     if (!backward) return;
     Dense b_d_t(r, H), a_d_t(I, r), b_gu_t(2 * r, 2 * I), a_gu_t(H, 2 * r);
     for (std::size_t h = 0; h < H; ++h)

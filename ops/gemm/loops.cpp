@@ -45,7 +45,11 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
                 std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc,
                 bool accumulate) {
   const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp(), lda = a_stride(kernel.a_layout, kp);
+#ifdef MOECERT_MUTANT_SHARED_EDGE_TILE_RACE
+  alignas(64) static float edge[32 * 32];  // mutant (docs/MUTANTS.md): one scratch block shared by every thread (a data race)
+#else
   alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
+#endif
   kernel.thread_begin();
   // Assumptions: a holds round_up(m, mr) rows of kp elements in the kernel's
   // layout; w has np >=
@@ -82,7 +86,11 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
           args.c = blk;
           args.ldc = nr;
           kernel.ukernel(args);
+#ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
+          for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
+#else
           for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, blk + i * nr, nn * sizeof(float));
+#endif
         }
       }
     }

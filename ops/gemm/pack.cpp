@@ -17,7 +17,11 @@ void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst)
   for (std::size_t n = 0; n < kPanel; ++n) {
     const std::size_t row = p * kPanel + n;
     if (row >= w.rows) break;
+#ifdef MOECERT_MUTANT_VNNI_PAIR_SWAPPED
+    for (std::size_t k = 0; k < w.cols; ++k) dst[(k / 2) * 2 * kPanel + n * 2 + (1 - k % 2)] = w(row, k);  // mutant (docs/MUTANTS.md): pair order swapped
+#else
     for (std::size_t k = 0; k < w.cols; ++k) dst[(k / 2) * 2 * kPanel + n * 2 + (k % 2)] = w(row, k);
+#endif
   }
 }
 
@@ -43,6 +47,7 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
     else pack_panel(w, p, out.kp_, dst);
   }
   out.checksum_ = out.compute_checksum();
+  contracts::gemm_pack_post(c, w, second, out);
   return out;
 }
 

@@ -44,7 +44,11 @@ inline void ukernel_32x32(const UkernelArgs& p) {
     Tiles::template load<2>(c2, ldc_bytes);
     Tiles::template load<3>(c3, ldc_bytes);
   } else {
+#ifdef MOECERT_MUTANT_C_TILE_NOT_ZEROED
+    (void)0;  // mutant (docs/MUTANTS.md): C tile 0 not zeroed: it keeps the last block's sums
+#else
     Tiles::template zero<0>();
+#endif
     Tiles::template zero<1>();
     Tiles::template zero<2>();
     Tiles::template zero<3>();

@@ -30,7 +30,11 @@ void zero(MatView<float> m) {
 inline void swiglu_backward(float g, float u, float dhv, bf16& dg, bf16& du) {
   const float s = 1.0f / (1.0f + gemm::exp_poly::exp(-g));
   const float silu = g * s;
+#ifdef MOECERT_MUTANT_SILU_DERIVATIVE_WRONG
+  const float dsilu = s * (1.0f + g * s);  // mutant (docs/MUTANTS.md): wrong silu derivative
+#else
   const float dsilu = s * (1.0f + g * (1.0f - s));
+#endif
   dg = bf16((dhv * u) * dsilu);
   du = bf16(dhv * silu);
 }
@@ -45,7 +49,11 @@ void outer_sums(const experts::Grouping& gr, std::size_t rows_out, std::size_t c
   oneapi::tbb::parallel_for(std::size_t{0}, gr.experts * rows_out, [&](std::size_t ei) {
     const std::size_t e = ei / rows_out, i = ei % rows_out;
     float* o = out.row(ei);
+#ifdef MOECERT_MUTANT_EMPTY_EXPERT_GRAD_UNINIT
+    if (gr.count[e]) std::fill(o, o + cols_out, 0.0f);  // mutant (docs/MUTANTS.md): idle experts' gradients left unwritten
+#else
     std::fill(o, o + cols_out, 0.0f);
+#endif
     for (std::size_t q = gr.begin[e]; q < gr.begin[e] + gr.count[e]; ++q) {
       const float ai = a(q, i);
       for (std::size_t k = 0; k < cols_out; ++k) o[k] += ai * b(q, k);
@@ -111,7 +119,11 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
         gemm::gemm_block(kernel, dy_row(r0), tl.m1 - tl.m0, s.lora.experts[tl.e].b_d_t, tl.n0, tl.n1, r, dyb + r0 * r, r);
       });
   }
+#ifdef MOECERT_MUTANT_DW_UNMASKED_MINUS1
+  for (std::size_t i = 0; i < T * K; ++i) dw[i] = s.idx[i] < 0 ? 1.0f : 0.0f;  // mutant (docs/MUTANTS.md): -1 slots get a gradient
+#else
   std::fill(dw, dw + T * K, 0.0f);
+#endif
   if (opt.router_path)
     oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
       if (gr.row_slot[row] < 0) return;
@@ -218,9 +230,13 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     for_each_tile(experts::tiles(gr, H, mb, 256), [&](const experts::Tile& tl) {
       const std::size_t r0 = gr.begin[tl.e] + tl.m0;
       gemm::gemm_block(kernel, &dgu_at(r0, 0), tl.m1 - tl.m0, pe.gate_up_t(tl.e), tl.n0, tl.n1, H, dxr + r0 * H, H);
+#ifdef MOECERT_MUTANT_DX_MISSING_LORA
+      (void)qgu;  // mutant (docs/MUTANTS.md): dx misses the LoRA term
+#else
       if (r)
         gemm::gemm_block(kernel, qgu + gemm::a_offset(layout, ldq, r0, 0), tl.m1 - tl.m0, s.lora.experts[tl.e].a_gu_t, tl.n0,
                          tl.n1, H, dxr + r0 * H, H, true);
+#endif
     });
   }
 

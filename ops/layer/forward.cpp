@@ -80,7 +80,11 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   const workspace::Plan plan = workspace::plan(cfg, static_cast<std::int64_t>(t_count),
                                                {.training = opt.training, .memory_cap = opt.memory_cap});
   if (plan.buffers.empty()) return;  // a plan clause failed under observe
+#ifdef MOECERT_MUTANT_STALE_LORA_PACK
+  if (s.lora.experts.empty()) s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
+#else
   s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training);
+#endif
   contracts::layer_lora_padding(chk, s.lora);
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
