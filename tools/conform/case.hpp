@@ -60,6 +60,9 @@ void add_router_cases(std::vector<CaseDef>& out);
 /// GEMM and expert forward cases for each of `isas` (unusable ones: skip).
 void add_kernel_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
 
+/// Layer cases (forward + backward, two training steps) and the workspace plan.
+void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
+
 /// Fails the case with `detail` unless `ok`; returns ok.
 bool expect(CaseResult& r, bool ok, const std::string& detail);
 

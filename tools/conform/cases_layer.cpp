@@ -1,0 +1,136 @@
+// Conformance cases of the MoE layer (forward + backward with LoRA, two
+// training steps on one saved state: the LoRA factors change between them)
+// and of the workspace plan of FIELD_NOTES 4.
+#include <cmath>
+#include <random>
+
+#include <oneapi/tbb/global_control.h>
+#include <fmt/format.h>
+
+#include "moecert/isa.hpp"
+#include "moecert/layer.hpp"
+#include "moecert/workspace.hpp"
+#include "ops/workspace/arena.hpp"
+#include "tools/conform/case.hpp"
+
+namespace moecert::tools {
+namespace {
+
+struct Layer {
+  MoeConfig cfg;
+  std::size_t T, E, H, I, K, r, R;
+  std::vector<bf16> x, wg, wu, wd, lora[6];
+  std::vector<float> wr, b, bias, dy;
+  experts::PackedExperts packed;
+  layer::Weights weights() const {
+    layer::Weights w;
+    w.experts = &packed;
+    w.router_w = {wr.data(), R, H};
+    w.router_b = {b.data(), R};
+    if (cfg.router == RouterKind::sigmoid_topk) w.router_bias = {bias.data(), E};
+    w.lora = {{lora[0].data(), E * r, H}, {lora[1].data(), E * I, r}, {lora[2].data(), E * r, H},
+              {lora[3].data(), E * I, r}, {lora[4].data(), E * r, I}, {lora[5].data(), E * H, r}};
+    return w;
+  }
+};
+
+Layer make(RouterKind kind, std::uint64_t seed) {
+  Layer l;
+  l.E = kind == RouterKind::product_key ? 9 : 8, l.H = 40, l.I = 24, l.K = 3, l.r = 4, l.T = 13;
+  l.cfg = {.experts = static_cast<std::int64_t>(l.E), .hidden = 40, .inter = 24, .topk = 3, .lora_rank = 4, .lora_alpha = 8,
+           .router = kind, .groups = kind == RouterKind::sigmoid_topk ? 2 : 1, .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1,
+           .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0, .max_tokens = 13};
+  l.R = static_cast<std::size_t>(workspace::router_outputs(l.cfg));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0, 1);
+  auto fill = [&](std::vector<bf16>& v, std::size_t n, float s) {
+    v.resize(n);
+    for (auto& q : v) q = bf16(nd(rng) * s);
+  };
+  fill(l.x, l.T * l.H, 1), fill(l.wg, l.E * l.I * l.H, 0.16f), fill(l.wu, l.E * l.I * l.H, 0.16f), fill(l.wd, l.E * l.H * l.I, 0.2f);
+  const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
+  for (int i = 0; i < 6; ++i) fill(l.lora[i], sizes[i], i % 2 ? 0.3f : 0.16f);
+  l.wr.resize(l.R * l.H), l.b.resize(l.R), l.bias.resize(l.E), l.dy.resize(l.T * l.H);
+  for (auto& q : l.wr) q = nd(rng) * 0.16f;
+  for (auto& q : l.b) q = nd(rng) * 0.1f;
+  for (auto& q : l.bias) q = nd(rng) * 0.05f;
+  for (auto& q : l.dy) q = nd(rng);
+  l.packed = experts::PackedExperts::pack(l.E, {l.wg.data(), l.E * l.I, l.H}, {l.wu.data(), l.E * l.I, l.H},
+                                          {l.wd.data(), l.E * l.H, l.I}, true);
+  return l;
+}
+
+// Two training steps: forward + backward, an update of every LoRA factor,
+// forward + backward again on the same saved state; contracts at full.
+std::vector<float> steps(Layer& l, Isa isa) {
+  std::vector<float> out;
+  layer::Saved saved;
+  for (int step = 0; step < 2; ++step) {
+    if (step)
+      for (auto& f : l.lora)
+        for (std::size_t i = 0; i < f.size(); i += 3) f[i] = bf16(f[i].to_float() * 0.75f + 0.01f);
+    std::vector<float> y(l.T * l.H), dx(l.T * l.H), g[6];
+    const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
+    const std::size_t cols[6] = {l.H, l.r, l.H, l.r, l.I, l.r};
+    for (int i = 0; i < 6; ++i) g[i].resize(sizes[i]);
+    std::vector<float> gwr(l.R * l.H), gb(l.R);
+    layer::Gradients gr;
+    gr.dx = {dx.data(), l.T, l.H};
+    gr.router_w = {gwr.data(), l.R, l.H};
+    gr.router_b = {gb.data(), l.R};
+    MatView<float>* lv[6] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up, &gr.a_down, &gr.b_down};
+    for (int i = 0; i < 6; ++i) *lv[i] = {g[i].data(), sizes[i] / cols[i], cols[i]};
+    const auto w = l.weights();
+    layer::forward(l.cfg, w, {l.x.data(), l.T, l.H}, {y.data(), l.T, l.H}, saved, {.isa = isa});
+    layer::backward(l.cfg, w, {l.x.data(), l.T, l.H}, {l.dy.data(), l.T, l.H}, saved, gr);
+    for (auto* v : {&y, &dx, &gwr, &gb}) out.insert(out.end(), v->begin(), v->end());
+    for (auto& v : g) out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+CaseResult layer_case(RouterKind kind, Isa isa, const RunContext& ctx) {
+  CaseResult r;
+  if (!isa_usable(isa)) {
+    r.verdict = Verdict::skip;
+    r.detail = fmt::format("{} not usable on this CPU", isa_name(isa));
+    return r;
+  }
+  Layer a = make(kind, ctx.seed + 3);
+  const auto many = steps(a, isa);
+  Layer b = make(kind, ctx.seed + 3);
+  std::vector<float> one;
+  {
+    oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, 1);
+    one = steps(b, isa);
+  }
+  r.deterministic = many == one;
+  expect(r, r.deterministic, "results differ between 1 and N threads");
+  if (r.verdict == Verdict::pass)
+    r.detail = "2 training steps; y, dx, router and LoRA gradients within proofs/layer.md (level full)";
+  return r;
+}
+
+CaseResult plan_case(const RunContext&) {
+  CaseResult r;
+  const MoeConfig cfg{.experts = 256, .hidden = 7168, .inter = 2048, .topk = 8, .lora_rank = 16, .lora_alpha = 32, .max_tokens = 25600};
+  const auto p = workspace::plan(cfg, 25600);
+  r.detail = fmt::format("total {:.2f} GiB (target <= 16 GiB), lower bound {:.2f} GiB", p.total_bytes / 0x1p30,
+                         p.peak_live_bytes / 0x1p30);
+  expect(r, p.total_bytes <= (std::uint64_t{16} << 30), "FIELD_NOTES 4 config over 16 GiB: " + r.detail);
+  return r;
+}
+
+}  // namespace
+
+void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
+  out.push_back({"workspace.plan", "field_notes_4", "any", "E256_H7168_I2048_K8_r16_T25600", "-", Suite::smoke, Level::check,
+                 plan_case});
+  for (RouterKind kind : {RouterKind::softmax_topk, RouterKind::sigmoid_topk, RouterKind::product_key})
+    for (Isa isa : isas)
+      out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)), std::string(isa_name(isa)),
+                     "small:E8_H40_I24_K3_r4_T13", "normal", Suite::smoke, Level::full,
+                     [kind, isa](const RunContext& ctx) { return layer_case(kind, isa, ctx); }});
+}
+
+}  // namespace moecert::tools
