@@ -34,12 +34,19 @@ struct Layer {
   }
 };
 
-Layer make(RouterKind kind, std::uint64_t seed) {
+struct Dims {
+  std::size_t E, H, I, K, r, T;
+};
+constexpr Dims kSmall{8, 40, 24, 3, 4, 13}, kRealistic{16, 512, 384, 4, 8, 64};
+
+Layer make(RouterKind kind, std::uint64_t seed, Dims d) {
   Layer l;
-  l.E = kind == RouterKind::product_key ? 9 : 8, l.H = 40, l.I = 24, l.K = 3, l.r = 4, l.T = 13;
-  l.cfg = {.experts = static_cast<std::int64_t>(l.E), .hidden = 40, .inter = 24, .topk = 3, .lora_rank = 4, .lora_alpha = 8,
-           .router = kind, .groups = kind == RouterKind::sigmoid_topk ? 2 : 1, .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1,
-           .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0, .max_tokens = 13};
+  l.E = kind == RouterKind::product_key ? (d.E == 8 ? 9 : 16) : d.E, l.H = d.H, l.I = d.I, l.K = d.K, l.r = d.r, l.T = d.T;
+  auto i64 = [](std::size_t v) { return static_cast<std::int64_t>(v); };
+  l.cfg = {.experts = i64(l.E), .hidden = i64(l.H), .inter = i64(l.I), .topk = i64(l.K), .lora_rank = i64(l.r),
+           .lora_alpha = 2.0 * double(l.r), .router = kind, .groups = kind == RouterKind::sigmoid_topk ? 2 : 1,
+           .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1, .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0,
+           .max_tokens = i64(l.T)};
   l.R = static_cast<std::size_t>(workspace::router_outputs(l.cfg));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0, 1);
@@ -47,11 +54,12 @@ Layer make(RouterKind kind, std::uint64_t seed) {
     v.resize(n);
     for (auto& q : v) q = bf16(nd(rng) * s);
   };
-  fill(l.x, l.T * l.H, 1), fill(l.wg, l.E * l.I * l.H, 0.16f), fill(l.wu, l.E * l.I * l.H, 0.16f), fill(l.wd, l.E * l.H * l.I, 0.2f);
+  const float sh = 1 / std::sqrt(float(l.H)), si = 1 / std::sqrt(float(l.I));
+  fill(l.x, l.T * l.H, 1), fill(l.wg, l.E * l.I * l.H, sh), fill(l.wu, l.E * l.I * l.H, sh), fill(l.wd, l.E * l.H * l.I, si);
   const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
-  for (int i = 0; i < 6; ++i) fill(l.lora[i], sizes[i], i % 2 ? 0.3f : 0.16f);
+  for (int i = 0; i < 6; ++i) fill(l.lora[i], sizes[i], i % 2 ? 0.3f : (i == 4 ? si : sh));
   l.wr.resize(l.R * l.H), l.b.resize(l.R), l.bias.resize(l.E), l.dy.resize(l.T * l.H);
-  for (auto& q : l.wr) q = nd(rng) * 0.16f;
+  for (auto& q : l.wr) q = nd(rng) * sh;
   for (auto& q : l.b) q = nd(rng) * 0.1f;
   for (auto& q : l.bias) q = nd(rng) * 0.05f;
   for (auto& q : l.dy) q = nd(rng);
@@ -89,16 +97,16 @@ std::vector<float> steps(Layer& l, Isa isa) {
   return out;
 }
 
-CaseResult layer_case(RouterKind kind, Isa isa, const RunContext& ctx) {
+CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, const RunContext& ctx) {
   CaseResult r;
   if (!isa_usable(isa)) {
     r.verdict = Verdict::skip;
     r.detail = fmt::format("{} not usable on this CPU", isa_name(isa));
     return r;
   }
-  Layer a = make(kind, ctx.seed + 3);
+  Layer a = make(kind, ctx.seed + 3, dims);
   const auto many = steps(a, isa);
-  Layer b = make(kind, ctx.seed + 3);
+  Layer b = make(kind, ctx.seed + 3, dims);
   std::vector<float> one;
   {
     oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, 1);
@@ -130,7 +138,11 @@ void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
     for (Isa isa : isas)
       out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)), std::string(isa_name(isa)),
                      "small:E8_H40_I24_K3_r4_T13", "normal", Suite::smoke, Level::full,
-                     [kind, isa](const RunContext& ctx) { return layer_case(kind, isa, ctx); }});
+                     [kind, isa](const RunContext& ctx) { return layer_case(kind, isa, kSmall, ctx); }});
+  for (Isa isa : isas)
+    out.push_back({"layer.forward_backward", "softmax_topk", std::string(isa_name(isa)), "realistic:E16_H512_I384_K4_r8_T64",
+                   "normal", Suite::def, Level::full,
+                   [isa](const RunContext& ctx) { return layer_case(RouterKind::softmax_topk, isa, kRealistic, ctx); }});
 }
 
 }  // namespace moecert::tools
