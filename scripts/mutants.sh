@@ -6,8 +6,9 @@
 #
 #   scripts/mutants.sh [--quick] [--fuzz-seconds N] [--jobs N] [NAME...]
 #
-# --quick skips the fuzzers and the z3 proof tests. Results: build/mutants/results.tsv
-# (name, verdict, first catcher, every catcher).
+# --quick stops at the first catcher (building only what the next step
+# needs), and skips the fuzzers and the z3 proof tests. Results:
+# build/mutants/results.tsv (name, verdict, first catcher, every catcher).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,8 +43,10 @@ for name in "${names[@]}"; do
   log=$out/$name
   echo "== $name"
   catchers=()
+  target=()
+  [ $quick -eq 1 ] && target=(--target moecert_cli)  # the conformance run first; the rest only if needed
   if ! { cmake --preset debug -B "$dir" -DMOECERT_MUTANT="$name" -DMOECERT_BUILD_FUZZERS=ON > "$log.configure.log" 2>&1 &&
-         cmake --build "$dir" -j "$jobs" > "$log.build.log" 2>&1; }; then
+         cmake --build "$dir" -j "$jobs" "${target[@]}" > "$log.build.log" 2>&1; }; then
     echo "   build failed (see $log.build.log)"
     printf '%s\tbuild-failed\t-\t-\n' "$name" >> "$results"
     continue
@@ -57,7 +60,11 @@ for name in "${names[@]}"; do
   # 2. The test suite.
   exclude='^fuzz replay'
   [ $quick -eq 1 ] && exclude='^(fuzz replay|proof:)'
-  if ! ctest --test-dir "$dir" -j "$jobs" -E "$exclude" --output-on-failure > "$log.ctest.log" 2>&1; then
+  if [ $quick -eq 1 ] && [ ${#catchers[@]} -gt 0 ]; then
+    :  # caught already
+  elif [ $quick -eq 1 ] && ! cmake --build "$dir" -j "$jobs" >> "$log.build.log" 2>&1; then
+    catchers+=("build")
+  elif ! ctest --test-dir "$dir" -j "$jobs" -E "$exclude" --output-on-failure > "$log.ctest.log" 2>&1; then
     t=$(grep -m1 -oE '[0-9]+ - .* \(Failed|SEGFAULT|Subprocess aborted|Exception\)' "$log.ctest.log" | sed 's/^[0-9]* - //')
     c=$(clause_in "$log.ctest.log")
     catchers+=("ctest:${c:-$t}")

@@ -24,6 +24,9 @@ MatView<const float> Saved::weights() const {
   return {impl_->weights, impl_->tokens, static_cast<std::size_t>(impl_->cfg.topk), static_cast<std::size_t>(impl_->cfg.topk)};
 }
 
+namespace {
+
+// z = x W_r^T + b in fp32.
 void router_linear(MatView<const bf16> x, MatView<const float> wr, View<const float> b, MatView<float> z) {
   const std::size_t hidden = x.cols, outs = wr.rows;
   oneapi::tbb::parallel_for(std::size_t{0}, x.rows, [&](std::size_t t) {
@@ -64,6 +67,8 @@ void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z, 
     }
   }
 }
+
+}  // namespace
 
 void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y, Saved& saved,
              const ForwardOptions& opt) {
