@@ -119,11 +119,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
         gemm::gemm_block(kernel, dy_row(r0), tl.m1 - tl.m0, s.lora.experts[tl.e].b_d_t, tl.n0, tl.n1, r, dyb + r0 * r, r);
       });
   }
-#ifdef MOECERT_MUTANT_DW_UNMASKED_MINUS1
-  for (std::size_t i = 0; i < T * K; ++i) dw[i] = s.idx[i] < 0 ? 1.0f : 0.0f;  // mutant (docs/MUTANTS.md): -1 slots get a gradient
-#else
   std::fill(dw, dw + T * K, 0.0f);
-#endif
   if (opt.router_path)
     oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
       if (gr.row_slot[row] < 0) return;
@@ -131,7 +127,12 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
       for (std::size_t i = 0; i < I; ++i) acc += double(dh[row * ldd + i]) * double(st.h_at(row, i).to_float());
       for (std::size_t k = 0; k < r; ++k)
         acc += double(dyb[row * r + k]) * double(bf16(sc * st.ha[row * r + k]).to_float());  // lb_d, as the forward rounded it
+#ifdef MOECERT_MUTANT_DW_WRONG_SLOT
+      const auto slot = static_cast<std::size_t>(gr.row_slot[row]);  // mutant (docs/MUTANTS.md): dL/dw lands on the next slot
+      dw[slot / K * K + (slot % K + 1) % K] = static_cast<float>(acc);
+#else
       dw[static_cast<std::size_t>(gr.row_slot[row])] = static_cast<float>(acc);
+#endif
     });
   if (opt.expert_path && r) {
     bf16* qd = arena.get<bf16>("lora.qd", gemm::a_size(layout, rows, kr2));

@@ -61,6 +61,7 @@ Layer make(RouterKind kind, std::uint64_t seed, Dims d) {
   l.wr.resize(l.R * l.H), l.b.resize(l.R), l.bias.resize(l.E), l.dy.resize(l.T * l.H);
   for (auto& q : l.wr) q = nd(rng) * sh;
   for (auto& q : l.b) q = nd(rng) * 0.1f;
+  l.b[l.R / 2 - 1] = -50;  // an output no token selects: idle experts (their LoRA gradients must be 0)
   for (auto& q : l.bias) q = nd(rng) * 0.05f;
   for (auto& q : l.dy) q = nd(rng);
   l.packed = experts::PackedExperts::pack(l.E, {l.wg.data(), l.E * l.I, l.H}, {l.wu.data(), l.E * l.I, l.H},
@@ -77,11 +78,12 @@ std::vector<float> steps(Layer& l, Isa isa) {
     if (step)
       for (auto& f : l.lora)
         for (std::size_t i = 0; i < f.size(); i += 3) f[i] = bf16(f[i].to_float() * 0.75f + 0.01f);
-    std::vector<float> y(l.T * l.H), dx(l.T * l.H), g[6];
+    // Fresh output buffers hold NaN, as a caller's might: every element must be written.
+    std::vector<float> y(l.T * l.H, NAN), dx(l.T * l.H, NAN), g[6];
     const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
     const std::size_t cols[6] = {l.H, l.r, l.H, l.r, l.I, l.r};
-    for (int i = 0; i < 6; ++i) g[i].resize(sizes[i]);
-    std::vector<float> gwr(l.R * l.H), gb(l.R);
+    for (int i = 0; i < 6; ++i) g[i].assign(sizes[i], NAN);
+    std::vector<float> gwr(l.R * l.H, NAN), gb(l.R, NAN);
     layer::Gradients gr;
     gr.dx = {dx.data(), l.T, l.H};
     gr.router_w = {gwr.data(), l.R, l.H};
