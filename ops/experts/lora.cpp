@@ -4,6 +4,8 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
+#include "ops/gemm/ukernel.hpp"
+
 namespace moecert::experts {
 
 namespace {
@@ -52,7 +54,8 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
     p.a_d = gemm::PackedWeights::pack(a_d.view());
 #ifdef MOECERT_MUTANT_LORA_PADDING_GARBAGE
     p.b_d = gemm::PackedWeights::pack(b_d.view());
-    if (p.b_d.kp() > r) p.b_d.mutable_data_for_testing()[2 * r + 1] = bf16(0.5f);  // mutant (docs/MUTANTS.md): rank padding (row 0, k = r) not zero
+    if (p.b_d.kp() > r)  // mutant (docs/MUTANTS.md): rank padding (column 0, k = r) not zero
+      p.b_d.mutable_data_for_testing()[(r / 2) * 2 * gemm::kPanel + r % 2] = bf16(0.5f);
 #else
     p.b_d = gemm::PackedWeights::pack(b_d.view());
 #endif
