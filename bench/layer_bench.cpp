@@ -24,13 +24,12 @@ struct LayerData {
   std::vector<float> wr, b, dy;
   experts::PackedExperts packed;
   layer::Weights weights() const {
-    const std::size_t E = cfg.experts, H = cfg.hidden, I = cfg.inter, r = cfg.lora_rank;
+    const std::size_t E = cfg.experts, H = cfg.hidden;
     layer::Weights w;
     w.experts = &packed;
     w.router_w = {wr.data(), E, H};
     w.router_b = {b.data(), E};
-    w.lora = {{ag.data(), E * r, H}, {bg.data(), E * I, r}, {au.data(), E * r, H},
-              {bu.data(), E * I, r}, {ad.data(), E * r, I}, {bd.data(), E * H, r}};
+    w.lora = layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(), bu.data(), ad.data(), bd.data());
     return w;
   }
 };

@@ -30,8 +30,8 @@ struct LayerInput {
     w.router_b = {b.data(), R};
     if (cfg.router == RouterKind::sigmoid_topk) w.router_bias = {bias.data(), E};
     if (r)
-      w.lora = {{lora[0].data(), E * r, H}, {lora[1].data(), E * I, r}, {lora[2].data(), E * r, H},
-                {lora[3].data(), E * I, r}, {lora[4].data(), E * r, I}, {lora[5].data(), E * H, r}};
+      w.lora = layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(), lora[4].data(),
+                                         lora[5].data());
     return w;
   }
 };

@@ -35,8 +35,7 @@ struct Problem {
     w.router_b = {b.data(), R};
     if (cfg.router == RouterKind::sigmoid_topk) w.router_bias = {bias.data(), E};
     if (r) {
-      w.lora = {{ag.data(), E * r, H}, {bg.data(), E * I, r}, {au.data(), E * r, H},
-                {bu.data(), E * I, r}, {ad.data(), E * r, I}, {bd.data(), E * H, r}};
+      w.lora = layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(), bu.data(), ad.data(), bd.data());
     }
     return w;
   }

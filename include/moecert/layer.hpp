@@ -31,6 +31,15 @@ namespace moecert::layer {
 /// [E*I x r]; a_down [E*r x I]; b_down [E*H x r]. Empty views when r = 0.
 struct Lora {
   MatView<const bf16> a_gate, b_gate, a_up, b_up, a_down, b_down;
+
+  /// Views of six dense row-major arrays in that order and those shapes
+  /// for `cfg` (E, H, I, r).
+  static Lora stacked(const MoeConfig& cfg, const bf16* a_gate, const bf16* b_gate, const bf16* a_up, const bf16* b_up,
+                      const bf16* a_down, const bf16* b_down) {
+    const auto E = static_cast<std::size_t>(cfg.experts), H = static_cast<std::size_t>(cfg.hidden),
+               I = static_cast<std::size_t>(cfg.inter), r = static_cast<std::size_t>(cfg.lora_rank);
+    return {{a_gate, E * r, H}, {b_gate, E * I, r}, {a_up, E * r, H}, {b_up, E * I, r}, {a_down, E * r, I}, {b_down, E * H, r}};
+  }
 };
 
 struct Weights {
