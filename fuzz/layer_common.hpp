@@ -64,6 +64,8 @@ inline LayerInput decode_layer(Decoder& d, bool with_dy) {
   in.cfg.renormalize = d.flag();
   // alpha: usually moderate; now and then so small that float(alpha / r) underflows.
   in.cfg.lora_alpha = in.r ? ((d.u8() & 31) == 0 ? 1e-300 : 0.5 + d.range(0, 64)) : 0.0;
+  // The two decoded alpha classes (1e-300, or 0.5 .. 64.5), not a tolerance:
+  // only the first makes float(alpha / r) leave [2^-60, 2^60].
   in.scale_ok = in.r == 0 || in.cfg.lora_alpha > 1e-200;
   if (in.cfg.router == RouterKind::sigmoid_topk) {
     in.cfg.groups = 1, in.cfg.topk_group = 1, in.cfg.scaling = 2.0;
