@@ -348,6 +348,89 @@ TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU agree bit for bit", "[gemm][
   }
 }
 
+TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU backward agree bit for bit", "[gemm][epilogue][avx512_bf16]") {
+  if (!isa_usable(Isa::avx512_bf16)) {
+    WARN("avx512_bf16 not usable here: nothing to compare");
+    return;
+  }
+  std::mt19937_64 rng(40);
+  const std::size_t n = 100003;
+  std::vector<float> g(n), u(n), dh(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float scale = (i % 7 == 0) ? 200.0f : 8.0f;
+    g[i] = std::uniform_real_distribution<float>(-scale, scale)(rng);
+    u[i] = std::uniform_real_distribution<float>(-4, 4)(rng);
+    dh[i] = std::uniform_real_distribution<float>(-1, 1)(rng) * (i % 11 == 0 ? 1e-30f : 1.0f);
+  }
+  const float special[] = {0.0f, -0.0f, 88.7f, -88.7f, 89.0f, -89.0f, 103.0f, -104.0f, INFINITY, -INFINITY, NAN,
+                           3e38f, -3e38f, 1e-40f, 0x1p-126f};
+  for (std::size_t i = 0; i < std::size(special); ++i) g[i] = u[i + 20] = dh[i + 40] = special[i];
+  for (const float w : {0.37f, 0.0f, -1.5f}) {
+    // Odd lengths and offsets exercise the scalar tail of the vector kernel.
+    for (const std::size_t len : {n, std::size_t{15}, std::size_t{17}}) {
+      std::vector<bf16> gs(len), us(len), gv(len), uv(len);
+      gemm::swiglu_backward_scalar(g.data(), u.data(), dh.data(), w, gs.data(), us.data(), len);
+      gemm::swiglu_backward_avx512(g.data(), u.data(), dh.data(), w, gv.data(), uv.data(), len);
+      for (std::size_t i = 0; i < len; ++i) {
+        INFO("g=" << g[i] << " u=" << u[i] << " dh=" << dh[i] << " w=" << w);
+        if (gs[i].is_nan()) REQUIRE(gv[i].is_nan());
+        else REQUIRE(gs[i].bits == gv[i].bits);
+        if (us[i].is_nan()) REQUIRE(uv[i].is_nan());
+        else REQUIRE(us[i].bits == uv[i].bits);
+      }
+    }
+  }
+  // Against the formula written out here (proofs/layer.md §2) for one element.
+  float a, b;
+  gemm::exp_poly::swiglu_backward(1.25f, -0.5f, 2.0f, 0.5f, a, b);
+  const float s = 1.0f / (1.0f + gemm::exp_poly::exp(-1.25f));
+  CHECK(a == (1.0f * -0.5f) * (s * (1.0f + 1.25f * (1.0f - s))));
+  CHECK(b == 1.0f * (1.25f * s));
+}
+
+TEST_CASE("gemm.rank_sums: every implementation is the row-order fp32 sum", "[gemm][epilogue]") {
+  // acc[k][j] += s[q][k] * (vscale[q] * v[q][j]) over q in order: compare
+  // each implementation with that loop written out, bit for bit, for bf16
+  // and fp32 rows, with and without vscale, ranks 1..19 (register groups of
+  // 8 and their remainders) and widths across the 16-lane masks.
+  std::mt19937_64 rng(41);
+  std::vector<gemm::RankSumFn> impls = {gemm::rank_sums_scalar};
+  if (isa_usable(Isa::avx512_bf16)) impls.push_back(gemm::rank_sums_avx512);
+  for (const std::size_t r : {1, 3, 8, 9, 19})
+    for (const std::size_t n : {1, 15, 16, 33, 70})
+      for (const bool bf : {false, true})
+        for (const bool scaled : {false, true}) {
+          const std::size_t m = 23, ldv = n + 5, lds = r + 2, ldacc = n + 3;
+          std::vector<float> vf(m * ldv), s(m * lds), vs(m), acc0(r * ldacc);
+          std::vector<bf16> vb(m * ldv);
+          std::uniform_real_distribution<float> d(-2, 2);
+          for (auto& x : vf) x = d(rng);
+          for (std::size_t i = 0; i < vf.size(); ++i) vb[i] = bf16(vf[i]);
+          for (auto& x : s) x = d(rng);
+          for (auto& x : vs) x = d(rng);
+          for (auto& x : acc0) x = d(rng);
+          std::vector<const void*> rows(m);
+          for (std::size_t q = 0; q < m; ++q) rows[q] = bf ? static_cast<const void*>(vb.data() + q * ldv) : vf.data() + q * ldv;
+          std::vector<float> want = acc0;
+          for (std::size_t q = 0; q < m; ++q)
+            for (std::size_t k = 0; k < r; ++k)
+              for (std::size_t j = 0; j < n; ++j) {
+                float v = bf ? vb[q * ldv + j].to_float() : vf[q * ldv + j];
+                if (scaled) v = vs[q] * v;
+                want[k * ldacc + j] = want[k * ldacc + j] + s[q * lds + k] * v;
+              }
+          for (const auto f : impls) {
+            std::vector<float> acc = acc0;
+            gemm::RankSumArgs a;
+            a.m = m, a.r = r, a.n = n, a.v = rows.data(), a.v_bf16 = bf, a.vscale = scaled ? vs.data() : nullptr;
+            a.s = s.data(), a.lds = lds, a.acc = acc.data(), a.ldacc = ldacc;
+            f(a);
+            INFO("r=" << r << " n=" << n << " bf16=" << bf << " scaled=" << scaled << (f == gemm::rank_sums_scalar ? " scalar" : " avx512"));
+            CHECK(std::memcmp(acc.data(), want.data(), acc.size() * 4) == 0);  // columns past n untouched too
+          }
+        }
+}
+
 TEST_CASE("gemm.loops: K blocking leaves every bit unchanged", "[gemm][loops]") {
   // The loops accumulate C in fp32 across K blocks (an exact spill and
   // reload); for every kernel the result must equal the one-block result.

@@ -38,6 +38,9 @@ class PackedWeights {
   /// panel (W's panel p, then second's panel p, ...): the fused gate+up
   /// layout, N = 2 * round_up(rows, 16) columns.
   static PackedWeights pack(MatView<const bf16> w, MatView<const bf16> second = {});
+  /// pack(), writing into `storage`'s memory when it has the same padded
+  /// size (no fresh pages for a repack after an optimizer step).
+  static PackedWeights pack(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage);
 
   std::size_t n() const { return n_; }    // logical columns (rows of W; 2x for a fused pair)
   std::size_t k() const { return k_; }    // logical depth

@@ -22,6 +22,10 @@ struct Dense {
 }  // namespace
 
 PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool backward) {
+  return pack(cfg, l, backward, PackedLora{});
+}
+
+PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool backward, PackedLora&& previous) {
   PackedLora out;
   out.rank = static_cast<std::size_t>(cfg.lora_rank);
   if (out.rank == 0) return out;
@@ -31,6 +35,7 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
   out.scale = static_cast<float>(cfg.lora_alpha / static_cast<double>(cfg.lora_rank));
 #endif
   const std::size_t r = out.rank, H = static_cast<std::size_t>(cfg.hidden), I = static_cast<std::size_t>(cfg.inter);
+  out.experts = std::move(previous.experts);  // storage: each pack below reuses its buffer if the size matches
   out.experts.resize(static_cast<std::size_t>(cfg.experts));
   oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), [&](std::size_t e) {
     auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };
@@ -49,17 +54,20 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
       for (std::size_t i = 0; i < I; ++i) a_d(k, i) = ad(k, i);
     for (std::size_t h = 0; h < H; ++h)
       for (std::size_t k = 0; k < r; ++k) b_d(h, k) = bd(h, k);
-    p.a_gu = gemm::PackedWeights::pack(agu.view());
-    p.b_gu = gemm::PackedWeights::pack(bg0.view(), bu0.view());
-    p.a_d = gemm::PackedWeights::pack(a_d.view());
+    p.a_gu = gemm::PackedWeights::pack(agu.view(), {}, std::move(p.a_gu));
+    p.b_gu = gemm::PackedWeights::pack(bg0.view(), bu0.view(), std::move(p.b_gu));
+    p.a_d = gemm::PackedWeights::pack(a_d.view(), {}, std::move(p.a_d));
 #ifdef MOECERT_MUTANT_LORA_PADDING_GARBAGE
-    p.b_d = gemm::PackedWeights::pack(b_d.view());
+    p.b_d = gemm::PackedWeights::pack(b_d.view(), {}, std::move(p.b_d));
     if (p.b_d.kp() > r)  // mutant (docs/MUTANTS.md): rank padding (column 0, k = r) not zero
       p.b_d.mutable_data_for_testing()[(r / 2) * 2 * gemm::kPanel + r % 2] = bf16(0.5f);
 #else
-    p.b_d = gemm::PackedWeights::pack(b_d.view());
+    p.b_d = gemm::PackedWeights::pack(b_d.view(), {}, std::move(p.b_d));
 #endif
-    if (!backward) return;
+    if (!backward) {
+      for (auto* t : {&p.b_d_t, &p.a_d_t, &p.b_gu_t, &p.a_gu_t}) *t = gemm::PackedWeights{};
+      return;
+    }
     Dense b_d_t(r, H), a_d_t(I, r), b_gu_t(2 * r, 2 * I), a_gu_t(H, 2 * r);
     for (std::size_t h = 0; h < H; ++h)
       for (std::size_t k = 0; k < r; ++k) b_d_t(k, h) = bd(h, k);
@@ -69,10 +77,10 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
       for (std::size_t k = 0; k < r; ++k) b_gu_t(k, i) = bg(i, k), b_gu_t(r + k, I + i) = bu(i, k);
     for (std::size_t h = 0; h < H; ++h)
       for (std::size_t k = 0; k < r; ++k) a_gu_t(h, k) = ag(k, h), a_gu_t(h, r + k) = au(k, h);
-    p.b_d_t = gemm::PackedWeights::pack(b_d_t.view());
-    p.a_d_t = gemm::PackedWeights::pack(a_d_t.view());
-    p.b_gu_t = gemm::PackedWeights::pack(b_gu_t.view());
-    p.a_gu_t = gemm::PackedWeights::pack(a_gu_t.view());
+    p.b_d_t = gemm::PackedWeights::pack(b_d_t.view(), {}, std::move(p.b_d_t));
+    p.a_d_t = gemm::PackedWeights::pack(a_d_t.view(), {}, std::move(p.a_d_t));
+    p.b_gu_t = gemm::PackedWeights::pack(b_gu_t.view(), {}, std::move(p.b_gu_t));
+    p.a_gu_t = gemm::PackedWeights::pack(a_gu_t.view(), {}, std::move(p.a_gu_t));
   });
   return out;
 }

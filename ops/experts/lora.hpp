@@ -26,7 +26,9 @@ struct PackedLora {
   std::size_t rank = 0;
   float scale = 0.0f;  // float(alpha / r)
   std::vector<PackedLoraExpert> experts;
-  /// Packs every expert's factors (both orientations when `backward`).
+  /// Packs every expert's factors (both orientations when `backward`),
+  /// reusing the memory of `previous` where the shapes match.
+  static PackedLora pack(const MoeConfig& cfg, const layer::Lora& l, bool backward, PackedLora&& previous);
   static PackedLora pack(const MoeConfig& cfg, const layer::Lora& l, bool backward);
 };
 

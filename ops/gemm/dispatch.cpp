@@ -173,18 +173,23 @@ const KernelInfo& kernel_info(Isa isa) {
   // K block of the AMX loops: all of K. Blocks of 256 to 1024 measured
   // slower on the AMX machine (docs/PERFORMANCE.md), prefetching won instead.
   constexpr std::size_t kAmxKc = 0;
-  // The vector epilogue wherever AVX-512 runs (AMX machines have it); the
-  // emulator takes it too where it can, and the results never differ.
-  static const SwigluFn vec = isa_usable(Isa::avx512_bf16) ? swiglu_avx512 : swiglu_scalar;
+  // The vector element-wise kernels wherever AVX-512 runs (AMX machines have
+  // it); the emulator takes them too where it can, and the results never
+  // differ.
+  static const bool avx512 = isa_usable(Isa::avx512_bf16);
+  static const SwigluFn vec = avx512 ? swiglu_avx512 : swiglu_scalar;
+  static const SwigluBackwardFn vec_bwd = avx512 ? swiglu_backward_avx512 : swiglu_backward_scalar;
+  static const RankSumFn vec_sums = avx512 ? rank_sums_avx512 : rank_sums_scalar;
   static const KernelInfo table[] = {
-      {Isa::scalar, 8, 32, 0, ALayout::rows, ukernel_scalar_8x32, no_hook, no_hook, swiglu_scalar, "ukernel_scalar_8x32"},
-      {Isa::avx512_bf16, 8, 32, 0, ALayout::rows, ukernel_avx512_bf16_8x32, no_hook, no_hook, swiglu_avx512, "ukernel_avx512_bf16_8x32"},
-      {Isa::amx_bf16, 32, 32, kAmxKc, ALayout::tiles, ukernel_amx_bf16_32x32, amx_bf16_tile_begin, amx_bf16_tile_end, swiglu_avx512,
-       "ukernel_amx_bf16_32x32"},
+      {Isa::scalar, 8, 32, 0, ALayout::rows, ukernel_scalar_8x32, no_hook, no_hook, swiglu_scalar, swiglu_backward_scalar,
+       rank_sums_scalar, "ukernel_scalar_8x32"},
+      {Isa::avx512_bf16, 8, 32, 0, ALayout::rows, ukernel_avx512_bf16_8x32, no_hook, no_hook, swiglu_avx512,
+       swiglu_backward_avx512, rank_sums_avx512, "ukernel_avx512_bf16_8x32"},
+      {Isa::amx_bf16, 32, 32, kAmxKc, ALayout::tiles, ukernel_amx_bf16_32x32, amx_bf16_tile_begin, amx_bf16_tile_end,
+       swiglu_avx512, swiglu_backward_avx512, rank_sums_avx512, "ukernel_amx_bf16_32x32"},
       {Isa::amx_emu, 32, 32, kAmxKc, ALayout::tiles, ukernel_amx_emu_32x32, amx_emu_tile_begin, amx_emu_tile_end, vec,
-       "ukernel_amx_emu_32x32"},
-  };
-  if (!isa_usable(isa))
+       vec_bwd, vec_sums, "ukernel_amx_emu_32x32"},
+  };  if (!isa_usable(isa))
     throw std::invalid_argument(fmt::format("isa {}: not usable on this machine (usable: {})",
                                             isa_name(isa), [] {
                                               std::string s;

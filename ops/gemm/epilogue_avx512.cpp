@@ -1,7 +1,12 @@
-// SwiGLU epilogue, AVX-512: 16 lanes of exp_poly.hpp's exact operation
-// sequence (rint, two FMAs, Horner with FMAs, scale by 2^n), then silu * u
-// and round-to-nearest-even to bf16 with integer operations (VCVTNEPS2BF16
-// would flush denormals, which bf16::from_float does not). Own ISA flags.
+// Element-wise kernels, AVX-512, each bit-identical to its portable twin
+// (epilogue_scalar.cpp). SwiGLU and its backward: 16 lanes of exp_poly.hpp's
+// exact operation sequence (rint, two FMAs, Horner with FMAs, scale by 2^n),
+// then the same products and round-to-nearest-even to bf16 with integer
+// operations (VCVTNEPS2BF16 would flush denormals, which bf16::from_float
+// does not). Rank-r sums: 16 columns per register, the rows' order kept.
+// Own ISA flags.
+// GCC 12 warns of the _mm512_undefined_* values inside its own intrinsics.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include "ops/gemm/exp_poly.hpp"
@@ -42,7 +47,86 @@ inline __m512 neg(__m512 x) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
 }
 
+// 16 bf16 (as uint16) widened to fp32.
+inline __m512 from_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+inline __m512 sigmoid_neg_exp(__m512 g) {  // 1 / (1 + exp(-g))
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_div_ps(one, _mm512_add_ps(one, exp16(neg(g))));
+}
+
+// Columns [j0, j0 + 16 * R) of every k < KR (KR accumulator rows), masked
+// past n: the loop over rows q innermost, so the accumulators stay in
+// registers.
+template <int KR, int R>
+void rank_block(const RankSumArgs& p, std::size_t k0, std::size_t j0) {
+  __mmask16 mask[R];
+  __m512 acc[KR][R];
+  for (int c = 0; c < R; ++c) {
+    const std::size_t j = j0 + 16 * c;
+    mask[c] = j >= p.n ? 0 : p.n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (p.n - j)) - 1);
+  }
+  for (int k = 0; k < KR; ++k)
+    for (int c = 0; c < R; ++c) acc[k][c] = _mm512_maskz_loadu_ps(mask[c], p.acc + (k0 + k) * p.ldacc + j0 + 16 * c);
+  for (std::size_t q = 0; q < p.m; ++q) {
+    __m512 v[R];
+    for (int c = 0; c < R; ++c) {
+      const std::size_t j = j0 + 16 * c;
+      v[c] = p.v_bf16 ? from_bf16(_mm256_maskz_loadu_epi16(mask[c], static_cast<const bf16*>(p.v[q]) + j))
+                      : _mm512_maskz_loadu_ps(mask[c], static_cast<const float*>(p.v[q]) + j);
+      if (p.vscale) v[c] = _mm512_mul_ps(_mm512_set1_ps(p.vscale[q]), v[c]);
+    }
+    const float* s = p.s + q * p.lds + k0;
+    for (int k = 0; k < KR; ++k) {
+      const __m512 sk = _mm512_set1_ps(s[k]);
+      for (int c = 0; c < R; ++c) acc[k][c] = _mm512_add_ps(acc[k][c], _mm512_mul_ps(sk, v[c]));
+    }
+  }
+  for (int k = 0; k < KR; ++k)
+    for (int c = 0; c < R; ++c) _mm512_mask_storeu_ps(p.acc + (k0 + k) * p.ldacc + j0 + 16 * c, mask[c], acc[k][c]);
+}
+
+template <int KR>
+void rank_rows(const RankSumArgs& p, std::size_t k0) {
+  for (std::size_t j0 = 0; j0 < p.n; j0 += 32) rank_block<KR, 2>(p, k0, j0);
+}
+
 }  // namespace
+
+void rank_sums_avx512(const RankSumArgs& p) {
+  std::size_t k0 = 0;
+  for (; k0 + 8 <= p.r; k0 += 8) rank_rows<8>(p, k0);
+  switch (p.r - k0) {  // the last 1..7 accumulator rows
+    case 1: rank_rows<1>(p, k0); break;
+    case 2: rank_rows<2>(p, k0); break;
+    case 3: rank_rows<3>(p, k0); break;
+    case 4: rank_rows<4>(p, k0); break;
+    case 5: rank_rows<5>(p, k0); break;
+    case 6: rank_rows<6>(p, k0); break;
+    case 7: rank_rows<7>(p, k0); break;
+    default: break;
+  }
+}
+
+void swiglu_backward_avx512(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du,
+                            std::size_t n) {
+  std::size_t i = 0;
+  const __m512 wv = _mm512_set1_ps(w), one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+    const __m512 dhv = _mm512_mul_ps(wv, _mm512_loadu_ps(dh + i));
+    const __m512 s = sigmoid_neg_exp(gv);
+    const __m512 silu = _mm512_mul_ps(gv, s);
+#ifdef MOECERT_MUTANT_SILU_DERIVATIVE_WRONG
+    const __m512 dsilu = _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(gv, s)));  // mutant (docs/MUTANTS.md)
+#else
+    const __m512 dsilu = _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(gv, _mm512_sub_ps(one, s))));
+#endif
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dg + i), to_bf16(_mm512_mul_ps(_mm512_mul_ps(dhv, uv), dsilu)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(du + i), to_bf16(_mm512_mul_ps(dhv, silu)));
+  }
+  swiglu_backward_scalar(g + i, u + i, dh + i, w, dg + i, du + i, n - i);
+}
 
 void swiglu_avx512(const float* g, const float* u, bf16* h, std::size_t n) {
   std::size_t i = 0;

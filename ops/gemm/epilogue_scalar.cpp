@@ -1,5 +1,6 @@
-// SwiGLU epilogue, portable: h[i] = bf16(silu(g[i]) * u[i]) with the exp of
-// exp_poly.hpp, bit-identical to the AVX-512 epilogue.
+// Element-wise kernels, portable: the SwiGLU epilogue and its backward with
+// the exp of exp_poly.hpp, and the rank-r gradient sums; each bit-identical
+// to its AVX-512 twin (epilogue_avx512.cpp).
 #include "ops/gemm/exp_poly.hpp"
 #include "ops/gemm/ukernel.hpp"
 
@@ -7,6 +8,32 @@ namespace moecert::gemm {
 
 void swiglu_scalar(const float* g, const float* u, bf16* h, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) h[i] = bf16(exp_poly::swiglu(g[i], u[i]));
+}
+
+void swiglu_backward_scalar(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du,
+                            std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    float a, b;
+    exp_poly::swiglu_backward(g[i], u[i], dh[i], w, a, b);
+    dg[i] = bf16(a);
+    du[i] = bf16(b);
+  }
+}
+
+void rank_sums_scalar(const RankSumArgs& p) {
+  for (std::size_t q = 0; q < p.m; ++q) {
+    const auto* vb = static_cast<const bf16*>(p.v[q]);
+    const auto* vf = static_cast<const float*>(p.v[q]);
+    for (std::size_t k = 0; k < p.r; ++k) {
+      const float s = p.s[q * p.lds + k];
+      float* acc = p.acc + k * p.ldacc;
+      for (std::size_t j = 0; j < p.n; ++j) {
+        float v = p.v_bf16 ? vb[j].to_float() : vf[j];
+        if (p.vscale) v = p.vscale[q] * v;
+        acc[j] = acc[j] + s * v;
+      }
+    }
+  }
 }
 
 }  // namespace moecert::gemm

@@ -38,4 +38,21 @@ inline float swiglu(float g, float u) {
   return (g * s) * u;
 }
 
+/// The SwiGLU backward of one element, the fp32 sequence of proofs/layer.md
+/// §2: dhv = w dh; s = 1 / (1 + exp(-g)); silu = g s;
+/// dsilu = s (1 + g (1 - s)); dg = (dhv u) dsilu, du = dhv silu (before the
+/// rounding to bf16).
+inline void swiglu_backward(float g, float u, float dh, float w, float& dg, float& du) {
+  const float dhv = w * dh;
+  const float s = 1.0f / (1.0f + exp(-g));
+  const float silu = g * s;
+#ifdef MOECERT_MUTANT_SILU_DERIVATIVE_WRONG
+  const float dsilu = s * (1.0f + g * s);  // mutant (docs/MUTANTS.md): wrong silu derivative
+#else
+  const float dsilu = s * (1.0f + g * (1.0f - s));
+#endif
+  dg = (dhv * u) * dsilu;
+  du = dhv * silu;
+}
+
 }  // namespace moecert::gemm::exp_poly

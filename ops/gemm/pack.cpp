@@ -28,6 +28,10 @@ void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst)
 }  // namespace
 
 PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> second) {
+  return pack(w, second, PackedWeights{});
+}
+
+PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage) {
   detail::Checker c{"gemm.pack"};
   contracts::gemm_pack_pre(c, w, second);
   PackedWeights out;
@@ -38,7 +42,8 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
   out.kp_ = round_up(std::max<std::size_t>(w.cols, 1), kKStep);
   out.n_ = out.interleaved_ ? 2 * panels_one * kPanel : w.rows;
   out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
-  out.data_.reset(static_cast<bf16*>(::operator new[](out.np_ * out.kp_ * sizeof(bf16), std::align_val_t(64))));
+  if (storage.data_ && storage.size() == out.np_ * out.kp_) out.data_ = std::move(storage.data_);
+  else out.data_.reset(static_cast<bf16*>(::operator new[](out.np_ * out.kp_ * sizeof(bf16), std::align_val_t(64))));
   const std::size_t panel_elems = out.kp_ * kPanel;
   const std::size_t panels = out.np_ / kPanel;
   for (std::size_t p = 0; p < panels; ++p) {

@@ -48,6 +48,31 @@ using UkernelFn = void (*)(const UkernelArgs&);
 /// (exp_poly.hpp), so the choice never changes a result.
 using SwigluFn = void (*)(const float* g, const float* u, bf16* h, std::size_t n);
 
+/// The SwiGLU backward of n elements (exp_poly::swiglu_backward, then bf16):
+/// dg[i], du[i] from gate g[i], up u[i], dh[i] and the row's routing weight
+/// w. Bit-identical across implementations, like SwigluFn.
+using SwigluBackwardFn = void (*)(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du,
+                                  std::size_t n);
+
+/// Sums over rows of rank-r outer products, the shape of every LoRA and
+/// router-linear weight gradient: for q = 0..m-1 in order, k < r, j < n,
+///   acc[k * ldacc + j] = acc[k * ldacc + j] + s[q * lds + k] * v_q[j],
+/// v_q[j] = vscale[q] * v[q][j] (or v[q][j] when vscale is null), each
+/// multiplication and addition one fp32 rounding. v[q] points at n
+/// contiguous elements of type bf16 or float. Every element's order is
+/// fixed, so implementations agree bit for bit.
+struct RankSumArgs {
+  std::size_t m = 0, r = 0, n = 0;
+  const void* const* v = nullptr;  // m row pointers
+  bool v_bf16 = false;
+  const float* vscale = nullptr;   // m factors, or null
+  const float* s = nullptr;
+  std::size_t lds = 0;
+  float* acc = nullptr;
+  std::size_t ldacc = 0;
+};
+using RankSumFn = void (*)(const RankSumArgs&);
+
 /// A kernel as registered in dispatch.cpp.
 struct KernelInfo {
   Isa isa;
@@ -58,6 +83,8 @@ struct KernelInfo {
   void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
   void (*thread_end)();    // after its last (AMX: tile release)
   SwigluFn swiglu;         // the epilogue to pair with it
+  SwigluBackwardFn swiglu_backward;
+  RankSumFn rank_sums;     // the gradient sums of the layer backward
   const char* name;        // e.g. "ukernel_amx_bf16_32x32"
 };
 
@@ -71,6 +98,10 @@ void ukernel_amx_bf16_32x32(const UkernelArgs&);
 void ukernel_amx_emu_32x32(const UkernelArgs&);
 void swiglu_scalar(const float* g, const float* u, bf16* h, std::size_t n);
 void swiglu_avx512(const float* g, const float* u, bf16* h, std::size_t n);
+void swiglu_backward_scalar(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du, std::size_t n);
+void swiglu_backward_avx512(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du, std::size_t n);
+void rank_sums_scalar(const RankSumArgs&);
+void rank_sums_avx512(const RankSumArgs&);
 void amx_bf16_tile_begin();
 void amx_bf16_tile_end();
 void amx_emu_tile_begin();

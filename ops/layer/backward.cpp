@@ -2,14 +2,15 @@
 // LoRA gradients) and the router path (dw = <dy, o>, router backward,
 // router linear backward), on the forward's arena. Every output element has
 // one writer and a fixed summation order: the same bits for any thread count.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include <oneapi/tbb/parallel_for.h>
 
 #include "contracts/layer.hpp"
 #include "moecert/router.hpp"
-#include "ops/gemm/exp_poly.hpp"
 #include "ops/gemm/loops.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/planner.hpp"
@@ -24,41 +25,57 @@ void zero(MatView<float> m) {
   for (std::size_t i = 0; i < m.rows; ++i) std::fill(m.row(i), m.row(i) + m.cols, 0.0f);
 }
 
-// dg, du of one element (the fp32 sequence of proofs/layer.md §2):
-// s = 1 / (1 + exp(-g)); silu = g s; dsilu = s (1 + g (1 - s)); dhv = w dh;
-// dg = bf16((dhv u) dsilu), du = bf16(dhv silu).
-inline void swiglu_backward(float g, float u, float dhv, bf16& dg, bf16& du) {
-  const float s = 1.0f / (1.0f + gemm::exp_poly::exp(-g));
-  const float silu = g * s;
-#ifdef MOECERT_MUTANT_SILU_DERIVATIVE_WRONG
-  const float dsilu = s * (1.0f + g * s);  // mutant (docs/MUTANTS.md): wrong silu derivative
-#else
-  const float dsilu = s * (1.0f + g * (1.0f - s));
-#endif
-  dg = bf16((dhv * u) * dsilu);
-  du = bf16(dhv * silu);
+// Sums over the rows q of [q0, q0 + m) in order, through the kernel's
+// rank_sums: acc[k][j] (k < r, j < n1 - n0) = sum_q s[q][k] * v_q[n0 + j],
+// v_q given as a pointer to the element at a column (row_at(q, col)).
+// Rows in the kernel's `tiles` layout are contiguous only within 32
+// columns (chunk = 32, column col sitting at col + shift of the row); plain
+// rows throughout (chunk = 0).
+template <class RowAt>
+void row_sums(const gemm::KernelInfo& kernel, std::size_t q0, std::size_t m, std::size_t r, const float* s,
+              std::size_t lds, const float* vscale, bool v_bf16, RowAt row_at, std::size_t chunk, std::size_t shift,
+              std::size_t n0, std::size_t n1, float* acc, std::size_t ldacc) {
+  std::vector<const void*> ptr(m);
+  for (std::size_t j = n0; j < n1;) {
+    const std::size_t len = chunk ? std::min(n1 - j, chunk - (j + shift) % chunk) : n1 - j;
+    for (std::size_t q = 0; q < m; ++q) ptr[q] = row_at(q0 + q, j);
+    gemm::RankSumArgs a;
+    a.m = m, a.r = r, a.n = len, a.v = ptr.data(), a.v_bf16 = v_bf16, a.vscale = vscale;
+    a.s = s, a.lds = lds, a.acc = acc + (j - n0), a.ldacc = ldacc;
+    kernel.rank_sums(a);
+    j += len;
+  }
 }
 
-// out rows [e * rows_out, (e + 1) * rows_out) = scale * sum over expert e's
-// rows q of a(q, i) * b(q, k), for every expert: fp32 in row order, one
-// writer per element, (expert, i) pairs in parallel.
-template <class A, class B>
-void outer_sums(const experts::Grouping& gr, std::size_t rows_out, std::size_t cols_out, A a, B b, float scale,
-                MatView<float> out) {
+// Per expert e, its gradient rows out[e * r + k][n] = scale * sum over the
+// expert's rows q of s(q)[k] * v_q[n] ([r x N] blocks: A factors), or, with
+// `transposed`, out[e * N + n][k] ([N x r] blocks: B factors). Tasks
+// (expert, 128 columns), one writer per element. `s_of(e, buffer, lds)`
+// returns the expert's s rows and sets their stride (filling `buffer` where
+// they need computing); `vscale_of(e)` the per-row factors of v or null.
+template <class SOf, class VScale, class RowAt>
+void expert_sums(const gemm::KernelInfo& kernel, const experts::Grouping& gr, std::size_t r, std::size_t n_cols,
+                 bool transposed, SOf s_of, VScale vscale_of, bool v_bf16, RowAt row_at, std::size_t chunk,
+                 std::size_t shift, float scale, MatView<float> out) {
   if (out.empty()) return;
-  oneapi::tbb::parallel_for(std::size_t{0}, gr.experts * rows_out, [&](std::size_t ei) {
-    const std::size_t e = ei / rows_out, i = ei % rows_out;
-    float* o = out.row(ei);
+  constexpr std::size_t kCols = 128;
+  const std::size_t blocks = (n_cols + kCols - 1) / kCols;
+  oneapi::tbb::parallel_for(std::size_t{0}, gr.experts * blocks, [&](std::size_t task) {
+    const std::size_t e = task / blocks, n0 = task % blocks * kCols, n1 = std::min(n_cols, n0 + kCols);
+    std::vector<float> buffer, acc(r * (n1 - n0), 0.0f);
+    std::size_t lds = 0;
+    const float* s = s_of(e, buffer, lds);
 #ifdef MOECERT_MUTANT_EMPTY_EXPERT_GRAD_UNINIT
-    if (gr.count[e]) std::fill(o, o + cols_out, 0.0f);  // mutant (docs/MUTANTS.md): idle experts' gradients left unwritten
-#else
-    std::fill(o, o + cols_out, 0.0f);
+    if (!gr.count[e]) return;  // mutant (docs/MUTANTS.md): idle experts' gradients left unwritten
 #endif
-    for (std::size_t q = gr.begin[e]; q < gr.begin[e] + gr.count[e]; ++q) {
-      const float ai = a(q, i);
-      for (std::size_t k = 0; k < cols_out; ++k) o[k] += ai * b(q, k);
-    }
-    for (std::size_t k = 0; k < cols_out; ++k) o[k] = scale * o[k];
+    row_sums(kernel, gr.begin[e], gr.count[e], r, s, lds, vscale_of(e), v_bf16, row_at, chunk, shift, n0, n1,
+             acc.data(), n1 - n0);
+    for (std::size_t k = 0; k < r; ++k)
+      for (std::size_t j = n0; j < n1; ++j) {
+        const float v = scale * acc[k * (n1 - n0) + (j - n0)];
+        if (transposed) out(e * n_cols + j, k) = v;
+        else out(e * r + k, j) = v;
+      }
   });
 }
 
@@ -189,15 +206,21 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
   auto dgu_at = [&](std::size_t row, std::size_t col) -> bf16& { return dgu[gemm::a_offset(layout, ldg, row, col)]; };
   float* dgb = r ? arena.get<float>("lora.dgb", rows * 2 * r) : nullptr;
   if (opt.expert_path) {
+    // Runs of at most 16 intermediates: one c1 panel (16 gate columns, the
+    // same 16 up columns after them) whose dg and du each stay inside one
+    // 32-column piece of a dgu row (contiguous in either A layout).
+    const std::size_t piece = layout == gemm::ALayout::tiles ? gemm::kKStep : kp2i;
     oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
       const bool valid = gr.row_slot[row] >= 0;
-      const float wt = valid ? weight_of(row) : 0.0f;
-      const float* c = st.c1 + row * st.ldc1;
-      for (std::size_t i = 0; i < kp2i; ++i) dgu_at(row, i) = bf16{};
+      for (std::size_t i = valid ? 2 * I : 0; i < kp2i; ++i) dgu_at(row, i) = bf16{};
       if (!valid) return;
-      for (std::size_t i = 0; i < I; ++i) {
+      const float wt = weight_of(row);
+      const float* c = st.c1 + row * st.ldc1;
+      for (std::size_t i = 0; i < I;) {
+        const std::size_t n = std::min({gemm::kPanel - i % gemm::kPanel, piece - (I + i) % piece, I - i});
         const std::size_t at = 2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel;  // gate; up 16 further
-        swiglu_backward(c[at], c[at + gemm::kPanel], wt * dh[row * ldd + i], dgu_at(row, i), dgu_at(row, I + i));
+        kernel.swiglu_backward(c + at, c + at + gemm::kPanel, dh + row * ldd + i, wt, &dgu_at(row, i), &dgu_at(row, I + i), n);
+        i += n;
       }
     });
     if (r)
@@ -208,12 +231,25 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
       });
     if (r) {
       // dB_d[e] = s sum_rows (w dy) ha^T [H x r]; dA_d[e] = s sum_rows (w dyb) h^T [r x I].
-      outer_sums(
-          gr, H, r, [&](std::size_t q, std::size_t m) { return weight_of(q) * dy(token_of(q), m); },
-          [&](std::size_t q, std::size_t k) { return st.ha[q * r + k]; }, sc, grads.b_down);
-      outer_sums(
-          gr, r, I, [&](std::size_t q, std::size_t k) { return weight_of(q) * dyb[q * r + k]; },
-          [&](std::size_t q, std::size_t i) { return st.h_at(q, i).to_float(); }, sc, grads.a_down);
+      const std::size_t piece = layout == gemm::ALayout::tiles ? gemm::kKStep : 0;
+      std::vector<float> wts(rows);
+      for (std::size_t q = 0; q < rows; ++q) wts[q] = gr.row_slot[q] >= 0 ? weight_of(q) : 0.0f;
+      expert_sums(
+          kernel, gr, r, H, true,
+          [&](std::size_t e, std::vector<float>&, std::size_t& lds) { return lds = r, st.ha + gr.begin[e] * r; },
+          [&](std::size_t e) { return wts.data() + gr.begin[e]; }, false,
+          [&](std::size_t q, std::size_t m) -> const void* { return dy.row(token_of(q)) + m; }, 0, 0, sc, grads.b_down);
+      expert_sums(
+          kernel, gr, r, I, false,
+          [&](std::size_t e, std::vector<float>& buf, std::size_t& lds) {
+            buf.resize(gr.count[e] * r);
+            for (std::size_t q = 0; q < gr.count[e]; ++q)
+              for (std::size_t k = 0; k < r; ++k) buf[q * r + k] = wts[gr.begin[e] + q] * dyb[(gr.begin[e] + q) * r + k];
+            return lds = r, buf.data();
+          },
+          [](std::size_t) { return static_cast<const float*>(nullptr); }, true,
+          [&](std::size_t q, std::size_t i) -> const void* { return &st.h[gemm::a_offset(layout, st.ldh, q, i)]; }, piece,
+          0, sc, grads.a_down);
     }
   }
 
@@ -244,55 +280,80 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
   // 6. dx = sum_j dx rows (slot order) + dz W_r; LoRA gate/up gradients;
   //    router linear gradients; per-token statistics.
   arena.enter(workspace::b_scatter, chk);
-  if (!grads.dx.empty())
-    oneapi::tbb::parallel_for(std::size_t{0}, T, [&](std::size_t t) {
-      float* o = grads.dx.row(t);
-      std::fill(o, o + H, 0.0f);
-      if (opt.expert_path)
-        for (std::size_t j = 0; j < K; ++j) {
-          const std::int64_t row = gr.slot_row[t * K + j];
-          if (row < 0) continue;
-          const float* src = dxr + static_cast<std::size_t>(row) * H;
-          for (std::size_t m = 0; m < H; ++m) o[m] += src[m];
-        }
-      if (opt.router_path) {
-        std::vector<float> acc(H, 0.0f);
-        for (std::size_t e = 0; e < R; ++e) {
-          const float d = dz_at(t, e);
-          const float* wr = w.router_w.row(e);
-          for (std::size_t m = 0; m < H; ++m) acc[m] += d * wr[m];
-        }
-        for (std::size_t m = 0; m < H; ++m) o[m] += acc[m];
+  if (!grads.dx.empty()) {
+    // Blocks of 8 tokens: their expert rows summed in slot order, then the
+    // router part dz W_r (sums over the R router outputs in order).
+    constexpr std::size_t kTb = 8;
+    oneapi::tbb::parallel_for(std::size_t{0}, (T + kTb - 1) / kTb, [&](std::size_t blk) {
+      const std::size_t t0 = blk * kTb, tn = std::min(T, t0 + kTb) - t0;
+      for (std::size_t t = t0; t < t0 + tn; ++t) {
+        float* o = grads.dx.row(t);
+        std::fill(o, o + H, 0.0f);
+        if (opt.expert_path)
+          for (std::size_t j = 0; j < K; ++j) {
+            const std::int64_t row = gr.slot_row[t * K + j];
+            if (row < 0) continue;
+            const float* src = dxr + static_cast<std::size_t>(row) * H;
+            for (std::size_t m = 0; m < H; ++m) o[m] += src[m];
+          }
+      }
+      if (!opt.router_path) return;
+      std::vector<float> sz(R * tn), acc(tn * H, 0.0f);  // sz[e][k] = dz(t0 + k, e)
+      for (std::size_t e = 0; e < R; ++e)
+        for (std::size_t k = 0; k < tn; ++k) sz[e * tn + k] = dz_at(t0 + k, e);
+      row_sums(
+          kernel, 0, R, tn, sz.data(), tn, nullptr, false,
+          [&](std::size_t e, std::size_t m) -> const void* { return w.router_w.row(e) + m; }, 0, 0, 0, H, acc.data(), H);
+      for (std::size_t k = 0; k < tn; ++k) {
+        float* o = grads.dx.row(t0 + k);
+        for (std::size_t m = 0; m < H; ++m) o[m] += acc[k * H + m];
       }
     });
+  }
   if (r && opt.expert_path) {
     // dB_g[e] = s sum_rows dg xa_g^T, dA_g[e] = s sum_rows dgb_g x^T; up likewise.
-    auto x_of = [&](std::size_t q, std::size_t m) { return x(token_of(q), m).to_float(); };
-    outer_sums(
-        gr, I, r, [&](std::size_t q, std::size_t i) { return dgu_at(q, i).to_float(); },
-        [&](std::size_t q, std::size_t k) { return st.xa[q * 2 * r + k]; }, sc, grads.b_gate);
-    outer_sums(
-        gr, I, r, [&](std::size_t q, std::size_t i) { return dgu_at(q, I + i).to_float(); },
-        [&](std::size_t q, std::size_t k) { return st.xa[q * 2 * r + r + k]; }, sc, grads.b_up);
-    outer_sums(gr, r, H, [&](std::size_t q, std::size_t k) { return dgb[q * 2 * r + k]; }, x_of, sc, grads.a_gate);
-    outer_sums(gr, r, H, [&](std::size_t q, std::size_t k) { return dgb[q * 2 * r + r + k]; }, x_of, sc, grads.a_up);
+    const std::size_t piece = layout == gemm::ALayout::tiles ? gemm::kKStep : 0;
+    auto none = [](std::size_t) { return static_cast<const float*>(nullptr); };
+    auto x_at = [&](std::size_t q, std::size_t m) -> const void* { return x.row(token_of(q)) + m; };
+    for (std::size_t part = 0; part < 2; ++part) {  // gate, up
+      expert_sums(
+          kernel, gr, r, I, true,
+          [&](std::size_t e, std::vector<float>&, std::size_t& lds) { return lds = 2 * r, st.xa + gr.begin[e] * 2 * r + part * r; },
+          none, true, [&](std::size_t q, std::size_t i) -> const void* { return &dgu_at(q, part * I + i); }, piece,
+          part * I, sc, part ? grads.b_up : grads.b_gate);
+      expert_sums(
+          kernel, gr, r, H, false,
+          [&](std::size_t e, std::vector<float>&, std::size_t& lds) { return lds = 2 * r, dgb + gr.begin[e] * 2 * r + part * r; },
+          none, true, x_at, 0, 0, sc, part ? grads.a_up : grads.a_gate);
+    }
   } else {
     for (const auto& g : {grads.a_gate, grads.b_gate, grads.a_up, grads.b_up, grads.a_down, grads.b_down})
       if (!g.empty()) zero(g);
   }
-  if (!grads.router_w.empty())
-    oneapi::tbb::parallel_for(std::size_t{0}, R, [&](std::size_t e) {
-      float* o = grads.router_w.row(e);
-      std::fill(o, o + H, 0.0f);
+  if (!grads.router_w.empty()) {
+    // dW_r[e] = sum_t dz(t, e) x_t: tasks (8 router outputs of one dz
+    // plane, 128 columns), sums over t in order.
+    zero(grads.router_w);
+    if (opt.router_path) {
+      const std::size_t plane = planes ? half : R, groups = (plane + 7) / 8, blocks = (H + 127) / 128;
+      const std::size_t planes_n = planes ? 2 : 1;
+      oneapi::tbb::parallel_for(std::size_t{0}, planes_n * groups * blocks, [&](std::size_t task) {
+        const std::size_t p = task / (groups * blocks), g = task / blocks % groups, b = task % blocks;
+        const std::size_t e0 = g * 8, en = std::min(plane, e0 + 8) - e0, n0 = b * 128, n1 = std::min(H, n0 + 128);
+        const float* s0 = dz + p * T * plane + e0;
+        row_sums(
+            kernel, 0, T, en, s0, plane, nullptr, true, [&](std::size_t t, std::size_t m) -> const void* { return x.row(t) + m; },
+            0, 0, n0, n1, grads.router_w.row(p * plane + e0) + n0, grads.router_w.stride);
+      });
+    }
+  }
+  if (!grads.router_b.empty())
+    for (std::size_t e = 0; e < R; ++e) {
       float b = 0;
       if (opt.router_path)
-        for (std::size_t t = 0; t < T; ++t) {
-          const float d = dz_at(t, e);
-          b += d;
-          for (std::size_t m = 0; m < H; ++m) o[m] += d * x(t, m).to_float();
-        }
-      if (!grads.router_b.empty()) grads.router_b[e] = b;
-    });
+        for (std::size_t t = 0; t < T; ++t) b += dz_at(t, e);
+      grads.router_b[e] = b;
+    }
   if (!grads.m_a.empty() || !grads.m_g.empty()) {
     if (!grads.m_a.empty()) zero(grads.m_a);
     if (!grads.m_g.empty()) zero(grads.m_g);

@@ -88,7 +88,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 #ifdef MOECERT_MUTANT_STALE_LORA_PACK
   if (s.lora.experts.empty()) s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
 #else
-  s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training);
+  s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training, std::move(s.lora));
 #endif
   contracts::layer_lora_padding(chk, s.lora);
   s.arena.bind(plan, chk);
