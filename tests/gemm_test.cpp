@@ -388,6 +388,51 @@ TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU backward agree bit for bit",
   CHECK(b == 1.0f * (1.25f * s));
 }
 
+TEST_CASE("gemm.epilogue: scaled rounding to bf16 is bf16(scale * x) in every implementation", "[gemm][epilogue]") {
+  std::mt19937_64 rng(42);
+  std::vector<float> x(4099);
+  for (auto& v : x) v = std::bit_cast<float>(static_cast<std::uint32_t>(rng()));  // every class: NaN, Inf, denormal
+  const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 3e38f, 1e-40f, 1.00390625f, 1.01171875f, -1.00390625f};
+  std::copy(std::begin(special), std::end(special), x.begin());
+  for (const float scale : {1.0f, 2.0f, 0.3f, -1e30f})
+    for (const std::size_t n : {x.size(), std::size_t{1}, std::size_t{17}}) {
+      std::vector<gemm::ScaleToBf16Fn> impls = {gemm::scale_to_bf16_scalar};
+      if (isa_usable(Isa::avx512_bf16)) impls.push_back(gemm::scale_to_bf16_avx512);
+      for (const auto f : impls) {
+        std::vector<bf16> out(n + 1, bf16(7.0f));
+        f(x.data(), scale, out.data(), n);
+        for (std::size_t i = 0; i < n; ++i) {
+          const bf16 want(scale * x[i]);
+          INFO("x=" << x[i] << " scale=" << scale);
+          if (want.is_nan()) REQUIRE(out[i].is_nan());
+          else REQUIRE(out[i].bits == want.bits);
+        }
+        CHECK(out[n].bits == bf16(7.0f).bits);  // nothing written past n
+      }
+    }
+}
+
+TEST_CASE("gemm.dot16: 16 partial sums and the fixed tree in every implementation", "[gemm][epilogue]") {
+  std::mt19937_64 rng(43);
+  std::uniform_real_distribution<float> d(-3, 3);
+  std::vector<gemm::Dot16Fn> impls = {gemm::dot16_scalar};
+  if (isa_usable(Isa::avx512_bf16)) impls.push_back(gemm::dot16_avx512);
+  for (const std::size_t n : {0, 1, 15, 16, 17, 40, 2048, 2049}) {
+    std::vector<float> x(n), w(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = d(rng), w[i] = d(rng) * (i % 5 == 0 ? 1e-3f : 1.0f);
+    if (n > 3) x[1] = -0.0f, w[1] = 1.0f;
+    float acc[16] = {};
+    for (std::size_t h = 0; h < n; ++h) acc[h % 16] = acc[h % 16] + x[h] * w[h];
+    for (int width = 8; width >= 1; width /= 2)
+      for (int l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
+    for (const auto f : impls) {
+      const float got = f(x.data(), w.data(), n);
+      INFO("n=" << n);
+      CHECK(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(acc[0]));
+    }
+  }
+}
+
 TEST_CASE("gemm.rank_sums: every implementation is the row-order fp32 sum", "[gemm][epilogue]") {
   // acc[k][j] += s[q][k] * (vscale[q] * v[q][j]) over q in order: compare
   // each implementation with that loop written out, bit for bit, for bf16

@@ -103,7 +103,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
                        st.xa + r0 * 2 * rank, 2 * rank);
     });
     oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
-      gemm::pack_a_f32(layout, st.xa + g.begin[e] * 2 * rank, 2 * rank, nullptr, g.count[e], g.begin[e + 1] - g.begin[e],
+      gemm::pack_a_f32(kernel, st.xa + g.begin[e] * 2 * rank, 2 * rank, nullptr, g.count[e], g.begin[e + 1] - g.begin[e],
                        2 * rank, kr1, st.scale, lb_gu + gemm::a_offset(layout, ld_lb1, g.begin[e], 0));
     });
   }
@@ -156,7 +156,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
                        st.ha + r0 * rank, rank);
     });
     oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
-      gemm::pack_a_f32(layout, st.ha + g.begin[e] * rank, rank, nullptr, g.count[e], g.begin[e + 1] - g.begin[e], rank,
+      gemm::pack_a_f32(kernel, st.ha + g.begin[e] * rank, rank, nullptr, g.count[e], g.begin[e + 1] - g.begin[e], rank,
                        kr2, st.scale, lb_d + gemm::a_offset(layout, ld_lb2, g.begin[e], 0));
     });
   }

@@ -4,6 +4,7 @@
 // then the same products and round-to-nearest-even to bf16 with integer
 // operations (VCVTNEPS2BF16 would flush denormals, which bf16::from_float
 // does not). Rank-r sums: 16 columns per register, the rows' order kept.
+// Scaled rounding to bf16: the same integer rounding.
 // Own ISA flags.
 // GCC 12 warns of the _mm512_undefined_* values inside its own intrinsics.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -106,6 +107,29 @@ void rank_sums_avx512(const RankSumArgs& p) {
     case 7: rank_rows<7>(p, k0); break;
     default: break;
   }
+}
+
+void scale_to_bf16_avx512(const float* src, float scale, bf16* dst, std::size_t n) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (std::size_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m256i h = to_bf16(_mm512_mul_ps(sv, _mm512_maskz_loadu_ps(m, src + i)));
+    _mm256_mask_storeu_epi16(dst + i, m, h);
+  }
+}
+
+float dot16_avx512(const float* x, const float* w, std::size_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (std::size_t h = 0; h < n; h += 16) {
+    const __mmask16 m = n - h >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - h)) - 1);
+    const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + h), _mm512_maskz_loadu_ps(m, w + h));
+    acc = _mm512_mask_add_ps(acc, m, acc, p);  // lanes past n untouched, as in the scalar loop
+  }
+  alignas(64) float a[16];
+  _mm512_store_ps(a, acc);
+  for (int width = 8; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) a[l] += a[l + width];
+  return a[0];
 }
 
 void swiglu_backward_avx512(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du,

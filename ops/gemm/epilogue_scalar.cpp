@@ -1,5 +1,6 @@
 // Element-wise kernels, portable: the SwiGLU epilogue and its backward with
-// the exp of exp_poly.hpp, and the rank-r gradient sums; each bit-identical
+// the exp of exp_poly.hpp, the rank-r gradient sums and the scaled rounding
+// of fp32 rows to bf16; each bit-identical
 // to its AVX-512 twin (epilogue_avx512.cpp).
 #include "ops/gemm/exp_poly.hpp"
 #include "ops/gemm/ukernel.hpp"
@@ -18,6 +19,21 @@ void swiglu_backward_scalar(const float* g, const float* u, const float* dh, flo
     dg[i] = bf16(a);
     du[i] = bf16(b);
   }
+}
+
+void scale_to_bf16_scalar(const float* src, float scale, bf16* dst, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = bf16(scale * src[i]);
+}
+
+float dot16_scalar(const float* x, const float* w, std::size_t n) {
+  float acc[16] = {};
+  std::size_t h = 0;
+  for (; h + 16 <= n; h += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += x[h + l] * w[h + l];
+  for (int l = 0; h < n; ++h, ++l) acc[l] += x[h] * w[h];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+  return acc[0];
 }
 
 void rank_sums_scalar(const RankSumArgs& p) {

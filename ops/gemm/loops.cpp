@@ -31,13 +31,19 @@ void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::siz
   }
 }
 
-void pack_a_f32(ALayout l, const float* src, std::size_t ld, const std::int32_t* rows, std::size_t m,
+void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld, const std::int32_t* rows, std::size_t m,
                 std::size_t m_padded, std::size_t k, std::size_t kp, float scale, bf16* dst) {
-  const std::size_t lda = a_stride(l, kp);
+  const ALayout l = kernel.a_layout;
+  const std::size_t lda = a_stride(l, kp), piece = l == ALayout::rows ? kp : kKStep;
+  const bf16 zero{};
   for (std::size_t i = 0; i < m_padded; ++i) {
     const float* s = i < m ? src + (rows ? static_cast<std::size_t>(rows[i]) : i) * ld : nullptr;
-    for (std::size_t kk = 0; kk < kp; ++kk)
-      dst[a_offset(l, lda, i, kk)] = s && kk < k ? bf16(scale * s[kk]) : bf16{};
+    for (std::size_t k0 = 0; k0 < kp; k0 += piece) {  // contiguous pieces of the packed row
+      bf16* d = dst + a_offset(l, lda, i, k0);
+      const std::size_t n = s && k0 < k ? std::min(piece, k - k0) : 0;
+      if (n) kernel.to_bf16(s + k0, scale, d, n);
+      std::fill(d + n, d + piece, zero);
+    }
   }
 }
 

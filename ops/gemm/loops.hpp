@@ -36,9 +36,10 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
                 std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc,
                 bool accumulate = false);
 
-/// pack_a from fp32 rows: dst row i = bf16(scale * src[rows[i] or i][0:k])
-/// (one fp32 multiplication, then round to nearest even), zero-padded.
-void pack_a_f32(ALayout l, const float* src, std::size_t ld, const std::int32_t* rows, std::size_t m,
+/// pack_a from fp32 rows, in the kernel's layout: dst row i =
+/// bf16(scale * src[rows[i] or i][0:k]) (one fp32 multiplication, then round
+/// to nearest even; the kernel's to_bf16), zero-padded.
+void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld, const std::int32_t* rows, std::size_t m,
                 std::size_t m_padded, std::size_t k, std::size_t kp, float scale, bf16* dst);
 
 inline std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }

@@ -73,6 +73,15 @@ struct RankSumArgs {
 };
 using RankSumFn = void (*)(const RankSumArgs&);
 
+/// dst[i] = bf16(scale * src[i]) for i < n: fp32 rows rounded into a GEMM's
+/// A operand. Bit-identical across implementations.
+using ScaleToBf16Fn = void (*)(const float* src, float scale, bf16* dst, std::size_t n);
+
+/// sum_h x[h] w[h] in fp32 as 16 partial sums (lane h mod 16, h in order),
+/// then the fixed tree 8, 4, 2, 1 (the router linear; proofs/bounds.md §1).
+/// Bit-identical across implementations.
+using Dot16Fn = float (*)(const float* x, const float* w, std::size_t n);
+
 /// A kernel as registered in dispatch.cpp.
 struct KernelInfo {
   Isa isa;
@@ -85,6 +94,8 @@ struct KernelInfo {
   SwigluFn swiglu;         // the epilogue to pair with it
   SwigluBackwardFn swiglu_backward;
   RankSumFn rank_sums;     // the gradient sums of the layer backward
+  ScaleToBf16Fn to_bf16;   // fp32 rows into A operands (pack_a_f32)
+  Dot16Fn dot16;           // the router linear's dot products
   const char* name;        // e.g. "ukernel_amx_bf16_32x32"
 };
 
@@ -102,6 +113,10 @@ void swiglu_backward_scalar(const float* g, const float* u, const float* dh, flo
 void swiglu_backward_avx512(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du, std::size_t n);
 void rank_sums_scalar(const RankSumArgs&);
 void rank_sums_avx512(const RankSumArgs&);
+void scale_to_bf16_scalar(const float* src, float scale, bf16* dst, std::size_t n);
+void scale_to_bf16_avx512(const float* src, float scale, bf16* dst, std::size_t n);
+float dot16_scalar(const float* x, const float* w, std::size_t n);
+float dot16_avx512(const float* x, const float* w, std::size_t n);
 void amx_bf16_tile_begin();
 void amx_bf16_tile_end();
 void amx_emu_tile_begin();

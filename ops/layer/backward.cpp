@@ -114,7 +114,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
       std::vector<std::int32_t> tokens(gr.count[e]);
       for (std::size_t q = 0; q < gr.count[e]; ++q) tokens[q] = static_cast<std::int32_t>(token_of(gr.begin[e] + q));
-      gemm::pack_a_f32(layout, dy.data, dy.stride, tokens.data(), gr.count[e], gr.begin[e + 1] - gr.begin[e], H, kph, 1.0f,
+      gemm::pack_a_f32(kernel, dy.data, dy.stride, tokens.data(), gr.count[e], gr.begin[e + 1] - gr.begin[e], H, kph, 1.0f,
                        dy_row(gr.begin[e]));
     });
 
@@ -155,7 +155,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     bf16* qd = arena.get<bf16>("lora.qd", gemm::a_size(layout, rows, kr2));
     const std::size_t ldq = gemm::a_stride(layout, kr2);
     oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
-      gemm::pack_a_f32(layout, dyb + gr.begin[e] * r, r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], r, kr2, sc,
+      gemm::pack_a_f32(kernel, dyb + gr.begin[e] * r, r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], r, kr2, sc,
                        qd + gemm::a_offset(layout, ldq, gr.begin[e], 0));
     });
     for_each_tile(experts::tiles(gr, I, mb, 256), [&](const experts::Tile& tl) {
@@ -261,7 +261,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     const std::size_t ldq = gemm::a_stride(layout, kr1);
     if (r)
       oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
-        gemm::pack_a_f32(layout, dgb + gr.begin[e] * 2 * r, 2 * r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], 2 * r,
+        gemm::pack_a_f32(kernel, dgb + gr.begin[e] * 2 * r, 2 * r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], 2 * r,
                          kr1, sc, qgu + gemm::a_offset(layout, ldq, gr.begin[e], 0));
       });
     for_each_tile(experts::tiles(gr, H, mb, 256), [&](const experts::Tile& tl) {

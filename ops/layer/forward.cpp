@@ -5,6 +5,7 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include "contracts/layer.hpp"
+#include "moecert/isa.hpp"
 #include "moecert/router.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/planner.hpp"
@@ -26,25 +27,16 @@ MatView<const float> Saved::weights() const {
 
 namespace {
 
-// z = x W_r^T + b in fp32.
-void router_linear(MatView<const bf16> x, MatView<const float> wr, View<const float> b, MatView<float> z) {
+// z = x W_r^T + b in fp32: each dot product as 16 partial sums and a fixed
+// tree (the kernel's dot16; an fp32 sum of H + 1 terms in one fixed order,
+// proofs/bounds.md §1).
+void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatView<const float> wr, View<const float> b,
+                   MatView<float> z) {
   const std::size_t hidden = x.cols, outs = wr.rows;
   oneapi::tbb::parallel_for(std::size_t{0}, x.rows, [&](std::size_t t) {
     std::vector<float> xf(hidden);
     for (std::size_t h = 0; h < hidden; ++h) xf[h] = x(t, h).to_float();
-    for (std::size_t e = 0; e < outs; ++e) {
-      // 16 partial sums (one vector register), then a fixed tree: an fp32
-      // sum of H + 1 terms in one fixed order (proofs/bounds.md §1).
-      float acc[16] = {};
-      const float* w = wr.row(e);
-      std::size_t h = 0;
-      for (; h + 16 <= hidden; h += 16)
-        for (int l = 0; l < 16; ++l) acc[l] += xf[h + l] * w[h + l];
-      for (int l = 0; h < hidden; ++h, ++l) acc[l] += xf[h] * w[h];
-      for (int width = 8; width >= 1; width /= 2)
-        for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
-      z(t, e) = acc[0] + b[e];
-    }
+    for (std::size_t e = 0; e < outs; ++e) z(t, e) = kernel.dot16(xf.data(), wr.row(e), hidden) + b[e];
   });
 }
 
@@ -97,7 +89,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   s.idx = s.arena.get<std::int32_t>("router.idx", t_count * k);
   s.weights = s.arena.get<float>("router.weights", t_count * k);
   const MatView<float> z(s.logits, t_count, outs, outs);
-  router_linear(x, w.router_w, w.router_b, z);
+  router_linear(gemm::kernel_info(opt.isa.value_or(default_isa())), x, w.router_w, w.router_b, z);
   run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k), MatView<float>(s.weights, t_count, k, k));
   std::size_t routed = 0;
   for (std::size_t i = 0; i < t_count * k; ++i) routed += s.idx[i] >= 0;
