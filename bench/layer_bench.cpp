@@ -60,7 +60,9 @@ LayerData make(const Shape& s) {
   return d;
 }
 
-Result layer_case(const std::string& name, const Shape& s, bool backward, const Options& opt) {
+// base: the backward also forms the base weights' gradients (full
+// fine-tuning; no recorded peer).
+Result layer_case(const std::string& name, const Shape& s, bool backward, bool base, const Options& opt) {
   Result r;
   r.name = name;
   r.op = backward ? "layer.backward" : "layer.forward";
@@ -78,6 +80,11 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, const 
   g.a_gate = {gag.data(), s.e * s.r, s.h}, g.a_up = {gau.data(), s.e * s.r, s.h};
   g.b_gate = {gbg.data(), s.e * s.i, s.r}, g.b_up = {gbu.data(), s.e * s.i, s.r};
   g.a_down = {gad.data(), s.e * s.r, s.i}, g.b_down = {gbd.data(), s.e * s.h, s.r};
+  std::vector<float> gw[3];
+  if (base) {
+    for (auto& v : gw) v.resize(s.e * s.i * s.h);
+    g.w_gate = {gw[0].data(), s.e * s.i, s.h}, g.w_up = {gw[1].data(), s.e * s.i, s.h}, g.w_down = {gw[2].data(), s.e * s.h, s.i};
+  }
   layer::Saved saved;  // reused across steps, as a training loop would
   const MatView<const bf16> x(d.x.data(), s.t, s.h);
   auto fwd = [&] { layer::forward(d.cfg, w, x, {y.data(), s.t, s.h}, saved, {.isa = opt.isa}); };
@@ -89,11 +96,11 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, const 
   }
   r.isa = std::string(isa_name(opt.isa));
   const double routed = double(s.t) * double(s.k);
-  r.flops = 6.0 * routed * double(s.h) * double(s.i) + 2.0 * double(s.t) * double(s.e) * double(s.h);
+  r.flops = (base ? 12.0 : 6.0) * routed * double(s.h) * double(s.i) + 2.0 * double(s.t) * double(s.e) * double(s.h);
   r.median_ms = median(r.ms);
   r.peer = "pytorch_eager_recorded";
   for (const auto& p : kPytorch)
-    if (p[0] == double(s.t) && opt.threads == 16) r.peer_median_ms = backward ? p[2] : p[1];
+    if (p[0] == double(s.t) && opt.threads == 16 && !base) r.peer_median_ms = backward ? p[2] : p[1];
   r.note = r.peer_median_ms > 0 ? "peer: PyTorch CPU bf16 eager, recorded on the 16-core AMX machine at 16 threads (issue 6), not run here"
                                 : "no recorded peer figure for this shape and thread count";
   return r;
@@ -108,8 +115,13 @@ void add_layer_cases(std::vector<Case>& out) {
       const std::string name = fmt::format("layer.{}/E64_H2048_I1408_K6_r8_T{}", backward ? "backward" : "forward", t);
       const std::size_t bytes = 2 * 3 * s.e * s.h * s.i * 2 + s.t * s.k * (4 * s.i + 3 * s.h) * 8;
       out.push_back({name, backward ? "layer.backward" : "layer.forward", s, bytes,
-                     [name, s, backward](const Options& o) { return layer_case(name, s, backward, o); }});
+                     [name, s, backward](const Options& o) { return layer_case(name, s, backward, false, o); }});
     }
+  // With the base weights' gradients (3 x E I H fp32 outputs: 2.2 GB).
+  const Shape s{64, 2048, 1408, 6, 8, 1024};
+  const std::string name = "layer.backward_base/E64_H2048_I1408_K6_r8_T1024";
+  const std::size_t bytes = 2 * 3 * s.e * s.h * s.i * 2 + 3 * s.e * s.h * s.i * 4 + s.t * s.k * (4 * s.i + 3 * s.h) * 8;
+  out.push_back({name, "layer.backward", s, bytes, [name, s](const Options& o) { return layer_case(name, s, true, true, o); }});
 }
 
 }  // namespace moecert::bench

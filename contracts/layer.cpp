@@ -48,9 +48,17 @@ std::array<LoraShape, 6> lora_shapes(const Dims& d) {
 std::array<MatView<const bf16>, 6> lora_views(const layer::Lora& l) {
   return {l.a_gate, l.b_gate, l.a_up, l.b_up, l.a_down, l.b_down};
 }
-std::array<MatView<float>, 6> lora_grads(const layer::Gradients& g) {
-  return {g.a_gate, g.b_gate, g.a_up, g.b_up, g.a_down, g.b_down};
+// The weight gradients (LoRA's six, then the base weights' three) with
+// their expected shapes.
+constexpr std::size_t kWeightGrads = 9;
+std::array<LoraShape, kWeightGrads> grad_shapes(const Dims& d) {
+  const auto l = lora_shapes(d);
+  return {{l[0], l[1], l[2], l[3], l[4], l[5], {"w_gate", d.E * d.I, d.H}, {"w_up", d.E * d.I, d.H}, {"w_down", d.E * d.H, d.I}}};
 }
+std::array<MatView<float>, kWeightGrads> weight_grads(const layer::Gradients& g) {
+  return {g.a_gate, g.b_gate, g.a_up, g.b_up, g.a_down, g.b_down, g.w_gate, g.w_up, g.w_down};
+}
+bool wants_base(const layer::Gradients& g) { return !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty(); }
 
 bool same_config(const MoeConfig& a, const MoeConfig& b) {
   return a.experts == b.experts && a.hidden == b.hidden && a.inter == b.inter && a.topk == b.topk &&
@@ -345,9 +353,9 @@ void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::W
     else if (!g.m_a.empty() && !is(g.m_a, T, d.E)) bad = fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
     else if (!g.m_g.empty() && !is(g.m_g, T, d.E)) bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
     else
-      for (std::size_t i = 0; i < 6; ++i) {
-        const auto v = lora_grads(g)[i];
-        const auto sh = lora_shapes(d)[i];
+      for (std::size_t i = 0; i < kWeightGrads; ++i) {
+        const auto v = weight_grads(g)[i];
+        const auto sh = grad_shapes(d)[i];
         if (!v.empty() && !is(v, sh.rows, sh.cols)) {
           bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows, sh.cols);
           break;
@@ -361,7 +369,7 @@ void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::W
     std::vector<std::pair<std::string, ByteRange>> outs{{"dx", g.dx.bytes()}, {"router_w grad", g.router_w.bytes()},
                                                         {"router_b grad", g.router_b.bytes()}, {"m_a", g.m_a.bytes()},
                                                         {"m_g", g.m_g.bytes()}};
-    for (std::size_t i = 0; i < 6; ++i) outs.emplace_back(fmt::format("{} grad", lora_shapes(d)[i].name), lora_grads(g)[i].bytes());
+    for (std::size_t i = 0; i < kWeightGrads; ++i) outs.emplace_back(fmt::format("{} grad", grad_shapes(d)[i].name), weight_grads(g)[i].bytes());
     std::vector<std::pair<std::string, ByteRange>> ins{{"x", x.bytes()}, {"dy", dy.bytes()}, {"router_w", w.router_w.bytes()},
                                                        {"router_b", w.router_b.bytes()}, {"saved workspace", s.arena.bytes()}};
     for (std::size_t i = 0; i < 6 && d.r; ++i) ins.emplace_back(fmt::format("lora.{}", lora_shapes(d)[i].name), lora_views(w.lora)[i].bytes());
@@ -423,21 +431,21 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
     bool ok = detail::scan_finite(c, k::kBwdGradFinite, "dx", MatView<const float>(g.dx)) &&
               detail::scan_finite(c, k::kBwdGradFinite, "router_w grad", MatView<const float>(g.router_w)) &&
               detail::scan_finite(c, k::kBwdGradFinite, "router_b grad", MatView<const float>(g.router_b.data, 1, g.router_b.size, g.router_b.size));
-    for (std::size_t i = 0; i < 6 && ok; ++i)
-      ok = detail::scan_finite(c, k::kBwdGradFinite, fmt::format("{} grad", lora_shapes(d)[i].name), MatView<const float>(lora_grads(g)[i]));
+    for (std::size_t i = 0; i < kWeightGrads && ok; ++i)
+      ok = detail::scan_finite(c, k::kBwdGradFinite, fmt::format("{} grad", grad_shapes(d)[i].name), MatView<const float>(weight_grads(g)[i]));
   }
   MOECERT_CONTRACT(c, k::kBwdEmptyZero) {
     const auto& gr = s.st.grouping;
-    for (std::size_t e = 0; e < d.E && d.r; ++e) {
+    for (std::size_t e = 0; e < d.E; ++e) {
       if (gr.count[e]) continue;
-      for (std::size_t i = 0; i < 6; ++i) {
-        const auto v = lora_grads(g)[i];
-        if (v.empty()) continue;
+      for (std::size_t i = 0; i < kWeightGrads; ++i) {
+        const auto v = weight_grads(g)[i];
+        if (v.empty() || v.rows < d.E) continue;
         const std::size_t per = v.rows / d.E;
         for (std::size_t row = e * per; row < (e + 1) * per; ++row)
           for (std::size_t col = 0; col < v.cols; ++col)
             if (v(row, col) != 0.0f) {
-              c.fail(k::kBwdEmptyZero, fmt::format("expert {} {} grad ({}, {})", e, lora_shapes(d)[i].name, row, col),
+              c.fail(k::kBwdEmptyZero, fmt::format("expert {} {} grad ({}, {})", e, grad_shapes(d)[i].name, row, col),
                      fmt::format("{}", v(row, col)), "exactly 0 (the expert has no token)");
               return;
             }
@@ -453,7 +461,8 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
   }
   MOECERT_CONTRACT(c, k::kBwdWithin) {
     static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
-    const auto ref = layer_bounds(cfg, w, x, dy.data ? dy.data : &no_tokens, s, {opt.expert_path, opt.router_path}, dw);
+    const auto ref = layer_bounds(cfg, w, x, dy.data ? dy.data : &no_tokens, s,
+                                  {opt.expert_path, opt.router_path, opt.expert_path && wants_base(g)}, dw);
     auto mat = [&](MatView<float> m) { return [m](std::size_t i, std::size_t j) { return m(i, j); }; };
     if (opt.router_path && !within(c, k::kBwdWithin, "dL/dw", x.rows, d.K, [&](std::size_t t, std::size_t j) { return dw[t * d.K + j]; }, ref.dw)) return;
     if (!g.dx.empty() && !within(c, k::kBwdWithin, "dx", x.rows, d.H, mat(g.dx), ref.dx)) return;
@@ -461,10 +470,16 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
     if (!g.router_b.empty() &&
         !within(c, k::kBwdWithin, "router_b grad", 1, d.R, [&](std::size_t, std::size_t e) { return g.router_b[e]; }, ref.db))
       return;
-    const std::vector<Tracked>* refs[] = {&ref.dag, &ref.dbg, &ref.dau, &ref.dbu, &ref.dad, &ref.dbd};
-    for (std::size_t i = 0; i < 6 && d.r; ++i) {
-      const auto v = lora_grads(g)[i];
-      if (!v.empty() && !within(c, k::kBwdWithin, fmt::format("{} grad", lora_shapes(d)[i].name), v.rows, v.cols, mat(v), *refs[i])) return;
+    // Without the expert path the reference's weight gradients are all 0
+    // (base ones not even formed): compare with zeros of the right size.
+    const std::vector<Tracked>* refs[] = {&ref.dag, &ref.dbg, &ref.dau, &ref.dbu, &ref.dad, &ref.dbd, &ref.dwg, &ref.dwu, &ref.dwd};
+    for (std::size_t i = 0; i < kWeightGrads; ++i) {
+      const auto v = weight_grads(g)[i];
+      if (v.empty() || v.rows == 0) continue;
+      std::vector<Tracked> zeros;
+      const std::vector<Tracked>* want = refs[i];
+      if (want->size() != v.rows * v.cols) want = &(zeros = std::vector<Tracked>(v.rows * v.cols, Tracked{0, 0}));
+      if (!within(c, k::kBwdWithin, fmt::format("{} grad", grad_shapes(d)[i].name), v.rows, v.cols, mat(v), *want)) return;
     }
   }
 }

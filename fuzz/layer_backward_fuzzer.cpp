@@ -30,13 +30,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   // One buffer holds every gradient at decoded offsets (overlap possible).
   const std::size_t E = in.E, H = in.H, I = in.I, r = in.r, R = in.R, T = in.T;
-  const std::size_t sizes[11] = {T * H, R * H, R, E * r * H, E * I * r, E * r * H, E * I * r, E * r * I, E * H * r, T * E, T * E};
+  const std::size_t sizes[14] = {T * H,     R * H,     R,     E * r * H, E * I * r, E * r * H, E * I * r,
+                                 E * r * I, E * H * r, T * E, T * E,     E * I * H, E * I * H, E * H * I};
   std::size_t total = 0;
   for (auto s : sizes) total += s;
   std::vector<float> buf(total + 64, 777.0f);
-  std::size_t offs[11], at = 0;
+  std::size_t offs[14], at = 0;
   const bool alias = (d.u8() & 15) == 0;
-  for (int i = 0; i < 11; ++i) {
+  for (int i = 0; i < 14; ++i) {
     offs[i] = at;
     at += sizes[i];
   }
@@ -61,10 +62,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   MoeConfig cfg = in.cfg;
   const bool other_config = (d.u8() & 31) == 0;
   if (other_config) cfg.lora_alpha += 1.0;
+  // Base-weight gradients: decoded last, so that older corpus entries decode as before.
+  if (d.flag()) g.w_gate = view(11, E * I, H), g.w_up = view(12, E * I, H), g.w_down = view(13, E * H, I);
   const bool any_out = T && H;  // an empty dx view is "not computed"
   // Any two non-empty gradient views sharing a byte.
   const ByteRange ranges[] = {g.dx.bytes(), g.router_w.bytes(), g.router_b.bytes(), g.a_gate.bytes(), g.b_gate.bytes(),
-                              g.a_up.bytes(), g.b_up.bytes(), g.a_down.bytes(), g.b_down.bytes(), g.m_a.bytes(), g.m_g.bytes()};
+                              g.a_up.bytes(), g.b_up.bytes(), g.a_down.bytes(), g.b_down.bytes(), g.m_a.bytes(), g.m_g.bytes(),
+                              g.w_gate.bytes(), g.w_up.bytes(), g.w_down.bytes()};
   bool overlap = false;
   for (std::size_t i = 0; i < std::size(ranges); ++i)
     for (std::size_t j = i + 1; j < std::size(ranges); ++j)

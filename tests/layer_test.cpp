@@ -82,19 +82,21 @@ Problem make(RouterKind kind, std::size_t E, std::size_t H, std::size_t I, std::
 }
 
 struct Grads {
-  std::vector<float> dx, wr, b, ag, bg, au, bu, ad, bd, m_a, m_g;
+  std::vector<float> dx, wr, b, ag, bg, au, bu, ad, bd, wg, wu, wd, m_a, m_g;
   layer::Gradients views(const Problem& p) {
     dx.assign(p.T * p.H, NAN), wr.assign(p.R * p.H, NAN), b.assign(p.R, NAN);
     m_a.assign(p.T * p.E, NAN), m_g.assign(p.T * p.E, NAN);
     for (auto* v : {&ag, &au}) v->assign(p.E * p.r * p.H, NAN);
     for (auto* v : {&bg, &bu}) v->assign(p.E * p.I * p.r, NAN);
     ad.assign(p.E * p.r * p.I, NAN), bd.assign(p.E * p.H * p.r, NAN);
+    wg.assign(p.E * p.I * p.H, NAN), wu.assign(p.E * p.I * p.H, NAN), wd.assign(p.E * p.H * p.I, NAN);
     layer::Gradients g;
     g.dx = {dx.data(), p.T, p.H};
     g.router_w = {wr.data(), p.R, p.H};
     g.router_b = {b.data(), p.R};
     g.m_a = {m_a.data(), p.T, p.E};
     g.m_g = {m_g.data(), p.T, p.E};
+    g.w_gate = {wg.data(), p.E * p.I, p.H}, g.w_up = {wu.data(), p.E * p.I, p.H}, g.w_down = {wd.data(), p.E * p.H, p.I};
     if (p.r) {
       g.a_gate = {ag.data(), p.E * p.r, p.H}, g.b_gate = {bg.data(), p.E * p.I, p.r};
       g.a_up = {au.data(), p.E * p.r, p.H}, g.b_up = {bu.data(), p.E * p.I, p.r};
@@ -155,8 +157,11 @@ TEST_CASE("layer: the paths sum to the full backward", "[layer]") {
     CHECK(full.g.dx[i] == ex.g.dx[i] + rt.g.dx[i]);
   }
   CHECK(full.g.ag == ex.g.ag);
+  CHECK(full.g.wg == ex.g.wg);
+  CHECK(full.g.wd == ex.g.wd);
   CHECK(full.g.wr == rt.g.wr);
   for (float v : rt.g.ag) CHECK(v == 0.0f);  // no expert path: LoRA gradients 0
+  for (float v : rt.g.wu) CHECK(v == 0.0f);  // and base-weight gradients 0
   for (float v : ex.g.wr) CHECK(v == 0.0f);  // no router path: router gradients 0
 }
 
@@ -245,6 +250,10 @@ TEST_CASE("layer: reference gradients agree with 50-digit central differences, e
       check_fd("dB_up", de.bu, an.dbu, [&] { return loss(de); });
       check_fd("dA_down", de.ad, an.dad, [&] { return loss(de); });
       check_fd("dB_down", de.bd, an.dbd, [&] { return loss(de); });
+      const auto base = ref::layer_reference(de, true, {.expert = true, .router = false, .base = true});
+      check_fd("dW_gate", de.wg, base.dwg, [&] { return loss(de); });
+      check_fd("dW_up", de.wu, base.dwu, [&] { return loss(de); });
+      check_fd("dW_down", de.wd, base.dwd, [&] { return loss(de); });
     }
     // Router path: L_r = sum w(z(x, W_r, b)) dL/dw with dL/dw frozen.
     {
@@ -417,6 +426,10 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
   layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved);
   SECTION("shape") {
     test::expect_violation([&] { bwd(saved, {p.dy.data(), p.T - 1, p.H}); }, "layer.backward.shape", Level::check);
+    gv.w_down = {g.wd.data(), p.E * p.H, p.I - 1};  // a base-weight gradient of the wrong shape
+    auto v = test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.shape", Level::check);
+    CHECK(v.observed == fmt::format("w_down grad {}x{}, expected {}x{}", p.E * p.H, p.I - 1, p.E * p.H, p.I));
+    CHECK(std::isnan(g.wd[0]));
   }
   SECTION("dy_finite") {
     std::vector<float> dy = p.dy;
@@ -454,6 +467,15 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
         "layer.backward.empty_expert_zero", Level::check);
     CHECK(v.location.rfind(fmt::format("expert {} a_gate grad", idle), 0) == 0);
     g.ag[idle * p.r * p.H] = 0;
+    g.wu[(idle * p.I + 2) * p.H + 3] = -1e-30f;  // and a base weight's
+    v = test::expect_violation(
+        [&] {
+          detail::Checker c{"layer.backward"};
+          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), saved, gv, {});
+        },
+        "layer.backward.empty_expert_zero", Level::check);
+    CHECK(v.location == fmt::format("expert {} w_up grad ({}, 3)", idle, idle * p.I + 2));
+    g.wu[(idle * p.I + 2) * p.H + 3] = 0;
     // FIELD_NOTES 1: a gradient reaching a -1 slot.
     auto& s = saved.impl();
     s.idx[p.K - 1] = -1;
@@ -478,6 +500,21 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
         },
         "layer.backward.within_bound", Level::full);
     CHECK(v.location == "b_down grad[1, 1]");  // element 5 of a 4-column matrix
+    g.bd[5] = static_cast<float>(ref.dbd[5].v);
+    const auto base = contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), saved.impl(), {.base = true},
+                                              saved.impl().arena.get<float>("router.dw", p.T * p.K));
+    std::size_t at = 0;  // the element whose bound is tightest relative to its value
+    for (std::size_t i = 1; i < base.dwg.size(); ++i)
+      if (base.dwg[i].e * std::fabs(base.dwg[at].v) < base.dwg[at].e * std::fabs(base.dwg[i].v)) at = i;
+    REQUIRE(base.dwg[at].e < 0.1 * std::fabs(base.dwg[at].v));  // a bound well inside the value
+    g.wg[at] = static_cast<float>(base.dwg[at].v + 3 * base.dwg[at].e + 1e-6 * std::fabs(base.dwg[at].v));
+    v = test::expect_violation(
+        [&] {
+          detail::Checker c{"layer.backward"};
+          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), saved, gv, {});
+        },
+        "layer.backward.within_bound", Level::full);
+    CHECK(v.location == fmt::format("w_gate grad[{}, {}]", at / p.H, at % p.H));
   }
 }
 

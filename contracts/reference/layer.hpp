@@ -38,6 +38,7 @@ struct LayerData {
 
 struct Paths {
   bool expert = true, router = true;
+  bool base = false;  // the expert path also yields the base weights' gradients
 };
 
 template <class S>
@@ -45,6 +46,7 @@ struct LayerResult {
   std::vector<S> z, w, y;                       // forward
   std::vector<S> dw, dz, dx, dwr, db;           // router path (dx: both paths summed)
   std::vector<S> dag, dbg, dau, dbu, dad, dbd;  // LoRA
+  std::vector<S> dwg, dwu, dwd;                 // base weights (Paths::base)
   std::vector<S> m_a, m_g;                      // T x E
 };
 
@@ -200,6 +202,10 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
     for (auto* g : {&out.dbg, &out.dbu}) g->assign(d.E * I * r, S(0));
     out.dad.assign(d.E * r * I, S(0));
     out.dbd.assign(d.E * H * r, S(0));
+    if (paths.base) {
+      for (auto* g : {&out.dwg, &out.dwu}) g->assign(d.E * I * H, S(0));
+      out.dwd.assign(d.E * H * I, S(0));
+    }
     out.m_a.assign(T * d.E, S(0));
     out.m_g.assign(T * d.E, S(0));
   }
@@ -207,11 +213,12 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
   // LoRA gradients are fp32 sums over each expert's rows: with S = Tracked
   // their rounding is added at the end from the magnitudes and row counts.
   constexpr bool tracked = std::is_same_v<S, bounds::Tracked>;
-  std::vector<double> mag_ag, mag_bg, mag_au, mag_bu, mag_ad, mag_bd;
+  std::vector<double> mag_ag, mag_bg, mag_au, mag_bu, mag_ad, mag_bd, mag_wg, mag_wu, mag_wd;
   std::vector<std::size_t> rows_of(d.E, 0);
   if (backward && tracked) {
     mag_ag.assign(d.E * r * H, 0), mag_au.assign(d.E * r * H, 0), mag_bg.assign(d.E * I * r, 0), mag_bu.assign(d.E * I * r, 0);
     mag_ad.assign(d.E * r * I, 0), mag_bd.assign(d.E * H * r, 0);
+    if (paths.base) mag_wg.assign(d.E * I * H, 0), mag_wu.assign(d.E * I * H, 0), mag_wd.assign(d.E * H * I, 0);
   }
   auto acc = [&](std::vector<S>& g, std::vector<double>& mag, std::size_t i, const S& term) {
     g[i] += term;
@@ -313,6 +320,15 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
           acc(out.dau, mag_au, (e * r + k) * H + q, dgb[r + k] * x[q]);
         }
       }
+      // Base weights (optional): sums over this expert's rows, like LoRA's.
+      if (paths.base)
+        for (std::size_t i = 0; i < I; ++i) {
+          for (std::size_t q = 0; q < H; ++q) {
+            acc(out.dwg, mag_wg, (e * I + i) * H + q, dg[i] * x[q]);
+            acc(out.dwu, mag_wu, (e * I + i) * H + q, du[i] * x[q]);
+          }
+          for (std::size_t m = 0; m < H; ++m) acc(out.dwd, mag_wd, (e * H + m) * I + i, r32(wt * d.dy[t * H + m]) * h[i]);
+        }
       // Per-token statistics (DESIGN.md): rank-1 norms of each trainable
       // matrix's per-token gradient.
       auto norm2 = [](const std::vector<S>& a, std::size_t b0, std::size_t n) {
@@ -341,11 +357,12 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
         dxe[t * H + m] = kdot<S>(v, [&](std::size_t) { return S(1); }, [&](std::size_t j) { return dxr_slots[j][m]; }, K);
   }
   if (!backward) return out;
-  // The LoRA gradients: fp32 sums over the expert's rows (§1 with n = its
-  // row count), then the scale s.
+  // The LoRA and base-weight gradients: fp32 sums over the expert's rows
+  // (§1 with n = its row count); LoRA's then times the scale s.
   if constexpr (tracked) {
-    const std::pair<std::vector<S>*, std::vector<double>*> all[] = {{&out.dag, &mag_ag}, {&out.dbg, &mag_bg}, {&out.dau, &mag_au},
-                                                                    {&out.dbu, &mag_bu}, {&out.dad, &mag_ad}, {&out.dbd, &mag_bd}};
+    const std::pair<std::vector<S>*, std::vector<double>*> all[] = {
+        {&out.dag, &mag_ag}, {&out.dbg, &mag_bg}, {&out.dau, &mag_au}, {&out.dbu, &mag_bu}, {&out.dad, &mag_ad},
+        {&out.dbd, &mag_bd}, {&out.dwg, &mag_wg}, {&out.dwu, &mag_wu}, {&out.dwd, &mag_wd}};
     for (const auto& [g, mag] : all) {
       const std::size_t per_expert = g->size() / std::max<std::size_t>(d.E, 1);
       for (std::size_t i = 0; i < g->size(); ++i) (*g)[i].e += bounds::dot(rows_of[i / per_expert], (*mag)[i]);

@@ -53,11 +53,16 @@ struct Weights {
 /// Gradients. Each output is written entirely (the sum over the paths that
 /// run; 0 where a path that does not run would contribute); an empty view
 /// is not computed. Shapes as the matching weights; m_a, m_g [T x E].
+/// The base weights' gradients are optional (full fine-tuning; empty views
+/// for LoRA training): dW_g[e] = sum over e's rows of dg x^T, dW_u likewise
+/// with du, dW_d[e] = sum of (w dy) h^T, fp32 sums over the rows in order
+/// (vector code, not the GEMM kernels: about 3x the expert GEMMs' FLOPs).
 struct Gradients {
   MatView<float> dx;                                  // [T x H]
   MatView<float> router_w;                            // [R x H]
   View<float> router_b;                               // [R]
   MatView<float> a_gate, b_gate, a_up, b_up, a_down, b_down;  // LoRA
+  MatView<float> w_gate, w_up, w_down;                // base: [E*I x H], [E*I x H], [E*H x I]
   MatView<float> m_a, m_g;                            // per-token statistics (DESIGN.md)
 };
 
@@ -88,7 +93,7 @@ struct ForwardOptions {
 };
 
 struct BackwardOptions {
-  bool expert_path = true;  // dx through the experts, LoRA gradients
+  bool expert_path = true;  // dx through the experts, LoRA (and requested base-weight) gradients
   bool router_path = true;  // dw = <dy, o>, router backward, router linear backward
 };
 
@@ -123,8 +128,8 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              (a NaN there names the buffer: read-before-write,
 ///                                              FIELD_NOTES 3)
 ///   layer.backward.grad_finite  post  finite   every gradient element finite
-///   layer.backward.empty_expert_zero post numeric  an expert with no routed token has LoRA gradients
-///                                              exactly 0
+///   layer.backward.empty_expert_zero post numeric  an expert with no routed token has LoRA and
+///                                              base-weight gradients exactly 0
 ///   layer.backward.router_masked post numeric  router path: dL/dw is 0 at -1 slots, and the router
 ///                                              backward's unselected-gradient clause holds
 ///                                              (FIELD_NOTES 1, 5)

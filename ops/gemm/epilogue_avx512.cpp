@@ -6,8 +6,9 @@
 // does not). Rank-r sums: 16 columns per register, the rows' order kept.
 // Scaled rounding to bf16: the same integer rounding.
 // Own ISA flags.
-// GCC 12 warns of the _mm512_undefined_* values inside its own intrinsics.
+#if defined(__GNUC__) && !defined(__clang__)  // GCC 12 warns of the _mm512_undefined_* values in its own intrinsics
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include "ops/gemm/exp_poly.hpp"

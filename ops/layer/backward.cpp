@@ -330,6 +330,38 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     for (const auto& g : {grads.a_gate, grads.b_gate, grads.a_up, grads.b_up, grads.a_down, grads.b_down})
       if (!g.empty()) zero(g);
   }
+  if (opt.expert_path) {
+    // Base weights (optional): dW_g[e] = sum_rows dg x^T, dW_u[e] likewise
+    // with du ([I x H] per expert); dW_d[e] = sum_rows (w dy) h^T ([H x I]).
+    const std::size_t piece = layout == gemm::ALayout::tiles ? gemm::kKStep : 0;
+    auto none = [](std::size_t) { return static_cast<const float*>(nullptr); };
+    for (std::size_t part = 0; part < 2; ++part)  // gate, up
+      expert_sums(
+          kernel, gr, I, H, false,
+          [&](std::size_t e, std::vector<float>& buf, std::size_t& lds) {
+            buf.resize(gr.count[e] * I);
+            for (std::size_t q = 0; q < gr.count[e]; ++q)
+              for (std::size_t i = 0; i < I; ++i) buf[q * I + i] = dgu_at(gr.begin[e] + q, part * I + i).to_float();
+            return lds = I, buf.data();
+          },
+          none, true, [&](std::size_t q, std::size_t m) -> const void* { return x.row(token_of(q)) + m; }, 0, 0, 1.0f,
+          part ? grads.w_up : grads.w_gate);
+    expert_sums(
+        kernel, gr, H, I, false,
+        [&](std::size_t e, std::vector<float>& buf, std::size_t& lds) {
+          buf.resize(gr.count[e] * H);
+          for (std::size_t q = 0; q < gr.count[e]; ++q) {
+            const float wt = weight_of(gr.begin[e] + q), *d = dy.row(token_of(gr.begin[e] + q));
+            for (std::size_t m = 0; m < H; ++m) buf[q * H + m] = wt * d[m];
+          }
+          return lds = H, buf.data();
+        },
+        none, true, [&](std::size_t q, std::size_t i) -> const void* { return &st.h[gemm::a_offset(layout, st.ldh, q, i)]; },
+        piece, 0, 1.0f, grads.w_down);
+  } else {
+    for (const auto& g : {grads.w_gate, grads.w_up, grads.w_down})
+      if (!g.empty()) zero(g);
+  }
   if (!grads.router_w.empty()) {
     // dW_r[e] = sum_t dz(t, e) x_t: tasks (8 router outputs of one dz
     // plane, 128 columns), sums over t in order.

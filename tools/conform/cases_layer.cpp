@@ -71,7 +71,7 @@ Layer make(RouterKind kind, std::uint64_t seed, Dims d) {
 
 // Two training steps: forward + backward, an update of every LoRA factor,
 // forward + backward again on the same saved state; contracts at full.
-std::vector<float> steps(Layer& l, Isa isa) {
+std::vector<float> steps(Layer& l, Isa isa, bool base) {
   std::vector<float> out;
   layer::Saved saved;
   for (int step = 0; step < 2; ++step) {
@@ -90,16 +90,24 @@ std::vector<float> steps(Layer& l, Isa isa) {
     gr.router_b = {gb.data(), l.R};
     MatView<float>* lv[6] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up, &gr.a_down, &gr.b_down};
     for (int i = 0; i < 6; ++i) *lv[i] = {g[i].data(), sizes[i] / cols[i], cols[i]};
+    std::vector<float> gw[3];  // base weights, where the case asks for them
+    if (base) {
+      for (auto& v : gw) v.assign(l.E * l.I * l.H, NAN);
+      gr.w_gate = {gw[0].data(), l.E * l.I, l.H}, gr.w_up = {gw[1].data(), l.E * l.I, l.H}, gr.w_down = {gw[2].data(), l.E * l.H, l.I};
+    }
     const auto w = l.weights();
     layer::forward(l.cfg, w, {l.x.data(), l.T, l.H}, {y.data(), l.T, l.H}, saved, {.isa = isa});
     layer::backward(l.cfg, w, {l.x.data(), l.T, l.H}, {l.dy.data(), l.T, l.H}, saved, gr);
     for (auto* v : {&y, &dx, &gwr, &gb}) out.insert(out.end(), v->begin(), v->end());
     for (auto& v : g) out.insert(out.end(), v.begin(), v.end());
+    for (auto& v : gw) out.insert(out.end(), v.begin(), v.end());
   }
   return out;
 }
 
-CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, const RunContext& ctx) {
+// base: also the base weights' gradients (the small cases: their bounded
+// reference costs E I H per routed pair).
+CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunContext& ctx) {
   CaseResult r;
   if (!isa_usable(isa)) {
     r.verdict = Verdict::skip;
@@ -107,17 +115,18 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, const RunContext& ctx
     return r;
   }
   Layer a = make(kind, ctx.seed + 3, dims);
-  const auto many = steps(a, isa);
+  const auto many = steps(a, isa, base);
   Layer b = make(kind, ctx.seed + 3, dims);
   std::vector<float> one;
   {
     oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, 1);
-    one = steps(b, isa);
+    one = steps(b, isa, base);
   }
   r.deterministic = many == one;
   expect(r, r.deterministic, "results differ between 1 and N threads");
   if (r.verdict == Verdict::pass)
-    r.detail = "2 training steps; y, dx, router and LoRA gradients within proofs/layer.md (level full)";
+    r.detail = fmt::format("2 training steps; y, dx, router, LoRA{} gradients within proofs/layer.md (level full)",
+                           base ? " and base-weight" : "");
   return r;
 }
 
@@ -140,11 +149,11 @@ void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
     for (Isa isa : isas)
       out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)), std::string(isa_name(isa)),
                      "small:E8_H40_I24_K3_r4_T13", "normal", Suite::smoke, Level::full,
-                     [kind, isa](const RunContext& ctx) { return layer_case(kind, isa, kSmall, ctx); }});
+                     [kind, isa](const RunContext& ctx) { return layer_case(kind, isa, kSmall, true, ctx); }});
   for (Isa isa : isas)
     out.push_back({"layer.forward_backward", "softmax_topk", std::string(isa_name(isa)), "realistic:E16_H512_I384_K4_r8_T64",
                    "normal", Suite::def, Level::full,
-                   [isa](const RunContext& ctx) { return layer_case(RouterKind::softmax_topk, isa, kRealistic, ctx); }});
+                   [isa](const RunContext& ctx) { return layer_case(RouterKind::softmax_topk, isa, kRealistic, false, ctx); }});
 }
 
 }  // namespace moecert::tools
