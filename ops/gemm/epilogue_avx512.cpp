@@ -70,7 +70,11 @@ void rank_block(const RankSumArgs& p, std::size_t k0, std::size_t j0) {
   }
   for (int k = 0; k < KR; ++k)
     for (int c = 0; c < R; ++c) acc[k][c] = _mm512_maskz_loadu_ps(mask[c], p.acc + (k0 + k) * p.ldacc + j0 + 16 * c);
+#ifdef MOECERT_MUTANT_RANK_SUMS_LAST_ROW_DROPPED
+  for (std::size_t q = 0; q + 1 < p.m; ++q) {  // mutant (docs/MUTANTS.md): the last row left out of every sum
+#else
   for (std::size_t q = 0; q < p.m; ++q) {
+#endif
     __m512 v[R];
     for (int c = 0; c < R; ++c) {
       const std::size_t j = j0 + 16 * c;

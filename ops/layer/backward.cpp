@@ -352,7 +352,11 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
           buf.resize(gr.count[e] * H);
           for (std::size_t q = 0; q < gr.count[e]; ++q) {
             const float wt = weight_of(gr.begin[e] + q), *d = dy.row(token_of(gr.begin[e] + q));
+#ifdef MOECERT_MUTANT_BASE_DOWN_GRAD_UNWEIGHTED
+            for (std::size_t m = 0; m < H; ++m) buf[q * H + m] = (void(wt), d[m]);  // mutant (docs/MUTANTS.md): routing weight left out
+#else
             for (std::size_t m = 0; m < H; ++m) buf[q * H + m] = wt * d[m];
+#endif
           }
           return lds = H, buf.data();
         },
