@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -213,16 +214,31 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
   // LoRA gradients are fp32 sums over each expert's rows: with S = Tracked
   // their rounding is added at the end from the magnitudes and row counts.
   constexpr bool tracked = std::is_same_v<S, bounds::Tracked>;
-  std::vector<double> mag_ag, mag_bg, mag_au, mag_bu, mag_ad, mag_bd, mag_wg, mag_wu, mag_wd;
+  std::vector<double> mag_ag, mag_bg, mag_au, mag_bu, mag_ad, mag_bd, mag_wg, mag_wu, mag_wd, fl_wg, fl_wu, fl_wd;
   std::vector<std::size_t> rows_of(d.E, 0);
   if (backward && tracked) {
     mag_ag.assign(d.E * r * H, 0), mag_au.assign(d.E * r * H, 0), mag_bg.assign(d.E * I * r, 0), mag_bu.assign(d.E * I * r, 0);
     mag_ad.assign(d.E * r * I, 0), mag_bd.assign(d.E * H * r, 0);
-    if (paths.base) mag_wg.assign(d.E * I * H, 0), mag_wu.assign(d.E * I * H, 0), mag_wd.assign(d.E * H * I, 0);
+    if (paths.base) {
+      for (auto* v : {&mag_wg, &mag_wu, &fl_wg, &fl_wu}) v->assign(d.E * I * H, 0);
+      for (auto* v : {&mag_wd, &fl_wd}) v->assign(d.E * H * I, 0);
+    }
   }
   auto acc = [&](std::vector<S>& g, std::vector<double>& mag, std::size_t i, const S& term) {
     g[i] += term;
     if constexpr (tracked) mag[i] += term.mag();
+  };
+  // A GEMM term a * b: as acc, and a product with an input the tile unit
+  // may flush (a possible denormal) counted apart (Lemma 1').
+  auto acc_flushed = [&](std::vector<S>& g, std::vector<double>& mag, std::vector<double>& fl, std::size_t i, const S& a,
+                         const S& b) {
+    const S term = a * b;
+    g[i] += term;
+    if constexpr (tracked) {
+      mag[i] += term.mag();
+      if ((a.mag() > 0 && std::fabs(a.v) - a.e < bounds::kMinNormal32) || (b.mag() > 0 && std::fabs(b.v) - b.e < bounds::kMinNormal32))
+        fl[i] += term.mag();
+    }
   };
   for (std::size_t t = 0; t < T; ++t) {
     const std::size_t v = valid_prefix(&d.idx[t * K], K);
@@ -320,15 +336,20 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
           acc(out.dau, mag_au, (e * r + k) * H + q, dgb[r + k] * x[q]);
         }
       }
-      // Base weights (optional): sums over this expert's rows, like LoRA's.
-      if (paths.base)
+      // Base weights (optional): GEMMs over this expert's rows (one term
+      // per routed pair; the kernel's fp32 sums, in its order, bounded with
+      // the padded row count and flushed inputs as kdot does).
+      if (paths.base) {
+        std::vector<S> wdy(H);
+        for (std::size_t m = 0; m < H; ++m) wdy[m] = rbf16(r32(wt * d.dy[t * H + m]));
         for (std::size_t i = 0; i < I; ++i) {
           for (std::size_t q = 0; q < H; ++q) {
-            acc(out.dwg, mag_wg, (e * I + i) * H + q, dg[i] * x[q]);
-            acc(out.dwu, mag_wu, (e * I + i) * H + q, du[i] * x[q]);
+            acc_flushed(out.dwg, mag_wg, fl_wg, (e * I + i) * H + q, dg[i], x[q]);
+            acc_flushed(out.dwu, mag_wu, fl_wu, (e * I + i) * H + q, du[i], x[q]);
           }
-          for (std::size_t m = 0; m < H; ++m) acc(out.dwd, mag_wd, (e * H + m) * I + i, r32(wt * d.dy[t * H + m]) * h[i]);
+          for (std::size_t m = 0; m < H; ++m) acc_flushed(out.dwd, mag_wd, fl_wd, (e * H + m) * I + i, wdy[m], h[i]);
         }
+      }
       // Per-token statistics (DESIGN.md): rank-1 norms of each trainable
       // matrix's per-token gradient.
       auto norm2 = [](const std::vector<S>& a, std::size_t b0, std::size_t n) {
@@ -357,15 +378,21 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
         dxe[t * H + m] = kdot<S>(v, [&](std::size_t) { return S(1); }, [&](std::size_t j) { return dxr_slots[j][m]; }, K);
   }
   if (!backward) return out;
-  // The LoRA and base-weight gradients: fp32 sums over the expert's rows
-  // (§1 with n = its row count); LoRA's then times the scale s.
+  // The LoRA gradients: fp32 sums over the expert's rows (§1 with n = its
+  // row count), then times the scale s. The base weights': GEMMs with K =
+  // the row count padded to 32 (§1 with that n, flushed inputs apart).
   if constexpr (tracked) {
-    const std::pair<std::vector<S>*, std::vector<double>*> all[] = {
-        {&out.dag, &mag_ag}, {&out.dbg, &mag_bg}, {&out.dau, &mag_au}, {&out.dbu, &mag_bu}, {&out.dad, &mag_ad},
-        {&out.dbd, &mag_bd}, {&out.dwg, &mag_wg}, {&out.dwu, &mag_wu}, {&out.dwd, &mag_wd}};
+    const std::pair<std::vector<S>*, std::vector<double>*> all[] = {{&out.dag, &mag_ag}, {&out.dbg, &mag_bg}, {&out.dau, &mag_au},
+                                                                    {&out.dbu, &mag_bu}, {&out.dad, &mag_ad}, {&out.dbd, &mag_bd}};
     for (const auto& [g, mag] : all) {
       const std::size_t per_expert = g->size() / std::max<std::size_t>(d.E, 1);
       for (std::size_t i = 0; i < g->size(); ++i) (*g)[i].e += bounds::dot(rows_of[i / per_expert], (*mag)[i]);
+    }
+    const std::tuple<std::vector<S>*, std::vector<double>*, std::vector<double>*> base[] = {
+        {&out.dwg, &mag_wg, &fl_wg}, {&out.dwu, &mag_wu, &fl_wu}, {&out.dwd, &mag_wd, &fl_wd}};
+    for (const auto& [g, mag, fl] : base) {
+      const std::size_t per_expert = g->size() / std::max<std::size_t>(d.E, 1);
+      for (std::size_t i = 0; i < g->size(); ++i) (*g)[i].e += bounds::dot(kp(rows_of[i / per_expert]), (*mag)[i], (*fl)[i]);
     }
   }
   for (auto* g : {&out.dag, &out.dbg, &out.dau, &out.dbu, &out.dad, &out.dbd})

@@ -41,6 +41,10 @@ class PackedWeights {
   /// pack(), writing into `storage`'s memory when it has the same padded
   /// size (no fresh pages for a repack after an optimizer step).
   static PackedWeights pack(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage);
+  /// The same layout without the gemm.pack clauses: for an operand an op
+  /// forms from its own activations (any finite value is legal there, and
+  /// the op's own clauses judge the result).
+  static PackedWeights pack_operand(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage);
 
   std::size_t n() const { return n_; }    // logical columns (rows of W; 2x for a fused pair)
   std::size_t k() const { return k_; }    // logical depth

@@ -55,8 +55,8 @@ struct Weights {
 /// is not computed. Shapes as the matching weights; m_a, m_g [T x E].
 /// The base weights' gradients are optional (full fine-tuning; empty views
 /// for LoRA training): dW_g[e] = sum over e's rows of dg x^T, dW_u likewise
-/// with du, dW_d[e] = sum of (w dy) h^T, fp32 sums over the rows in order
-/// (vector code, not the GEMM kernels: about 3x the expert GEMMs' FLOPs).
+/// with du, dW_d[e] = sum of bf16(w dy) h^T, as GEMMs on the layer's kernel
+/// with K = the expert's rows (as many FLOPs again as the backward's GEMMs).
 struct Gradients {
   MatView<float> dx;                                  // [T x H]
   MatView<float> router_w;                            // [R x H]

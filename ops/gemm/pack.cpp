@@ -34,8 +34,14 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
 PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage) {
   detail::Checker c{"gemm.pack"};
   contracts::gemm_pack_pre(c, w, second);
+  if (c.stop()) return {};
+  PackedWeights out = pack_operand(w, second, std::move(storage));
+  contracts::gemm_pack_post(c, w, second, out);
+  return out;
+}
+
+PackedWeights PackedWeights::pack_operand(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage) {
   PackedWeights out;
-  if (c.stop()) return out;
   out.interleaved_ = second.data != nullptr;
   const std::size_t panels_one = round_up(w.rows, kPanel) / kPanel;
   out.k_ = w.cols;
@@ -52,7 +58,6 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
     else pack_panel(w, p, out.kp_, dst);
   }
   out.checksum_ = out.compute_checksum();
-  contracts::gemm_pack_post(c, w, second, out);
   return out;
 }
 

@@ -330,38 +330,45 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     for (const auto& g : {grads.a_gate, grads.b_gate, grads.a_up, grads.b_up, grads.a_down, grads.b_down})
       if (!g.empty()) zero(g);
   }
-  if (opt.expert_path) {
-    // Base weights (optional): dW_g[e] = sum_rows dg x^T, dW_u[e] likewise
-    // with du ([I x H] per expert); dW_d[e] = sum_rows (w dy) h^T ([H x I]).
-    const std::size_t piece = layout == gemm::ALayout::tiles ? gemm::kKStep : 0;
-    auto none = [](std::size_t) { return static_cast<const float*>(nullptr); };
-    for (std::size_t part = 0; part < 2; ++part)  // gate, up
-      expert_sums(
-          kernel, gr, I, H, false,
-          [&](std::size_t e, std::vector<float>& buf, std::size_t& lds) {
-            buf.resize(gr.count[e] * I);
-            for (std::size_t q = 0; q < gr.count[e]; ++q)
-              for (std::size_t i = 0; i < I; ++i) buf[q * I + i] = dgu_at(gr.begin[e] + q, part * I + i).to_float();
-            return lds = I, buf.data();
-          },
-          none, true, [&](std::size_t q, std::size_t m) -> const void* { return x.row(token_of(q)) + m; }, 0, 0, 1.0f,
-          part ? grads.w_up : grads.w_gate);
-    expert_sums(
-        kernel, gr, H, I, false,
-        [&](std::size_t e, std::vector<float>& buf, std::size_t& lds) {
-          buf.resize(gr.count[e] * H);
-          for (std::size_t q = 0; q < gr.count[e]; ++q) {
-            const float wt = weight_of(gr.begin[e] + q), *d = dy.row(token_of(gr.begin[e] + q));
+  const bool base = !grads.w_gate.empty() || !grads.w_up.empty() || !grads.w_down.empty();
+  if (base && opt.expert_path) {
+    // Base weights (optional): per expert, GEMMs over its rows (K = the row
+    // count, zero-padded): dW_g[e] = dg^T X, dW_u[e] = du^T X ([I x H]),
+    // dW_d[e] = bf16(w dy)^T Hr ([H x I]; Hr: the saved h rows). The left
+    // factor, transposed, is the A operand; the right one, transposed, is
+    // packed like weights. Tasks (expert, matrix); one writer per element.
+    oneapi::tbb::parallel_for(std::size_t{0}, 3 * E, [&](std::size_t task) {
+      const std::size_t e = task / 3, which = task % 3, q0 = gr.begin[e], m = gr.count[e];
+      const MatView<float> out = which == 0 ? grads.w_gate : which == 1 ? grads.w_up : grads.w_down;
+      if (out.empty()) return;
+      const std::size_t M = which < 2 ? I : H, N = which < 2 ? H : I;
+      if (m == 0) {  // an idle expert: exactly 0
+        for (std::size_t i = 0; i < M; ++i) std::fill(out.row(e * M + i), out.row(e * M + i) + N, 0.0f);
+        return;
+      }
+      std::vector<bf16> left(M * m), right(N * m);  // [M x m], [N x m]
+      for (std::size_t q = 0; q < m; ++q) {
+        const std::size_t row = q0 + q;
+        const bf16* xt = x.row(token_of(row));
+        if (which < 2) {
+          for (std::size_t i = 0; i < I; ++i) left[i * m + q] = dgu_at(row, which * I + i);
+          for (std::size_t h = 0; h < H; ++h) right[h * m + q] = xt[h];
+        } else {
+          const float wt = weight_of(row), *d = dy.row(token_of(row));
 #ifdef MOECERT_MUTANT_BASE_DOWN_GRAD_UNWEIGHTED
-            for (std::size_t m = 0; m < H; ++m) buf[q * H + m] = (void(wt), d[m]);  // mutant (docs/MUTANTS.md): routing weight left out
+          for (std::size_t h = 0; h < H; ++h) left[h * m + q] = bf16((void(wt), d[h]));  // mutant (docs/MUTANTS.md): routing weight left out
 #else
-            for (std::size_t m = 0; m < H; ++m) buf[q * H + m] = wt * d[m];
+          for (std::size_t h = 0; h < H; ++h) left[h * m + q] = bf16(wt * d[h]);
 #endif
-          }
-          return lds = H, buf.data();
-        },
-        none, true, [&](std::size_t q, std::size_t i) -> const void* { return &st.h[gemm::a_offset(layout, st.ldh, q, i)]; },
-        piece, 0, 1.0f, grads.w_down);
+          for (std::size_t i = 0; i < I; ++i) right[i * m + q] = st.h_at(row, i);
+        }
+      }
+      const auto wpk = gemm::PackedWeights::pack_operand(MatView<const bf16>(right.data(), N, m), {}, {});
+      const std::size_t mp = round_up(std::max<std::size_t>(M, 1), kernel.mr);
+      std::vector<bf16> ap(gemm::a_size(layout, mp, wpk.kp()));
+      gemm::pack_a(layout, MatView<const bf16>(left.data(), M, m), nullptr, M, mp, wpk.kp(), ap.data());
+      gemm::gemm_block(kernel, ap.data(), M, wpk, 0, wpk.np(), N, out.row(e * M), out.stride);
+    });
   } else {
     for (const auto& g : {grads.w_gate, grads.w_up, grads.w_down})
       if (!g.empty()) zero(g);
