@@ -24,13 +24,8 @@ struct LayerData {
   std::vector<float> wr, b, dy;
   experts::PackedExperts packed;
   layer::Weights weights() const {
-    const std::size_t E = cfg.experts, H = cfg.hidden;
-    layer::Weights w;
-    w.experts = &packed;
-    w.router_w = {wr.data(), E, H};
-    w.router_b = {b.data(), E};
-    w.lora = layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(), bu.data(), ad.data(), bd.data());
-    return w;
+    return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), nullptr,
+                                   layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(), bu.data(), ad.data(), bd.data()));
   }
 };
 

@@ -24,15 +24,9 @@ struct LayerInput {
   bool lora_ok = true, x_ok = true, scale_ok = true, dy_ok = true;
 
   layer::Weights weights() const {
-    layer::Weights w;
-    w.experts = &packed;
-    w.router_w = {wr.data(), R, H};
-    w.router_b = {b.data(), R};
-    if (cfg.router == RouterKind::sigmoid_topk) w.router_bias = {bias.data(), E};
-    if (r)
-      w.lora = layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(), lora[4].data(),
-                                         lora[5].data());
-    return w;
+    return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), bias.data(),
+                                   layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
+                                                        lora[4].data(), lora[5].data()));
   }
 };
 

@@ -319,6 +319,11 @@ TEST_CASE("gemm.epilogue: exp_poly is within bounds::kExpUlps of exp", "[gemm][e
   CHECK(gemm::exp_poly::exp(-100.0f) == std::exp(-100.0f));  // a correctly rounded denormal
 }
 
+// Inputs at exp_poly's edges (not tolerances): zeros, around its overflow and
+// underflow thresholds, +-Inf, NaN, fp32 extremes, a denormal, the smallest normal.
+const float kExpEdges[] = {0.0f, -0.0f, 88.7f, -88.7f, 89.0f, -89.0f, 103.0f, -104.0f, INFINITY, -INFINITY, NAN,
+                           3e38f, -3e38f, 1e-40f, 0x1p-126f};
+
 TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU agree bit for bit", "[gemm][epilogue][avx512_bf16]") {
   if (!isa_usable(Isa::avx512_bf16)) {
     WARN("avx512_bf16 not usable here: nothing to compare");
@@ -331,11 +336,9 @@ TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU agree bit for bit", "[gemm][
     g[i] = std::uniform_real_distribution<float>(-scale, scale)(rng);
     u[i] = std::uniform_real_distribution<float>(-4, 4)(rng);
   }
-  const float special[] = {0.0f, -0.0f, 88.7f, -88.7f, 89.0f, -89.0f, 103.0f, -104.0f, INFINITY, -INFINITY, NAN,
-                           3e38f, -3e38f, 1e-40f, 0x1p-126f};
-  for (std::size_t i = 0; i < std::size(special); ++i) {
-    g[i] = special[i];
-    u[i + 20] = special[i];
+  for (std::size_t i = 0; i < std::size(kExpEdges); ++i) {
+    g[i] = kExpEdges[i];
+    u[i + 20] = kExpEdges[i];
     g[i + 20] = 1.5f;
   }
   std::vector<bf16> hs(g.size()), hv(g.size());
@@ -360,11 +363,10 @@ TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU backward agree bit for bit",
     const float scale = (i % 7 == 0) ? 200.0f : 8.0f;
     g[i] = std::uniform_real_distribution<float>(-scale, scale)(rng);
     u[i] = std::uniform_real_distribution<float>(-4, 4)(rng);
+    // Inputs, not tolerances: every 11th dh tiny, so products land near the denormals.
     dh[i] = std::uniform_real_distribution<float>(-1, 1)(rng) * (i % 11 == 0 ? 1e-30f : 1.0f);
   }
-  const float special[] = {0.0f, -0.0f, 88.7f, -88.7f, 89.0f, -89.0f, 103.0f, -104.0f, INFINITY, -INFINITY, NAN,
-                           3e38f, -3e38f, 1e-40f, 0x1p-126f};
-  for (std::size_t i = 0; i < std::size(special); ++i) g[i] = u[i + 20] = dh[i + 40] = special[i];
+  for (std::size_t i = 0; i < std::size(kExpEdges); ++i) g[i] = u[i + 20] = dh[i + 40] = kExpEdges[i];
   for (const float w : {0.37f, 0.0f, -1.5f}) {
     // Odd lengths and offsets exercise the scalar tail of the vector kernel.
     for (const std::size_t len : {n, std::size_t{15}, std::size_t{17}}) {

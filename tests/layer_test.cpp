@@ -29,15 +29,8 @@ struct Problem {
   std::vector<float> wr, b, bias, dy;
   experts::PackedExperts packed;
   layer::Weights weights() const {
-    layer::Weights w;
-    w.experts = &packed;
-    w.router_w = {wr.data(), R, H};
-    w.router_b = {b.data(), R};
-    if (cfg.router == RouterKind::sigmoid_topk) w.router_bias = {bias.data(), E};
-    if (r) {
-      w.lora = layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(), bu.data(), ad.data(), bd.data());
-    }
-    return w;
+    return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), bias.data(),
+                                   layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(), bu.data(), ad.data(), bd.data()));
   }
   MatView<const bf16> X() const { return {x.data(), T, H}; }
   MatView<const float> DY() const { return {dy.data(), T, H}; }

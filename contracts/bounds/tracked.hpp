@@ -80,6 +80,11 @@ inline Hp r32(const Hp& a) { return a; }
 inline Hp rbf16(const Hp& a) { return a; }
 inline Hp sig(const Hp& a) { return Hp(1) / (Hp(1) + exp(-a)); }
 inline Hp r64to32(const Hp& a, double, std::size_t) { return a; }
+
+/// A value the tile unit may flush: nonzero and possibly below the smallest
+/// normal fp32 (Lemma 1').
+inline bool may_flush(const bounds::Tracked& a) { return a.mag() > 0 && std::fabs(a.v) - a.e < bounds::kMinNormal32; }
+
 /// An fp32 sum of the products a(i) * b(i), i < count (any order, §1),
 /// n_terms terms counted for gamma (zero padding included). With S =
 /// Tracked: the propagated errors plus bounds::dot, inputs that may be
@@ -95,8 +100,7 @@ S kdot(std::size_t count, A a, B b, std::size_t n_terms) {
       prop += propagate_safe(x.e, std::fabs(y.v), std::fabs(x.v), y.e);
       const double m = x.mag() == 0 || y.mag() == 0 ? 0.0 : x.mag() * y.mag();
       mag += m;
-      if ((x.mag() > 0 && std::fabs(x.v) - x.e < kMinNormal32) || (y.mag() > 0 && std::fabs(y.v) - y.e < kMinNormal32))
-        flushed += m;
+      if (may_flush(x) || may_flush(y)) flushed += m;
     }
     return {v, prop + bounds::dot(n_terms, mag, flushed)};
   } else {

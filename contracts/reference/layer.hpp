@@ -236,8 +236,7 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
     g[i] += term;
     if constexpr (tracked) {
       mag[i] += term.mag();
-      if ((a.mag() > 0 && std::fabs(a.v) - a.e < bounds::kMinNormal32) || (b.mag() > 0 && std::fabs(b.v) - b.e < bounds::kMinNormal32))
-        fl[i] += term.mag();
+      if (may_flush(a) || may_flush(b)) fl[i] += term.mag();
     }
   };
   for (std::size_t t = 0; t < T; ++t) {

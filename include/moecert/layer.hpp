@@ -48,6 +48,12 @@ struct Weights {
   View<const float> router_b;     // [R]
   View<const float> router_bias;  // sigmoid_topk: selection bias [E]; empty otherwise
   Lora lora;
+
+  /// Views of dense row-major arrays for `cfg`: router_w [R x H] (R = E, or
+  /// 2n for product_key), router_b [R], router_bias [E] (taken for
+  /// sigmoid_topk only; may be null otherwise), and `lora` (taken when r > 0).
+  static Weights stacked(const MoeConfig& cfg, const experts::PackedExperts& experts, const float* router_w,
+                         const float* router_b, const float* router_bias, const Lora& lora);
 };
 
 /// Gradients. Each output is written entirely (the sum over the paths that

@@ -48,28 +48,25 @@ void row_sums(const gemm::KernelInfo& kernel, std::size_t q0, std::size_t m, std
 }
 
 // Per expert e, its gradient rows out[e * r + k][n] = scale * sum over the
-// expert's rows q of s(q)[k] * v_q[n] ([r x N] blocks: A factors), or, with
-// `transposed`, out[e * N + n][k] ([N x r] blocks: B factors). Tasks
-// (expert, 128 columns), one writer per element. `s_of(e, buffer, lds)`
-// returns the expert's s rows and sets their stride (filling `buffer` where
-// they need computing); `vscale_of(e)` the per-row factors of v or null.
-template <class SOf, class VScale, class RowAt>
+// expert's rows q of s[q][k] * v_q[n] ([r x N] blocks: A factors), or, with
+// `transposed`, out[e * N + n][k] ([N x r] blocks: B factors). s: r values
+// per grouped row at stride lds; row_scale: a factor of v per grouped row,
+// or null. Tasks (expert, 128 columns), one writer per element.
+template <class RowAt>
 void expert_sums(const gemm::KernelInfo& kernel, const experts::Grouping& gr, std::size_t r, std::size_t n_cols,
-                 bool transposed, SOf s_of, VScale vscale_of, bool v_bf16, RowAt row_at, std::size_t chunk,
-                 std::size_t shift, float scale, MatView<float> out) {
+                 bool transposed, const float* s, std::size_t lds, const float* row_scale, bool v_bf16, RowAt row_at,
+                 std::size_t chunk, std::size_t shift, float scale, MatView<float> out) {
   if (out.empty()) return;
   constexpr std::size_t kCols = 128;
   const std::size_t blocks = (n_cols + kCols - 1) / kCols;
   oneapi::tbb::parallel_for(std::size_t{0}, gr.experts * blocks, [&](std::size_t task) {
     const std::size_t e = task / blocks, n0 = task % blocks * kCols, n1 = std::min(n_cols, n0 + kCols);
-    std::vector<float> buffer, acc(r * (n1 - n0), 0.0f);
-    std::size_t lds = 0;
-    const float* s = s_of(e, buffer, lds);
+    std::vector<float> acc(r * (n1 - n0), 0.0f);
 #ifdef MOECERT_MUTANT_EMPTY_EXPERT_GRAD_UNINIT
     if (!gr.count[e]) return;  // mutant (docs/MUTANTS.md): idle experts' gradients left unwritten
 #endif
-    row_sums(kernel, gr.begin[e], gr.count[e], r, s, lds, vscale_of(e), v_bf16, row_at, chunk, shift, n0, n1,
-             acc.data(), n1 - n0);
+    row_sums(kernel, gr.begin[e], gr.count[e], r, s + gr.begin[e] * lds, lds, row_scale ? row_scale + gr.begin[e] : nullptr,
+             v_bf16, row_at, chunk, shift, n0, n1, acc.data(), n1 - n0);
     for (std::size_t k = 0; k < r; ++k)
       for (std::size_t j = n0; j < n1; ++j) {
         const float v = scale * acc[k * (n1 - n0) + (j - n0)];
@@ -92,6 +89,9 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
   const experts::PackedExperts& pe = *w.experts;
   const gemm::KernelInfo& kernel = gemm::kernel_info(s.isa);
   const gemm::ALayout layout = st.layout;
+  // A packed row in the kernel's layout is contiguous over 32 columns
+  // (tiles) or all of it (rows: 0); the gradient sums read it in such runs.
+  const std::size_t chunk = layout == gemm::ALayout::tiles ? gemm::kKStep : 0;
   const std::size_t T = x.rows, H = pe.hidden(), I = pe.inter(), E = pe.experts(), K = static_cast<std::size_t>(cfg.topk);
   const std::size_t r = st.rank, R = static_cast<std::size_t>(workspace::router_outputs(cfg)), rows = gr.rows();
   const float sc = st.scale;
@@ -209,7 +209,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     // Runs of at most 16 intermediates: one c1 panel (16 gate columns, the
     // same 16 up columns after them) whose dg and du each stay inside one
     // 32-column piece of a dgu row (contiguous in either A layout).
-    const std::size_t piece = layout == gemm::ALayout::tiles ? gemm::kKStep : kp2i;
+    const std::size_t piece = chunk ? chunk : kp2i;
     oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
       const bool valid = gr.row_slot[row] >= 0;
       for (std::size_t i = valid ? 2 * I : 0; i < kp2i; ++i) dgu_at(row, i) = bf16{};
@@ -231,24 +231,17 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
       });
     if (r) {
       // dB_d[e] = s sum_rows (w dy) ha^T [H x r]; dA_d[e] = s sum_rows (w dyb) h^T [r x I].
-      const std::size_t piece = layout == gemm::ALayout::tiles ? gemm::kKStep : 0;
-      std::vector<float> wts(rows);
-      for (std::size_t q = 0; q < rows; ++q) wts[q] = gr.row_slot[q] >= 0 ? weight_of(q) : 0.0f;
+      std::vector<float> wts(rows), wdyb(rows * r);  // w per grouped row; w dyb
+      for (std::size_t q = 0; q < rows; ++q) {
+        wts[q] = gr.row_slot[q] >= 0 ? weight_of(q) : 0.0f;
+        for (std::size_t k = 0; k < r; ++k) wdyb[q * r + k] = wts[q] * dyb[q * r + k];
+      }
       expert_sums(
-          kernel, gr, r, H, true,
-          [&](std::size_t e, std::vector<float>&, std::size_t& lds) { return lds = r, st.ha + gr.begin[e] * r; },
-          [&](std::size_t e) { return wts.data() + gr.begin[e]; }, false,
+          kernel, gr, r, H, true, st.ha, r, wts.data(), false,
           [&](std::size_t q, std::size_t m) -> const void* { return dy.row(token_of(q)) + m; }, 0, 0, sc, grads.b_down);
       expert_sums(
-          kernel, gr, r, I, false,
-          [&](std::size_t e, std::vector<float>& buf, std::size_t& lds) {
-            buf.resize(gr.count[e] * r);
-            for (std::size_t q = 0; q < gr.count[e]; ++q)
-              for (std::size_t k = 0; k < r; ++k) buf[q * r + k] = wts[gr.begin[e] + q] * dyb[(gr.begin[e] + q) * r + k];
-            return lds = r, buf.data();
-          },
-          [](std::size_t) { return static_cast<const float*>(nullptr); }, true,
-          [&](std::size_t q, std::size_t i) -> const void* { return &st.h[gemm::a_offset(layout, st.ldh, q, i)]; }, piece,
+          kernel, gr, r, I, false, wdyb.data(), r, nullptr, true,
+          [&](std::size_t q, std::size_t i) -> const void* { return &st.h[gemm::a_offset(layout, st.ldh, q, i)]; }, chunk,
           0, sc, grads.a_down);
     }
   }
@@ -312,19 +305,14 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
   }
   if (r && opt.expert_path) {
     // dB_g[e] = s sum_rows dg xa_g^T, dA_g[e] = s sum_rows dgb_g x^T; up likewise.
-    const std::size_t piece = layout == gemm::ALayout::tiles ? gemm::kKStep : 0;
-    auto none = [](std::size_t) { return static_cast<const float*>(nullptr); };
     auto x_at = [&](std::size_t q, std::size_t m) -> const void* { return x.row(token_of(q)) + m; };
     for (std::size_t part = 0; part < 2; ++part) {  // gate, up
       expert_sums(
-          kernel, gr, r, I, true,
-          [&](std::size_t e, std::vector<float>&, std::size_t& lds) { return lds = 2 * r, st.xa + gr.begin[e] * 2 * r + part * r; },
-          none, true, [&](std::size_t q, std::size_t i) -> const void* { return &dgu_at(q, part * I + i); }, piece,
-          part * I, sc, part ? grads.b_up : grads.b_gate);
-      expert_sums(
-          kernel, gr, r, H, false,
-          [&](std::size_t e, std::vector<float>&, std::size_t& lds) { return lds = 2 * r, dgb + gr.begin[e] * 2 * r + part * r; },
-          none, true, x_at, 0, 0, sc, part ? grads.a_up : grads.a_gate);
+          kernel, gr, r, I, true, st.xa + part * r, 2 * r, nullptr, true,
+          [&](std::size_t q, std::size_t i) -> const void* { return &dgu_at(q, part * I + i); }, chunk, part * I, sc,
+          part ? grads.b_up : grads.b_gate);
+      expert_sums(kernel, gr, r, H, false, dgb + part * r, 2 * r, nullptr, true, x_at, 0, 0, sc,
+                  part ? grads.a_up : grads.a_gate);
     }
   } else {
     for (const auto& g : {grads.a_gate, grads.b_gate, grads.a_up, grads.b_up, grads.a_down, grads.b_down})

@@ -25,6 +25,18 @@ MatView<const float> Saved::weights() const {
   return {impl_->weights, impl_->tokens, static_cast<std::size_t>(impl_->cfg.topk), static_cast<std::size_t>(impl_->cfg.topk)};
 }
 
+Weights Weights::stacked(const MoeConfig& cfg, const experts::PackedExperts& experts, const float* router_w,
+                         const float* router_b, const float* router_bias, const Lora& lora) {
+  const auto R = static_cast<std::size_t>(workspace::router_outputs(cfg)), H = static_cast<std::size_t>(cfg.hidden);
+  Weights w;
+  w.experts = &experts;
+  w.router_w = {router_w, R, H};
+  w.router_b = {router_b, R};
+  if (cfg.router == RouterKind::sigmoid_topk) w.router_bias = {router_bias, static_cast<std::size_t>(cfg.experts)};
+  if (cfg.lora_rank) w.lora = lora;
+  return w;
+}
+
 namespace {
 
 // z = x W_r^T + b in fp32: each dot product as 16 partial sums and a fixed
