@@ -415,24 +415,39 @@ TEST_CASE("gemm.epilogue: scaled rounding to bf16 is bf16(scale * x) in every im
 }
 
 TEST_CASE("gemm.dot16: 16 partial sums and the fixed tree in every implementation", "[gemm][epilogue]") {
+  // Every product of a block (nx rows of x, nw rows of w; sizes around the
+  // AVX-512 4 x 4 register block) against the loop written out, bit for bit.
   std::mt19937_64 rng(43);
   std::uniform_real_distribution<float> d(-3, 3);
   std::vector<gemm::Dot16Fn> impls = {gemm::dot16_scalar};
   if (isa_usable(Isa::avx512_bf16)) impls.push_back(gemm::dot16_avx512);
-  for (const std::size_t n : {0, 1, 15, 16, 17, 40, 2048, 2049}) {
-    std::vector<float> x(n), w(n);
-    for (std::size_t i = 0; i < n; ++i) x[i] = d(rng), w[i] = d(rng) * (i % 5 == 0 ? 1e-3f : 1.0f);
-    if (n > 3) x[1] = -0.0f, w[1] = 1.0f;
-    float acc[16] = {};
-    for (std::size_t h = 0; h < n; ++h) acc[h % 16] = acc[h % 16] + x[h] * w[h];
-    for (int width = 8; width >= 1; width /= 2)
-      for (int l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
-    for (const auto f : impls) {
-      const float got = f(x.data(), w.data(), n);
-      INFO("n=" << n);
-      CHECK(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(acc[0]));
-    }
-  }
+  for (const std::size_t n : {0, 1, 15, 16, 17, 40, 2048, 2049})
+    for (const std::size_t nx : {1, 4, 7})
+      for (const std::size_t nw : {1, 4, 9}) {
+        const std::size_t ldw = n + 3, ldo = nw + 2;
+        std::vector<float> x(nx * n), w(nw * ldw, NAN);
+        for (std::size_t i = 0; i < x.size(); ++i) x[i] = d(rng);
+        for (std::size_t e = 0; e < nw; ++e)
+          for (std::size_t h = 0; h < n; ++h) w[e * ldw + h] = d(rng) * (h % 5 == 0 ? 1e-3f : 1.0f);
+        if (n > 3) x[1] = -0.0f, w[1] = 1.0f;
+        std::vector<const float*> rows(nx);
+        for (std::size_t i = 0; i < nx; ++i) rows[i] = x.data() + i * n;
+        std::vector<float> want(nx * ldo, 7.0f);
+        for (std::size_t i = 0; i < nx; ++i)
+          for (std::size_t e = 0; e < nw; ++e) {
+            float acc[16] = {};
+            for (std::size_t h = 0; h < n; ++h) acc[h % 16] = acc[h % 16] + x[i * n + h] * w[e * ldw + h];
+            for (int width = 8; width >= 1; width /= 2)
+              for (int l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
+            want[i * ldo + e] = acc[0];
+          }
+        for (const auto f : impls) {
+          std::vector<float> got(nx * ldo, 7.0f);
+          f(rows.data(), nx, w.data(), ldw, nw, n, got.data(), ldo);
+          INFO("n=" << n << " nx=" << nx << " nw=" << nw << (f == gemm::dot16_scalar ? " scalar" : " avx512"));
+          CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);  // nothing written past nw either
+        }
+      }
 }
 
 TEST_CASE("gemm.rank_sums: every implementation is the row-order fp32 sum", "[gemm][epilogue]") {
@@ -498,6 +513,54 @@ TEST_CASE("gemm.loops: K blocking leaves every bit unchanged", "[gemm][loops]") 
     INFO(isa_name(isa));
     CHECK(std::memcmp(c1.data(), c2.data(), c1.size() * 4) == 0);
   }
+}
+
+TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][loops]") {
+  // One gemm_block with a second product must give every bit of two calls
+  // (the second with accumulate), and its epilogue must see each finished
+  // block of C exactly once, holding its final values, for K in one block
+  // and in several.
+  std::mt19937_64 rng(41);
+  const std::size_t m = 45, n = 70, k = 300, k2 = 40, n0 = 32;
+  const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
+  const auto a2 = random_bf16(rng, m * k2), w2v = random_bf16(rng, n * k2);
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+  const auto w2 = gemm::PackedWeights::pack(MatView<const bf16>(w2v.data(), n, k2));
+  for (Isa isa : usable_isas())
+    for (std::size_t kc : {std::size_t{0}, std::size_t{64}}) {
+      gemm::KernelInfo kernel = gemm::kernel_info(isa);
+      kernel.kc = kc;
+      const std::size_t mp = gemm::round_up(m, kernel.mr);
+      std::vector<bf16> ap(gemm::a_size(kernel.a_layout, mp, w.kp())), ap2(gemm::a_size(kernel.a_layout, mp, w2.kp()));
+      gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(), ap.data());
+      gemm::pack_a(kernel.a_layout, MatView<const bf16>(a2.data(), m, k2), nullptr, m, mp, w2.kp(), ap2.data());
+      std::vector<float> want(m * n, NAN), got(m * n, NAN), seen(m * n, NAN);
+      gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, want.data(), n);
+      gemm::gemm_block(kernel, ap2.data(), m, w2, n0, w2.np(), n, want.data(), n, {.accumulate = true});
+      std::vector<int> calls(m * n, 0);
+      bool aligned = true;
+      auto epilogue = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
+        aligned = aligned && j0 % kernel.nr == 0 && j1 <= n && i1 <= m;
+        for (std::size_t i = i0; i < i1; ++i)
+          for (std::size_t j = j0; j < j1; ++j) {
+            ++calls[i * n + j];
+            seen[i * n + j] = got[i * n + j];
+          }
+      };
+      gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, got.data(), n,
+                       {.a2 = ap2.data(), .w2 = &w2, .epilogue = epilogue});
+      INFO(isa_name(isa) << " kc=" << kc);
+      CHECK(std::memcmp(want.data(), got.data(), got.size() * 4) == 0);  // columns before n0 untouched too
+      CHECK(aligned);
+      std::size_t once = 0, wrong = 0;
+      for (std::size_t i = 0; i < m; ++i)
+        for (std::size_t j = 0; j < n; ++j) {
+          once += calls[i * n + j] == (j >= n0 ? 1 : 0);
+          if (j >= n0) wrong += std::memcmp(&seen[i * n + j], &want[i * n + j], 4) != 0;
+        }
+      CHECK(once == m * n);
+      CHECK(wrong == 0);
+    }
 }
 
 TEST_CASE("gemm.pack_a: both A layouts hold the same matrix, padding zero", "[gemm][pack]") {

@@ -109,31 +109,34 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   }
 
   // 3. Gate+up GEMM (+ the LoRA product accumulated into the same fp32
-  //    tile), then h = silu(g) * u per 32-column panel pair (16 gate
-  //    columns, then the same 16 up columns), written into h in the
-  //    kernel's A layout for the down GEMM. Work items: (expert, up to 512
-  //    rows, 256 columns, pair-aligned). Tall items make each weight column
-  //    block stream from memory once per expert, not once per row block;
-  //    256 columns leave enough items for every thread.
+  //    block), then, on each finished 32-column block (a panel pair: 16
+  //    gate columns, then the same 16 up columns) while it is in L1,
+  //    h = silu(g) * u, written into h in the kernel's A layout for the down
+  //    GEMM. Work items: (expert, up to 512 rows, 256 columns, pair-aligned).
+  //    Tall items make each weight column block stream from memory once per
+  //    expert, not once per row block; 256 columns leave enough items for
+  //    every thread.
   const std::size_t mb = round_up(512, kernel.mr);
   for_each_tile(tiles(g, st.ldc1, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, st.c1 + r0 * st.ldc1,
-                     st.ldc1);
-    if (rank)
-      gemm::gemm_block(kernel, lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0), tl.m1 - tl.m0, lora->experts[tl.e].b_gu,
-                       tl.n0, tl.n1, st.ldc1, st.c1 + r0 * st.ldc1, st.ldc1, true);
-    for (std::size_t r = r0; r < r0 + (tl.m1 - tl.m0); ++r) {
-      const float* c = st.c1 + r * st.ldc1;
-      for (std::size_t n = tl.n0; n < tl.n1; n += 2 * gemm::kPanel) {
+    auto swiglu = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
+      for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel) {
         const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
+        if (col >= inter) continue;
+        for (std::size_t r = r0 + i0; r < r0 + i1; ++r) {
+          const float* c = st.c1 + r * st.ldc1;
 #ifdef MOECERT_MUTANT_SWIGLU_GATE_UP_SWAPPED
-        if (col < inter) kernel.swiglu(c + n + gemm::kPanel, c + n, h_at(r, col), std::min(gemm::kPanel, inter - col));  // mutant (docs/MUTANTS.md): silu(u) g
+          kernel.swiglu(c + n + gemm::kPanel, c + n, h_at(r, col), std::min(gemm::kPanel, inter - col));  // mutant (docs/MUTANTS.md): silu(u) g
 #else
-        if (col < inter) kernel.swiglu(c + n, c + n + gemm::kPanel, h_at(r, col), std::min(gemm::kPanel, inter - col));
+          kernel.swiglu(c + n, c + n + gemm::kPanel, h_at(r, col), std::min(gemm::kPanel, inter - col));
 #endif
+        }
       }
-    }
+    };
+    gemm::BlockOptions bo{.epilogue = swiglu};
+    if (rank) bo.a2 = lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0), bo.w2 = &lora->experts[tl.e].b_gu;
+    gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, st.c1 + r0 * st.ldc1,
+                     st.ldc1, bo);
   });
   // Zero h's K padding (columns I..kp2) and the padding rows, which the down
   // GEMM reads: a stale NaN there would reach valid outputs as 0 * NaN.
@@ -162,10 +165,9 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   }
   for_each_tile(tiles(g, hidden, mb, 256), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden, st.o + r0 * st.ldo, st.ldo);
-    if (rank)
-      gemm::gemm_block(kernel, lb_d + gemm::a_offset(layout, ld_lb2, r0, 0), tl.m1 - tl.m0, lora->experts[tl.e].b_d,
-                       tl.n0, tl.n1, hidden, st.o + r0 * st.ldo, st.ldo, true);
+    gemm::BlockOptions bo;
+    if (rank) bo.a2 = lb_d + gemm::a_offset(layout, ld_lb2, r0, 0), bo.w2 = &lora->experts[tl.e].b_d;
+    gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden, st.o + r0 * st.ldo, st.ldo, bo);
   });
 
   // 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.

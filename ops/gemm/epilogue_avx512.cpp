@@ -123,18 +123,45 @@ void scale_to_bf16_avx512(const float* src, float scale, bf16* dst, std::size_t 
   }
 }
 
-float dot16_avx512(const float* x, const float* w, std::size_t n) {
-  __m512 acc = _mm512_setzero_ps();
+namespace {
+// TX x TW dot products at once, each its own accumulator: lane l sums the
+// terms h = l mod 16 in order, lanes past n untouched (as in the scalar loop).
+template <int TX, int TW>
+void dot16_block(const float* const* x, const float* w, std::size_t ldw, std::size_t n, float* out, std::size_t ldo) {
+  __m512 acc[TX][TW];
+  for (int i = 0; i < TX; ++i)
+    for (int e = 0; e < TW; ++e) acc[i][e] = _mm512_setzero_ps();
   for (std::size_t h = 0; h < n; h += 16) {
     const __mmask16 m = n - h >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - h)) - 1);
-    const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + h), _mm512_maskz_loadu_ps(m, w + h));
-    acc = _mm512_mask_add_ps(acc, m, acc, p);  // lanes past n untouched, as in the scalar loop
+    __m512 wv[TW];
+    for (int e = 0; e < TW; ++e) wv[e] = _mm512_maskz_loadu_ps(m, w + e * ldw + h);
+    for (int i = 0; i < TX; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x[i] + h);
+      for (int e = 0; e < TW; ++e) acc[i][e] = _mm512_mask_add_ps(acc[i][e], m, acc[i][e], _mm512_mul_ps(xv, wv[e]));
+    }
   }
   alignas(64) float a[16];
-  _mm512_store_ps(a, acc);
-  for (int width = 8; width >= 1; width /= 2)
-    for (int l = 0; l < width; ++l) a[l] += a[l + width];
-  return a[0];
+  for (int i = 0; i < TX; ++i)
+    for (int e = 0; e < TW; ++e) {
+      _mm512_store_ps(a, acc[i][e]);
+      for (int width = 8; width >= 1; width /= 2)
+        for (int l = 0; l < width; ++l) a[l] += a[l + width];
+      out[i * ldo + e] = a[0];
+    }
+}
+}  // namespace
+
+void dot16_avx512(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw, std::size_t n,
+                  float* out, std::size_t ldo) {
+  constexpr std::size_t kX = 4, kW = 4;
+  std::size_t i = 0;
+  for (; i + kX <= nx; i += kX) {
+    std::size_t e = 0;
+    for (; e + kW <= nw; e += kW) dot16_block<kX, kW>(x + i, w + e * ldw, ldw, n, out + i * ldo + e, ldo);
+    for (; e < nw; ++e) dot16_block<kX, 1>(x + i, w + e * ldw, ldw, n, out + i * ldo + e, ldo);
+  }
+  for (; i < nx; ++i)
+    for (std::size_t e = 0; e < nw; ++e) dot16_block<1, 1>(x + i, w + e * ldw, ldw, n, out + i * ldo + e, ldo);
 }
 
 void swiglu_backward_avx512(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du,

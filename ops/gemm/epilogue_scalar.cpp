@@ -25,7 +25,8 @@ void scale_to_bf16_scalar(const float* src, float scale, bf16* dst, std::size_t 
   for (std::size_t i = 0; i < n; ++i) dst[i] = bf16(scale * src[i]);
 }
 
-float dot16_scalar(const float* x, const float* w, std::size_t n) {
+namespace {
+float dot16_one(const float* x, const float* w, std::size_t n) {
   float acc[16] = {};
   std::size_t h = 0;
   for (; h + 16 <= n; h += 16)
@@ -34,6 +35,13 @@ float dot16_scalar(const float* x, const float* w, std::size_t n) {
   for (int width = 8; width >= 1; width /= 2)
     for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
   return acc[0];
+}
+}  // namespace
+
+void dot16_scalar(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw, std::size_t n,
+                  float* out, std::size_t ldo) {
+  for (std::size_t i = 0; i < nx; ++i)
+    for (std::size_t e = 0; e < nw; ++e) out[i * ldo + e] = dot16_one(x[i], w + e * ldw, n);
 }
 
 void rank_sums_scalar(const RankSumArgs& p) {

@@ -49,8 +49,9 @@ void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld, cons
 
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
                 std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc,
-                bool accumulate) {
+                const BlockOptions& opt) {
   const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp(), lda = a_stride(kernel.a_layout, kp);
+  const std::size_t kp2 = opt.w2 ? opt.w2->kp() : 0, lda2 = a_stride(kernel.a_layout, kp2);
 #ifdef MOECERT_MUTANT_SHARED_EDGE_TILE_RACE
   alignas(64) static float edge[32 * 32];  // mutant (docs/MUTANTS.md): one scratch block shared by every thread (a data race)
 #else
@@ -63,10 +64,12 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   // Loop 1: K in blocks of the kernel's kc (all of K when 0), so that the A
   // rows of the item stay in L2 and a B sub-panel (kc x NR) in L1. C is
   // accumulated across K blocks in fp32: an exact store and reload, so the
-  // accumulation order and every bit of the result are unchanged.
+  // accumulation order and every bit of the result are unchanged. The
+  // second product and the epilogue follow each block's last K block.
   const std::size_t kc_step = kernel.kc ? kernel.kc : kp;
   for (std::size_t k0 = 0; k0 < kp; k0 += kc_step) {
     const std::size_t kc = std::min(kc_step, kp - k0);
+    const bool last = k0 + kc == kp;
     // Loop 2: NR-wide column blocks (panel pairs).
     for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
       const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
@@ -76,28 +79,41 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
       args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
       args.panel_stride = kp * kPanel;
       args.kp = kc;
-      args.accumulate = accumulate || k0 > 0;
-      // Loop 3: MR-tall row blocks, one microkernel call each.
+      args.accumulate = opt.accumulate || k0 > 0;
+      UkernelArgs args2{};
+      if (opt.w2 && last) {
+        args2.lda = lda2;
+        args2.b = opt.w2->data() + (n0 / kPanel) * kp2 * kPanel;
+        args2.panel_stride = kp2 * kPanel;
+        args2.kp = kp2;
+        args2.accumulate = true;
+      }
+      // Loop 3: MR-tall row blocks, one microkernel call each (two with a
+      // second product).
       for (std::size_t m0 = 0; m0 < m; m0 += mr) {
         const std::size_t mm = std::min(mr, m - m0);
         args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
+        if (args2.kp) args2.a = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
         if (mm == mr && nn == nr) {  // full block: straight into C
-          args.c = c + m0 * ldc + n0;
-          args.ldc = ldc;
+          args.c = args2.c = c + m0 * ldc + n0;
+          args.ldc = args2.ldc = ldc;
           kernel.ukernel(args);
+          if (args2.kp) kernel.ukernel(args2);
         } else {  // edge: through a scratch block, C's valid part copied in and out
           float* blk = edge + 0;
           if (args.accumulate)
             for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, c + (m0 + i) * ldc + n0, nn * sizeof(float));
-          args.c = blk;
-          args.ldc = nr;
+          args.c = args2.c = blk;
+          args.ldc = args2.ldc = nr;
           kernel.ukernel(args);
+          if (args2.kp) kernel.ukernel(args2);
 #ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
           for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
 #else
           for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, blk + i * nr, nn * sizeof(float));
 #endif
         }
+        if (opt.epilogue && last) opt.epilogue(m0, m0 + mm, n0, n0 + nn);
       }
     }
   }

@@ -24,17 +24,50 @@ inline std::size_t a_size(ALayout l, std::size_t m_padded, std::size_t kp) {
 void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
             std::size_t kp, bf16* dst);
 
+/// A non-owning reference to a callable (the callable outlives the call).
+template <class Sig>
+class FunctionRef;
+template <class R, class... Args>
+class FunctionRef<R(Args...)> {
+ public:
+  FunctionRef() = default;
+  template <class F>
+  FunctionRef(const F& f)  // NOLINT: implicit, like a reference
+      : obj_(&f), call_([](const void* o, Args... a) -> R { return (*static_cast<const F*>(o))(a...); }) {}
+  explicit operator bool() const { return call_ != nullptr; }
+  R operator()(Args... a) const { return call_(obj_, a...); }
+
+ private:
+  const void* obj_ = nullptr;
+  R (*call_)(const void*, Args...) = nullptr;
+};
+
+/// What gemm_block does besides C = A W^T; the defaults do nothing more.
+struct BlockOptions {
+  /// C += A W^T: the products added to C's values, as the kernel adds every
+  /// K block (the fp32 model of proofs/bounds.md §1 with C's value as one
+  /// more term).
+  bool accumulate = false;
+  /// A second product added to each C block right after the first, while
+  /// the block is in cache: C += A2 W2^T, A2 packed like A (same rows, its
+  /// own depth w2->kp()), W2 with at least n_end columns. Every bit as a
+  /// second gemm_block call with `accumulate` (the LoRA products).
+  const bf16* a2 = nullptr;
+  const PackedWeights* w2 = nullptr;
+  /// Called on each finished block of C (after both products, once per
+  /// block): rows [i0, i1) of this call's A, columns [j0, j1) with j0 a
+  /// multiple of the kernel's NR and j1 <= n_valid (the SwiGLU epilogue).
+  FunctionRef<void(std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1)> epilogue{};
+};
+
 /// C[0:m, n_begin:n_end) = A W^T for A packed in the kernel's layout (lda
 /// from a_stride, K padded to w.kp(), rows padded to the kernel's MR) and
 /// packed W; columns at or past n_valid are not written. n_begin is a
 /// multiple of the kernel's NR. Calls the kernel's thread hooks around the
 /// work.
-/// With `accumulate`, C += A W^T (the products added to C's values, as the
-/// kernel adds every K block: the fp32 model of proofs/bounds.md §1 with
-/// C's value as one more term).
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
                 std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc,
-                bool accumulate = false);
+                const BlockOptions& opt = {});
 
 /// pack_a from fp32 rows, in the kernel's layout: dst row i =
 /// bf16(scale * src[rows[i] or i][0:k]) (one fp32 multiplication, then round

@@ -77,10 +77,14 @@ using RankSumFn = void (*)(const RankSumArgs&);
 /// A operand. Bit-identical across implementations.
 using ScaleToBf16Fn = void (*)(const float* src, float scale, bf16* dst, std::size_t n);
 
-/// sum_h x[h] w[h] in fp32 as 16 partial sums (lane h mod 16, h in order),
-/// then the fixed tree 8, 4, 2, 1 (the router linear; proofs/bounds.md §1).
-/// Bit-identical across implementations.
-using Dot16Fn = float (*)(const float* x, const float* w, std::size_t n);
+/// Dot products of nx rows x_i with nw rows w_e = w + e * ldw, n long:
+/// out[i * ldo + e] = sum_h x_i[h] w_e[h] in fp32 as 16 partial sums (lane
+/// h mod 16, h in order; a multiplication, then an addition), then the
+/// fixed tree 8, 4, 2, 1 (the router linear; proofs/bounds.md §1). Every
+/// product on its own: bit-identical across implementations and block
+/// shapes (the AVX-512 one keeps 4 x 4 of them in registers).
+using Dot16Fn = void (*)(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw,
+                         std::size_t n, float* out, std::size_t ldo);
 
 /// A kernel as registered in dispatch.cpp.
 struct KernelInfo {
@@ -115,8 +119,10 @@ void rank_sums_scalar(const RankSumArgs&);
 void rank_sums_avx512(const RankSumArgs&);
 void scale_to_bf16_scalar(const float* src, float scale, bf16* dst, std::size_t n);
 void scale_to_bf16_avx512(const float* src, float scale, bf16* dst, std::size_t n);
-float dot16_scalar(const float* x, const float* w, std::size_t n);
-float dot16_avx512(const float* x, const float* w, std::size_t n);
+void dot16_scalar(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw, std::size_t n,
+                  float* out, std::size_t ldo);
+void dot16_avx512(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw, std::size_t n,
+                  float* out, std::size_t ldo);
 void amx_bf16_tile_begin();
 void amx_bf16_tile_end();
 void amx_emu_tile_begin();

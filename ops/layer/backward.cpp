@@ -161,7 +161,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     for_each_tile(experts::tiles(gr, I, mb, 256), [&](const experts::Tile& tl) {
       const std::size_t r0 = gr.begin[tl.e] + tl.m0;
       gemm::gemm_block(kernel, qd + gemm::a_offset(layout, ldq, r0, 0), tl.m1 - tl.m0, s.lora.experts[tl.e].a_d_t, tl.n0,
-                       tl.n1, I, dh + r0 * ldd, ldd, true);
+                       tl.n1, I, dh + r0 * ldd, ldd, {.accumulate = true});
     });
   }
 
@@ -259,14 +259,13 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
       });
     for_each_tile(experts::tiles(gr, H, mb, 256), [&](const experts::Tile& tl) {
       const std::size_t r0 = gr.begin[tl.e] + tl.m0;
-      gemm::gemm_block(kernel, &dgu_at(r0, 0), tl.m1 - tl.m0, pe.gate_up_t(tl.e), tl.n0, tl.n1, H, dxr + r0 * H, H);
+      gemm::BlockOptions bo;  // the LoRA product into the same blocks
 #ifdef MOECERT_MUTANT_DX_MISSING_LORA
       (void)qgu;  // mutant (docs/MUTANTS.md): dx misses the LoRA term
 #else
-      if (r)
-        gemm::gemm_block(kernel, qgu + gemm::a_offset(layout, ldq, r0, 0), tl.m1 - tl.m0, s.lora.experts[tl.e].a_gu_t, tl.n0,
-                         tl.n1, H, dxr + r0 * H, H, true);
+      if (r) bo.a2 = qgu + gemm::a_offset(layout, ldq, r0, 0), bo.w2 = &s.lora.experts[tl.e].a_gu_t;
 #endif
+      gemm::gemm_block(kernel, &dgu_at(r0, 0), tl.m1 - tl.m0, pe.gate_up_t(tl.e), tl.n0, tl.n1, H, dxr + r0 * H, H, bo);
     });
   }
 
