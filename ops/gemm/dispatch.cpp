@@ -191,7 +191,8 @@ const KernelInfo& kernel_info(Isa isa) {
        swiglu_avx512, swiglu_backward_avx512, rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, "ukernel_amx_bf16_32x32"},
       {Isa::amx_emu, 32, 32, kAmxKc, ALayout::tiles, ukernel_amx_emu_32x32, amx_emu_tile_begin, amx_emu_tile_end, vec,
        vec_bwd, vec_sums, vec_cvt, vec_dot, "ukernel_amx_emu_32x32"},
-  };  if (!isa_usable(isa))
+  };
+  if (!isa_usable(isa))
     throw std::invalid_argument(fmt::format("isa {}: not usable on this machine (usable: {})",
                                             isa_name(isa), [] {
                                               std::string s;
