@@ -428,6 +428,9 @@ TEST_CASE("gemm.dot16: 16 partial sums and the fixed tree in every implementatio
         std::vector<float> x(nx * n), w(nw * ldw, NAN);
         for (std::size_t i = 0; i < x.size(); ++i) x[i] = d(rng);
         for (std::size_t e = 0; e < nw; ++e)
+          // Every fifth w element 1e-3 smaller (an input mix of magnitudes, so
+          // that a changed summation order shows in the bits; not a tolerance:
+          // the check below is bit for bit).
           for (std::size_t h = 0; h < n; ++h) w[e * ldw + h] = d(rng) * (h % 5 == 0 ? 1e-3f : 1.0f);
         if (n > 3) x[1] = -0.0f, w[1] = 1.0f;
         std::vector<const float*> rows(nx);
