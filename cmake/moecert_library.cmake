@@ -10,6 +10,7 @@ set(MOECERT_SOURCES
   contracts/registry.cpp
   contracts/compare.cpp
   ops/core/build_info.cpp
+  ops/core/memory.cpp
   contracts/gemm.cpp
   contracts/experts.cpp
   contracts/router.cpp

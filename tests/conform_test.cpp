@@ -132,7 +132,7 @@ TEST_CASE("tools.conform: a planted failing case fails the run and the report na
   const auto ctx = context();
   auto defs = smoke_cases(ctx);
   defs.push_back({"test.planted.failure", "planted", "any", "tiny", "normal", Suite::smoke, Level::off,
-                  [](const RunContext&) { return CaseResult{Verdict::fail, "planted failure"}; }});
+                  [](const RunContext&) { return CaseResult::only(Verdict::fail, "planted failure"); }});
   const Report r = run_cases(defs, ctx, "smoke", "");
   CHECK(r.failed() == 1);
   const auto dir = std::filesystem::temp_directory_path() / "moecert_conform_test_planted";

@@ -518,6 +518,18 @@ TEST_CASE("gemm.loops: K blocking leaves every bit unchanged", "[gemm][loops]") 
   }
 }
 
+TEST_CASE("storage: 64-byte aligned; 2 MiB and more aligned to 2 MiB", "[gemm][memory]") {
+  for (std::size_t bytes : {std::size_t{1}, std::size_t{100}, std::size_t{2} << 20, (std::size_t{5} << 20) + 3}) {
+    void* p = moecert::detail::allocate(bytes);
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    INFO("bytes=" << bytes);
+    CHECK(addr % 64 == 0);
+    if (bytes >= (std::size_t{2} << 20)) CHECK(addr % (std::size_t{2} << 20) == 0);
+    std::memset(p, 0xA5, bytes);  // every byte writable (ASan: in bounds)
+    moecert::detail::deallocate(p);
+  }
+}
+
 TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][loops]") {
   // One gemm_block with a second product must give every bit of two calls
   // (the second with accumulate), and its epilogue must see each finished

@@ -10,8 +10,12 @@
 
 namespace moecert {
 namespace detail {
+/// Storage of packed weights and workspaces (ops/core/memory.cpp): 64-byte
+/// aligned; 2 MiB or more: 2 MiB aligned and advised as huge pages.
+void* allocate(std::size_t bytes);
+void deallocate(void* p) noexcept;
 struct AlignedFree {
-  void operator()(bf16* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  void operator()(bf16* p) const { deallocate(p); }
 };
 }  // namespace detail
 

@@ -1,6 +1,7 @@
 // gemm::matmul: clauses at the boundary, then packing of A and the blocked
 // loops in parallel.
-#include <vector>
+#include <algorithm>
+#include <memory>
 
 #include <oneapi/tbb/blocked_range2d.h>
 #include <oneapi/tbb/parallel_for.h>
@@ -18,25 +19,35 @@ void matmul(MatView<const bf16> a, const PackedWeights& w, MatView<float> c, Isa
   const KernelInfo& kernel = kernel_info(isa);
   const std::size_t m = a.rows, kp = w.kp();
   if (m > 0 && w.n() > 0) {
-    // Work items: 64 rows x 512 columns (measured best for AMX on the AMX
-    // machine; the AVX-512 kernel is insensitive), narrower when that leaves
-    // fewer than 4 items per thread (few rows); no two share an element of C,
-    // so the partition never changes a result.
+    // Work items: 64 rows x 512 columns, all of K per block (measured best
+    // for AMX on the AMX machine against 128-512 rows, 128-256 columns and
+    // K blocks of 512 or 1024; the AVX-512 kernel is insensitive), narrower
+    // when that leaves fewer than 8 items per thread (few rows: with 4, two
+    // threads split 11 items 6 to 5); no two share an element of C, so the
+    // partition never changes a result.
     const std::size_t mb = std::max<std::size_t>(64, 2 * kernel.mr);
     const std::size_t threads = static_cast<std::size_t>(oneapi::tbb::this_task_arena::max_concurrency());
     std::size_t nb = 512;
-    while (nb > 2 * kernel.nr && ((m + mb - 1) / mb) * ((w.n() + nb - 1) / nb) < 4 * threads) nb /= 2;
+    while (nb > 2 * kernel.nr && ((m + mb - 1) / mb) * ((w.n() + nb - 1) / nb) < 8 * threads) nb /= 2;
     const std::size_t m_padded = round_up(m, kernel.mr);
     const ALayout layout = kernel.a_layout;
-    std::vector<bf16> ap(a_size(layout, m_padded, kp));
-    pack_a(layout, a, nullptr, m, m_padded, kp, ap.data());
+    const std::size_t lda = a_stride(layout, kp);
+    // Packed A: not value-initialised (pack_a writes every element), and
+    // packed in parallel by row blocks rather than by one thread.
+    const std::unique_ptr<bf16[], detail::AlignedFree> ap(
+        static_cast<bf16*>(detail::allocate(a_size(layout, m_padded, kp) * sizeof(bf16))));
+    oneapi::tbb::parallel_for(std::size_t{0}, (m + mb - 1) / mb, [&](std::size_t bi) {
+      const std::size_t m0 = bi * mb, m1 = std::min(m, m0 + mb), p1 = std::min(m_padded, m0 + mb);
+      pack_a(layout, MatView<const bf16>(a.row(m0), m1 - m0, a.cols, a.stride), nullptr, m1 - m0, p1 - m0, kp,
+             ap.get() + a_offset(layout, lda, m0, 0));
+    });
     oneapi::tbb::parallel_for(
         oneapi::tbb::blocked_range2d<std::size_t>(0, (m + mb - 1) / mb, 0, (w.n() + nb - 1) / nb),
         [&](const oneapi::tbb::blocked_range2d<std::size_t>& r) {
           for (std::size_t bi = r.rows().begin(); bi < r.rows().end(); ++bi) {
             const std::size_t m0 = bi * mb, mm = std::min(mb, m - m0);
             for (std::size_t bj = r.cols().begin(); bj < r.cols().end(); ++bj)
-              gemm_block(kernel, ap.data() + a_offset(layout, a_stride(layout, kp), m0, 0), mm, w, bj * nb, std::min(w.n(), (bj + 1) * nb), w.n(),
+              gemm_block(kernel, ap.get() + a_offset(layout, lda, m0, 0), mm, w, bj * nb, std::min(w.n(), (bj + 1) * nb), w.n(),
                          c.data + m0 * c.stride, c.stride);
           }
         });

@@ -49,7 +49,7 @@ PackedWeights PackedWeights::pack_operand(MatView<const bf16> w, MatView<const b
   out.n_ = out.interleaved_ ? 2 * panels_one * kPanel : w.rows;
   out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
   if (storage.data_ && storage.size() == out.np_ * out.kp_) out.data_ = std::move(storage.data_);
-  else out.data_.reset(static_cast<bf16*>(::operator new[](out.np_ * out.kp_ * sizeof(bf16), std::align_val_t(64))));
+  else out.data_.reset(static_cast<bf16*>(detail::allocate(out.np_ * out.kp_ * sizeof(bf16))));
   const std::size_t panel_elems = out.kp_ * kPanel;
   const std::size_t panels = out.np_ / kPanel;
   for (std::size_t p = 0; p < panels; ++p) {

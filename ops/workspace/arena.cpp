@@ -6,18 +6,19 @@
 
 #include "contracts/clauses.hpp"
 #include "contracts/workspace.hpp"
+#include "moecert/gemm.hpp"
 #include "ops/workspace/planner.hpp"
 
 namespace moecert::workspace {
 
 namespace k = clauses::workspace;
 
-void Arena::Free::operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t(64)); }
+void Arena::Free::operator()(std::byte* p) const { moecert::detail::deallocate(p); }
 
 void Arena::bind(const Plan& p, detail::Checker& c) {
   const std::size_t need = kGuard + p.total_bytes;
   if (need > capacity_) {
-    block_.reset(static_cast<std::byte*>(::operator new[](need, std::align_val_t(64))));
+    block_.reset(static_cast<std::byte*>(moecert::detail::allocate(need)));
     capacity_ = need;
   }
   plan_ = p;

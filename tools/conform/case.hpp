@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "contracts/compare.hpp"
@@ -31,6 +32,19 @@ struct CaseResult {
   bool deterministic = true;   // re-run with another thread count, bitwise equal
   std::vector<std::string> clauses_fired;  // clause ids whose violation the case provoked
   compare::UtilizationHistogram histogram;   // of every compared element
+
+  /// A result that is only a verdict and its reason (a skip).
+  static CaseResult only(Verdict v, std::string why) {
+    CaseResult r;
+    r.verdict = v;
+    r.detail = std::move(why);
+    return r;
+  }
+  /// Fails this result with the reason, keeping what was measured.
+  void fail(std::string why) {
+    verdict = Verdict::fail;
+    detail = std::move(why);
+  }
 };
 
 struct CaseDef {

@@ -78,7 +78,7 @@ CaseResult fill_from(const compare::Bounded& b, CaseResult r) {
 
 CaseResult gemm_case(Isa isa, std::size_t m, std::size_t n, std::size_t k, Data d, const RunContext& ctx, bool sampled) {
   CaseResult r;
-  if (!isa_usable(isa)) return {Verdict::skip, skip_reason(isa)};
+  if (!isa_usable(isa)) return CaseResult::only(Verdict::skip, skip_reason(isa));
   std::mt19937_64 rng(ctx.seed ^ (m * 131 + n * 17 + k));
   const auto a = draw(rng, m * k, d, 1), wv = draw(rng, n * k, d, 1);
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
@@ -96,14 +96,14 @@ CaseResult gemm_case(Isa isa, std::size_t m, std::size_t n, std::size_t k, Data 
                 r);
   const auto probe = verify::probe_gemm_nt(MatView<const bf16>(a.data(), m, k), MatView<const bf16>(wv.data(), n, k),
                                            MatView<const float>(c.data(), m, n));
-  if (!probe.pass && r.verdict != Verdict::fail) r = {Verdict::fail, fmt::format("probe: residual {:.6g} > {:.6g} at row {}", probe.residual, probe.threshold, probe.row)};
-  if (!r.deterministic && r.verdict != Verdict::fail) r = {Verdict::fail, "results differ between 1 and N threads"};
+  if (!probe.pass && r.verdict != Verdict::fail) r.fail(fmt::format("probe: residual {:.6g} > {:.6g} at row {}", probe.residual, probe.threshold, probe.row));
+  if (!r.deterministic && r.verdict != Verdict::fail) r.fail("results differ between 1 and N threads");
   if (r.verdict == Verdict::pass) {
     r.detail = fmt::format("{} rows compared, probe max ratio {:.3g}", rows.size(), probe.max_ratio);
     if (isa == Isa::amx_bf16) {
       const bool exact = same_bits(c, run(Isa::amx_emu));
       r.detail += exact ? "; bit-exact with amx_emu" : "";
-      if (!exact) r = {Verdict::fail, "amx_bf16 and amx_emu differ bitwise"};
+      if (!exact) r.fail("amx_bf16 and amx_emu differ bitwise");
     }
   }
   return r;
@@ -123,7 +123,7 @@ const char* routing_name(Routing r) {
 
 CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, std::size_t k, std::size_t t, Routing routing,
                         const RunContext& ctx) {
-  if (!isa_usable(isa)) return {Verdict::skip, skip_reason(isa)};
+  if (!isa_usable(isa)) return CaseResult::only(Verdict::skip, skip_reason(isa));
   std::mt19937_64 rng(ctx.seed ^ (e * 7 + h * 11 + i * 13 + t));
   const auto wg = draw(rng, e * i * h, Data::normal, 1 / std::sqrt(float(h)));
   const auto wu = draw(rng, e * i * h, Data::normal, 1 / std::sqrt(float(h)));
@@ -160,13 +160,13 @@ CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, st
   r.deterministic = same_bits(y, with_threads(1, [&] { return run(isa); }));
   const auto ref = contracts::experts_forward_reference(packed, xv, iv, wv);
   r = fill_from(compare::bounded(y, ref.y, ref.bound), r);
-  if (!r.deterministic && r.verdict != Verdict::fail) r = {Verdict::fail, "results differ between 1 and N threads"};
+  if (!r.deterministic && r.verdict != Verdict::fail) r.fail("results differ between 1 and N threads");
   if (r.verdict == Verdict::pass) {
     r.detail = fmt::format("{} tokens, chained bound (proofs/bounds.md §10)", t);
     if (isa == Isa::amx_bf16) {
       const bool exact = same_bits(y, run(Isa::amx_emu));
       r.detail += exact ? "; bit-exact with amx_emu" : "";
-      if (!exact) r = {Verdict::fail, "amx_bf16 and amx_emu differ bitwise"};
+      if (!exact) r.fail("amx_bf16 and amx_emu differ bitwise");
     }
   }
   return r;

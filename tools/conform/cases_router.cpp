@@ -53,7 +53,7 @@ struct Tally {
     }
   }
   void fail(const std::string& why) {
-    if (r.verdict != Verdict::fail) r = {Verdict::fail, why};
+    if (r.verdict != Verdict::fail) r.fail(why);
   }
 };
 
