@@ -53,16 +53,15 @@ else()
   set(MOECERT_DEFAULT_LEVEL 0)  # off
 endif()
 
+# The commit (and whether the tree was dirty) is taken at every build, not at
+# configure time: generated/git_commit.inc, included by ops/core/build_info.cpp.
 find_package(Git QUIET)
-set(MOECERT_GIT_COMMIT "unknown")
-if(GIT_FOUND)
-  execute_process(COMMAND ${GIT_EXECUTABLE} rev-parse --short=12 HEAD
-    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR} OUTPUT_VARIABLE _commit
-    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _rc)
-  if(_rc EQUAL 0 AND _commit)
-    set(MOECERT_GIT_COMMIT "${_commit}")
-  endif()
-endif()
+set(MOECERT_GIT_INC ${PROJECT_BINARY_DIR}/generated/git_commit.inc)
+add_custom_target(moecert_git_commit
+  COMMAND ${CMAKE_COMMAND} -DSRC=${PROJECT_SOURCE_DIR} -DOUT=${MOECERT_GIT_INC} -DGIT=${GIT_EXECUTABLE}
+          -P ${PROJECT_SOURCE_DIR}/cmake/git_commit.cmake
+  BYPRODUCTS ${MOECERT_GIT_INC}
+  COMMENT "" VERBATIM)
 
 function(moecert_add_library name)
   cmake_parse_arguments(ARG "" "CAP" "" ${ARGN})
@@ -83,8 +82,9 @@ function(moecert_add_library name)
     MOECERT_DEFAULT_LEVEL=${MOECERT_DEFAULT_LEVEL}
     MOECERT_VERSION="${PROJECT_VERSION}"
     MOECERT_BUILD_TYPE="${CMAKE_BUILD_TYPE}"
-    MOECERT_CXX_FLAGS="${CMAKE_CXX_FLAGS} ${CMAKE_CXX_FLAGS_${_bt}}"
-    MOECERT_GIT_COMMIT="${MOECERT_GIT_COMMIT}")
+    MOECERT_CXX_FLAGS="${CMAKE_CXX_FLAGS} ${CMAKE_CXX_FLAGS_${_bt}}")
+  target_include_directories(${name} PRIVATE ${PROJECT_BINARY_DIR}/generated)
+  add_dependencies(${name} moecert_git_commit)
   # Boost is header-only and used privately: not part of the installed interface.
   if(MOECERT_MUTANT)
     # A seeded bug (docs/MUTANTS.md), for measuring what the contracts catch.

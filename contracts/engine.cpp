@@ -10,6 +10,8 @@
 #include <mutex>
 #include <stdexcept>
 
+#include <fmt/ranges.h>
+
 #ifndef MOECERT_DEFAULT_LEVEL
 #define MOECERT_DEFAULT_LEVEL 0
 #endif
@@ -53,9 +55,7 @@ std::atomic<std::uint32_t> g_settings{pack(ContractSettings{kDefaultLevel})};
 std::once_flag g_env_once;
 
 std::string join_names(const std::string_view* names, std::size_t n) {
-  std::string out;
-  for (std::size_t i = 0; i < n; ++i) out += (i ? "|" : "") + std::string(names[i]);
-  return out;
+  return fmt::format("{}", fmt::join(names, names + n, "|"));
 }
 
 // Reads MOECERT_CONTRACTS and MOECERT_CONTRACT_GROUPS once. A value that

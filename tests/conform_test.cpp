@@ -8,6 +8,7 @@
 #include <boost/json.hpp>
 
 #include "moecert/isa.hpp"
+#include "moecert/moecert.hpp"
 #include "test_util.hpp"
 #include "tools/conform/report.hpp"
 
@@ -126,6 +127,18 @@ TEST_CASE("tools.conform: report.json validates against docs/report-schema.md", 
   CHECK(html.find("<svg") != std::string::npos);
   // Self-contained: nothing loaded from elsewhere (the SVG xmlns is a name, not a fetch).
   for (const char* ref : {"src=\"http", "href=\"http", "<script src", "<link"}) CHECK(html.find(ref) == std::string::npos);
+}
+
+TEST_CASE("build info: the commit is taken at build time and says whether the tree was dirty", "[tools][info]") {
+  // cmake/git_commit.cmake: 12 hex digits, "-dirty" when tracked files had
+  // changes, "unknown" outside a git checkout; never empty or stale-format.
+  const std::string c = build_info().git_commit;
+  INFO(c);
+  const auto hex = [](const std::string& h) {
+    return h.size() == 12 && h.find_first_not_of("0123456789abcdef") == std::string::npos;
+  };
+  const std::string head = c.substr(0, c.find('-')), rest = c.substr(head.size());
+  CHECK((c == "unknown" || (hex(head) && (rest.empty() || rest == "-dirty" || rest == "-unknown-state"))));
 }
 
 TEST_CASE("tools.conform: a planted failing case fails the run and the report names it", "[tools][conform]") {

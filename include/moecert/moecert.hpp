@@ -14,7 +14,7 @@ struct BuildInfo {
   std::string build_type;    // CMAKE_BUILD_TYPE
   std::string compiler;      // id and version
   std::string flags;         // CMAKE_CXX_FLAGS + the build type's flags
-  std::string git_commit;    // at configure time, or "unknown"
+  std::string git_commit;    // at build time, "-dirty" if tracked files had changes; or "unknown"
   Level contract_cap = Level::full;
   Level contract_default = Level::off;
   std::string fmt_version;

@@ -1,4 +1,5 @@
-// Build facts recorded at configure time, and library versions.
+// Build facts, and library versions. The commit is taken at build time
+// (cmake/git_commit.cmake), marked -dirty when tracked files had changes.
 #include <boost/version.hpp>
 #include <fmt/format.h>
 #include <oneapi/tbb/version.h>
@@ -13,6 +14,9 @@
 #endif
 #ifndef MOECERT_CXX_FLAGS
 #define MOECERT_CXX_FLAGS ""
+#endif
+#if __has_include("git_commit.inc")
+#include "git_commit.inc"
 #endif
 #ifndef MOECERT_GIT_COMMIT
 #define MOECERT_GIT_COMMIT "unknown"
