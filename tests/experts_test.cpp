@@ -122,6 +122,27 @@ TEST_CASE("experts.forward: bitwise identical for 1, 2 and 7 threads", "[experts
   }
 }
 
+TEST_CASE("experts.forward: the same bits whether the gate/up output is kept or not", "[experts][forward]") {
+  // Below audit the gate/up GEMM's C lives only in per-thread scratch blocks
+  // (the probe, its only other reader, is off); at audit it goes to the
+  // workspace. I = 300 gives two 256-column items per row block, 600 rows
+  // two row blocks, one expert idle.
+  const Problem p = make(51, 3, 64, 300, 2, 600, Routing::some_idle);
+  for (Isa isa : usable_isas()) {
+    std::vector<float> kept, scratch;
+    {
+      ContractScope audit{Level::audit, Semantic::enforce};
+      kept = run(p, isa);
+    }
+    {
+      ContractScope check{Level::check, Semantic::enforce};
+      scratch = run(p, isa);
+    }
+    INFO(isa_name(isa));
+    CHECK(std::memcmp(kept.data(), scratch.data(), kept.size() * 4) == 0);
+  }
+}
+
 TEST_CASE("experts.forward: the default kernel choice and its stats", "[experts][forward]") {
   const Problem p = make(51, 8, 32, 16, 2, 10, Routing::random);
   std::vector<float> y(p.t * p.h);

@@ -173,6 +173,21 @@ TEST_CASE("layer: bitwise identical for 1, 2 and 7 threads", "[layer]") {
   }
 }
 
+TEST_CASE("layer: an inference forward gives the training forward's y bit for bit", "[layer]") {
+  // Without training the gate/up GEMM's C stays in per-thread scratch blocks
+  // (nothing reads c1 afterwards); I = 300 makes two column items.
+  const Problem p = make(RouterKind::softmax_topk, 6, 64, 300, 2, 8, 70);
+  const auto w = p.weights();
+  for (Isa isa : usable_isas()) {
+    std::vector<float> y_train(p.T * p.H, NAN), y_infer(p.T * p.H, NAN);
+    layer::Saved s1, s2;
+    layer::forward(p.cfg, w, p.X(), {y_train.data(), p.T, p.H}, s1, {.isa = isa, .training = true});
+    layer::forward(p.cfg, w, p.X(), {y_infer.data(), p.T, p.H}, s2, {.isa = isa, .training = false});
+    INFO(isa_name(isa));
+    CHECK(std::memcmp(y_train.data(), y_infer.data(), y_train.size() * 4) == 0);
+  }
+}
+
 namespace {
 
 // 50-digit data of a tiny problem with the kernel's routing (idx) and the
@@ -408,7 +423,7 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
   SECTION("state: backward before forward, another config, an inference forward") {
     auto v = test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.state", Level::check);
     CHECK(v.observed == "no forward saved");
-    layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved, {.training = false});
+    layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved, {.isa = std::nullopt, .training = false});
     test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.state", Level::check);
     const Problem q = make(RouterKind::product_key, 16, 32, 24, 2, 4, 10);
     layer::forward(q.cfg, q.weights(), q.X(), {y.data(), q.T, q.H}, saved);

@@ -4,9 +4,12 @@
 #include "ops/experts/lora.hpp"
 
 #include <cstring>
+#include <vector>
 
+#include <oneapi/tbb/enumerable_thread_specific.h>
 #include <oneapi/tbb/parallel_for.h>
 
+#include "contracts/clauses.hpp"
 #include "contracts/experts.hpp"
 #include "moecert/isa.hpp"
 #include "ops/gemm/loops.hpp"
@@ -44,7 +47,8 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   Workspace temporary_ws;
   Workspace::Impl& ws = (opt.workspace ? *opt.workspace : temporary_ws).impl();
   ws.arena.bind(workspace::plan_shape({w.experts(), w.hidden(), w.inter(), k, 0, t_count, 0}, false, 0, chk), chk);
-  forward_impl(w, nullptr, x, idx, weights, y, kernel, ws.arena, ws.state);
+  // The gate/up GEMM's fp32 output is kept only for the audit probe.
+  forward_impl(w, nullptr, x, idx, weights, y, kernel, ws.arena, ws.state, chk.level() >= moecert::clauses::experts::kProbe.level);
   ws.arena.leave(chk);
   stats.routed_rows = ws.state.grouping.routed;
   stats.padded_rows = ws.state.grouping.rows();
@@ -54,7 +58,7 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
 
 void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const bf16> x,
                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
-                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st) {
+                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st, bool keep_c1) {
   moecert::detail::Checker chk{"experts.forward"};
   const std::size_t t_count = x.rows, k = idx.cols, hidden = w.hidden(), inter = w.inter();
   const std::size_t rank = lora ? lora->rank : 0;
@@ -88,7 +92,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   });
 
   arena.enter(workspace::f_gate_up, chk);
-  st.c1 = arena.get<float>("experts.c1", rows * st.ldc1);
+  st.c1 = keep_c1 ? arena.get<float>("experts.c1", rows * st.ldc1) : nullptr;
   st.h = arena.get<bf16>("experts.h", gemm::a_size(layout, rows, kp2));
   // 2b. LoRA, first factor: xa = x [A_g; A_u]^T in fp32 (saved), and the
   //     second product's A operand lb = bf16(s xa) in the kernel's layout.
@@ -116,27 +120,37 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   //    Tall items make each weight column block stream from memory once per
   //    expert, not once per row block; 256 columns leave enough items for
   //    every thread.
-  const std::size_t mb = round_up(512, kernel.mr);
-  for_each_tile(tiles(g, st.ldc1, mb, 256), [&](const Tile& tl) {
+  //    Without keep_c1 each item's C goes to a scratch block of the thread
+  //    (512 x 256 fp32, L2-sized) instead of c1 in memory: the SwiGLU is its
+  //    only reader, and the same bits come out.
+  const std::size_t mb = round_up(512, kernel.mr), nb = 256;
+  oneapi::tbb::enumerable_thread_specific<std::vector<float>> scratch;
+  for_each_tile(tiles(g, st.ldc1, mb, nb), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
+    float* cb = st.c1 + r0 * st.ldc1;  // C of this item: row r0, column col0
+    std::size_t ldc = st.ldc1, col0 = 0;
+    if (!keep_c1) {
+      std::vector<float>& s = scratch.local();
+      s.resize(mb * nb);
+      cb = s.data(), ldc = nb, col0 = tl.n0;
+    }
     auto swiglu = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
       for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel) {
         const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
         if (col >= inter) continue;
-        for (std::size_t r = r0 + i0; r < r0 + i1; ++r) {
-          const float* c = st.c1 + r * st.ldc1;
+        for (std::size_t i = i0; i < i1; ++i) {
+          const float* c = cb + (i * ldc + (n - col0));
 #ifdef MOECERT_MUTANT_SWIGLU_GATE_UP_SWAPPED
-          kernel.swiglu(c + n + gemm::kPanel, c + n, h_at(r, col), std::min(gemm::kPanel, inter - col));  // mutant (docs/MUTANTS.md): silu(u) g
+          kernel.swiglu(c + gemm::kPanel, c, h_at(r0 + i, col), std::min(gemm::kPanel, inter - col));  // mutant (docs/MUTANTS.md): silu(u) g
 #else
-          kernel.swiglu(c + n, c + n + gemm::kPanel, h_at(r, col), std::min(gemm::kPanel, inter - col));
+          kernel.swiglu(c, c + gemm::kPanel, h_at(r0 + i, col), std::min(gemm::kPanel, inter - col));
 #endif
         }
       }
     };
-    gemm::BlockOptions bo{.epilogue = swiglu};
+    gemm::BlockOptions bo{.c_col0 = col0, .epilogue = swiglu};
     if (rank) bo.a2 = lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0), bo.w2 = &lora->experts[tl.e].b_gu;
-    gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, st.c1 + r0 * st.ldc1,
-                     st.ldc1, bo);
+    gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, cb, ldc, bo);
   });
   // Zero h's K padding (columns I..kp2) and the padding rows, which the down
   // GEMM reads: a stale NaN there would reach valid outputs as 0 * NaN.

@@ -60,10 +60,12 @@ void for_each_tile(const std::vector<Tile>& ts, F f) {
 
 
 /// The forward on a bound arena (steps f_gather .. f_combine): the body of
-/// experts::forward and of the layer's forward. `lora` may be null.
+/// experts::forward and of the layer's forward. `lora` may be null. Without
+/// keep_c1 the gate/up GEMM's fp32 output never reaches st.c1 (null then):
+/// for callers that read only y, h and o afterwards.
 void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const bf16> x,
                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
-                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st);
+                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st, bool keep_c1 = true);
 
 /// Kernel choice of the expert ops (see ForwardOptions::isa).
 Isa choose_isa(std::optional<Isa> forced, std::size_t routed, std::size_t experts);

@@ -60,7 +60,8 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   kernel.thread_begin();
   // Assumptions: a holds round_up(m, mr) rows of kp elements in the kernel's
   // layout; w has np >=
-  // n_end columns; n_begin % nr == 0; kernel.kc % kKStep == 0.
+  // n_end columns; n_begin % nr == 0; n_begin >= opt.c_col0; kernel.kc %
+  // kKStep == 0.
   // Loop 1: K in blocks of the kernel's kc (all of K when 0), so that the A
   // rows of the item stay in L2 and a B sub-panel (kc x NR) in L1. C is
   // accumulated across K blocks in fp32: an exact store and reload, so the
@@ -95,22 +96,22 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
         args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
         if (args2.kp) args2.a = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
         if (mm == mr && nn == nr) {  // full block: straight into C
-          args.c = args2.c = c + m0 * ldc + n0;
+          args.c = args2.c = c + (m0 * ldc + (n0 - opt.c_col0));
           args.ldc = args2.ldc = ldc;
           kernel.ukernel(args);
           if (args2.kp) kernel.ukernel(args2);
         } else {  // edge: through a scratch block, C's valid part copied in and out
           float* blk = edge + 0;
           if (args.accumulate)
-            for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, c + (m0 + i) * ldc + n0, nn * sizeof(float));
+            for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, c + ((m0 + i) * ldc + (n0 - opt.c_col0)), nn * sizeof(float));
           args.c = args2.c = blk;
           args.ldc = args2.ldc = nr;
           kernel.ukernel(args);
           if (args2.kp) kernel.ukernel(args2);
 #ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
-          for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
+          for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + ((m0 + i) * ldc + (n0 - opt.c_col0)), blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
 #else
-          for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + (m0 + i) * ldc + n0, blk + i * nr, nn * sizeof(float));
+          for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + ((m0 + i) * ldc + (n0 - opt.c_col0)), blk + i * nr, nn * sizeof(float));
 #endif
         }
         if (opt.epilogue && last) opt.epilogue(m0, m0 + mm, n0, n0 + nn);

@@ -48,6 +48,10 @@ struct BlockOptions {
   /// K block (the fp32 model of proofs/bounds.md §1 with C's value as one
   /// more term).
   bool accumulate = false;
+  /// The column of W that C's first element holds: C element (i, j) is at
+  /// c[i * ldc + j - c_col0] (a C buffer of one item's columns, c_col0 =
+  /// n_begin). The epilogue still sees W's column numbers.
+  std::size_t c_col0 = 0;
   /// A second product added to each C block right after the first, while
   /// the block is in cache: C += A2 W2^T, A2 packed like A (same rows, its
   /// own depth w2->kp()), W2 with at least n_end columns. Every bit as a

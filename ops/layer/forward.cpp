@@ -117,7 +117,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   for (std::size_t i = 0; i < t_count * k; ++i) routed += s.idx[i] >= 0;
   s.isa = experts::choose_isa(opt.isa, routed, w.experts->experts());
   experts::forward_impl(*w.experts, cfg.lora_rank ? &s.lora : nullptr, x, saved.idx(), saved.weights(), y,
-                        gemm::kernel_info(s.isa), s.arena, s.st);
+                        gemm::kernel_info(s.isa), s.arena, s.st, opt.training);  // c1: read by the backward only
   s.arena.leave(chk);
   s.training = opt.training;
   s.valid = true;
