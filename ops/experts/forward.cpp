@@ -4,6 +4,7 @@
 #include "ops/experts/lora.hpp"
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include <oneapi/tbb/enumerable_thread_specific.h>
@@ -121,18 +122,23 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   //    expert, not once per row block; 256 columns leave enough items for
   //    every thread.
   //    Without keep_c1 each item's C goes to a scratch block of the thread
-  //    (512 x 256 fp32, L2-sized) instead of c1 in memory: the SwiGLU is its
+  //    (up to 512 x 256 fp32, L2-sized) instead of c1 in memory: the SwiGLU is its
   //    only reader, and the same bits come out.
   const std::size_t mb = round_up(512, kernel.mr), nb = 256;
-  oneapi::tbb::enumerable_thread_specific<std::vector<float>> scratch;
+  struct Scratch {  // grown to the largest item a thread meets, never value-initialised
+    std::unique_ptr<float[]> data;
+    std::size_t size = 0;
+  };
+  oneapi::tbb::enumerable_thread_specific<Scratch> scratch;
   for_each_tile(tiles(g, st.ldc1, mb, nb), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     float* cb = st.c1 + r0 * st.ldc1;  // C of this item: row r0, column col0
     std::size_t ldc = st.ldc1, col0 = 0;
     if (!keep_c1) {
-      std::vector<float>& s = scratch.local();
-      s.resize(mb * nb);
-      cb = s.data(), ldc = nb, col0 = tl.n0;
+      Scratch& s = scratch.local();
+      const std::size_t need = round_up(tl.m1 - tl.m0, kernel.mr) * nb;
+      if (s.size < need) s.data.reset(new float[need]), s.size = need;
+      cb = s.data.get(), ldc = nb, col0 = tl.n0;
     }
     auto swiglu = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
       for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel) {
