@@ -1,5 +1,6 @@
 // Packing of weights into the VNNI panel layout of ukernel.hpp, and the
 // packed-bytes checksum.
+#include <algorithm>
 #include <cstring>
 
 #include "contracts/gemm.hpp"
@@ -11,18 +12,31 @@ namespace {
 
 std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }
 
-// Writes the panel of W's columns [16 p, 16 p + 16) into dst (kp * 16 elements).
+// Writes the panel of W's columns [16 p, 16 p + 16) into dst (kp * 16
+// elements): for each k pair, the 16 columns' pairs as one 64-byte run, so
+// the panel is written once, in order, while the 16 source rows are read
+// in order side by side. Pairs past W's depth and columns past its rows are
+// zero.
 void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst) {
-  std::memset(static_cast<void*>(dst), 0, kp * kPanel * sizeof(bf16));
-  for (std::size_t n = 0; n < kPanel; ++n) {
-    const std::size_t row = p * kPanel + n;
-    if (row >= w.rows) break;
 #ifdef MOECERT_MUTANT_VNNI_PAIR_SWAPPED
-    for (std::size_t k = 0; k < w.cols; ++k) dst[(k / 2) * 2 * kPanel + n * 2 + (1 - k % 2)] = w(row, k);  // mutant (docs/MUTANTS.md): pair order swapped
+  constexpr std::size_t lo = 1, hi = 0;  // mutant (docs/MUTANTS.md): pair order swapped
 #else
-    for (std::size_t k = 0; k < w.cols; ++k) dst[(k / 2) * 2 * kPanel + n * 2 + (k % 2)] = w(row, k);
+  constexpr std::size_t lo = 0, hi = 1;
 #endif
+  const std::size_t rows = w.rows > p * kPanel ? std::min(kPanel, w.rows - p * kPanel) : 0;
+  const std::size_t pairs = (w.cols + 1) / 2;
+  const bf16 zero{};
+  for (std::size_t kk = 0; kk < pairs; ++kk) {
+    bf16* d = dst + kk * 2 * kPanel;
+    const std::size_t k = 2 * kk;
+    for (std::size_t n = 0; n < rows; ++n) {
+      const bf16* src = w.row(p * kPanel + n) + k;
+      d[2 * n + lo] = src[0];
+      d[2 * n + hi] = k + 1 < w.cols ? src[1] : zero;
+    }
+    std::fill(d + 2 * rows, d + 2 * kPanel, zero);
   }
+  std::fill(dst + pairs * 2 * kPanel, dst + kp * kPanel, zero);
 }
 
 }  // namespace
@@ -66,15 +80,30 @@ bf16 PackedWeights::at(std::size_t n, std::size_t k) const {
 }
 
 std::uint64_t PackedWeights::compute_checksum() const {
-  // FNV-1a over 64-bit words: cheap, and any changed bit changes the sum.
-  std::uint64_t h = 0xcbf29ce484222325ull;
+  // FNV-1a over 64-bit words in 8 interleaved lanes (word i into lane i mod
+  // 8, so that 8 multiplications are in flight rather than one chain), the
+  // lanes then folded in order by the same step. Each step is a bijection of
+  // its lane's state, so a change in any one word changes the sum.
+  constexpr std::uint64_t kBasis = 0xcbf29ce484222325ull, kPrime = 0x100000001b3ull;
+  constexpr std::size_t kLanes = 8;
+  std::uint64_t lane[kLanes];
+  std::fill(lane, lane + kLanes, kBasis);
   const std::size_t bytes = size() * sizeof(bf16);
   const auto* p = reinterpret_cast<const unsigned char*>(data_.get());
-  for (std::size_t i = 0; i + 8 <= bytes; i += 8) {
+  std::size_t i = 0;
+  for (; i + 8 * kLanes <= bytes; i += 8 * kLanes)
+    for (std::size_t l = 0; l < kLanes; ++l) {
+      std::uint64_t word;
+      std::memcpy(&word, p + i + 8 * l, 8);
+      lane[l] = (lane[l] ^ word) * kPrime;
+    }
+  for (std::size_t l = 0; i + 8 <= bytes; i += 8, ++l) {
     std::uint64_t word;
     std::memcpy(&word, p + i, 8);
-    h = (h ^ word) * 0x100000001b3ull;
+    lane[l] = (lane[l] ^ word) * kPrime;
   }
+  std::uint64_t h = kBasis;
+  for (std::uint64_t v : lane) h = (h ^ v) * kPrime;
   return h;
 }
 
