@@ -122,8 +122,8 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   //    expert, not once per row block; 256 columns leave enough items for
   //    every thread.
   //    Without keep_c1 each item's C goes to a scratch block of the thread
-  //    (up to 512 x 256 fp32, L2-sized) instead of c1 in memory: the SwiGLU is its
-  //    only reader, and the same bits come out.
+  //    (up to 512 x 256 fp32, L2-sized) instead of c1 in memory: the SwiGLU
+  //    is then its only reader, and the same bits come out.
   const std::size_t mb = round_up(512, kernel.mr), nb = 256;
   struct Scratch {  // grown to the largest item a thread meets, never value-initialised
     std::unique_ptr<float[]> data;
@@ -132,9 +132,11 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   oneapi::tbb::enumerable_thread_specific<Scratch> scratch;
   for_each_tile(tiles(g, st.ldc1, mb, nb), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
-    float* cb = st.c1 + r0 * st.ldc1;  // C of this item: row r0, column col0
+    float* cb;  // C of this item: its row 0 at row r0 of c1, column col0
     std::size_t ldc = st.ldc1, col0 = 0;
-    if (!keep_c1) {
+    if (keep_c1) {
+      cb = st.c1 + r0 * st.ldc1;
+    } else {
       Scratch& s = scratch.local();
       const std::size_t need = round_up(tl.m1 - tl.m0, kernel.mr) * nb;
       if (s.size < need) s.data.reset(new float[need]), s.size = need;
