@@ -140,6 +140,20 @@ TEST_CASE("layer: forward and backward within the derived bounds, every ISA and 
       }
 }
 
+TEST_CASE("layer: gradient sums over more rows than one block of the sums", "[layer]") {
+  // The LoRA and router-linear gradient sums walk their rows in blocks of 64
+  // (backward.cpp row_sums); here the router linear sums 150 tokens and each
+  // of the 4 experts gets about 75 rows. Level full: every gradient against
+  // the reference within its bound.
+  for (Isa isa : kernel_isas()) {
+    INFO(isa_name(isa));
+    const Problem p = make(RouterKind::softmax_topk, 4, 40, 24, 2, 4, 150);
+    ContractScope s{Level::full, Semantic::enforce};
+    const Run a = run(p, isa);
+    CHECK(std::isfinite(a.g.wr[0]));
+  }
+}
+
 TEST_CASE("layer: the paths sum to the full backward", "[layer]") {
   const Problem p = make(RouterKind::softmax_topk, 8, 32, 24, 2, 4, 16);
   const Run full = run(p, Isa::scalar), ex = run(p, Isa::scalar, {true, false}), rt = run(p, Isa::scalar, {false, true});
