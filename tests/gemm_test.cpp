@@ -518,6 +518,42 @@ TEST_CASE("gemm.loops: K blocking leaves every bit unchanged", "[gemm][loops]") 
   }
 }
 
+TEST_CASE("gemm.ukernel: the half-height kernel gives the full kernel's first rows bit for bit", "[gemm][amx]") {
+  // Edge blocks of at most MR/2 rows run on ukernel_half (AMX: 16 x 32, C
+  // tiles 0 and 1 only); each of its elements must be the full kernel's.
+  std::mt19937_64 rng(43);
+  const std::size_t k = 300, n = 32;
+  const auto wv = random_bf16(rng, n * k), av = random_bf16(rng, 32 * k), cv = random_bf16(rng, 32 * n);
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+  std::size_t checked = 0;
+  for (Isa isa : usable_isas()) {
+    const gemm::KernelInfo& kernel = gemm::kernel_info(isa);
+    if (!kernel.ukernel_half) continue;
+    std::vector<bf16> ap(gemm::a_size(kernel.a_layout, kernel.mr, w.kp()));
+    gemm::pack_a(kernel.a_layout, MatView<const bf16>(av.data(), kernel.mr, k), nullptr, kernel.mr, kernel.mr, w.kp(),
+                 ap.data());
+    for (bool acc : {false, true}) {
+      std::vector<float> full(kernel.mr * n), half(kernel.mr * n, NAN);
+      for (std::size_t i = 0; i < full.size(); ++i) full[i] = cv[i].to_float();
+      for (std::size_t i = 0; i < kernel.mr / 2 * n; ++i) half[i] = full[i];
+      gemm::UkernelArgs a{};
+      a.a = ap.data(), a.lda = gemm::a_stride(kernel.a_layout, w.kp()), a.b = w.data(), a.panel_stride = w.kp() * gemm::kPanel;
+      a.kp = w.kp(), a.ldc = n, a.accumulate = acc;
+      kernel.thread_begin();
+      a.c = full.data();
+      kernel.ukernel(a);
+      a.c = half.data();
+      kernel.ukernel_half(a);
+      kernel.thread_end();
+      INFO(isa_name(isa) << " accumulate=" << acc);
+      CHECK(std::memcmp(full.data(), half.data(), kernel.mr / 2 * n * 4) == 0);
+      for (std::size_t i = kernel.mr / 2 * n; i < half.size(); ++i) REQUIRE(std::isnan(half[i]));  // rows past MR/2 untouched
+      ++checked;
+    }
+  }
+  CHECK(checked >= 2);  // amx_emu is usable everywhere
+}
+
 TEST_CASE("storage: 64-byte aligned; 2 MiB and more aligned to 2 MiB", "[gemm][memory]") {
   for (std::size_t bytes : {std::size_t{1}, std::size_t{100}, std::size_t{2} << 20, (std::size_t{5} << 20) + 3}) {
     void* p = moecert::detail::allocate(bytes);

@@ -106,8 +106,10 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
             for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, c + ((m0 + i) * ldc + (n0 - opt.c_col0)), nn * sizeof(float));
           args.c = args2.c = blk;
           args.ldc = args2.ldc = nr;
-          kernel.ukernel(args);
-          if (args2.kp) kernel.ukernel(args2);
+          // At most half the rows: the kernel's half-height twin, if it has one.
+          const UkernelFn uk = mm <= mr / 2 && kernel.ukernel_half ? kernel.ukernel_half : kernel.ukernel;
+          uk(args);
+          if (args2.kp) uk(args2);
 #ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
           for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + ((m0 + i) * ldc + (n0 - opt.c_col0)), blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
 #else

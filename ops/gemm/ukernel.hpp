@@ -93,6 +93,7 @@ struct KernelInfo {
   std::size_t kc;         // K block of the loops (multiple of kKStep); 0: all of K in one call
   ALayout a_layout;       // how A is packed for it
   UkernelFn ukernel;
+  UkernelFn ukernel_half;  // or null: MR/2 x NR, for edge blocks of at most MR/2 rows (same bits per row)
   void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
   void (*thread_end)();    // after its last (AMX: tile release)
   SwigluFn swiglu;         // the epilogue to pair with it
@@ -111,6 +112,8 @@ void ukernel_scalar_8x32(const UkernelArgs&);
 void ukernel_avx512_bf16_8x32(const UkernelArgs&);
 void ukernel_amx_bf16_32x32(const UkernelArgs&);
 void ukernel_amx_emu_32x32(const UkernelArgs&);
+void ukernel_amx_bf16_16x32(const UkernelArgs&);
+void ukernel_amx_emu_16x32(const UkernelArgs&);
 void swiglu_scalar(const float* g, const float* u, bf16* h, std::size_t n);
 void swiglu_avx512(const float* g, const float* u, bf16* h, std::size_t n);
 void swiglu_backward_scalar(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du, std::size_t n);

@@ -1,4 +1,5 @@
-// The AMX microkernel body, 32 x 32, written once and templated on its tile
+// The AMX microkernel body, 32 x 32 (and its 16-row twin for edge blocks),
+// written once and templated on its tile
 // backend: hardware tiles (ukernel_amx_bf16.cpp) or the software model
 // (ukernel_amx_emu.cpp), so the emulator runs this very code.
 //
@@ -30,8 +31,13 @@ inline TileConfig tile_config() {
   return c;
 }
 
-template <class Tiles>
-inline void ukernel_32x32(const UkernelArgs& p) {
+// Rows = 32 (the kernel) or 16 (edge blocks of at most 16 rows: C tiles 0
+// and 1, A tile 4 only; every element's products and their order are the
+// 32-row kernel's, so its rows come out bit for bit the same).
+template <class Tiles, int Rows>
+inline void ukernel_rows(const UkernelArgs& p) {
+  static_assert(Rows == 16 || Rows == 32);
+  constexpr bool two = Rows == 32;
   const std::size_t ldc_bytes = p.ldc * sizeof(float);
   constexpr std::size_t kTile = kTileRows * kKStep;  // elements per A tile
   float* c0 = p.c;
@@ -41,8 +47,10 @@ inline void ukernel_32x32(const UkernelArgs& p) {
   if (p.accumulate) {
     Tiles::template load<0>(c0, ldc_bytes);
     Tiles::template load<1>(c1, ldc_bytes);
-    Tiles::template load<2>(c2, ldc_bytes);
-    Tiles::template load<3>(c3, ldc_bytes);
+    if constexpr (two) {
+      Tiles::template load<2>(c2, ldc_bytes);
+      Tiles::template load<3>(c3, ldc_bytes);
+    }
   } else {
 #ifdef MOECERT_MUTANT_C_TILE_NOT_ZEROED
     (void)0;  // mutant (docs/MUTANTS.md): C tile 0 not zeroed: it keeps the last block's sums
@@ -50,15 +58,17 @@ inline void ukernel_32x32(const UkernelArgs& p) {
     Tiles::template zero<0>();
 #endif
     Tiles::template zero<1>();
-    Tiles::template zero<2>();
-    Tiles::template zero<3>();
+    if constexpr (two) {
+      Tiles::template zero<2>();
+      Tiles::template zero<3>();
+    }
   }
   const bf16* a0 = p.a;          // rows 0-15: tile per k step, contiguous
-  const bf16* a1 = p.a + p.lda;  // rows 16-31
+  const bf16* a1 = p.a + p.lda;  // rows 16-31 (32 rows only)
   const bf16* b0 = p.b;
   const bf16* b1 = p.b + p.panel_stride;
   for (std::size_t k = 0; k < p.kp; k += kKStep) {
-    // Prefetch the next k step's four tiles into L1: a tile register cannot
+    // Prefetch the next k step's tiles into L1: a tile register cannot
     // be loaded again until the products reading it are done, so without
     // this every TILELOADD waits for L2 (measured on the AMX machine:
     // 0.30 -> 0.43 TFLOP/s on one core, 4.4 -> 5.3 on 16).
@@ -66,24 +76,33 @@ inline void ukernel_32x32(const UkernelArgs& p) {
       const std::size_t kn = k + kKStep;
       for (std::size_t r = 0; r < 16; ++r) {
         __builtin_prefetch(a0 + (kn / kKStep) * kTile + r * kKStep, 0, 3);
-        __builtin_prefetch(a1 + (kn / kKStep) * kTile + r * kKStep, 0, 3);
+        if constexpr (two) __builtin_prefetch(a1 + (kn / kKStep) * kTile + r * kKStep, 0, 3);
         __builtin_prefetch(b0 + kn * kPanel + r * 2 * kPanel, 0, 3);
         __builtin_prefetch(b1 + kn * kPanel + r * 2 * kPanel, 0, 3);
       }
     }
     Tiles::template load<4>(a0 + (k / kKStep) * kTile, 64);
-    Tiles::template load<5>(a1 + (k / kKStep) * kTile, 64);
+    if constexpr (two) Tiles::template load<5>(a1 + (k / kKStep) * kTile, 64);
     Tiles::template load<6>(b0 + k * kPanel, 64);  // 16 rows of 64 bytes from k/2
     Tiles::template load<7>(b1 + k * kPanel, 64);
     Tiles::template dp<0, 4, 6>();
     Tiles::template dp<1, 4, 7>();
-    Tiles::template dp<2, 5, 6>();
-    Tiles::template dp<3, 5, 7>();
+    if constexpr (two) {
+      Tiles::template dp<2, 5, 6>();
+      Tiles::template dp<3, 5, 7>();
+    }
   }
   Tiles::template store<0>(c0, ldc_bytes);
   Tiles::template store<1>(c1, ldc_bytes);
-  Tiles::template store<2>(c2, ldc_bytes);
-  Tiles::template store<3>(c3, ldc_bytes);
+  if constexpr (two) {
+    Tiles::template store<2>(c2, ldc_bytes);
+    Tiles::template store<3>(c3, ldc_bytes);
+  }
 }
+
+template <class Tiles>
+inline void ukernel_32x32(const UkernelArgs& p) { ukernel_rows<Tiles, 32>(p); }
+template <class Tiles>
+inline void ukernel_16x32(const UkernelArgs& p) { ukernel_rows<Tiles, 16>(p); }
 
 }  // namespace moecert::gemm::amx
