@@ -185,7 +185,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
                        kr2, st.scale, lb_d + gemm::a_offset(layout, ld_lb2, g.begin[e], 0));
     });
   }
-  for_each_tile(tiles(g, hidden, mb, 256), [&](const Tile& tl) {
+  for_each_tile(tiles(g, hidden, mb, nb), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     gemm::BlockOptions bo;
     if (rank) bo.a2 = lb_d + gemm::a_offset(layout, ld_lb2, r0, 0), bo.w2 = &lora->experts[tl.e].b_d;

@@ -95,15 +95,16 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
         const std::size_t mm = std::min(mr, m - m0);
         args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
         if (args2.kp) args2.a = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
+        float* const cblk = c + (m0 * ldc + (n0 - opt.c_col0));  // C's element (m0, n0)
         if (mm == mr && nn == nr) {  // full block: straight into C
-          args.c = args2.c = c + (m0 * ldc + (n0 - opt.c_col0));
+          args.c = args2.c = cblk;
           args.ldc = args2.ldc = ldc;
           kernel.ukernel(args);
           if (args2.kp) kernel.ukernel(args2);
         } else {  // edge: through a scratch block, C's valid part copied in and out
           float* blk = edge + 0;
           if (args.accumulate)
-            for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, c + ((m0 + i) * ldc + (n0 - opt.c_col0)), nn * sizeof(float));
+            for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
           args.c = args2.c = blk;
           args.ldc = args2.ldc = nr;
           // At most half the rows: the kernel's half-height twin, if it has one.
@@ -111,9 +112,9 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
           uk(args);
           if (args2.kp) uk(args2);
 #ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
-          for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + ((m0 + i) * ldc + (n0 - opt.c_col0)), blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
+          for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
 #else
-          for (std::size_t i = 0; i < mm; ++i) std::memcpy(c + ((m0 + i) * ldc + (n0 - opt.c_col0)), blk + i * nr, nn * sizeof(float));
+          for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
 #endif
         }
         if (opt.epilogue && last) opt.epilogue(m0, m0 + mm, n0, n0 + nn);

@@ -1,7 +1,7 @@
 // The AMX microkernel body, 32 x 32 (and its 16-row twin for edge blocks),
-// written once and templated on its tile
-// backend: hardware tiles (ukernel_amx_bf16.cpp) or the software model
-// (ukernel_amx_emu.cpp), so the emulator runs this very code.
+// written once and templated on its tile backend: hardware tiles
+// (ukernel_amx_bf16.cpp) or the software model (ukernel_amx_emu.cpp), so the
+// emulator runs this very code.
 //
 // C tiles 0-3 (16 x 16 fp32 each) hold the 32 x 32 block of C; per 32-wide
 // k step, A tiles 4, 5 (16 rows x 32 bf16) and B tiles 6, 7 (16 k pairs x 16
