@@ -6,8 +6,9 @@
 // does not). Rank-r sums: 16 columns per register, the rows' order kept.
 // Scaled rounding to bf16: the same integer rounding.
 // Own ISA flags.
-#if defined(__GNUC__) && !defined(__clang__)  // GCC 12 warns of the _mm512_undefined_* values in its own intrinsics
+#if defined(__GNUC__) && !defined(__clang__)  // GCC 12 warns of the _mm*_undefined_* values in its own intrinsics
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 
@@ -124,6 +125,16 @@ void scale_to_bf16_avx512(const float* src, float scale, bf16* dst, std::size_t 
 }
 
 namespace {
+// The scalar twin's fixed tree a[l] += a[l + w] for w = 8, 4, 2, 1, in
+// registers (through a stack array, GCC kept all TX x TW accumulators in
+// memory and stored each one on every step of the dot16 loop).
+inline float tree16(__m512 a) {
+  const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+  const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));  // lanes 0, 1: a4[0] + a4[2], a4[1] + a4[3]
+  return _mm_cvtss_f32(_mm_add_ss(a2, _mm_movehdup_ps(a2)));  // a2[0] + a2[1]
+}
+
 // TX x TW dot products at once, each its own accumulator: lane l sums the
 // terms h = l mod 16 in order, lanes past n untouched (as in the scalar loop).
 template <int TX, int TW>
@@ -131,8 +142,17 @@ void dot16_block(const float* const* x, const float* w, std::size_t ldw, std::si
   __m512 acc[TX][TW];
   for (int i = 0; i < TX; ++i)
     for (int e = 0; e < TW; ++e) acc[i][e] = _mm512_setzero_ps();
-  for (std::size_t h = 0; h < n; h += 16) {
-    const __mmask16 m = n - h >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - h)) - 1);
+  std::size_t h = 0;
+  for (; h + 16 <= n; h += 16) {
+    __m512 wv[TW];
+    for (int e = 0; e < TW; ++e) wv[e] = _mm512_loadu_ps(w + e * ldw + h);
+    for (int i = 0; i < TX; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x[i] + h);
+      for (int e = 0; e < TW; ++e) acc[i][e] = _mm512_add_ps(acc[i][e], _mm512_mul_ps(xv, wv[e]));
+    }
+  }
+  if (h < n) {  // lanes past n keep their sums
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - h)) - 1);
     __m512 wv[TW];
     for (int e = 0; e < TW; ++e) wv[e] = _mm512_maskz_loadu_ps(m, w + e * ldw + h);
     for (int i = 0; i < TX; ++i) {
@@ -140,14 +160,8 @@ void dot16_block(const float* const* x, const float* w, std::size_t ldw, std::si
       for (int e = 0; e < TW; ++e) acc[i][e] = _mm512_mask_add_ps(acc[i][e], m, acc[i][e], _mm512_mul_ps(xv, wv[e]));
     }
   }
-  alignas(64) float a[16];
   for (int i = 0; i < TX; ++i)
-    for (int e = 0; e < TW; ++e) {
-      _mm512_store_ps(a, acc[i][e]);
-      for (int width = 8; width >= 1; width /= 2)
-        for (int l = 0; l < width; ++l) a[l] += a[l + width];
-      out[i * ldo + e] = a[0];
-    }
+    for (int e = 0; e < TW; ++e) out[i * ldo + e] = tree16(acc[i][e]);
 }
 }  // namespace
 
