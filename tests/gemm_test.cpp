@@ -462,7 +462,7 @@ TEST_CASE("gemm.rank_sums: every implementation is the row-order fp32 sum", "[ge
   std::vector<gemm::RankSumFn> impls = {gemm::rank_sums_scalar};
   if (isa_usable(Isa::avx512_bf16)) impls.push_back(gemm::rank_sums_avx512);
   for (const std::size_t r : {1, 3, 8, 9, 19})
-    for (const std::size_t n : {1, 15, 16, 33, 70})
+    for (const std::size_t n : {1, 15, 16, 33, 64, 70})
       for (const bool bf : {false, true})
         for (const bool scaled : {false, true}) {
           const std::size_t m = 23, ldv = n + 5, lds = r + 2, ldacc = n + 3;

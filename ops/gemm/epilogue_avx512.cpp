@@ -60,9 +60,12 @@ inline __m512 sigmoid_neg_exp(__m512 g) {  // 1 / (1 + exp(-g))
 
 // Columns [j0, j0 + 16 * R) of every k < KR (KR accumulator rows), masked
 // past n: the loop over rows q innermost, so the accumulators stay in
-// registers.
-template <int KR, int R>
+// registers. Full blocks load without masks: with a masked load in the
+// loop, GCC 12 kept acc in a stack array and stored all of it on every row.
+template <int KR, int R, bool Bf16, bool Scale, bool Full>
 void rank_block(const RankSumArgs& p, std::size_t k0, std::size_t j0) {
+  static_assert(R == 2);  // the prefetch below covers 32 columns
+  constexpr std::size_t kAhead = 2;
   __mmask16 mask[R];
   __m512 acc[KR][R];
   for (int c = 0; c < R; ++c) {
@@ -76,12 +79,25 @@ void rank_block(const RankSumArgs& p, std::size_t k0, std::size_t j0) {
 #else
   for (std::size_t q = 0; q < p.m; ++q) {
 #endif
+    if (q + kAhead < p.m) {  // this block's columns of a later row (rows are often scattered, one page each)
+      const char* next = static_cast<const char*>(p.v[q + kAhead]) + j0 * (Bf16 ? 2 : 4);
+      _mm_prefetch(next, _MM_HINT_T0);
+      if constexpr (!Bf16) _mm_prefetch(next + 64, _MM_HINT_T0);
+    }
     __m512 v[R];
     for (int c = 0; c < R; ++c) {
       const std::size_t j = j0 + 16 * c;
-      v[c] = p.v_bf16 ? from_bf16(_mm256_maskz_loadu_epi16(mask[c], static_cast<const bf16*>(p.v[q]) + j))
-                      : _mm512_maskz_loadu_ps(mask[c], static_cast<const float*>(p.v[q]) + j);
-      if (p.vscale) v[c] = _mm512_mul_ps(_mm512_set1_ps(p.vscale[q]), v[c]);
+      const bf16* vb = static_cast<const bf16*>(p.v[q]) + j;
+      const float* vf = static_cast<const float*>(p.v[q]) + j;
+      if constexpr (Bf16 && Full)
+        v[c] = from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb)));
+      else if constexpr (Bf16)
+        v[c] = from_bf16(_mm256_maskz_loadu_epi16(mask[c], vb));
+      else if constexpr (Full)
+        v[c] = _mm512_loadu_ps(vf);
+      else
+        v[c] = _mm512_maskz_loadu_ps(mask[c], vf);
+      if constexpr (Scale) v[c] = _mm512_mul_ps(_mm512_set1_ps(p.vscale[q]), v[c]);
     }
     const float* s = p.s + q * p.lds + k0;
     for (int k = 0; k < KR; ++k) {
@@ -93,9 +109,19 @@ void rank_block(const RankSumArgs& p, std::size_t k0, std::size_t j0) {
     for (int c = 0; c < R; ++c) _mm512_mask_storeu_ps(p.acc + (k0 + k) * p.ldacc + j0 + 16 * c, mask[c], acc[k][c]);
 }
 
+template <int KR, bool Bf16, bool Scale>
+void rank_cols(const RankSumArgs& p, std::size_t k0) {
+  std::size_t j0 = 0;
+  for (; j0 + 32 <= p.n; j0 += 32) rank_block<KR, 2, Bf16, Scale, true>(p, k0, j0);
+  if (j0 < p.n) rank_block<KR, 2, Bf16, Scale, false>(p, k0, j0);
+}
+
 template <int KR>
 void rank_rows(const RankSumArgs& p, std::size_t k0) {
-  for (std::size_t j0 = 0; j0 < p.n; j0 += 32) rank_block<KR, 2>(p, k0, j0);
+  if (p.v_bf16)
+    p.vscale ? rank_cols<KR, true, true>(p, k0) : rank_cols<KR, true, false>(p, k0);
+  else
+    p.vscale ? rank_cols<KR, false, true>(p, k0) : rank_cols<KR, false, false>(p, k0);
 }
 
 }  // namespace
