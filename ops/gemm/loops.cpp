@@ -20,7 +20,10 @@ void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::siz
       bf16* d = dst + i * lda;
       if (valid) std::memcpy(static_cast<void*>(d), src, valid * sizeof(bf16));
       std::fill(d + valid, d + kp, zero);
-    } else {  // the row's 32-element pieces, one per tile
+    } else if (valid == kp) {  // the row's 32-element pieces, one per tile; a fixed-size copy each
+      for (std::size_t k0 = 0; k0 < kp; k0 += kKStep)
+        std::memcpy(static_cast<void*>(dst + a_offset(l, lda, i, k0)), src + k0, kKStep * sizeof(bf16));
+    } else {  // the same with K padding
       for (std::size_t k0 = 0; k0 < kp; k0 += kKStep) {
         bf16* d = dst + a_offset(l, lda, i, k0);
         const std::size_t n = k0 < valid ? std::min(kKStep, valid - k0) : 0;
@@ -81,36 +84,31 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
       args.panel_stride = kp * kPanel;
       args.kp = kc;
       args.accumulate = opt.accumulate || k0 > 0;
-      UkernelArgs args2{};
-      if (opt.w2 && last) {
-        args2.lda = lda2;
-        args2.b = opt.w2->data() + (n0 / kPanel) * kp2 * kPanel;
-        args2.panel_stride = kp2 * kPanel;
-        args2.kp = kp2;
-        args2.accumulate = true;
+      if (opt.w2 && last) {  // the second product, in the same kernel call
+        args.lda2 = lda2;
+        args.b2 = opt.w2->data() + (n0 / kPanel) * kp2 * kPanel;
+        args.panel_stride2 = kp2 * kPanel;
+        args.kp2 = kp2;
       }
-      // Loop 3: MR-tall row blocks, one microkernel call each (two with a
-      // second product).
+      // Loop 3: MR-tall row blocks, one microkernel call each.
       for (std::size_t m0 = 0; m0 < m; m0 += mr) {
         const std::size_t mm = std::min(mr, m - m0);
         args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
-        if (args2.kp) args2.a = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
+        if (args.kp2) args.a2 = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
         float* const cblk = c + (m0 * ldc + (n0 - opt.c_col0));  // C's element (m0, n0)
         if (mm == mr && nn == nr) {  // full block: straight into C
-          args.c = args2.c = cblk;
-          args.ldc = args2.ldc = ldc;
+          args.c = cblk;
+          args.ldc = ldc;
           kernel.ukernel(args);
-          if (args2.kp) kernel.ukernel(args2);
         } else {  // edge: through a scratch block, C's valid part copied in and out
           float* blk = edge + 0;
           if (args.accumulate)
             for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
-          args.c = args2.c = blk;
-          args.ldc = args2.ldc = nr;
+          args.c = blk;
+          args.ldc = nr;
           // At most half the rows: the kernel's half-height twin, if it has one.
           const UkernelFn uk = mm <= mr / 2 && kernel.ukernel_half ? kernel.ukernel_half : kernel.ukernel;
           uk(args);
-          if (args2.kp) uk(args2);
 #ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
           for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
 #else

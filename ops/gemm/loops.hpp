@@ -52,10 +52,10 @@ struct BlockOptions {
   /// c[i * ldc + j - c_col0] (a C buffer of one item's columns, c_col0 =
   /// n_begin). The epilogue still sees W's column numbers.
   std::size_t c_col0 = 0;
-  /// A second product added to each C block right after the first, while
-  /// the block is in cache: C += A2 W2^T, A2 packed like A (same rows, its
-  /// own depth w2->kp()), W2 with at least n_end columns. Every bit as a
-  /// second gemm_block call with `accumulate` (the LoRA products).
+  /// A second product added to each C block in the same microkernel call,
+  /// before C is stored: C += A2 W2^T, A2 packed like A (same rows, its own
+  /// depth w2->kp()), W2 with at least n_end columns. Every bit as a second
+  /// gemm_block call with `accumulate` (the LoRA products).
   const bf16* a2 = nullptr;
   const PackedWeights* w2 = nullptr;
   /// Called on each finished block of C (after both products, once per

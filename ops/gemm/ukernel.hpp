@@ -39,6 +39,15 @@ struct UkernelArgs {
   float* c;                  // MR x NR, stride ldc elements
   std::size_t ldc;
   bool accumulate;           // false: C is written without being read (it may hold NaN)
+  // An optional second product into the same C (kp2 > 0): after the K steps
+  // of (a, b), those of (a2, b2), before C is stored. Every bit as a second
+  // call with accumulate, since C's store and reload between them are exact
+  // (the LoRA products, without the round trip of C through memory).
+  const bf16* a2 = nullptr;  // like a: the same MR rows, depth kp2
+  std::size_t lda2 = 0;
+  const bf16* b2 = nullptr;  // like b
+  std::size_t panel_stride2 = 0;
+  std::size_t kp2 = 0;
 };
 
 using UkernelFn = void (*)(const UkernelArgs&);

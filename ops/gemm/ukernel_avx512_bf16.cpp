@@ -15,26 +15,32 @@ namespace {
 
 constexpr int kMr = 8;
 
+inline void steps(__m512 (&acc)[kMr][2], const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride,
+                  std::size_t kp) {
+  const bf16* b0 = b;
+  const bf16* b1 = b + panel_stride;
+  const std::size_t kpairs = kp / 2;
+  for (std::size_t kk = 0; kk < kpairs; ++kk) {
+    const __m512bh vb0 = (__m512bh)_mm512_loadu_si512(b0 + kk * 32);
+    const __m512bh vb1 = (__m512bh)_mm512_loadu_si512(b1 + kk * 32);
+    for (int i = 0; i < kMr; ++i) {
+      int32_t pair;
+      __builtin_memcpy(&pair, a + i * lda + 2 * kk, sizeof pair);
+      const __m512bh va = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], va, vb0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], va, vb1);
+    }
+  }
+}
+
 template <bool kAccumulate>
 inline void run(const UkernelArgs& p) {
   __m512 acc[kMr][2];
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h)
       acc[i][h] = kAccumulate ? _mm512_loadu_ps(p.c + i * p.ldc + h * 16) : _mm512_setzero_ps();
-  const bf16* b0 = p.b;
-  const bf16* b1 = p.b + p.panel_stride;
-  const std::size_t kpairs = p.kp / 2;
-  for (std::size_t kk = 0; kk < kpairs; ++kk) {
-    const __m512bh vb0 = (__m512bh)_mm512_loadu_si512(b0 + kk * 32);
-    const __m512bh vb1 = (__m512bh)_mm512_loadu_si512(b1 + kk * 32);
-    for (int i = 0; i < kMr; ++i) {
-      int32_t pair;
-      __builtin_memcpy(&pair, p.a + i * p.lda + 2 * kk, sizeof pair);
-      const __m512bh va = (__m512bh)_mm512_set1_epi32(pair);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], va, vb0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], va, vb1);
-    }
-  }
+  steps(acc, p.a, p.lda, p.b, p.panel_stride, p.kp);
+  if (p.kp2) steps(acc, p.a2, p.lda2, p.b2, p.panel_stride2, p.kp2);
   for (int i = 0; i < kMr; ++i)
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(p.c + i * p.ldc + h * 16, acc[i][h]);
 }

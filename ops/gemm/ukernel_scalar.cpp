@@ -12,16 +12,15 @@ namespace {
 constexpr std::size_t kMr = 8, kNr = 32;
 }  // namespace
 
-void ukernel_scalar_8x32(const UkernelArgs& p) {
-  float acc[kMr][kNr];
-  for (std::size_t i = 0; i < kMr; ++i)
-    for (std::size_t j = 0; j < kNr; ++j) acc[i][j] = p.accumulate ? p.c[i * p.ldc + j] : 0.0f;
-  for (std::size_t kk = 0; kk < p.kp / 2; ++kk) {
+namespace {
+void steps(float (&acc)[kMr][kNr], const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride,
+           std::size_t kp) {
+  for (std::size_t kk = 0; kk < kp / 2; ++kk) {
     for (std::size_t half = 0; half < kNr / kPanel; ++half) {
-      const bf16* brow = p.b + half * p.panel_stride + kk * 2 * kPanel;
+      const bf16* brow = b + half * panel_stride + kk * 2 * kPanel;
       for (std::size_t i = 0; i < kMr; ++i) {
-        const float a0 = p.a[i * p.lda + 2 * kk].to_float();
-        const float a1 = p.a[i * p.lda + 2 * kk + 1].to_float();
+        const float a0 = a[i * lda + 2 * kk].to_float();
+        const float a1 = a[i * lda + 2 * kk + 1].to_float();
         for (std::size_t n = 0; n < kPanel; ++n) {
           float& c = acc[i][half * kPanel + n];
           c += a0 * brow[2 * n].to_float();
@@ -30,6 +29,15 @@ void ukernel_scalar_8x32(const UkernelArgs& p) {
       }
     }
   }
+}
+}  // namespace
+
+void ukernel_scalar_8x32(const UkernelArgs& p) {
+  float acc[kMr][kNr];
+  for (std::size_t i = 0; i < kMr; ++i)
+    for (std::size_t j = 0; j < kNr; ++j) acc[i][j] = p.accumulate ? p.c[i * p.ldc + j] : 0.0f;
+  steps(acc, p.a, p.lda, p.b, p.panel_stride, p.kp);
+  if (p.kp2) steps(acc, p.a2, p.lda2, p.b2, p.panel_stride2, p.kp2);
   for (std::size_t i = 0; i < kMr; ++i)
     for (std::size_t j = 0; j < kNr; ++j) p.c[i * p.ldc + j] = acc[i][j];
 }
