@@ -2,6 +2,7 @@
 // training steps on one saved state: the LoRA factors change between them)
 // and of the workspace plan of FIELD_NOTES 4.
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include <oneapi/tbb/global_control.h>
@@ -119,9 +120,17 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
   }
   r.deterministic = many == one;
   expect(r, r.deterministic, "results differ between 1 and N threads");
-  if (r.verdict == Verdict::pass)
+  if (r.verdict == Verdict::pass) {
     r.detail = fmt::format("2 training steps; y, dx, router, LoRA{} gradients within proofs/layer.md (level full)",
                            base ? " and base-weight" : "");
+    if (isa == Isa::amx_bf16) {  // every output of both steps, LoRA products fused in the kernel included
+      Layer c = make(kind, ctx.seed + 3, dims);
+      const auto emu = steps(c, Isa::amx_emu, base);
+      const bool exact = emu.size() == many.size() && std::memcmp(emu.data(), many.data(), many.size() * sizeof(float)) == 0;
+      r.detail += exact ? "; bit-exact with amx_emu" : "";
+      expect(r, exact, "amx_bf16 and amx_emu differ bitwise");
+    }
+  }
   return r;
 }
 
