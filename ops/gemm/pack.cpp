@@ -24,17 +24,19 @@ void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst)
   constexpr std::size_t lo = 0, hi = 1;
 #endif
   const std::size_t rows = w.rows > p * kPanel ? std::min(kPanel, w.rows - p * kPanel) : 0;
-  const std::size_t pairs = (w.cols + 1) / 2;
+  const std::size_t pairs = (w.cols + 1) / 2, whole = w.cols / 2;  // k pairs; those without K's odd end
   const bf16 zero{};
+  const bf16* src[kPanel];
+  for (std::size_t n = 0; n < rows; ++n) src[n] = w.row(p * kPanel + n);
   for (std::size_t kk = 0; kk < pairs; ++kk) {
     bf16* d = dst + kk * 2 * kPanel;
     const std::size_t k = 2 * kk;
-    for (std::size_t n = 0; n < rows; ++n) {
-      const bf16* src = w.row(p * kPanel + n) + k;
-      d[2 * n + lo] = src[0];
-      d[2 * n + hi] = k + 1 < w.cols ? src[1] : zero;
+    if (kk < whole) {
+      for (std::size_t n = 0; n < rows; ++n) d[2 * n + lo] = src[n][k], d[2 * n + hi] = src[n][k + 1];
+    } else {
+      for (std::size_t n = 0; n < rows; ++n) d[2 * n + lo] = src[n][k], d[2 * n + hi] = zero;
     }
-    std::fill(d + 2 * rows, d + 2 * kPanel, zero);
+    if (rows < kPanel) std::fill(d + 2 * rows, d + 2 * kPanel, zero);
   }
   std::fill(dst + pairs * 2 * kPanel, dst + kp * kPanel, zero);
 }
