@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include <oneapi/tbb/parallel_for.h>
@@ -62,28 +63,35 @@ void row_sums(const gemm::KernelInfo& kernel, std::size_t q0, std::size_t m, std
 // expert's rows q of s[q][k] * v_q[n] ([r x N] blocks: A factors), or, with
 // `transposed`, out[e * N + n][k] ([N x r] blocks: B factors). s: r values
 // per grouped row at stride lds; row_scale: a factor of v per grouped row,
-// or null. Tasks (expert, 128 columns), one writer per element.
+// or null. Several outputs share one pass over the rows v_q: output p takes
+// s's values p r .. p r + r - 1 (an empty view: not wanted). Tasks (expert,
+// 128 columns), one writer per element.
 template <class RowAt>
 void expert_sums(const gemm::KernelInfo& kernel, const experts::Grouping& gr, std::size_t r, std::size_t n_cols,
                  bool transposed, const float* s, std::size_t lds, const float* row_scale, bool v_bf16, RowAt row_at,
-                 std::size_t chunk, std::size_t shift, float scale, MatView<float> out) {
-  if (out.empty()) return;
+                 std::size_t chunk, std::size_t shift, float scale, std::initializer_list<MatView<float>> outs) {
+  if (std::all_of(outs.begin(), outs.end(), [](const MatView<float>& o) { return o.empty(); })) return;
   constexpr std::size_t kCols = 128;
-  const std::size_t blocks = (n_cols + kCols - 1) / kCols;
+  const std::size_t blocks = (n_cols + kCols - 1) / kCols, rs = r * outs.size();
   oneapi::tbb::parallel_for(std::size_t{0}, gr.experts * blocks, [&](std::size_t task) {
     const std::size_t e = task / blocks, n0 = task % blocks * kCols, n1 = std::min(n_cols, n0 + kCols);
-    std::vector<float> acc(r * (n1 - n0), 0.0f);
+    std::vector<float> acc(rs * (n1 - n0), 0.0f);
 #ifdef MOECERT_MUTANT_EMPTY_EXPERT_GRAD_UNINIT
     if (!gr.count[e]) return;  // mutant (docs/MUTANTS.md): idle experts' gradients left unwritten
 #endif
-    row_sums(kernel, gr.begin[e], gr.count[e], r, s + gr.begin[e] * lds, lds, row_scale ? row_scale + gr.begin[e] : nullptr,
+    row_sums(kernel, gr.begin[e], gr.count[e], rs, s + gr.begin[e] * lds, lds, row_scale ? row_scale + gr.begin[e] : nullptr,
              v_bf16, row_at, chunk, shift, n0, n1, acc.data(), n1 - n0);
-    for (std::size_t k = 0; k < r; ++k)
-      for (std::size_t j = n0; j < n1; ++j) {
-        const float v = scale * acc[k * (n1 - n0) + (j - n0)];
-        if (transposed) out(e * n_cols + j, k) = v;
-        else out(e * r + k, j) = v;
-      }
+    const float* a = acc.data();
+    for (const MatView<float>& out : outs) {
+      if (!out.empty())
+        for (std::size_t k = 0; k < r; ++k)
+          for (std::size_t j = n0; j < n1; ++j) {
+            const float v = scale * a[k * (n1 - n0) + (j - n0)];
+            if (transposed) out(e * n_cols + j, k) = v;
+            else out(e * r + k, j) = v;
+          }
+      a += r * (n1 - n0);
+    }
   });
 }
 
@@ -249,11 +257,11 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
       }
       expert_sums(
           kernel, gr, r, H, true, st.ha, r, wts.data(), false,
-          [&](std::size_t q, std::size_t m) -> const void* { return dy.row(token_of(q)) + m; }, 0, 0, sc, grads.b_down);
+          [&](std::size_t q, std::size_t m) -> const void* { return dy.row(token_of(q)) + m; }, 0, 0, sc, {grads.b_down});
       expert_sums(
           kernel, gr, r, I, false, wdyb.data(), r, nullptr, true,
           [&](std::size_t q, std::size_t i) -> const void* { return &st.h[gemm::a_offset(layout, st.ldh, q, i)]; }, chunk,
-          0, sc, grads.a_down);
+          0, sc, {grads.a_down});
     }
   }
 
@@ -316,14 +324,13 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
   if (r && opt.expert_path) {
     // dB_g[e] = s sum_rows dg xa_g^T, dA_g[e] = s sum_rows dgb_g x^T; up likewise.
     auto x_at = [&](std::size_t q, std::size_t m) -> const void* { return x.row(token_of(q)) + m; };
-    for (std::size_t part = 0; part < 2; ++part) {  // gate, up
+    for (std::size_t part = 0; part < 2; ++part)  // gate, up
       expert_sums(
           kernel, gr, r, I, true, st.xa + part * r, 2 * r, nullptr, true,
           [&](std::size_t q, std::size_t i) -> const void* { return &dgu_at(q, part * I + i); }, chunk, part * I, sc,
-          part ? grads.b_up : grads.b_gate);
-      expert_sums(kernel, gr, r, H, false, dgb + part * r, 2 * r, nullptr, true, x_at, 0, 0, sc,
-                  part ? grads.a_up : grads.a_gate);
-    }
+          {part ? grads.b_up : grads.b_gate});
+    // Both A factors in one pass over the x rows (dgb: r gate values, then r up).
+    expert_sums(kernel, gr, r, H, false, dgb, 2 * r, nullptr, true, x_at, 0, 0, sc, {grads.a_gate, grads.a_up});
   } else {
     for (const auto& g : {grads.a_gate, grads.b_gate, grads.a_up, grads.b_up, grads.a_down, grads.b_down})
       if (!g.empty()) zero(g);
