@@ -45,24 +45,22 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
     auto ad = [&](std::size_t k, std::size_t i) { return l.a_down(e * r + k, i); };
     auto bd = [&](std::size_t h, std::size_t k) { return l.b_down(e * H + h, k); };
     PackedLoraExpert& p = out.experts[e];
-    Dense agu(2 * r, H), bg0(I, 2 * r), bu0(I, 2 * r), a_d(r, I), b_d(H, r);
+    Dense agu(2 * r, H), bg0(I, 2 * r), bu0(I, 2 * r);
     for (std::size_t k = 0; k < r; ++k)
       for (std::size_t h = 0; h < H; ++h) agu(k, h) = ag(k, h), agu(r + k, h) = au(k, h);
     for (std::size_t i = 0; i < I; ++i)
       for (std::size_t k = 0; k < r; ++k) bg0(i, k) = bg(i, k), bu0(i, r + k) = bu(i, k);
-    for (std::size_t k = 0; k < r; ++k)
-      for (std::size_t i = 0; i < I; ++i) a_d(k, i) = ad(k, i);
-    for (std::size_t h = 0; h < H; ++h)
-      for (std::size_t k = 0; k < r; ++k) b_d(h, k) = bd(h, k);
+    // A_d[e] and B_d[e] are row blocks of the stacked factors: packed in place.
+    const MatView<const bf16> a_d(l.a_down.row(e * r), r, I, l.a_down.stride), b_d(l.b_down.row(e * H), H, r, l.b_down.stride);
     p.a_gu = gemm::PackedWeights::pack(agu.view(), {}, std::move(p.a_gu));
     p.b_gu = gemm::PackedWeights::pack(bg0.view(), bu0.view(), std::move(p.b_gu));
-    p.a_d = gemm::PackedWeights::pack(a_d.view(), {}, std::move(p.a_d));
+    p.a_d = gemm::PackedWeights::pack(a_d, {}, std::move(p.a_d));
 #ifdef MOECERT_MUTANT_LORA_PADDING_GARBAGE
-    p.b_d = gemm::PackedWeights::pack(b_d.view(), {}, std::move(p.b_d));
+    p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
     if (p.b_d.kp() > r)  // mutant (docs/MUTANTS.md): rank padding (column 0, k = r) not zero
       p.b_d.mutable_data_for_testing()[(r / 2) * 2 * gemm::kPanel + r % 2] = bf16(0.5f);
 #else
-    p.b_d = gemm::PackedWeights::pack(b_d.view(), {}, std::move(p.b_d));
+    p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
 #endif
     if (!backward) {
       for (auto* t : {&p.b_d_t, &p.a_d_t, &p.b_gu_t, &p.a_gu_t}) *t = gemm::PackedWeights{};
