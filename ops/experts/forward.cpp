@@ -13,6 +13,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/experts.hpp"
 #include "moecert/isa.hpp"
+#include "ops/core/prefetch.hpp"
 #include "ops/gemm/loops.hpp"
 #include "ops/workspace/planner.hpp"
 
@@ -196,6 +197,10 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   arena.enter(workspace::f_combine, chk);
   oneapi::tbb::parallel_for(std::size_t{0}, t_count, [&](std::size_t t) {
     float* yt = y.row(t);
+    if (t + 1 < t_count)  // the next token's rows
+      for (std::size_t j = 0; j < k; ++j)
+        if (const std::int64_t next = g.slot_row[(t + 1) * k + j]; next >= 0)
+          moecert::detail::prefetch_lines(st.o + static_cast<std::size_t>(next) * st.ldo, hidden * sizeof(float));
     std::fill(yt, yt + hidden, 0.0f);
     for (std::size_t j = 0; j < k; ++j) {
       const std::int64_t row = g.slot_row[t * k + j];

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "ops/core/prefetch.hpp"
+
 namespace moecert::gemm {
 
 void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
@@ -16,6 +18,7 @@ void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::siz
   for (std::size_t i = 0; i < m_padded; ++i) {
     const bf16* src = i < m ? a.row(rows ? static_cast<std::size_t>(rows[i]) : i) : nullptr;
     const std::size_t valid = src ? a.cols : 0;
+    if (rows && i + 1 < m) detail::prefetch_lines(a.row(static_cast<std::size_t>(rows[i + 1])), a.cols * sizeof(bf16));
     if (l == ALayout::rows) {  // one contiguous row
       bf16* d = dst + i * lda;
       if (valid) std::memcpy(static_cast<void*>(d), src, valid * sizeof(bf16));
