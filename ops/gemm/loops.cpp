@@ -44,6 +44,7 @@ void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld, cons
   const bf16 zero{};
   for (std::size_t i = 0; i < m_padded; ++i) {
     const float* s = i < m ? src + (rows ? static_cast<std::size_t>(rows[i]) : i) * ld : nullptr;
+    if (rows && i + 1 < m) detail::prefetch_lines(src + static_cast<std::size_t>(rows[i + 1]) * ld, k * sizeof(float));
     for (std::size_t k0 = 0; k0 < kp; k0 += piece) {  // contiguous pieces of the packed row
       bf16* d = dst + a_offset(l, lda, i, k0);
       const std::size_t n = s && k0 < k ? std::min(piece, k - k0) : 0;
