@@ -12,6 +12,7 @@
 #endif
 #include <immintrin.h>
 
+#include "ops/core/prefetch.hpp"
 #include "ops/gemm/exp_poly.hpp"
 #include "ops/gemm/ukernel.hpp"
 
@@ -80,9 +81,8 @@ void rank_block(const RankSumArgs& p, std::size_t k0, std::size_t j0) {
   for (std::size_t q = 0; q < p.m; ++q) {
 #endif
     if (q + kAhead < p.m) {  // this block's columns of a later row (rows are often scattered, one page each)
-      const char* next = static_cast<const char*>(p.v[q + kAhead]) + j0 * (Bf16 ? 2 : 4);
-      _mm_prefetch(next, _MM_HINT_T0);
-      if constexpr (!Bf16) _mm_prefetch(next + 64, _MM_HINT_T0);
+      constexpr std::size_t kBytes = Bf16 ? sizeof(bf16) : sizeof(float);
+      moecert::detail::prefetch_lines(static_cast<const char*>(p.v[q + kAhead]) + j0 * kBytes, 32 * kBytes);
     }
     __m512 v[R];
     for (int c = 0; c < R; ++c) {
@@ -161,6 +161,22 @@ inline float tree16(__m512 a) {
   return _mm_cvtss_f32(_mm_add_ss(a2, _mm_movehdup_ps(a2)));  // a2[0] + a2[1]
 }
 
+// One 16-wide step h of TX x TW dot products; Masked: only the lanes in m
+// (the last, partial step). Full steps load without masks: with a masked
+// load in the loop, GCC 12 kept acc in a stack array, stored on every step.
+template <int TX, int TW, bool Masked>
+inline void dot16_step(__m512 (&acc)[TX][TW], const float* const* x, const float* w, std::size_t ldw, std::size_t h,
+                       __mmask16 m) {
+  __m512 wv[TW];
+  for (int e = 0; e < TW; ++e) wv[e] = Masked ? _mm512_maskz_loadu_ps(m, w + e * ldw + h) : _mm512_loadu_ps(w + e * ldw + h);
+  for (int i = 0; i < TX; ++i) {
+    const __m512 xv = Masked ? _mm512_maskz_loadu_ps(m, x[i] + h) : _mm512_loadu_ps(x[i] + h);
+    for (int e = 0; e < TW; ++e)
+      acc[i][e] = Masked ? _mm512_mask_add_ps(acc[i][e], m, acc[i][e], _mm512_mul_ps(xv, wv[e]))
+                         : _mm512_add_ps(acc[i][e], _mm512_mul_ps(xv, wv[e]));
+  }
+}
+
 // TX x TW dot products at once, each its own accumulator: lane l sums the
 // terms h = l mod 16 in order, lanes past n untouched (as in the scalar loop).
 template <int TX, int TW>
@@ -169,23 +185,8 @@ void dot16_block(const float* const* x, const float* w, std::size_t ldw, std::si
   for (int i = 0; i < TX; ++i)
     for (int e = 0; e < TW; ++e) acc[i][e] = _mm512_setzero_ps();
   std::size_t h = 0;
-  for (; h + 16 <= n; h += 16) {
-    __m512 wv[TW];
-    for (int e = 0; e < TW; ++e) wv[e] = _mm512_loadu_ps(w + e * ldw + h);
-    for (int i = 0; i < TX; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x[i] + h);
-      for (int e = 0; e < TW; ++e) acc[i][e] = _mm512_add_ps(acc[i][e], _mm512_mul_ps(xv, wv[e]));
-    }
-  }
-  if (h < n) {  // lanes past n keep their sums
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - h)) - 1);
-    __m512 wv[TW];
-    for (int e = 0; e < TW; ++e) wv[e] = _mm512_maskz_loadu_ps(m, w + e * ldw + h);
-    for (int i = 0; i < TX; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x[i] + h);
-      for (int e = 0; e < TW; ++e) acc[i][e] = _mm512_mask_add_ps(acc[i][e], m, acc[i][e], _mm512_mul_ps(xv, wv[e]));
-    }
-  }
+  for (; h + 16 <= n; h += 16) dot16_step<TX, TW, false>(acc, x, w, ldw, h, 0xffff);
+  if (h < n) dot16_step<TX, TW, true>(acc, x, w, ldw, h, static_cast<__mmask16>((1u << (n - h)) - 1));
   for (int i = 0; i < TX; ++i)
     for (int e = 0; e < TW; ++e) out[i * ldo + e] = tree16(acc[i][e]);
 }
