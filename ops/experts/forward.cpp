@@ -85,34 +85,35 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   // multiple of the kernel's MR wherever a block starts).
   auto a_row = [&](std::size_t r) { return st.a + gemm::a_offset(layout, st.lda, r, 0); };
   auto h_at = [&](std::size_t r, std::size_t col) { return st.h + gemm::a_offset(layout, st.ldh, r, col); };
-
-  // 2. Gather each expert's token rows (padding rows and columns zero).
-  oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
-    std::vector<std::int32_t> tokens(g.count[e]);
-    for (std::size_t r = 0; r < g.count[e]; ++r) tokens[r] = g.row_slot[g.begin[e] + r] / static_cast<std::int32_t>(k);
-    gemm::pack_a(layout, x, tokens.data(), g.count[e], g.begin[e + 1] - g.begin[e], kp1, a_row(g.begin[e]));
-  });
-
-  arena.enter(workspace::f_gate_up, chk);
-  st.c1 = keep_c1 ? arena.get<float>("experts.c1", rows * st.ldc1) : nullptr;
-  st.h = arena.get<bf16>("experts.h", gemm::a_size(layout, rows, kp2));
-  // 2b. LoRA, first factor: xa = x [A_g; A_u]^T in fp32 (saved), and the
-  //     second product's A operand lb = bf16(s xa) in the kernel's layout.
   bf16* lb_gu = nullptr;
   const std::size_t ld_lb1 = gemm::a_stride(layout, kr1);
   if (rank) {
     st.xa = arena.get<float>("lora.xa", rows * 2 * rank);
     lb_gu = arena.get<bf16>("lora.lb_gu", gemm::a_size(layout, rows, kr1));
-    for_each_tile(tiles(g, 2 * rank, round_up(512, kernel.mr), 256), [&](const Tile& tl) {
-      const std::size_t r0 = g.begin[tl.e] + tl.m0;
-      gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, lora->experts[tl.e].a_gu, tl.n0, tl.n1, 2 * rank,
-                       st.xa + r0 * 2 * rank, 2 * rank);
-    });
-    oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
-      gemm::pack_a_f32(kernel, st.xa + g.begin[e] * 2 * rank, 2 * rank, nullptr, g.count[e], g.begin[e + 1] - g.begin[e],
-                       2 * rank, kr1, st.scale, lb_gu + gemm::a_offset(layout, ld_lb1, g.begin[e], 0));
-    });
   }
+
+  // 2. Per block of up to mb rows of an expert: gather its token rows
+  //    (padding rows and columns zero); with LoRA, while those rows are in
+  //    L2, the first factor xa = x [A_g; A_u]^T in fp32 (saved) and the
+  //    second product's A operand lb = bf16(s xa) in the kernel's layout.
+  //    The last block of an expert also writes its padding rows.
+  const std::size_t mb = round_up(512, kernel.mr);
+  auto padded_rows = [&](const Tile& tl) { return tl.m1 < g.count[tl.e] ? tl.m1 - tl.m0 : g.begin[tl.e + 1] - g.begin[tl.e] - tl.m0; };
+  const std::vector<Tile> row_blocks = tiles(g, 1, mb, 1);
+  for_each_tile(row_blocks, [&](const Tile& tl) {
+    const std::size_t r0 = g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0;
+    std::vector<std::int32_t> tokens(m);
+    for (std::size_t r = 0; r < m; ++r) tokens[r] = g.row_slot[r0 + r] / static_cast<std::int32_t>(k);
+    gemm::pack_a(layout, x, tokens.data(), m, padded_rows(tl), kp1, a_row(r0));
+    if (!rank) return;
+    gemm::gemm_block(kernel, a_row(r0), m, lora->experts[tl.e].a_gu, 0, 2 * rank, 2 * rank, st.xa + r0 * 2 * rank, 2 * rank);
+    gemm::pack_a_f32(kernel, st.xa + r0 * 2 * rank, 2 * rank, nullptr, m, padded_rows(tl), 2 * rank, kr1, st.scale,
+                     lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0));
+  });
+
+  arena.enter(workspace::f_gate_up, chk);
+  st.c1 = keep_c1 ? arena.get<float>("experts.c1", rows * st.ldc1) : nullptr;
+  st.h = arena.get<bf16>("experts.h", gemm::a_size(layout, rows, kp2));
 
   // 3. Gate+up GEMM (+ the LoRA product accumulated into the same fp32
   //    block), then, on each finished 32-column block (a panel pair: 16
@@ -125,7 +126,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   //    Without keep_c1 each item's C goes to a scratch block of the thread
   //    (up to 512 x 256 fp32, L2-sized) instead of c1 in memory: the SwiGLU
   //    is then its only reader, and the same bits come out.
-  const std::size_t mb = round_up(512, kernel.mr), nb = 256;
+  const std::size_t nb = 256;
   struct Scratch {  // grown to the largest item a thread meets, never value-initialised
     std::unique_ptr<float[]> data;
     std::size_t size = 0;
@@ -161,12 +162,6 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
     if (rank) bo.a2 = lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0), bo.w2 = &lora->experts[tl.e].b_gu;
     gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, cb, ldc, bo);
   });
-  // Zero h's K padding (columns I..kp2) and the padding rows, which the down
-  // GEMM reads: a stale NaN there would reach valid outputs as 0 * NaN.
-  oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
-    for (std::size_t r = g.begin[e]; r < g.begin[e + 1]; ++r)
-      for (std::size_t col = r < g.begin[e] + g.count[e] ? inter : 0; col < kp2; ++col) *h_at(r, col) = bf16{};
-  });
 
   // 4. Down GEMM (+ LoRA: ha = h A_d^T saved, lb = bf16(s ha), o += lb B_d^T).
   arena.enter(workspace::f_down, chk);
@@ -176,16 +171,19 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   if (rank) {
     st.ha = arena.get<float>("lora.ha", rows * rank);
     lb_d = arena.get<bf16>("lora.lb_d", gemm::a_size(layout, rows, kr2));
-    for_each_tile(tiles(g, rank, mb, 256), [&](const Tile& tl) {
-      const std::size_t r0 = g.begin[tl.e] + tl.m0;
-      gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, lora->experts[tl.e].a_d, tl.n0, tl.n1, rank,
-                       st.ha + r0 * rank, rank);
-    });
-    oneapi::tbb::parallel_for(std::size_t{0}, w.experts(), [&](std::size_t e) {
-      gemm::pack_a_f32(kernel, st.ha + g.begin[e] * rank, rank, nullptr, g.count[e], g.begin[e + 1] - g.begin[e], rank,
-                       kr2, st.scale, lb_d + gemm::a_offset(layout, ld_lb2, g.begin[e], 0));
-    });
   }
+  // Per row block: zero h's K padding (columns I..kp2) and the padding rows,
+  // which the down GEMM reads (a stale NaN there would reach valid outputs
+  // as 0 * NaN); then, with LoRA, ha and lb from those h rows.
+  for_each_tile(row_blocks, [&](const Tile& tl) {
+    const std::size_t r0 = g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0;
+    for (std::size_t r = 0; r < padded_rows(tl); ++r)
+      for (std::size_t col = r < m ? inter : 0; col < kp2; ++col) *h_at(r0 + r, col) = bf16{};
+    if (!rank) return;
+    gemm::gemm_block(kernel, h_at(r0, 0), m, lora->experts[tl.e].a_d, 0, rank, rank, st.ha + r0 * rank, rank);
+    gemm::pack_a_f32(kernel, st.ha + r0 * rank, rank, nullptr, m, padded_rows(tl), rank, kr2, st.scale,
+                     lb_d + gemm::a_offset(layout, ld_lb2, r0, 0));
+  });
   for_each_tile(tiles(g, hidden, mb, nb), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     gemm::BlockOptions bo;

@@ -108,12 +108,12 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
   add("experts.c1", R * round_up(I, kKStep) * N(2) * N(4), f_gate_up, training ? b_swiglu : f_combine);
   add("experts.h", packed_a(I), f_gate_up, training ? b_scatter : f_combine);
   // LoRA buffers are sized by r (empty when r = 0).
-  add("lora.xa", R * r * N(2) * N(4), f_gate_up, training ? b_scatter : f_combine);
+  add("lora.xa", R * r * N(2) * N(4), f_gather, training ? b_scatter : f_combine);
   add("lora.ha", R * r * N(4), f_down, training ? b_scatter : f_combine);
   // Forward scratch.
   add("experts.o", R * H * N(4), f_down, f_combine);
   add("experts.a", packed_a(H), f_gather, f_gate_up);
-  add("lora.lb_gu", packed_a(r * N(2)), f_gate_up, f_gate_up);
+  add("lora.lb_gu", packed_a(r * N(2)), f_gather, f_gate_up);
   add("lora.lb_d", packed_a(r), f_down, f_down);
   // Backward scratch (largest first: see docs/PERFORMANCE.md, memory).
   add("bwd.dx_rows", R * H * N(4), b_dx, b_scatter);
