@@ -159,6 +159,19 @@ TEST_CASE("layer: gradient sums over more rows than one block of the sums", "[la
   }
 }
 
+TEST_CASE("layer: an expert with more rows than one row block of the forward", "[layer]") {
+  // The forward gathers each expert's rows, with LoRA its first factors,
+  // in blocks of 512 rows (experts/forward.cpp); with E = K = 2 every token
+  // goes to both experts, 600 rows each: a full block and a padded one.
+  for (Isa isa : kernel_isas()) {
+    INFO(isa_name(isa));
+    const Problem p = make(RouterKind::softmax_topk, 2, 40, 24, 2, 4, 600);
+    ContractScope s{Level::full, Semantic::enforce};
+    const Run a = run(p, isa);
+    CHECK(std::isfinite(a.g.ag[0]));
+  }
+}
+
 TEST_CASE("layer: the paths sum to the full backward", "[layer]") {
   const Problem p = make(RouterKind::softmax_topk, 8, 32, 24, 2, 4, 16);
   const Run full = run(p, Isa::scalar), ex = run(p, Isa::scalar, {true, false}), rt = run(p, Isa::scalar, {false, true});
