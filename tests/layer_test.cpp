@@ -145,31 +145,25 @@ TEST_CASE("layer: forward and backward within the derived bounds, every ISA and 
       }
 }
 
-TEST_CASE("layer: gradient sums over more rows than one block of the sums", "[layer]") {
+TEST_CASE("layer: more rows than one block of the gradient sums or of the forward", "[layer]") {
   // The LoRA and router-linear gradient sums walk their rows in blocks of 64
-  // (backward.cpp row_sums); here the router linear sums 150 tokens and each
-  // of the 4 experts gets about 75 rows. Level full: every gradient against
-  // the reference within its bound.
-  for (Isa isa : kernel_isas()) {
-    INFO(isa_name(isa));
-    const Problem p = make(RouterKind::softmax_topk, 4, 40, 24, 2, 4, 150);
-    ContractScope s{Level::full, Semantic::enforce};
-    const Run a = run(p, isa);
-    CHECK(std::isfinite(a.g.wr[0]));
-  }
-}
-
-TEST_CASE("layer: an expert with more rows than one row block of the forward", "[layer]") {
-  // The forward gathers each expert's rows, with LoRA its first factors,
-  // in blocks of 512 rows (experts/forward.cpp); with E = K = 2 every token
-  // goes to both experts, 600 rows each: a full block and a padded one.
-  for (Isa isa : kernel_isas()) {
-    INFO(isa_name(isa));
-    const Problem p = make(RouterKind::softmax_topk, 2, 40, 24, 2, 4, 600);
-    ContractScope s{Level::full, Semantic::enforce};
-    const Run a = run(p, isa);
-    CHECK(std::isfinite(a.g.ag[0]));
-  }
+  // (backward.cpp row_sums): 150 tokens, 4 experts of about 75 rows. The
+  // forward gathers each expert's rows, with LoRA its first factors, in
+  // blocks of 512 (experts/forward.cpp): with E = K = 2 every token goes to
+  // both experts, 600 rows each, a full block and a padded one. Level full:
+  // every output and gradient against the reference within its bound.
+  struct {
+    std::size_t experts, tokens;
+  } const shapes[] = {{4, 150}, {2, 600}};
+  for (const auto& sh : shapes)
+    for (Isa isa : kernel_isas()) {
+      INFO(isa_name(isa) << " E=" << sh.experts << " T=" << sh.tokens);
+      const Problem p = make(RouterKind::softmax_topk, sh.experts, 40, 24, 2, 4, sh.tokens);
+      ContractScope s{Level::full, Semantic::enforce};
+      const Run a = run(p, isa);
+      CHECK(std::isfinite(a.g.wr[0]));
+      CHECK(std::isfinite(a.g.ag[0]));
+    }
 }
 
 TEST_CASE("layer: the paths sum to the full backward", "[layer]") {
