@@ -19,6 +19,34 @@ std::vector<double> time_ms(int reps, const std::function<void()>& f) {
   return ms;
 }
 
+constexpr std::chrono::milliseconds kSettle{20};
+
+void time_against_peer(int reps, const std::function<void()>& f, const std::function<void()>& g, Result& r) {
+  // Each timed run follows untimed runs of the same side for at least
+  // kSettle: the other side's threads keep spinning after their last
+  // parallel region (oneDNN's OpenMP pool for milliseconds) and its data
+  // fills the caches. Sleeping instead lets the host idle the cores, and
+  // the next run pays for waking them (measured here: 2-10x slower runs).
+  auto timed = [](const std::function<void()>& h) {
+    const auto settled = std::chrono::steady_clock::now() + kSettle;
+    do h();
+    while (std::chrono::steady_clock::now() < settled);
+    const auto t0 = std::chrono::steady_clock::now();
+    h();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  r.ms.clear(), r.peer_ms.clear();
+  std::vector<double> ratio;
+  for (int i = 0; i < reps; ++i) {
+    r.ms.push_back(timed(f));
+    r.peer_ms.push_back(timed(g));
+    ratio.push_back(r.peer_ms.back() / r.ms.back());
+  }
+  r.median_ms = median(r.ms);
+  r.peer_median_ms = median(r.peer_ms);
+  r.paired_speedup = median(ratio);
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());

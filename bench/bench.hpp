@@ -1,5 +1,6 @@
 // Benchmark cases for `moecert bench`: moecert against a peer in the same
-// process, on the same data and thread count; medians of repeated runs.
+// process, on the same data and thread count, the two run in alternation;
+// medians of repeated runs and of the runs' paired ratios.
 #pragma once
 
 #include <cstddef>
@@ -28,7 +29,8 @@ struct Result {
   int threads = 0;
   double flops = 0;                 // per run
   double median_ms = 0, peer_median_ms = 0;
-  std::vector<double> ms, peer_ms;  // every timed run
+  std::vector<double> ms, peer_ms;  // every timed run; with a live peer, run i of each side back to back
+  double paired_speedup = 0;        // live peer: median over i of peer_ms[i] / ms[i]
   std::string skipped;              // reason, when the case could not run here
   std::string note;
 };
@@ -45,8 +47,13 @@ struct Case {
 std::vector<Case> all_cases();
 void add_layer_cases(std::vector<Case>& out);  // bench/layer_bench.cpp
 
-/// Median of `reps` timed calls of f (after one untimed warm-up), in ms.
+/// `reps` timed calls of f (after one untimed warm-up), in ms.
 std::vector<double> time_ms(int reps, const std::function<void()>& f);
+/// Times f and a peer g in alternation (each timed run after untimed runs
+/// of the same side for at least 20 ms), so that run i of both sides
+/// meets the same moment of a shared machine; fills r.ms, r.peer_ms, the
+/// medians and r.paired_speedup.
+void time_against_peer(int reps, const std::function<void()>& f, const std::function<void()>& g, Result& r);
 double median(std::vector<double> v);
 
 /// Fills v with deterministic pseudo-random bf16 uniform in [-scale, scale),

@@ -42,6 +42,7 @@ boost::json::object to_json(const bench::Result& r) {
       {"runs_ms", boost::json::array(r.ms.begin(), r.ms.end())},
       {"peer_runs_ms", boost::json::array(r.peer_ms.begin(), r.peer_ms.end())},
       {"note", r.note}};
+  if (r.paired_speedup > 0) o["paired_speedup"] = r.paired_speedup;  // a live peer, run in alternation
   if (!r.skipped.empty()) o["skipped"] = r.skipped;
   return o;
 }
@@ -71,7 +72,8 @@ int run_bench(int argc, char** argv) {
   bench::OnednnExperts::set_threads(opt.threads);
 
   boost::json::array results;
-  fmt::print("{:<44} {:>6} {:>11} {:>9} {:>11} {:>9} {:>8}\n", "case", "isa", "median ms", "TFLOP/s", "peer ms", "TFLOP/s", "speedup");
+  fmt::print("{:<44} {:>6} {:>11} {:>9} {:>11} {:>9} {:>8} {:>7}\n", "case", "isa", "median ms", "TFLOP/s", "peer ms", "TFLOP/s",
+             "speedup", "paired");
   for (const auto& c : cases) {
     bool selected = patterns.empty();
     for (const auto& p : patterns) selected |= c.name.find(p) != std::string::npos;
@@ -87,9 +89,9 @@ int run_bench(int argc, char** argv) {
       fmt::print("{:<44} skipped: {}\n", c.name, r.skipped);
     } else {
       r = c.run(opt);
-      fmt::print("{:<44} {:>6} {:>11.2f} {:>9.3f} {:>11.2f} {:>9.3f} {:>7.2f}x  {}\n", c.name, r.isa.substr(0, 6), r.median_ms,
-                 r.flops / (r.median_ms * 1e9), r.peer_median_ms, r.flops / (r.peer_median_ms * 1e9),
-                 r.peer_median_ms / r.median_ms, r.note);
+      fmt::print("{:<44} {:>6} {:>11.2f} {:>9.3f} {:>11.2f} {:>9.3f} {:>7.2f}x {:>7}  {}\n", c.name, r.isa.substr(0, 6),
+                 r.median_ms, r.flops / (r.median_ms * 1e9), r.peer_median_ms, r.flops / (r.peer_median_ms * 1e9),
+                 r.peer_median_ms / r.median_ms, r.paired_speedup > 0 ? fmt::format("{:.2f}x", r.paired_speedup) : "-", r.note);
     }
     std::fflush(stdout);
     results.push_back(to_json(r));
