@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include <oneapi/tbb/parallel_for.h>
-#include <oneapi/tbb/parallel_invoke.h>
 
 #include "contracts/layer.hpp"
 #include "moecert/isa.hpp"
@@ -100,28 +99,20 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   const workspace::Plan plan = workspace::plan(cfg, static_cast<std::int64_t>(t_count),
                                                {.training = opt.training, .memory_cap = opt.memory_cap});
   if (plan.buffers.empty()) return;  // a plan clause failed under observe
+#ifdef MOECERT_MUTANT_STALE_LORA_PACK
+  if (s.lora.experts.empty()) s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
+#else
+  s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training, std::move(s.lora));
+#endif
+  contracts::layer_lora_padding(chk, s.lora);
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
   s.logits = s.arena.get<float>("router.logits", t_count * outs);
   s.idx = s.arena.get<std::int32_t>("router.idx", t_count * k);
   s.weights = s.arena.get<float>("router.weights", t_count * k);
   const MatView<float> z(s.logits, t_count, outs, outs);
-  // The LoRA factors are packed (every step: the optimizer moves them) while
-  // the router runs: the packing is bound by memory, the router linear by
-  // arithmetic.
-  oneapi::tbb::parallel_invoke(
-      [&] {
-#ifdef MOECERT_MUTANT_STALE_LORA_PACK
-        if (s.lora.experts.empty()) s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
-#else
-        s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training, std::move(s.lora));
-#endif
-      },
-      [&] {
-        router_linear(gemm::kernel_info(opt.isa.value_or(default_isa())), x, w.router_w, w.router_b, z);
-        run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k), MatView<float>(s.weights, t_count, k, k));
-      });
-  contracts::layer_lora_padding(chk, s.lora);
+  router_linear(gemm::kernel_info(opt.isa.value_or(default_isa())), x, w.router_w, w.router_b, z);
+  run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k), MatView<float>(s.weights, t_count, k, k));
   std::size_t routed = 0;
   for (std::size_t i = 0; i < t_count * k; ++i) routed += s.idx[i] >= 0;
   s.isa = experts::choose_isa(opt.isa, routed, w.experts->experts());
