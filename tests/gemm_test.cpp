@@ -554,6 +554,44 @@ TEST_CASE("gemm.ukernel: the half-height kernel gives the full kernel's first ro
   CHECK(checked >= 2);  // amx_emu is usable everywhere
 }
 
+TEST_CASE("gemm.ukernel: side work runs once per item, in order, and leaves C's bits alone", "[gemm][amx]") {
+  // Kernels with side_steps (AMX) run UkernelArgs::side between their k
+  // steps: fewer items than steps, and more (the rest after the stores).
+  std::mt19937_64 rng(47);
+  const std::size_t k = 100, n = 32;
+  const auto wv = random_bf16(rng, n * k), av = random_bf16(rng, 32 * k);
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+  std::size_t checked = 0;
+  for (Isa isa : usable_isas()) {
+    const gemm::KernelInfo& kernel = gemm::kernel_info(isa);
+    if (!kernel.side_steps) continue;
+    std::vector<bf16> ap(gemm::a_size(kernel.a_layout, kernel.mr, w.kp()));
+    gemm::pack_a(kernel.a_layout, MatView<const bf16>(av.data(), kernel.mr, k), nullptr, kernel.mr, kernel.mr, w.kp(),
+                 ap.data());
+    for (std::size_t items : {std::size_t{2}, w.kp() / gemm::kKStep + 5}) {
+      std::vector<float> plain(kernel.mr * n, NAN), with(kernel.mr * n, NAN);
+      std::vector<std::size_t> ran;
+      gemm::UkernelArgs a{};
+      a.a = ap.data(), a.lda = gemm::a_stride(kernel.a_layout, w.kp()), a.b = w.data(), a.panel_stride = w.kp() * gemm::kPanel;
+      a.kp = w.kp(), a.ldc = n;
+      kernel.thread_begin();
+      a.c = plain.data();
+      kernel.ukernel(a);
+      a.c = with.data();
+      a.side = [](const void* ctx, std::size_t i) { static_cast<std::vector<std::size_t>*>(const_cast<void*>(ctx))->push_back(i); };
+      a.side_ctx = &ran, a.side_n = items;
+      kernel.ukernel(a);
+      kernel.thread_end();
+      INFO(isa_name(isa) << " items=" << items);
+      CHECK(std::memcmp(plain.data(), with.data(), plain.size() * 4) == 0);
+      REQUIRE(ran.size() == items);
+      for (std::size_t i = 0; i < items; ++i) CHECK(ran[i] == i);
+      ++checked;
+    }
+  }
+  CHECK(checked >= 2);  // amx_emu is usable everywhere
+}
+
 TEST_CASE("storage: 64-byte aligned; 2 MiB and more aligned to 2 MiB", "[gemm][memory]") {
   for (std::size_t bytes : {std::size_t{1}, std::size_t{100}, std::size_t{2} << 20, (std::size_t{5} << 20) + 3}) {
     void* p = moecert::detail::allocate(bytes);
@@ -570,7 +608,8 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
   // One gemm_block with a second product must give every bit of two calls
   // (the second with accumulate), and its epilogue must see each finished
   // block of C exactly once, holding its final values, for K in one block
-  // and in several.
+  // and in several (on AMX kernels, row by row under the next block's
+  // products).
   std::mt19937_64 rng(41);
   const std::size_t m = 45, n = 70, k = 300, k2 = 40, n0 = 32;
   const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);

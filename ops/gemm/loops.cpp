@@ -74,6 +74,18 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   // accumulated across K blocks in fp32: an exact store and reload, so the
   // accumulation order and every bit of the result are unchanged. The
   // second product and the epilogue follow each block's last K block.
+  // A block's epilogue runs, where the kernel hides side work under its
+  // tile products, one row per k step during the next kernel call (the
+  // last block's after the loops); elsewhere right after the block's call.
+  // It reads only that block of C, final by then.
+  struct Pending {
+    const BlockOptions* opt;
+    std::size_t m0, rows, n0, n1;
+  } pending{&opt, 0, 0, 0, 0}, side{};
+  auto epilogue_row = [](const void* ctx, std::size_t i) {
+    const auto* b = static_cast<const Pending*>(ctx);
+    b->opt->epilogue(b->m0 + i, b->m0 + i + 1, b->n0, b->n1);
+  };
   const std::size_t kc_step = kernel.kc ? kernel.kc : kp;
   for (std::size_t k0 = 0; k0 < kp; k0 += kc_step) {
     const std::size_t kc = std::min(kc_step, kp - k0);
@@ -98,6 +110,11 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
       for (std::size_t m0 = 0; m0 < m; m0 += mr) {
         const std::size_t mm = std::min(mr, m - m0);
         args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
+        side = pending;  // the previous block's epilogue, if any, in this call
+        pending.rows = 0;
+        args.side = side.rows ? +epilogue_row : nullptr;
+        args.side_ctx = &side;
+        args.side_n = side.rows;
         if (args.kp2) args.a2 = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
         float* const cblk = c + (m0 * ldc + (n0 - opt.c_col0));  // C's element (m0, n0)
         if (mm == mr && nn == nr) {  // full block: straight into C
@@ -119,10 +136,14 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
           for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
 #endif
         }
-        if (opt.epilogue && last) opt.epilogue(m0, m0 + mm, n0, n0 + nn);
+        if (opt.epilogue && last) {
+          if (kernel.side_steps) pending = {&opt, m0, mm, n0, n0 + nn};
+          else opt.epilogue(m0, m0 + mm, n0, n0 + nn);
+        }
       }
     }
   }
+  if (pending.rows) opt.epilogue(pending.m0, pending.m0 + pending.rows, pending.n0, pending.n1);
   kernel.thread_end();
 }
 

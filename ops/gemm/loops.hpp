@@ -58,9 +58,11 @@ struct BlockOptions {
   /// gemm_block call with `accumulate` (the LoRA products).
   const bf16* a2 = nullptr;
   const PackedWeights* w2 = nullptr;
-  /// Called on each finished block of C (after both products, once per
-  /// block): rows [i0, i1) of this call's A, columns [j0, j1) with j0 a
-  /// multiple of the kernel's NR and j1 <= n_valid (the SwiGLU epilogue).
+  /// Called on each finished block of C (after both products), for all its
+  /// rows at once or row by row (each row once; kernels with side_steps run
+  /// it under the next block's products): rows [i0, i1) of this call's A,
+  /// columns [j0, j1) with j0 a multiple of the kernel's NR and j1 <= n_valid
+  /// (the SwiGLU epilogue). It may read only that block of C.
   FunctionRef<void(std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1)> epilogue{};
 };
 

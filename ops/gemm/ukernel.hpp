@@ -48,6 +48,14 @@ struct UkernelArgs {
   const bf16* b2 = nullptr;  // like b
   std::size_t panel_stride2 = 0;
   std::size_t kp2 = 0;
+  // Optional work hidden under the tile products (KernelInfo::side_steps):
+  // side(side_ctx, i) for i = 0..side_n-1, in order, call i after the i-th
+  // k step of the first product and the rest after C is stored. The work
+  // must not touch this call's operands or C (gemm_block: the previous
+  // block's epilogue, one row per call).
+  void (*side)(const void* ctx, std::size_t i) = nullptr;
+  const void* side_ctx = nullptr;
+  std::size_t side_n = 0;
 };
 
 using UkernelFn = void (*)(const UkernelArgs&);
@@ -103,6 +111,7 @@ struct KernelInfo {
   ALayout a_layout;       // how A is packed for it
   UkernelFn ukernel;
   UkernelFn ukernel_half;  // or null: MR/2 x NR, for edge blocks of at most MR/2 rows (same bits per row)
+  bool side_steps;         // runs UkernelArgs::side between its k steps (AMX: the vector units idle meanwhile)
   void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
   void (*thread_end)();    // after its last (AMX: tile release)
   SwigluFn swiglu;         // the epilogue to pair with it

@@ -11,7 +11,8 @@
 // on 32 pages. Accumulation order per element: for each k step in order,
 // C = C + (even + odd) over that step's 16 pairs (amx_tile_model.hpp); a
 // second product's k steps follow on the same C tiles. Starting from zeroed
-// tiles, C is written without being read.
+// tiles, C is written without being read. The caller's side work (the
+// previous block's epilogue) runs between the first product's k steps.
 #pragma once
 
 #include "ops/gemm/amx_tile_model.hpp"
@@ -33,9 +34,11 @@ inline TileConfig tile_config() {
 }
 
 // The k steps of one product (A in the tiles layout, B packed panels) into
-// C tiles 0-3 (0-1 with 16 rows).
+// C tiles 0-3 (0-1 with 16 rows); with `side`, its call i after step i (the
+// vector units are free while the tiles multiply).
 template <class Tiles, int Rows>
-inline void steps(const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride, std::size_t kp) {
+inline void steps(const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride, std::size_t kp,
+                  const UkernelArgs* side = nullptr) {
   constexpr bool two = Rows == 32;
   constexpr std::size_t kTile = kTileRows * kKStep;  // elements per A tile
   const bf16* a0 = a;        // rows 0-15: tile per k step, contiguous
@@ -66,6 +69,7 @@ inline void steps(const bf16* a, std::size_t lda, const bf16* b, std::size_t pan
       Tiles::template dp<2, 5, 6>();
       Tiles::template dp<3, 5, 7>();
     }
+    if (side && k / kKStep < side->side_n) side->side(side->side_ctx, k / kKStep);
   }
 }
 
@@ -100,7 +104,7 @@ inline void ukernel_rows(const UkernelArgs& p) {
       Tiles::template zero<3>();
     }
   }
-  steps<Tiles, Rows>(p.a, p.lda, p.b, p.panel_stride, p.kp);
+  steps<Tiles, Rows>(p.a, p.lda, p.b, p.panel_stride, p.kp, p.side ? &p : nullptr);
   if (p.kp2) steps<Tiles, Rows>(p.a2, p.lda2, p.b2, p.panel_stride2, p.kp2);
   Tiles::template store<0>(c0, ldc_bytes);
   Tiles::template store<1>(c1, ldc_bytes);
@@ -108,6 +112,7 @@ inline void ukernel_rows(const UkernelArgs& p) {
     Tiles::template store<2>(c2, ldc_bytes);
     Tiles::template store<3>(c3, ldc_bytes);
   }
+  for (std::size_t i = p.kp / kKStep; i < p.side_n; ++i) p.side(p.side_ctx, i);
 }
 
 template <class Tiles>
