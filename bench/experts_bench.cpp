@@ -58,7 +58,10 @@ Result experts_forward(const std::string& name, const Shape& s, const Options& o
   experts::Workspace ws;  // reused across calls, as a training loop would
   time_against_peer(
       opt.reps,
-      [&] { st = experts::forward(packed, xv, iv, wv, MatView<float>(y.data(), s.t, s.h), {.isa = opt.isa, .workspace = &ws}); },
+      [&] {
+        st = experts::forward(packed, xv, iv, wv, MatView<float>(y.data(), s.t, s.h),
+                              {.isa = opt.isa, .workspace = &ws});
+      },
       [&] { peer.forward(xv, wv, MatView<float>(y_peer.data(), s.t, s.h)); }, r);
   r.isa = std::string(isa_name(st.isa));
   r.flops = 6.0 * static_cast<double>(st.routed_rows) * static_cast<double>(s.h) * static_cast<double>(s.i);
@@ -88,7 +91,8 @@ Result gemm_matmul(const std::string& name, std::size_t m, std::size_t n, std::s
   OnednnMatmul peer(m, n, k, w);
   std::vector<float> c_peer(m * n);
   time_against_peer(
-      opt.reps, [&] { gemm::matmul(MatView<const bf16>(a.data(), m, k), packed, MatView<float>(c.data(), m, n), opt.isa); },
+      opt.reps,
+      [&] { gemm::matmul(MatView<const bf16>(a.data(), m, k), packed, MatView<float>(c.data(), m, n), opt.isa); },
       [&] { peer.run(a.data(), c_peer.data()); }, r);
   r.note = "onednn " + peer.impl_name();
   r.flops = 2.0 * double(m) * double(n) * double(k);

@@ -578,7 +578,9 @@ TEST_CASE("gemm.ukernel: side work runs once per item, in order, and leaves C's 
       a.c = plain.data();
       kernel.ukernel(a);
       a.c = with.data();
-      a.side = [](const void* ctx, std::size_t i) { static_cast<std::vector<std::size_t>*>(const_cast<void*>(ctx))->push_back(i); };
+      a.side = [](const void* ctx, std::size_t i) {
+        static_cast<std::vector<std::size_t>*>(const_cast<void*>(ctx))->push_back(i);
+      };
       a.side_ctx = &ran, a.side_n = items;
       kernel.ukernel(a);
       kernel.thread_end();

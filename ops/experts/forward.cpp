@@ -98,7 +98,9 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   //    second product's A operand lb = bf16(s xa) in the kernel's layout.
   //    The last block of an expert also writes its padding rows.
   const std::size_t mb = round_up(512, kernel.mr);
-  auto padded_rows = [&](const Tile& tl) { return tl.m1 < g.count[tl.e] ? tl.m1 - tl.m0 : g.begin[tl.e + 1] - g.begin[tl.e] - tl.m0; };
+  auto padded_rows = [&](const Tile& tl) {
+    return tl.m1 < g.count[tl.e] ? tl.m1 - tl.m0 : g.begin[tl.e + 1] - g.begin[tl.e] - tl.m0;
+  };
   const std::vector<Tile> row_blocks = tiles(g, 1, mb, 1);
   for_each_tile(row_blocks, [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0;
@@ -106,7 +108,8 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
     for (std::size_t r = 0; r < m; ++r) tokens[r] = g.row_slot[r0 + r] / static_cast<std::int32_t>(k);
     gemm::pack_a(layout, x, tokens.data(), m, padded_rows(tl), kp1, a_row(r0));
     if (!rank) return;
-    gemm::gemm_block(kernel, a_row(r0), m, lora->experts[tl.e].a_gu, 0, 2 * rank, 2 * rank, st.xa + r0 * 2 * rank, 2 * rank);
+    gemm::gemm_block(kernel, a_row(r0), m, lora->experts[tl.e].a_gu, 0, 2 * rank, 2 * rank,
+                     st.xa + r0 * 2 * rank, 2 * rank);
     gemm::pack_a_f32(kernel, st.xa + r0 * 2 * rank, 2 * rank, nullptr, m, padded_rows(tl), 2 * rank, kr1, st.scale,
                      lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0));
   });

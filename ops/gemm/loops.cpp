@@ -81,7 +81,7 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   struct Pending {
     const BlockOptions* opt;
     std::size_t m0, rows, n0, n1;
-  } pending{&opt, 0, 0, 0, 0}, side{};
+  } pending{&opt, 0, 0, 0, 0}, in_call{};
   auto epilogue_row = [](const void* ctx, std::size_t i) {
     const auto* b = static_cast<const Pending*>(ctx);
     b->opt->epilogue(b->m0 + i, b->m0 + i + 1, b->n0, b->n1);
@@ -110,11 +110,11 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
       for (std::size_t m0 = 0; m0 < m; m0 += mr) {
         const std::size_t mm = std::min(mr, m - m0);
         args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
-        side = pending;  // the previous block's epilogue, if any, in this call
+        in_call = pending;  // the previous block's epilogue, if any, in this call
         pending.rows = 0;
-        args.side = side.rows ? +epilogue_row : nullptr;
-        args.side_ctx = &side;
-        args.side_n = side.rows;
+        args.side = in_call.rows ? +epilogue_row : nullptr;
+        args.side_ctx = &in_call;
+        args.side_n = in_call.rows;
         if (args.kp2) args.a2 = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
         float* const cblk = c + (m0 * ldc + (n0 - opt.c_col0));  // C's element (m0, n0)
         if (mm == mr && nn == nr) {  // full block: straight into C
