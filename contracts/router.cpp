@@ -127,6 +127,13 @@ void weight_rows(detail::Checker& c, const ClauseInfo& clause, MatView<const std
 // underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
 bool sigmoid_logit_ok(float z) { return std::isfinite(z) && z >= -87.0f; }
 
+// A gradient g the backwards take: |g| <= 2^126, so that g - sum_S w g (w
+// summing to at most 1) stays below the fp32 maximum (proofs/router.md §4
+// assumes no overflow; router_fuzzer finding 7).
+constexpr float kGradMax = 0x1p126f;
+bool grad_ok(float g) { return std::isfinite(g) && std::fabs(g) <= kGradMax; }
+constexpr std::string_view kGradExpected = "finite, |g| <= 2^126";
+
 // The preconditions the dense router backwards share: shapes, slot indices,
 // finite g and acceptable z, dz disjoint from every input. (Clauses as
 // template arguments keep MOECERT_CONTRACT's compile-time cap.)
@@ -142,7 +149,7 @@ void dense_backward_pre(detail::Checker& c, MatView<const float> z, MatView<cons
   if (c.stop()) return;
   MOECERT_CONTRACT(c, kIdx) { index_rows(c, kIdx, kIdx, idx, z.cols, true, true, true); }
   MOECERT_CONTRACT(c, kFinite) {
-    detail::scan_finite(c, kFinite, "g", g) && detail::scan(c, kFinite, "z", z, z_ok, z_expected);
+    detail::scan(c, kFinite, "g", g, grad_ok, kGradExpected) && detail::scan(c, kFinite, "z", z, z_ok, z_expected);
   }
   MOECERT_CONTRACT(c, kAlias) {
     for (const auto& in : {std::pair<const char*, ByteRange>{"z", z.bytes()}, {"idx", idx.bytes()}, {"g", g.bytes()}})
@@ -427,7 +434,7 @@ void product_key_backward_pre(detail::Checker& c, MatView<const float> sx, MatVi
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kPkbIdx) { index_rows(c, k::kPkbIdx, k::kPkbIdx, idx, sx.cols * sx.cols, true, true, true); }
   MOECERT_CONTRACT(c, k::kPkbFinite) {
-    detail::scan_finite(c, k::kPkbFinite, "g", g) && detail::scan_finite(c, k::kPkbFinite, "sx", sx) &&
+    detail::scan(c, k::kPkbFinite, "g", g, grad_ok, kGradExpected) && detail::scan_finite(c, k::kPkbFinite, "sx", sx) &&
         detail::scan_finite(c, k::kPkbFinite, "sy", sy);
   }
   MOECERT_CONTRACT(c, k::kPkbNoAlias) {

@@ -585,6 +585,16 @@ TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index
   auto gb = g;
   gb[3] = NAN;
   test::expect_violation([&] { run(r.idx, gb, dzv); }, "router.softmax_topk_backward.g_finite");
+  // |g| > 2^126: g - sum_S w g could leave the fp32 range (router_fuzzer finding 7).
+  gb[3] = -0x1.000002p126f;
+  test::expect_violation([&] { run(r.idx, gb, dzv); }, "router.softmax_topk_backward.g_finite");
+  {
+    gb[3] = -0x1p126f;  // the largest accepted, every output finite
+    std::vector<float> ok(r.t * r.e, 5.0f);
+    ContractScope full{Level::full, Semantic::enforce};
+    run(r.idx, gb, MatView<float>(ok.data(), r.t, r.e));
+    for (float v : ok) REQUIRE(std::isfinite(v));
+  }
   for (float v : dz) REQUIRE(v == 5.0f);
   test::expect_violation([&] { run(r.idx, g, MatView<float>(g.data(), 1, r.e)); }, "router.softmax_topk_backward.shape");
   test::expect_violation([&] {
@@ -667,6 +677,8 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   auto gb = g;
   gb[0] = INFINITY;
   test::expect_violation([&] { bwd(idx, gb, MatView<float>(dz.data(), t, e)); }, "router.sigmoid_topk_backward.g_finite");
+  gb[0] = 0x1.000002p126f;
+  test::expect_violation([&] { bwd(idx, gb, MatView<float>(dz.data(), t, e)); }, "router.sigmoid_topk_backward.g_finite");
   test::expect_violation([&] { bwd(idx, g, MatView<float>(z.data(), t, e)); }, "router.sigmoid_topk_backward.no_alias");
   for (auto v : dz) REQUIRE(v == 5.0f);
   bwd(idx, g, MatView<float>(dz.data(), t, e));
@@ -724,6 +736,8 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   test::expect_violation([&] { bwd(bad, g, ox, oy); }, "router.product_key_backward.idx_in_range");
   auto gb = g;
   gb[8] = NAN;
+  test::expect_violation([&] { bwd(idx, gb, ox, oy); }, "router.product_key_backward.g_finite");
+  gb[8] = -0x1.000002p126f;
   test::expect_violation([&] { bwd(idx, gb, ox, oy); }, "router.product_key_backward.g_finite");
   test::expect_violation([&] { bwd(idx, g, ox, ox); }, "router.product_key_backward.no_alias");
   for (auto v : dsx) REQUIRE(v == 5.0f);

@@ -47,7 +47,8 @@ void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatV
 /// Clauses:
 ///   router.softmax_topk_backward.shape     pre   shape    z, dz T x E; idx, g T x K
 ///   router.softmax_topk_backward.idx_valid pre   index    0 <= idx < E or -1 only at the tail; unique
-///   router.softmax_topk_backward.g_finite  pre   finite   every g and z finite
+///   router.softmax_topk_backward.g_finite  pre   finite   every g finite, |g| <= 2^126 (g - sum_S w g
+///                                                 stays in fp32 range); every z finite
 ///   router.softmax_topk_backward.no_alias  pre   alias    dz shares no byte with z, idx, g
 ///   router.softmax_topk_backward.unselected_grad post numeric renormalised: dz_j == 0 exactly for
 ///                                                 every j not selected; not renormalised: every
@@ -92,7 +93,8 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
 /// Clauses:
 ///   router.sigmoid_topk_backward.shape     pre   shape    z, dz T x E; idx, g T x K
 ///   router.sigmoid_topk_backward.idx_valid pre   index    0 <= idx < E or -1 only at the tail; unique
-///   router.sigmoid_topk_backward.g_finite  pre   finite   every g finite; every z finite and >= -87
+///   router.sigmoid_topk_backward.g_finite  pre   finite   every g finite, |g| <= 2^126; every z finite
+///                                                 and >= -87
 ///   router.sigmoid_topk_backward.no_alias  pre   alias    dz shares no byte with z, idx, g
 ///   router.sigmoid_topk_backward.unselected_grad post numeric dz_j == 0 exactly for every j not selected
 void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
@@ -134,7 +136,7 @@ void product_key_forward(MatView<const bf16> sx, MatView<const bf16> sy, KeyWeig
 /// Clauses:
 ///   router.product_key_backward.shape       pre   shape    sx, sy, dsx, dsy T x n; idx, g T x K
 ///   router.product_key_backward.idx_in_range pre  index    -1 <= idx < n*n, -1 only at the tail; unique
-///   router.product_key_backward.g_finite    pre   finite   every g, sx, sy finite
+///   router.product_key_backward.g_finite    pre   finite   every g finite, |g| <= 2^126; sx, sy finite
 ///   router.product_key_backward.no_alias    pre   alias    dsx, dsy share no byte with any input or each other
 ///   router.product_key_backward.unused_zero post  numeric  dsx[t,i] == 0 (dsy[t,i] == 0) exactly if no
 ///                                                 valid slot of row t has ix == i (iy == i)
