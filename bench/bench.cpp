@@ -8,14 +8,19 @@
 
 namespace moecert::bench {
 
+namespace {
+// One call of f, in ms.
+double elapsed_ms(const std::function<void()>& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
 std::vector<double> time_ms(int reps, const std::function<void()>& f) {
   f();  // warm-up: first-touch pages, caches, thread pools
   std::vector<double> ms;
-  for (int r = 0; r < reps; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
+  for (int r = 0; r < reps; ++r) ms.push_back(elapsed_ms(f));
   return ms;
 }
 
@@ -31,9 +36,7 @@ void time_against_peer(int reps, const std::function<void()>& f, const std::func
     const auto settled = std::chrono::steady_clock::now() + kSettle;
     do h();
     while (std::chrono::steady_clock::now() < settled);
-    const auto t0 = std::chrono::steady_clock::now();
-    h();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return elapsed_ms(h);
   };
   r.ms.clear(), r.peer_ms.clear();
   std::vector<double> ratio;

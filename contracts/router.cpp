@@ -127,11 +127,11 @@ void weight_rows(detail::Checker& c, const ClauseInfo& clause, MatView<const std
 // underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
 bool sigmoid_logit_ok(float z) { return std::isfinite(z) && z >= -87.0f; }
 
-// A gradient g the backwards take: |g| <= 2^126, so that g - sum_S w g (w
-// summing to at most 1) stays below the fp32 maximum (proofs/router.md §4
-// assumes no overflow; router_fuzzer finding 7).
-constexpr float kGradMax = 0x1p126f;
-bool grad_ok(float g) { return std::isfinite(g) && std::fabs(g) <= kGradMax; }
+// Finite and |v| <= 2^126: a sum or difference of two such values stays
+// below the fp32 maximum. Product-key scores (sx + sy) and the backwards'
+// gradients (g - sum_S w g with w summing to at most 1; proofs/router.md §4
+// assumes no overflow, router_fuzzer finding 7).
+bool within_2p126(float v) { return std::isfinite(v) && std::fabs(v) <= 0x1p126f; }
 constexpr std::string_view kGradExpected = "finite, |g| <= 2^126";
 
 // The preconditions the dense router backwards share: shapes, slot indices,
@@ -149,7 +149,7 @@ void dense_backward_pre(detail::Checker& c, MatView<const float> z, MatView<cons
   if (c.stop()) return;
   MOECERT_CONTRACT(c, kIdx) { index_rows(c, kIdx, kIdx, idx, z.cols, true, true, true); }
   MOECERT_CONTRACT(c, kFinite) {
-    detail::scan(c, kFinite, "g", g, grad_ok, kGradExpected) && detail::scan(c, kFinite, "z", z, z_ok, z_expected);
+    detail::scan(c, kFinite, "g", g, within_2p126, kGradExpected) && detail::scan(c, kFinite, "z", z, z_ok, z_expected);
   }
   MOECERT_CONTRACT(c, kAlias) {
     for (const auto& in : {std::pair<const char*, ByteRange>{"z", z.bytes()}, {"idx", idx.bytes()}, {"g", g.bytes()}})
@@ -364,9 +364,8 @@ void product_key_pre(detail::Checker& c, MatView<const float> sx, MatView<const 
   MOECERT_CONTRACT(c, k::kPkFinite) {
     // Finite, and small enough that every fp32 sum sx + sy is finite (and,
     // for exp weights, that exp(sx + sy) is).
-    auto ok = [](float v) { return std::isfinite(v) && std::fabs(v) <= 0x1p126f; };
-    if (detail::scan(c, k::kPkFinite, "sx", sx, ok, "finite, |s| <= 2^126") &&
-        detail::scan(c, k::kPkFinite, "sy", sy, ok, "finite, |s| <= 2^126") && mode == router::KeyWeights::exp)
+    if (detail::scan(c, k::kPkFinite, "sx", sx, within_2p126, "finite, |s| <= 2^126") &&
+        detail::scan(c, k::kPkFinite, "sy", sy, within_2p126, "finite, |s| <= 2^126") && mode == router::KeyWeights::exp)
       for (std::size_t t = 0; t < sx.rows; ++t) {
         float mx = -INFINITY, my = -INFINITY;
         for (std::size_t i = 0; i < sx.cols; ++i) mx = std::max(mx, sx(t, i)), my = std::max(my, sy(t, i));
@@ -434,7 +433,7 @@ void product_key_backward_pre(detail::Checker& c, MatView<const float> sx, MatVi
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kPkbIdx) { index_rows(c, k::kPkbIdx, k::kPkbIdx, idx, sx.cols * sx.cols, true, true, true); }
   MOECERT_CONTRACT(c, k::kPkbFinite) {
-    detail::scan(c, k::kPkbFinite, "g", g, grad_ok, kGradExpected) && detail::scan_finite(c, k::kPkbFinite, "sx", sx) &&
+    detail::scan(c, k::kPkbFinite, "g", g, within_2p126, kGradExpected) && detail::scan_finite(c, k::kPkbFinite, "sx", sx) &&
         detail::scan_finite(c, k::kPkbFinite, "sy", sy);
   }
   MOECERT_CONTRACT(c, k::kPkbNoAlias) {

@@ -76,6 +76,24 @@ struct Shape {
 const Shape kShapes[] = {{0, 16, 32}, {1, 1, 1},   {1, 17, 3},  {7, 31, 33},  {33, 50, 100},
                          {65, 64, 64}, {40, 96, 257}, {3, 200, 31}, {100, 33, 500}, {40, 40, 1100}};
 
+// One MR-row block of A (av, k columns) packed for kernel, and the
+// microkernel arguments that multiply it by all of w into a C of row stride
+// ldc (args.a points into the block: keep both alive; set c before a call).
+struct OneBlock {
+  std::vector<bf16> ap;
+  gemm::UkernelArgs args{};
+};
+OneBlock one_block(const gemm::KernelInfo& kernel, const std::vector<bf16>& av, std::size_t k,
+                   const gemm::PackedWeights& w, std::size_t ldc) {
+  OneBlock b;
+  b.ap.resize(gemm::a_size(kernel.a_layout, kernel.mr, w.kp()));
+  gemm::pack_a(kernel.a_layout, MatView<const bf16>(av.data(), kernel.mr, k), nullptr, kernel.mr, kernel.mr, w.kp(),
+               b.ap.data());
+  b.args.a = b.ap.data(), b.args.lda = gemm::a_stride(kernel.a_layout, w.kp());
+  b.args.b = w.data(), b.args.panel_stride = w.kp() * gemm::kPanel, b.args.kp = w.kp(), b.args.ldc = ldc;
+  return b;
+}
+
 }  // namespace
 
 TEST_CASE("gemm.matmul: every usable ISA within bounds of the reference over odd shapes", "[gemm][matmul][numeric]") {
@@ -529,16 +547,13 @@ TEST_CASE("gemm.ukernel: the half-height kernel gives the full kernel's first ro
   for (Isa isa : usable_isas()) {
     const gemm::KernelInfo& kernel = gemm::kernel_info(isa);
     if (!kernel.ukernel_half) continue;
-    std::vector<bf16> ap(gemm::a_size(kernel.a_layout, kernel.mr, w.kp()));
-    gemm::pack_a(kernel.a_layout, MatView<const bf16>(av.data(), kernel.mr, k), nullptr, kernel.mr, kernel.mr, w.kp(),
-                 ap.data());
+    OneBlock blk = one_block(kernel, av, k, w, n);
     for (bool acc : {false, true}) {
       std::vector<float> full(kernel.mr * n), half(kernel.mr * n, NAN);
       for (std::size_t i = 0; i < full.size(); ++i) full[i] = cv[i].to_float();
       for (std::size_t i = 0; i < kernel.mr / 2 * n; ++i) half[i] = full[i];
-      gemm::UkernelArgs a{};
-      a.a = ap.data(), a.lda = gemm::a_stride(kernel.a_layout, w.kp()), a.b = w.data(), a.panel_stride = w.kp() * gemm::kPanel;
-      a.kp = w.kp(), a.ldc = n, a.accumulate = acc;
+      gemm::UkernelArgs a = blk.args;
+      a.accumulate = acc;
       kernel.thread_begin();
       a.c = full.data();
       kernel.ukernel(a);
@@ -565,15 +580,11 @@ TEST_CASE("gemm.ukernel: side work runs once per item, in order, and leaves C's 
   for (Isa isa : usable_isas()) {
     const gemm::KernelInfo& kernel = gemm::kernel_info(isa);
     if (!kernel.side_steps) continue;
-    std::vector<bf16> ap(gemm::a_size(kernel.a_layout, kernel.mr, w.kp()));
-    gemm::pack_a(kernel.a_layout, MatView<const bf16>(av.data(), kernel.mr, k), nullptr, kernel.mr, kernel.mr, w.kp(),
-                 ap.data());
+    OneBlock blk = one_block(kernel, av, k, w, n);
     for (std::size_t items : {std::size_t{2}, w.kp() / gemm::kKStep + 5}) {
       std::vector<float> plain(kernel.mr * n, NAN), with(kernel.mr * n, NAN);
       std::vector<std::size_t> ran;
-      gemm::UkernelArgs a{};
-      a.a = ap.data(), a.lda = gemm::a_stride(kernel.a_layout, w.kp()), a.b = w.data(), a.panel_stride = w.kp() * gemm::kPanel;
-      a.kp = w.kp(), a.ldc = n;
+      gemm::UkernelArgs a = blk.args;
       kernel.thread_begin();
       a.c = plain.data();
       kernel.ukernel(a);
