@@ -514,25 +514,35 @@ TEST_CASE("gemm.rank_sums: every implementation is the row-order fp32 sum", "[ge
         }
 }
 
-TEST_CASE("gemm.loops: K blocking leaves every bit unchanged", "[gemm][loops]") {
+TEST_CASE("gemm.loops: K blocking and the row-block order leave every bit unchanged", "[gemm][loops]") {
   // The loops accumulate C in fp32 across K blocks (an exact spill and
-  // reload); for every kernel the result must equal the one-block result.
+  // reload), and each element is one call's whatever the order of the row
+  // and column blocks; for every kernel the result must equal that of all
+  // of K, all rows inside each column block.
   std::mt19937_64 rng(39);
   const std::size_t m = 45, n = 70, k = 300;
   const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
   for (Isa isa : usable_isas()) {
-    gemm::KernelInfo whole = gemm::kernel_info(isa), blocked = whole;
+    gemm::KernelInfo whole = gemm::kernel_info(isa);
     whole.kc = 0;
-    blocked.kc = 64;
+    whole.mc = 0;
     const std::size_t mp = gemm::round_up(m, whole.mr);
     std::vector<bf16> ap(gemm::a_size(whole.a_layout, mp, w.kp()));
     gemm::pack_a(whole.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(), ap.data());
-    std::vector<float> c1(m * n, NAN), c2(m * n, NAN);
+    std::vector<float> c1(m * n, NAN);
     gemm::gemm_block(whole, ap.data(), m, w, 0, w.np(), n, c1.data(), n);
-    gemm::gemm_block(blocked, ap.data(), m, w, 0, w.np(), n, c2.data(), n);
-    INFO(isa_name(isa));
-    CHECK(std::memcmp(c1.data(), c2.data(), c1.size() * 4) == 0);
+    for (std::size_t kc : {std::size_t{0}, std::size_t{64}})
+      for (std::size_t mc : {std::size_t{0}, whole.mr, 2 * whole.mr}) {
+        if (kc == 0 && mc == 0) continue;  // the reference itself
+        gemm::KernelInfo blocked = whole;
+        blocked.kc = kc;
+        blocked.mc = mc;
+        std::vector<float> c2(m * n, NAN);
+        gemm::gemm_block(blocked, ap.data(), m, w, 0, w.np(), n, c2.data(), n);
+        INFO(isa_name(isa) << " kc=" << kc << " mc=" << mc);
+        CHECK(std::memcmp(c1.data(), c2.data(), c1.size() * 4) == 0);
+      }
   }
 }
 
@@ -621,8 +631,8 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
   // One gemm_block with a second product must give every bit of two calls
   // (the second with accumulate), and its epilogue must see each finished
   // block of C exactly once, holding its final values, for K in one block
-  // and in several (on AMX kernels, row by row under the next block's
-  // products).
+  // and in several, column blocks inside or outside the row blocks (on AMX
+  // kernels, row by row under the next block's products).
   std::mt19937_64 rng(41);
   const std::size_t m = 45, n = 70, k = 300, k2 = 40, n0 = 32;
   const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
@@ -630,9 +640,11 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
   const auto w2 = gemm::PackedWeights::pack(MatView<const bf16>(w2v.data(), n, k2));
   for (Isa isa : usable_isas())
-    for (std::size_t kc : {std::size_t{0}, std::size_t{64}}) {
+    for (std::size_t kc : {std::size_t{0}, std::size_t{64}})
+    for (bool rows_outside : {false, true}) {  // column blocks inside each MR-row block, or outside all
       gemm::KernelInfo kernel = gemm::kernel_info(isa);
       kernel.kc = kc;
+      kernel.mc = rows_outside ? kernel.mr : 0;
       const std::size_t mp = gemm::round_up(m, kernel.mr);
       std::vector<bf16> ap(gemm::a_size(kernel.a_layout, mp, w.kp())), ap2(gemm::a_size(kernel.a_layout, mp, w2.kp()));
       gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(), ap.data());
@@ -652,7 +664,7 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
       };
       gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, got.data(), n,
                        {.a2 = ap2.data(), .w2 = &w2, .epilogue = epilogue});
-      INFO(isa_name(isa) << " kc=" << kc);
+      INFO(isa_name(isa) << " kc=" << kc << " mc=" << kernel.mc);
       CHECK(std::memcmp(want.data(), got.data(), got.size() * 4) == 0);  // columns before n0 untouched too
       CHECK(aligned);
       std::size_t once = 0, wrong = 0;

@@ -173,6 +173,14 @@ const KernelInfo& kernel_info(Isa isa) {
   // K block of the AMX loops: all of K. Blocks of 256 to 1024 measured
   // slower on the AMX machine (docs/PERFORMANCE.md), prefetching won instead.
   constexpr std::size_t kAmxKc = 0;
+  // With all of K per call, the AMX loops take one 32-row block of A (128
+  // KiB at K = 2048) past every column panel of the item before the next:
+  // it stays in L2, as does the item's B (256 columns, 1 MiB at K = 2048),
+  // where column panels outside let 512 rows of A (2 MiB) cycle through L2
+  // once per panel (measured: layer forward T = 4096 2-5% faster on the AMX
+  // machine; the AVX-512 kernel, whose 8-row A block fits L1 either way,
+  // 3-4% slower here, so it keeps the panels outside).
+  constexpr std::size_t kAmxMc = 32;
   // The vector element-wise kernels wherever AVX-512 runs (AMX machines have
   // it); the emulator takes them too where it can, and the results never
   // differ.
@@ -183,13 +191,13 @@ const KernelInfo& kernel_info(Isa isa) {
   static const ScaleToBf16Fn vec_cvt = avx512 ? scale_to_bf16_avx512 : scale_to_bf16_scalar;
   static const Dot16Fn vec_dot = avx512 ? dot16_avx512 : dot16_scalar;
   static const KernelInfo table[] = {
-      {Isa::scalar, 8, 32, 0, ALayout::rows, ukernel_scalar_8x32, nullptr, false, no_hook, no_hook, swiglu_scalar, swiglu_backward_scalar,
+      {Isa::scalar, 8, 32, 0, 0, ALayout::rows, ukernel_scalar_8x32, nullptr, false, no_hook, no_hook, swiglu_scalar, swiglu_backward_scalar,
        rank_sums_scalar, scale_to_bf16_scalar, dot16_scalar, "ukernel_scalar_8x32"},
-      {Isa::avx512_bf16, 8, 32, 0, ALayout::rows, ukernel_avx512_bf16_8x32, nullptr, false, no_hook, no_hook, swiglu_avx512,
+      {Isa::avx512_bf16, 8, 32, 0, 0, ALayout::rows, ukernel_avx512_bf16_8x32, nullptr, false, no_hook, no_hook, swiglu_avx512,
        swiglu_backward_avx512, rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, "ukernel_avx512_bf16_8x32"},
-      {Isa::amx_bf16, 32, 32, kAmxKc, ALayout::tiles, ukernel_amx_bf16_32x32, ukernel_amx_bf16_16x32, true, amx_bf16_tile_begin, amx_bf16_tile_end,
+      {Isa::amx_bf16, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_bf16_32x32, ukernel_amx_bf16_16x32, true, amx_bf16_tile_begin, amx_bf16_tile_end,
        swiglu_avx512, swiglu_backward_avx512, rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, "ukernel_amx_bf16_32x32"},
-      {Isa::amx_emu, 32, 32, kAmxKc, ALayout::tiles, ukernel_amx_emu_32x32, ukernel_amx_emu_16x32, true, amx_emu_tile_begin, amx_emu_tile_end, vec,
+      {Isa::amx_emu, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_emu_32x32, ukernel_amx_emu_16x32, true, amx_emu_tile_begin, amx_emu_tile_end, vec,
        vec_bwd, vec_sums, vec_cvt, vec_dot, "ukernel_amx_emu_32x32"},
   };
   if (!isa_usable(isa))

@@ -1,5 +1,5 @@
-// Loops around the microkernel (BLIS shape): K blocks, NR-wide column
-// blocks, MR-tall row blocks, one microkernel call each.
+// Loops around the microkernel (BLIS shape): K blocks, MC-row blocks,
+// NR-wide column blocks, MR-tall row blocks, one microkernel call each.
 // Each element of C is written by exactly one call, and its accumulation
 // order is the kernel's alone: results do not depend on the partition.
 #include "ops/gemm/loops.hpp"
@@ -86,59 +86,63 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
     const auto* b = static_cast<const Pending*>(ctx);
     b->opt->epilogue(b->m0 + i, b->m0 + i + 1, b->n0, b->n1);
   };
-  const std::size_t kc_step = kernel.kc ? kernel.kc : kp;
+  const std::size_t kc_step = kernel.kc ? kernel.kc : kp, mc = kernel.mc ? kernel.mc : m;
   for (std::size_t k0 = 0; k0 < kp; k0 += kc_step) {
     const std::size_t kc = std::min(kc_step, kp - k0);
     const bool last = k0 + kc == kp;
-    // Loop 2: NR-wide column blocks (panel pairs).
-    for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
-      const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
-      if (nn == 0) break;
-      UkernelArgs args{};
-      args.lda = lda;
-      args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
-      args.panel_stride = kp * kPanel;
-      args.kp = kc;
-      args.accumulate = opt.accumulate || k0 > 0;
-      if (opt.w2 && last) {  // the second product, in the same kernel call
-        args.lda2 = lda2;
-        args.b2 = opt.w2->data() + (n0 / kPanel) * kp2 * kPanel;
-        args.panel_stride2 = kp2 * kPanel;
-        args.kp2 = kp2;
-      }
-      // Loop 3: MR-tall row blocks, one microkernel call each.
-      for (std::size_t m0 = 0; m0 < m; m0 += mr) {
-        const std::size_t mm = std::min(mr, m - m0);
-        args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
-        in_call = pending;  // the previous block's epilogue, if any, in this call
-        pending.rows = 0;
-        args.side = in_call.rows ? +epilogue_row : nullptr;
-        args.side_ctx = &in_call;
-        args.side_n = in_call.rows;
-        if (args.kp2) args.a2 = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
-        float* const cblk = c + (m0 * ldc + (n0 - opt.c_col0));  // C's element (m0, n0)
-        if (mm == mr && nn == nr) {  // full block: straight into C
-          args.c = cblk;
-          args.ldc = ldc;
-          kernel.ukernel(args);
-        } else {  // edge: through a scratch block, C's valid part copied in and out
-          float* blk = edge + 0;
-          if (args.accumulate)
-            for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
-          args.c = blk;
-          args.ldc = nr;
-          // At most half the rows: the kernel's half-height twin, if it has one.
-          const UkernelFn uk = mm <= mr / 2 && kernel.ukernel_half ? kernel.ukernel_half : kernel.ukernel;
-          uk(args);
-#ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
-          for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
-#else
-          for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
-#endif
+    // Loop 2: blocks of the kernel's mc rows (all rows when 0), each taken
+    // past every column block before the next.
+    for (std::size_t mc0 = 0; mc0 < m; mc0 += mc) {
+      // Loop 3: NR-wide column blocks (panel pairs).
+      for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
+        const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
+        if (nn == 0) break;
+        UkernelArgs args{};
+        args.lda = lda;
+        args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
+        args.panel_stride = kp * kPanel;
+        args.kp = kc;
+        args.accumulate = opt.accumulate || k0 > 0;
+        if (opt.w2 && last) {  // the second product, in the same kernel call
+          args.lda2 = lda2;
+          args.b2 = opt.w2->data() + (n0 / kPanel) * kp2 * kPanel;
+          args.panel_stride2 = kp2 * kPanel;
+          args.kp2 = kp2;
         }
-        if (opt.epilogue && last) {
-          if (kernel.side_steps) pending = {&opt, m0, mm, n0, n0 + nn};
-          else opt.epilogue(m0, m0 + mm, n0, n0 + nn);
+        // Loop 4: MR-tall row blocks, one microkernel call each.
+        for (std::size_t m0 = mc0; m0 < std::min(m, mc0 + mc); m0 += mr) {
+          const std::size_t mm = std::min(mr, m - m0);
+          args.a = a + a_offset(kernel.a_layout, lda, m0, k0);
+          in_call = pending;  // the previous block's epilogue, if any, in this call
+          pending.rows = 0;
+          args.side = in_call.rows ? +epilogue_row : nullptr;
+          args.side_ctx = &in_call;
+          args.side_n = in_call.rows;
+          if (args.kp2) args.a2 = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
+          float* const cblk = c + (m0 * ldc + (n0 - opt.c_col0));  // C's element (m0, n0)
+          if (mm == mr && nn == nr) {  // full block: straight into C
+            args.c = cblk;
+            args.ldc = ldc;
+            kernel.ukernel(args);
+          } else {  // edge: through a scratch block, C's valid part copied in and out
+            float* blk = edge + 0;
+            if (args.accumulate)
+              for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
+            args.c = blk;
+            args.ldc = nr;
+            // At most half the rows: the kernel's half-height twin, if it has one.
+            const UkernelFn uk = mm <= mr / 2 && kernel.ukernel_half ? kernel.ukernel_half : kernel.ukernel;
+            uk(args);
+#ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
+            for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
+#else
+            for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
+#endif
+          }
+          if (opt.epilogue && last) {
+            if (kernel.side_steps) pending = {&opt, m0, mm, n0, n0 + nn};
+            else opt.epilogue(m0, m0 + mm, n0, n0 + nn);
+          }
         }
       }
     }
