@@ -627,6 +627,40 @@ TEST_CASE("storage: 64-byte aligned; 2 MiB and more aligned to 2 MiB", "[gemm][m
   }
 }
 
+TEST_CASE("gemm.loops: row blocks outside the column blocks only while the item's B fits L2", "[gemm][loops]") {
+  // With KernelInfo::mc (the AMX kernels), each mc-row block passes all
+  // the item's column blocks before the next, unless the item's B exceeds
+  // kItemBBytes; the epilogue (after each call on the scalar kernel) sees
+  // the order. item_cols narrows items to 128 columns only where that
+  // makes B fit.
+  CHECK(gemm::item_cols(2048) == 256);  // 1 MiB: fits
+  CHECK(gemm::item_cols(2816) == 128);  // 256 columns: 1.4 MiB
+  CHECK(gemm::item_cols(7168) == 256);  // 128 would not fit either
+  std::mt19937_64 rng(47);
+  gemm::KernelInfo kernel = gemm::kernel_info(Isa::scalar);
+  kernel.mc = kernel.mr;
+  const std::size_t m = 2 * kernel.mr;
+  for (const std::size_t n : {std::size_t{64}, std::size_t{512}}) {
+    const std::size_t k = 1056;  // 512 columns: 1056 KiB of B
+    const bool fits = n * k * sizeof(bf16) <= gemm::kItemBBytes;
+    const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
+    const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+    std::vector<bf16> ap(gemm::a_size(kernel.a_layout, m, w.kp()));
+    gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, m, w.kp(), ap.data());
+    std::vector<float> c(m * n);
+    std::vector<std::pair<std::size_t, std::size_t>> seen, want;
+    auto epilogue = [&](std::size_t i0, std::size_t, std::size_t j0, std::size_t) { seen.emplace_back(i0, j0); };
+    gemm::gemm_block(kernel, ap.data(), m, w, 0, n, n, c.data(), n, {.epilogue = epilogue});
+    for (std::size_t x = 0; x < m * n / (kernel.mr * kernel.nr); ++x) {
+      const std::size_t blocks = fits ? n / kernel.nr : m / kernel.mr;  // of the inner loop
+      const std::size_t outer = x / blocks, inner = x % blocks;
+      want.emplace_back(fits ? std::pair{outer * kernel.mr, inner * kernel.nr} : std::pair{inner * kernel.mr, outer * kernel.nr});
+    }
+    INFO("n=" << n);
+    CHECK(seen == want);
+  }
+}
+
 TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][loops]") {
   // One gemm_block with a second product must give every bit of two calls
   // (the second with accumulate), and its epilogue must see each finished

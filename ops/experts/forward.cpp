@@ -122,14 +122,14 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   //    block), then, on each finished 32-column block (a panel pair: 16
   //    gate columns, then the same 16 up columns) while it is in L1,
   //    h = silu(g) * u, written into h in the kernel's A layout for the down
-  //    GEMM. Work items: (expert, up to 512 rows, 256 columns, pair-aligned).
-  //    Tall items make each weight column block stream from memory once per
-  //    expert, not once per row block; 256 columns leave enough items for
-  //    every thread.
+  //    GEMM. Work items: (expert, up to 512 rows, 256 columns or 128 by
+  //    gemm::item_cols, pair-aligned). Tall items make each weight column
+  //    block stream from memory once per expert, not once per row block;
+  //    256 columns leave enough items for every thread.
   //    Without keep_c1 each item's C goes to a scratch block of the thread
   //    (up to 512 x 256 fp32, L2-sized) instead of c1 in memory: the SwiGLU
   //    is then its only reader, and the same bits come out.
-  const std::size_t nb = 256;
+  const std::size_t nb = gemm::item_cols(kp1);
   struct Scratch {  // grown to the largest item a thread meets, never value-initialised
     std::unique_ptr<float[]> data;
     std::size_t size = 0;
@@ -187,7 +187,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
     gemm::pack_a_f32(kernel, st.ha + r0 * rank, rank, nullptr, m, padded_rows(tl), rank, kr2, st.scale,
                      lb_d + gemm::a_offset(layout, ld_lb2, r0, 0));
   });
-  for_each_tile(tiles(g, hidden, mb, nb), [&](const Tile& tl) {
+  for_each_tile(tiles(g, hidden, mb, gemm::item_cols(kp2)), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     gemm::BlockOptions bo;
     if (rank) bo.a2 = lb_d + gemm::a_offset(layout, ld_lb2, r0, 0), bo.w2 = &lora->experts[tl.e].b_d;

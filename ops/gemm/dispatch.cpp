@@ -174,12 +174,13 @@ const KernelInfo& kernel_info(Isa isa) {
   // slower on the AMX machine (docs/PERFORMANCE.md), prefetching won instead.
   constexpr std::size_t kAmxKc = 0;
   // With all of K per call, the AMX loops take one 32-row block of A (128
-  // KiB at K = 2048) past every column panel of the item before the next:
-  // it stays in L2, as does the item's B (256 columns, 1 MiB at K = 2048),
-  // where column panels outside let 512 rows of A (2 MiB) cycle through L2
-  // once per panel (measured: layer forward T = 4096 2-5% faster on the AMX
-  // machine; the AVX-512 kernel, whose 8-row A block fits L1 either way,
-  // 3-4% slower here, so it keeps the panels outside).
+  // KiB at K = 2048) past every column panel of the item before the next,
+  // where the item's B fits kItemBBytes: A and B then stay in L2, where
+  // column panels outside cycle up to 512 rows of A (2 MiB) through L2 once
+  // per panel. Measured on the AMX machine (docs/PERFORMANCE.md, session 8):
+  // gate/up GEMM at T = 4096 5% faster, the backward's dx GEMM (128-column
+  // items, gemm::item_cols) 12-15%; the AVX-512 kernel, whose 8-row A block
+  // fits L1 either way, 2-4% slower here, so it keeps the panels outside.
   constexpr std::size_t kAmxMc = 32;
   // The vector element-wise kernels wherever AVX-512 runs (AMX machines have
   // it); the emulator takes them too where it can, and the results never

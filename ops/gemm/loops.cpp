@@ -86,12 +86,15 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
     const auto* b = static_cast<const Pending*>(ctx);
     b->opt->epilogue(b->m0 + i, b->m0 + i + 1, b->n0, b->n1);
   };
-  const std::size_t kc_step = kernel.kc ? kernel.kc : kp, mc = kernel.mc ? kernel.mc : m;
+  // Rows outside the column blocks only where the item's B stays in L2.
+  const bool rows_outside = kernel.mc && (n_end - n_begin) * kp * sizeof(bf16) <= kItemBBytes;
+  const std::size_t kc_step = kernel.kc ? kernel.kc : kp, mc = rows_outside ? kernel.mc : m;
   for (std::size_t k0 = 0; k0 < kp; k0 += kc_step) {
     const std::size_t kc = std::min(kc_step, kp - k0);
     const bool last = k0 + kc == kp;
-    // Loop 2: blocks of the kernel's mc rows (all rows when 0), each taken
-    // past every column block before the next.
+    // Loop 2: blocks of the kernel's mc rows (all rows when 0 or when the
+    // item's B would not stay in L2), each taken past every column block
+    // before the next.
     for (std::size_t mc0 = 0; mc0 < m; mc0 += mc) {
       // Loop 3: NR-wide column blocks (panel pairs).
       for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {

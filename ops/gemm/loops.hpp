@@ -19,6 +19,17 @@ inline std::size_t a_size(ALayout l, std::size_t m_padded, std::size_t kp) {
   return l == ALayout::rows ? m_padded * a_stride(l, kp) : m_padded * kp;
 }
 
+/// Bytes of packed B (kp x columns of bf16) up to which a work item's B
+/// stays in L2 while the loops take its row blocks one by one past all of
+/// its columns (KernelInfo::mc): half the AMX machine's 2 MiB per core.
+inline constexpr std::size_t kItemBBytes = std::size_t{1} << 20;
+/// Columns per GEMM work item over depth kp: 256, or 128 where only that
+/// keeps the item's B within kItemBBytes (the backward's dx GEMM, K = 2I).
+inline std::size_t item_cols(std::size_t kp) {
+  const std::size_t per_col = kp * sizeof(bf16);
+  return 256 * per_col > kItemBBytes && 128 * per_col <= kItemBBytes ? 128 : 256;
+}
+
 /// Copies rows of A (row rows[i] of `a`, or row i when rows is null) into dst
 /// in layout l, K zero-padded to kp and rows m..m_padded-1 zero.
 void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,

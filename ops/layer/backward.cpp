@@ -145,7 +145,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
   float* dw = arena.get<float>("router.dw", T * K);
   const std::size_t kr1 = round_up(2 * r, gemm::kKStep), kr2 = round_up(r, gemm::kKStep);
   if (need_dh) {
-    for_each_tile(experts::tiles(gr, I, mb, 256), [&](const experts::Tile& tl) {
+    for_each_tile(experts::tiles(gr, I, mb, gemm::item_cols(kph)), [&](const experts::Tile& tl) {
       const std::size_t r0 = gr.begin[tl.e] + tl.m0;
       gemm::gemm_block(kernel, dy_row(r0), tl.m1 - tl.m0, pe.down_t(tl.e), tl.n0, tl.n1, I, dh + r0 * ldd, ldd);
     });
@@ -276,7 +276,10 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
         gemm::pack_a_f32(kernel, dgb + gr.begin[e] * 2 * r, 2 * r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], 2 * r,
                          kr1, sc, qgu + gemm::a_offset(layout, ldq, gr.begin[e], 0));
       });
-    for_each_tile(experts::tiles(gr, H, mb, 256), [&](const experts::Tile& tl) {
+    // Items of 128 columns here (gemm::item_cols, K = 2I): with 256, B (1.4
+    // MiB at I = 1408) would not stay in L2 under the AMX loops' row blocks.
+    const std::size_t nb_dx = gemm::item_cols(round_up(2 * I, gemm::kKStep));
+    for_each_tile(experts::tiles(gr, H, mb, nb_dx), [&](const experts::Tile& tl) {
       const std::size_t r0 = gr.begin[tl.e] + tl.m0;
       gemm::BlockOptions bo;  // the LoRA product into the same blocks
 #ifdef MOECERT_MUTANT_DX_MISSING_LORA
