@@ -100,6 +100,7 @@ MOECERT_ROUTER_CLAUSE(kSgbIdx, pre, "router.sigmoid_topk_backward.idx_valid", in
 MOECERT_ROUTER_CLAUSE(kSgbFinite, pre, "router.sigmoid_topk_backward.g_finite", finite, "g finite, |g| <= 2^126; z finite, >= -87")
 MOECERT_ROUTER_CLAUSE(kSgbNoAlias, pre, "router.sigmoid_topk_backward.no_alias", alias, "dz disjoint from inputs")
 MOECERT_ROUTER_CLAUSE(kSgbUnselected, post, "router.sigmoid_topk_backward.unselected_grad", numeric, "dz_j == 0 for every unselected j")
+MOECERT_ROUTER_CLAUSE(kSgbDzFinite, post, "router.sigmoid_topk_backward.dz_finite", finite, "every dz finite (c |g - D| may exceed fp32)")
 MOECERT_ROUTER_CLAUSE(kPkShape, pre, "router.product_key.shape", shape, "sx, sy T x n; idx, w T x K; 1 <= K <= n*n")
 MOECERT_ROUTER_CLAUSE(kPkFinite, pre, "router.product_key.scores_finite", finite, "every sx, sy finite")
 MOECERT_ROUTER_CLAUSE(kPkNoAlias, pre, "router.product_key.no_alias", alias, "outputs disjoint from inputs and each other")
@@ -112,14 +113,15 @@ MOECERT_ROUTER_CLAUSE(kPkbIdx, pre, "router.product_key_backward.idx_in_range", 
 MOECERT_ROUTER_CLAUSE(kPkbFinite, pre, "router.product_key_backward.g_finite", finite, "g finite, |g| <= 2^126; sx, sy finite")
 MOECERT_ROUTER_CLAUSE(kPkbNoAlias, pre, "router.product_key_backward.no_alias", alias, "dsx, dsy disjoint from inputs and each other")
 MOECERT_ROUTER_CLAUSE(kPkbUnused, post, "router.product_key_backward.unused_zero", numeric, "dsx/dsy == 0 where no valid slot points")
+MOECERT_ROUTER_CLAUSE(kPkbGradFinite, post, "router.product_key_backward.grad_finite", finite, "every dsx, dsy finite (g w, sums of slots may exceed fp32)")
 #undef MOECERT_ROUTER_CLAUSE
 inline constexpr ClauseInfo kAll[] = {
     kSmShape, kSmFinite, kSmNoAlias, kSmIdxValid, kSmIdxUnique, kSmSorted, kSmTopk, kSmWeights,
     kSmbShape, kSmbIdx, kSmbFinite, kSmbNoAlias, kSmbUnselected,
     kSgShape, kSgFinite, kSgNoAlias, kSgIdxValid, kSgIdxUnique, kSgSorted, kSgTopk, kSgWeights,
-    kSgbShape, kSgbIdx, kSgbFinite, kSgbNoAlias, kSgbUnselected,
+    kSgbShape, kSgbIdx, kSgbFinite, kSgbNoAlias, kSgbUnselected, kSgbDzFinite,
     kPkShape, kPkFinite, kPkNoAlias, kPkIdxValid, kPkIdxUnique, kPkSorted, kPkWeights,
-    kPkbShape, kPkbIdx, kPkbFinite, kPkbNoAlias, kPkbUnused};
+    kPkbShape, kPkbIdx, kPkbFinite, kPkbNoAlias, kPkbUnused, kPkbGradFinite};
 }  // namespace router
 
 namespace workspace {

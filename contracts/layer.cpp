@@ -94,15 +94,10 @@ std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const floa
   std::vector<double> out(d.R, 0.0);
   if (v == 0) return out;
   if (d.kind == RouterKind::sigmoid_topk) {
-    double sum_s = 0, dot = 0, sgr = 0, sg = 0;
-    for (std::size_t j = 0; j < v; ++j) sum_s += ref::sigmoid(double(z[ir[j]]));
-    for (std::size_t j = 0; j < v; ++j) {
-      const double rj = ref::sigmoid(double(z[ir[j]])) / sum_s;
-      dot += g[j] * rj, sgr += std::fabs(g[j]) * rj, sg += std::fabs(g[j]);
-    }
-    for (std::size_t j = 0; j < v; ++j)
-      out[static_cast<std::size_t>(ir[j])] =
-          bounds::sigmoid_grad(ref::sigmoid(double(z[ir[j]])), g[j], d.scaling, sum_s, dot, sgr, sg, v);
+    std::vector<double> s(v);
+    for (std::size_t j = 0; j < v; ++j) s[j] = ref::sigmoid(double(z[ir[j]]));
+    const std::vector<double> b = bounds::sigmoid_grad_slots(s.data(), g, v, d.scaling);
+    for (std::size_t j = 0; j < v; ++j) out[static_cast<std::size_t>(ir[j])] = b[j];
     return out;
   }
   // Softmax-style weights from the row's logits (or product-key sums).

@@ -347,6 +347,7 @@ void sigmoid_topk_backward_post(detail::Checker& c, MatView<const std::int32_t> 
       for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
     }
   }
+  MOECERT_CONTRACT(c, k::kSgbDzFinite) { detail::scan_finite(c, k::kSgbDzFinite, "dz", MatView<const float>(dz)); }
 }
 
 // ---- product_key ----------------------------------------------------------------
@@ -463,6 +464,9 @@ void product_key_backward_post(detail::Checker& c, MatView<const std::int32_t> i
           return;
         }
     }
+  }
+  MOECERT_CONTRACT(c, k::kPkbGradFinite) {
+    detail::scan_finite(c, k::kPkbGradFinite, "dsx", dsx) && detail::scan_finite(c, k::kPkbGradFinite, "dsy", dsy);
   }
 }
 

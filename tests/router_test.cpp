@@ -217,23 +217,49 @@ TEST_CASE("router.sigmoid_topk.backward: within bound, zero off the selection", 
   for (std::size_t r = 0; r < t; ++r) {
     const std::int32_t* ir = &idx[r * k];
     const auto dref = ref::sigmoid_topk_grad<ref::DoubleDouble>(&z[r * e], e, ir, &g[r * k], k, p.scaling);
-    double sum_s = 0, d = 0, sgr = 0, sg = 0;
-    for (std::size_t j = 0; j < k; ++j) sum_s += ref::sigmoid(double(z[r * e + ir[j]]));
-    for (std::size_t j = 0; j < k; ++j) {
-      const double rj = ref::sigmoid(double(z[r * e + ir[j]])) / sum_s;
-      d += g[r * k + j] * rj;
-      sgr += std::fabs(g[r * k + j]) * rj;
-      sg += std::fabs(g[r * k + j]);
-    }
+    std::vector<double> s(k);
+    for (std::size_t j = 0; j < k; ++j) s[j] = ref::sigmoid(double(z[r * e + ir[j]]));
+    const std::vector<double> b = bounds::sigmoid_grad_slots(s.data(), &g[r * k], k, p.scaling);
     for (std::size_t j = 0; j < k; ++j) {
       const auto i = static_cast<std::size_t>(ir[j]);
-      const double s = ref::sigmoid(double(z[r * e + i]));
       // + the rounding of the binary64 inputs of the bound (sum_s, d: gamma_64 of 2^-53)
-      const double bound = bounds::sigmoid_grad(s, g[r * k + j], p.scaling, sum_s, d, sgr, sg, k) +
-                           bounds::gamma(64, bounds::kU64) * std::fabs(ref::to_double(dref[i]));
+      const double bound = b[j] + bounds::gamma(64, bounds::kU64) * std::fabs(ref::to_double(dref[i]));
       REQUIRE(std::fabs(dz[r * e + i] - ref::to_double(dref[i])) <= bound);
     }
   }
+}
+
+TEST_CASE("router.sigmoid_topk.backward: finite and within bound where c / S exceeds the fp32 range", "[router][sigmoid_topk][numeric]") {
+  // Logits near the clause's floor (-87: sigma about 1.6e-38) and a scaling
+  // c of 1e6..3e38: c / sum_S sigma is far beyond fp32, but each exact
+  // dz = c (g - D) (s / S)(1 - s) is at most c |g - D|. Computed as
+  // (c / S)(g - D) s (1 - s) it came out infinite (proofs/router.md §4.2).
+  const std::size_t e = 4, k = 2;
+  const std::vector<float> z = {-87.0f, -86.5f, -86.0f, 3.0f};
+  const std::vector<std::int32_t> idx = {0, 2};
+  for (const float c : {1e6f, 1e30f, 3e38f})
+    for (const float g0 : {1.0f, 1e-30f}) {
+      const std::vector<float> g = {g0, -g0};
+      std::vector<float> dz(e, NAN);
+      {
+        ContractScope full{Level::full, Semantic::enforce};
+        router::sigmoid_topk_backward(MatView<const float>(z.data(), 1, e), MatView<const std::int32_t>(idx.data(), 1, k),
+                                      MatView<const float>(g.data(), 1, k), {1, 1, c}, MatView<float>(dz.data(), 1, e));
+      }
+      const auto dref = ref::sigmoid_topk_grad<ref::DoubleDouble>(z.data(), e, idx.data(), g.data(), k, c);
+      const double s[] = {ref::sigmoid(double(z[0])), ref::sigmoid(double(z[2]))};
+      const std::vector<double> b = bounds::sigmoid_grad_slots(s, g.data(), k, c);
+      for (std::size_t j = 0; j < k; ++j) {
+        const auto i = static_cast<std::size_t>(idx[j]);
+        const double want = ref::to_double(dref[i]);
+        INFO("c=" << c << " g0=" << g0 << " j=" << j << " dz=" << dz[i] << " ref=" << want);
+        REQUIRE(std::isfinite(dz[i]));
+        CHECK(want != 0);
+        CHECK(std::fabs(dz[i] - want) <= b[j] + bounds::gamma(64, bounds::kU64) * std::fabs(want));
+      }
+      CHECK(dz[1] == 0.0f);
+      CHECK(dz[3] == 0.0f);
+    }
 }
 
 TEST_CASE("router.product_key.forward: two-stage selection equals brute force", "[router][product_key][index]") {
@@ -689,6 +715,13 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
     detail::Checker c{"router.sigmoid_topk.backward"};
     contracts::sigmoid_topk_backward_post(c, MatView<const std::int32_t>(idx.data(), t, k), MatView<const float>(dz.data(), t, e));
   }, "router.sigmoid_topk_backward.unselected_grad");
+  // Valid input whose exact dz is beyond fp32: c = 3e38, g = +-2^126.
+  gb = g;
+  gb[0] = 0x1p126f, gb[1] = -0x1p126f;
+  test::expect_violation([&] {
+    router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
+                                  MatView<const float>(gb.data(), t, k), {4, 2, 3e38f}, MatView<float>(dz.data(), t, e));
+  }, "router.sigmoid_topk_backward.dz_finite");
 }
 
 TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
@@ -756,6 +789,15 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
     contracts::product_key_backward_post(c, MatView<const std::int32_t>(bad.data(), t, k), MatView<const float>(dsx.data(), t, n),
                                          MatView<const float>(dsy.data(), t, n));
   }, "router.product_key_backward.unused_zero");
+  // Valid input whose exact sum is beyond fp32: four slots on key 0 of sx
+  // (experts 0..3, n = 4), each g = 2^126, raw weights: dsx[0] = 2^128.
+  const std::vector<std::int32_t> same_x = {0, 1, 2, 3};
+  const std::vector<float> big(4, 0x1p126f);
+  test::expect_violation([&] {
+    router::product_key_backward(MatView<const float>(sx.data(), 1, n), MatView<const float>(sy.data(), 1, n),
+                                 MatView<const std::int32_t>(same_x.data(), 1, 4), MatView<const float>(big.data(), 1, 4), KeyWeights::raw,
+                                 MatView<float>(dsx.data(), 1, n), MatView<float>(dsy.data(), 1, n));
+  }, "router.product_key_backward.grad_finite");
 }
 
 TEST_CASE("router: bf16 scores give the results of their exact fp32 values", "[router]") {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <vector>
 
 #include "contracts/bounds/basic.hpp"
 
@@ -24,23 +25,41 @@ constexpr double weighted_diff(double w, double g, double d_exact, double sum_w_
   return (eps * w + eta2) * diff + w_hat * e_f + kU32 * w_hat * (diff + e_f) + kMinNormal32;
 }
 
-/// §4.2: sigmoid_topk gradient of a selected expert: dz = fl(fl(fl(c / S_hat)
-/// fl(g - D_hat)) fl(s_hat (1 - s_hat))) with S = sum_S s over k terms, r_j =
-/// s_j / S, D = sum_S g r.
+/// §4.2: sigmoid_topk gradient of a selected expert: dz = fl(c fl(fl(f_hat
+/// r_hat) fl(1 - s_hat))) with f_hat = fl(g - D_hat), r_hat = fl(s_hat /
+/// S_hat), S = sum_S s over k terms, r_j = s_j / S, D = sum_S g r; s is the
+/// exact sigma of this expert's logit.
 inline double sigmoid_grad(double s, double g, double c, double sum_s, double d_exact, double sum_absg_r,
                            double sum_absg, std::size_t k) {
+  const double eta = kMinNormal32;
   const double es = gamma(kExpUlps + 2);  // relative error of s_hat (§4 of bounds.md)
   const double e_sum = (1 + es) * (1 + gamma(static_cast<double>(k > 0 ? k - 1 : 0))) - 1;
   const double e_r = (1 + es) * (1 + kU32) / (1 - e_sum) - 1;
-  const double e_d = e_r * sum_absg_r + gamma(static_cast<double>(k)) * (1 + e_r) * sum_absg_r + 2 * kMinNormal32 * sum_absg;
+  const double e_d = e_r * sum_absg_r + gamma(static_cast<double>(k)) * (1 + e_r) * sum_absg_r + 2 * eta * sum_absg;
   const double diff = std::fabs(g - d_exact);
-  const double e_f = e_d + kU32 * (diff + e_d);
-  const double a = c / sum_s, e_a = a * ((1 + kU32) / (1 - e_sum) - 1);
-  const double ds = a * diff, e_ds = e_a * diff + (a + e_a) * e_f + kU32 * (a + e_a) * (diff + e_f);
-  // q = s (1 - s): 1 - s_hat is off by es s plus its own rounding u (1 - s).
-  const double one_minus = 1 - s, e_om = es * s + kU32 * one_minus + kMinNormal32;
-  const double q = s * one_minus, e_q = es * s * one_minus + (s * (1 + es)) * e_om + kU32 * (s * (1 + es)) * (one_minus + e_om);
-  return ds * e_q + q * e_ds + e_ds * e_q + kU32 * (ds + e_ds) * (q + e_q) + kMinNormal32;
+  const double e_f = e_d + kU32 * (diff + e_d);  // |f_hat - (g - D)|
+  // p = f r: r_hat = r (1 + e) + a, |e| <= e_r, |a| <= 2 eta; rounding u |p_hat| + eta.
+  const double r = s / sum_s, r_bar = r * (1 + e_r) + 2 * eta;
+  const double e_p = e_f * r_bar + diff * (e_r * r + 2 * eta) + kU32 * (diff + e_f) * r_bar + eta;
+  // o = 1 - s: s_hat off by es s, one rounding (never below the normal range).
+  const double o = 1 - s, e_o = es * s + kU32 * (o + es * s);
+  // q = p o, then dz = c q.
+  const double p = diff * r, e_q = e_p * (o + e_o) + p * e_o + kU32 * (p + e_p) * (o + e_o) + eta;
+  return c * e_q + kU32 * c * (p * o + e_q) + eta;
+}
+
+/// §4.2 for every valid slot j of a row: the exact sigmoids s[j] of the
+/// selected logits, the row's g, v valid slots, scaling c.
+inline std::vector<double> sigmoid_grad_slots(const double* s, const float* g, std::size_t v, double c) {
+  double sum_s = 0, d = 0, sum_absg_r = 0, sum_absg = 0;
+  for (std::size_t j = 0; j < v; ++j) sum_s += s[j];
+  for (std::size_t j = 0; j < v; ++j) {
+    const double r = s[j] / sum_s;
+    d += g[j] * r, sum_absg_r += std::fabs(g[j]) * r, sum_absg += std::fabs(g[j]);
+  }
+  std::vector<double> out(v);
+  for (std::size_t j = 0; j < v; ++j) out[j] = sigmoid_grad(s[j], g[j], c, sum_s, d, sum_absg_r, sum_absg, v);
+  return out;
 }
 
 /// §4.3: an fp32 sum of `count` terms t_j each within e_j, in slot order.

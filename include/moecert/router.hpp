@@ -87,8 +87,9 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
                           MatView<std::int32_t> idx, MatView<float> w);
 
 /// sigmoid_topk, backward through the normalisation and sigma (the bias gets
-/// no gradient): for i in S, dz_i = s_i (1 - s_i) (c / sum_S s)(g_i - sum_S g s / sum_S s);
-/// 0 elsewhere. dz [T x E] written entirely.
+/// no gradient): for i in S, dz_i = s_i (1 - s_i) (c / sum_S s)(g_i - D), D = sum_S g s / sum_S s,
+/// computed as c ((g_i - D)(s_i / sum_S s))(1 - s_i) (no intermediate overflows); 0 elsewhere.
+/// dz [T x E] written entirely.
 ///
 /// Clauses:
 ///   router.sigmoid_topk_backward.shape     pre   shape    z, dz T x E; idx, g T x K
@@ -97,6 +98,8 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
 ///                                                 and >= -87
 ///   router.sigmoid_topk_backward.no_alias  pre   alias    dz shares no byte with z, idx, g
 ///   router.sigmoid_topk_backward.unselected_grad post numeric dz_j == 0 exactly for every j not selected
+///   router.sigmoid_topk_backward.dz_finite post  finite   every dz finite (valid input can overflow:
+///                                                 |dz_i| reaches c |g_i - D|; proofs/router.md §4.2)
 void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
                            const SigmoidTopkParams& p, MatView<float> dz);
 
@@ -140,6 +143,8 @@ void product_key_forward(MatView<const bf16> sx, MatView<const bf16> sy, KeyWeig
 ///   router.product_key_backward.no_alias    pre   alias    dsx, dsy share no byte with any input or each other
 ///   router.product_key_backward.unused_zero post  numeric  dsx[t,i] == 0 (dsy[t,i] == 0) exactly if no
 ///                                                 valid slot of row t has ix == i (iy == i)
+///   router.product_key_backward.grad_finite post  finite   every dsx, dsy finite (valid input can
+///                                                 overflow: g w with exp weights, sums of up to K slots)
 void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatView<const std::int32_t> idx,
                           MatView<const float> g, KeyWeights mode, MatView<float> dsx, MatView<float> dsy);
 

@@ -265,18 +265,12 @@ CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t to
       const std::int32_t* ir = &idx[t * s.k];
       const std::size_t v = ref::valid_prefix(ir, s.k);
       const auto dref = ref::sigmoid_topk_grad<double>(&z[t * s.e], s.e, ir, &g[t * s.k], s.k, p.scaling);
-      double sum_s = 0, d = 0, sgr = 0, sg = 0;
-      for (std::size_t j = 0; j < v; ++j) sum_s += ref::sigmoid(double(z[t * s.e + ir[j]]));
-      for (std::size_t j = 0; j < v; ++j) {
-        const double rj = ref::sigmoid(double(z[t * s.e + ir[j]])) / sum_s;
-        d += g[t * s.k + j] * rj, sgr += std::fabs(g[t * s.k + j]) * rj, sg += std::fabs(g[t * s.k + j]);
-      }
+      std::vector<double> sj(v);
+      for (std::size_t j = 0; j < v; ++j) sj[j] = ref::sigmoid(double(z[t * s.e + ir[j]]));
+      const std::vector<double> bj = bounds::sigmoid_grad_slots(sj.data(), &g[t * s.k], v, p.scaling);
       for (std::size_t i = 0; i < s.e; ++i) {
         const auto* at = std::find(ir, ir + v, static_cast<std::int32_t>(i));
-        const double b = at == ir + v ? 0
-                                      : bounds::sigmoid_grad(ref::sigmoid(double(z[t * s.e + i])), g[t * s.k + (at - ir)], p.scaling,
-                                                             sum_s, d, sgr, sg, v);
-        tl.add(dz[t * s.e + i], dref[i], b, fmt::format("t={} e={}", t, i));
+        tl.add(dz[t * s.e + i], dref[i], at == ir + v ? 0 : bj[static_cast<std::size_t>(at - ir)], fmt::format("t={} e={}", t, i));
       }
     }
   }
