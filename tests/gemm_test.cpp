@@ -631,11 +631,10 @@ TEST_CASE("gemm.loops: row blocks outside the column blocks only while the item'
   // With KernelInfo::mc (the AMX kernels), each mc-row block passes all
   // the item's column blocks before the next, unless the item's B exceeds
   // kItemBBytes; the epilogue (after each call on the scalar kernel) sees
-  // the order. item_cols narrows items to 128 columns only where that
-  // makes B fit.
-  CHECK(gemm::item_cols(2048) == 256);  // 1 MiB: fits
-  CHECK(gemm::item_cols(2816) == 128);  // 256 columns: 1.4 MiB
-  CHECK(gemm::item_cols(7168) == 256);  // 128 would not fit either
+  // the order. item_cols gives items of 128 columns where their B fits.
+  CHECK(gemm::item_cols(2816) == 128);  // 704 KiB
+  CHECK(gemm::item_cols(4096) == 128);  // 1 MiB: still fits
+  CHECK(gemm::item_cols(4128) == 256);  // 128 columns would not fit: wider items read A less often
   std::mt19937_64 rng(47);
   gemm::KernelInfo kernel = gemm::kernel_info(Isa::scalar);
   kernel.mc = kernel.mr;

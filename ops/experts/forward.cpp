@@ -122,10 +122,10 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   //    block), then, on each finished 32-column block (a panel pair: 16
   //    gate columns, then the same 16 up columns) while it is in L1,
   //    h = silu(g) * u, written into h in the kernel's A layout for the down
-  //    GEMM. Work items: (expert, up to 512 rows, 256 columns or 128 by
+  //    GEMM. Work items: (expert, up to 512 rows, 128 or 256 columns by
   //    gemm::item_cols, pair-aligned). Tall items make each weight column
   //    block stream from memory once per expert, not once per row block;
-  //    256 columns leave enough items for every thread.
+  //    narrow ones leave enough items for every thread.
   //    Without keep_c1 each item's C goes to a scratch block of the thread
   //    (up to 512 x 256 fp32, L2-sized) instead of c1 in memory: the SwiGLU
   //    is then its only reader, and the same bits come out.

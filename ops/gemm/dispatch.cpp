@@ -178,7 +178,7 @@ const KernelInfo& kernel_info(Isa isa) {
   // where the item's B fits kItemBBytes: A and B then stay in L2, where
   // column panels outside cycle up to 512 rows of A (2 MiB) through L2 once
   // per panel. Measured on the AMX machine (docs/PERFORMANCE.md, session 8):
-  // gate/up GEMM at T = 4096 5% faster, the backward's dx GEMM (128-column
+  // gate/up GEMM at T = 4096 5% faster, the backward's dx GEMM (in 128-column
   // items, gemm::item_cols) 12-15%; the AVX-512 kernel, whose 8-row A block
   // fits L1 either way, 2-4% slower here, so it keeps the panels outside.
   constexpr std::size_t kAmxMc = 32;

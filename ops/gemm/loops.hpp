@@ -23,12 +23,13 @@ inline std::size_t a_size(ALayout l, std::size_t m_padded, std::size_t kp) {
 /// stays in L2 while the loops take its row blocks one by one past all of
 /// its columns (KernelInfo::mc): half the AMX machine's 2 MiB per core.
 inline constexpr std::size_t kItemBBytes = std::size_t{1} << 20;
-/// Columns per GEMM work item over depth kp: 256, or 128 where only that
-/// keeps the item's B within kItemBBytes (the backward's dx GEMM, K = 2I).
-inline std::size_t item_cols(std::size_t kp) {
-  const std::size_t per_col = kp * sizeof(bf16);
-  return 256 * per_col > kItemBBytes && 128 * per_col <= kItemBBytes ? 128 : 256;
-}
+/// Columns per GEMM work item over depth kp: 128 where the item's B then
+/// fits kItemBBytes (K up to 4096), else 256 (B stays in L3 either way, and
+/// wider items read A less often). Measured on the AMX machine, phase by
+/// phase (docs/PERFORMANCE.md, session 8): against 256 columns, the dx GEMM
+/// (K = 2I) 12-15% faster, the down and dh GEMMs 1-5%, gate/up even at T =
+/// 4096 and 4-7% faster at T = 1024 (twice the items for 16 threads).
+inline std::size_t item_cols(std::size_t kp) { return 128 * kp * sizeof(bf16) <= kItemBBytes ? 128 : 256; }
 
 /// Copies rows of A (row rows[i] of `a`, or row i when rows is null) into dst
 /// in layout l, K zero-padded to kp and rows m..m_padded-1 zero.

@@ -276,8 +276,8 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
         gemm::pack_a_f32(kernel, dgb + gr.begin[e] * 2 * r, 2 * r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], 2 * r,
                          kr1, sc, qgu + gemm::a_offset(layout, ldq, gr.begin[e], 0));
       });
-    // Items of 128 columns here (gemm::item_cols, K = 2I): with 256, B (1.4
-    // MiB at I = 1408) would not stay in L2 under the AMX loops' row blocks.
+    // Items of 128 columns (gemm::item_cols, K = 2I): with 256, B (1.4 MiB
+    // at I = 1408) would not stay in L2 under the AMX loops' row blocks.
     const std::size_t nb_dx = gemm::item_cols(round_up(2 * I, gemm::kKStep));
     for_each_tile(experts::tiles(gr, H, mb, nb_dx), [&](const experts::Tile& tl) {
       const std::size_t r0 = gr.begin[tl.e] + tl.m0;
