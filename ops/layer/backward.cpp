@@ -156,20 +156,41 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
       });
   }
   std::fill(dw, dw + T * K, 0.0f);
-  if (opt.router_path)
-    oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
-      if (gr.row_slot[row] < 0) return;
-      double acc = 0;
-      for (std::size_t i = 0; i < I; ++i) acc += double(dh[row * ldd + i]) * double(st.h_at(row, i).to_float());
-      for (std::size_t k = 0; k < r; ++k)
-        acc += double(dyb[row * r + k]) * double(bf16(sc * st.ha[row * r + k]).to_float());  // lb_d, as the forward rounded it
+  if (opt.router_path) {
+    // dL/dw of each grouped row: <dh, h> + <dyb, lb_d> in binary64, the
+    // row's terms in order (every product exact), rounded once. Eight rows
+    // at a time, an accumulator each: one row's additions form a chain of
+    // dependent double adds, and a row alone left the core waiting on them.
+    constexpr std::size_t kRows = 8;
+    oneapi::tbb::parallel_for(std::size_t{0}, (rows + kRows - 1) / kRows, [&](std::size_t blk) {
+      const std::size_t q0 = blk * kRows;
+      const float* dq[kRows];
+      const bf16* hq[kRows];  // h's row q, element i at hq + a_offset(0, i)
+      for (std::size_t l = 0; l < kRows; ++l) {
+        const std::size_t q = std::min(q0 + l, rows - 1);  // past the last row: that row again, not stored
+        dq[l] = dh + q * ldd;
+        hq[l] = st.h + gemm::a_offset(st.layout, st.ldh, q, 0);
+      }
+      double acc[kRows] = {};
+      for (std::size_t i0 = 0; i0 < I; i0 += gemm::kKStep) {  // one contiguous 32-element piece of each h row
+        const std::size_t at = gemm::a_offset(st.layout, st.ldh, 0, i0), n = std::min(gemm::kKStep, I - i0);
+        for (std::size_t i = 0; i < n; ++i)
+          for (std::size_t l = 0; l < kRows; ++l) acc[l] += double(dq[l][i0 + i]) * double(hq[l][at + i].to_float());
+      }
+      for (std::size_t l = 0; l < kRows && q0 + l < rows; ++l) {
+        const std::size_t q = q0 + l;
+        if (gr.row_slot[q] < 0) continue;
+        for (std::size_t k = 0; k < r; ++k)
+          acc[l] += double(dyb[q * r + k]) * double(bf16(sc * st.ha[q * r + k]).to_float());  // lb_d, as the forward rounded it
 #ifdef MOECERT_MUTANT_DW_WRONG_SLOT
-      const auto slot = static_cast<std::size_t>(gr.row_slot[row]);  // mutant (docs/MUTANTS.md): dL/dw lands on the next slot
-      dw[slot / K * K + (slot % K + 1) % K] = static_cast<float>(acc);
+        const auto slot = static_cast<std::size_t>(gr.row_slot[q]);  // mutant (docs/MUTANTS.md): dL/dw lands on the next slot
+        dw[slot / K * K + (slot % K + 1) % K] = static_cast<float>(acc[l]);
 #else
-      dw[static_cast<std::size_t>(gr.row_slot[row])] = static_cast<float>(acc);
+        dw[static_cast<std::size_t>(gr.row_slot[q])] = static_cast<float>(acc[l]);
 #endif
+      }
     });
+  }
   if (opt.expert_path && r) {
     bf16* qd = arena.get<bf16>("lora.qd", gemm::a_size(layout, rows, kr2));
     const std::size_t ldq = gemm::a_stride(layout, kr2);
