@@ -116,12 +116,27 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (!expect(ok, [&] {
           router::softmax_topk_backward(zv, MatView<const std::int32_t>(bidx.data(), t, k), MatView<const float>(g.data(), t, k),
                                         MatView<float>(dz.data(), t, e), renorm);
-        }, {{dz.data(), dz.size() * 4}}, "softmax_topk.backward") || !renorm)
+        }, {{dz.data(), dz.size() * 4}}, "softmax_topk.backward"))
       return 0;
     for (std::size_t r = 0; r < t; ++r) {
       const std::int32_t* ir = &bidx[r * k];
       const std::size_t v = ref::valid_prefix(ir, k);
-      const auto dref = ref::softmax_topk_grad<double>(&z[r * e], e, ir, &g[r * k], k, true);
+      const auto dref = ref::softmax_topk_grad<double>(&z[r * e], e, ir, &g[r * k], k, renorm);
+      if (!renorm) {  // dense: every expert i gets p_i (g_i - D), g_i = 0 off the selection (§4.1)
+        const auto p = ref::softmax<double>(&z[r * e], e);
+        std::vector<double> gi(e, 0.0);
+        double dd = 0, swg = 0, sg = 0, lo = INFINITY, hi = -INFINITY;
+        for (std::size_t j = 0; j < v; ++j) {
+          const auto i = static_cast<std::size_t>(ir[j]);
+          gi[i] = g[r * k + j];
+          dd += p[i] * gi[i], swg += p[i] * std::fabs(gi[i]), sg += std::fabs(gi[i]);
+        }
+        for (std::size_t i = 0; i < e; ++i) lo = std::min(lo, double(z[r * e + i])), hi = std::max(hi, double(z[r * e + i]));
+        for (std::size_t i = 0; i < e; ++i)
+          check(dz[r * e + i], dref[i], bounds::weighted_diff(p[i], gi[i], dd, swg, sg, v, bounds::softmax_rel(e, hi - lo)),
+                "softmax_topk.backward (dense)");
+        continue;
+      }
       const auto ws = ref::softmax_topk_weights<double>(&z[r * e], e, ir, k, true);
       double dd = 0, swg = 0, sg = 0, lo = INFINITY, hi = -INFINITY;
       for (std::size_t j = 0; j < v; ++j) {
