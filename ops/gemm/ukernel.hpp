@@ -108,7 +108,8 @@ struct KernelInfo {
   Isa isa;
   std::size_t mr, nr;     // block of C per call
   std::size_t kc;         // K block of the loops (multiple of kKStep); 0: all of K in one call
-  std::size_t mc;         // rows per block of the loops, outside the column blocks (multiple of mr); 0: all rows
+  std::size_t mc;         // rows per block of the loops, outside the column blocks, where the item's B fits
+                          // kItemBBytes (loops.hpp); a multiple of mr; 0: all rows
   ALayout a_layout;       // how A is packed for it
   UkernelFn ukernel;
   UkernelFn ukernel_half;  // or null: MR/2 x NR, for edge blocks of at most MR/2 rows (same bits per row)

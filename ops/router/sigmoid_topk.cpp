@@ -101,8 +101,8 @@ void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
     for (std::size_t j = 0; j < valid; ++j) dot += gt[j] * (detail::sigmoid(zt[it[j]]) / sum);
     // dz_j = (c / S)(g_j - D) s_j (1 - s_j) = c ((g_j - D) r_j)(1 - s_j),
     // r_j = s_j / S <= 1, in that order: |g_j - D| < 2^127 (g_finite), so
-    // only the last product can overflow, and then the exact dz_j is at the
-    // edge of the fp32 range too (c / S alone overflowed for c > 2, tiny S).
+    // only the last product can overflow (the dz_finite postcondition
+    // reports it); c / S first overflowed for c > 2 and tiny S.
     for (std::size_t j = 0; j < valid; ++j) {
       const float s = detail::sigmoid(zt[it[j]]);
       dt[it[j]] = p.scaling * (((gt[j] - dot) * (s / sum)) * (1.0f - s));
