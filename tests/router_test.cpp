@@ -238,7 +238,7 @@ TEST_CASE("router.sigmoid_topk.backward: finite and within bound where c / S exc
   const std::vector<float> z = {-87.0f, -86.5f, -86.0f, 3.0f};
   const std::vector<std::int32_t> idx = {0, 2};
   for (const float c : {1e6f, 1e30f, 3e38f})
-    for (const float g0 : {1.0f, 1e-30f}) {
+    for (const float g0 : {1.0f, 1e-30f}) {  // gradient inputs, not tolerances: the bound is sigmoid_grad_slots
       const std::vector<float> g = {g0, -g0};
       std::vector<float> dz(e, NAN);
       {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "contracts/bounds/basic.hpp"
+#include "contracts/reference/router.hpp"
 
 namespace moecert::bounds {
 
@@ -23,6 +24,33 @@ constexpr double weighted_diff(double w, double g, double d_exact, double sum_w_
   const double e_f = e_d + kU32 * (diff + e_d);
   const double w_hat = w * (1 + eps) + eta2;
   return (eps * w + eta2) * diff + w_hat * e_f + kU32 * w_hat * (diff + e_f) + kMinNormal32;
+}
+
+/// §4.1 for every expert i of one softmax_topk row (logits z [e], selection
+/// idx [k], g [k]), from the binary64 weights: weighted_diff with eps of §6
+/// over the weights' logits (the selected ones, or all e when dense); an
+/// expert off the selection of a renormalised row gets exactly 0 (bound 0).
+inline std::vector<double> softmax_topk_grad_row(const float* z, std::size_t e, const std::int32_t* idx, const float* g,
+                                                 std::size_t k, bool renormalize) {
+  const std::size_t v = ref::valid_prefix(idx, k);
+  const auto wsel = ref::softmax_topk_weights<double>(z, e, idx, k, renormalize);
+  const auto p = ref::softmax<double>(z, e);
+  double d = 0, swg = 0, sg = 0, lo = INFINITY, hi = -INFINITY;
+  for (std::size_t j = 0; j < v; ++j) d += wsel[j] * g[j], swg += wsel[j] * std::fabs(g[j]), sg += std::fabs(g[j]);
+  for (std::size_t i = 0; i < (renormalize ? v : e); ++i) {
+    const double x = renormalize ? z[idx[i]] : z[i];
+    lo = std::min(lo, x), hi = std::max(hi, x);
+  }
+  const double eps = softmax_rel(renormalize ? v : e, hi - lo);
+  std::vector<double> out(e);
+  for (std::size_t i = 0; i < e; ++i) {
+    double gi = 0, wi = renormalize ? 0 : p[i];
+    bool selected = false;
+    for (std::size_t j = 0; j < v; ++j)
+      if (idx[j] == static_cast<std::int32_t>(i)) gi = g[j], wi = wsel[j], selected = true;
+    out[i] = renormalize && !selected ? 0 : weighted_diff(wi, gi, d, swg, sg, v, eps);
+  }
+  return out;
 }
 
 /// §4.2: sigmoid_topk gradient of a selected expert: dz = fl(c fl(fl(f_hat

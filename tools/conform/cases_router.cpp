@@ -113,29 +113,9 @@ CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward, c
     for (std::size_t t = 0; t < s.t; ++t) {
       const float* zr = &z[t * s.e];
       const std::int32_t* ir = &idx2[t * s.k];
-      const std::size_t v = ref::valid_prefix(ir, s.k);
       const auto dref = ref::softmax_topk_grad<double>(zr, s.e, ir, &g[t * s.k], s.k, renorm);
-      const auto wsel = ref::softmax_topk_weights<double>(zr, s.e, ir, s.k, renorm);
-      const auto p = ref::softmax<double>(zr, s.e);
-      double d = 0, swg = 0, sg = 0, lo = INFINITY, hi = -INFINITY;
-      for (std::size_t j = 0; j < v; ++j) {
-        d += ref::to_double(wsel[j]) * g[t * s.k + j];
-        swg += ref::to_double(wsel[j]) * std::fabs(g[t * s.k + j]);
-        sg += std::fabs(g[t * s.k + j]);
-      }
-      for (std::size_t i = 0; i < (renorm ? v : s.e); ++i) {
-        const double x = renorm ? zr[ir[i]] : zr[i];
-        lo = std::min(lo, x), hi = std::max(hi, x);
-      }
-      const double eps = bounds::softmax_rel(renorm ? v : s.e, hi - lo);
-      for (std::size_t i = 0; i < s.e; ++i) {
-        double gi = 0, wi = renorm ? 0 : ref::to_double(p[i]);
-        bool selected = false;
-        for (std::size_t j = 0; j < v; ++j)
-          if (ir[j] == static_cast<std::int32_t>(i)) gi = g[t * s.k + j], wi = ref::to_double(wsel[j]), selected = true;
-        const double b = renorm && !selected ? 0 : bounds::weighted_diff(wi, gi, d, swg, sg, v, eps);
-        tl.add(dz[t * s.e + i], ref::to_double(dref[i]), b, fmt::format("t={} e={}", t, i));
-      }
+      const auto b = bounds::softmax_topk_grad_row(zr, s.e, ir, &g[t * s.k], s.k, renorm);
+      for (std::size_t i = 0; i < s.e; ++i) tl.add(dz[t * s.e + i], ref::to_double(dref[i]), b[i], fmt::format("t={} e={}", t, i));
     }
   }
   if (!tl.r.deterministic) tl.fail("results differ between 1 and N threads");
