@@ -94,11 +94,7 @@ std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const floa
   std::vector<double> out(d.R, 0.0);
   if (v == 0) return out;
   if (d.kind == RouterKind::sigmoid_topk) {
-    std::vector<double> s(v);
-    for (std::size_t j = 0; j < v; ++j) s[j] = ref::sigmoid(double(z[ir[j]]));
-    const std::vector<double> b = bounds::sigmoid_grad_slots(s.data(), g, v, d.scaling);
-    for (std::size_t j = 0; j < v; ++j) out[static_cast<std::size_t>(ir[j])] = b[j];
-    return out;
+    return bounds::sigmoid_topk_grad_row(z, d.R, ir, g, v, d.scaling);
   }
   // Softmax-style weights from the row's logits (or product-key sums).
   const std::size_t n = d.R / 2;

@@ -76,17 +76,22 @@ inline double sigmoid_grad(double s, double g, double c, double sum_s, double d_
   return c * e_q + kU32 * c * (p * o + e_q) + eta;
 }
 
-/// §4.2 for every valid slot j of a row: the exact sigmoids s[j] of the
-/// selected logits, the row's g, v valid slots, scaling c.
-inline std::vector<double> sigmoid_grad_slots(const double* s, const float* g, std::size_t v, double c) {
+/// §4.2 for every expert i of one sigmoid_topk row (logits z [e], selection
+/// idx [k], g [k], scaling c), from the exact sigmoids; 0 off the selection,
+/// where the backward writes an exact 0.
+inline std::vector<double> sigmoid_topk_grad_row(const float* z, std::size_t e, const std::int32_t* idx, const float* g,
+                                                 std::size_t k, double c) {
+  const std::size_t v = ref::valid_prefix(idx, k);
+  std::vector<double> s(v);
   double sum_s = 0, d = 0, sum_absg_r = 0, sum_absg = 0;
-  for (std::size_t j = 0; j < v; ++j) sum_s += s[j];
+  for (std::size_t j = 0; j < v; ++j) sum_s += s[j] = ref::sigmoid(double(z[idx[j]]));
   for (std::size_t j = 0; j < v; ++j) {
     const double r = s[j] / sum_s;
     d += g[j] * r, sum_absg_r += std::fabs(g[j]) * r, sum_absg += std::fabs(g[j]);
   }
-  std::vector<double> out(v);
-  for (std::size_t j = 0; j < v; ++j) out[j] = sigmoid_grad(s[j], g[j], c, sum_s, d, sum_absg_r, sum_absg, v);
+  std::vector<double> out(e, 0.0);
+  for (std::size_t j = 0; j < v; ++j)
+    out[static_cast<std::size_t>(idx[j])] = sigmoid_grad(s[j], g[j], c, sum_s, d, sum_absg_r, sum_absg, v);
   return out;
 }
 
