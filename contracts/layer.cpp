@@ -91,73 +91,14 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
 // (proofs/router.md §4), per element of the row's dz.
 std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const float* z, const std::int32_t* ir, std::size_t v,
                                     const float* g) {
-  std::vector<double> out(d.R, 0.0);
-  if (v == 0) return out;
-  if (d.kind == RouterKind::sigmoid_topk) {
-    return bounds::sigmoid_topk_grad_row(z, d.R, ir, g, v, d.scaling);
+  if (v == 0) return std::vector<double>(d.R, 0.0);
+  switch (d.kind) {
+    case RouterKind::sigmoid_topk: return bounds::sigmoid_topk_grad_row(z, d.R, ir, g, v, d.scaling);
+    case RouterKind::softmax_topk: return bounds::softmax_topk_grad_row(z, d.R, ir, g, v, d.renormalize);
+    case RouterKind::product_key: break;
   }
-  // Softmax-style weights from the row's logits (or product-key sums).
   const std::size_t n = d.R / 2;
-  std::vector<double> s(v);
-  double top = -INFINITY, lo = INFINITY;
-  for (std::size_t j = 0; j < v; ++j) {
-    s[j] = d.kind == RouterKind::softmax_topk ? double(z[ir[j]])
-                                              : double(z[static_cast<std::size_t>(ir[j]) / n]) + double(z[n + static_cast<std::size_t>(ir[j]) % n]);
-    top = std::max(top, s[j]), lo = std::min(lo, s[j]);
-  }
-  const bool dense = d.kind == RouterKind::softmax_topk && !d.renormalize;
-  double m = top, sum = 0, shift = top - lo;
-  if (dense) {
-    for (std::size_t i = 0; i < d.E; ++i) m = std::max(m, double(z[i]));
-    for (std::size_t i = 0; i < d.E; ++i) sum += std::exp(double(z[i]) - m), shift = std::max(shift, m - double(z[i]));
-  } else {
-    for (std::size_t j = 0; j < v; ++j) sum += std::exp(s[j] - m);
-  }
-  std::vector<double> w(v);
-  double dot = 0, swg = 0, sg = 0;
-  for (std::size_t j = 0; j < v; ++j) {
-    w[j] = std::exp(s[j] - m) / sum;
-    dot += w[j] * g[j], swg += w[j] * std::fabs(g[j]), sg += std::fabs(g[j]);
-  }
-  const std::size_t terms = dense ? d.E : v;
-  // Product-key sums are rounded fp32 additions of the two halves.
-  const double e_s = d.kind == RouterKind::product_key ? 2 * bounds::kU32 * std::fabs(top) + 2 * bounds::kU32 * shift : 0;
-  const double eps = bounds::softmax_rel(terms, shift, e_s);
-  if (dense) {
-    for (std::size_t i = 0; i < d.E; ++i) {
-      double gi = 0;
-      for (std::size_t j = 0; j < v; ++j)
-        if (ir[j] == static_cast<std::int32_t>(i)) gi = g[j];
-      out[i] = bounds::weighted_diff(std::exp(double(z[i]) - m) / sum, gi, dot, swg, sg, v, eps);
-      if (std::isnan(out[i])) out[i] = INFINITY;
-    }
-    return out;
-  }
-  if (d.kind == RouterKind::softmax_topk) {
-    for (std::size_t j = 0; j < v; ++j) {
-      const double b = bounds::weighted_diff(w[j], g[j], dot, swg, sg, v, eps);
-      out[static_cast<std::size_t>(ir[j])] = std::isnan(b) ? INFINITY : b;
-    }
-    return out;
-  }
-  // Product key: ds_j within weighted_diff, then fp32 sums into dsx, dsy (§4.3).
-  std::vector<double> terms_abs(d.R, 0), errs(d.R, 0);
-  std::vector<std::size_t> count(d.R, 0);
-  for (std::size_t j = 0; j < v; ++j) {
-    const double e_ds = bounds::weighted_diff(w[j], g[j], dot, swg, sg, v, eps);
-    const double ds = w[j] * std::fabs(g[j] - dot) + e_ds;
-    for (const std::size_t at : {static_cast<std::size_t>(ir[j]) / n, n + static_cast<std::size_t>(ir[j]) % n}) {
-      terms_abs[at] += ds, errs[at] += e_ds, ++count[at];
-    }
-  }
-  for (std::size_t i = 0; i < d.R; ++i)
-    out[i] = count[i] ? bounds::accumulated(terms_abs[i], errs[i], count[i]) - errs[i] + 0x1p-52 * terms_abs[i] : 0;
-  // Scores so large that their fp32 rounding exceeds the softmax's range
-  // (|s| beyond about 1e5) leave the weights unconstrained: a vacuous bound
-  // (+inf, never NaN from inf - inf).
-  for (auto& o : out)
-    if (std::isnan(o)) o = INFINITY;
-  return out;
+  return bounds::product_key_grad_row(z, z + n, n, ir, g, v, router::KeyWeights::softmax);
 }
 
 }  // namespace

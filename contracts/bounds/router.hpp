@@ -3,6 +3,7 @@
 // proofs/bounds.md §0.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <vector>
@@ -29,7 +30,8 @@ constexpr double weighted_diff(double w, double g, double d_exact, double sum_w_
 /// §4.1 for every expert i of one softmax_topk row (logits z [e], selection
 /// idx [k], g [k]), from the binary64 weights: weighted_diff with eps of §6
 /// over the weights' logits (the selected ones, or all e when dense); an
-/// expert off the selection of a renormalised row gets exactly 0 (bound 0).
+/// expert off the selection of a renormalised row gets exactly 0 (bound 0);
+/// logits too far apart for §6 (eps = inf) give +inf.
 inline std::vector<double> softmax_topk_grad_row(const float* z, std::size_t e, const std::int32_t* idx, const float* g,
                                                  std::size_t k, bool renormalize) {
   const std::size_t v = ref::valid_prefix(idx, k);
@@ -48,7 +50,8 @@ inline std::vector<double> softmax_topk_grad_row(const float* z, std::size_t e, 
     bool selected = false;
     for (std::size_t j = 0; j < v; ++j)
       if (idx[j] == static_cast<std::int32_t>(i)) gi = g[j], wi = wsel[j], selected = true;
-    out[i] = renormalize && !selected ? 0 : weighted_diff(wi, gi, d, swg, sg, v, eps);
+    const double b = renormalize && !selected ? 0 : weighted_diff(wi, gi, d, swg, sg, v, eps);
+    out[i] = std::isnan(b) ? INFINITY : b;  // eps = inf (§6: unconstrained weights) times 0
   }
   return out;
 }
@@ -98,6 +101,53 @@ inline std::vector<double> sigmoid_topk_grad_row(const float* z, std::size_t e, 
 /// §4.3: an fp32 sum of `count` terms t_j each within e_j, in slot order.
 constexpr double accumulated(double sum_abs_terms, double sum_errors, std::size_t count) {
   return sum_errors + gamma(static_cast<double>(count)) * (sum_abs_terms + sum_errors);
+}
+
+/// §4.3 for one product_key row (halves sx [n], sy [n], selection idx [k],
+/// g [k], weights `mode`): bounds on the backward's dsx, then dsy (2n
+/// values), from the binary64 weights. Each valid slot's ds_j is within e_j
+/// (raw: exact; exp: the §4a weight of the rounded score, then one product,
+/// which may land below the normal range; softmax: weighted_diff with eps
+/// of §6 over the rounded scores fl(sx + sy)); a key sums its slots' ds_j
+/// (`accumulated`), plus 2^-52 of their magnitudes for the binary64
+/// reference's own evaluation. A key no valid slot selects gets 0 (the
+/// backward leaves it exactly 0); a weight the scores leave unconstrained
+/// (|s| beyond about 1e5, §6) gives +inf.
+inline std::vector<double> product_key_grad_row(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
+                                                const float* g, std::size_t k, router::KeyWeights mode) {
+  const std::size_t v = ref::valid_prefix(idx, k);
+  const auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
+  auto score = [&](std::size_t j) {
+    const auto e = static_cast<std::size_t>(idx[j]);
+    return double(sx[e / n]) + double(sy[e % n]);
+  };
+  double top = -INFINITY, shift = 0, d = 0, swg = 0, sg = 0;
+  for (std::size_t j = 0; j < v; ++j) top = std::max(top, score(j));
+  for (std::size_t j = 0; j < v; ++j)
+    shift = std::max(shift, top - score(j)), d += w[j] * g[j], swg += w[j] * std::fabs(g[j]), sg += std::fabs(g[j]);
+  const double eps = softmax_rel(v, shift, 2 * kU32 * std::fabs(top) + 2 * kU32 * shift);
+  std::vector<double> terms(2 * n, 0.0), errs(2 * n, 0.0), out(2 * n, 0.0);
+  std::vector<std::size_t> count(2 * n, 0);
+  for (std::size_t j = 0; j < v; ++j) {
+    const double gj = g[j];
+    double ds = gj, e = 0;
+    if (mode == router::KeyWeights::exp) {
+      const double e_w = bounds::exp(w[j], kU32 * std::fabs(score(j)));
+      ds = gj * w[j];
+      e = std::fabs(gj) * e_w + kU32 * std::fabs(gj) * (w[j] + e_w) + kMinNormal32;  // a product below the normal range
+    } else if (mode == router::KeyWeights::softmax) {
+      ds = w[j] * (gj - d);
+      e = weighted_diff(w[j], gj, d, swg, sg, v, eps);
+    }
+    const auto at = static_cast<std::size_t>(idx[j]);
+    for (const std::size_t key : {at / n, n + at % n}) terms[key] += std::fabs(ds), errs[key] += e, ++count[key];
+  }
+  for (std::size_t i = 0; i < 2 * n; ++i) {
+    if (!count[i]) continue;
+    const double b = accumulated(terms[i], errs[i], count[i]) + 0x1p-52 * terms[i];
+    out[i] = std::isnan(b) ? INFINITY : b;  // inf - inf in an unconstrained weight's terms
+  }
+  return out;
 }
 
 }  // namespace moecert::bounds

@@ -95,7 +95,7 @@ std::vector<T> product_key_weights(const float* sx, const float* sy, std::size_t
   for (std::size_t j = 0; j < v; ++j) s[j] = T(sx[idx[j] / ni]) + T(sy[idx[j] % ni]);
   if (mode == router::KeyWeights::raw) for (std::size_t j = 0; j < v; ++j) w[j] = s[j];
   if (mode == router::KeyWeights::exp) for (std::size_t j = 0; j < v; ++j) w[j] = exp(s[j]);
-  if (mode == router::KeyWeights::softmax) {
+  if (mode == router::KeyWeights::softmax && v > 0) {  // a row of -1 slots has no weights to normalise
     T m = s[0], sum(0);
     for (std::size_t j = 1; j < v; ++j) if (s[j] > m) m = s[j];
     for (std::size_t j = 0; j < v; ++j) sum += w[j] = exp(s[j] - m);
