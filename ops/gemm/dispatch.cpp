@@ -173,9 +173,8 @@ const KernelInfo& kernel_info(Isa isa) {
   // K block of the AMX loops: all of K. Blocks of 128 to 1024 measured
   // slower on the AMX machine, with panels outside (session 1) and with rows
   // outside, prefetching across calls or not (session 9: 512 8-22%, 128
-  // 31-75%;
-  // docs/PERFORMANCE.md): each call's fixed cost (C's tiles stored and
-  // reloaded, the tile pipeline drained) outweighs A kept in L1.
+  // 31-75%; docs/PERFORMANCE.md): each call's fixed cost (C's tiles stored
+  // and reloaded, the tile pipeline drained) outweighs A kept in L1.
   constexpr std::size_t kAmxKc = 0;
   // With all of K per call, the AMX loops take one 32-row block of A (128
   // KiB at K = 2048) past every column panel of the item before the next,
