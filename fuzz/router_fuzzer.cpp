@@ -5,8 +5,8 @@
 // untouched; valid input raises nothing at level full (so every
 // postcondition holds: order, top-k property, weight ranges, zero gradients
 // off the selection) but a backward's finite postcondition where fp32
-// overflows, and every finite gradient agrees with the binary64 reference
-// within the bounds of proofs/router.md §4.
+// overflows; every weight agrees with its slot's binary64 reference within
+// proofs/router.md §3, and every finite gradient within §4.
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -109,6 +109,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     MatView<const float> zv(z.data(), t, e);
     expect(scores_ok && k_ok, [&] { router::softmax_topk_forward(zv, iv, wv, renorm); }, {outs[0], outs[1]}, "softmax_topk.forward");
     if (!(scores_ok && k_ok)) return 0;
+    for (std::size_t r = 0; r < t; ++r) {  // every weight against its own slot's reference (§3)
+      const auto wr = ref::softmax_topk_weights<double>(&z[r * e], e, &idx[r * k], k, renorm);
+      const auto b = bounds::softmax_topk_weights_row(&z[r * e], e, &idx[r * k], k, renorm);
+      for (std::size_t j = 0; j < k; ++j) check(w[r * k + j], wr[j], b[j], "softmax_topk.forward");
+    }
     std::vector<std::int32_t> bidx = idx;
     if (d.flag()) for (auto& x : bidx) x = d.index(e);
     std::vector<float> dz(t * e, 3.0f);
@@ -136,6 +141,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     expect(ok, [&] { router::sigmoid_topk_forward(zv, View<const float>{bias.data(), bias.size()}, p, iv, wv); }, {outs[0], outs[1]},
            "sigmoid_topk.forward");
     if (!ok) return 0;
+    for (std::size_t r = 0; r < t; ++r) {
+      const auto wr = ref::sigmoid_topk_weights<double>(&z[r * e], &idx[r * k], k, p.scaling);
+      const auto b = bounds::sigmoid_topk_weights_row(&z[r * e], &idx[r * k], k, p.scaling);
+      for (std::size_t j = 0; j < k; ++j) check(w[r * k + j], wr[j], b[j], "sigmoid_topk.forward");
+    }
     std::vector<float> dz(t * e, 3.0f);
     const bool bok = grads_ok(g);
     if (!expect(bok, [&] {
@@ -161,6 +171,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     expect(scores_ok && small && k_ok, [&] { router::product_key_forward(xv, yv, mode, iv, wv); }, {outs[0], outs[1]}, "product_key.forward");
     if (!(scores_ok && small && k_ok)) return 0;
+    std::vector<float> sx(t * n), sy(t * n);
+    for (std::size_t r = 0; r < t; ++r)
+      for (std::size_t i = 0; i < n; ++i) sx[r * n + i] = xv(r, i), sy[r * n + i] = yv(r, i);
+    for (std::size_t r = 0; r < t; ++r) {
+      const auto wr = ref::product_key_weights<double>(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
+      const auto b = bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
+      for (std::size_t j = 0; j < k; ++j) check(w[r * k + j], wr[j], b[j], "product_key.forward");
+    }
     std::vector<std::int32_t> bidx = idx;
     if (d.flag()) for (auto& x : bidx) x = d.index(e);
     std::vector<float> dsx(t * n, 3.0f), dsy(t * n, 3.0f);
@@ -171,9 +189,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         }, {{dsx.data(), dsx.size() * 4}, {dsy.data(), dsy.size() * 4}}, "product_key.backward",
         "router.product_key_backward.grad_finite"))
       return 0;
-    std::vector<float> sx(t * n), sy(t * n);
-    for (std::size_t r = 0; r < t; ++r)
-      for (std::size_t i = 0; i < n; ++i) sx[r * n + i] = xv(r, i), sy[r * n + i] = yv(r, i);
     for (std::size_t r = 0; r < t; ++r) {
       std::vector<double> rx, ry;
       ref::product_key_grad<double>(&sx[r * n], &sy[r * n], n, &bidx[r * k], &g[r * k], k, mode, rx, ry);

@@ -83,11 +83,8 @@ TEST_CASE("router.softmax_topk.forward: exact selection, weights within bound", 
       const auto want = brute(e, k, [&](std::int32_t a, std::int32_t b) { return router::detail::outranks(zr[a], a, zr[b], b); });
       REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
       const auto ref = ref::softmax_topk_weights<ref::DoubleDouble>(zr, e, &idx[r * k], k, renorm);
-      const double eps = bounds::softmax_rel(renorm ? k : e, max_shift(zr, &idx[r * k], k, e, !renorm));
-      for (std::size_t j = 0; j < k; ++j) {
-        const double wr = ref::to_double(ref[j]);
-        REQUIRE(std::fabs(w[r * k + j] - wr) <= eps * wr + 2 * bounds::kMinNormal32);
-      }
+      const auto b = bounds::softmax_topk_weights_row(zr, e, &idx[r * k], k, renorm);
+      for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
     }
   }
 }
@@ -170,10 +167,8 @@ TEST_CASE("router.sigmoid_topk.forward: group-limited selection and weights", "[
     all.resize(k);
     REQUIRE(std::equal(all.begin(), all.end(), &idx[r * k]));
     const auto ref = ref::sigmoid_topk_weights<ref::DoubleDouble>(&z[r * e], &idx[r * k], k, p.scaling);
-    for (std::size_t j = 0; j < k; ++j) {
-      const double wr = ref::to_double(ref[j]);
-      REQUIRE(std::fabs(w[r * k + j] - wr) <= bounds::renormalized_rel(k, bounds::gamma(bounds::kExpUlps + 2), 1) * wr + bounds::kMinNormal32);
-    }
+    const auto b = bounds::sigmoid_topk_weights_row(&z[r * e], &idx[r * k], k, p.scaling);
+    for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
   }
 }
 
@@ -272,6 +267,37 @@ TEST_CASE("router.product_key.forward: two-stage selection equals brute force", 
     for (std::size_t r = 0; r < t; ++r) {
       const auto want = brute_product_key(&sx[r * n], &sy[r * n], n, k);
       REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
+    }
+  }
+}
+
+TEST_CASE("router.product_key.forward: every weight mode within bound of the reference, slot by slot", "[router][product_key][numeric]") {
+  // The clauses check softmax weights' range and sum and the others'
+  // finiteness; this holds every weight to its own slot's reference value
+  // (a weight written to the wrong slot passes the clauses).
+  std::mt19937_64 rng(82);
+  const std::size_t t = 48, n = 7, k = 5;
+  for (const float offset : {0.0f, -40.0f, 3000.0f}) {  // exp weights need max sx + max sy <= 88
+    auto sx = normal(rng, t * n, 2), sy = normal(rng, t * n, 2);
+    for (auto* v : {&sx, &sy})
+      for (float& q : *v) q += offset / 2;
+    for (KeyWeights mode : {KeyWeights::raw, KeyWeights::exp, KeyWeights::softmax}) {
+      if (mode == KeyWeights::exp && offset > 0) continue;
+      INFO("offset " << offset << " mode " << int(mode));
+      std::vector<std::int32_t> idx(t * k);
+      std::vector<float> w(t * k);
+      {
+        ContractScope full{Level::full, Semantic::enforce};
+        router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), mode,
+                                    MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+      }
+      for (std::size_t r = 0; r < t; ++r) {
+        const auto ref = ref::product_key_weights<ref::DoubleDouble>(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
+        const auto b = bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
+        for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
+        // The same weights in another slot order miss the bound (a test that can fail).
+        CHECK(std::fabs(w[r * k + 1] - ref::to_double(ref[0])) > b[0]);
+      }
     }
   }
 }

@@ -13,6 +13,67 @@
 
 namespace moecert::bounds {
 
+/// §3 for the weights of one softmax_topk row (logits z [e], selection idx
+/// [k]): |w_j - exact| <= eps w_j + 2 eta, eps from §6 over the logits the
+/// softmax runs over (the selected ones, or all e when dense); 0 at -1
+/// slots (weight exactly 0).
+inline std::vector<double> softmax_topk_weights_row(const float* z, std::size_t e, const std::int32_t* idx, std::size_t k,
+                                                    bool renormalize) {
+  const std::size_t v = ref::valid_prefix(idx, k), n = renormalize ? v : e;
+  const auto w = ref::softmax_topk_weights<double>(z, e, idx, k, renormalize);
+  double lo = INFINITY, hi = -INFINITY;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = renormalize ? z[idx[i]] : z[i];
+    lo = std::min(lo, x), hi = std::max(hi, x);
+  }
+  const double eps = softmax_rel(n, hi - lo);
+  std::vector<double> out(k, 0.0);
+  for (std::size_t j = 0; j < v; ++j) out[j] = eps * w[j] + 2 * kMinNormal32;
+  return out;
+}
+
+/// §3 for the weights of one sigmoid_topk row (scaling c): w = c s / S with
+/// s from §4 of bounds.md (relative gamma_{kExpUlps+2}; the scores_finite
+/// clause keeps z >= -87, so s stays normal), §7 with one extra
+/// multiplication, plus eta for a weight below the normal range; 0 at -1
+/// slots.
+inline std::vector<double> sigmoid_topk_weights_row(const float* z, const std::int32_t* idx, std::size_t k, double c) {
+  const std::size_t v = ref::valid_prefix(idx, k);
+  const auto w = ref::sigmoid_topk_weights<double>(z, idx, k, c);
+  const double rel = renormalized_rel(v, gamma(kExpUlps + 2), 1);
+  std::vector<double> out(k, 0.0);
+  for (std::size_t j = 0; j < v; ++j) out[j] = rel * w[j] + kMinNormal32;
+  return out;
+}
+
+/// §3 for the weights of one product_key row (halves sx [n], sy [n],
+/// selection idx [k], `mode`), from the fp32 score fl(sx + sy) (relative
+/// error u, exact where it is below the normal range): raw, u |s|; exp, §4a
+/// with input error u |s|; softmax, §6 over the selected scores with their
+/// rounding as input error, eps w + 2 eta. 0 at -1 slots.
+inline std::vector<double> product_key_weights_row(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
+                                                   std::size_t k, router::KeyWeights mode) {
+  const std::size_t v = ref::valid_prefix(idx, k);
+  const auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
+  std::vector<double> s(v);
+  double top = -INFINITY, shift = 0;
+  for (std::size_t j = 0; j < v; ++j) {
+    const auto e = static_cast<std::size_t>(idx[j]);
+    s[j] = double(sx[e / n]) + double(sy[e % n]);
+    top = std::max(top, s[j]);
+  }
+  for (std::size_t j = 0; j < v; ++j) shift = std::max(shift, top - s[j]);
+  const double eps = softmax_rel(v, shift, 2 * kU32 * std::fabs(top) + 2 * kU32 * shift);
+  std::vector<double> out(k, 0.0);
+  for (std::size_t j = 0; j < v; ++j) {
+    const double b = mode == router::KeyWeights::raw   ? kU32 * std::fabs(s[j])
+                     : mode == router::KeyWeights::exp ? bounds::exp(w[j], kU32 * std::fabs(s[j]))
+                                                       : eps * w[j] + 2 * kMinNormal32;
+    out[j] = std::isnan(b) ? INFINITY : b;
+  }
+  return out;
+}
+
 /// §4.1: d = fl(w_hat (g - D_hat)) with D = sum_S w g over k terms, where each
 /// w_hat_j = w_j (1 + e_j) + a_j, |e_j| <= eps, |a_j| <= 2 eta; sum_w_absg =
 /// sum_S w |g|, sum_absg = sum_S |g|. The form of every softmax-style

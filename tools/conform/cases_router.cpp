@@ -86,16 +86,10 @@ CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward, c
       tl.fail(fmt::format("row {}: selection differs from brute force under the total order", t));
       break;
     }
-    double lo = INFINITY, hi = -INFINITY;
-    for (std::size_t i = 0; i < (renorm ? s.k : s.e); ++i) {
-      const double x = renorm ? zr[ir[i]] : zr[i];
-      lo = std::min(lo, x), hi = std::max(hi, x);
-    }
-    const double eps = bounds::softmax_rel(renorm ? s.k : s.e, hi - lo);
     if (!backward) {
       const auto wr = ref::softmax_topk_weights<double>(zr, s.e, ir, s.k, renorm);
-      for (std::size_t j = 0; j < s.k; ++j)
-        tl.add(w[t * s.k + j], ref::to_double(wr[j]), eps * ref::to_double(wr[j]) + 2 * bounds::kMinNormal32, fmt::format("t={} j={}", t, j));
+      const auto b = bounds::softmax_topk_weights_row(zr, s.e, ir, s.k, renorm);
+      for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], ref::to_double(wr[j]), b[j], fmt::format("t={} j={}", t, j));
       continue;
     }
   }
@@ -130,15 +124,15 @@ CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunC
   const auto sx = scores(rng, s.t * n, ties), sy = scores(rng, s.t * n, ties), g = scores(rng, s.t * s.k, false);
   MatView<const float> xv(sx.data(), s.t, n), yv(sy.data(), s.t, n);
   auto fwd = [&] {
-    std::vector<std::int32_t> idx(s.t * s.k);
-    std::vector<float> w(s.t * s.k);
-    router::product_key_forward(xv, yv, router::KeyWeights::raw, MatView<std::int32_t>(idx.data(), s.t, s.k), MatView<float>(w.data(), s.t, s.k));
-    return idx;
+    std::pair<std::vector<std::int32_t>, std::vector<float>> out{std::vector<std::int32_t>(s.t * s.k), std::vector<float>(s.t * s.k)};
+    router::product_key_forward(xv, yv, router::KeyWeights::raw, MatView<std::int32_t>(out.first.data(), s.t, s.k),
+                                MatView<float>(out.second.data(), s.t, s.k));
+    return out;
   };
-  auto idx = threads(ctx.threads, fwd);
+  auto [idx, w] = threads(ctx.threads, fwd);
   Tally tl;
   tl.slack = static_cast<double>(4 * s.k + 16) * 0x1p-52;
-  tl.r.deterministic = threads(1, fwd) == idx;
+  tl.r.deterministic = threads(1, fwd) == std::pair(idx, w);
   const auto ni = static_cast<std::int32_t>(n);
   for (std::size_t t = 0; t < s.t && tl.r.verdict != Verdict::fail; ++t) {
     std::vector<std::int32_t> all(n * n);
@@ -150,6 +144,10 @@ CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunC
     });
     if (!std::equal(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(s.k), &idx[t * s.k]))
       tl.fail(fmt::format("row {}: two-stage selection differs from brute force", t));
+    if (backward) continue;
+    const auto wr = ref::product_key_weights<double>(&sx[t * n], &sy[t * n], n, &idx[t * s.k], s.k, router::KeyWeights::raw);
+    const auto b = bounds::product_key_weights_row(&sx[t * n], &sy[t * n], n, &idx[t * s.k], s.k, router::KeyWeights::raw);
+    for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
   }
   if (backward && tl.r.verdict != Verdict::fail) {
     for (std::size_t t = 0; t < s.t; ++t)
@@ -177,7 +175,7 @@ CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunC
   }
   if (!tl.r.deterministic) tl.fail("results differ between 1 and N threads");
   if (tl.r.verdict == Verdict::pass)
-    tl.r.detail = backward ? "-1 slots add nothing; unselected keys exactly 0; others within §4.3" : "two-stage top-K = brute force (proofs/router.md §2)";
+    tl.r.detail = backward ? "-1 slots add nothing; unselected keys exactly 0; others within §4.3" : "two-stage top-K = brute force (proofs/router.md §2); weights within §3";
   return tl.r;
 }
 
@@ -222,8 +220,8 @@ CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t to
     const std::int32_t* ir = &idx[t * s.k];
     if (!backward) {
       const auto wr = ref::sigmoid_topk_weights<double>(&z[t * s.e], ir, s.k, p.scaling);
-      const double rel = bounds::renormalized_rel(s.k, bounds::gamma(bounds::kExpUlps + 2), 1);
-      for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], rel * wr[j], fmt::format("t={} j={}", t, j));
+      const auto b = bounds::sigmoid_topk_weights_row(&z[t * s.e], ir, s.k, p.scaling);
+      for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
     }
   }
   if (backward && tl.r.verdict != Verdict::fail) {
