@@ -115,12 +115,15 @@ MOECERT_ROUTER_CLAUSE(kPkbNoAlias, pre, "router.product_key_backward.no_alias", 
 MOECERT_ROUTER_CLAUSE(kPkbUnused, post, "router.product_key_backward.unused_zero", numeric, "dsx/dsy == 0 where no valid slot points")
 MOECERT_ROUTER_CLAUSE(kPkbGradFinite, post, "router.product_key_backward.grad_finite", finite, "every dsx, dsy finite (g w, sums of slots may exceed fp32)")
 #undef MOECERT_ROUTER_CLAUSE
+inline constexpr ClauseInfo kSmWithin = post("router.softmax_topk.within_bound", Group::numeric, "every w within §3 of its slot's reference", Level::full);
+inline constexpr ClauseInfo kSgWithin = post("router.sigmoid_topk.within_bound", Group::numeric, "every w within §3 of its slot's reference", Level::full);
+inline constexpr ClauseInfo kPkWithin = post("router.product_key.within_bound", Group::numeric, "every w within §3 of its slot's reference", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kSmShape, kSmFinite, kSmNoAlias, kSmIdxValid, kSmIdxUnique, kSmSorted, kSmTopk, kSmWeights,
+    kSmShape, kSmFinite, kSmNoAlias, kSmIdxValid, kSmIdxUnique, kSmSorted, kSmTopk, kSmWeights, kSmWithin,
     kSmbShape, kSmbIdx, kSmbFinite, kSmbNoAlias, kSmbUnselected,
-    kSgShape, kSgFinite, kSgNoAlias, kSgIdxValid, kSgIdxUnique, kSgSorted, kSgTopk, kSgWeights,
+    kSgShape, kSgFinite, kSgNoAlias, kSgIdxValid, kSgIdxUnique, kSgSorted, kSgTopk, kSgWeights, kSgWithin,
     kSgbShape, kSgbIdx, kSgbFinite, kSgbNoAlias, kSgbUnselected, kSgbDzFinite,
-    kPkShape, kPkFinite, kPkNoAlias, kPkIdxValid, kPkIdxUnique, kPkSorted, kPkWeights,
+    kPkShape, kPkFinite, kPkNoAlias, kPkIdxValid, kPkIdxUnique, kPkSorted, kPkWeights, kPkWithin,
     kPkbShape, kPkbIdx, kPkbFinite, kPkbNoAlias, kPkbUnused, kPkbGradFinite};
 }  // namespace router
 

@@ -1,5 +1,6 @@
 // Clauses of the routers: shapes, finite scores, aliasing, index validity,
-// the total order and top-k property, weight ranges, zero gradients.
+// the total order and top-k property, weight ranges and (full) every weight
+// against its slot's reference, zero gradients.
 #include "contracts/router.hpp"
 
 #include <cmath>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "contracts/bounds/basic.hpp"
+#include "contracts/bounds/router.hpp"
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
 #include "ops/router/select.hpp"
@@ -125,6 +127,28 @@ void weight_rows(detail::Checker& c, const ClauseInfo& clause, MatView<const std
 
 // sigma(z) is a normal float for z >= -87 (e^-87 > 2^-126); below, it
 // underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
+// Every weight within proofs/router.md §3 of its own slot's binary64
+// reference, plus that reference's own rounding; row(t) gives the row's
+// reference weights and bounds (bounds::*_weights_row). Rows with an index
+// out of range are skipped (idx_valid reports them).
+template <class Row>
+void weights_within(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts,
+                    MatView<const float> w, Row row) {
+  for (std::size_t t = 0; t < idx.rows; ++t) {
+    bool in_range = true;
+    for (std::size_t j = 0; j < idx.cols; ++j) in_range = in_range && idx(t, j) >= -1 && idx(t, j) < static_cast<std::int64_t>(experts);
+    if (!in_range) continue;
+    const auto [ref, bound] = row(t);
+    for (std::size_t j = 0; j < idx.cols; ++j) {
+      const double got = w(t, j);
+      if (std::fabs(got - ref[j]) <= bound[j] + bounds::gamma(64, bounds::kU64) * std::fabs(ref[j])) continue;
+      c.fail(clause, fmt::format("t={} j={}", t, j), fmt::format("w={:.9g} ref={:.17g}", got, ref[j]),
+             fmt::format("|w - ref| <= {:.3g} (proofs/router.md §3)", bound[j]));
+      return;
+    }
+  }
+}
+
 bool sigmoid_logit_ok(float z) { return std::isfinite(z) && z >= -87.0f; }
 
 // Finite and |v| <= 2^126: a sum or difference of two such values stays
@@ -191,6 +215,12 @@ void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const
       for (std::size_t i = 0; i < e; ++i) shift = std::max(shift, double(z(t, idx(t, 0))) - z(t, i));
     const double eps = bounds::softmax_rel(renormalize ? kk : e, shift) + 2 * kk * bounds::kMinNormal32;
     weight_rows(c, k::kSmWeights, idx, w, 1 + eps, renormalize ? 1 - eps : 0, 1 + eps);
+  }
+  MOECERT_CONTRACT(c, k::kSmWithin) {
+    weights_within(c, k::kSmWithin, idx, e, w, [&](std::size_t t) {
+      return std::pair(ref::softmax_topk_weights<double>(z.row(t), e, idx.row(t), kk, renormalize),
+                       bounds::softmax_topk_weights_row(z.row(t), e, idx.row(t), kk, renormalize));
+    });
   }
 }
 
@@ -325,6 +355,12 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
     const double eta = bounds::kMinNormal32;
     weight_rows(c, k::kSgWeights, idx, w, p.scaling * (1 + rel) + eta, 0, p.scaling * (1 + rel) + idx.cols * eta);
   }
+  MOECERT_CONTRACT(c, k::kSgWithin) {
+    weights_within(c, k::kSgWithin, idx, z.cols, w, [&](std::size_t t) {
+      return std::pair(ref::sigmoid_topk_weights<double>(z.row(t), idx.row(t), idx.cols, p.scaling),
+                       bounds::sigmoid_topk_weights_row(z.row(t), idx.row(t), idx.cols, p.scaling));
+    });
+  }
 }
 
 void sigmoid_topk_backward_pre(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
@@ -416,6 +452,12 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
     } else {
       detail::scan_finite(c, k::kPkWeights, "w", w);
     }
+  }
+  MOECERT_CONTRACT(c, k::kPkWithin) {
+    weights_within(c, k::kPkWithin, idx, n * n, w, [&](std::size_t t) {
+      return std::pair(ref::product_key_weights<double>(sx.row(t), sy.row(t), n, idx.row(t), idx.cols, mode),
+                       bounds::product_key_weights_row(sx.row(t), sy.row(t), n, idx.row(t), idx.cols, mode));
+    });
   }
 }
 

@@ -623,6 +623,13 @@ TEST_CASE("router.softmax_topk: postcondition clauses catch corrupted selections
   auto wb = r.w;
   wb[0] += 0.01f;  // sum != 1
   test::expect_violation([&] { post(r.idx, wb); }, "router.softmax_topk.weights_range");
+  wb = r.w;  // two slots' weights exchanged: every range and sum as before
+  std::swap(wb[0], wb[1]);
+  REQUIRE(std::fabs(wb[0] - wb[1]) > 1e-3f);
+  post(r.idx, wb);
+  ContractScope full{Level::full, Semantic::enforce};
+  test::expect_violation([&] { post(r.idx, wb); }, "router.softmax_topk.within_bound");
+  post(r.idx, r.w);
 }
 
 TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index]") {
@@ -721,6 +728,14 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   auto wb = w;
   wb[0] = 1.5f;  // above c
   test::expect_violation([&] { post(idx, wb); }, "router.sigmoid_topk.weights_range");
+  wb = w;  // two slots' weights exchanged
+  std::swap(wb[0], wb[1]);
+  REQUIRE(std::fabs(wb[0] - wb[1]) > 1e-3f);
+  {
+    ContractScope full{Level::full, Semantic::enforce};
+    test::expect_violation([&] { post(idx, wb); }, "router.sigmoid_topk.within_bound");
+    post(idx, w);
+  }
   // Backward.
   auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> out) {
     router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(ii.data(), t, k),
@@ -788,6 +803,14 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   auto wb = w;
   wb[1] = -0.1f;
   test::expect_violation([&] { post(idx, wb); }, "router.product_key.weights_range");
+  wb = w;  // two slots' weights exchanged
+  std::swap(wb[0], wb[1]);
+  REQUIRE(std::fabs(wb[0] - wb[1]) > 1e-3f);
+  {
+    ContractScope full{Level::full, Semantic::enforce};
+    test::expect_violation([&] { post(idx, wb); }, "router.product_key.within_bound");
+    post(idx, w);
+  }
   auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> ox, MatView<float> oy) {
     router::product_key_backward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
                                  MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(gg.data(), t, k), KeyWeights::raw, ox, oy);

@@ -34,6 +34,9 @@ namespace moecert::router {
 ///   router.softmax_topk.topk_property post index    no unselected expert outranks the K-th
 ///   router.softmax_topk.weights_range post numeric  0 <= w <= 1; sum 1 (renormalised, within
 ///                                                  proofs/bounds.md §7) or <= 1 (not renormalised)
+///   router.softmax_topk.within_bound post numeric  (full) every w within proofs/router.md §3 of its
+///                                                  own slot's binary64 reference (a weight written
+///                                                  to another slot passes weights_range, not this)
 void softmax_topk_forward(MatView<const float> z, MatView<std::int32_t> idx, MatView<float> w, bool renormalize);
 void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatView<float> w, bool renormalize);
 
@@ -81,6 +84,8 @@ struct SigmoidTopkParams {
 ///   router.sigmoid_topk.topk_property post  index    no eligible unselected expert outranks the K-th,
 ///                                                  and every selected expert is in a kept group
 ///   router.sigmoid_topk.weights_range post  numeric  0 <= w <= c; sum_S w <= c (1 + §7)
+///   router.sigmoid_topk.within_bound  post  numeric  (full) every w within proofs/router.md §3 of its
+///                                                    own slot's binary64 reference
 void sigmoid_topk_forward(MatView<const float> z, View<const float> bias, const SigmoidTopkParams& p,
                           MatView<std::int32_t> idx, MatView<float> w);
 void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const SigmoidTopkParams& p,
@@ -126,6 +131,8 @@ enum class KeyWeights : std::uint8_t {
 ///   router.product_key.idx_unique    post  index    no expert twice in a row
 ///   router.product_key.sorted        post  index    slots follow the total order
 ///   router.product_key.weights_range post  numeric  finite; softmax: 0 <= w <= 1, sum 1 within §7
+///   router.product_key.within_bound  post  numeric  (full) every w within proofs/router.md §3 of its
+///                                                  own slot's binary64 reference (every mode)
 void product_key_forward(MatView<const float> sx, MatView<const float> sy, KeyWeights mode,
                          MatView<std::int32_t> idx, MatView<float> w);
 void product_key_forward(MatView<const bf16> sx, MatView<const bf16> sy, KeyWeights mode,
