@@ -62,6 +62,9 @@ void forward_impl(MatView<const float> sx, MatView<const float> sy, ByteRange in
       detail::product_key_select_row(sx.row(t), sy.row(t), n, k, it, ids);
       for (std::size_t j = 0; j < k; ++j) wt[j] = sx(t, it[j] / static_cast<std::int32_t>(n)) + sy(t, it[j] % static_cast<std::int32_t>(n));
       detail::key_weights(mode, wt, k);
+#ifdef MOECERT_MUTANT_PK_WEIGHTS_ROTATED
+      std::rotate(wt, wt + 1, wt + k);  // mutant (docs/MUTANTS.md): slot j gets slot j+1's weight
+#endif
     }
   });
   contracts::product_key_post(c, sx, sy, mode, idx, w);
