@@ -125,8 +125,6 @@ void weight_rows(detail::Checker& c, const ClauseInfo& clause, MatView<const std
   }
 }
 
-// sigma(z) is a normal float for z >= -87 (e^-87 > 2^-126); below, it
-// underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
 // Every weight within proofs/router.md §3 of its own slot's binary64
 // reference, plus that reference's own rounding; row(t) gives the row's
 // reference weights and bounds (bounds::*_weights_row). Rows with an index
@@ -149,6 +147,8 @@ void weights_within(detail::Checker& c, const ClauseInfo& clause, MatView<const 
   }
 }
 
+// sigma(z) is a normal float for z >= -87 (e^-87 > 2^-126); below, it
+// underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
 bool sigmoid_logit_ok(float z) { return std::isfinite(z) && z >= -87.0f; }
 
 // Finite and |v| <= 2^126: a sum or difference of two such values stays
