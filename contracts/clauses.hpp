@@ -118,13 +118,16 @@ MOECERT_ROUTER_CLAUSE(kPkbGradFinite, post, "router.product_key_backward.grad_fi
 inline constexpr ClauseInfo kSmWithin = post("router.softmax_topk.within_bound", Group::numeric, "every w within §3 of its slot's reference", Level::full);
 inline constexpr ClauseInfo kSgWithin = post("router.sigmoid_topk.within_bound", Group::numeric, "every w within §3 of its slot's reference", Level::full);
 inline constexpr ClauseInfo kPkWithin = post("router.product_key.within_bound", Group::numeric, "every w within §3 of its slot's reference", Level::full);
+inline constexpr ClauseInfo kSmbWithin = post("router.softmax_topk_backward.within_bound", Group::numeric, "every dz within §4.1 of the reference", Level::full);
+inline constexpr ClauseInfo kSgbWithin = post("router.sigmoid_topk_backward.within_bound", Group::numeric, "every finite dz within §4.2 of the reference", Level::full);
+inline constexpr ClauseInfo kPkbWithin = post("router.product_key_backward.within_bound", Group::numeric, "every finite dsx, dsy within §4.3 of the reference", Level::full);
 inline constexpr ClauseInfo kAll[] = {
     kSmShape, kSmFinite, kSmNoAlias, kSmIdxValid, kSmIdxUnique, kSmSorted, kSmTopk, kSmWeights, kSmWithin,
-    kSmbShape, kSmbIdx, kSmbFinite, kSmbNoAlias, kSmbUnselected,
+    kSmbShape, kSmbIdx, kSmbFinite, kSmbNoAlias, kSmbUnselected, kSmbWithin,
     kSgShape, kSgFinite, kSgNoAlias, kSgIdxValid, kSgIdxUnique, kSgSorted, kSgTopk, kSgWeights, kSgWithin,
-    kSgbShape, kSgbIdx, kSgbFinite, kSgbNoAlias, kSgbUnselected, kSgbDzFinite,
+    kSgbShape, kSgbIdx, kSgbFinite, kSgbNoAlias, kSgbUnselected, kSgbDzFinite, kSgbWithin,
     kPkShape, kPkFinite, kPkNoAlias, kPkIdxValid, kPkIdxUnique, kPkSorted, kPkWeights, kPkWithin,
-    kPkbShape, kPkbIdx, kPkbFinite, kPkbNoAlias, kPkbUnused, kPkbGradFinite};
+    kPkbShape, kPkbIdx, kPkbFinite, kPkbNoAlias, kPkbUnused, kPkbGradFinite, kPkbWithin};
 }  // namespace router
 
 namespace workspace {

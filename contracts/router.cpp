@@ -147,6 +147,29 @@ void weights_within(detail::Checker& c, const ClauseInfo& clause, MatView<const 
   }
 }
 
+// Every finite gradient of a row within proofs/router.md §4 of the binary64
+// reference given g, plus that reference's own rounding (non-finite ones are
+// the finite clauses'); row(t) gives the row's reference gradients and
+// bounds, value(t, i) the kernel's and name(i) its label. Rows with an index
+// out of range are skipped (the preconditions report them).
+template <class Row, class Value, class Name>
+void grads_within(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts,
+                  std::size_t cols, Row row, Value value, Name name) {
+  for (std::size_t t = 0; t < idx.rows; ++t) {
+    bool in_range = true;
+    for (std::size_t j = 0; j < idx.cols; ++j) in_range = in_range && idx(t, j) >= -1 && idx(t, j) < static_cast<std::int64_t>(experts);
+    if (!in_range) continue;
+    const auto [ref, bound] = row(t);
+    for (std::size_t i = 0; i < cols; ++i) {
+      const double got = value(t, i);
+      if (!std::isfinite(got) || std::fabs(got - ref[i]) <= bound[i] + bounds::gamma(64, bounds::kU64) * std::fabs(ref[i])) continue;
+      c.fail(clause, fmt::format("t={} {}", t, name(i)), fmt::format("{}={:.9g} ref={:.17g}", name(i), got, ref[i]),
+             fmt::format("|{} - ref| <= {:.3g} (proofs/router.md §4)", name(i), bound[i]));
+      return;
+    }
+  }
+}
+
 // sigma(z) is a normal float for z >= -87 (e^-87 > 2^-126); below, it
 // underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
 bool sigmoid_logit_ok(float z) { return std::isfinite(z) && z >= -87.0f; }
@@ -272,6 +295,17 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z, MatV
       for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
     }
   }
+  MOECERT_CONTRACT(c, k::kSmbWithin) {
+    const std::size_t e = z.cols;
+    grads_within(
+        c, k::kSmbWithin, idx, e, e,
+        [&](std::size_t t) {
+          const auto r = ref::softmax_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), idx.cols, renormalize);
+          return std::pair(std::vector<double>(r.begin(), r.end()),
+                           bounds::softmax_topk_grad_row(z.row(t), e, idx.row(t), g.row(t), idx.cols, renormalize));
+        },
+        [&](std::size_t t, std::size_t i) { return dz(t, i); }, [](std::size_t i) { return fmt::format("dz[{}]", i); });
+  }
 }
 
 // ---- sigmoid_topk -------------------------------------------------------------
@@ -369,7 +403,8 @@ void sigmoid_topk_backward_pre(detail::Checker& c, MatView<const float> z, MatVi
                                                                               "finite and >= -87 (sigma(z) normal)");
 }
 
-void sigmoid_topk_backward_post(detail::Checker& c, MatView<const std::int32_t> idx, MatView<const float> dz) {
+void sigmoid_topk_backward_post(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
+                                MatView<const float> g, const router::SigmoidTopkParams& p, MatView<const float> dz) {
   MOECERT_CONTRACT(c, k::kSgbUnselected) {
     std::vector<char> chosen(dz.cols, 0);
     for (std::size_t t = 0; t < dz.rows; ++t) {
@@ -384,6 +419,17 @@ void sigmoid_topk_backward_post(detail::Checker& c, MatView<const std::int32_t> 
     }
   }
   MOECERT_CONTRACT(c, k::kSgbDzFinite) { detail::scan_finite(c, k::kSgbDzFinite, "dz", MatView<const float>(dz)); }
+  MOECERT_CONTRACT(c, k::kSgbWithin) {
+    const std::size_t e = z.cols;
+    grads_within(
+        c, k::kSgbWithin, idx, e, e,
+        [&](std::size_t t) {
+          const auto r = ref::sigmoid_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), idx.cols, p.scaling);
+          return std::pair(std::vector<double>(r.begin(), r.end()),
+                           bounds::sigmoid_topk_grad_row(z.row(t), e, idx.row(t), g.row(t), idx.cols, p.scaling));
+        },
+        [&](std::size_t t, std::size_t i) { return dz(t, i); }, [](std::size_t i) { return fmt::format("dz[{}]", i); });
+  }
 }
 
 // ---- product_key ----------------------------------------------------------------
@@ -485,8 +531,9 @@ void product_key_backward_pre(detail::Checker& c, MatView<const float> sx, MatVi
   }
 }
 
-void product_key_backward_post(detail::Checker& c, MatView<const std::int32_t> idx, MatView<const float> dsx,
-                               MatView<const float> dsy) {
+void product_key_backward_post(detail::Checker& c, MatView<const float> sx, MatView<const float> sy,
+                               MatView<const std::int32_t> idx, MatView<const float> g, router::KeyWeights mode,
+                               MatView<const float> dsx, MatView<const float> dsy) {
   MOECERT_CONTRACT(c, k::kPkbUnused) {
     const std::size_t n = dsx.cols;
     std::vector<char> ux(n), uy(n);
@@ -509,6 +556,19 @@ void product_key_backward_post(detail::Checker& c, MatView<const std::int32_t> i
   }
   MOECERT_CONTRACT(c, k::kPkbGradFinite) {
     detail::scan_finite(c, k::kPkbGradFinite, "dsx", dsx) && detail::scan_finite(c, k::kPkbGradFinite, "dsy", dsy);
+  }
+  MOECERT_CONTRACT(c, k::kPkbWithin) {
+    const std::size_t n = sx.cols;
+    grads_within(
+        c, k::kPkbWithin, idx, n * n, 2 * n,
+        [&](std::size_t t) {
+          std::vector<double> rx, ry;
+          ref::product_key_grad<double>(sx.row(t), sy.row(t), n, idx.row(t), g.row(t), idx.cols, mode, rx, ry);
+          rx.insert(rx.end(), ry.begin(), ry.end());
+          return std::pair(rx, bounds::product_key_grad_row(sx.row(t), sy.row(t), n, idx.row(t), g.row(t), idx.cols, mode));
+        },
+        [&](std::size_t t, std::size_t i) { return i < n ? dsx(t, i) : dsy(t, i - n); },
+        [n](std::size_t i) { return i < n ? fmt::format("dsx[{}]", i) : fmt::format("dsy[{}]", i - n); });
   }
 }
 

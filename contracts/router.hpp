@@ -21,7 +21,8 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
                        const router::SigmoidTopkParams& p, MatView<const std::int32_t> idx, MatView<const float> w);
 void sigmoid_topk_backward_pre(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
                                MatView<const float> g, MatView<float> dz);
-void sigmoid_topk_backward_post(detail::Checker& c, MatView<const std::int32_t> idx, MatView<const float> dz);
+void sigmoid_topk_backward_post(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
+                                MatView<const float> g, const router::SigmoidTopkParams& p, MatView<const float> dz);
 
 void product_key_pre(detail::Checker& c, MatView<const float> sx, MatView<const float> sy, ByteRange in_x,
                      ByteRange in_y, router::KeyWeights mode, MatView<std::int32_t> idx, MatView<float> w);
@@ -30,7 +31,8 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
 void product_key_backward_pre(detail::Checker& c, MatView<const float> sx, MatView<const float> sy,
                               MatView<const std::int32_t> idx, MatView<const float> g, MatView<float> dsx,
                               MatView<float> dsy);
-void product_key_backward_post(detail::Checker& c, MatView<const std::int32_t> idx, MatView<const float> dsx,
-                               MatView<const float> dsy);
+void product_key_backward_post(detail::Checker& c, MatView<const float> sx, MatView<const float> sy,
+                               MatView<const std::int32_t> idx, MatView<const float> g, router::KeyWeights mode,
+                               MatView<const float> dsx, MatView<const float> dsy);
 
 }  // namespace moecert::contracts

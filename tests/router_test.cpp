@@ -674,6 +674,21 @@ TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index
     contracts::softmax_topk_backward_post(c, MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
                                           MatView<const float>(g.data(), r.t, r.k), MatView<const float>(dz.data(), r.t, r.e), true);
   }, "router.softmax_topk_backward.unselected_grad");
+  // Post (full): a selected expert's gradient off by 1% of its value.
+  auto g2 = g;
+  g2[0] = 3.0f;  // unequal g: dz = w (g - D) is not 0
+  run(r.idx, g2, dzv);
+  const auto sel = static_cast<std::size_t>(r.idx[0]);
+  REQUIRE(dz[sel] != 0.0f);
+  dz[sel] *= 1.01f;
+  auto check_dz = [&] {
+    detail::Checker c{"router.softmax_topk.backward"};
+    contracts::softmax_topk_backward_post(c, MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
+                                          MatView<const float>(g2.data(), r.t, r.k), MatView<const float>(dz.data(), r.t, r.e), true);
+  };
+  check_dz();  // below full: not checked
+  ContractScope full{Level::full, Semantic::enforce};
+  test::expect_violation(check_dz, "router.softmax_topk_backward.within_bound");
 }
 
 TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
@@ -756,10 +771,22 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   std::int32_t off = 0;
   while (off == idx[0] || off == idx[1]) ++off;
   dz[static_cast<std::size_t>(off)] = 1e-7f;
-  test::expect_violation([&] {
+  auto g2 = g;
+  auto sg_post = [&] {
     detail::Checker c{"router.sigmoid_topk.backward"};
-    contracts::sigmoid_topk_backward_post(c, MatView<const std::int32_t>(idx.data(), t, k), MatView<const float>(dz.data(), t, e));
-  }, "router.sigmoid_topk_backward.unselected_grad");
+    contracts::sigmoid_topk_backward_post(c, MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
+                                          MatView<const float>(g2.data(), t, k), p, MatView<const float>(dz.data(), t, e));
+  };
+  test::expect_violation(sg_post, "router.sigmoid_topk_backward.unselected_grad");
+  // Post (full): a selected expert's gradient off by 1% of its value.
+  g2[0] = 3.0f;  // unequal g: dz is not 0
+  bwd(idx, g2, MatView<float>(dz.data(), t, e));
+  REQUIRE(dz[static_cast<std::size_t>(idx[0])] != 0.0f);
+  dz[static_cast<std::size_t>(idx[0])] *= 1.01f;
+  {
+    ContractScope full{Level::full, Semantic::enforce};
+    test::expect_violation(sg_post, "router.sigmoid_topk_backward.within_bound");
+  }
   // Valid input whose exact dz is beyond fp32: c = 3e38, g = +-2^126.
   gb = g;
   gb[0] = 0x1p126f, gb[1] = -0x1p126f;
@@ -837,11 +864,22 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   REQUIRE(unused < n);
   REQUIRE(dsx[unused] == 0.0f);
   dsx[unused] += g[k - 1];  // what the truncating decode would have added
-  test::expect_violation([&] {
+  auto pk_post = [&](const std::vector<std::int32_t>& ii) {
     detail::Checker c{"router.product_key.backward"};
-    contracts::product_key_backward_post(c, MatView<const std::int32_t>(bad.data(), t, k), MatView<const float>(dsx.data(), t, n),
-                                         MatView<const float>(dsy.data(), t, n));
-  }, "router.product_key_backward.unused_zero");
+    contracts::product_key_backward_post(c, MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
+                                         MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(g.data(), t, k),
+                                         KeyWeights::raw, MatView<const float>(dsx.data(), t, n), MatView<const float>(dsy.data(), t, n));
+  };
+  test::expect_violation([&] { pk_post(bad); }, "router.product_key_backward.unused_zero");
+  // Post (full): a selected key's gradient off by 1% of its value.
+  bwd(idx, g, ox, oy);
+  const auto key = static_cast<std::size_t>(idx[0]) / n;
+  REQUIRE(dsx[key] != 0.0f);
+  dsx[key] *= 1.01f;
+  {
+    ContractScope full{Level::full, Semantic::enforce};
+    test::expect_violation([&] { pk_post(idx); }, "router.product_key_backward.within_bound");
+  }
   // Valid input whose exact sum is beyond fp32: four slots on key 0 of sx
   // (experts 0..3, n = 4), each g = 2^126, raw weights: dsx[0] = 2^128.
   const std::vector<std::int32_t> same_x = {0, 1, 2, 3};

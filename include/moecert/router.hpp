@@ -56,6 +56,8 @@ void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatV
 ///   router.softmax_topk_backward.unselected_grad post numeric renormalised: dz_j == 0 exactly for
 ///                                                 every j not selected; not renormalised: every
 ///                                                 unselected dz_j has the sign of -sum_S p g (or is 0)
+///   router.softmax_topk_backward.within_bound post numeric (full) every dz within proofs/router.md
+///                                                 §4.1 of the binary64 reference given g
 void softmax_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
                            MatView<float> dz, bool renormalize);
 
@@ -105,6 +107,8 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
 ///   router.sigmoid_topk_backward.unselected_grad post numeric dz_j == 0 exactly for every j not selected
 ///   router.sigmoid_topk_backward.dz_finite post  finite   every dz finite (valid input can overflow:
 ///                                                 |dz_i| reaches c |g_i - D|; proofs/router.md §4.2)
+///   router.sigmoid_topk_backward.within_bound post numeric (full) every finite dz within
+///                                                 proofs/router.md §4.2 of the binary64 reference given g
 void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
                            const SigmoidTopkParams& p, MatView<float> dz);
 
@@ -152,6 +156,8 @@ void product_key_forward(MatView<const bf16> sx, MatView<const bf16> sy, KeyWeig
 ///                                                 valid slot of row t has ix == i (iy == i)
 ///   router.product_key_backward.grad_finite post  finite   every dsx, dsy finite (valid input can
 ///                                                 overflow: g w with exp weights, sums of up to K slots)
+///   router.product_key_backward.within_bound post numeric (full) every finite dsx, dsy within
+///                                                 proofs/router.md §4.3 of the binary64 reference given g
 void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatView<const std::int32_t> idx,
                           MatView<const float> g, KeyWeights mode, MatView<float> dsx, MatView<float> dsy);
 

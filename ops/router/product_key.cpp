@@ -117,7 +117,7 @@ void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatV
       dsy.row(t)[iy(j)] += ds[j];
     }
   });
-  contracts::product_key_backward_post(c, idx, dsx, dsy);
+  contracts::product_key_backward_post(c, sx, sy, idx, g, mode, dsx, dsy);
 }
 
 }  // namespace moecert::router

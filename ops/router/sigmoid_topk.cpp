@@ -108,7 +108,7 @@ void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
       dt[it[j]] = p.scaling * (((gt[j] - dot) * (s / sum)) * (1.0f - s));
     }
   });
-  contracts::sigmoid_topk_backward_post(c, idx, dz);
+  contracts::sigmoid_topk_backward_post(c, z, idx, g, p, dz);
 }
 
 }  // namespace moecert::router
