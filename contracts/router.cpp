@@ -125,36 +125,15 @@ void weight_rows(detail::Checker& c, const ClauseInfo& clause, MatView<const std
   }
 }
 
-// Every weight within proofs/router.md §3 of its own slot's binary64
-// reference, plus that reference's own rounding; row(t) gives the row's
-// reference weights and bounds (bounds::*_weights_row). Rows with an index
-// out of range are skipped (idx_valid reports them).
-template <class Row>
-void weights_within(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts,
-                    MatView<const float> w, Row row) {
-  for (std::size_t t = 0; t < idx.rows; ++t) {
-    bool in_range = true;
-    for (std::size_t j = 0; j < idx.cols; ++j) in_range = in_range && idx(t, j) >= -1 && idx(t, j) < static_cast<std::int64_t>(experts);
-    if (!in_range) continue;
-    const auto [ref, bound] = row(t);
-    for (std::size_t j = 0; j < idx.cols; ++j) {
-      const double got = w(t, j);
-      if (std::fabs(got - ref[j]) <= bound[j] + bounds::gamma(64, bounds::kU64) * std::fabs(ref[j])) continue;
-      c.fail(clause, fmt::format("t={} j={}", t, j), fmt::format("w={:.9g} ref={:.17g}", got, ref[j]),
-             fmt::format("|w - ref| <= {:.3g} (proofs/router.md §3)", bound[j]));
-      return;
-    }
-  }
-}
-
-// Every finite gradient of a row within proofs/router.md §4 of the binary64
-// reference given g, plus that reference's own rounding (non-finite ones are
-// the finite clauses'); row(t) gives the row's reference gradients and
-// bounds, value(t, i) the kernel's and name(i) its label. Rows with an index
-// out of range are skipped (the preconditions report them).
+// Every value of each row within its bound of the binary64 reference, plus
+// that reference's own rounding: row(t) gives the row's reference values and
+// bounds (the bounds::*_row helpers), value(t, i) the kernel's and name(i) its
+// label; `section` is the bound's place in proofs/router.md. finite_only
+// leaves non-finite values to the finite clauses (gradients that overflow).
+// Rows with an index out of range are skipped (the index clauses report them).
 template <class Row, class Value, class Name>
-void grads_within(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts,
-                  std::size_t cols, Row row, Value value, Name name) {
+void within_reference(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts,
+                      std::size_t cols, bool finite_only, const char* section, Row row, Value value, Name name) {
   for (std::size_t t = 0; t < idx.rows; ++t) {
     bool in_range = true;
     for (std::size_t j = 0; j < idx.cols; ++j) in_range = in_range && idx(t, j) >= -1 && idx(t, j) < static_cast<std::int64_t>(experts);
@@ -162,12 +141,30 @@ void grads_within(detail::Checker& c, const ClauseInfo& clause, MatView<const st
     const auto [ref, bound] = row(t);
     for (std::size_t i = 0; i < cols; ++i) {
       const double got = value(t, i);
-      if (!std::isfinite(got) || std::fabs(got - ref[i]) <= bound[i] + bounds::gamma(64, bounds::kU64) * std::fabs(ref[i])) continue;
+      if ((finite_only && !std::isfinite(got)) ||
+          std::fabs(got - ref[i]) <= bound[i] + bounds::gamma(64, bounds::kU64) * std::fabs(ref[i]))
+        continue;
       c.fail(clause, fmt::format("t={} {}", t, name(i)), fmt::format("{}={:.9g} ref={:.17g}", name(i), got, ref[i]),
-             fmt::format("|{} - ref| <= {:.3g} (proofs/router.md §4)", name(i), bound[i]));
+             fmt::format("|{} - ref| <= {:.3g} (proofs/router.md {})", name(i), bound[i], section));
       return;
     }
   }
+}
+
+// Every weight within §3 of its own slot's reference (a weight written to
+// another slot passes weights_range, not this).
+template <class Row>
+void weights_within(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts,
+                    MatView<const float> w, Row row) {
+  within_reference(c, clause, idx, experts, idx.cols, false, "§3", row, [&](std::size_t t, std::size_t j) { return w(t, j); },
+                   [](std::size_t j) { return fmt::format("w[{}]", j); });
+}
+
+// Every finite gradient of a row within §4 of the reference given g.
+template <class Row, class Value, class Name>
+void grads_within(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts,
+                  std::size_t cols, Row row, Value value, Name name) {
+  within_reference(c, clause, idx, experts, cols, true, "§4", row, value, name);
 }
 
 // sigma(z) is a normal float for z >= -87 (e^-87 > 2^-126); below, it
