@@ -568,6 +568,23 @@ struct SmRun {
   }
 };
 
+// A forward's weights w with the first two slots' values exchanged: every
+// range and sum as before, so weights_range passes and only the full-level
+// within_bound clause (each weight against its own slot's reference) can
+// see it. post(weights) runs the forward's postconditions. The 1e-3 is a
+// fact about the test data, not a tolerance: the exchange must move each
+// weight by far more than its bound (about 1e-7 here).
+template <class Post>
+void expect_exchanged_weights_caught(const std::vector<float>& w, Post post, const char* clause) {
+  auto wb = w;
+  std::swap(wb[0], wb[1]);
+  REQUIRE(std::fabs(wb[0] - wb[1]) > 1e-3f);
+  post(wb);  // below full: not checked
+  ContractScope full{Level::full, Semantic::enforce};
+  test::expect_violation([&] { post(wb); }, clause);
+  post(w);
+}
+
 }  // namespace
 
 TEST_CASE("router.softmax_topk: precondition clauses", "[router][softmax_topk][shape]") {
@@ -623,13 +640,7 @@ TEST_CASE("router.softmax_topk: postcondition clauses catch corrupted selections
   auto wb = r.w;
   wb[0] += 0.01f;  // sum != 1
   test::expect_violation([&] { post(r.idx, wb); }, "router.softmax_topk.weights_range");
-  wb = r.w;  // two slots' weights exchanged: every range and sum as before
-  std::swap(wb[0], wb[1]);
-  REQUIRE(std::fabs(wb[0] - wb[1]) > 1e-3f);
-  post(r.idx, wb);
-  ContractScope full{Level::full, Semantic::enforce};
-  test::expect_violation([&] { post(r.idx, wb); }, "router.softmax_topk.within_bound");
-  post(r.idx, r.w);
+  expect_exchanged_weights_caught(r.w, [&](const std::vector<float>& ww) { post(r.idx, ww); }, "router.softmax_topk.within_bound");
 }
 
 TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index]") {
@@ -743,14 +754,7 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   auto wb = w;
   wb[0] = 1.5f;  // above c
   test::expect_violation([&] { post(idx, wb); }, "router.sigmoid_topk.weights_range");
-  wb = w;  // two slots' weights exchanged
-  std::swap(wb[0], wb[1]);
-  REQUIRE(std::fabs(wb[0] - wb[1]) > 1e-3f);
-  {
-    ContractScope full{Level::full, Semantic::enforce};
-    test::expect_violation([&] { post(idx, wb); }, "router.sigmoid_topk.within_bound");
-    post(idx, w);
-  }
+  expect_exchanged_weights_caught(w, [&](const std::vector<float>& ww) { post(idx, ww); }, "router.sigmoid_topk.within_bound");
   // Backward.
   auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> out) {
     router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(ii.data(), t, k),
@@ -830,14 +834,7 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   auto wb = w;
   wb[1] = -0.1f;
   test::expect_violation([&] { post(idx, wb); }, "router.product_key.weights_range");
-  wb = w;  // two slots' weights exchanged
-  std::swap(wb[0], wb[1]);
-  REQUIRE(std::fabs(wb[0] - wb[1]) > 1e-3f);
-  {
-    ContractScope full{Level::full, Semantic::enforce};
-    test::expect_violation([&] { post(idx, wb); }, "router.product_key.within_bound");
-    post(idx, w);
-  }
+  expect_exchanged_weights_caught(w, [&](const std::vector<float>& ww) { post(idx, ww); }, "router.product_key.within_bound");
   auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> ox, MatView<float> oy) {
     router::product_key_backward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
                                  MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(gg.data(), t, k), KeyWeights::raw, ox, oy);
