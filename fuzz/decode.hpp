@@ -64,4 +64,17 @@ class Decoder {
 /// Aborts naming what broke: a finding. (libFuzzer records the input.)
 [[noreturn]] void finding(const char* harness, const std::string& what);
 
+/// One kernel's outcome on an input: the clause it violated (empty: none)
+/// and its output. The AMX hardware and its tile model (amx_emu) must agree
+/// on both, bit for bit (DESIGN.md, Kernels).
+struct Outcome {
+  std::string clause;
+  std::vector<float> out;
+};
+
+/// A finding where `hw` (amx_bf16) and `emu` (amx_emu) differ: in the clause
+/// they violated, or in the first output whose bits differ (two NaNs agree:
+/// the model does not follow a NaN's payload).
+void expect_same_bits(const char* harness, const Outcome& hw, const Outcome& emu);
+
 }  // namespace moecert::fuzz
