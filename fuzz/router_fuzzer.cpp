@@ -110,8 +110,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     expect(scores_ok && k_ok, [&] { router::softmax_topk_forward(zv, iv, wv, renorm); }, {outs[0], outs[1]}, "softmax_topk.forward");
     if (!(scores_ok && k_ok)) return 0;
     for (std::size_t r = 0; r < t; ++r) {  // every weight against its own slot's reference (§3)
-      const auto wr = ref::softmax_topk_weights<double>(&z[r * e], e, &idx[r * k], k, renorm);
-      const auto b = bounds::softmax_topk_weights_row(&z[r * e], e, &idx[r * k], k, renorm);
+      const auto [wr, b] = bounds::softmax_topk_weights_row(&z[r * e], e, &idx[r * k], k, renorm);
       for (std::size_t j = 0; j < k; ++j) check(w[r * k + j], wr[j], b[j], "softmax_topk.forward");
     }
     std::vector<std::int32_t> bidx = idx;
@@ -142,8 +141,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
            "sigmoid_topk.forward");
     if (!ok) return 0;
     for (std::size_t r = 0; r < t; ++r) {
-      const auto wr = ref::sigmoid_topk_weights<double>(&z[r * e], &idx[r * k], k, p.scaling);
-      const auto b = bounds::sigmoid_topk_weights_row(&z[r * e], &idx[r * k], k, p.scaling);
+      const auto [wr, b] = bounds::sigmoid_topk_weights_row(&z[r * e], &idx[r * k], k, p.scaling);
       for (std::size_t j = 0; j < k; ++j) check(w[r * k + j], wr[j], b[j], "sigmoid_topk.forward");
     }
     std::vector<float> dz(t * e, 3.0f);
@@ -175,8 +173,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::size_t r = 0; r < t; ++r)
       for (std::size_t i = 0; i < n; ++i) sx[r * n + i] = xv(r, i), sy[r * n + i] = yv(r, i);
     for (std::size_t r = 0; r < t; ++r) {
-      const auto wr = ref::product_key_weights<double>(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
-      const auto b = bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
+      const auto [wr, b] = bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
       for (std::size_t j = 0; j < k; ++j) check(w[r * k + j], wr[j], b[j], "product_key.forward");
     }
     std::vector<std::int32_t> bidx = idx;

@@ -83,7 +83,7 @@ TEST_CASE("router.softmax_topk.forward: exact selection, weights within bound", 
       const auto want = brute(e, k, [&](std::int32_t a, std::int32_t b) { return router::detail::outranks(zr[a], a, zr[b], b); });
       REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
       const auto ref = ref::softmax_topk_weights<ref::DoubleDouble>(zr, e, &idx[r * k], k, renorm);
-      const auto b = bounds::softmax_topk_weights_row(zr, e, &idx[r * k], k, renorm);
+      const auto b = bounds::softmax_topk_weights_row(zr, e, &idx[r * k], k, renorm).bound;
       for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
     }
   }
@@ -167,7 +167,7 @@ TEST_CASE("router.sigmoid_topk.forward: group-limited selection and weights", "[
     all.resize(k);
     REQUIRE(std::equal(all.begin(), all.end(), &idx[r * k]));
     const auto ref = ref::sigmoid_topk_weights<ref::DoubleDouble>(&z[r * e], &idx[r * k], k, p.scaling);
-    const auto b = bounds::sigmoid_topk_weights_row(&z[r * e], &idx[r * k], k, p.scaling);
+    const auto b = bounds::sigmoid_topk_weights_row(&z[r * e], &idx[r * k], k, p.scaling).bound;
     for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
   }
 }
@@ -293,7 +293,7 @@ TEST_CASE("router.product_key.forward: every weight mode within bound of the ref
       }
       for (std::size_t r = 0; r < t; ++r) {
         const auto ref = ref::product_key_weights<ref::DoubleDouble>(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
-        const auto b = bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
+        const auto b = bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode).bound;
         for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
         // The same weights in another slot order miss the bound (a test that can fail).
         CHECK(std::fabs(w[r * k + 1] - ref::to_double(ref[0])) > b[0]);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 #include "contracts/bounds/basic.hpp"
@@ -13,14 +14,20 @@
 
 namespace moecert::bounds {
 
+/// One router row's binary64 reference weights and each one's bound (§3):
+/// |w_j - ref[j]| <= bound[j] (+ the reference's own rounding).
+struct WeightsRow {
+  std::vector<double> ref, bound;
+};
+
 /// §3 for the weights of one softmax_topk row (logits z [e], selection idx
 /// [k]): |w_j - exact| <= eps w_j + 2 eta, eps from §6 over the logits the
 /// softmax runs over (the selected ones, or all e when dense); 0 at -1
 /// slots (weight exactly 0).
-inline std::vector<double> softmax_topk_weights_row(const float* z, std::size_t e, const std::int32_t* idx, std::size_t k,
-                                                    bool renormalize) {
+inline WeightsRow softmax_topk_weights_row(const float* z, std::size_t e, const std::int32_t* idx, std::size_t k,
+                                           bool renormalize) {
   const std::size_t v = ref::valid_prefix(idx, k), n = renormalize ? v : e;
-  const auto w = ref::softmax_topk_weights<double>(z, e, idx, k, renormalize);
+  auto w = ref::softmax_topk_weights<double>(z, e, idx, k, renormalize);
   double lo = INFINITY, hi = -INFINITY;
   for (std::size_t i = 0; i < n; ++i) {
     const double x = renormalize ? z[idx[i]] : z[i];
@@ -29,7 +36,7 @@ inline std::vector<double> softmax_topk_weights_row(const float* z, std::size_t 
   const double eps = softmax_rel(n, hi - lo);
   std::vector<double> out(k, 0.0);
   for (std::size_t j = 0; j < v; ++j) out[j] = eps * w[j] + 2 * kMinNormal32;
-  return out;
+  return {std::move(w), std::move(out)};
 }
 
 /// §3 for the weights of one sigmoid_topk row (scaling c): w = c s / S with
@@ -37,13 +44,13 @@ inline std::vector<double> softmax_topk_weights_row(const float* z, std::size_t 
 /// clause keeps z >= -87, so s stays normal), §7 with one extra
 /// multiplication, plus eta for a weight below the normal range; 0 at -1
 /// slots.
-inline std::vector<double> sigmoid_topk_weights_row(const float* z, const std::int32_t* idx, std::size_t k, double c) {
+inline WeightsRow sigmoid_topk_weights_row(const float* z, const std::int32_t* idx, std::size_t k, double c) {
   const std::size_t v = ref::valid_prefix(idx, k);
-  const auto w = ref::sigmoid_topk_weights<double>(z, idx, k, c);
+  auto w = ref::sigmoid_topk_weights<double>(z, idx, k, c);
   const double rel = renormalized_rel(v, gamma(kExpUlps + 2), 1);
   std::vector<double> out(k, 0.0);
   for (std::size_t j = 0; j < v; ++j) out[j] = rel * w[j] + kMinNormal32;
-  return out;
+  return {std::move(w), std::move(out)};
 }
 
 /// §3 for the weights of one product_key row (halves sx [n], sy [n],
@@ -51,10 +58,10 @@ inline std::vector<double> sigmoid_topk_weights_row(const float* z, const std::i
 /// error u, exact where it is below the normal range): raw, u |s|; exp, §4a
 /// with input error u |s|; softmax, §6 over the selected scores with their
 /// rounding as input error, eps w + 2 eta. 0 at -1 slots.
-inline std::vector<double> product_key_weights_row(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
-                                                   std::size_t k, router::KeyWeights mode) {
+inline WeightsRow product_key_weights_row(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
+                                          std::size_t k, router::KeyWeights mode) {
   const std::size_t v = ref::valid_prefix(idx, k);
-  const auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
+  auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
   std::vector<double> s(v);
   double top = -INFINITY, shift = 0;
   for (std::size_t j = 0; j < v; ++j) {
@@ -71,7 +78,7 @@ inline std::vector<double> product_key_weights_row(const float* sx, const float*
                                                        : eps * w[j] + 2 * kMinNormal32;
     out[j] = std::isnan(b) ? INFINITY : b;
   }
-  return out;
+  return {std::move(w), std::move(out)};
 }
 
 /// §4.1: d = fl(w_hat (g - D_hat)) with D = sum_S w g over k terms, where each
@@ -177,7 +184,7 @@ constexpr double accumulated(double sum_abs_terms, double sum_errors, std::size_
 inline std::vector<double> product_key_grad_row(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
                                                 const float* g, std::size_t k, router::KeyWeights mode) {
   const std::size_t v = ref::valid_prefix(idx, k);
-  const auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
+  auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
   auto score = [&](std::size_t j) {
     const auto e = static_cast<std::size_t>(idx[j]);
     return double(sx[e / n]) + double(sy[e % n]);

@@ -87,9 +87,8 @@ CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward, c
       break;
     }
     if (!backward) {
-      const auto wr = ref::softmax_topk_weights<double>(zr, s.e, ir, s.k, renorm);
-      const auto b = bounds::softmax_topk_weights_row(zr, s.e, ir, s.k, renorm);
-      for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], ref::to_double(wr[j]), b[j], fmt::format("t={} j={}", t, j));
+      const auto [wr, b] = bounds::softmax_topk_weights_row(zr, s.e, ir, s.k, renorm);
+      for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
       continue;
     }
   }
@@ -145,8 +144,7 @@ CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunC
     if (!std::equal(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(s.k), &idx[t * s.k]))
       tl.fail(fmt::format("row {}: two-stage selection differs from brute force", t));
     if (backward) continue;
-    const auto wr = ref::product_key_weights<double>(&sx[t * n], &sy[t * n], n, &idx[t * s.k], s.k, router::KeyWeights::raw);
-    const auto b = bounds::product_key_weights_row(&sx[t * n], &sy[t * n], n, &idx[t * s.k], s.k, router::KeyWeights::raw);
+    const auto [wr, b] = bounds::product_key_weights_row(&sx[t * n], &sy[t * n], n, &idx[t * s.k], s.k, router::KeyWeights::raw);
     for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
   }
   if (backward && tl.r.verdict != Verdict::fail) {
@@ -219,8 +217,7 @@ CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t to
     }
     const std::int32_t* ir = &idx[t * s.k];
     if (!backward) {
-      const auto wr = ref::sigmoid_topk_weights<double>(&z[t * s.e], ir, s.k, p.scaling);
-      const auto b = bounds::sigmoid_topk_weights_row(&z[t * s.e], ir, s.k, p.scaling);
+      const auto [wr, b] = bounds::sigmoid_topk_weights_row(&z[t * s.e], ir, s.k, p.scaling);
       for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
     }
   }
