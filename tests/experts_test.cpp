@@ -6,12 +6,15 @@
 #include <vector>
 
 #include <oneapi/tbb/global_control.h>
+#include <oneapi/tbb/task_arena.h>
 
 #include "contracts/checks.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/experts.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
+#include "moecert/layer.hpp"
+#include "ops/experts/lora.hpp"
 #include "ops/gemm/ukernel.hpp"
 #include "test_util.hpp"
 
@@ -298,4 +301,56 @@ TEST_CASE("experts.forward: within_bound catches a wrong output", "[experts][for
 TEST_CASE("experts.forward: packed weights changed after packing are caught", "[experts][forward][memory]") {
   expect_pre([](Problem& p, MatView<float>&) { p.packed.mutable_down_for_testing(1).mutable_data_for_testing()[0] = bf16(9.0f); },
              "gemm.pack.checksum");
+}
+
+// A ContractScope is per thread. Both packs run gemm.pack's clauses per
+// matrix inside oneTBB tasks, which must check at the caller's settings, not
+// the process-wide ones, on whichever thread takes them: counted over 256
+// experts in a 4-thread arena (workers take some of them), both ways round.
+TEST_CASE("experts and LoRA packs: every task checks at the caller's contract settings", "[experts][pack][contracts]") {
+  struct Restore {
+    ContractSettings s = contract_settings();
+    ~Restore() { set_contract_settings(s); }
+  } restore;
+  MoeConfig cfg;
+  cfg.experts = 256, cfg.hidden = 32, cfg.inter = 16, cfg.topk = 2, cfg.lora_rank = 2, cfg.lora_alpha = 4;
+  const std::size_t e = 256, h = 32, i = 16, r = 2;
+  std::vector<bf16> wg(e * i * h, bf16(0.5f)), wu(e * i * h, bf16(0.25f)), wd(e * h * i, bf16(0.125f));
+  std::vector<bf16> lora[6];
+  for (auto& f : lora) f.assign(e * r * std::max(h, i), bf16(0.5f));
+  auto pack = [&] {
+    (void)experts::PackedExperts::pack(e, {wg.data(), e * i, h}, {wu.data(), e * i, h}, {wd.data(), e * h, i});
+  };
+  auto pack_lora = [&] {
+    (void)experts::PackedLora::pack(cfg, layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(),
+                                                                  lora[3].data(), lora[4].data(), lora[5].data()),
+                                    false);
+  };
+  auto checked = [] {
+    for (const auto& c : clause_counts())
+      if (c.id == "gemm.pack.w_finite") return c.checked;
+    return std::uint64_t{0};
+  };
+  oneapi::tbb::task_arena(4).execute([&] {
+    for (const auto& [run, matrices] : {std::pair<std::function<void()>, std::size_t>{pack, 2}, {pack_lora, 4}}) {
+      set_contract_level(Level::off);
+      reset_clause_counts();
+      {
+        ContractScope s{Level::check};
+        run();
+      }
+      CHECK(checked() == matrices * e);  // every matrix of every expert
+      set_contract_level(Level::check);
+      reset_clause_counts();
+      {
+        ContractScope s{Level::off};
+        run();
+      }
+      CHECK(checked() == 0);
+    }
+    // A NaN in one expert's weights is refused whichever thread packs it.
+    set_contract_level(Level::off);
+    wd[(e - 1) * h * i] = bf16(std::numeric_limits<float>::quiet_NaN());
+    test::expect_violation(pack, "gemm.pack.w_finite", Level::check);
+  });
 }

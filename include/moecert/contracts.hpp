@@ -137,6 +137,8 @@ ContractSettings effective_contract_settings();
 
 /// Per-call (per-thread, scoped) override of the settings:
 ///   { moecert::ContractScope s{moecert::Level::full}; op(...); }
+/// It holds for the whole of op(...), including the op's work that oneTBB
+/// runs on other threads.
 class ContractScope {
  public:
   explicit ContractScope(Level level);

@@ -4,6 +4,7 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
+#include "contracts/engine.hpp"
 #include "ops/gemm/ukernel.hpp"
 
 namespace moecert::experts {
@@ -37,7 +38,8 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
   const std::size_t r = out.rank, H = static_cast<std::size_t>(cfg.hidden), I = static_cast<std::size_t>(cfg.inter);
   out.experts = std::move(previous.experts);  // storage: each pack below reuses its buffer if the size matches
   out.experts.resize(static_cast<std::size_t>(cfg.experts));
-  oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), [&](std::size_t e) {
+  // gemm.pack's clauses per matrix, at the caller's settings on every thread.
+  oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), moecert::detail::with_callers_contracts([&](std::size_t e) {
     auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };
     auto au = [&](std::size_t k, std::size_t h) { return l.a_up(e * r + k, h); };
     auto bg = [&](std::size_t i, std::size_t k) { return l.b_gate(e * I + i, k); };
@@ -79,7 +81,7 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
     p.a_d_t = gemm::PackedWeights::pack(a_d_t.view(), {}, std::move(p.a_d_t));
     p.b_gu_t = gemm::PackedWeights::pack(b_gu_t.view(), {}, std::move(p.b_gu_t));
     p.a_gu_t = gemm::PackedWeights::pack(a_gu_t.view(), {}, std::move(p.a_gu_t));
-  });
+  }));
   return out;
 }
 

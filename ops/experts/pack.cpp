@@ -1,6 +1,7 @@
 // PackedExperts: per-expert packing of gate+up (fused) and down.
 #include <oneapi/tbb/parallel_for.h>
 
+#include "contracts/engine.hpp"
 #include "moecert/experts.hpp"
 #include "ops/gemm/ukernel.hpp"
 
@@ -14,19 +15,20 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
   out.gate_up_.resize(experts);
   out.down_.resize(experts);
   const std::size_t i_rows = out.inter_, h_rows = out.hidden_;
-  // gemm.pack's clauses run per matrix (a violation escapes the parallel loop
-  // as the exception oneTBB rethrows).
-  oneapi::tbb::parallel_for(std::size_t{0}, experts, [&](std::size_t e) {
+  // gemm.pack's clauses run per matrix, at the caller's contract settings on
+  // every thread (a violation escapes the parallel loop as the exception
+  // oneTBB rethrows).
+  oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::with_callers_contracts([&](std::size_t e) {
     MatView<const bf16> g(w_gate.row(e * i_rows), i_rows, w_gate.cols, w_gate.stride);
     MatView<const bf16> u(w_up.row(e * i_rows), i_rows, w_up.cols, w_up.stride);
     MatView<const bf16> d(w_down.row(e * h_rows), h_rows, w_down.cols, w_down.stride);
     out.gate_up_[e] = gemm::PackedWeights::pack(g, u);
     out.down_[e] = gemm::PackedWeights::pack(d);
-  });
+  }));
   if (!backward) return out;
   out.down_t_.resize(experts);
   out.gate_up_t_.resize(experts);
-  oneapi::tbb::parallel_for(std::size_t{0}, experts, [&](std::size_t e) {
+  oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::with_callers_contracts([&](std::size_t e) {
     std::vector<bf16> dt(i_rows * h_rows), gut(h_rows * 2 * i_rows);
     for (std::size_t h = 0; h < h_rows; ++h)
       for (std::size_t i = 0; i < i_rows; ++i) {
@@ -36,7 +38,7 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
       }
     out.down_t_[e] = gemm::PackedWeights::pack(MatView<const bf16>(dt.data(), i_rows, h_rows));
     out.gate_up_t_[e] = gemm::PackedWeights::pack(MatView<const bf16>(gut.data(), h_rows, 2 * i_rows));
-  });
+  }));
   return out;
 }
 
