@@ -12,7 +12,6 @@
 
 #include <string>
 #include <string_view>
-#include <utility>
 
 #include <fmt/format.h>
 
@@ -58,20 +57,6 @@ class Checker {
   ContractSettings settings_;
   bool pre_failed_ = false;
 };
-
-/// `f` made to run, on whatever thread oneTBB gives it, under the contract
-/// settings in effect where this is called: a ContractScope is per thread,
-/// so an op that evaluates clauses inside its parallel loop (an op called
-/// per task, each with its own Checker) must carry its caller's settings
-/// there, or its tasks on worker threads would check at the process-wide
-/// level instead of the caller's.
-template <class F>
-auto with_callers_contracts(F f) {
-  return [s = effective_contract_settings(), f = std::move(f)](auto&&... args) {
-    const ContractScope scope{s};
-    return f(std::forward<decltype(args)>(args)...);
-  };
-}
 
 /// The first (lowest-index) pair of byte ranges that overlap among `n`
 /// ranges, or {-1, -1}. Quadratic in n; n is the argument count of one op.

@@ -8,7 +8,10 @@
 #include <random>
 #include <vector>
 
+#include <xmmintrin.h>
+
 #include <oneapi/tbb/global_control.h>
+#include <oneapi/tbb/task_arena.h>
 
 #include "contracts/bounds/experts.hpp"
 #include "contracts/layer.hpp"
@@ -216,6 +219,33 @@ TEST_CASE("layer: bitwise identical for 1, 2 and 7 threads", "[layer]") {
     for (std::size_t i = 1; i < runs.size(); ++i) {
       CHECK(runs[i].y == runs[0].y);
       CHECK(runs[i].g == runs[0].g);
+    }
+  }
+}
+
+// The ops compute in round-to-nearest with denormals kept, whatever the
+// caller set (ops/core/task.hpp): a thread running with flush-to-zero,
+// denormals-are-zero and rounding toward zero gets the same bits, both in
+// the implicit arena (its workers keep the defaults) and in an arena created
+// under those settings (its workers take them), and gets its settings back.
+TEST_CASE("layer: the caller's floating-point environment changes no bit", "[layer]") {
+  constexpr unsigned kOdd = 0x1F80 | 0x8000 | 0x6000 | 0x0040;  // masks; FTZ, round toward zero, DAZ
+  for (RouterKind kind : kKinds) {
+    const Problem p = make(kind, kind == RouterKind::product_key ? 16 : 12, 64, 40, 4, 8, 40);
+    for (Isa isa : usable_isas()) {
+      const Run want = run(p, isa);
+      const unsigned csr = _mm_getcsr();
+      _mm_setcsr(kOdd);
+      Run caller = run(p, isa), arena;
+      oneapi::tbb::task_arena(3).execute([&] { arena = run(p, isa); });
+      const unsigned after = _mm_getcsr();
+      _mm_setcsr(csr);
+      INFO(isa_name(isa) << ", router " << static_cast<int>(kind));
+      CHECK((after & ~0x3Fu) == kOdd);
+      CHECK(caller.y == want.y);
+      CHECK(caller.g == want.g);
+      CHECK(arena.y == want.y);
+      CHECK(arena.g == want.g);
     }
   }
 }

@@ -14,6 +14,7 @@
 #include "contracts/experts.hpp"
 #include "moecert/isa.hpp"
 #include "ops/core/prefetch.hpp"
+#include "ops/core/task.hpp"
 #include "ops/gemm/loops.hpp"
 #include "ops/workspace/planner.hpp"
 
@@ -36,6 +37,7 @@ Isa choose_isa(std::optional<Isa> forced, std::size_t routed, std::size_t expert
 
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y, const ForwardOptions& opt) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   moecert::detail::Checker chk{"experts.forward"};
   contracts::experts_forward_pre(chk, w, x, idx, weights, y);
   if (chk.stop()) return {};
@@ -196,7 +198,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
 
   // 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.
   arena.enter(workspace::f_combine, chk);
-  oneapi::tbb::parallel_for(std::size_t{0}, t_count, [&](std::size_t t) {
+  oneapi::tbb::parallel_for(std::size_t{0}, t_count, moecert::detail::task([&](std::size_t t) {
     float* yt = y.row(t);
     if (t + 1 < t_count)  // the next token's rows
       for (std::size_t j = 0; j < k; ++j)
@@ -214,7 +216,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
       const float* o = st.o + static_cast<std::size_t>(row) * st.ldo;
       for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
     }
-  });
+  }));
 }
 
 }  // namespace moecert::experts

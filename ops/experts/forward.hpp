@@ -8,6 +8,7 @@
 #include "moecert/experts.hpp"
 #include <oneapi/tbb/parallel_for.h>
 
+#include "ops/core/task.hpp"
 #include "ops/experts/grouping.hpp"
 #include "ops/gemm/ukernel.hpp"
 #include "ops/workspace/arena.hpp"
@@ -52,9 +53,9 @@ inline std::vector<Tile> tiles(const Grouping& g, std::size_t n, std::size_t mb,
 template <class F>
 void for_each_tile(const std::vector<Tile>& ts, F f) {
   oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, ts.size(), 1),
-                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+                            moecert::detail::task([&](const oneapi::tbb::blocked_range<std::size_t>& r) {
                               for (std::size_t i = r.begin(); i < r.end(); ++i) f(ts[i]);
-                            });
+                            }));
 }
 
 

@@ -5,6 +5,7 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include "contracts/engine.hpp"
+#include "ops/core/task.hpp"
 #include "ops/gemm/ukernel.hpp"
 
 namespace moecert::experts {
@@ -39,7 +40,7 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
   out.experts = std::move(previous.experts);  // storage: each pack below reuses its buffer if the size matches
   out.experts.resize(static_cast<std::size_t>(cfg.experts));
   // gemm.pack's clauses per matrix, at the caller's settings on every thread.
-  oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), moecert::detail::with_callers_contracts([&](std::size_t e) {
+  oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), moecert::detail::task([&](std::size_t e) {
     auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };
     auto au = [&](std::size_t k, std::size_t h) { return l.a_up(e * r + k, h); };
     auto bg = [&](std::size_t i, std::size_t k) { return l.b_gate(e * I + i, k); };

@@ -3,6 +3,7 @@
 
 #include "contracts/engine.hpp"
 #include "moecert/experts.hpp"
+#include "ops/core/task.hpp"
 #include "ops/gemm/ukernel.hpp"
 
 namespace moecert::experts {
@@ -18,7 +19,7 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
   // gemm.pack's clauses run per matrix, at the caller's contract settings on
   // every thread (a violation escapes the parallel loop as the exception
   // oneTBB rethrows).
-  oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::with_callers_contracts([&](std::size_t e) {
+  oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::task([&](std::size_t e) {
     MatView<const bf16> g(w_gate.row(e * i_rows), i_rows, w_gate.cols, w_gate.stride);
     MatView<const bf16> u(w_up.row(e * i_rows), i_rows, w_up.cols, w_up.stride);
     MatView<const bf16> d(w_down.row(e * h_rows), h_rows, w_down.cols, w_down.stride);
@@ -28,7 +29,7 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
   if (!backward) return out;
   out.down_t_.resize(experts);
   out.gate_up_t_.resize(experts);
-  oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::with_callers_contracts([&](std::size_t e) {
+  oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::task([&](std::size_t e) {
     std::vector<bf16> dt(i_rows * h_rows), gut(h_rows * 2 * i_rows);
     for (std::size_t h = 0; h < h_rows; ++h)
       for (std::size_t i = 0; i < i_rows; ++i) {

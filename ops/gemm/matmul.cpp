@@ -8,11 +8,13 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include "contracts/gemm.hpp"
+#include "ops/core/task.hpp"
 #include "ops/gemm/loops.hpp"
 
 namespace moecert::gemm {
 
 void matmul(MatView<const bf16> a, const PackedWeights& w, MatView<float> c, Isa isa) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker chk{"gemm.matmul"};
   contracts::gemm_matmul_pre(chk, a, w, c);
   if (chk.stop()) return;
@@ -36,21 +38,21 @@ void matmul(MatView<const bf16> a, const PackedWeights& w, MatView<float> c, Isa
     // packed in parallel by row blocks rather than by one thread.
     const std::unique_ptr<bf16[], detail::AlignedFree> ap(
         static_cast<bf16*>(detail::allocate(a_size(layout, m_padded, kp) * sizeof(bf16))));
-    oneapi::tbb::parallel_for(std::size_t{0}, (m + mb - 1) / mb, [&](std::size_t bi) {
+    oneapi::tbb::parallel_for(std::size_t{0}, (m + mb - 1) / mb, moecert::detail::task([&](std::size_t bi) {
       const std::size_t m0 = bi * mb, m1 = std::min(m, m0 + mb), p1 = std::min(m_padded, m0 + mb);
       pack_a(layout, MatView<const bf16>(a.row(m0), m1 - m0, a.cols, a.stride), nullptr, m1 - m0, p1 - m0, kp,
              ap.get() + a_offset(layout, lda, m0, 0));
-    });
+    }));
     oneapi::tbb::parallel_for(
         oneapi::tbb::blocked_range2d<std::size_t>(0, (m + mb - 1) / mb, 0, (w.n() + nb - 1) / nb),
-        [&](const oneapi::tbb::blocked_range2d<std::size_t>& r) {
+        moecert::detail::task([&](const oneapi::tbb::blocked_range2d<std::size_t>& r) {
           for (std::size_t bi = r.rows().begin(); bi < r.rows().end(); ++bi) {
             const std::size_t m0 = bi * mb, mm = std::min(mb, m - m0);
             for (std::size_t bj = r.cols().begin(); bj < r.cols().end(); ++bj)
               gemm_block(kernel, ap.get() + a_offset(layout, lda, m0, 0), mm, w, bj * nb, std::min(w.n(), (bj + 1) * nb), w.n(),
                          c.data + m0 * c.stride, c.stride);
           }
-        });
+        }));
   }
   contracts::gemm_matmul_post(chk, a, w, c);
 }

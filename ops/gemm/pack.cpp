@@ -5,6 +5,7 @@
 
 #include "contracts/gemm.hpp"
 #include "moecert/gemm.hpp"
+#include "ops/core/task.hpp"
 #include "ops/gemm/ukernel.hpp"
 
 namespace moecert::gemm {
@@ -48,6 +49,7 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
 }
 
 PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker c{"gemm.pack"};
   contracts::gemm_pack_pre(c, w, second);
   if (c.stop()) return {};

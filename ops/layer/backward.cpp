@@ -12,6 +12,7 @@
 
 #include "contracts/layer.hpp"
 #include "moecert/router.hpp"
+#include "ops/core/task.hpp"
 #include "ops/gemm/loops.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/planner.hpp"
@@ -73,7 +74,7 @@ void expert_sums(const gemm::KernelInfo& kernel, const experts::Grouping& gr, st
   if (std::all_of(outs.begin(), outs.end(), [](const MatView<float>& o) { return o.empty(); })) return;
   constexpr std::size_t kCols = 128;
   const std::size_t blocks = (n_cols + kCols - 1) / kCols, rs = r * outs.size();
-  oneapi::tbb::parallel_for(std::size_t{0}, gr.experts * blocks, [&](std::size_t task) {
+  oneapi::tbb::parallel_for(std::size_t{0}, gr.experts * blocks, moecert::detail::task([&](std::size_t task) {
     const std::size_t e = task / blocks, n0 = task % blocks * kCols, n1 = std::min(n_cols, n0 + kCols);
     std::vector<float> acc(rs * (n1 - n0), 0.0f);
 #ifdef MOECERT_MUTANT_EMPTY_EXPERT_GRAD_UNINIT
@@ -92,13 +93,14 @@ void expert_sums(const gemm::KernelInfo& kernel, const experts::Grouping& gr, st
           }
       a += r * (n1 - n0);
     }
-  });
+  }));
 }
 
 }  // namespace
 
 void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<const float> dy, Saved& saved,
               const Gradients& grads, const BackwardOptions& opt) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker chk{"layer.backward"};
   contracts::layer_backward_pre(chk, cfg, w, x, dy, saved, grads);
   if (chk.stop()) return;
@@ -130,12 +132,12 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
   bf16* dyr = arena.get<bf16>("bwd.dy", gemm::a_size(layout, rows, kph));
   auto dy_row = [&](std::size_t row) { return dyr + gemm::a_offset(layout, lddy, row, 0); };
   if (need_dh)
-    oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
+    oneapi::tbb::parallel_for(std::size_t{0}, E, moecert::detail::task([&](std::size_t e) {
       std::vector<std::int32_t> tokens(gr.count[e]);
       for (std::size_t q = 0; q < gr.count[e]; ++q) tokens[q] = static_cast<std::int32_t>(token_of(gr.begin[e] + q));
       gemm::pack_a_f32(kernel, dy.data, dy.stride, tokens.data(), gr.count[e], gr.begin[e + 1] - gr.begin[e], H, kph, 1.0f,
                        dy_row(gr.begin[e]));
-    });
+    }));
 
   // 2. dh' = dy W_d (+ LoRA), dyb = dy B_d; router path: dw = <dy W_d, h> + <dyb, lb_d>.
   arena.enter(workspace::b_dh, chk);
@@ -162,7 +164,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     // at a time, an accumulator each: one row's additions form a chain of
     // dependent double adds, and a row alone left the core waiting on them.
     constexpr std::size_t kRows = 8;
-    oneapi::tbb::parallel_for(std::size_t{0}, (rows + kRows - 1) / kRows, [&](std::size_t blk) {
+    oneapi::tbb::parallel_for(std::size_t{0}, (rows + kRows - 1) / kRows, moecert::detail::task([&](std::size_t blk) {
       const std::size_t q0 = blk * kRows;
       const float* dq[kRows];
       const bf16* hq[kRows];  // h's row q, element i at hq + a_offset(0, i)
@@ -189,15 +191,15 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
         dw[static_cast<std::size_t>(gr.row_slot[q])] = static_cast<float>(acc[l]);
 #endif
       }
-    });
+    }));
   }
   if (opt.expert_path && r) {
     bf16* qd = arena.get<bf16>("lora.qd", gemm::a_size(layout, rows, kr2));
     const std::size_t ldq = gemm::a_stride(layout, kr2);
-    oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
+    oneapi::tbb::parallel_for(std::size_t{0}, E, moecert::detail::task([&](std::size_t e) {
       gemm::pack_a_f32(kernel, dyb + gr.begin[e] * r, r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], r, kr2, sc,
                        qd + gemm::a_offset(layout, ldq, gr.begin[e], 0));
-    });
+    }));
     for_each_tile(experts::tiles(gr, I, mb, 256), [&](const experts::Tile& tl) {
       const std::size_t r0 = gr.begin[tl.e] + tl.m0;
       gemm::gemm_block(kernel, qd + gemm::a_offset(layout, ldq, r0, 0), tl.m1 - tl.m0, s.lora.experts[tl.e].a_d_t, tl.n0,
@@ -250,7 +252,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     // same 16 up columns after them) whose dg and du each stay inside one
     // 32-column piece of a dgu row (contiguous in either A layout).
     const std::size_t piece = chunk ? chunk : kp2i;
-    oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
+    oneapi::tbb::parallel_for(std::size_t{0}, rows, moecert::detail::task([&](std::size_t row) {
       const bool valid = gr.row_slot[row] >= 0;
       for (std::size_t i = valid ? 2 * I : 0; i < kp2i; ++i) dgu_at(row, i) = bf16{};
       if (!valid) return;
@@ -262,7 +264,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
         kernel.swiglu_backward(c + at, c + at + gemm::kPanel, dh + row * ldd + i, wt, &dgu_at(row, i), &dgu_at(row, I + i), n);
         i += n;
       }
-    });
+    }));
     if (r)
       for_each_tile(experts::tiles(gr, 2 * r, mb, 256), [&](const experts::Tile& tl) {
         const std::size_t r0 = gr.begin[tl.e] + tl.m0;
@@ -293,10 +295,10 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     bf16* qgu = r ? arena.get<bf16>("lora.qgu", gemm::a_size(layout, rows, kr1)) : nullptr;
     const std::size_t ldq = gemm::a_stride(layout, kr1);
     if (r)
-      oneapi::tbb::parallel_for(std::size_t{0}, E, [&](std::size_t e) {
+      oneapi::tbb::parallel_for(std::size_t{0}, E, moecert::detail::task([&](std::size_t e) {
         gemm::pack_a_f32(kernel, dgb + gr.begin[e] * 2 * r, 2 * r, nullptr, gr.count[e], gr.begin[e + 1] - gr.begin[e], 2 * r,
                          kr1, sc, qgu + gemm::a_offset(layout, ldq, gr.begin[e], 0));
-      });
+      }));
     // Items of 128 columns (gemm::item_cols, K = 2I): with 256, B (1.4 MiB
     // at I = 1408) would not stay in L2 under the AMX loops' row blocks.
     const std::size_t nb_dx = gemm::item_cols(round_up(2 * I, gemm::kKStep));
@@ -319,7 +321,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     // Blocks of 8 tokens: their expert rows summed in slot order, then the
     // router part dz W_r (sums over the R router outputs in order).
     constexpr std::size_t kTb = 8;
-    oneapi::tbb::parallel_for(std::size_t{0}, (T + kTb - 1) / kTb, [&](std::size_t blk) {
+    oneapi::tbb::parallel_for(std::size_t{0}, (T + kTb - 1) / kTb, moecert::detail::task([&](std::size_t blk) {
       const std::size_t t0 = blk * kTb, tn = std::min(T, t0 + kTb) - t0;
       for (std::size_t t = t0; t < t0 + tn; ++t) {
         float* o = grads.dx.row(t);
@@ -343,7 +345,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
         float* o = grads.dx.row(t0 + k);
         for (std::size_t m = 0; m < H; ++m) o[m] += acc[k * H + m];
       }
-    });
+    }));
   }
   if (r && opt.expert_path) {
     // dB_g[e] = s sum_rows dg xa_g^T, dA_g[e] = s sum_rows dgb_g x^T; up likewise.
@@ -366,7 +368,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     // dW_d[e] = bf16(w dy)^T Hr ([H x I]; Hr: the saved h rows). The left
     // factor, transposed, is the A operand; the right one, transposed, is
     // packed like weights. Tasks (expert, matrix); one writer per element.
-    oneapi::tbb::parallel_for(std::size_t{0}, 3 * E, [&](std::size_t task) {
+    oneapi::tbb::parallel_for(std::size_t{0}, 3 * E, moecert::detail::task([&](std::size_t task) {
       const std::size_t e = task / 3, which = task % 3, q0 = gr.begin[e], m = gr.count[e];
       const MatView<float> out = which == 0 ? grads.w_gate : which == 1 ? grads.w_up : grads.w_down;
       if (out.empty()) return;
@@ -397,7 +399,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
       std::vector<bf16> ap(gemm::a_size(layout, mp, wpk.kp()));
       gemm::pack_a(layout, MatView<const bf16>(left.data(), M, m), nullptr, M, mp, wpk.kp(), ap.data());
       gemm::gemm_block(kernel, ap.data(), M, wpk, 0, wpk.np(), N, out.row(e * M), out.stride);
-    });
+    }));
   } else {
     for (const auto& g : {grads.w_gate, grads.w_up, grads.w_down})
       if (!g.empty()) zero(g);
@@ -409,14 +411,14 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     if (opt.router_path) {
       const std::size_t plane = planes ? half : R, groups = (plane + 7) / 8, blocks = (H + 127) / 128;
       const std::size_t planes_n = planes ? 2 : 1;
-      oneapi::tbb::parallel_for(std::size_t{0}, planes_n * groups * blocks, [&](std::size_t task) {
+      oneapi::tbb::parallel_for(std::size_t{0}, planes_n * groups * blocks, moecert::detail::task([&](std::size_t task) {
         const std::size_t p = task / (groups * blocks), g = task / blocks % groups, b = task % blocks;
         const std::size_t e0 = g * 8, en = std::min(plane, e0 + 8) - e0, n0 = b * 128, n1 = std::min(H, n0 + 128);
         const float* s0 = dz + p * T * plane + e0;
         row_sums(
             kernel, 0, T, en, s0, plane, nullptr, true, [&](std::size_t t, std::size_t m) -> const void* { return x.row(t) + m; },
             0, 0, n0, n1, grads.router_w.row(p * plane + e0) + n0, grads.router_w.stride);
-      });
+      }));
     }
   }
   if (!grads.router_b.empty())
@@ -430,7 +432,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
     if (!grads.m_a.empty()) zero(grads.m_a);
     if (!grads.m_g.empty()) zero(grads.m_g);
     if (opt.expert_path)
-      oneapi::tbb::parallel_for(std::size_t{0}, rows, [&](std::size_t row) {
+      oneapi::tbb::parallel_for(std::size_t{0}, rows, moecert::detail::task([&](std::size_t row) {
         if (gr.row_slot[row] < 0) return;
         const std::size_t t = token_of(row), e = static_cast<std::size_t>(s.idx[gr.row_slot[row]]);
         auto sq = [](double v) { return v * v; };
@@ -453,7 +455,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
         }
         if (!grads.m_a.empty()) grads.m_a(t, e) = static_cast<float>(std::sqrt(x2 + h2));
         if (!grads.m_g.empty()) grads.m_g(t, e) = static_cast<float>(std::sqrt(g2));
-      });
+      }));
   }
   arena.leave(chk);
   contracts::layer_backward_post(chk, cfg, w, x, dy, saved, grads, opt);

@@ -8,6 +8,7 @@
 #include "contracts/layer.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/router.hpp"
+#include "ops/core/task.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/planner.hpp"
 
@@ -48,7 +49,7 @@ void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatVie
                    MatView<float> z) {
   constexpr std::size_t kTokens = 4;
   const std::size_t hidden = x.cols, outs = wr.rows;
-  oneapi::tbb::parallel_for(std::size_t{0}, (x.rows + kTokens - 1) / kTokens, [&](std::size_t blk) {
+  oneapi::tbb::parallel_for(std::size_t{0}, (x.rows + kTokens - 1) / kTokens, moecert::detail::task([&](std::size_t blk) {
     const std::size_t t0 = blk * kTokens, tn = std::min(x.rows, t0 + kTokens) - t0;
     std::vector<float> xf(kTokens * hidden);
     const float* rows[kTokens];
@@ -59,7 +60,7 @@ void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatVie
     kernel.dot16(rows, tn, wr.data, wr.stride, outs, hidden, z.row(t0), z.stride);
     for (std::size_t i = 0; i < tn; ++i)
       for (std::size_t e = 0; e < outs; ++e) z(t0 + i, e) += b[e];
-  });
+  }));
 }
 
 void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z, MatView<std::int32_t> idx,
@@ -87,6 +88,7 @@ void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z, 
 void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y, Saved& saved,
              const ForwardOptions& opt) {
   validate(cfg);
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker chk{"layer.forward"};
   contracts::layer_forward_pre(chk, cfg, w, x, y);
   if (chk.stop()) return;

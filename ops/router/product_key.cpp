@@ -6,6 +6,7 @@
 
 #include "contracts/router.hpp"
 #include "moecert/router.hpp"
+#include "ops/core/task.hpp"
 #include "ops/router/select.hpp"
 
 namespace moecert::router {
@@ -50,11 +51,12 @@ namespace {
 
 void forward_impl(MatView<const float> sx, MatView<const float> sy, ByteRange in_x, ByteRange in_y, KeyWeights mode,
                   MatView<std::int32_t> idx, MatView<float> w) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   moecert::detail::Checker c{"router.product_key.forward"};
   contracts::product_key_pre(c, sx, sy, in_x, in_y, mode, idx, w);
   if (c.stop()) return;
   const std::size_t n = sx.cols, k = idx.cols;
-  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, sx.rows, 16), [&](const auto& r) {
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, sx.rows, 16), moecert::detail::task([&](const auto& r) {
     std::vector<std::int32_t> ids;
     for (std::size_t t = r.begin(); t < r.end(); ++t) {
       std::int32_t* it = idx.row(t);
@@ -66,7 +68,7 @@ void forward_impl(MatView<const float> sx, MatView<const float> sy, ByteRange in
       std::rotate(wt, wt + 1, wt + k);  // mutant (docs/MUTANTS.md): slot j gets slot j+1's weight
 #endif
     }
-  });
+  }));
   contracts::product_key_post(c, sx, sy, mode, idx, w);
 }
 
@@ -85,11 +87,12 @@ void product_key_forward(MatView<const bf16> sx, MatView<const bf16> sy, KeyWeig
 
 void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatView<const std::int32_t> idx,
                           MatView<const float> g, KeyWeights mode, MatView<float> dsx, MatView<float> dsy) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   moecert::detail::Checker c{"router.product_key.backward"};
   contracts::product_key_backward_pre(c, sx, sy, idx, g, dsx, dsy);
   if (c.stop()) return;
   const std::size_t n = sx.cols, k = idx.cols;
-  oneapi::tbb::parallel_for(std::size_t{0}, sx.rows, [&](std::size_t t) {
+  oneapi::tbb::parallel_for(std::size_t{0}, sx.rows, moecert::detail::task([&](std::size_t t) {
     const std::int32_t* it = idx.row(t);
     const float* gt = g.row(t);
     std::fill(dsx.row(t), dsx.row(t) + n, 0.0f);
@@ -116,7 +119,7 @@ void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatV
       dsx.row(t)[ix(j)] += ds[j];
       dsy.row(t)[iy(j)] += ds[j];
     }
-  });
+  }));
   contracts::product_key_backward_post(c, sx, sy, idx, g, mode, dsx, dsy);
 }
 

@@ -5,6 +5,7 @@
 
 #include "contracts/router.hpp"
 #include "moecert/router.hpp"
+#include "ops/core/task.hpp"
 #include "ops/router/select.hpp"
 
 namespace moecert::router {
@@ -48,11 +49,12 @@ namespace {
 
 void forward_impl(MatView<const float> z, ByteRange z_bytes, View<const float> bias, const SigmoidTopkParams& p,
                   MatView<std::int32_t> idx, MatView<float> w) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   moecert::detail::Checker c{"router.sigmoid_topk.forward"};
   contracts::sigmoid_topk_pre(c, z, z_bytes, bias, p, idx, w);
   if (c.stop()) return;
   const std::size_t e = z.cols, k = idx.cols;
-  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, z.rows, 16), [&](const auto& r) {
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, z.rows, 16), moecert::detail::task([&](const auto& r) {
     std::vector<float> s, sel;
     std::vector<std::int32_t> ids;
     for (std::size_t t = r.begin(); t < r.end(); ++t) {
@@ -67,7 +69,7 @@ void forward_impl(MatView<const float> z, ByteRange z_bytes, View<const float> b
       for (std::size_t j = 0; j < k; ++j) wt[j] = it[j] >= 0 ? (s[it[j]] / sum) * p.scaling : 0.0f;
 #endif
     }
-  });
+  }));
   contracts::sigmoid_topk_post(c, z, bias, p, idx, w);
 }
 
@@ -85,11 +87,12 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
 
 void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
                            const SigmoidTopkParams& p, MatView<float> dz) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   moecert::detail::Checker c{"router.sigmoid_topk.backward"};
   contracts::sigmoid_topk_backward_pre(c, z, idx, g, dz);
   if (c.stop()) return;
   const std::size_t e = z.cols, k = idx.cols;
-  oneapi::tbb::parallel_for(std::size_t{0}, z.rows, [&](std::size_t t) {
+  oneapi::tbb::parallel_for(std::size_t{0}, z.rows, moecert::detail::task([&](std::size_t t) {
     const float* zt = z.row(t);
     const std::int32_t* it = idx.row(t);
     const float* gt = g.row(t);
@@ -107,7 +110,7 @@ void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
       const float s = detail::sigmoid(zt[it[j]]);
       dt[it[j]] = p.scaling * (((gt[j] - dot) * (s / sum)) * (1.0f - s));
     }
-  });
+  }));
   contracts::sigmoid_topk_backward_post(c, z, idx, g, p, dz);
 }
 

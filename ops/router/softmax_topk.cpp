@@ -6,6 +6,7 @@
 
 #include "contracts/router.hpp"
 #include "moecert/router.hpp"
+#include "ops/core/task.hpp"
 #include "ops/router/select.hpp"
 
 namespace moecert::router {
@@ -36,14 +37,15 @@ void forward_row(const float* z, std::size_t e, std::size_t k, bool renormalize,
 // z_bytes: the caller's z (bf16 or fp32), for the alias clause.
 void forward_impl(MatView<const float> z, ByteRange z_bytes, MatView<std::int32_t> idx, MatView<float> w,
                   bool renormalize) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   moecert::detail::Checker c{"router.softmax_topk.forward"};
   contracts::softmax_topk_pre(c, z, z_bytes, idx, w);
   if (c.stop()) return;
   const std::size_t e = z.cols, k = idx.cols;
-  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, z.rows, 16), [&](const auto& r) {
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, z.rows, 16), moecert::detail::task([&](const auto& r) {
     std::vector<std::int32_t> ids;
     for (std::size_t t = r.begin(); t < r.end(); ++t) forward_row(z.row(t), e, k, renormalize, idx.row(t), w.row(t), ids);
-  });
+  }));
   contracts::softmax_topk_post(c, z, idx, w, renormalize);
 }
 
@@ -59,11 +61,12 @@ void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatV
 
 void softmax_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
                            MatView<float> dz, bool renormalize) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   moecert::detail::Checker c{"router.softmax_topk.backward"};
   contracts::softmax_topk_backward_pre(c, z, idx, g, dz);
   if (c.stop()) return;
   const std::size_t e = z.cols, k = idx.cols;
-  oneapi::tbb::parallel_for(std::size_t{0}, z.rows, [&](std::size_t t) {
+  oneapi::tbb::parallel_for(std::size_t{0}, z.rows, moecert::detail::task([&](std::size_t t) {
     const float* zt = z.row(t);
     const std::int32_t* it = idx.row(t);
     const float* gt = g.row(t);
@@ -92,7 +95,7 @@ void softmax_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
       for (std::size_t i = 0; i < e; ++i) dt[i] = (exp(zt[i] - m) / sum) * (0.0f - dot);
       for (std::size_t j = 0; j < valid; ++j) dt[it[j]] = (exp(zt[it[j]] - m) / sum) * (gt[j] - dot);
     }
-  });
+  }));
   contracts::softmax_topk_backward_post(c, z, idx, g, dz, renormalize);
 }
 
