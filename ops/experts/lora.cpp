@@ -4,7 +4,6 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
-#include "contracts/engine.hpp"
 #include "ops/core/task.hpp"
 #include "ops/gemm/ukernel.hpp"
 

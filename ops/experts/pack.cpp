@@ -1,7 +1,6 @@
 // PackedExperts: per-expert packing of gate+up (fused) and down.
 #include <oneapi/tbb/parallel_for.h>
 
-#include "contracts/engine.hpp"
 #include "moecert/experts.hpp"
 #include "ops/core/task.hpp"
 #include "ops/gemm/ukernel.hpp"
