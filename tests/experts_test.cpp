@@ -2,6 +2,8 @@
 // shapes and routing classes; determinism across thread counts; clauses.
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <random>
 #include <vector>
 
