@@ -571,14 +571,15 @@ struct SmRun {
 // A forward's weights w with the first two slots' values exchanged: every
 // range and sum as before, so weights_range passes and only the full-level
 // within_bound clause (each weight against its own slot's reference) can
-// see it. post(weights) runs the forward's postconditions. The 1e-3 is a
-// fact about the test data, not a tolerance: the exchange must move each
-// weight by far more than its bound (about 1e-7 here).
+// see it. post(weights) runs the forward's postconditions; bound is row 0's
+// from the router's bounds::*_weights_row, which the exchange must exceed
+// for both slots (else there is nothing to catch).
 template <class Post>
-void expect_exchanged_weights_caught(const std::vector<float>& w, Post post, const char* clause) {
+void expect_exchanged_weights_caught(const std::vector<float>& w, const std::vector<double>& bound, Post post,
+                                     const char* clause) {
   auto wb = w;
   std::swap(wb[0], wb[1]);
-  REQUIRE(std::fabs(wb[0] - wb[1]) > 1e-3f);
+  REQUIRE(std::fabs(double(wb[0]) - wb[1]) > std::max(bound[0], bound[1]));
   post(wb);  // below full: not checked
   ContractScope full{Level::full, Semantic::enforce};
   test::expect_violation([&] { post(wb); }, clause);
@@ -640,7 +641,8 @@ TEST_CASE("router.softmax_topk: postcondition clauses catch corrupted selections
   auto wb = r.w;
   wb[0] += 0.01f;  // sum != 1
   test::expect_violation([&] { post(r.idx, wb); }, "router.softmax_topk.weights_range");
-  expect_exchanged_weights_caught(r.w, [&](const std::vector<float>& ww) { post(r.idx, ww); }, "router.softmax_topk.within_bound");
+  expect_exchanged_weights_caught(r.w, bounds::softmax_topk_weights_row(r.z.data(), r.e, r.idx.data(), r.k, true).bound,
+                                  [&](const std::vector<float>& ww) { post(r.idx, ww); }, "router.softmax_topk.within_bound");
 }
 
 TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index]") {
@@ -754,7 +756,8 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   auto wb = w;
   wb[0] = 1.5f;  // above c
   test::expect_violation([&] { post(idx, wb); }, "router.sigmoid_topk.weights_range");
-  expect_exchanged_weights_caught(w, [&](const std::vector<float>& ww) { post(idx, ww); }, "router.sigmoid_topk.within_bound");
+  expect_exchanged_weights_caught(w, bounds::sigmoid_topk_weights_row(z.data(), idx.data(), k, p.scaling).bound,
+                                  [&](const std::vector<float>& ww) { post(idx, ww); }, "router.sigmoid_topk.within_bound");
   // Backward.
   auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> out) {
     router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(ii.data(), t, k),
@@ -834,7 +837,8 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   auto wb = w;
   wb[1] = -0.1f;
   test::expect_violation([&] { post(idx, wb); }, "router.product_key.weights_range");
-  expect_exchanged_weights_caught(w, [&](const std::vector<float>& ww) { post(idx, ww); }, "router.product_key.within_bound");
+  expect_exchanged_weights_caught(w, bounds::product_key_weights_row(sx.data(), sy.data(), n, idx.data(), k, KeyWeights::softmax).bound,
+                                  [&](const std::vector<float>& ww) { post(idx, ww); }, "router.product_key.within_bound");
   auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> ox, MatView<float> oy) {
     router::product_key_backward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
                                  MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(gg.data(), t, k), KeyWeights::raw, ox, oy);

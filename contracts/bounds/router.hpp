@@ -184,7 +184,7 @@ constexpr double accumulated(double sum_abs_terms, double sum_errors, std::size_
 inline std::vector<double> product_key_grad_row(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
                                                 const float* g, std::size_t k, router::KeyWeights mode) {
   const std::size_t v = ref::valid_prefix(idx, k);
-  auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
+  const auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
   auto score = [&](std::size_t j) {
     const auto e = static_cast<std::size_t>(idx[j]);
     return double(sx[e / n]) + double(sy[e % n]);
