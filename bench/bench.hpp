@@ -31,6 +31,8 @@ struct Result {
   double median_ms = 0, peer_median_ms = 0;
   std::vector<double> ms, peer_ms;  // every timed run; with a live peer, run i of each side back to back
   double paired_speedup = 0;        // live peer: median over i of peer_ms[i] / ms[i]
+  std::string recorded_peer;        // a peer not run here, whose time was recorded elsewhere
+  double recorded_peer_ms = 0;
   std::string skipped;              // reason, when the case could not run here
   std::string note;
 };

@@ -43,6 +43,10 @@ boost::json::object to_json(const bench::Result& r) {
       {"peer_runs_ms", boost::json::array(r.peer_ms.begin(), r.peer_ms.end())},
       {"note", r.note}};
   if (r.paired_speedup > 0) o["paired_speedup"] = r.paired_speedup;  // a live peer, run in alternation
+  if (r.recorded_peer_ms > 0)
+    o["recorded_peer"] = {{"name", r.recorded_peer},
+                          {"median_ms", r.recorded_peer_ms},
+                          {"speedup", r.median_ms > 0 ? r.recorded_peer_ms / r.median_ms : 0.0}};
   if (!r.skipped.empty()) o["skipped"] = r.skipped;
   return o;
 }
