@@ -187,6 +187,36 @@ TEST_CASE("layer: the paths sum to the full backward", "[layer]") {
   for (float v : ex.g.wr) CHECK(v == 0.0f);  // no router path: router gradients 0
 }
 
+// A backward leaves the forward's saved state as it found it: run again on
+// it (another dy, or the two paths as separate calls) it gives what it gives
+// after a fresh forward, and the arena's guards and poison start over (a
+// second backward once tripped workspace.arena.guard: the guards of its
+// buffers were not rewritten).
+TEST_CASE("layer: backward again on the same forward, whole or path by path", "[layer]") {
+  for (RouterKind kind : kKinds) {
+    const Problem p = make(kind, kind == RouterKind::product_key ? 9 : 8, 64, 40, 2, 4, 40);
+    const auto w = p.weights();
+    for (Isa isa : kernel_isas()) {
+      INFO(router_kind_name(kind) << " " << isa_name(isa));
+      ContractScope scope{Level::audit, Semantic::enforce};
+      const Run full = run(p, isa), ex = run(p, isa, {true, false}), rt = run(p, isa, {false, true});
+      std::vector<float> y(p.T * p.H);
+      layer::Saved saved;
+      layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved, {.isa = isa});
+      Grads again[4];
+      const layer::BackwardOptions opts[4] = {{}, {}, {true, false}, {false, true}};
+      for (int i = 0; i < 4; ++i) {
+        layer::Gradients g = again[i].views(p);
+        REQUIRE_NOTHROW(layer::backward(p.cfg, w, p.X(), p.DY(), saved, g, opts[i]));
+      }
+      CHECK(again[0] == full.g);
+      CHECK(again[1] == full.g);
+      CHECK(again[2] == ex.g);
+      CHECK(again[3] == rt.g);
+    }
+  }
+}
+
 TEST_CASE("layer: a subset of the gradients equals the full backward's, the rest untouched", "[layer]") {
   // The two A-factor gradients share one pass over the x rows: asking for
   // one of them only must give the same bits, and write nothing else.

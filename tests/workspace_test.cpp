@@ -22,8 +22,14 @@ MoeConfig big_config() {
 }
 
 // Every co-live pair disjoint, every buffer inside the total, aligned:
-// checked here by brute force, independently of the clause.
+// checked here by brute force, independently of the clause. And a backward
+// may run again on the same forward (layer_test): no buffer of the backward
+// touches a saved one's bytes or guard zone, even after the saved one's
+// last step.
 void check_plan(const Plan& p) {
+  auto extent_end = [](const workspace::Buffer& b) {
+    return (b.bytes + workspace::kAlign - 1) / workspace::kAlign * workspace::kAlign + b.offset + workspace::kGuard;
+  };
   for (std::size_t i = 0; i < p.buffers.size(); ++i) {
     const auto& a = p.buffers[i];
     REQUIRE(a.offset % 64 == 0);
@@ -33,6 +39,12 @@ void check_plan(const Plan& p) {
       if (a.first <= b.last && b.first <= a.last && a.bytes && b.bytes) {
         INFO(a.name << " and " << b.name);
         REQUIRE((a.offset + a.bytes <= b.offset || b.offset + b.bytes <= a.offset));
+      }
+      const bool saved_a = a.first <= workspace::f_combine && a.last >= workspace::b_gather;
+      const bool saved_b = b.first <= workspace::f_combine && b.last >= workspace::b_gather;
+      if ((saved_a && b.first >= workspace::b_gather) || (saved_b && a.first >= workspace::b_gather)) {
+        INFO(a.name << " and " << b.name << " (saved and backward)");
+        REQUIRE((extent_end(a) <= b.offset || extent_end(b) <= a.offset));
       }
     }
   }

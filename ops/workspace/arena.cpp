@@ -77,7 +77,7 @@ void Arena::check_guards(detail::Checker& c, std::string_view when) {
 
 void Arena::enter(int step, detail::Checker& c) {
   check_guards(c, step_name(step));
-  const int previous = current_;
+  const int previous = step > current_ ? current_ : step - 1;
   current_ = step;
   std::byte* base = block_.get() + kGuard;
   bool poison = false;

@@ -13,6 +13,10 @@
 // the earlier buffers whose live step intervals intersect its own. Co-live
 // buffers are therefore disjoint by construction; the proof checks that the
 // code below does what this sentence says, for every config in the limits.
+// With training, experts.h and the LoRA buffers live to the backward's last
+// step and come after every other saved buffer, so each backward buffer
+// lies beyond all of them: a backward leaves the saved activations intact,
+// even those past their last step, and may run again (tests/workspace_test.cpp).
 #pragma once
 
 #include <cstdint>
