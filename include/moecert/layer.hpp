@@ -121,7 +121,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
              const ForwardOptions& opt = {});
 
 /// Backward from dy [T x H] fp32, with the forward's `saved` and the same x
-/// and weights.
+/// and weights. It leaves `saved` as it found it: a backward may run again
+/// on it (another dy, or the expert and router paths as separate calls) and
+/// gives what it gives after a fresh forward.
 ///
 /// Clauses:
 ///   layer.backward.state        pre   shape    saved holds a training forward of this config and T
