@@ -24,6 +24,7 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <stdexcept>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -31,17 +32,14 @@
 #include <dnnl.hpp>
 #include <fmt/format.h>
 
+#include "bench/onednn_engine.hpp"
+
 namespace moecert::bench {
 namespace {
 
 using dnnl::memory;
 using tag = memory::format_tag;
 using dt = memory::data_type;
-
-dnnl::engine& engine() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
 
 // PyTorch's at::internal::GRAIN_SIZE: element-wise ops on fewer elements
 // run on one thread.
@@ -105,10 +103,10 @@ class Matmuls {
     auto it = cache_.find(key);
     if (it == cache_.end()) it = cache_.emplace(key, make(m, n, k, ta, tb, in, out, bias != nullptr)).first;
     Entry& e = it->second;
-    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(e.src, engine(), const_cast<void*>(a))},
-                                         {DNNL_ARG_WEIGHTS, memory(e.wei, engine(), const_cast<void*>(b))},
-                                         {DNNL_ARG_DST, memory(e.dst, engine(), c)}};
-    if (bias) args.insert({DNNL_ARG_BIAS, memory(e.bias, engine(), const_cast<float*>(bias))});
+    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(e.src, onednn_engine(), const_cast<void*>(a))},
+                                         {DNNL_ARG_WEIGHTS, memory(e.wei, onednn_engine(), const_cast<void*>(b))},
+                                         {DNNL_ARG_DST, memory(e.dst, onednn_engine(), c)}};
+    if (bias) args.insert({DNNL_ARG_BIAS, memory(e.bias, onednn_engine(), const_cast<float*>(bias))});
     e.prim.execute(stream_, args);
     stream_.wait();
   }
@@ -134,13 +132,13 @@ class Matmuls {
     e.dst = memory::desc({d(m), d(n)}, out, tag::ab);
     e.bias = memory::desc({1, d(n)}, dt::f32, tag::ab);
     const auto desc = bias ? dnnl::matmul::desc(e.src, e.wei, e.bias, e.dst) : dnnl::matmul::desc(e.src, e.wei, e.dst);
-    const dnnl::matmul::primitive_desc pd(desc, engine());  // oneDNN 2.x API
+    const dnnl::matmul::primitive_desc pd(desc, onednn_engine());  // oneDNN 2.x API
     e.prim = dnnl::matmul(pd);
     e.impl = pd.impl_info_str();
     return e;
   }
   std::map<std::tuple<std::size_t, std::size_t, std::size_t, bool, bool, dt, dt, bool>, Entry> cache_;
-  dnnl::stream stream_{engine()};
+  dnnl::stream stream_{onednn_engine()};
 };
 
 }  // namespace
@@ -300,6 +298,7 @@ void OnednnEagerLayer::forward(MatView<const bf16> x, MatView<float> y) {
 
 void OnednnEagerLayer::backward(MatView<const float> dy, const EagerLayerGrads& gr) {
   Impl& p = *impl_;
+  if (p.offset.empty()) throw std::logic_error("OnednnEagerLayer: backward before forward");
   const EagerLayerSpec& s = p.s;
   const std::size_t T = p.tokens, H = s.hidden, I = s.inter, E = s.experts, K = s.topk, r = s.rank;
   each(T * H, [&](std::size_t q) { gr.dx[q] = 0.0f; });

@@ -10,17 +10,14 @@
 #include <dnnl.hpp>
 #include <fmt/format.h>
 
+#include "bench/onednn_engine.hpp"
+
 namespace moecert::bench {
 namespace {
 
 using dnnl::memory;
 using tag = memory::format_tag;
 using dt = memory::data_type;
-
-dnnl::engine& engine() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
 
 // C [m x n] f32 = A [m x k] bf16 * W^T, W given [n x k] row-major (that is,
 // the k x n weights in tag ba); weights reordered into the primitive's layout.
@@ -31,21 +28,21 @@ struct Mm {
     const memory::dims sd = {memory::dim(m), memory::dim(k)}, wd = {memory::dim(k), memory::dim(n)},
                        dd = {memory::dim(m), memory::dim(n)};
     memory::desc src_md(sd, dt::bf16, tag::ab), wei_any(wd, dt::bf16, tag::any), dst_md(dd, dt::f32, tag::ab);
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, wei_any, dst_md), engine());  // oneDNN 2.x API
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, wei_any, dst_md), onednn_engine());  // oneDNN 2.x API
     prim = dnnl::matmul(pd);
-    memory wei_user({wd, dt::bf16, tag::ba}, engine(), const_cast<bf16*>(w));
-    wei = memory(pd.weights_desc(), engine());
-    dnnl::stream s(engine());
+    memory wei_user({wd, dt::bf16, tag::ba}, onednn_engine(), const_cast<bf16*>(w));
+    wei = memory(pd.weights_desc(), onednn_engine());
+    dnnl::stream s(onednn_engine());
     dnnl::reorder(wei_user, wei).execute(s, wei_user, wei);
     s.wait();
-    src = memory(src_md, engine(), DNNL_MEMORY_NONE);
-    dst = memory(dst_md, engine(), DNNL_MEMORY_NONE);
+    src = memory(src_md, onednn_engine(), DNNL_MEMORY_NONE);
+    dst = memory(dst_md, onednn_engine(), DNNL_MEMORY_NONE);
     impl = pd.impl_info_str();
   }
   void run(const void* a, float* c) {
     src.set_data_handle(const_cast<void*>(a));
     dst.set_data_handle(c);
-    dnnl::stream s(engine());
+    dnnl::stream s(onednn_engine());
     prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
     s.wait();
   }
