@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include <oneapi/tbb/parallel_for.h>
 
@@ -55,6 +56,15 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+Difference difference(const std::vector<float>& ours, const std::vector<float>& peer) {
+  Difference d;
+  for (std::size_t q = 0; q < ours.size(); ++q) {
+    d.max_diff = std::max(d.max_diff, double(std::fabs(ours[q] - peer[q])));
+    d.max_abs = std::max(d.max_abs, double(std::fabs(peer[q])));
+  }
+  return d;
 }
 
 void fill_uniform(std::vector<bf16>& v, std::uint64_t seed, float scale) {

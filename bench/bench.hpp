@@ -58,6 +58,13 @@ std::vector<double> time_ms(int reps, const std::function<void()>& f);
 void time_against_peer(int reps, const std::function<void()>& f, const std::function<void()>& g, Result& r);
 double median(std::vector<double> v);
 
+/// How far moecert's output is from the peer's: the largest |ours - peer|
+/// and the largest |peer| over the elements.
+struct Difference {
+  double max_diff = 0, max_abs = 0;
+};
+Difference difference(const std::vector<float>& ours, const std::vector<float>& peer);
+
 /// Fills v with deterministic pseudo-random bf16 uniform in [-scale, scale),
 /// in parallel (each block from its own counter-based stream).
 void fill_uniform(std::vector<bf16>& v, std::uint64_t seed, float scale);

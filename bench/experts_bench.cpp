@@ -66,12 +66,8 @@ Result experts_forward(const std::string& name, const Shape& s, const Options& o
   r.isa = std::string(isa_name(st.isa));
   r.flops = 6.0 * static_cast<double>(st.routed_rows) * static_cast<double>(s.h) * static_cast<double>(s.i);
   // The two results must agree to within bf16-level differences; report the largest.
-  double max_diff = 0, max_abs = 0;
-  for (std::size_t q = 0; q < y.size(); ++q) {
-    max_diff = std::max(max_diff, double(std::fabs(y[q] - y_peer[q])));
-    max_abs = std::max(max_abs, double(std::fabs(y_peer[q])));
-  }
-  r.note = fmt::format("max |y - y_onednn| = {:.3g} (max |y| {:.3g})", max_diff, max_abs);
+  const Difference diff = difference(y, y_peer);
+  r.note = fmt::format("max |y - y_onednn| = {:.3g} (max |y| {:.3g})", diff.max_diff, diff.max_abs);
   return r;
 }
 

@@ -104,6 +104,7 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
     auto bwd = [&] { layer::backward(d.cfg, w, x, dyv, saved, g); };
     if (base) {
       r.ms = time_ms(opt.reps, bwd);  // the peer trains LoRA only
+      r.median_ms = median(r.ms);
     } else {
       peer_fwd();
       time_against_peer(opt.reps, bwd, [&] { peer.backward(dyv, pg); }, r);
@@ -114,7 +115,6 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   r.isa = std::string(isa_name(opt.isa));
   const double routed = double(s.t) * double(s.k);
   r.flops = (base ? 12.0 : 6.0) * routed * double(s.h) * double(s.i) + 2.0 * double(s.t) * double(s.e) * double(s.h);
-  r.median_ms = median(r.ms);
   for (const auto& p : kPytorch)
     if (p[0] == double(s.t) && opt.threads == 16 && !base) {
       r.recorded_peer = "pytorch_eager_recorded";
@@ -140,12 +140,8 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   double worst = -1;
   const char* worst_name = "";
   for (const auto& pr : pairs) {
-    double diff = 0, mag = 0;
-    for (std::size_t q = 0; q < pr.ours.size(); ++q) {
-      diff = std::max(diff, double(std::fabs(pr.ours[q] - pr.theirs[q])));
-      mag = std::max(mag, double(std::fabs(pr.theirs[q])));
-    }
-    const double rel = mag > 0 ? diff / mag : diff;
+    const Difference d = difference(pr.ours, pr.theirs);
+    const double rel = d.max_abs > 0 ? d.max_diff / d.max_abs : d.max_diff;
     if (rel > worst) worst = rel, worst_name = pr.name;
   }
   r.note = fmt::format("peer: the layer run eagerly on oneDNN ({}); largest |ours - peer| / max |peer|: {:.2g} ({})",

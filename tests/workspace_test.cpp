@@ -28,7 +28,7 @@ MoeConfig big_config() {
 // last step.
 void check_plan(const Plan& p) {
   auto extent_end = [](const workspace::Buffer& b) {
-    return (b.bytes + workspace::kAlign - 1) / workspace::kAlign * workspace::kAlign + b.offset + workspace::kGuard;
+    return b.offset + workspace::round_up(b.bytes, workspace::kAlign) + workspace::kGuard;
   };
   for (std::size_t i = 0; i < p.buffers.size(); ++i) {
     const auto& a = p.buffers[i];
