@@ -546,37 +546,51 @@ TEST_CASE("gemm.loops: K blocking and the row-block order leave every bit unchan
   }
 }
 
-TEST_CASE("gemm.ukernel: the half-height kernel gives the full kernel's first rows bit for bit", "[gemm][amx]") {
-  // Edge blocks of at most MR/2 rows run on ukernel_half (AMX: 16 x 32, C
-  // tiles 0 and 1 only); each of its elements must be the full kernel's.
+TEST_CASE("gemm.ukernel: the edge kernel gives the full kernel's first rows bit for bit, for every row count", "[gemm][amx]") {
+  // Edge blocks of rows < MR run on ukernel_edge (AVX-512 and scalar: those
+  // rows only; AMX: 16 rows where rows <= 16); each element of its first
+  // rows must be the full kernel's, with and without C's values and a
+  // second product, and it must compute no more rows than it claims.
   std::mt19937_64 rng(43);
-  const std::size_t k = 300, n = 32;
+  const std::size_t k = 300, k2 = 40, n = 32;
   const auto wv = random_bf16(rng, n * k), av = random_bf16(rng, 32 * k), cv = random_bf16(rng, 32 * n);
+  const auto w2v = random_bf16(rng, n * k2), a2v = random_bf16(rng, 32 * k2);
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+  const auto w2 = gemm::PackedWeights::pack(MatView<const bf16>(w2v.data(), n, k2));
   std::size_t checked = 0;
   for (Isa isa : usable_isas()) {
     const gemm::KernelInfo& kernel = gemm::kernel_info(isa);
-    if (!kernel.ukernel_half) continue;
+    REQUIRE(kernel.ukernel_edge);
+    const std::size_t step = kernel.a_layout == gemm::ALayout::tiles ? gemm::kTileRows : 1;
     OneBlock blk = one_block(kernel, av, k, w, n);
-    for (bool acc : {false, true}) {
-      std::vector<float> full(kernel.mr * n), half(kernel.mr * n, NAN);
-      for (std::size_t i = 0; i < full.size(); ++i) full[i] = cv[i].to_float();
-      for (std::size_t i = 0; i < kernel.mr / 2 * n; ++i) half[i] = full[i];
-      gemm::UkernelArgs a = blk.args;
-      a.accumulate = acc;
-      kernel.thread_begin();
-      a.c = full.data();
-      kernel.ukernel(a);
-      a.c = half.data();
-      kernel.ukernel_half(a);
-      kernel.thread_end();
-      INFO(isa_name(isa) << " accumulate=" << acc);
-      CHECK(std::memcmp(full.data(), half.data(), kernel.mr / 2 * n * 4) == 0);
-      for (std::size_t i = kernel.mr / 2 * n; i < half.size(); ++i) REQUIRE(std::isnan(half[i]));  // rows past MR/2 untouched
-      ++checked;
-    }
+    OneBlock second = one_block(kernel, a2v, k2, w2, n);
+    for (std::size_t rows = 1; rows < kernel.mr; ++rows)
+      for (bool acc : {false, true})
+        for (bool two : {false, true}) {
+          std::vector<float> full(kernel.mr * n), edge(kernel.mr * n, NAN);
+          for (std::size_t i = 0; i < full.size(); ++i) full[i] = cv[i].to_float();
+          for (std::size_t i = 0; i < rows * n; ++i) edge[i] = full[i];
+          gemm::UkernelArgs a = blk.args;
+          a.accumulate = acc;
+          if (two) {
+            a.a2 = second.args.a, a.lda2 = second.args.lda, a.b2 = second.args.b;
+            a.panel_stride2 = second.args.panel_stride, a.kp2 = second.args.kp;
+          }
+          kernel.thread_begin();
+          a.c = full.data();
+          kernel.ukernel(a);
+          a.c = edge.data();
+          a.rows = rows;
+          kernel.ukernel_edge(a);
+          kernel.thread_end();
+          INFO(isa_name(isa) << " rows=" << rows << " accumulate=" << acc << " second product=" << two);
+          CHECK(std::memcmp(full.data(), edge.data(), rows * n * 4) == 0);
+          for (std::size_t i = gemm::round_up(rows, step) * n; i < edge.size(); ++i)
+            REQUIRE(std::isnan(edge[i]));  // rows past its step untouched
+          ++checked;
+        }
   }
-  CHECK(checked >= 2);  // amx_emu is usable everywhere
+  CHECK(checked >= (7 + 31) * 4);  // scalar and amx_emu are usable everywhere
 }
 
 TEST_CASE("gemm.ukernel: side work runs once per item, in order, and leaves C's bits alone", "[gemm][amx]") {

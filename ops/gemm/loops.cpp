@@ -133,9 +133,10 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
               for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
             args.c = blk;
             args.ldc = nr;
-            // At most half the rows: the kernel's half-height twin, if it has one.
-            const UkernelFn uk = mm <= mr / 2 && kernel.ukernel_half ? kernel.ukernel_half : kernel.ukernel;
-            uk(args);
+            // Fewer rows than MR: the kernel's edge variant, if it has one.
+            const bool short_block = mm < mr && kernel.ukernel_edge;
+            args.rows = mm;
+            (short_block ? kernel.ukernel_edge : kernel.ukernel)(args);
 #ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
             for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
 #else

@@ -39,6 +39,8 @@ struct UkernelArgs {
   float* c;                  // MR x NR, stride ldc elements
   std::size_t ldc;
   bool accumulate;           // false: C is written without being read (it may hold NaN)
+  // KernelInfo::ukernel_edge only: the rows of the block wanted, 1..MR-1.
+  std::size_t rows = 0;
   // An optional second product into the same C (kp2 > 0): after the K steps
   // of (a, b), those of (a2, b2), before C is stored. Every bit as a second
   // call with accumulate, since C's store and reload between them are exact
@@ -112,7 +114,13 @@ struct KernelInfo {
                           // kItemBBytes (loops.hpp); a multiple of mr; 0: all rows
   ALayout a_layout;       // how A is packed for it
   UkernelFn ukernel;
-  UkernelFn ukernel_half;  // or null: MR/2 x NR, for edge blocks of at most MR/2 rows (same bits per row)
+  // Or null: for edge blocks of UkernelArgs::rows < MR rows. C's rows
+  // [0, rows) come out bit for bit as the full kernel's (each row's products
+  // and their order are its own); it may compute rows past them up to MR
+  // (AMX: 16 or 32), never fewer (AVX-512 and scalar: exactly `rows`, so an
+  // expert's 1-7 routed rows cost 1-7 rows, not 8: at T = 48, K = 6, E = 64
+  // about 4.5 rows per expert).
+  UkernelFn ukernel_edge;
   bool side_steps;         // runs UkernelArgs::side between its k steps (AMX: the vector units idle meanwhile)
   void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
   void (*thread_end)();    // after its last (AMX: tile release)
@@ -129,11 +137,13 @@ const KernelInfo& kernel_info(Isa isa);
 
 // One exported function per microkernel file.
 void ukernel_scalar_8x32(const UkernelArgs&);
+void ukernel_scalar_edge(const UkernelArgs&);
 void ukernel_avx512_bf16_8x32(const UkernelArgs&);
+void ukernel_avx512_bf16_edge(const UkernelArgs&);
 void ukernel_amx_bf16_32x32(const UkernelArgs&);
+void ukernel_amx_bf16_edge(const UkernelArgs&);
 void ukernel_amx_emu_32x32(const UkernelArgs&);
-void ukernel_amx_bf16_16x32(const UkernelArgs&);
-void ukernel_amx_emu_16x32(const UkernelArgs&);
+void ukernel_amx_emu_edge(const UkernelArgs&);
 void swiglu_scalar(const float* g, const float* u, bf16* h, std::size_t n);
 void swiglu_avx512(const float* g, const float* u, bf16* h, std::size_t n);
 void swiglu_backward_scalar(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du, std::size_t n);

@@ -1,4 +1,4 @@
-// The AMX microkernel body, 32 x 32 (and its 16-row twin for edge blocks),
+// The AMX microkernel body, 32 x 32 (and a 16-row form for edge blocks),
 // written once and templated on its tile backend: hardware tiles
 // (ukernel_amx_bf16.cpp) or the software model (ukernel_amx_emu.cpp), so the
 // emulator runs this very code.
@@ -117,7 +117,11 @@ inline void ukernel_rows(const UkernelArgs& p) {
 
 template <class Tiles>
 inline void ukernel_32x32(const UkernelArgs& p) { ukernel_rows<Tiles, 32>(p); }
+/// Edge blocks: 16 rows where p.rows <= 16, else all 32.
 template <class Tiles>
-inline void ukernel_16x32(const UkernelArgs& p) { ukernel_rows<Tiles, 16>(p); }
+inline void ukernel_edge(const UkernelArgs& p) {
+  if (p.rows <= 16) ukernel_rows<Tiles, 16>(p);
+  else ukernel_rows<Tiles, 32>(p);
+}
 
 }  // namespace moecert::gemm::amx

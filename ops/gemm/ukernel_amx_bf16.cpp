@@ -33,7 +33,7 @@ struct HardwareTiles {
 }  // namespace
 
 void ukernel_amx_bf16_32x32(const UkernelArgs& p) { amx::ukernel_32x32<HardwareTiles>(p); }
-void ukernel_amx_bf16_16x32(const UkernelArgs& p) { amx::ukernel_16x32<HardwareTiles>(p); }
+void ukernel_amx_bf16_edge(const UkernelArgs& p) { amx::ukernel_edge<HardwareTiles>(p); }
 
 void amx_bf16_tile_begin() {
   const TileConfig cfg = amx::tile_config();

@@ -20,7 +20,7 @@ struct ModelTiles {
 }  // namespace
 
 void ukernel_amx_emu_32x32(const UkernelArgs& p) { amx::ukernel_32x32<ModelTiles>(p); }
-void ukernel_amx_emu_16x32(const UkernelArgs& p) { amx::ukernel_16x32<ModelTiles>(p); }
+void ukernel_amx_emu_edge(const UkernelArgs& p) { amx::ukernel_edge<ModelTiles>(p); }
 void amx_emu_tile_begin() { amx_model::load_config(amx::tile_config()); }
 void amx_emu_tile_end() { amx_model::release(); }
 

@@ -1,12 +1,17 @@
-// AVX-512 BF16 microkernel, 8 x 32 (16 zmm accumulators).
+// AVX-512 BF16 microkernel, 8 x 32 (16 zmm accumulators), and the same body
+// for 1-7 rows (edge blocks: an expert's few routed rows).
 //
 // Per k pair kk: two zmm loads of B (two panels, 16 column pairs each), and
-// for each of the 8 rows a 32-bit broadcast of A's pair (A[i][2kk], A[i][2kk+1])
-// and two VDPBF16PS. Accumulation order per element (KERNEL_NOTES.md):
+// for each row a 32-bit broadcast of A's pair (A[i][2kk], A[i][2kk+1]) and
+// two VDPBF16PS. Accumulation order per element (KERNEL_NOTES.md):
 // acc = fma(a_odd, b_odd, acc), then acc = fma(a_even, b_even, acc), with
 // denormal inputs and results flushed; one chain over k from 0 (or from C).
-// Built with its own ISA flags (ops/gemm CMake); nothing else lives here.
+// Rows never meet, so a row's bits do not depend on how many rows the call
+// has. Built with its own ISA flags (ops/gemm CMake); nothing else lives here.
 #include <immintrin.h>
+
+#include <array>
+#include <utility>
 
 #include "ops/gemm/ukernel.hpp"
 
@@ -15,7 +20,8 @@ namespace {
 
 constexpr int kMr = 8;
 
-inline void steps(__m512 (&acc)[kMr][2], const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride,
+template <int Rows>
+inline void steps(__m512 (&acc)[Rows][2], const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride,
                   std::size_t kp) {
   const bf16* b0 = b;
   const bf16* b1 = b + panel_stride;
@@ -23,7 +29,7 @@ inline void steps(__m512 (&acc)[kMr][2], const bf16* a, std::size_t lda, const b
   for (std::size_t kk = 0; kk < kpairs; ++kk) {
     const __m512bh vb0 = (__m512bh)_mm512_loadu_si512(b0 + kk * 32);
     const __m512bh vb1 = (__m512bh)_mm512_loadu_si512(b1 + kk * 32);
-    for (int i = 0; i < kMr; ++i) {
+    for (int i = 0; i < Rows; ++i) {
       int32_t pair;
       __builtin_memcpy(&pair, a + i * lda + 2 * kk, sizeof pair);
       const __m512bh va = (__m512bh)_mm512_set1_epi32(pair);
@@ -33,23 +39,29 @@ inline void steps(__m512 (&acc)[kMr][2], const bf16* a, std::size_t lda, const b
   }
 }
 
-template <bool kAccumulate>
-inline void run(const UkernelArgs& p) {
-  __m512 acc[kMr][2];
-  for (int i = 0; i < kMr; ++i)
+template <int Rows, bool kAccumulate>
+void run(const UkernelArgs& p) {
+  __m512 acc[Rows][2];
+  for (int i = 0; i < Rows; ++i)
     for (int h = 0; h < 2; ++h)
       acc[i][h] = kAccumulate ? _mm512_loadu_ps(p.c + i * p.ldc + h * 16) : _mm512_setzero_ps();
-  steps(acc, p.a, p.lda, p.b, p.panel_stride, p.kp);
-  if (p.kp2) steps(acc, p.a2, p.lda2, p.b2, p.panel_stride2, p.kp2);
-  for (int i = 0; i < kMr; ++i)
+  steps<Rows>(acc, p.a, p.lda, p.b, p.panel_stride, p.kp);
+  if (p.kp2) steps<Rows>(acc, p.a2, p.lda2, p.b2, p.panel_stride2, p.kp2);
+  for (int i = 0; i < Rows; ++i)
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(p.c + i * p.ldc + h * 16, acc[i][h]);
 }
 
+// run<rows, accumulate> for rows = 1..kMr, indexed [accumulate][rows - 1].
+template <int... R>
+constexpr auto by_rows(std::integer_sequence<int, R...>) {
+  return std::array<std::array<UkernelFn, kMr>, 2>{{{run<R + 1, false>...}, {run<R + 1, true>...}}};
+}
+constexpr auto kRun = by_rows(std::make_integer_sequence<int, kMr>{});
+
 }  // namespace
 
-void ukernel_avx512_bf16_8x32(const UkernelArgs& p) {
-  if (p.accumulate) run<true>(p);
-  else run<false>(p);
-}
+void ukernel_avx512_bf16_8x32(const UkernelArgs& p) { kRun[p.accumulate][kMr - 1](p); }
+
+void ukernel_avx512_bf16_edge(const UkernelArgs& p) { kRun[p.accumulate][p.rows - 1](p); }
 
 }  // namespace moecert::gemm

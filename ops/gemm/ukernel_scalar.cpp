@@ -1,5 +1,5 @@
-// Scalar microkernel, 8 x 32: the portable kernel every other one is
-// compared with.
+// Scalar microkernel, 8 x 32, and the same body for 1-7 rows (edge
+// blocks): the portable kernel every other one is compared with.
 //
 // C[i][j] (+)= sum_k A[i][k] W[j][k] over the packed layouts of ukernel.hpp.
 // Accumulation order per element: one fp32 chain from 0 (or from C), in k
@@ -10,15 +10,13 @@
 namespace moecert::gemm {
 namespace {
 constexpr std::size_t kMr = 8, kNr = 32;
-}  // namespace
 
-namespace {
-void steps(float (&acc)[kMr][kNr], const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride,
-           std::size_t kp) {
+void steps(float (&acc)[kMr][kNr], std::size_t rows, const bf16* a, std::size_t lda, const bf16* b,
+           std::size_t panel_stride, std::size_t kp) {
   for (std::size_t kk = 0; kk < kp / 2; ++kk) {
     for (std::size_t half = 0; half < kNr / kPanel; ++half) {
       const bf16* brow = b + half * panel_stride + kk * 2 * kPanel;
-      for (std::size_t i = 0; i < kMr; ++i) {
+      for (std::size_t i = 0; i < rows; ++i) {
         const float a0 = a[i * lda + 2 * kk].to_float();
         const float a1 = a[i * lda + 2 * kk + 1].to_float();
         for (std::size_t n = 0; n < kPanel; ++n) {
@@ -30,16 +28,20 @@ void steps(float (&acc)[kMr][kNr], const bf16* a, std::size_t lda, const bf16* b
     }
   }
 }
-}  // namespace
 
-void ukernel_scalar_8x32(const UkernelArgs& p) {
+void run(const UkernelArgs& p, std::size_t rows) {
   float acc[kMr][kNr];
-  for (std::size_t i = 0; i < kMr; ++i)
+  for (std::size_t i = 0; i < rows; ++i)
     for (std::size_t j = 0; j < kNr; ++j) acc[i][j] = p.accumulate ? p.c[i * p.ldc + j] : 0.0f;
-  steps(acc, p.a, p.lda, p.b, p.panel_stride, p.kp);
-  if (p.kp2) steps(acc, p.a2, p.lda2, p.b2, p.panel_stride2, p.kp2);
-  for (std::size_t i = 0; i < kMr; ++i)
+  steps(acc, rows, p.a, p.lda, p.b, p.panel_stride, p.kp);
+  if (p.kp2) steps(acc, rows, p.a2, p.lda2, p.b2, p.panel_stride2, p.kp2);
+  for (std::size_t i = 0; i < rows; ++i)
     for (std::size_t j = 0; j < kNr; ++j) p.c[i * p.ldc + j] = acc[i][j];
 }
+}  // namespace
+
+void ukernel_scalar_8x32(const UkernelArgs& p) { run(p, kMr); }
+
+void ukernel_scalar_edge(const UkernelArgs& p) { run(p, p.rows); }
 
 }  // namespace moecert::gemm
