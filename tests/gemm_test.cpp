@@ -546,7 +546,7 @@ TEST_CASE("gemm.loops: K blocking and the row-block order leave every bit unchan
   }
 }
 
-TEST_CASE("gemm.ukernel: the edge kernel gives the full kernel's first rows bit for bit, for every row count", "[gemm][amx]") {
+TEST_CASE("gemm.ukernel: the edge kernel gives the full kernel's first rows bit for bit, for every row count", "[gemm][ukernel]") {
   // Edge blocks of rows < MR run on ukernel_edge (AVX-512 and scalar: those
   // rows only; AMX: 16 rows where rows <= 16); each element of its first
   // rows must be the full kernel's, with and without C's values and a
