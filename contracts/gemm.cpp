@@ -46,6 +46,19 @@ void gemm_pack_post(detail::Checker& c, MatView<const bf16> w, MatView<const bf1
   }
 }
 
+void gemm_pack_transposed_post(detail::Checker& c, MatView<const bf16> wt, const gemm::PackedWeights& out) {
+  MOECERT_CONTRACT(c, k::kPackRoundtrip) {
+    // Column n of the packed W is column n of wt.
+    for (std::size_t kk = 0; kk < wt.rows; ++kk)
+      for (std::size_t n = 0; n < wt.cols; ++n)
+        if (out.at(n, kk).bits != wt(kk, n).bits) {
+          c.fail(k::kPackRoundtrip, fmt::format("wt[{}, {}]", kk, n), fmt::format("packed {}", out.at(n, kk).to_float()),
+                 fmt::format("{} (the input)", wt(kk, n).to_float()));
+          return;
+        }
+  }
+}
+
 void gemm_checksum(detail::Checker& c, const gemm::PackedWeights& w, std::string_view name) {
   MOECERT_CONTRACT(c, k::kPackChecksum) {
     const auto now = w.compute_checksum();

@@ -301,6 +301,58 @@ TEST_CASE("gemm.pack: w_finite, w_range and shape clauses", "[gemm][pack][finite
                          "gemm.pack.shape");
 }
 
+TEST_CASE("gemm.pack: pack_transposed(wt) is pack(wt^T) bit for bit", "[gemm][pack]") {
+  // The LoRA backward's operands are packed from the stored factors' transposes.
+  std::mt19937_64 rng(36);
+  gemm::PackedWeights storage;
+  const std::size_t shapes[][3] = {{1, 1, 1}, {2, 17, 19}, {8, 2048, 2048}, {45, 20, 20}, {16, 2 * 1408, 2 * 1408},
+                                   {33, 16, 40}, {7, 31, 31}};  // wt rows, cols, stride
+  for (const auto& [rows, cols, stride] : shapes) {
+    const auto wtv = random_bf16(rng, rows * stride);
+    const MatView<const bf16> wt(wtv.data(), rows, cols, stride);
+    std::vector<bf16> w(cols * rows);  // W = wt^T, dense
+    for (std::size_t k = 0; k < rows; ++k)
+      for (std::size_t n = 0; n < cols; ++n) w[n * rows + k] = wt(k, n);
+    const auto plain = gemm::PackedWeights::pack(MatView<const bf16>(w.data(), cols, rows));
+    ContractScope full{Level::full, Semantic::enforce};  // the roundtrip clause runs too
+    storage = gemm::PackedWeights::pack_transposed(wt, std::move(storage));
+    INFO("wt " << rows << " x " << cols << " stride " << stride);
+    REQUIRE(storage.n() == plain.n());
+    REQUIRE(storage.k() == plain.k());
+    REQUIRE(storage.np() == plain.np());
+    REQUIRE(storage.kp() == plain.kp());
+    CHECK(std::memcmp(storage.data(), plain.data(), plain.size() * sizeof(bf16)) == 0);
+    CHECK(storage.checksum() == plain.checksum());
+  }
+}
+
+TEST_CASE("gemm.pack: pack_transposed's clauses", "[gemm][pack][finite]") {
+  std::vector<bf16> wv(3 * 5, bf16(1.0f));
+  wv[7] = bf16(NAN);
+  test::expect_violation([&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5), {}); },
+                         "gemm.pack.w_finite");
+  wv[7] = bf16(0x1p-100f);
+  test::expect_violation([&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5), {}); },
+                         "gemm.pack.w_range");
+  wv[7] = bf16(1.0f);
+  test::expect_violation([&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5, 4), {}); },
+                         "gemm.pack.shape");
+  // Roundtrip: one VNNI pair of the packed W swapped; wt[2, 3] (W[3, 2]) no longer reads back.
+  for (std::size_t i = 0; i < wv.size(); ++i) wv[i] = bf16(float(i) + 1);
+  const MatView<const bf16> wt(wv.data(), 3, 5);
+  ContractScope s{Level::check, Semantic::enforce};
+  auto w = gemm::PackedWeights::pack_transposed(wt, {});
+  const std::size_t n = 3, k = 2, at = (k / 2) * 2 * gemm::kPanel + n * 2;
+  std::swap(w.mutable_data_for_testing()[at], w.mutable_data_for_testing()[at + 1]);
+  auto r = test::expect_violation(
+      [&] {
+        detail::Checker c{"gemm.pack"};
+        contracts::gemm_pack_transposed_post(c, wt, w);
+      },
+      "gemm.pack.roundtrip", Level::check);
+  CHECK(r.location == "wt[2, 3]");
+}
+
 TEST_CASE("gemm.pack: checksum clause catches packed weights changed after packing", "[gemm][pack][memory]") {
   std::vector<bf16> a(4, bf16(1.0f)), wv(2 * 4, bf16(1.0f));
   auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4));

@@ -31,7 +31,8 @@ namespace gemm {
 ///   gemm.pack.w_finite   pre  finite   every W element finite
 ///   gemm.pack.w_range    pre  numeric  every W element 0 or 2^-60 <= |w| <= 2^60 (no product of
 ///                                      two in-range bf16 underflows or overflows; proofs/bounds.md §0)
-///   gemm.pack.roundtrip  post memory   every W element reads back from the packed layout (at())
+///   gemm.pack.roundtrip  post memory   every W element reads back from the packed layout (at());
+///                                      pack_transposed: every wt[k][n] as W[n][k]
 ///   gemm.pack.checksum   invariant memory  the packed bytes still hash to the pack-time checksum
 ///                                      (audit level, verified by the ops that read them)
 class PackedWeights {
@@ -49,6 +50,10 @@ class PackedWeights {
   /// forms from its own activations (any finite value is legal there, and
   /// the op's own clauses judge the result).
   static PackedWeights pack_operand(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage);
+  /// Packs W = wt^T (W[n][k] = wt[k][n]) without forming it: each packed k
+  /// pair interleaves two rows of wt (the layout of pack(W) bit for bit).
+  /// The gemm.pack clauses, on wt's elements.
+  static PackedWeights pack_transposed(MatView<const bf16> wt, PackedWeights&& storage);
 
   std::size_t n() const { return n_; }    // logical columns (rows of W; 2x for a fused pair)
   std::size_t k() const { return k_; }    // logical depth
@@ -65,6 +70,10 @@ class PackedWeights {
   bf16* mutable_data_for_testing() { return data_.get(); }
 
  private:
+  // Sizes for W of `rows` x `depth` (two interleaved: 2x the columns) and
+  // storage (`storage`'s where the size matches); panels not yet written.
+  static PackedWeights sized(std::size_t rows, std::size_t depth, bool interleaved, PackedWeights&& storage);
+
   std::unique_ptr<bf16[], moecert::detail::AlignedFree> data_;
   std::size_t n_ = 0, k_ = 0, np_ = 0, kp_ = 0;
   bool interleaved_ = false;

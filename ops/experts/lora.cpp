@@ -44,18 +44,19 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
     auto au = [&](std::size_t k, std::size_t h) { return l.a_up(e * r + k, h); };
     auto bg = [&](std::size_t i, std::size_t k) { return l.b_gate(e * I + i, k); };
     auto bu = [&](std::size_t i, std::size_t k) { return l.b_up(e * I + i, k); };
-    auto ad = [&](std::size_t k, std::size_t i) { return l.a_down(e * r + k, i); };
-    auto bd = [&](std::size_t h, std::size_t k) { return l.b_down(e * H + h, k); };
     PackedLoraExpert& p = out.experts[e];
-    Dense agu(2 * r, H), bg0(I, 2 * r), bu0(I, 2 * r);
+    // [A_g; A_u] (2r x H), and blockdiag(B_g, B_u) (2I x 2r): its rows [B_g | 0]
+    // then [0 | B_u], the gate and up halves of the fused B_gu.
+    Dense agu(2 * r, H), bgu(2 * I, 2 * r);
     for (std::size_t k = 0; k < r; ++k)
       for (std::size_t h = 0; h < H; ++h) agu(k, h) = ag(k, h), agu(r + k, h) = au(k, h);
     for (std::size_t i = 0; i < I; ++i)
-      for (std::size_t k = 0; k < r; ++k) bg0(i, k) = bg(i, k), bu0(i, r + k) = bu(i, k);
+      for (std::size_t k = 0; k < r; ++k) bgu(i, k) = bg(i, k), bgu(I + i, r + k) = bu(i, k);
+    const MatView<const bf16> bg0(bgu.v.data(), I, 2 * r), bu0(bgu.v.data() + I * 2 * r, I, 2 * r);
     // A_d[e] and B_d[e] are row blocks of the stacked factors: packed in place.
     const MatView<const bf16> a_d(l.a_down.row(e * r), r, I, l.a_down.stride), b_d(l.b_down.row(e * H), H, r, l.b_down.stride);
     p.a_gu = gemm::PackedWeights::pack(agu.view(), {}, std::move(p.a_gu));
-    p.b_gu = gemm::PackedWeights::pack(bg0.view(), bu0.view(), std::move(p.b_gu));
+    p.b_gu = gemm::PackedWeights::pack(bg0, bu0, std::move(p.b_gu));
     p.a_d = gemm::PackedWeights::pack(a_d, {}, std::move(p.a_d));
 #ifdef MOECERT_MUTANT_LORA_PADDING_GARBAGE
     p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
@@ -68,19 +69,13 @@ PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool bac
       for (auto* t : {&p.b_d_t, &p.a_d_t, &p.b_gu_t, &p.a_gu_t}) *t = gemm::PackedWeights{};
       return;
     }
-    Dense b_d_t(r, H), a_d_t(I, r), b_gu_t(2 * r, 2 * I), a_gu_t(H, 2 * r);
-    for (std::size_t h = 0; h < H; ++h)
-      for (std::size_t k = 0; k < r; ++k) b_d_t(k, h) = bd(h, k);
-    for (std::size_t k = 0; k < r; ++k)
-      for (std::size_t i = 0; i < I; ++i) a_d_t(i, k) = ad(k, i);
-    for (std::size_t i = 0; i < I; ++i)
-      for (std::size_t k = 0; k < r; ++k) b_gu_t(k, i) = bg(i, k), b_gu_t(r + k, I + i) = bu(i, k);
-    for (std::size_t h = 0; h < H; ++h)
-      for (std::size_t k = 0; k < r; ++k) a_gu_t(h, k) = ag(k, h), a_gu_t(h, r + k) = au(k, h);
-    p.b_d_t = gemm::PackedWeights::pack(b_d_t.view(), {}, std::move(p.b_d_t));
-    p.a_d_t = gemm::PackedWeights::pack(a_d_t.view(), {}, std::move(p.a_d_t));
-    p.b_gu_t = gemm::PackedWeights::pack(b_gu_t.view(), {}, std::move(p.b_gu_t));
-    p.a_gu_t = gemm::PackedWeights::pack(a_gu_t.view(), {}, std::move(p.a_gu_t));
+    // The backward's orientations are transposes of the same matrices:
+    // B_d^T, A_d^T, blockdiag(B_g, B_u)^T = [[B_g^T 0] [0 B_u^T]] and
+    // [A_g; A_u]^T = [A_g^T | A_u^T], packed straight from them.
+    p.b_d_t = gemm::PackedWeights::pack_transposed(b_d, std::move(p.b_d_t));
+    p.a_d_t = gemm::PackedWeights::pack_transposed(a_d, std::move(p.a_d_t));
+    p.b_gu_t = gemm::PackedWeights::pack_transposed(bgu.view(), std::move(p.b_gu_t));
+    p.a_gu_t = gemm::PackedWeights::pack_transposed(agu.view(), std::move(p.a_gu_t));
   }));
   return out;
 }

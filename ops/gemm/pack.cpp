@@ -18,12 +18,13 @@ std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m;
 // the panel is written once, in order, while the 16 source rows are read
 // in order side by side. Pairs past W's depth and columns past its rows are
 // zero.
-void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst) {
 #ifdef MOECERT_MUTANT_VNNI_PAIR_SWAPPED
-  constexpr std::size_t lo = 1, hi = 0;  // mutant (docs/MUTANTS.md): pair order swapped
+constexpr std::size_t lo = 1, hi = 0;  // mutant (docs/MUTANTS.md): pair order swapped
 #else
-  constexpr std::size_t lo = 0, hi = 1;
+constexpr std::size_t lo = 0, hi = 1;  // a VNNI pair: k even, then k + 1
 #endif
+
+void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst) {
   const std::size_t rows = w.rows > p * kPanel ? std::min(kPanel, w.rows - p * kPanel) : 0;
   const std::size_t pairs = (w.cols + 1) / 2, whole = w.cols / 2;  // k pairs; those without K's odd end
   const bf16 zero{};
@@ -38,6 +39,30 @@ void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst)
       for (std::size_t n = 0; n < rows; ++n) d[2 * n + lo] = src[n][k], d[2 * n + hi] = zero;
     }
     if (rows < kPanel) std::fill(d + 2 * rows, d + 2 * kPanel, zero);
+  }
+  std::fill(dst + pairs * 2 * kPanel, dst + kp * kPanel, zero);
+}
+
+// The same panel of W = wt^T: W's columns [16 p, 16 p + 16) are wt's, and
+// k pair kk interleaves wt's rows 2 kk and 2 kk + 1 over them (contiguous
+// reads, a vectorisable interleave).
+void pack_panel_transposed(MatView<const bf16> wt, std::size_t p, std::size_t kp, bf16* dst) {
+  const std::size_t n0 = p * kPanel;
+  const std::size_t cols = wt.cols > n0 ? std::min(kPanel, wt.cols - n0) : 0;
+  const std::size_t pairs = (wt.rows + 1) / 2;
+  const bf16 zero{};
+  for (std::size_t kk = 0; kk < pairs; ++kk) {
+    bf16* d = dst + kk * 2 * kPanel;
+    if (cols) {
+      const bf16* r0 = wt.row(2 * kk) + n0;
+      if (2 * kk + 1 < wt.rows) {
+        const bf16* r1 = wt.row(2 * kk + 1) + n0;
+        for (std::size_t n = 0; n < cols; ++n) d[2 * n + lo] = r0[n], d[2 * n + hi] = r1[n];
+      } else {
+        for (std::size_t n = 0; n < cols; ++n) d[2 * n + lo] = r0[n], d[2 * n + hi] = zero;
+      }
+    }
+    std::fill(d + 2 * cols, d + 2 * kPanel, zero);
   }
   std::fill(dst + pairs * 2 * kPanel, dst + kp * kPanel, zero);
 }
@@ -58,16 +83,32 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
   return out;
 }
 
-PackedWeights PackedWeights::pack_operand(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage) {
+PackedWeights PackedWeights::sized(std::size_t rows, std::size_t depth, bool interleaved, PackedWeights&& storage) {
   PackedWeights out;
-  out.interleaved_ = second.data != nullptr;
-  const std::size_t panels_one = round_up(w.rows, kPanel) / kPanel;
-  out.k_ = w.cols;
-  out.kp_ = round_up(std::max<std::size_t>(w.cols, 1), kKStep);
-  out.n_ = out.interleaved_ ? 2 * panels_one * kPanel : w.rows;
+  out.interleaved_ = interleaved;
+  out.k_ = depth;
+  out.kp_ = round_up(std::max<std::size_t>(depth, 1), kKStep);
+  out.n_ = interleaved ? 2 * round_up(rows, kPanel) : rows;
   out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
   if (storage.data_ && storage.size() == out.np_ * out.kp_) out.data_ = std::move(storage.data_);
   else out.data_.reset(static_cast<bf16*>(detail::allocate(out.np_ * out.kp_ * sizeof(bf16))));
+  return out;
+}
+
+PackedWeights PackedWeights::pack_transposed(MatView<const bf16> wt, PackedWeights&& storage) {
+  const moecert::detail::FpDefaults fp;
+  detail::Checker c{"gemm.pack"};
+  contracts::gemm_pack_pre(c, wt, {});
+  if (c.stop()) return {};
+  PackedWeights out = sized(wt.cols, wt.rows, false, std::move(storage));
+  for (std::size_t p = 0; p < out.np_ / kPanel; ++p) pack_panel_transposed(wt, p, out.kp_, out.data_.get() + p * out.kp_ * kPanel);
+  out.checksum_ = out.compute_checksum();
+  contracts::gemm_pack_transposed_post(c, wt, out);
+  return out;
+}
+
+PackedWeights PackedWeights::pack_operand(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage) {
+  PackedWeights out = sized(w.rows, w.cols, second.data != nullptr, std::move(storage));
   const std::size_t panel_elems = out.kp_ * kPanel;
   const std::size_t panels = out.np_ / kPanel;
   for (std::size_t p = 0; p < panels; ++p) {
