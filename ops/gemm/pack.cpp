@@ -13,17 +13,17 @@ namespace {
 
 std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }
 
-// Writes the panel of W's columns [16 p, 16 p + 16) into dst (kp * 16
-// elements): for each k pair, the 16 columns' pairs as one 64-byte run, so
-// the panel is written once, in order, while the 16 source rows are read
-// in order side by side. Pairs past W's depth and columns past its rows are
-// zero.
 #ifdef MOECERT_MUTANT_VNNI_PAIR_SWAPPED
 constexpr std::size_t lo = 1, hi = 0;  // mutant (docs/MUTANTS.md): pair order swapped
 #else
 constexpr std::size_t lo = 0, hi = 1;  // a VNNI pair: k even, then k + 1
 #endif
 
+// Writes the panel of W's columns [16 p, 16 p + 16) into dst (kp * 16
+// elements): for each k pair, the 16 columns' pairs as one 64-byte run, so
+// the panel is written once, in order, while the 16 source rows are read
+// in order side by side. Pairs past W's depth and columns past its rows are
+// zero.
 void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst) {
   const std::size_t rows = w.rows > p * kPanel ? std::min(kPanel, w.rows - p * kPanel) : 0;
   const std::size_t pairs = (w.cols + 1) / 2, whole = w.cols / 2;  // k pairs; those without K's odd end
