@@ -1,4 +1,7 @@
 // PackedExperts: per-expert packing of gate+up (fused) and down.
+#include <algorithm>
+#include <vector>
+
 #include <oneapi/tbb/parallel_for.h>
 
 #include "moecert/experts.hpp"
@@ -28,16 +31,17 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
   if (!backward) return out;
   out.down_t_.resize(experts);
   out.gate_up_t_.resize(experts);
+  // W_d^T, and [W_g^T | W_u^T] = [W_g; W_u]^T, packed from the weights'
+  // rows (the gate and up rows stacked in one buffer: two arrays).
   oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::task([&](std::size_t e) {
-    std::vector<bf16> dt(i_rows * h_rows), gut(h_rows * 2 * i_rows);
-    for (std::size_t h = 0; h < h_rows; ++h)
-      for (std::size_t i = 0; i < i_rows; ++i) {
-        dt[i * h_rows + h] = w_down(e * h_rows + h, i);
-        gut[h * 2 * i_rows + i] = w_gate(e * i_rows + i, h);
-        gut[h * 2 * i_rows + i_rows + i] = w_up(e * i_rows + i, h);
-      }
-    out.down_t_[e] = gemm::PackedWeights::pack(MatView<const bf16>(dt.data(), i_rows, h_rows));
-    out.gate_up_t_[e] = gemm::PackedWeights::pack(MatView<const bf16>(gut.data(), h_rows, 2 * i_rows));
+    std::vector<bf16> gu(2 * i_rows * h_rows);
+    for (std::size_t i = 0; i < i_rows; ++i) {
+      std::copy_n(w_gate.row(e * i_rows + i), h_rows, gu.data() + i * h_rows);
+      std::copy_n(w_up.row(e * i_rows + i), h_rows, gu.data() + (i_rows + i) * h_rows);
+    }
+    const MatView<const bf16> d(w_down.row(e * h_rows), h_rows, w_down.cols, w_down.stride);
+    out.down_t_[e] = gemm::PackedWeights::pack_transposed(d, {});
+    out.gate_up_t_[e] = gemm::PackedWeights::pack_transposed(MatView<const bf16>(gu.data(), 2 * i_rows, h_rows), {});
   }));
   return out;
 }
