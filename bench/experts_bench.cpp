@@ -109,6 +109,10 @@ std::vector<Case> all_cases() {
     const std::string name = fmt::format("experts.forward/E{}_H{}_I{}_K{}_T{}", s.e, s.h, s.i, s.k, s.t);
     out.push_back({name, "experts.forward", s, experts_bytes(s), [name, s](const Options& o) { return experts_forward(name, s, o); }});
   };
+  // Decode-sized batches: under one routed row per expert (T = 8) and three
+  // (T = 32), where experts::choose_isa decides between AMX and AVX-512.
+  add_experts({64, 2048, 1408, 6, 0, 8});
+  add_experts({64, 2048, 1408, 6, 0, 32});
   add_experts({64, 2048, 1408, 6, 0, 48});
   add_experts({64, 2048, 1408, 6, 0, 1024});
   add_experts({64, 2048, 1408, 6, 0, 4096});

@@ -65,9 +65,9 @@ class Workspace {
 };
 
 struct ForwardOptions {
-  /// Kernel; default: default_isa(), except that with at most 4 routed rows
-  /// per expert on average an AMX default gives way to avx512_bf16 (the
-  /// 32-row AMX block would be mostly padding). Results stay within bound.
+  /// Kernel; default: default_isa() at every batch size (AMX's 16-row edge
+  /// block beats the AVX-512 kernel even below one routed row per expert:
+  /// docs/PERFORMANCE.md, session 13).
   std::optional<Isa> isa;
   /// Reused scratch; null: a temporary one for this call.
   Workspace* workspace = nullptr;

@@ -28,13 +28,6 @@ Workspace::Workspace(Workspace&&) noexcept = default;
 Workspace& Workspace::operator=(Workspace&&) noexcept = default;
 std::size_t Workspace::bytes() const { return impl_->arena.capacity(); }
 
-Isa choose_isa(std::optional<Isa> forced, std::size_t routed, std::size_t experts) {
-  if (forced) return *forced;
-  const Isa d = default_isa();
-  if (d == Isa::amx_bf16 && routed <= 4 * experts && isa_usable(Isa::avx512_bf16)) return Isa::avx512_bf16;
-  return d;
-}
-
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y, const ForwardOptions& opt) {
   const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
@@ -42,11 +35,8 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   contracts::experts_forward_pre(chk, w, x, idx, weights, y);
   if (chk.stop()) return {};
   const std::size_t t_count = x.rows, k = idx.cols;
-  std::size_t routed = 0;
-  for (std::size_t t = 0; t < t_count; ++t)
-    for (std::size_t j = 0; j < k; ++j) routed += idx(t, j) >= 0;
   ForwardStats stats;
-  stats.isa = choose_isa(opt.isa, routed, w.experts());
+  stats.isa = opt.isa.value_or(default_isa());
   const gemm::KernelInfo& kernel = gemm::kernel_info(stats.isa);
   Workspace temporary_ws;
   Workspace::Impl& ws = (opt.workspace ? *opt.workspace : temporary_ws).impl();

@@ -68,9 +68,6 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
                   const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st, bool keep_c1 = true);
 
-/// Kernel choice of the expert ops (see ForwardOptions::isa).
-Isa choose_isa(std::optional<Isa> forced, std::size_t routed, std::size_t experts);
-
 struct Workspace::Impl {
   ForwardState state;
   workspace::Arena arena;

@@ -113,11 +113,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   s.idx = s.arena.get<std::int32_t>("router.idx", t_count * k);
   s.weights = s.arena.get<float>("router.weights", t_count * k);
   const MatView<float> z(s.logits, t_count, outs, outs);
-  router_linear(gemm::kernel_info(opt.isa.value_or(default_isa())), x, w.router_w, w.router_b, z);
+  s.isa = opt.isa.value_or(default_isa());
+  router_linear(gemm::kernel_info(s.isa), x, w.router_w, w.router_b, z);
   run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k), MatView<float>(s.weights, t_count, k, k));
-  std::size_t routed = 0;
-  for (std::size_t i = 0; i < t_count * k; ++i) routed += s.idx[i] >= 0;
-  s.isa = experts::choose_isa(opt.isa, routed, w.experts->experts());
   experts::forward_impl(*w.experts, cfg.lora_rank ? &s.lora : nullptr, x, saved.idx(), saved.weights(), y,
                         gemm::kernel_info(s.isa), s.arena, s.st, opt.training);  // c1: read by the backward only
   s.arena.leave(chk);
