@@ -155,6 +155,9 @@ TEST_CASE("experts.forward: the default kernel choice and its stats", "[experts]
   CHECK(st.routed_rows == 20);
   CHECK(st.padded_rows % gemm::kernel_info(st.isa).mr == 0);
   CHECK(isa_usable(st.isa));
+  // 2.5 routed rows per expert: the default kernel still (AMX gave way to
+  // AVX-512 here once; measured slower, docs/PERFORMANCE.md session 13).
+  CHECK(st.isa == default_isa());
 }
 
 namespace {
