@@ -110,7 +110,8 @@ std::vector<Case> all_cases() {
     out.push_back({name, "experts.forward", s, experts_bytes(s), [name, s](const Options& o) { return experts_forward(name, s, o); }});
   };
   // Decode-sized batches: under one routed row per expert (T = 8) and three
-  // (T = 32), where experts::choose_isa decides between AMX and AVX-512.
+  // (T = 32), where AMX's 16-row edge block is mostly padding (still faster
+  // than AVX-512 there: docs/PERFORMANCE.md, session 13).
   add_experts({64, 2048, 1408, 6, 0, 8});
   add_experts({64, 2048, 1408, 6, 0, 32});
   add_experts({64, 2048, 1408, 6, 0, 48});
