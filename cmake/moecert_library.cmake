@@ -11,6 +11,7 @@ set(MOECERT_SOURCES
   contracts/compare.cpp
   ops/core/build_info.cpp
   ops/core/memory.cpp
+  ops/core/guard.cpp
   contracts/gemm.cpp
   contracts/experts.cpp
   contracts/router.cpp

@@ -16,6 +16,7 @@
 #include "contracts/reference/basic.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"
+#include "moecert/memory.hpp"
 #include "ops/gemm/amx_tile_model.hpp"
 #include "ops/gemm/exp_poly.hpp"
 #include "ops/gemm/loops.hpp"
@@ -789,4 +790,55 @@ TEST_CASE("gemm.pack_a: both A layouts hold the same matrix, padding zero", "[ge
       for (std::size_t c = 0; c < kp; ++c)
         REQUIRE(ap[gemm::a_offset(l, lda, r, c)] == ((r < m && c < k) ? a[r * k + c] : bf16(0.0f)));
   }
+}
+
+namespace {
+
+// A buffer of n elements from moecert's allocator (guarded under guard
+// pages, in any build).
+template <class T>
+struct Exact {
+  explicit Exact(std::size_t n) : p(static_cast<T*>(detail::allocate(n * sizeof(T)))), n(n) {}
+  ~Exact() { detail::deallocate(p); }
+  Exact(const Exact&) = delete;
+  Exact& operator=(const Exact&) = delete;
+  T* p;
+  std::size_t n;
+};
+
+}  // namespace
+
+TEST_CASE("gemm.loops: every kernel reads and writes only inside A, W and C (guard pages)", "[gemm][loops][memory]") {
+  // A packed to exactly its padded rows, C exactly m x n: under guard pages
+  // (its end against an inaccessible page, then its start) a kernel that
+  // reads past either faults. (The scalar kernel once read the row after
+  // an 8-row block's last one: the Release layer backward's segfault.) The
+  // results must equal those on ordinary buffers bit for bit.
+  std::mt19937_64 rng(41);
+  const Shape shapes[] = {{8, 48, 96}, {32, 32, 32}, {24, 40, 75}, {5, 16, 64}, {33, 80, 200}, {1, 32, 1}};
+  for (const Shape& s : shapes)
+    for (Isa isa : usable_isas()) {
+      const gemm::KernelInfo& kernel = gemm::kernel_info(isa);
+      const auto a = random_bf16(rng, s.m * s.k), wv = random_bf16(rng, s.n * s.k), c0 = random_bf16(rng, s.m * s.n);
+      const std::size_t mp = gemm::round_up(s.m, kernel.mr);
+      auto product = [&](bool accumulate) {
+        const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
+        Exact<bf16> ap(gemm::a_size(kernel.a_layout, mp, w.kp()));
+        gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), s.m, s.k), nullptr, s.m, mp, w.kp(), ap.p);
+        Exact<float> c(s.m * s.n);
+        for (std::size_t i = 0; i < c.n; ++i) c.p[i] = c0[i].to_float();
+        gemm::gemm_block(kernel, ap.p, s.m, w, 0, w.np(), s.n, c.p, s.n, {.accumulate = accumulate});
+        return std::vector<float>(c.p, c.p + c.n);
+      };
+      for (bool accumulate : {false, true}) {
+        INFO(isa_name(isa) << " m=" << s.m << " n=" << s.n << " k=" << s.k << " accumulate=" << accumulate);
+        const std::vector<float> plain = product(accumulate);
+        for (GuardPages mode : {GuardPages::end, GuardPages::start}) {
+          set_guard_pages(mode);
+          const std::vector<float> guarded = product(accumulate);
+          set_guard_pages(GuardPages::off);
+          CHECK(std::memcmp(plain.data(), guarded.data(), plain.size() * sizeof(float)) == 0);
+        }
+      }
+    }
 }

@@ -14,6 +14,7 @@ constexpr const char* kUsage =
     "commands:\n"
     "  info [--json]                          CPU, ISA levels, build, contracts, versions\n"
     "  conform [--suite smoke|default|full] [--out DIR] [--isa NAME...] [--threads N] [--seed S]\n"
+    "          [--guard-pages end|start]\n"
     "                                         run a conformance suite and write the report\n"
     "  bench [--case NAME...] [--json FILE] [--isa NAME] [--threads N] [--reps N] [--list]\n"
     "                                         time cases against oneDNN in the same run\n"

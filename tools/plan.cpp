@@ -1,8 +1,11 @@
 // `moecert plan`: the workspace plan of a layer call (buffers, offsets, live
 // steps, total), as a table or JSON.
+#include <algorithm>
+
 #include <boost/json.hpp>
 #include <fmt/format.h>
 
+#include "moecert/contracts.hpp"
 #include "moecert/workspace.hpp"
 #include "tools/commands.hpp"
 
@@ -46,6 +49,11 @@ int run_plan(int argc, char** argv) {
   cfg.topk_group = args.get_int("topk-group", cfg.groups);
   const workspace::PlanOptions opt{.training = !args.flag("forward-only"),
                                    .memory_cap = static_cast<std::uint64_t>(args.get_int("cap", 0))};
+  // The plan's own clauses (the config, the memory cap asked for) at least at
+  // `check`, whatever the build's default: a plan is what a user checks.
+  ContractSettings checked = effective_contract_settings();
+  checked.level = std::max(checked.level, Level::check);
+  const ContractScope scope{checked};
   const workspace::Plan p = workspace::plan(cfg, tokens, opt);
   if (args.flag("json")) {
     boost::json::array bufs;

@@ -4,6 +4,7 @@
 #include "moecert/config.hpp"
 #include "moecert/contracts.hpp"
 #include "moecert/isa.hpp"
+#include "moecert/memory.hpp"
 #include "moecert/types.hpp"
 
 namespace moecert {

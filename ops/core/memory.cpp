@@ -3,11 +3,13 @@
 // (Linux "madvise" mode, the default on Debian and Ubuntu), before anything
 // touches them. A GEMM streaming 1 GB of packed weights then walks a page
 // table entry per 2 MiB instead of per 4 KiB. The advice is a hint: where
-// the kernel refuses it the memory is the same, in small pages.
+// the kernel refuses it the memory is the same, in small pages. Under
+// guard pages (moecert/memory.hpp), 64-byte aligned against the guard.
 #include <algorithm>
 #include <cstdlib>
 #include <new>
 
+#include "moecert/memory.hpp"
 #include "moecert/types.hpp"
 
 #if defined(__linux__)
@@ -17,6 +19,8 @@
 namespace moecert::detail {
 
 void* allocate(std::size_t bytes) {
+  if (guard_pages() != GuardPages::off)
+    if (void* p = guard_allocate(bytes, 64)) return p;
   constexpr std::size_t kHuge = std::size_t{2} << 20;
   const std::size_t align = bytes >= kHuge ? kHuge : 64;
   const std::size_t size = (std::max<std::size_t>(bytes, 1) + align - 1) / align * align;  // aligned_alloc: a multiple
@@ -28,6 +32,8 @@ void* allocate(std::size_t bytes) {
   return p;
 }
 
-void deallocate(void* p) noexcept { std::free(p); }
+void deallocate(void* p) noexcept {
+  if (!guard_deallocate(p)) std::free(p);
+}
 
 }  // namespace moecert::detail

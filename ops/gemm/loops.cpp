@@ -129,8 +129,13 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
             kernel.ukernel(args);
           } else {  // edge: through a scratch block, C's valid part copied in and out
             float* blk = edge + 0;
-            if (args.accumulate)
-              for (std::size_t i = 0; i < mm; ++i) std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
+            if (args.accumulate) {  // the rest of the block zero: a kernel may read all of it
+              for (std::size_t i = 0; i < mm; ++i) {
+                std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
+                std::fill(blk + i * nr + nn, blk + (i + 1) * nr, 0.0f);
+              }
+              std::fill(blk + mm * nr, blk + mr * nr, 0.0f);
+            }
             args.c = blk;
             args.ldc = nr;
             // Fewer rows than MR: the kernel's edge variant, if it has one.

@@ -102,12 +102,18 @@ Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx, const 
 }
 
 int run_conform(int argc, char** argv) {
-  Args args(argc, argv, {"suite", "out", "isa", "threads", "seed"});
+  Args args(argc, argv, {"suite", "out", "isa", "threads", "seed", "guard-pages"});
   const std::string suite_name = args.get_or("suite", "default");
   const Suite suite = parse_suite(suite_name);
   const std::string out = args.get_or("out", "build/report");
   const int threads = static_cast<int>(args.get_int("threads", default_threads()));
   if (threads < 1) throw std::invalid_argument("--threads: expected N >= 1");
+  if (const auto guard = args.get("guard-pages")) {  // from here on: the cases' inputs, outputs and scratch
+    GuardPages mode;
+    if (!parse_guard_pages(guard->c_str(), mode))
+      throw std::invalid_argument(fmt::format("--guard-pages {}: expected off, end or start", *guard));
+    set_guard_pages(mode);
+  }
 
   RunContext ctx;
   ctx.threads = threads;

@@ -1,0 +1,40 @@
+// Guard pages: a test mode in which every buffer moecert allocates (and,
+// in programs that link the replacement operator new, every heap block)
+// touches an inaccessible page, so that a read or write past its end (or
+// before its start) faults at once.
+#pragma once
+
+#include <cstddef>
+
+namespace moecert {
+
+/// Where a buffer meets its inaccessible (PROT_NONE) page:
+///  - off:   ordinary allocation;
+///  - end:   the buffer ends where the page begins (the end is rounded up to
+///           the buffer's alignment: 16 bytes for operator new, 64 for
+///           moecert's packed weights and workspaces);
+///  - start: the buffer begins where the page ends.
+/// Freed blocks become inaccessible and their addresses are not reused, so
+/// a use after free faults too. Slow (a system call per allocation): for
+/// tests, fuzz replay and `moecert conform --guard-pages`, not production.
+enum class GuardPages { off, end, start };
+
+/// The mode for allocations from now on. Initially MOECERT_GUARD_PAGES
+/// (off|end|start; unset: off). A block is freed the way it was allocated
+/// whatever the mode is by then. Thread-safe.
+void set_guard_pages(GuardPages mode);
+GuardPages guard_pages();
+
+/// Parses "off", "end" or "start"; false for anything else.
+bool parse_guard_pages(const char* text, GuardPages& out);
+
+namespace detail {
+/// `bytes` at `align` (a power of two up to 4096) against a guard page in
+/// the current mode (which must not be off); nullptr if the guarded region
+/// is exhausted or the system refuses (the caller falls back).
+void* guard_allocate(std::size_t bytes, std::size_t align) noexcept;
+/// Frees p if guard_allocate made it and returns true; false otherwise.
+bool guard_deallocate(void* p) noexcept;
+}  // namespace detail
+
+}  // namespace moecert

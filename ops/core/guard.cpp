@@ -1,0 +1,110 @@
+// Guard-page allocation (moecert/memory.hpp): blocks carved from one
+// reserved, inaccessible address range, each made accessible on its own
+// pages, with an inaccessible page after it (mode end) or before it (start).
+// Addresses are handed out once, in order, and never reused; a freed block's
+// pages are replaced by fresh inaccessible ones (memory returned).
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "moecert/memory.hpp"
+
+namespace moecert {
+namespace {
+
+constexpr std::size_t kPage = 4096;
+// Address space reserved for guarded blocks (no memory: PROT_NONE,
+// MAP_NORESERVE); at 2 pages or more a block, millions of blocks.
+constexpr std::size_t kRegionBytes = std::size_t{1} << 40;
+
+std::atomic<GuardPages>& mode_ref() {
+  static std::atomic<GuardPages> mode{[] {
+    GuardPages m = GuardPages::off;
+    const char* env = std::getenv("MOECERT_GUARD_PAGES");
+    if (env && *env && !parse_guard_pages(env, m)) {  // a test mode silently off would pass for tested
+      std::fprintf(stderr, "MOECERT_GUARD_PAGES=%s: expected off, end or start\n", env);
+      std::abort();
+    }
+    return m;
+  }()};
+  return mode;
+}
+
+// The reserved range; its page count per block start (the accessible pages
+// of a block, indexed by the page of its first byte), in a second reserved
+// range that only the pages in use occupy.
+struct Region {
+  std::uintptr_t base = 0;
+  std::uint32_t* pages = nullptr;
+  std::atomic<std::size_t> next{0};
+};
+
+Region* region() {
+  static Region* r = [] () -> Region* {
+    static Region reg;
+    void* base = ::mmap(nullptr, kRegionBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* meta = ::mmap(nullptr, kRegionBytes / kPage * sizeof(std::uint32_t), PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED || meta == MAP_FAILED) return nullptr;
+    reg.base = reinterpret_cast<std::uintptr_t>(base);
+    reg.pages = static_cast<std::uint32_t*>(meta);
+    return &reg;
+  }();
+  return r;
+}
+
+std::atomic<Region*> g_region{nullptr};  // set once a block was handed out
+
+}  // namespace
+
+bool parse_guard_pages(const char* text, GuardPages& out) {
+  if (!text) return false;
+  if (!std::strcmp(text, "off")) out = GuardPages::off;
+  else if (!std::strcmp(text, "end")) out = GuardPages::end;
+  else if (!std::strcmp(text, "start")) out = GuardPages::start;
+  else return false;
+  return true;
+}
+
+void set_guard_pages(GuardPages mode) { mode_ref().store(mode, std::memory_order_relaxed); }
+GuardPages guard_pages() { return mode_ref().load(std::memory_order_relaxed); }
+
+namespace detail {
+
+void* guard_allocate(std::size_t bytes, std::size_t align) noexcept {
+  const GuardPages mode = guard_pages();
+  Region* r = region();
+  if (!r || mode == GuardPages::off || align == 0 || align > kPage) return nullptr;
+  g_region.store(r, std::memory_order_release);
+  const std::size_t size = (std::max<std::size_t>(bytes, 1) + align - 1) / align * align;
+  const std::size_t pages = (size + kPage - 1) / kPage;
+  const std::size_t span = (pages + 1) * kPage;  // the block's pages and one guard page
+  const std::size_t at = r->next.fetch_add(span, std::memory_order_relaxed);
+  if (at + span > kRegionBytes) return nullptr;
+  // end: [pages][guard]; start: [guard][pages]. The guard stays PROT_NONE.
+  const std::uintptr_t first = r->base + at + (mode == GuardPages::start ? kPage : 0);
+  if (::mprotect(reinterpret_cast<void*>(first), pages * kPage, PROT_READ | PROT_WRITE) != 0) return nullptr;
+  r->pages[(first - r->base) / kPage] = static_cast<std::uint32_t>(pages);
+  return reinterpret_cast<void*>(mode == GuardPages::start ? first : first + pages * kPage - size);
+}
+
+bool guard_deallocate(void* p) noexcept {
+  Region* r = g_region.load(std::memory_order_acquire);
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (!r || a < r->base || a >= r->base + kRegionBytes) return false;
+  const std::uintptr_t first = a / kPage * kPage;
+  std::uint32_t& pages = r->pages[(first - r->base) / kPage];
+  // Fresh inaccessible pages in place of the block's (its memory returned).
+  ::mmap(reinterpret_cast<void*>(first), std::size_t{pages} * kPage, PROT_NONE,
+         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  pages = 0;
+  return true;
+}
+
+}  // namespace detail
+}  // namespace moecert
