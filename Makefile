@@ -1,7 +1,7 @@
 # The README's two commands, and a few helpers. Every target bootstraps first.
 JOBS ?= $(shell nproc)
 
-.PHONY: check report bootstrap debug release fuzz clean
+.PHONY: check report bootstrap debug release tsan stress fuzz clean
 FUZZ_SECONDS ?= 60
 FUZZ_SEED ?= 1
 FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer
@@ -17,14 +17,37 @@ release: bootstrap
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS)
 
-# Builds the debug configuration (contracts audit/enforce, ASan + UBSan) and
-# runs every test.
-check: debug
+# Builds Debug (contracts audit/enforce, ASan + UBSan) and Release (-O3, the
+# library users link) and runs every test in both: Release twice under guard
+# pages (every buffer's end, then its start, against an inaccessible page),
+# with a valgrind memcheck selection; then the default conformance suite on
+# the Release tool under guard pages.
+check: debug release
 	ctest --preset debug -j $(JOBS)
+	ctest --preset release-guard-end -j $(JOBS)
+	ctest --preset release-guard-start -j $(JOBS)
+	build/release/tools/moecert conform --suite default --guard-pages end --out build/check-report 2>/dev/null
 
-# Builds Release and runs the default conformance suite into build/report.
-report: release
+# Builds the Release tool and runs the default conformance suite into build/report.
+report: bootstrap
+	cmake --preset release
+	cmake --build --preset release -j $(JOBS) --target moecert_cli
 	build/release/tools/moecert conform --suite default --out build/report
+
+# The tests and the smoke conformance suite under ThreadSanitizer
+# (suppressions, each with its reason: tests/tsan.supp).
+tsan: bootstrap
+	cmake --preset tsan
+	cmake --build --preset tsan -j $(JOBS)
+	ctest --preset tsan -j $(JOBS)
+	TSAN_OPTIONS="suppressions=$(CURDIR)/tests/tsan.supp halt_on_error=1" \
+	  build/tsan/tools/moecert conform --suite smoke --threads 3 --out build/tsan/smoke-report 2>/dev/null
+
+# Many runs of the smoke conformance suite and the layer tests, in parallel
+# processes at 1, 2, 3 and 7 threads, on the Release build; counts crashes.
+STRESS_RUNS ?= 200
+stress: release
+	bash scripts/stress.sh $(STRESS_RUNS)
 
 # Builds the libFuzzer harnesses with clang and runs each for FUZZ_SECONDS.
 # New corpus entries land in build/fuzz/corpus/<name>; a crash is saved in

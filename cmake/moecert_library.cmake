@@ -96,5 +96,7 @@ function(moecert_add_library name)
   if(MOECERT_SANITIZE)
     # A sanitized static library needs the runtime in whatever links it.
     target_link_options(${name} INTERFACE -fsanitize=address,undefined)
+  elseif(MOECERT_TSAN)
+    target_link_options(${name} INTERFACE -fsanitize=thread)
   endif()
 endfunction()
