@@ -7,6 +7,7 @@
 #include "contracts/bounds/experts.hpp"
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
+#include "contracts/tbb_sync.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/gemm.hpp"
 #include "contracts/verify.hpp"
@@ -117,7 +118,7 @@ ExpertsReference experts_forward_reference(const experts::PackedExperts& w, MatV
   ExpertsReference r;
   r.y.assign(t_count * hidden, 0.0);
   r.bound.assign(t_count * hidden, 0.0);
-  oneapi::tbb::parallel_for(std::size_t{0}, t_count, [&](std::size_t t) {
+  oneapi::tbb::parallel_for(std::size_t{0}, t_count, detail::TbbBody([&](std::size_t t) {
     std::vector<double> sum_we(hidden, 0.0), sum_wmag(hidden, 0.0);
     for (std::size_t j = 0; j < kk; ++j) {
       const std::int32_t e = idx(t, j);
@@ -137,7 +138,7 @@ ExpertsReference experts_forward_reference(const experts::PackedExperts& w, MatV
     }
     for (std::size_t m = 0; m < hidden; ++m)
       r.bound[t * hidden + m] = bounds::kReferenceSlack * bounds::combine(sum_we[m], sum_wmag[m], kk);
-  });
+  }));
   return r;
 }
 

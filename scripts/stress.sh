@@ -6,6 +6,7 @@
 # crashes (death by a signal) and failures (any other non-zero exit); the
 # log of each one that did not pass is kept under OUT.
 #   scripts/stress.sh [RUNS]     BUILD=build/release JOBS=N OUT=build/stress
+#                                KINDS="conform layer repro" (a subset to run)
 set -u
 runs=${1:-200}
 build=${BUILD:-build/release}
@@ -18,13 +19,15 @@ one() {  # one run: i kind threads guard
   local i=$1 kind=$2 threads=$3 guard=$4 log="$out/$1-$2.log" rc
   case $kind in
     conform) MOECERT_GUARD_PAGES=$guard "$build/tools/moecert" conform --suite smoke --threads "$threads" \
-               --out "$out/report-$i" >"$log" 2>&1 ;;
-    layer) MOECERT_GUARD_PAGES=$guard MOECERT_TEST_THREADS=$threads "$build/tests/layer_test" >"$log" 2>&1 ;;
+               --out "$out/report-$i" >"$log" 2>&1
+             rc=$?
+             rm -rf "$out/report-$i" ;;
+    layer) MOECERT_GUARD_PAGES=$guard MOECERT_TEST_THREADS=$threads "$build/tests/layer_test" >"$log" 2>&1
+           rc=$? ;;
     repro) MOECERT_GUARD_PAGES=$guard MOECERT_TEST_THREADS=$threads MOECERT_ISA=scalar "$build/tests/layer_test" \
-             "layer: more rows than one block of the gradient sums or of the forward" >"$log" 2>&1 ;;
+             "layer: more rows than one block of the gradient sums or of the forward" >"$log" 2>&1
+           rc=$? ;;
   esac
-  rc=$?
-  rm -rf "$out/report-$i"
   if [ $rc -eq 0 ]; then rm -f "$log"; fi
   echo "$kind $threads $guard $rc" >>"$out/results"
 }
@@ -35,7 +38,7 @@ threads=(1 2 3 7)
 guards=(off end off start)
 start=$(date +%s)
 for ((i = 0; i < runs; i++)); do
-  for kind in conform layer repro; do
+  for kind in ${KINDS:-conform layer repro}; do
     echo "$i $kind ${threads[i % 4]} ${guards[(i / 4) % 4]}"
   done
 done | xargs -P "$jobs" -L 1 bash -c 'one "$@"' _
@@ -43,6 +46,6 @@ done | xargs -P "$jobs" -L 1 bash -c 'one "$@"' _
 total=$(wc -l <"$out/results")
 crashes=$(awk '$4 >= 128' "$out/results" | wc -l)
 failures=$(awk '$4 != 0 && $4 < 128' "$out/results" | wc -l)
-echo "stress: $total runs ($runs each of conform smoke, layer_test, the scalar repro) at threads 1, 2, 3, 7," \
+echo "stress: $total runs ($runs each of ${KINDS:-conform layer repro}) at threads 1, 2, 3, 7," \
      "$jobs in parallel, half under guard pages, in $(($(date +%s) - start)) s: crashes $crashes, failures $failures"
 [ "$crashes" -eq 0 ] && [ "$failures" -eq 0 ]

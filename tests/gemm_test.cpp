@@ -683,6 +683,10 @@ TEST_CASE("gemm.ukernel: side work runs once per item, in order, and leaves C's 
 }
 
 TEST_CASE("storage: 64-byte aligned; 2 MiB and more aligned to 2 MiB", "[gemm][memory]") {
+  // Ordinary storage, whatever MOECERT_GUARD_PAGES says (guarded blocks are
+  // 64-byte aligned against their guard page; memory_test).
+  const GuardPages mode = guard_pages();
+  set_guard_pages(GuardPages::off);
   for (std::size_t bytes : {std::size_t{1}, std::size_t{100}, std::size_t{2} << 20, (std::size_t{5} << 20) + 3}) {
     void* p = moecert::detail::allocate(bytes);
     const auto addr = reinterpret_cast<std::uintptr_t>(p);
@@ -692,6 +696,7 @@ TEST_CASE("storage: 64-byte aligned; 2 MiB and more aligned to 2 MiB", "[gemm][m
     std::memset(p, 0xA5, bytes);  // every byte writable (ASan: in bounds)
     moecert::detail::deallocate(p);
   }
+  set_guard_pages(mode);
 }
 
 TEST_CASE("gemm.loops: row blocks outside the column blocks only while the item's B fits L2", "[gemm][loops]") {

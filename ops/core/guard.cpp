@@ -19,8 +19,9 @@ namespace {
 
 constexpr std::size_t kPage = 4096;
 // Address space reserved for guarded blocks (no memory: PROT_NONE,
-// MAP_NORESERVE); at 2 pages or more a block, millions of blocks.
-constexpr std::size_t kRegionBytes = std::size_t{1} << 40;
+// MAP_NORESERVE): 1 TiB, at 2 pages or more a block hundreds of millions of
+// blocks; less where the address space is smaller (ThreadSanitizer's is).
+constexpr std::size_t kRegionSizes[] = {std::size_t{1} << 40, std::size_t{1} << 36, std::size_t{1} << 32};
 
 std::atomic<GuardPages>& mode_ref() {
   static std::atomic<GuardPages> mode{[] {
@@ -40,20 +41,32 @@ std::atomic<GuardPages>& mode_ref() {
 // range that only the pages in use occupy.
 struct Region {
   std::uintptr_t base = 0;
+  std::size_t bytes = 0;
   std::uint32_t* pages = nullptr;
   std::atomic<std::size_t> next{0};
 };
 
+void* reserve(std::size_t bytes, int prot) {
+  return ::mmap(nullptr, bytes, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+}
+
 Region* region() {
-  static Region* r = [] () -> Region* {
+  static Region* r = []() -> Region* {
     static Region reg;
-    void* base = ::mmap(nullptr, kRegionBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    void* meta = ::mmap(nullptr, kRegionBytes / kPage * sizeof(std::uint32_t), PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (base == MAP_FAILED || meta == MAP_FAILED) return nullptr;
-    reg.base = reinterpret_cast<std::uintptr_t>(base);
-    reg.pages = static_cast<std::uint32_t*>(meta);
-    return &reg;
+    for (std::size_t bytes : kRegionSizes) {
+      void* base = reserve(bytes, PROT_NONE);
+      if (base == MAP_FAILED) continue;
+      void* meta = reserve(bytes / kPage * sizeof(std::uint32_t), PROT_READ | PROT_WRITE);
+      if (meta == MAP_FAILED) {
+        ::munmap(base, bytes);
+        continue;
+      }
+      reg.base = reinterpret_cast<std::uintptr_t>(base);
+      reg.bytes = bytes;
+      reg.pages = static_cast<std::uint32_t*>(meta);
+      return &reg;
+    }
+    return nullptr;
   }();
   return r;
 }
@@ -85,7 +98,7 @@ void* guard_allocate(std::size_t bytes, std::size_t align) noexcept {
   const std::size_t pages = (size + kPage - 1) / kPage;
   const std::size_t span = (pages + 1) * kPage;  // the block's pages and one guard page
   const std::size_t at = r->next.fetch_add(span, std::memory_order_relaxed);
-  if (at + span > kRegionBytes) return nullptr;
+  if (at + span > r->bytes) return nullptr;
   // end: [pages][guard]; start: [guard][pages]. The guard stays PROT_NONE.
   const std::uintptr_t first = r->base + at + (mode == GuardPages::start ? kPage : 0);
   if (::mprotect(reinterpret_cast<void*>(first), pages * kPage, PROT_READ | PROT_WRITE) != 0) return nullptr;
@@ -96,7 +109,7 @@ void* guard_allocate(std::size_t bytes, std::size_t align) noexcept {
 bool guard_deallocate(void* p) noexcept {
   Region* r = g_region.load(std::memory_order_acquire);
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (!r || a < r->base || a >= r->base + kRegionBytes) return false;
+  if (!r || a < r->base || a >= r->base + r->bytes) return false;
   const std::uintptr_t first = a / kPage * kPage;
   std::uint32_t& pages = r->pages[(first - r->base) / kPage];
   // Fresh inaccessible pages in place of the block's (its memory returned).

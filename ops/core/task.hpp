@@ -20,6 +20,7 @@
 #endif
 
 #include "contracts/engine.hpp"
+#include "contracts/tbb_sync.hpp"
 
 namespace moecert::detail {
 
@@ -51,14 +52,15 @@ class FpDefaults {
 
 /// `f` made to run, on whatever thread oneTBB gives it, under the
 /// library's floating-point environment and the contract settings in effect
-/// where this is called. Every parallel body of an op goes through it.
+/// where this is called (and ordered for ThreadSanitizer: tbb_sync.hpp).
+/// Every parallel body of an op goes through it.
 template <class F>
 auto task(F f) {
-  return [s = effective_contract_settings(), f = std::move(f)](auto&&... args) {
+  return TbbBody([s = effective_contract_settings(), f = std::move(f)](auto&&... args) {
     const ContractScope contracts{s};
     const FpDefaults fp;
     return f(std::forward<decltype(args)>(args)...);
-  };
+  });
 }
 
 }  // namespace moecert::detail

@@ -30,6 +30,16 @@ constexpr std::size_t a_offset(ALayout l, std::size_t lda, std::size_t r, std::s
                             : (r / kTileRows) * lda + (k / kKStep) * (kTileRows * kKStep) + (r % kTileRows) * kKStep + k % kKStep;
 }
 
+// What a kernel reads: A's rows of the block (MR, or the edge kernel's own
+// count: UkernelArgs::rows for scalar and AVX-512, 16 or 32 for AMX) from
+// `a`, elements [0, kp) of each in its layout, and no other row; the two
+// panels' kp / 2 * 32 elements each from `b`; a2 and b2 likewise to kp2; C's
+// MR x NR block at ldc only with `accumulate`. So every buffer a caller of
+// the loops hands over must hold A's rows padded to MR (loops.hpp a_size),
+// W's columns padded to 32 (PackedWeights), and a full C block wherever a
+// block is full (gemm_block passes edge blocks through a scratch block, zero
+// past C's valid part). Prefetches may name addresses past these; they never
+// fault. Guard-page tests hold every kernel to this (gemm_test, [memory]).
 struct UkernelArgs {
   const bf16* a;             // MR rows from column k0, in the kernel's ALayout
   std::size_t lda;           // rows: row stride; tiles: 16-row block stride (elements)
