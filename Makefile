@@ -21,12 +21,13 @@ release: bootstrap
 # library users link) and runs every test in both: Release twice under guard
 # pages (every buffer's end, then its start, against an inaccessible page),
 # with a valgrind memcheck selection; then the default conformance suite on
-# the Release tool under guard pages.
+# the Release tool under guard pages, end and start.
 check: debug release
 	ctest --preset debug -j $(JOBS)
 	ctest --preset release-guard-end -j $(JOBS)
 	ctest --preset release-guard-start -j $(JOBS)
 	build/release/tools/moecert conform --suite default --guard-pages end --out build/check-report 2>/dev/null
+	build/release/tools/moecert conform --suite default --guard-pages start --out build/check-report 2>/dev/null
 
 # Builds the Release tool and runs the default conformance suite into build/report.
 report: bootstrap

@@ -111,7 +111,7 @@ std::vector<Case> all_cases() {
   };
   // Decode-sized batches: under one routed row per expert (T = 8) and three
   // (T = 32), where AMX's 16-row edge block is mostly padding (still faster
-  // than AVX-512 there: docs/PERFORMANCE.md, session 13).
+  // than AVX-512 there: docs/PERFORMANCE.md).
   add_experts({64, 2048, 1408, 6, 0, 8});
   add_experts({64, 2048, 1408, 6, 0, 32});
   add_experts({64, 2048, 1408, 6, 0, 48});

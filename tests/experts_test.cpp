@@ -155,8 +155,8 @@ TEST_CASE("experts.forward: the default kernel choice and its stats", "[experts]
   CHECK(st.routed_rows == 20);
   CHECK(st.padded_rows % gemm::kernel_info(st.isa).mr == 0);
   CHECK(isa_usable(st.isa));
-  // 2.5 routed rows per expert: the default kernel still (AMX gave way to
-  // AVX-512 here once; measured slower, docs/PERFORMANCE.md session 13).
+  // 2.5 routed rows per expert: the default kernel still (AVX-512 is slower
+  // than AMX's 16-row edge block here: docs/PERFORMANCE.md).
   CHECK(st.isa == default_isa());
 }
 

@@ -3,9 +3,14 @@
 
 #include "moecert/config.hpp"
 #include "moecert/contracts.hpp"
+#include "moecert/experts.hpp"
+#include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"
+#include "moecert/layer.hpp"
 #include "moecert/memory.hpp"
+#include "moecert/router.hpp"
 #include "moecert/types.hpp"
+#include "moecert/workspace.hpp"
 
 namespace moecert {
 

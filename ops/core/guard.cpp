@@ -89,19 +89,31 @@ GuardPages guard_pages() { return mode_ref().load(std::memory_order_relaxed); }
 
 namespace detail {
 
+namespace {
+// nullptr, and once per process a line on stderr: the caller falls back to
+// ordinary storage, which a run under guard pages should know.
+void* refused(const char* why) noexcept {
+  static std::atomic<bool> told{false};
+  if (!told.exchange(true)) std::fprintf(stderr, "moecert: guard pages: %s; ordinary storage from here\n", why);
+  return nullptr;
+}
+}  // namespace
+
 void* guard_allocate(std::size_t bytes, std::size_t align) noexcept {
   const GuardPages mode = guard_pages();
+  if (mode == GuardPages::off || align == 0 || align > kPage) return nullptr;
   Region* r = region();
-  if (!r || mode == GuardPages::off || align == 0 || align > kPage) return nullptr;
+  if (!r) return refused("no address range could be reserved");
   g_region.store(r, std::memory_order_release);
   const std::size_t size = (std::max<std::size_t>(bytes, 1) + align - 1) / align * align;
   const std::size_t pages = (size + kPage - 1) / kPage;
   const std::size_t span = (pages + 1) * kPage;  // the block's pages and one guard page
   const std::size_t at = r->next.fetch_add(span, std::memory_order_relaxed);
-  if (at + span > r->bytes) return nullptr;
+  if (at + span > r->bytes) return refused("the reserved address range is used up");
   // end: [pages][guard]; start: [guard][pages]. The guard stays PROT_NONE.
   const std::uintptr_t first = r->base + at + (mode == GuardPages::start ? kPage : 0);
-  if (::mprotect(reinterpret_cast<void*>(first), pages * kPage, PROT_READ | PROT_WRITE) != 0) return nullptr;
+  if (::mprotect(reinterpret_cast<void*>(first), pages * kPage, PROT_READ | PROT_WRITE) != 0)
+    return refused("mprotect refused (vm.max_map_count?)");
   r->pages[(first - r->base) / kPage] = static_cast<std::uint32_t>(pages);
   return reinterpret_cast<void*>(mode == GuardPages::start ? first : first + pages * kPage - size);
 }

@@ -26,7 +26,7 @@ inline constexpr std::size_t kItemBBytes = std::size_t{1} << 20;
 /// Columns per GEMM work item over depth kp: 128 where the item's B then
 /// fits kItemBBytes (K up to 4096), else 256 (B stays in L3 either way, and
 /// wider items read A less often). Measured on the AMX machine, phase by
-/// phase, rows outside (docs/PERFORMANCE.md, session 8): against 256
+/// phase, rows outside (docs/PERFORMANCE.md): against 256
 /// columns, the dx GEMM (K = 2I, 1.4 MiB of B at 256) 3-6% faster, the down
 /// and dh GEMMs 0-8%, gate/up even at T = 4096 and 4-7% faster at T = 1024
 /// (twice the items for 16 threads).
