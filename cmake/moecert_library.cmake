@@ -14,14 +14,17 @@ set(MOECERT_SOURCES
   ops/core/guard.cpp
   contracts/gemm.cpp
   contracts/experts.cpp
+  contracts/experts_train.cpp
   contracts/router.cpp
   ops/router/softmax_topk.cpp
   ops/router/sigmoid_topk.cpp
   ops/router/product_key.cpp
   ops/experts/grouping.cpp
   ops/experts/pack.cpp
+  ops/experts/backward.cpp
   ops/experts/forward.cpp
   ops/experts/lora.cpp
+  ops/experts/train.cpp
   ops/layer/forward.cpp
   ops/layer/backward.cpp
   contracts/layer.cpp

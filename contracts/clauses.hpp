@@ -72,6 +72,34 @@ inline constexpr ClauseInfo kAll[] = {kShape, kIdxInRange, kIdxUnique, kWeightFi
                                       kNoAlias, kPermutation, kYFinite, kProbe, kWithinBound};
 }  // namespace experts
 
+namespace experts_train {
+inline constexpr ClauseInfo kFwdShape = pre("experts.forward_train.shape", Group::shape, "x, y T x H; idx, weights T x K; LoRA of its shapes");
+inline constexpr ClauseInfo kFwdIdxInRange = pre("experts.forward_train.idx_in_range", Group::index, "-1 <= idx < E, -1 only at the tail");
+inline constexpr ClauseInfo kFwdIdxUnique = pre("experts.forward_train.idx_unique", Group::index, "no expert twice in a row");
+inline constexpr ClauseInfo kFwdWeightFinite = pre("experts.forward_train.weight_finite", Group::finite, "weights finite, 0 at -1 slots");
+inline constexpr ClauseInfo kFwdXFinite = pre("experts.forward_train.x_finite", Group::finite, "x finite, 0 or 2^-60 <= |x| <= 2^60");
+inline constexpr ClauseInfo kFwdLoraFinite = pre("experts.forward_train.lora_finite", Group::finite, "LoRA finite, 0 or 2^-60 <= |a| <= 2^60");
+inline constexpr ClauseInfo kFwdScale = pre("experts.forward_train.scale_finite", Group::numeric, "s = float(alpha / r) in [2^-60, 2^60]");
+inline constexpr ClauseInfo kFwdNoAlias = pre("experts.forward_train.no_alias", Group::alias, "y shares no byte with any input");
+inline constexpr ClauseInfo kFwdLoraPadding = {"experts.forward_train.lora_padding", ClauseKind::invariant, Group::numeric, Level::check,
+                                               "packed LoRA rank padding is zero"};
+inline constexpr ClauseInfo kFwdYFinite = post("experts.forward_train.y_finite", Group::finite, "every y finite");
+inline constexpr ClauseInfo kFwdWithin = post("experts.forward_train.within_bound", Group::numeric, "y within bound", Level::full);
+inline constexpr ClauseInfo kBwdState = pre("experts.backward.state", Group::shape, "saved holds a training forward of these shapes and T");
+inline constexpr ClauseInfo kBwdShape = pre("experts.backward.shape", Group::shape, "x, dy T x H; gradients of their shapes");
+inline constexpr ClauseInfo kBwdDyFinite = pre("experts.backward.dy_finite", Group::finite, "every dy finite");
+inline constexpr ClauseInfo kBwdNoAlias = pre("experts.backward.no_alias", Group::alias, "gradients disjoint from each other and inputs");
+inline constexpr ClauseInfo kBwdSavedFinite = pre("experts.backward.saved_finite", Group::finite, "saved activations finite");
+inline constexpr ClauseInfo kBwdGradFinite = post("experts.backward.grad_finite", Group::finite, "every gradient finite");
+inline constexpr ClauseInfo kBwdEmptyZero = post("experts.backward.empty_expert_zero", Group::numeric, "no tokens: gradients exactly 0");
+inline constexpr ClauseInfo kBwdDwMasked = post("experts.backward.dweights_masked", Group::numeric, "dweights 0 at -1 slots");
+inline constexpr ClauseInfo kBwdWithin = post("experts.backward.within_bound", Group::numeric, "outputs within bound", Level::full);
+inline constexpr ClauseInfo kAll[] = {kFwdShape, kFwdIdxInRange, kFwdIdxUnique, kFwdWeightFinite, kFwdXFinite, kFwdLoraFinite,
+                                      kFwdScale, kFwdNoAlias, kFwdLoraPadding, kFwdYFinite, kFwdWithin,
+                                      kBwdState, kBwdShape, kBwdDyFinite, kBwdNoAlias, kBwdSavedFinite, kBwdGradFinite,
+                                      kBwdEmptyZero, kBwdDwMasked, kBwdWithin};
+}  // namespace experts_train
+
 namespace router {
 #define MOECERT_ROUTER_CLAUSE(var, kind, id, group, text) inline constexpr ClauseInfo var = kind(id, Group::group, text);
 MOECERT_ROUTER_CLAUSE(kSmShape, pre, "router.softmax_topk.shape", shape, "z T x E; idx, w T x K; 1 <= K <= E")

@@ -9,6 +9,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/tbb_sync.hpp"
 #include "contracts/compare.hpp"
+#include "contracts/experts_train.hpp"
 #include "contracts/gemm.hpp"
 #include "contracts/verify.hpp"
 
@@ -28,44 +29,10 @@ void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, Ma
              fmt::format("x Tx{0}, idx and weights TxK, y Tx{0}", w.hidden()));
   }
   if (c.stop()) return;
-  MOECERT_CONTRACT(c, k::kIdxInRange) {
-    for (std::size_t i = 0; i < t; ++i) {
-      bool tail = false;
-      for (std::size_t j = 0; j < kk; ++j) {
-        const std::int32_t e = idx(i, j);
-        if (e < -1 || e >= static_cast<std::int64_t>(e_count) || (tail && e != -1)) {
-          c.fail(k::kIdxInRange, fmt::format("t={} j={}", i, j), fmt::format("idx={}", e),
-                 tail ? "-1 (after a -1 slot)" : fmt::format("-1 <= idx < {}", e_count));
-          i = t;
-          break;
-        }
-        tail = tail || e == -1;
-      }
-    }
-  }
+  MOECERT_CONTRACT(c, k::kIdxInRange) { routing_in_range(c, k::kIdxInRange, idx, e_count); }
   if (c.stop()) return;
-  MOECERT_CONTRACT(c, k::kIdxUnique) {
-    for (std::size_t i = 0; i < t && !c.stop(); ++i)
-      for (std::size_t j = 0; j < kk; ++j)
-        for (std::size_t l = 0; l < j; ++l)
-          if (idx(i, j) >= 0 && idx(i, j) == idx(i, l)) {
-            c.fail(k::kIdxUnique, fmt::format("t={} j={}", i, j), fmt::format("idx={} also at j={}", idx(i, j), l),
-                   "distinct experts in a row");
-            i = t;
-            j = kk;
-            break;
-          }
-  }
-  MOECERT_CONTRACT(c, k::kWeightFinite) {
-    for (std::size_t i = 0; i < t; ++i)
-      for (std::size_t j = 0; j < kk; ++j)
-        if (!std::isfinite(weights(i, j)) || (idx(i, j) == -1 && weights(i, j) != 0)) {
-          c.fail(k::kWeightFinite, fmt::format("t={} j={}", i, j), fmt::format("w={} idx={}", weights(i, j), idx(i, j)),
-                 idx(i, j) == -1 ? "0 at a -1 slot" : "finite");
-          i = t;
-          break;
-        }
-  }
+  MOECERT_CONTRACT(c, k::kIdxUnique) { routing_unique(c, k::kIdxUnique, idx); }
+  MOECERT_CONTRACT(c, k::kWeightFinite) { routing_weights(c, k::kWeightFinite, idx, weights); }
   MOECERT_CONTRACT(c, k::kXFinite) { detail::scan_finite(c, k::kXFinite, "x", x); }
   MOECERT_CONTRACT(c, k::kXRange) { detail::scan_bf16_range(c, k::kXRange, "x", x); }
   MOECERT_CONTRACT(c, k::kNoAlias) {

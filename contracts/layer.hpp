@@ -11,7 +11,6 @@ namespace moecert::contracts {
 
 void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
                        MatView<float> y);
-void layer_lora_padding(detail::Checker& c, const experts::PackedLora& l);
 void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
                         MatView<const float> y, const layer::Saved::Impl& s);
 void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,

@@ -8,6 +8,7 @@ std::vector<ClauseInfo> all_clauses() {
   for (const auto& table : {std::span<const ClauseInfo>(clauses::config::kAll),
                             std::span<const ClauseInfo>(clauses::gemm::kAll),
                             std::span<const ClauseInfo>(clauses::experts::kAll),
+                            std::span<const ClauseInfo>(clauses::experts_train::kAll),
                             std::span<const ClauseInfo>(clauses::router::kAll),
                             std::span<const ClauseInfo>(clauses::workspace::kAll),
                             std::span<const ClauseInfo>(clauses::layer::kAll)})

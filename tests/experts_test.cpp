@@ -327,9 +327,9 @@ TEST_CASE("experts and LoRA packs: every task checks at the caller's contract se
     (void)experts::PackedExperts::pack(e, {wg.data(), e * i, h}, {wu.data(), e * i, h}, {wd.data(), e * h, i});
   };
   auto pack_lora = [&] {
-    (void)experts::PackedLora::pack(cfg, layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(),
-                                                                  lora[3].data(), lora[4].data(), lora[5].data()),
-                                    false);
+    (void)experts::PackedLora::pack(experts::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(),
+                                                           lora[3].data(), lora[4].data(), lora[5].data()),
+                                    e, h, i, false);
   };
   auto checked = [] {
     for (const auto& c : clause_counts())

@@ -14,6 +14,8 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include "contracts/bounds/experts.hpp"
+#include "contracts/clauses.hpp"
+#include "contracts/experts_train.hpp"
 #include "contracts/layer.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
@@ -481,13 +483,13 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
                            Level::check);
   }
   SECTION("lora_padding") {
-    auto l = experts::PackedLora::pack(p.cfg, p.weights().lora, true);
+    auto l = experts::PackedLora::pack(p.weights().lora, p.E, p.H, p.I, true);
     auto& w = l.experts[3].b_d;
     w.mutable_data_for_testing()[w.size() - 1] = bf16(1.0f);  // the last rank-padding element
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.forward"};
-          contracts::layer_lora_padding(c, l);
+          MOECERT_CONTRACT(c, clauses::layer::kFwdLoraPadding) { contracts::lora_padding(c, clauses::layer::kFwdLoraPadding, l); }
         },
         "layer.forward.lora_padding", Level::check);
     CHECK(v.location.rfind("expert 3 b_d", 0) == 0);
@@ -593,6 +595,8 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
     g.wu[(idle * p.I + 2) * p.H + 3] = 0;
     // FIELD_NOTES 1: a gradient reaching a -1 slot.
     auto& s = saved.impl();
+    const auto dropped = static_cast<std::size_t>(s.idx[p.K - 1]);
+    g.m_a[dropped] = g.m_g[dropped] = 0;  // token 0's statistics for the expert it no longer routes to
     s.idx[p.K - 1] = -1;
     const_cast<float*>(s.arena.get<float>("router.dw", p.T * p.K))[p.K - 1] = 0.5f;
     test::expect_violation(

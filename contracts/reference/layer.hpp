@@ -25,6 +25,7 @@ namespace moecert::ref {
 template <class S>
 struct LayerData {
   std::size_t T = 0, H = 0, I = 0, E = 0, K = 0, r = 0, R = 0;  // R: router outputs
+  bool router = true;  // false: the experts op alone (w_given, no router: R = 0, no z, no dz)
   RouterKind kind = RouterKind::softmax_topk;
   bool renormalize = true;
   double scaling = 1;  // sigmoid_topk c
@@ -154,8 +155,30 @@ std::vector<S> router_grad(const LayerData<S>& d, const S* zr, const std::int32_
   return dz;
 }
 
+/// The router path after dL/dw: dz per row (dz_hook adds the router
+/// kernel's own rounding), the router linear's gradients dW_r, db, and its
+/// share of dx (dxr).
+template <class S, class DzHook>
+void router_backward_reference(const LayerData<S>& d, LayerResult<S>& out, std::vector<S>& dxr, DzHook dz_hook) {
+  const std::size_t T = d.T, H = d.H, K = d.K, R = d.R;
+  for (std::size_t t = 0; t < T; ++t) {
+    const std::size_t v = valid_prefix(&d.idx[t * K], K);
+    auto dz = router_grad(d, &out.z[t * R], &d.idx[t * K], v, &out.dw[t * K]);
+    dz_hook(t, dz);
+    for (std::size_t e = 0; e < R; ++e) out.dz[t * R + e] = dz[e];
+  }
+  for (std::size_t e = 0; e < R; ++e) {
+    for (std::size_t h = 0; h < H; ++h)
+      out.dwr[e * H + h] = kdot<S>(T, [&](std::size_t t) { return out.dz[t * R + e]; }, [&](std::size_t t) { return d.x[t * H + h]; }, T);
+    out.db[e] = kdot<S>(T, [&](std::size_t t) { return out.dz[t * R + e]; }, [&](std::size_t) { return S(1); }, T);
+  }
+  for (std::size_t t = 0; t < T; ++t)
+    for (std::size_t h = 0; h < H; ++h)
+      dxr[t * H + h] = kdot<S>(R, [&](std::size_t e) { return out.dz[t * R + e]; }, [&](std::size_t e) { return d.wr[e * H + h]; }, R);
+}
+
 /// The layer forward (and, with dy, the backward) for every routed pair, in
-/// the kernel's rounding structure.
+/// the kernel's rounding structure; with d.router false, the experts op.
 template <class S, class DzHook>
 LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths, DzHook dz_hook);
 
@@ -173,7 +196,9 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
   auto kp = [](std::size_t n) { return (n + 31) / 32 * 32; };
   LayerResult<S> out;
   // Router linear and weights.
-  if (!d.z_given.empty()) {
+  if (!d.router) {
+    // The experts op: the caller's weights, no logits.
+  } else if (!d.z_given.empty()) {
     out.z = d.z_given;
   } else {
     out.z.assign(T * R, S(0));
@@ -398,22 +423,7 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
     for (auto& v : *g) v = r32(s * v);
   // Router path: dz, then the router linear's gradients and its share of dx.
   std::vector<S> dxr(T * H, S(0));
-  if (paths.router) {
-    for (std::size_t t = 0; t < T; ++t) {
-      const std::size_t v = valid_prefix(&d.idx[t * K], K);
-      auto dz = router_grad(d, &out.z[t * R], &d.idx[t * K], v, &out.dw[t * K]);
-      dz_hook(t, dz);
-      for (std::size_t e = 0; e < R; ++e) out.dz[t * R + e] = dz[e];
-    }
-    for (std::size_t e = 0; e < R; ++e) {
-      for (std::size_t h = 0; h < H; ++h)
-        out.dwr[e * H + h] = kdot<S>(T, [&](std::size_t t) { return out.dz[t * R + e]; }, [&](std::size_t t) { return d.x[t * H + h]; }, T);
-      out.db[e] = kdot<S>(T, [&](std::size_t t) { return out.dz[t * R + e]; }, [&](std::size_t) { return S(1); }, T);
-    }
-    for (std::size_t t = 0; t < T; ++t)
-      for (std::size_t h = 0; h < H; ++h)
-        dxr[t * H + h] = kdot<S>(R, [&](std::size_t e) { return out.dz[t * R + e]; }, [&](std::size_t e) { return d.wr[e * H + h]; }, R);
-  }
+  if (paths.router && d.router) router_backward_reference(d, out, dxr, dz_hook);
   for (std::size_t i = 0; i < T * H; ++i) out.dx[i] = r32(dxe[i] + dxr[i]);
   return out;
 }

@@ -1,5 +1,6 @@
-// Grouped SwiGLU experts, forward: y_t = sum_j w[t,j] E_{idx[t,j]}(x_t) with
-// E_e(x) = (silu(x W_g[e]^T) * (x W_u[e]^T)) W_d[e]^T.
+// Grouped SwiGLU experts with the caller's routing: y_t = sum_j w[t,j]
+// E_{idx[t,j]}(x_t) with E_e(x) = (silu(x W_g[e]^T) * (x W_u[e]^T)) W_d[e]^T,
+// an inference forward, and a training forward and backward with LoRA.
 #pragma once
 
 #include <cstddef>
@@ -8,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "moecert/config.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/types.hpp"
 
@@ -105,5 +107,129 @@ struct ForwardStats {
 /// and gemm.pack.checksum (audit) on every expert's packed weights.
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y, const ForwardOptions& opt = {});
+
+/// LoRA factors of every expert, stacked by expert (expert e: rows
+/// e*rows .. e*rows + rows - 1): a_gate, a_up [E*r x H]; b_gate, b_up
+/// [E*I x r]; a_down [E*r x I]; b_down [E*H x r]; scale s = float(alpha / r).
+/// rank = 0: no LoRA (the views are not read).
+struct Lora {
+  MatView<const bf16> a_gate, b_gate, a_up, b_up, a_down, b_down;
+  std::size_t rank = 0;  // r
+  double alpha = 0.0;    // alpha
+
+  /// Views of six dense row-major arrays in that order and those shapes.
+  static Lora stacked(std::size_t experts, std::size_t hidden, std::size_t inter, std::size_t rank, double alpha,
+                      const bf16* a_gate, const bf16* b_gate, const bf16* a_up, const bf16* b_up, const bf16* a_down,
+                      const bf16* b_down) {
+    const std::size_t E = experts, H = hidden, I = inter, r = rank;
+    return {{a_gate, E * r, H}, {b_gate, E * I, r}, {a_up, E * r, H}, {b_up, E * I, r}, {a_down, E * r, I}, {b_down, E * H, r},
+            rank, alpha};
+  }
+  /// The same for `cfg`'s E, H, I, r and alpha.
+  static Lora stacked(const MoeConfig& cfg, const bf16* a_gate, const bf16* b_gate, const bf16* a_up, const bf16* b_up,
+                      const bf16* a_down, const bf16* b_down) {
+    auto u = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+    return stacked(u(cfg.experts), u(cfg.hidden), u(cfg.inter), u(cfg.lora_rank), cfg.lora_alpha, a_gate, b_gate, a_up,
+                   b_up, a_down, b_down);
+  }
+};
+
+/// What a training forward keeps for its backward: a planned arena with the
+/// saved activations (the workspace plan of `moecert plan` with no router
+/// outputs), copies of idx and weights, the packed LoRA factors, and the
+/// identity of the call (shapes, T).
+class Saved {
+ public:
+  Saved();
+  ~Saved();
+  Saved(Saved&&) noexcept;
+  Saved& operator=(Saved&&) noexcept;
+  bool valid() const;
+  std::size_t bytes() const;  // arena held
+  struct Impl;
+  Impl& impl() { return *impl_; }
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct TrainOptions {
+  std::optional<Isa> isa;         // as ForwardOptions
+  bool training = true;           // keep what the backward needs (false: y only)
+  std::uint64_t memory_cap = 0;   // workspace.plan.memory_cap (0: none)
+};
+
+/// Training forward with LoRA: y = sum_j w[t,j] E_{idx[t,j]}(x_t) where each
+/// expert's gate, up and down carry their LoRA term s (. A^T) B^T (DESIGN.md;
+/// the kernel's rounding points: include/moecert/layer.hpp). x [T x H] bf16,
+/// idx [T x K] int32 (-1 = empty slot, only at the tail of a row), weights
+/// [T x K] fp32 (the router's, any real values; 0 at -1 slots), y [T x H]
+/// fp32 (written, never read). w packed with backward = true for a
+/// backward. Keeps in `saved` what the backward needs; the caller keeps x
+/// for the backward. The same code as the layer's expert part: the layer is
+/// router linear + router + this op.
+///
+/// Clauses (contracts/experts_train.cpp; bounds: proofs/experts.md):
+///   experts.forward_train.shape          pre   shape    x T x H (T <= 2^20), idx and weights T x K
+///                                                       (1 <= K <= min(E, 64)), y T x H; r <= 256 and
+///                                                       LoRA views of their shapes
+///   experts.forward_train.idx_in_range   pre   index    -1 <= idx[t,j] < E, and -1 only at the tail of a row
+///   experts.forward_train.idx_unique     pre   index    no expert twice in a row
+///   experts.forward_train.weight_finite  pre   finite   every weight finite; 0 at -1 slots
+///   experts.forward_train.x_finite       pre   finite   every x element finite and 0 or 2^-60 <= |x| <= 2^60
+///   experts.forward_train.lora_finite    pre   finite   every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60
+///   experts.forward_train.scale_finite   pre   numeric  alpha finite and s = float(alpha / r) in [2^-60, 2^60]
+///   experts.forward_train.no_alias       pre   alias    y shares no byte with x, idx, weights, LoRA or
+///                                                       packed weights
+///   experts.forward_train.lora_padding   invariant numeric  the packed LoRA factors' rank padding is zero
+///   experts.forward_train.y_finite       post  finite   every y element finite
+///   experts.forward_train.within_bound   post  numeric  every y element within its bound of the
+///                                                       reference (full)
+/// and experts.forward.permutation (the grouping it shares with experts::forward) and the
+/// workspace.* clauses of its arena.
+void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, MatView<const std::int32_t> idx,
+                   MatView<const float> weights, MatView<float> y, Saved& saved, const TrainOptions& opt = {});
+
+/// Gradients of the experts op; each is optional (an empty view is not
+/// computed) and, when given, written entirely. Shapes: dx [T x H],
+/// dweights [T x K], the LoRA factors' and base weights' as those weights
+/// (base: [E*I x H], [E*I x H], [E*H x I]), m_a, m_g [T x E].
+struct Gradients {
+  MatView<float> dx;                                          // expert path
+  MatView<float> dweights;                                    // dL/dw[t,j] = <dy_t, o_{t,idx[t,j]}>, 0 at -1 slots
+  MatView<float> a_gate, b_gate, a_up, b_up, a_down, b_down;  // LoRA (expert path)
+  MatView<float> w_gate, w_up, w_down;                        // base weights (expert path)
+  MatView<float> m_a, m_g;                                    // per-token statistics (expert path)
+};
+
+/// Backward from dy [T x H] fp32 with the forward's `saved`, the same w,
+/// lora and x. Two parts, each run only when one of its outputs is asked
+/// for: the expert path (do = w dy_t through each routed expert: dx, the
+/// LoRA and base-weight gradients, M_A and M_G; DESIGN.md) and dweights
+/// (dL/dw = <dy_t, o_{t,j}> in binary64 rounded once, the router's input
+/// gradient). It leaves `saved` as it found it: a backward may run again.
+///
+/// Clauses (contracts/experts_train.cpp; bounds: proofs/experts.md):
+///   experts.backward.state             pre   shape    saved holds a training forward of these
+///                                                     shapes (E, H, I, K, r, alpha) and T (not: backward
+///                                                     before forward, another config, another T), w packed
+///                                                     with backward
+///   experts.backward.shape             pre   shape    x and dy T x H; every requested gradient of its shape
+///   experts.backward.dy_finite         pre   finite   every dy element finite
+///   experts.backward.no_alias          pre   alias    gradients share no byte with each other, x, dy,
+///                                                     LoRA factors, packed weights or the saved state
+///   experts.backward.saved_finite      pre   finite   the saved activations and weights read by the
+///                                                     backward are finite, the idx copy in range
+///                                                     (FIELD_NOTES 3)
+///   experts.backward.grad_finite       post  finite   every gradient element finite
+///   experts.backward.empty_expert_zero post  numeric  an expert with no routed token has LoRA and
+///                                                     base-weight gradients exactly 0; M_A, M_G are 0
+///                                                     wherever t is not routed to e
+///   experts.backward.dweights_masked   post  numeric  dweights exactly 0 at -1 slots (FIELD_NOTES 1, 5)
+///   experts.backward.within_bound      post  numeric  every requested output within its derived bound of
+///                                                     the reference backward (full)
+void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, MatView<const float> dy, Saved& saved,
+              const Gradients& grads);
 
 }  // namespace moecert::experts

@@ -26,21 +26,9 @@
 
 namespace moecert::layer {
 
-/// LoRA factors of every expert, stacked by expert (expert e: rows
-/// e*rows .. e*rows + rows - 1): a_gate, a_up [E*r x H]; b_gate, b_up
-/// [E*I x r]; a_down [E*r x I]; b_down [E*H x r]. Empty views when r = 0.
-struct Lora {
-  MatView<const bf16> a_gate, b_gate, a_up, b_up, a_down, b_down;
-
-  /// Views of six dense row-major arrays in that order and those shapes
-  /// for `cfg` (E, H, I, r).
-  static Lora stacked(const MoeConfig& cfg, const bf16* a_gate, const bf16* b_gate, const bf16* a_up, const bf16* b_up,
-                      const bf16* a_down, const bf16* b_down) {
-    const auto E = static_cast<std::size_t>(cfg.experts), H = static_cast<std::size_t>(cfg.hidden),
-               I = static_cast<std::size_t>(cfg.inter), r = static_cast<std::size_t>(cfg.lora_rank);
-    return {{a_gate, E * r, H}, {b_gate, E * I, r}, {a_up, E * r, H}, {b_up, E * I, r}, {a_down, E * r, I}, {b_down, E * H, r}};
-  }
-};
+/// LoRA factors and scale (experts::Lora); a layer takes r and alpha from
+/// its MoeConfig (layer.forward.shape checks that they agree).
+using Lora = experts::Lora;
 
 struct Weights {
   const experts::PackedExperts* experts = nullptr;  // packed with backward = true for a backward

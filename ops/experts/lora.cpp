@@ -22,22 +22,23 @@ struct Dense {
 
 }  // namespace
 
-PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool backward) {
-  return pack(cfg, l, backward, PackedLora{});
+PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter, bool backward) {
+  return pack(l, experts, hidden, inter, backward, PackedLora{});
 }
 
-PackedLora PackedLora::pack(const MoeConfig& cfg, const layer::Lora& l, bool backward, PackedLora&& previous) {
+PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter, bool backward,
+                            PackedLora&& previous) {
   PackedLora out;
-  out.rank = static_cast<std::size_t>(cfg.lora_rank);
+  out.rank = l.rank;
   if (out.rank == 0) return out;
 #ifdef MOECERT_MUTANT_LORA_SCALE_INVERTED
-  out.scale = static_cast<float>(static_cast<double>(cfg.lora_rank) / cfg.lora_alpha);  // mutant (docs/MUTANTS.md): r / alpha
+  out.scale = static_cast<float>(static_cast<double>(l.rank) / l.alpha);  // mutant (docs/MUTANTS.md): r / alpha
 #else
-  out.scale = static_cast<float>(cfg.lora_alpha / static_cast<double>(cfg.lora_rank));
+  out.scale = static_cast<float>(l.alpha / static_cast<double>(l.rank));
 #endif
-  const std::size_t r = out.rank, H = static_cast<std::size_t>(cfg.hidden), I = static_cast<std::size_t>(cfg.inter);
+  const std::size_t r = out.rank, H = hidden, I = inter;
   out.experts = std::move(previous.experts);  // storage: each pack below reuses its buffer if the size matches
-  out.experts.resize(static_cast<std::size_t>(cfg.experts));
+  out.experts.resize(experts);
   // gemm.pack's clauses per matrix, at the caller's settings on every thread.
   oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), moecert::detail::task([&](std::size_t e) {
     auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };

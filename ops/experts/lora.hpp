@@ -4,13 +4,13 @@
 #include <vector>
 
 #include "moecert/gemm.hpp"
-#include "moecert/layer.hpp"
+#include "moecert/experts.hpp"
 
 namespace moecert::experts {
 
 /// One expert's LoRA factors packed as B operands (C = A W^T) of the GEMMs
 /// that use them; the rank is zero-padded to the packing's K step (32) and
-/// N step, and that padding must stay zero (layer.forward.lora_padding).
+/// N step, and that padding must stay zero (experts.forward_train.lora_padding).
 struct PackedLoraExpert {
   gemm::PackedWeights a_gu;    // [A_g; A_u]            [2r x H]   xa = x [A_g; A_u]^T
   gemm::PackedWeights b_gu;    // [B_g | 0], [0 | B_u]  interleaved like gate_up; K = 2r
@@ -26,10 +26,12 @@ struct PackedLora {
   std::size_t rank = 0;
   float scale = 0.0f;  // float(alpha / r)
   std::vector<PackedLoraExpert> experts;
-  /// Packs every expert's factors (both orientations when `backward`),
-  /// reusing the memory of `previous` where the shapes match.
-  static PackedLora pack(const MoeConfig& cfg, const layer::Lora& l, bool backward, PackedLora&& previous);
-  static PackedLora pack(const MoeConfig& cfg, const layer::Lora& l, bool backward);
+  /// Packs every expert's factors (both orientations when `backward`) for
+  /// E experts of H -> I -> H, reusing the memory of `previous` where the
+  /// shapes match.
+  static PackedLora pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter, bool backward,
+                         PackedLora&& previous);
+  static PackedLora pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter, bool backward);
 };
 
 }  // namespace moecert::experts

@@ -5,6 +5,8 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
+#include "contracts/clauses.hpp"
+#include "contracts/experts_train.hpp"
 #include "contracts/layer.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/router.hpp"
@@ -95,18 +97,21 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   Saved::Impl& s = saved.impl();
   s.valid = false;
   s.cfg = cfg;
-  s.tokens = x.rows;
+  s.tokens = x.rows, s.topk = static_cast<std::size_t>(cfg.topk);
   const std::size_t t_count = x.rows, k = static_cast<std::size_t>(cfg.topk);
   const std::size_t outs = static_cast<std::size_t>(workspace::router_outputs(cfg));
   const workspace::Plan plan = workspace::plan(cfg, static_cast<std::int64_t>(t_count),
                                                {.training = opt.training, .memory_cap = opt.memory_cap});
   if (plan.buffers.empty()) return;  // a plan clause failed under observe
+  const auto E = static_cast<std::size_t>(cfg.experts), H = static_cast<std::size_t>(cfg.hidden);
+  const auto I = static_cast<std::size_t>(cfg.inter);
+  const experts::Lora lora = cfg.lora_rank ? w.lora : experts::Lora{};
 #ifdef MOECERT_MUTANT_STALE_LORA_PACK
-  if (s.lora.experts.empty()) s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
+  if (s.lora.experts.empty()) s.lora = experts::PackedLora::pack(lora, E, H, I, opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
 #else
-  s.lora = experts::PackedLora::pack(cfg, w.lora, opt.training, std::move(s.lora));
+  s.lora = experts::PackedLora::pack(lora, E, H, I, opt.training, std::move(s.lora));
 #endif
-  contracts::layer_lora_padding(chk, s.lora);
+  MOECERT_CONTRACT(chk, clauses::layer::kFwdLoraPadding) { contracts::lora_padding(chk, clauses::layer::kFwdLoraPadding, s.lora); }
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
   s.logits = s.arena.get<float>("router.logits", t_count * outs);
@@ -116,12 +121,8 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   s.isa = opt.isa.value_or(default_isa());
   router_linear(gemm::kernel_info(s.isa), x, w.router_w, w.router_b, z);
   run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k), MatView<float>(s.weights, t_count, k, k));
-  experts::forward_impl(*w.experts, cfg.lora_rank ? &s.lora : nullptr, x, saved.idx(), saved.weights(), y,
-                        gemm::kernel_info(s.isa), s.arena, s.st, opt.training);  // c1: read by the backward only
+  experts::train_forward_steps(*w.experts, s, x, y, opt.training);
   s.arena.leave(chk);
-  s.training = opt.training;
-  s.valid = true;
-  ++s.generation;
   contracts::layer_forward_post(chk, cfg, w, x, y, s);
 }
 

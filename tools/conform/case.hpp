@@ -30,6 +30,7 @@ struct CaseResult {
   double max_bound_utilization = 0;  // |err| / bound, <= 1 passes
   std::string worst;           // the worst element's location and values
   bool deterministic = true;   // re-run with another thread count, bitwise equal
+  std::string digest;          // FNV-1a 64 of the outputs' bits, hex (compares runs, builds, machines)
   std::vector<std::string> clauses_fired;  // clause ids whose violation the case provoked
   compare::UtilizationHistogram histogram;   // of every compared element
 
@@ -76,6 +77,9 @@ void add_kernel_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
 
 /// Layer cases (forward + backward, two training steps) and the workspace plan.
 void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
+
+/// FNV-1a 64 of the bytes of `v`, 16 hex digits.
+std::string digest_of(const std::vector<float>& v);
 
 /// Fails the case with `detail` unless `ok`; returns ok.
 bool expect(CaseResult& r, bool ok, const std::string& detail);

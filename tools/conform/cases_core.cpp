@@ -21,6 +21,15 @@ bool expect(CaseResult& r, bool ok, const std::string& detail) {
   return ok;
 }
 
+std::string digest_of(const std::vector<float>& v) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (const float f : v) {
+    const auto bits = std::bit_cast<std::uint32_t>(f);
+    for (int i = 0; i < 4; ++i) h = (h ^ ((bits >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+  }
+  return fmt::format("{:016x}", h);
+}
+
 namespace {
 
 // The float nearest to f among bf16 values, ties to even, by exact

@@ -79,8 +79,9 @@ std::vector<float> steps(Layer& l, Isa isa, bool base) {
     const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
     const std::size_t cols[6] = {l.H, l.r, l.H, l.r, l.I, l.r};
     for (int i = 0; i < 6; ++i) g[i].assign(sizes[i], NAN);
-    std::vector<float> gwr(l.R * l.H, NAN), gb(l.R, NAN);
+    std::vector<float> gwr(l.R * l.H, NAN), gb(l.R, NAN), ma(l.T * l.E, NAN), mg(l.T * l.E, NAN);
     layer::Gradients gr;
+    gr.m_a = {ma.data(), l.T, l.E}, gr.m_g = {mg.data(), l.T, l.E};
     gr.dx = {dx.data(), l.T, l.H};
     gr.router_w = {gwr.data(), l.R, l.H};
     gr.router_b = {gb.data(), l.R};
@@ -94,7 +95,7 @@ std::vector<float> steps(Layer& l, Isa isa, bool base) {
     const auto w = l.weights();
     layer::forward(l.cfg, w, {l.x.data(), l.T, l.H}, {y.data(), l.T, l.H}, saved, {.isa = isa});
     layer::backward(l.cfg, w, {l.x.data(), l.T, l.H}, {l.dy.data(), l.T, l.H}, saved, gr);
-    for (auto* v : {&y, &dx, &gwr, &gb}) out.insert(out.end(), v->begin(), v->end());
+    for (auto* v : {&y, &dx, &gwr, &gb, &ma, &mg}) out.insert(out.end(), v->begin(), v->end());
     for (auto& v : g) out.insert(out.end(), v.begin(), v.end());
     for (auto& v : gw) out.insert(out.end(), v.begin(), v.end());
   }
@@ -119,6 +120,7 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
     one = steps(b, isa, base);
   }
   r.deterministic = many == one;
+  r.digest = digest_of(many);
   expect(r, r.deterministic, "results differ between 1 and N threads");
   if (r.verdict == Verdict::pass) {
     r.detail = fmt::format("2 training steps; y, dx, router, LoRA{} gradients within proofs/layer.md (level full)",

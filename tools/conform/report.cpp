@@ -220,7 +220,7 @@ boost::json::object to_json(const Report& r) {
         {"shape", c.def.shape}, {"data", c.def.data}, {"level", level_name(c.def.level)},
         {"max_abs_err", finite(x.max_abs_err)}, {"max_rel_err", finite(x.max_rel_err)},
         {"max_bound_utilization", finite(x.max_bound_utilization)}, {"worst", x.worst},
-        {"deterministic", x.deterministic}, {"verdict", verdict_name(x.verdict)},
+        {"deterministic", x.deterministic}, {"digest", x.digest}, {"verdict", verdict_name(x.verdict)},
         {"detail", x.detail}, {"seconds", c.seconds},
         {"clauses_checked", json::array(c.clauses_checked.begin(), c.clauses_checked.end())},
         {"clauses_fired", json::array(x.clauses_fired.begin(), x.clauses_fired.end())},

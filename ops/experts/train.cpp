@@ -1,0 +1,82 @@
+// The experts training op with the caller's routing: forward_train and
+// backward over a planned arena (the layer runs the same steps around its
+// router).
+#include "ops/experts/train.hpp"
+
+#include <algorithm>
+
+#include "contracts/clauses.hpp"
+#include "contracts/experts_train.hpp"
+#include "moecert/isa.hpp"
+#include "ops/core/task.hpp"
+#include "ops/workspace/planner.hpp"
+
+namespace moecert::experts {
+
+Saved::Saved() : impl_(std::make_unique<Impl>()) {}
+Saved::~Saved() = default;
+Saved::Saved(Saved&&) noexcept = default;
+Saved& Saved::operator=(Saved&&) noexcept = default;
+bool Saved::valid() const { return impl_->valid; }
+std::size_t Saved::bytes() const { return impl_->arena.capacity(); }
+
+void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x, MatView<float> y, bool training) {
+  forward_impl(w, s.lora.rank ? &s.lora : nullptr, x, s.idx_view(), s.weights_view(), y, gemm::kernel_info(s.isa), s.arena,
+               s.st, training);  // c1: read by the backward only
+  s.training = training;
+  s.valid = true;
+  ++s.generation;
+}
+
+void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, MatView<const std::int32_t> idx,
+                   MatView<const float> weights, MatView<float> y, Saved& saved, const TrainOptions& opt) {
+  const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
+  detail::Checker chk{"experts.forward_train"};
+  contracts::experts_train_forward_pre(chk, w, lora, x, idx, weights, y);
+  if (chk.stop()) return;
+  Saved::Impl& s = saved.impl();
+  s.valid = false;
+  s.tokens = x.rows, s.topk = idx.cols;
+  s.experts = w.experts(), s.hidden = w.hidden(), s.inter = w.inter(), s.rank = lora.rank, s.alpha = lora.alpha;
+  const workspace::Plan plan =
+      workspace::plan_shape({s.experts, s.hidden, s.inter, s.topk, s.rank, s.tokens, 0}, opt.training, opt.memory_cap, chk);
+  if (plan.buffers.empty()) return;  // a plan clause failed under observe
+  s.lora = PackedLora::pack(lora, s.experts, s.hidden, s.inter, opt.training, std::move(s.lora));
+  MOECERT_CONTRACT(chk, clauses::experts_train::kFwdLoraPadding) {
+    contracts::lora_padding(chk, clauses::experts_train::kFwdLoraPadding, s.lora);
+  }
+  s.arena.bind(plan, chk);
+  s.arena.enter(workspace::f_route, chk);
+  const std::size_t tk = s.tokens * s.topk;
+  s.idx = s.arena.get<std::int32_t>("router.idx", tk);
+  s.weights = s.arena.get<float>("router.weights", tk);
+  for (std::size_t t = 0; t < s.tokens; ++t) {
+    std::copy(idx.row(t), idx.row(t) + s.topk, s.idx + t * s.topk);
+    std::copy(weights.row(t), weights.row(t) + s.topk, s.weights + t * s.topk);
+  }
+  s.isa = opt.isa.value_or(default_isa());
+  train_forward_steps(w, s, x, y, opt.training);
+  s.arena.leave(chk);
+  contracts::experts_train_forward_post(chk, w, lora, x, y, s);
+}
+
+void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, MatView<const float> dy, Saved& saved,
+              const Gradients& grads) {
+  const moecert::detail::FpDefaults fp;
+  detail::Checker chk{"experts.backward"};
+  contracts::experts_backward_pre(chk, w, lora, x, dy, saved.impl(), grads);
+  if (chk.stop()) return;
+  Saved::Impl& s = saved.impl();
+  s.arena.enter(workspace::b_gather, chk);
+  MOECERT_CONTRACT(chk, clauses::experts_train::kBwdSavedFinite) {
+    contracts::train_saved_finite(chk, clauses::experts_train::kBwdSavedFinite, s, w.inter(), nullptr, 0);
+  }
+  if (chk.stop()) return;
+  const bool expert_path = wants_expert_path(grads);
+  const DyRows d = backward_dh(w, s, dy, expert_path, grads.dweights, chk);
+  backward_expert(w, s, x, dy, d, grads, expert_path, chk);
+  s.arena.leave(chk);
+  contracts::experts_backward_post(chk, w, lora, x, dy, s, grads);
+}
+
+}  // namespace moecert::experts

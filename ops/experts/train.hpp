@@ -1,0 +1,65 @@
+// The experts training op's state and steps on a bound arena: the bodies of
+// experts::forward_train/backward and of the layer, which runs its router
+// around the same steps.
+#pragma once
+
+#include <cstdint>
+
+#include "moecert/experts.hpp"
+#include "ops/experts/forward.hpp"
+#include "ops/experts/lora.hpp"
+#include "ops/workspace/arena.hpp"
+
+namespace moecert::experts {
+
+/// What a training forward keeps for the backward. idx and weights point
+/// into the arena ("router.idx", "router.weights").
+struct TrainState {
+  bool valid = false;
+  bool training = false;
+  std::size_t tokens = 0, topk = 0;
+  std::uint64_t generation = 0;  // distinguishes forwards (for tests)
+  ForwardState st;               // grouping, layouts, c1, h, xa, ha (saved)
+  workspace::Arena arena;
+  PackedLora lora;
+  Isa isa = Isa::scalar;
+  std::int32_t* idx = nullptr;
+  float* weights = nullptr;
+  MatView<const std::int32_t> idx_view() const { return {idx, tokens, topk, topk}; }
+  MatView<const float> weights_view() const { return {weights, tokens, topk, topk}; }
+};
+
+struct Saved::Impl : TrainState {
+  std::size_t experts = 0, hidden = 0, inter = 0, rank = 0;
+  double alpha = 0;
+};
+
+/// The forward's steps f_gather .. f_combine on `s` (its arena bound, idx
+/// and weights in it, s.lora packed, s.isa set); afterwards s is valid.
+void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x, MatView<float> y, bool training);
+
+/// What the backward's first part leaves for the rest (arena buffers).
+struct DyRows {
+  bf16* dyr = nullptr;   // dy rows in bf16, the kernel's A layout (bwd.dy)
+  float* dh = nullptr;   // dy W_d (+ the LoRA term with the expert path) (bwd.dh)
+  float* dyb = nullptr;  // dy B_d [rows x r] (lora.dyb)
+};
+
+/// Steps b_gather and b_dh: dy rows, dh' = dy W_d, dyb = dy B_d; when `dw`
+/// is not empty, dL/dw [T x K] = <dh', h> + <dyb, lb_d> (0 at -1 slots);
+/// with the expert path, dh += bf16(s dyb) A_d. dy rows and dh are formed
+/// only when either part runs.
+DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> dy, bool expert_path, MatView<float> dw,
+                   detail::Checker& chk);
+
+/// Steps b_swiglu .. b_scatter of the expert path: dg, du, dx rows, then
+/// grads.dx = sum_j dx rows in slot order, the LoRA and base-weight
+/// gradients and M_A, M_G. Without the expert path, the requested outputs
+/// are written with 0. grads.dweights is not touched.
+void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> x, MatView<const float> dy,
+                     const DyRows& d, const Gradients& grads, bool expert_path, detail::Checker& chk);
+
+/// True when any output of the expert path is requested.
+bool wants_expert_path(const Gradients& g);
+
+}  // namespace moecert::experts
