@@ -1,0 +1,405 @@
+// experts.forward_train and experts.backward: within the derived bounds on
+// every ISA and routing class, bitwise the layer's expert part, each part
+// callable alone, deterministic, and every clause fired.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <oneapi/tbb/global_control.h>
+
+#include "moecert/isa.hpp"
+#include "moecert/layer.hpp"
+#include "contracts/clauses.hpp"
+#include "contracts/experts_train.hpp"
+#include "ops/experts/train.hpp"
+#include "ops/layer/state.hpp"
+#include "ops/workspace/arena.hpp"
+#include "test_util.hpp"
+
+using namespace moecert;
+
+namespace {
+
+// Routing classes of the caller's idx: distinct experts per row; a random
+// number of -1 tail slots per row; every token's first slot on one expert
+// (the rest -1); only the first half of the experts used (the rest idle).
+enum class Routing { normal, tail, one_expert, idle };
+
+struct Problem {
+  std::size_t T, E, H, I, K, r;
+  double alpha;
+  std::vector<bf16> x, wg, wu, wd, lora[6];
+  std::vector<std::int32_t> idx;
+  std::vector<float> w, dy;
+  experts::PackedExperts packed;
+  experts::Lora lora_view() const {
+    return experts::Lora::stacked(E, H, I, r, alpha, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
+                                  lora[4].data(), lora[5].data());
+  }
+  MatView<const bf16> X() const { return {x.data(), T, H}; }
+  MatView<const std::int32_t> Idx() const { return {idx.data(), T, K}; }
+  MatView<const float> W() const { return {w.data(), T, K}; }
+  MatView<const float> DY() const { return {dy.data(), T, H}; }
+};
+
+Problem make(std::size_t E, std::size_t H, std::size_t I, std::size_t K, std::size_t r, std::size_t T, Routing routing,
+             std::uint64_t seed = 1) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0, 1);
+  Problem p{T, E, H, I, K, r, 2.0 * double(r)};
+  auto fill = [&](std::vector<bf16>& v, std::size_t n, float scale) {
+    v.resize(n);
+    for (auto& q : v) q = bf16(nd(rng) * scale);
+  };
+  const float sh = 1 / std::sqrt(float(H)), si = 1 / std::sqrt(float(I));
+  fill(p.x, T * H, 1), fill(p.wg, E * I * H, sh), fill(p.wu, E * I * H, sh), fill(p.wd, E * H * I, si);
+  const std::size_t sizes[6] = {E * r * H, E * I * r, E * r * H, E * I * r, E * r * I, E * H * r};
+  for (int i = 0; i < 6; ++i) fill(p.lora[i], sizes[i], i % 2 ? 0.3f : (i == 4 ? si : sh));
+  const std::size_t used = routing == Routing::idle ? std::max<std::size_t>(E / 2, K) : E;
+  std::vector<std::int32_t> order(used);
+  p.idx.assign(T * K, -1), p.w.assign(T * K, 0.0f);
+  for (std::size_t t = 0; t < T; ++t) {
+    for (std::size_t e = 0; e < used; ++e) order[e] = static_cast<std::int32_t>(e);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::size_t valid = K;
+    if (routing == Routing::tail) valid = rng() % (K + 1);
+    if (routing == Routing::one_expert) order[0] = 2, valid = 1;
+    for (std::size_t j = 0; j < valid; ++j) p.idx[t * K + j] = order[j], p.w[t * K + j] = 0.5f * nd(rng);
+  }
+  p.dy.resize(T * H);
+  for (auto& q : p.dy) q = nd(rng);
+  p.packed = experts::PackedExperts::pack(E, {p.wg.data(), E * I, H}, {p.wu.data(), E * I, H}, {p.wd.data(), E * H, I}, true);
+  return p;
+}
+
+// Every output, NaN-filled first (each must be written).
+struct Out {
+  std::vector<float> y, dx, dw, g[6], base[3], ma, mg;
+  experts::Gradients views(const Problem& p) {
+    dx.assign(p.T * p.H, NAN), dw.assign(p.T * p.K, NAN), ma.assign(p.T * p.E, NAN), mg.assign(p.T * p.E, NAN);
+    const std::size_t rows[6] = {p.E * p.r, p.E * p.I, p.E * p.r, p.E * p.I, p.E * p.r, p.E * p.H};
+    const std::size_t cols[6] = {p.H, p.r, p.H, p.r, p.I, p.r};
+    experts::Gradients v;
+    MatView<float>* lv[6] = {&v.a_gate, &v.b_gate, &v.a_up, &v.b_up, &v.a_down, &v.b_down};
+    for (int i = 0; i < 6 && p.r; ++i) g[i].assign(rows[i] * cols[i], NAN), *lv[i] = {g[i].data(), rows[i], cols[i]};
+    for (int i = 0; i < 3; ++i) base[i].assign(p.E * p.I * p.H, NAN);
+    v.w_gate = {base[0].data(), p.E * p.I, p.H}, v.w_up = {base[1].data(), p.E * p.I, p.H};
+    v.w_down = {base[2].data(), p.E * p.H, p.I};
+    v.dx = {dx.data(), p.T, p.H}, v.dweights = {dw.data(), p.T, p.K};
+    v.m_a = {ma.data(), p.T, p.E}, v.m_g = {mg.data(), p.T, p.E};
+    return v;
+  }
+  std::vector<float> all() const {
+    std::vector<float> a;
+    for (const auto* v : {&y, &dx, &dw, &ma, &mg}) a.insert(a.end(), v->begin(), v->end());
+    for (const auto& v : g) a.insert(a.end(), v.begin(), v.end());
+    for (const auto& v : base) a.insert(a.end(), v.begin(), v.end());
+    return a;
+  }
+};
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+Out run(const Problem& p, std::optional<Isa> isa = {}) {
+  Out o;
+  o.y.assign(p.T * p.H, NAN);
+  experts::Saved saved;
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H}, saved, {.isa = isa});
+  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, o.views(p));
+  return o;
+}
+
+bool checked(std::string_view id) {
+  for (const auto& c : clause_counts())
+    if (c.id == id) return c.checked > 0;
+  return false;
+}
+
+std::vector<Isa> kernel_isas() {
+  std::vector<Isa> v = usable_isas();
+  v.push_back(Isa::amx_emu);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("experts.backward: every output within its derived bound, every ISA and routing class", "[experts][train]") {
+  for (Isa isa : kernel_isas())
+    for (Routing routing : {Routing::normal, Routing::tail, Routing::one_expert, Routing::idle})
+      for (std::size_t r : {std::size_t{0}, std::size_t{4}}) {
+        INFO(isa_name(isa) << " routing " << int(routing) << " r=" << r);
+        const Problem p = make(8, 40, 24, 3, r, 13, routing);
+        reset_clause_counts();
+        ContractScope s{Level::full, Semantic::enforce};
+        const Out o = run(p, isa);
+        for (const char* id : {"experts.forward_train.within_bound", "experts.backward.within_bound",
+                               "experts.backward.dweights_masked", "experts.backward.empty_expert_zero"})
+          CHECK(checked(id));
+        for (std::size_t t = 0; t < p.T; ++t)
+          for (std::size_t j = 0; j < p.K; ++j)
+            if (p.idx[t * p.K + j] < 0) CHECK(o.dw[t * p.K + j] == 0.0f);
+      }
+}
+
+TEST_CASE("experts.forward_train: the layer's expert part, bit for bit (y, dx, dL/dw, every weight gradient, M_A, M_G)",
+          "[experts][train][layer]") {
+  for (Isa isa : kernel_isas())
+    for (RouterKind kind : {RouterKind::softmax_topk, RouterKind::sigmoid_topk}) {
+      INFO(isa_name(isa) << " " << router_kind_name(kind));
+      Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
+      const MoeConfig cfg{.experts = 8, .hidden = 40, .inter = 24, .topk = 3, .lora_rank = 4, .lora_alpha = p.alpha,
+                          .router = kind, .groups = 2, .topk_group = 2, .scaling = 2.5, .max_tokens = 13};
+      std::mt19937_64 rng(7);
+      std::normal_distribution<float> nd(0, 1);
+      std::vector<float> wr(8 * 40), b(8), bias(8, 0.0f);
+      for (auto& v : wr) v = nd(rng) * 0.2f;
+      for (auto& v : b) v = nd(rng) * 0.1f;
+      const auto lw = layer::Weights::stacked(cfg, p.packed, wr.data(), b.data(), bias.data(), p.lora_view());
+      Out l;
+      l.y.assign(p.T * p.H, NAN);
+      layer::Saved ls;
+      layer::forward(cfg, lw, p.X(), {l.y.data(), p.T, p.H}, ls, {.isa = isa});
+      const auto eg = l.views(p);
+      layer::Gradients lg;
+      lg.dx = eg.dx, lg.m_a = eg.m_a, lg.m_g = eg.m_g, lg.w_gate = eg.w_gate, lg.w_up = eg.w_up, lg.w_down = eg.w_down;
+      lg.a_gate = eg.a_gate, lg.b_gate = eg.b_gate, lg.a_up = eg.a_up, lg.b_up = eg.b_up, lg.a_down = eg.a_down;
+      lg.b_down = eg.b_down;
+      layer::backward(cfg, lw, p.X(), p.DY(), ls, lg, {.expert_path = true, .router_path = false});
+      layer::backward(cfg, lw, p.X(), p.DY(), ls, {}, {.expert_path = false, .router_path = true});
+      const float* ldw = ls.impl().arena.get<float>("router.dw", p.T * p.K);
+      l.dw.assign(ldw, ldw + p.T * p.K);
+      // The experts op on the layer's own routing.
+      p.idx.assign(ls.idx().data, ls.idx().data + p.T * p.K);
+      p.w.assign(ls.weights().data, ls.weights().data + p.T * p.K);
+      const Out e = run(p, isa);
+      CHECK(same_bits(l.all(), e.all()));
+    }
+}
+
+TEST_CASE("experts.backward: dweights and the expert path each alone give the bits of the full call", "[experts][train]") {
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
+  const Out full = run(p);
+  experts::Saved saved;
+  std::vector<float> y(p.T * p.H), dw(p.T * p.K, NAN), dx(p.T * p.H, NAN);
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H}, saved);
+  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, {.dweights = {dw.data(), p.T, p.K}});
+  CHECK(same_bits(dw, full.dw));
+  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, {.dx = {dx.data(), p.T, p.H}});
+  CHECK(same_bits(dx, full.dx));
+  CHECK(same_bits(y, full.y));
+}
+
+TEST_CASE("experts.backward: the same bits on 1 thread and on all", "[experts][train][determinism]") {
+  for (Isa isa : kernel_isas()) {
+    const Problem p = make(16, 72, 40, 4, 8, 50, Routing::tail, 3);
+    const Out many = run(p, isa);
+    oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, 1);
+    CHECK(same_bits(run(p, isa).all(), many.all()));
+  }
+}
+
+// ---- clauses ----------------------------------------------------------------
+
+TEST_CASE("experts.forward_train: preconditions fire and leave y untouched", "[experts][train][clauses]") {
+  Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
+  std::vector<float> y(p.T * p.H, 7.0f);
+  experts::Saved saved;
+  auto fwd = [&](const Problem& q, const experts::Lora& l) {
+    return [&, l] { experts::forward_train(q.packed, l, q.X(), q.Idx(), q.W(), {y.data(), q.T, q.H}, saved); };
+  };
+  auto expect = [&](const Problem& q, const char* clause, const experts::Lora& l) {
+    test::expect_violation(fwd(q, l), clause, Level::check);
+    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
+  };
+  SECTION("shape") {
+    experts::Lora l = p.lora_view();
+    l.b_down.rows -= 1;
+    expect(p, "experts.forward_train.shape", l);
+  }
+  SECTION("idx_in_range") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
+    q.idx[4] = 8;
+    expect(q, "experts.forward_train.idx_in_range", q.lora_view());
+    q.idx[4] = -1, q.idx[3] = -1, q.w[3] = q.w[4] = 0, q.idx[5] = 1;  // a valid slot after a -1
+    expect(q, "experts.forward_train.idx_in_range", q.lora_view());
+  }
+  SECTION("idx_unique") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::normal);
+    q.idx[1] = q.idx[0];
+    expect(q, "experts.forward_train.idx_unique", q.lora_view());
+  }
+  SECTION("weight_finite") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::normal);
+    q.w[2] = NAN;
+    expect(q, "experts.forward_train.weight_finite", q.lora_view());
+    q.w[2] = 0.5f, q.idx[2] = -1;  // a -1 slot with a weight
+    expect(q, "experts.forward_train.weight_finite", q.lora_view());
+  }
+  SECTION("x_finite") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
+    q.x[17] = bf16(INFINITY);
+    expect(q, "experts.forward_train.x_finite", q.lora_view());
+  }
+  SECTION("lora_finite") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
+    q.lora[3][5] = bf16(NAN);
+    expect(q, "experts.forward_train.lora_finite", q.lora_view());
+  }
+  SECTION("scale_finite") {
+    experts::Lora l = p.lora_view();
+    l.alpha = 1e-300;
+    expect(p, "experts.forward_train.scale_finite", l);
+  }
+  SECTION("no_alias") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
+    std::vector<float> buf(q.T * q.K + q.T * q.H);
+    std::copy(q.w.begin(), q.w.end(), buf.begin());
+    test::expect_violation(
+        [&] {
+          experts::forward_train(q.packed, q.lora_view(), q.X(), q.Idx(), {buf.data(), q.T, q.K}, {buf.data() + 1, q.T, q.H}, saved);
+        },
+        "experts.forward_train.no_alias", Level::check);
+  }
+}
+
+TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result clauses fire", "[experts][train][clauses]") {
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
+  SECTION("lora_padding") {
+    auto l = experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true);
+    auto& w = l.experts[2].b_d;
+    w.mutable_data_for_testing()[w.size() - 1] = bf16(1.0f);
+    auto v = test::expect_violation(
+        [&] {
+          detail::Checker c{"experts.forward_train"};
+          MOECERT_CONTRACT(c, clauses::experts_train::kFwdLoraPadding) {
+            contracts::lora_padding(c, clauses::experts_train::kFwdLoraPadding, l);
+          }
+        },
+        "experts.forward_train.lora_padding", Level::check);
+    CHECK(v.location.rfind("expert 2 b_d", 0) == 0);
+  }
+  experts::Saved saved;
+  std::vector<float> y(p.T * p.H);
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H}, saved);
+  auto post = [&] {
+    detail::Checker c{"experts.forward_train"};
+    contracts::experts_train_forward_post(c, p.packed, p.lora_view(), p.X(), {y.data(), p.T, p.H}, saved.impl());
+  };
+  SECTION("y_finite") {
+    y[5] = NAN;
+    test::expect_violation(post, "experts.forward_train.y_finite", Level::check);
+  }
+  SECTION("within_bound") {
+    y[5] += 10.0f;  // far past the bound (|y| ~ 1 here, bound ~ 0.2)
+    test::expect_violation(post, "experts.forward_train.within_bound", Level::full);
+  }
+}
+
+TEST_CASE("experts.backward: preconditions fire and leave the gradients untouched", "[experts][train][clauses]") {
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
+  experts::Saved saved;
+  std::vector<float> y(p.T * p.H), dx(p.T * p.H, 7.0f), dw(p.T * p.K, 7.0f);
+  const experts::Gradients g{.dx = {dx.data(), p.T, p.H}, .dweights = {dw.data(), p.T, p.K}};
+  auto untouched = [&] {
+    CHECK(std::all_of(dx.begin(), dx.end(), [](float v) { return v == 7.0f; }));
+    CHECK(std::all_of(dw.begin(), dw.end(), [](float v) { return v == 7.0f; }));
+  };
+  auto bwd = [&](MatView<const float> dy, const experts::Lora& l) {
+    return [&, dy, l] { experts::backward(p.packed, l, p.X(), dy, saved, g); };
+  };
+  SECTION("state: backward before forward") {
+    test::expect_violation(bwd(p.DY(), p.lora_view()), "experts.backward.state", Level::check);
+    untouched();
+  }
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H}, saved);
+  SECTION("state: another alpha, another T, packed without backward") {
+    experts::Lora l = p.lora_view();
+    l.alpha *= 2;
+    test::expect_violation(bwd(p.DY(), l), "experts.backward.state", Level::check);
+    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), {p.x.data(), p.T - 1, p.H}, {p.dy.data(), p.T - 1, p.H}, saved, {}); },
+                           "experts.backward.state", Level::check);
+    const auto fwd_only = experts::PackedExperts::pack(p.E, {p.wg.data(), p.E * p.I, p.H}, {p.wu.data(), p.E * p.I, p.H},
+                                                        {p.wd.data(), p.E * p.H, p.I});
+    test::expect_violation([&] { experts::backward(fwd_only, p.lora_view(), p.X(), p.DY(), saved, g); }, "experts.backward.state",
+                           Level::check);
+    untouched();
+  }
+  SECTION("shape") {
+    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, {.dweights = {dw.data(), p.T, p.K - 1}}); },
+                           "experts.backward.shape", Level::check);
+    untouched();
+  }
+  SECTION("dy_finite") {
+    std::vector<float> dy = p.dy;
+    dy[9] = NAN;
+    test::expect_violation(bwd({dy.data(), p.T, p.H}, p.lora_view()), "experts.backward.dy_finite", Level::check);
+    untouched();
+  }
+  SECTION("no_alias") {
+    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, {.dx = {dx.data(), p.T, p.H}, .dweights = {dx.data(), p.T, p.K}}); },
+                           "experts.backward.no_alias", Level::check);
+    untouched();
+  }
+  SECTION("saved_finite: a saved buffer overwritten (FIELD_NOTES 3)") {
+    saved.impl().st.c1[saved.impl().st.grouping.begin[1] * saved.impl().st.ldc1] = NAN;
+    if (saved.impl().st.grouping.count[1]) {
+      test::expect_violation(bwd(p.DY(), p.lora_view()), "experts.backward.saved_finite", Level::check);
+      untouched();
+    }
+  }
+}
+
+TEST_CASE("experts.backward: the result clauses fire on wrong gradients", "[experts][train][clauses]") {
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::idle);
+  Out o;
+  o.y.assign(p.T * p.H, NAN);
+  experts::Saved saved;
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H}, saved);
+  const auto g = o.views(p);
+  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, g);
+  auto post = [&] {
+    detail::Checker c{"experts.backward"};
+    contracts::experts_backward_post(c, p.packed, p.lora_view(), p.X(), p.DY(), saved.impl(), g);
+  };
+  SECTION("grad_finite") {
+    o.g[1][3] = INFINITY;
+    test::expect_violation(post, "experts.backward.grad_finite", Level::check);
+  }
+  SECTION("empty_expert_zero") {
+    const std::size_t idle = p.E - 1;  // Routing::idle uses the first half only
+    o.base[2][(idle * p.H + 1) * p.I] = 1e-30f;
+    auto v = test::expect_violation(post, "experts.backward.empty_expert_zero", Level::check);
+    CHECK(v.location.rfind(fmt::format("expert {} w_down grad", idle), 0) == 0);
+    o.base[2][(idle * p.H + 1) * p.I] = 0;
+    o.ma[idle] = 0.25f;  // token 0 is not routed to an idle expert
+    test::expect_violation(post, "experts.backward.empty_expert_zero", Level::check);
+  }
+  SECTION("dweights_masked") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
+    Out u;
+    u.y.assign(q.T * q.H, NAN);
+    experts::Saved s2;
+    experts::forward_train(q.packed, q.lora_view(), q.X(), q.Idx(), q.W(), {u.y.data(), q.T, q.H}, s2);
+    const auto g2 = u.views(q);
+    experts::backward(q.packed, q.lora_view(), q.X(), q.DY(), s2, g2);
+    std::size_t slot = 0;
+    while (slot < q.T * q.K && q.idx[slot] >= 0) ++slot;
+    REQUIRE(slot < q.T * q.K);
+    u.dw[slot] = 0.5f;
+    test::expect_violation(
+        [&] {
+          detail::Checker c{"experts.backward"};
+          contracts::experts_backward_post(c, q.packed, q.lora_view(), q.X(), q.DY(), s2.impl(), g2);
+        },
+        "experts.backward.dweights_masked", Level::check);
+  }
+  SECTION("within_bound") {
+    std::size_t slot = 0;
+    while (p.idx[slot] < 0) ++slot;
+    o.dw[slot] += 10.0f;  // far past the bound
+    test::expect_violation(post, "experts.backward.within_bound", Level::full);
+  }
+}
