@@ -136,6 +136,7 @@ int run_conform(int argc, char** argv) {
   add_core_cases(defs);
   add_router_cases(defs);
   add_kernel_cases(defs, ctx.isas);
+  add_experts_train_cases(defs, ctx.isas);
   add_layer_cases(defs, ctx.isas);
   std::erase_if(defs, [&](const CaseDef& d) { return d.suite > suite; });
 
