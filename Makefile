@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 .PHONY: check report bootstrap debug release tsan stress fuzz clean
 FUZZ_SECONDS ?= 60
 FUZZ_SEED ?= 1
-FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer
+FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer
 
 bootstrap:
 	bash scripts/bootstrap.sh

@@ -26,7 +26,7 @@ done
 if [ ${#names[@]} -eq 0 ]; then
   mapfile -t names < <(grep -rhoE 'MOECERT_MUTANT_[A-Z0-9_]+' ops contracts include | sort -u | sed 's/MOECERT_MUTANT_//' | tr 'A-Z' 'a-z')
 fi
-fuzzers=(bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer)
+fuzzers=(bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer)
 out=build/mutants
 mkdir -p "$out"
 results=$out/results.tsv
