@@ -5,6 +5,7 @@
 // 16-core AMX machine at 16 threads, are given beside the live ones for
 // that thread count and those shapes, and marked as recorded.
 #include <cmath>
+#include <numeric>
 #include <random>
 
 #include <fmt/format.h>
@@ -152,6 +153,73 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   return r;
 }
 
+// The experts op on the caller's routing (K distinct experts per token,
+// uniform; weights in [0, 1)), forward_train or backward (dx, dweights and
+// the LoRA gradients), against the eager peer's expert part on the same
+// routing.
+Result experts_case(const std::string& name, const Shape& s, bool backward, const Options& opt) {
+  Result r;
+  r.name = name;
+  r.op = backward ? "experts.backward" : "experts.forward_train";
+  r.shape = s;
+  r.threads = opt.threads;
+  r.isa = std::string(isa_name(opt.isa));
+  r.peer = "onednn_eager_experts";
+  const LayerData d = make(s);
+  std::vector<std::int32_t> idx(s.t * s.k), perm(s.e);
+  std::vector<float> w(s.t * s.k);
+  std::mt19937_64 rng(23);
+  std::iota(perm.begin(), perm.end(), 0);
+  for (std::size_t t = 0; t < s.t; ++t)
+    for (std::size_t j = 0; j < s.k; ++j) {
+      std::swap(perm[j], perm[j + rng() % (s.e - j)]);
+      idx[t * s.k + j] = perm[j], w[t * s.k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
+    }
+  const auto lora = experts::Lora::stacked(d.cfg, d.ag.data(), d.bg.data(), d.au.data(), d.bu.data(), d.ad.data(), d.bd.data());
+  const MatView<const bf16> x(d.x.data(), s.t, s.h);
+  const MatView<const std::int32_t> iv(idx.data(), s.t, s.k);
+  const MatView<const float> wv(w.data(), s.t, s.k), dyv(d.dy.data(), s.t, s.h);
+  std::vector<float> y(s.t * s.h), dx(s.t * s.h), dw(s.t * s.k), g[6];
+  const std::size_t sizes[6] = {s.e * s.r * s.h, s.e * s.i * s.r, s.e * s.r * s.h, s.e * s.i * s.r, s.e * s.r * s.i, s.e * s.h * s.r};
+  const std::size_t cols[6] = {s.h, s.r, s.h, s.r, s.i, s.r};
+  experts::Gradients gr;
+  gr.dx = {dx.data(), s.t, s.h}, gr.dweights = {dw.data(), s.t, s.k};
+  MatView<float>* lv[6] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up, &gr.a_down, &gr.b_down};
+  for (int i = 0; i < 6; ++i) g[i].resize(sizes[i]), *lv[i] = {g[i].data(), sizes[i] / cols[i], cols[i]};
+  experts::Saved saved;  // reused across steps, as a training loop would
+  auto fwd = [&] { experts::forward_train(d.packed, lora, x, iv, wv, {y.data(), s.t, s.h}, saved, {.isa = opt.isa}); };
+  OnednnEagerLayer peer({.experts = s.e, .hidden = s.h, .inter = s.i, .topk = s.k, .rank = s.r,
+                         .scale = float(d.cfg.lora_alpha / double(s.r)), .w_gate = d.wg.data(), .w_up = d.wu.data(),
+                         .w_down = d.wd.data(), .a_gate = d.ag.data(), .b_gate = d.bg.data(), .a_up = d.au.data(),
+                         .b_up = d.bu.data(), .a_down = d.ad.data(), .b_down = d.bd.data(), .router_w = d.wr.data(),
+                         .router_b = d.b.data()});
+  std::vector<float> py(y.size()), pdx(dx.size()), pdw(dw.size()), pg[6];
+  for (int i = 0; i < 6; ++i) pg[i].resize(sizes[i]);
+  const EagerLayerGrads pgr{.dx = pdx.data(), .a_gate = pg[0].data(), .b_gate = pg[1].data(), .a_up = pg[2].data(),
+                            .b_up = pg[3].data(), .a_down = pg[4].data(), .b_down = pg[5].data()};
+  auto peer_fwd = [&] { peer.forward_experts(x, iv, wv, {py.data(), s.t, s.h}); };
+  std::vector<std::pair<const std::vector<float>*, const std::vector<float>*>> pairs{{&y, &py}};
+  if (backward) {
+    fwd(), peer_fwd();
+    time_against_peer(
+        opt.reps, [&] { experts::backward(d.packed, lora, x, dyv, saved, gr); },
+        [&] { peer.backward_experts(dyv, pgr, pdw.data()); }, r);
+    pairs = {{&dx, &pdx}, {&dw, &pdw}};
+    for (int i = 0; i < 6; ++i) pairs.emplace_back(&g[i], &pg[i]);
+  } else {
+    time_against_peer(opt.reps, fwd, peer_fwd, r);
+  }
+  r.flops = 6.0 * double(s.t) * double(s.k) * double(s.h) * double(s.i) * (backward ? 2 : 1);
+  double worst = 0;
+  for (const auto& [ours, theirs] : pairs) {
+    const Difference df = difference(*ours, *theirs);
+    worst = std::max(worst, df.max_abs > 0 ? df.max_diff / df.max_abs : df.max_diff);
+  }
+  r.note = fmt::format("peer: the eager layer's expert part on the same routing ({}); largest |ours - peer| / max |peer|: {:.2g}",
+                       peer.matmul_impls(), worst);
+  return r;
+}
+
 }  // namespace
 
 void add_layer_cases(std::vector<Case>& out) {
@@ -168,6 +236,13 @@ void add_layer_cases(std::vector<Case>& out) {
     }
   // With the base weights' gradients (3 x E I H fp32 outputs: 2.2 GB).
   const Shape s{64, 2048, 1408, 6, 8, 1024};
+  for (bool backward : {false, true})
+    for (std::size_t t : {std::size_t{48}, std::size_t{1024}, std::size_t{4096}}) {
+      const Shape s{64, 2048, 1408, 6, 8, t};
+      const std::string name = fmt::format("experts.{}/E64_H2048_I1408_K6_r8_T{}", backward ? "backward" : "forward_train", t);
+      out.push_back({name, backward ? "experts.backward" : "experts.forward_train", s, 0,
+                     [name, s, backward](const Options& o) { return experts_case(name, s, backward, o); }});
+    }
   const std::string name = "layer.backward_base/E64_H2048_I1408_K6_r8_T1024";
   const std::size_t bytes = 2 * 3 * s.e * s.h * s.i * 2 + 3 * s.e * s.h * s.i * 4 + s.t * s.k * (4 * s.i + 3 * s.h) * 8;
   out.push_back({name, "layer.backward", s, bytes, [name, s](const Options& o) { return layer_case(name, s, true, true, o); }});

@@ -207,7 +207,7 @@ std::string OnednnEagerLayer::matmul_impls() const {
 void OnednnEagerLayer::forward(MatView<const bf16> x, MatView<float> y) {
   Impl& p = *impl_;
   const EagerLayerSpec& s = p.s;
-  const std::size_t T = x.rows, H = s.hidden, I = s.inter, E = s.experts, K = s.topk, r = s.rank;
+  const std::size_t T = x.rows, H = s.hidden, E = s.experts, K = s.topk;
   p.tokens = T;
   // Router.
   p.xf.resize(T * H);
@@ -246,6 +246,26 @@ void OnednnEagerLayer::forward(MatView<const bf16> x, MatView<float> y) {
   });
   p.w.resize(T * K);
   each(T * K, [&](std::size_t q) { p.w[q] = p.p_sel[q] / p.p_sum[q / K]; });
+  run_experts(x, y);
+}
+
+void OnednnEagerLayer::forward_experts(MatView<const bf16> x, MatView<const std::int32_t> idx, MatView<const float> w,
+                                       MatView<float> y) {
+  Impl& p = *impl_;
+  const std::size_t T = x.rows, K = p.s.topk;
+  p.tokens = T;
+  p.idx.resize(T * K), p.w.resize(T * K);
+  for (std::size_t t = 0; t < T; ++t)
+    for (std::size_t j = 0; j < K; ++j) p.idx[t * K + j] = idx(t, j), p.w[t * K + j] = w(t, j);
+  run_experts(x, y);
+}
+
+// The experts on p.idx and p.w: rows grouped by expert, each expert's
+// matmuls and element-wise passes, index_add_ into y.
+void OnednnEagerLayer::run_experts(MatView<const bf16> x, MatView<float> y) {
+  Impl& p = *impl_;
+  const EagerLayerSpec& s = p.s;
+  const std::size_t T = x.rows, H = s.hidden, I = s.inter, E = s.experts, K = s.topk, r = s.rank;
 
   // Rows grouped by expert.
   p.offset.assign(E + 1, 0);
@@ -297,6 +317,11 @@ void OnednnEagerLayer::forward(MatView<const bf16> x, MatView<float> y) {
 }
 
 void OnednnEagerLayer::backward(MatView<const float> dy, const EagerLayerGrads& gr) {
+  backward_experts(dy, gr, nullptr);
+  backward_router(gr);
+}
+
+void OnednnEagerLayer::backward_experts(MatView<const float> dy, const EagerLayerGrads& gr, float* dweights) {
   Impl& p = *impl_;
   if (p.offset.empty()) throw std::logic_error("OnednnEagerLayer: backward before forward");
   const EagerLayerSpec& s = p.s;
@@ -347,7 +372,14 @@ void OnednnEagerLayer::backward(MatView<const float> dy, const EagerLayerGrads& 
       for (std::size_t c = 0; c < H; ++c) dxt[c] += float(dxg[i * H + c]);
     });
   }
-  // Router: w = p_sel / p_sum, then topk, softmax and the linear backward.
+  if (dweights) std::copy(p.dw.begin(), p.dw.end(), dweights);
+}
+
+// Router: w = p_sel / p_sum, then topk, softmax and the linear backward.
+void OnednnEagerLayer::backward_router(const EagerLayerGrads& gr) {
+  Impl& p = *impl_;
+  const EagerLayerSpec& s = p.s;
+  const std::size_t T = p.tokens, H = s.hidden, E = s.experts, K = s.topk;
   p.dp.assign(T * E, 0.0f);
   each_row(T, K, [&](std::size_t t) {
     float dsum = 0;

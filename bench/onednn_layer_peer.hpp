@@ -44,10 +44,17 @@ class OnednnEagerLayer {
   void forward(MatView<const bf16> x, MatView<float> y);
   /// The backward of the last forward, for dy [T x H].
   void backward(MatView<const float> dy, const EagerLayerGrads& g);
+  /// The expert part alone, on the caller's routing (no -1 slots): y from
+  /// x, idx, w; the backward's dx, LoRA gradients and dL/dw [T x K] (g's
+  /// router entries unused).
+  void forward_experts(MatView<const bf16> x, MatView<const std::int32_t> idx, MatView<const float> w, MatView<float> y);
+  void backward_experts(MatView<const float> dy, const EagerLayerGrads& g, float* dweights);
   /// The oneDNN implementations its matmul primitives use, with counts.
   std::string matmul_impls() const;
 
  private:
+  void run_experts(MatView<const bf16> x, MatView<float> y);
+  void backward_router(const EagerLayerGrads& g);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

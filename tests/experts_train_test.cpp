@@ -99,6 +99,13 @@ struct Out {
   }
 };
 
+// A request for dx and dweights only (either may be empty).
+experts::Gradients only(MatView<float> dx, MatView<float> dw) {
+  experts::Gradients g;
+  g.dx = dx, g.dweights = dw;
+  return g;
+}
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -185,9 +192,9 @@ TEST_CASE("experts.backward: dweights and the expert path each alone give the bi
   experts::Saved saved;
   std::vector<float> y(p.T * p.H), dw(p.T * p.K, NAN), dx(p.T * p.H, NAN);
   experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H}, saved);
-  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, {.dweights = {dw.data(), p.T, p.K}});
+  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, only({}, {dw.data(), p.T, p.K}));
   CHECK(same_bits(dw, full.dw));
-  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, {.dx = {dx.data(), p.T, p.H}});
+  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, only({dx.data(), p.T, p.H}, {}));
   CHECK(same_bits(dx, full.dx));
   CHECK(same_bits(y, full.y));
 }
@@ -302,7 +309,7 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
   experts::Saved saved;
   std::vector<float> y(p.T * p.H), dx(p.T * p.H, 7.0f), dw(p.T * p.K, 7.0f);
-  const experts::Gradients g{.dx = {dx.data(), p.T, p.H}, .dweights = {dw.data(), p.T, p.K}};
+  const experts::Gradients g = only({dx.data(), p.T, p.H}, {dw.data(), p.T, p.K});
   auto untouched = [&] {
     CHECK(std::all_of(dx.begin(), dx.end(), [](float v) { return v == 7.0f; }));
     CHECK(std::all_of(dw.begin(), dw.end(), [](float v) { return v == 7.0f; }));
@@ -328,7 +335,7 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
     untouched();
   }
   SECTION("shape") {
-    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, {.dweights = {dw.data(), p.T, p.K - 1}}); },
+    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, only({}, {dw.data(), p.T, p.K - 1})); },
                            "experts.backward.shape", Level::check);
     untouched();
   }
@@ -339,7 +346,7 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
     untouched();
   }
   SECTION("no_alias") {
-    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, {.dx = {dx.data(), p.T, p.H}, .dweights = {dx.data(), p.T, p.K}}); },
+    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, only({dx.data(), p.T, p.H}, {dx.data(), p.T, p.K})); },
                            "experts.backward.no_alias", Level::check);
     untouched();
   }

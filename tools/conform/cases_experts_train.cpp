@@ -56,7 +56,8 @@ void route(Problem& p, Routing routing, std::mt19937_64& rng) {
 }
 
 Problem make(Dims d, Routing routing, std::uint64_t seed) {
-  Problem p{d};
+  Problem p;
+  p.d = d;
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0, 1);
   auto fill = [&](std::vector<bf16>& v, std::size_t n, float s) {
@@ -83,7 +84,8 @@ std::vector<float> forward_backward(const Problem& p, Isa isa) {
   std::vector<float> g[9];
   const std::size_t rows[9] = {d.E * d.r, d.E * d.I, d.E * d.r, d.E * d.I, d.E * d.r, d.E * d.H, d.E * d.I, d.E * d.I, d.E * d.H};
   const std::size_t cols[9] = {d.H, d.r, d.H, d.r, d.I, d.r, d.H, d.H, d.I};
-  experts::Gradients gr{.dx = {dx.data(), d.T, d.H}, .dweights = {dw.data(), d.T, d.K}};
+  experts::Gradients gr;
+  gr.dx = {dx.data(), d.T, d.H}, gr.dweights = {dw.data(), d.T, d.K};
   MatView<float>* v[9] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up, &gr.a_down, &gr.b_down, &gr.w_gate, &gr.w_up, &gr.w_down};
   for (int i = 0; i < 9; ++i) g[i].assign(rows[i] * cols[i], NAN), *v[i] = {g[i].data(), rows[i], cols[i]};
   gr.m_a = {ma.data(), d.T, d.E}, gr.m_g = {mg.data(), d.T, d.E};
