@@ -55,16 +55,6 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
   return contracts::within(c, clause, name, cols, g, ref, "proofs/layer.md");
 }
 
-// The layer's gradients of the expert path, as the experts op names them.
-experts::Gradients expert_part(const layer::Gradients& g) {
-  experts::Gradients e;
-  e.dx = g.dx;
-  e.a_gate = g.a_gate, e.b_gate = g.b_gate, e.a_up = g.a_up, e.b_up = g.b_up, e.a_down = g.a_down, e.b_down = g.b_down;
-  e.w_gate = g.w_gate, e.w_up = g.w_up, e.w_down = g.w_down;
-  e.m_a = g.m_a, e.m_g = g.m_g;
-  return e;
-}
-
 // The router backward kernel's own rounding, given the g it was fed
 // (proofs/router.md §4), per element of the row's dz.
 std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const float* z, const std::int32_t* ir, std::size_t v,
@@ -204,7 +194,7 @@ void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::W
     else if (!g.m_g.empty() && !is(g.m_g, T, d.E)) bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
     else
       for (std::size_t i = 0; i < kWeightGrads; ++i) {
-        const auto v = weight_grads(expert_part(g))[i];
+        const auto v = weight_grads(layer::expert_gradients(g))[i];
         const auto sh = grad_shapes(d.E, d.H, d.I, d.r)[i];
         if (!v.empty() && !is(v, sh.rows, sh.cols)) {
           bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows, sh.cols);
@@ -220,7 +210,7 @@ void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::W
                                                         {"router_b grad", g.router_b.bytes()}, {"m_a", g.m_a.bytes()},
                                                         {"m_g", g.m_g.bytes()}};
     for (std::size_t i = 0; i < kWeightGrads; ++i)
-      outs.emplace_back(fmt::format("{} grad", grad_shapes(d.E, d.H, d.I, d.r)[i].name), weight_grads(expert_part(g))[i].bytes());
+      outs.emplace_back(fmt::format("{} grad", grad_shapes(d.E, d.H, d.I, d.r)[i].name), weight_grads(layer::expert_gradients(g))[i].bytes());
     std::vector<std::pair<std::string, ByteRange>> ins{{"x", x.bytes()}, {"dy", dy.bytes()}, {"router_w", w.router_w.bytes()},
                                                        {"router_b", w.router_b.bytes()}, {"saved workspace", s.arena.bytes()}};
     for (std::size_t i = 0; i < 6 && d.r; ++i)
@@ -253,7 +243,7 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
   const auto& s = saved.impl();
   const float* dw = s.arena.plan().find("router.dw") ? s.arena.get<float>("router.dw", x.rows * d.K) : nullptr;
   const auto names = grad_shapes(d.E, d.H, d.I, d.r);
-  const auto wg = weight_grads(expert_part(g));
+  const auto wg = weight_grads(layer::expert_gradients(g));
   MOECERT_CONTRACT(c, k::kBwdGradFinite) {
     bool ok = detail::scan_finite(c, k::kBwdGradFinite, "dx", MatView<const float>(g.dx)) &&
               detail::scan_finite(c, k::kBwdGradFinite, "router_w grad", MatView<const float>(g.router_w)) &&
@@ -264,7 +254,7 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
     for (std::size_t i = 0; i < kWeightGrads && ok; ++i)
       ok = detail::scan_finite(c, k::kBwdGradFinite, fmt::format("{} grad", names[i].name), MatView<const float>(wg[i]));
   }
-  MOECERT_CONTRACT(c, k::kBwdEmptyZero) { empty_expert_zero(c, k::kBwdEmptyZero, s, expert_part(g)); }
+  MOECERT_CONTRACT(c, k::kBwdEmptyZero) { empty_expert_zero(c, k::kBwdEmptyZero, s, layer::expert_gradients(g)); }
   MOECERT_CONTRACT(c, k::kBwdRouterMasked) {
     if (dw) dweights_masked(c, k::kBwdRouterMasked, s, MatView<const float>(dw, x.rows, d.K, d.K));
   }

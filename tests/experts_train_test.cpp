@@ -47,7 +47,8 @@ Problem make(std::size_t E, std::size_t H, std::size_t I, std::size_t K, std::si
              std::uint64_t seed = 1) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0, 1);
-  Problem p{T, E, H, I, K, r, 2.0 * double(r)};
+  Problem p;
+  p.T = T, p.E = E, p.H = H, p.I = I, p.K = K, p.r = r, p.alpha = 2.0 * double(r);
   auto fill = [&](std::vector<bf16>& v, std::size_t n, float scale) {
     v.resize(n);
     for (auto& q : v) q = bf16(nd(rng) * scale);
@@ -257,7 +258,7 @@ TEST_CASE("experts.forward_train: preconditions fire and leave y untouched", "[e
   }
   SECTION("scale_finite") {
     experts::Lora l = p.lora_view();
-    l.alpha = 1e-300;
+    l.alpha = 1e-300;  // an input, not a tolerance: float(alpha / r) underflows to 0
     expect(p, "experts.forward_train.scale_finite", l);
   }
   SECTION("no_alias") {
@@ -377,7 +378,7 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients", "[expe
   }
   SECTION("empty_expert_zero") {
     const std::size_t idle = p.E - 1;  // Routing::idle uses the first half only
-    o.base[2][(idle * p.H + 1) * p.I] = 1e-30f;
+    o.base[2][(idle * p.H + 1) * p.I] = 1e-30f;  // any nonzero value breaks an exact-zero clause
     auto v = test::expect_violation(post, "experts.backward.empty_expert_zero", Level::check);
     CHECK(v.location.rfind(fmt::format("expert {} w_down grad", idle), 0) == 0);
     o.base[2][(idle * p.H + 1) * p.I] = 0;

@@ -11,6 +11,7 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include "ops/core/task.hpp"
+#include "ops/core/views.hpp"
 #include "ops/experts/train.hpp"
 #include "ops/gemm/loops.hpp"
 #include "ops/gemm/row_sums.hpp"
@@ -21,10 +22,6 @@ namespace moecert::experts {
 using gemm::round_up;
 
 namespace {
-
-void zero(MatView<float> m) {
-  for (std::size_t i = 0; i < m.rows; ++i) std::fill(m.row(i), m.row(i) + m.cols, 0.0f);
-}
 
 // The shapes and layouts every step reads.
 struct Ctx {
@@ -46,6 +43,8 @@ struct Ctx {
   // Token and routing weight of a grouped row.
   std::size_t token_of(std::size_t row) const { return static_cast<std::size_t>(gr.row_slot[row]) / K; }
   float weight_of(std::size_t row) const { return s.weights[static_cast<std::size_t>(gr.row_slot[row])]; }
+  // Row stride of dh (fp32, depth I padded to the K step).
+  std::size_t ldd() const { return round_up(I, gemm::kKStep); }
   // The dg, du rows (bf16, A layout of depth 2I): dg at columns 0..I-1, du at I..2I-1.
   std::size_t kp2i() const { return round_up(2 * I, gemm::kKStep); }
   std::size_t ldg() const { return gemm::a_stride(layout, kp2i()); }
@@ -91,8 +90,9 @@ void expert_sums(const gemm::KernelInfo& kernel, const Grouping& gr, std::size_t
 // terms in order (every product exact), rounded once, into dw at the row's
 // slot. Eight rows at a time, an accumulator each: one row's additions form
 // a chain of dependent double adds, and a row alone left the core waiting.
-void dweights_rows(const Ctx& c, const float* dh, std::size_t ldd, const float* dyb, MatView<float> dw) {
+void dweights_rows(const Ctx& c, const float* dh, const float* dyb, MatView<float> dw) {
   constexpr std::size_t kRows = 8;
+  const std::size_t ldd = c.ldd();
   const ForwardState& st = c.s.st;
   oneapi::tbb::parallel_for(std::size_t{0}, (c.rows + kRows - 1) / kRows, moecert::detail::task([&](std::size_t blk) {
     const std::size_t q0 = blk * kRows;
@@ -141,8 +141,8 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   // 1. dy rows in bf16, in the kernel's A layout (step b_gather; the
   //    caller entered it).
   const std::size_t kph = round_up(c.H, gemm::kKStep), lddy = gemm::a_stride(c.layout, kph);
-  d.dyr = arena.get<bf16>("bwd.dy", gemm::a_size(c.layout, c.rows, kph));
-  auto dy_row = [&](std::size_t row) { return d.dyr + gemm::a_offset(c.layout, lddy, row, 0); };
+  bf16* dyr = arena.get<bf16>("bwd.dy", gemm::a_size(c.layout, c.rows, kph));
+  auto dy_row = [&](std::size_t row) { return dyr + gemm::a_offset(c.layout, lddy, row, 0); };
   if (need_dh)
     oneapi::tbb::parallel_for(std::size_t{0}, c.E, moecert::detail::task([&](std::size_t e) {
       std::vector<std::int32_t> tokens(c.gr.count[e]);
@@ -154,7 +154,7 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   // 2. dh' = dy W_d, dyb = dy B_d; dw = <dh', h> + <dyb, lb_d>; then the
   //    expert path's dh = dh' + bf16(s dyb) A_d.
   arena.enter(workspace::b_dh, chk);
-  const std::size_t ldd = round_up(c.I, gemm::kKStep);
+  const std::size_t ldd = c.ldd();
   d.dh = arena.get<float>("bwd.dh", c.rows * ldd);
   d.dyb = c.r ? arena.get<float>("lora.dyb", c.rows * c.r) : nullptr;
   const std::size_t kr2 = round_up(c.r, gemm::kKStep);
@@ -172,9 +172,9 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   }
   if (!dw.empty()) {
 #ifndef MOECERT_MUTANT_DWEIGHTS_TAIL_UNWRITTEN  // mutant (docs/MUTANTS.md): -1 slots keep the caller's bytes
-    zero(dw);
+    detail::fill_zero(dw);
 #endif
-    dweights_rows(c, d.dh, ldd, d.dyb, dw);
+    dweights_rows(c, d.dh, d.dyb, dw);
   }
   if (expert_path && c.r) {
     bf16* qd = arena.get<bf16>("lora.qd", gemm::a_size(c.layout, c.rows, kr2));
@@ -202,7 +202,7 @@ namespace {
 // layout).
 void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
   const ForwardState& st = c.s.st;
-  const std::size_t ldd = round_up(c.I, gemm::kKStep), kp2i = c.kp2i(), ldg = c.ldg();
+  const std::size_t ldd = c.ldd(), kp2i = c.kp2i(), ldg = c.ldg();
   const std::size_t piece = c.chunk ? c.chunk : kp2i;
   auto at = [&](std::size_t row, std::size_t col) { return dgu + gemm::a_offset(c.layout, ldg, row, col); };
   oneapi::tbb::parallel_for(std::size_t{0}, c.rows, moecert::detail::task([&](std::size_t row) {
@@ -348,8 +348,8 @@ void token_stats(const Ctx& c, MatView<const bf16> x, MatView<const float> dy, c
                  const float* dyb, const Gradients& g) {
   const ForwardState& st = c.s.st;
   const std::size_t ldg = c.ldg(), r = c.r;
-  if (!g.m_a.empty()) zero(g.m_a);
-  if (!g.m_g.empty()) zero(g.m_g);
+  if (!g.m_a.empty()) detail::fill_zero(g.m_a);
+  if (!g.m_g.empty()) detail::fill_zero(g.m_g);
   oneapi::tbb::parallel_for(std::size_t{0}, c.rows, moecert::detail::task([&](std::size_t row) {
     if (c.gr.row_slot[row] < 0) return;
     const std::size_t t = c.token_of(row), e = static_cast<std::size_t>(c.s.idx[c.gr.row_slot[row]]);
@@ -399,25 +399,25 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
   arena.enter(workspace::b_scatter, chk);
   if (!g.dx.empty()) {
     if (expert_path) scatter_dx(c, dxr, g.dx);
-    else zero(g.dx);
+    else detail::fill_zero(g.dx);
   }
   if (c.r && expert_path) {
     lora_gate_up_grads(c, x, dgu, dgb, g);
   } else {
     for (const auto& v : {g.a_gate, g.b_gate, g.a_up, g.b_up, g.a_down, g.b_down})
-      if (!v.empty()) zero(v);
+      if (!v.empty()) detail::fill_zero(v);
   }
   if (expert_path) {
     base_grads(c, x, dy, dgu, g);
   } else {
     for (const auto& v : {g.w_gate, g.w_up, g.w_down})
-      if (!v.empty()) zero(v);
+      if (!v.empty()) detail::fill_zero(v);
   }
   if (!g.m_a.empty() || !g.m_g.empty()) {
     if (expert_path) token_stats(c, x, dy, dgu, dgb, d.dyb, g);
     else
       for (const auto& v : {g.m_a, g.m_g})
-        if (!v.empty()) zero(v);
+        if (!v.empty()) detail::fill_zero(v);
   }
 }
 

@@ -40,7 +40,6 @@ void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf
 
 /// What the backward's first part leaves for the rest (arena buffers).
 struct DyRows {
-  bf16* dyr = nullptr;   // dy rows in bf16, the kernel's A layout (bwd.dy)
   float* dh = nullptr;   // dy W_d (+ the LoRA term with the expert path) (bwd.dh)
   float* dyb = nullptr;  // dy B_d [rows x r] (lora.dyb)
 };

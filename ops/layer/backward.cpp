@@ -12,6 +12,7 @@
 #include "contracts/layer.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
+#include "ops/core/views.hpp"
 #include "ops/gemm/row_sums.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/planner.hpp"
@@ -19,21 +20,6 @@
 namespace moecert::layer {
 
 namespace {
-
-void zero(MatView<float> m) {
-  for (std::size_t i = 0; i < m.rows; ++i) std::fill(m.row(i), m.row(i) + m.cols, 0.0f);
-}
-
-// The layer's gradients that the experts op computes (dL/dw goes to the
-// arena, not to the caller).
-experts::Gradients expert_grads(const Gradients& g) {
-  experts::Gradients e;
-  e.dx = g.dx;
-  e.a_gate = g.a_gate, e.b_gate = g.b_gate, e.a_up = g.a_up, e.b_up = g.b_up, e.a_down = g.a_down, e.b_down = g.b_down;
-  e.w_gate = g.w_gate, e.w_up = g.w_up, e.w_down = g.w_down;
-  e.m_a = g.m_a, e.m_g = g.m_g;
-  return e;
-}
 
 // dz as [T x R] rows; for product_key as two planes dsx [T x n], dsy [T x n]
 // (the router's backward wants them disjoint).
@@ -134,7 +120,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
   if (chk.stop()) return;
   const MatView<float> dw(arena.get<float>("router.dw", T * K), T, K, K);
   const auto d = experts::backward_dh(*w.experts, s, dy, opt.expert_path, opt.router_path ? dw : MatView<float>{}, chk);
-  if (!opt.router_path) zero(dw);
+  if (!opt.router_path) detail::fill_zero(dw);
 
   // 2. Router path: the router's backward from dL/dw, into dz.
   arena.enter(workspace::b_router, chk);
@@ -144,11 +130,11 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, Mat
 
   // 3. The experts op's expert path: dx (its part), LoRA and base-weight
   //    gradients, statistics.
-  experts::backward_expert(*w.experts, s, x, dy, d, expert_grads(grads), opt.expert_path, chk);
+  experts::backward_expert(*w.experts, s, x, dy, d, expert_gradients(grads), opt.expert_path, chk);
 
   // 4. Router path: dx += dz W_r, the router linear's gradients.
   if (!grads.dx.empty() && opt.router_path) router_dx(kernel, dz, w.router_w, grads.dx);
-  if (!grads.router_w.empty()) zero(grads.router_w);
+  if (!grads.router_w.empty()) detail::fill_zero(grads.router_w);
   if (!grads.router_b.empty()) std::fill(grads.router_b.data, grads.router_b.data + grads.router_b.size, 0.0f);
   if (opt.router_path) router_linear_grads(kernel, dz, x, grads.router_w, grads.router_b);
   arena.leave(chk);

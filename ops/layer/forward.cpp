@@ -22,12 +22,8 @@ Saved::Saved(Saved&&) noexcept = default;
 Saved& Saved::operator=(Saved&&) noexcept = default;
 bool Saved::valid() const { return impl_->valid; }
 std::size_t Saved::bytes() const { return impl_->arena.capacity(); }
-MatView<const std::int32_t> Saved::idx() const {
-  return {impl_->idx, impl_->tokens, static_cast<std::size_t>(impl_->cfg.topk), static_cast<std::size_t>(impl_->cfg.topk)};
-}
-MatView<const float> Saved::weights() const {
-  return {impl_->weights, impl_->tokens, static_cast<std::size_t>(impl_->cfg.topk), static_cast<std::size_t>(impl_->cfg.topk)};
-}
+MatView<const std::int32_t> Saved::idx() const { return impl_->idx_view(); }
+MatView<const float> Saved::weights() const { return impl_->weights_view(); }
 
 Weights Weights::stacked(const MoeConfig& cfg, const experts::PackedExperts& experts, const float* router_w,
                          const float* router_b, const float* router_bias, const Lora& lora) {
