@@ -209,7 +209,8 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
   } else {
     time_against_peer(opt.reps, fwd, peer_fwd, r);
   }
-  r.flops = 6.0 * double(s.t) * double(s.k) * double(s.h) * double(s.i) * (backward ? 2 : 1);
+  // Three GEMMs of 2 T K H I each way (backward: dh, and dx through gate and up).
+  r.flops = 6.0 * double(s.t) * double(s.k) * double(s.h) * double(s.i);
   double worst = 0;
   for (const auto& [ours, theirs] : pairs) {
     const Difference df = difference(*ours, *theirs);
