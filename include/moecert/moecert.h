@@ -1,0 +1,251 @@
+/* moecert's C ABI: plain C functions over opaque handles and tensor
+ * descriptors, for Python (ctypes) and other languages. Every function
+ * returns a moecert_status; on anything but MOECERT_OK, moecert_last_error()
+ * describes what went wrong on this thread. No C++ exception crosses it.
+ *
+ * Tensors: a moecert_tensor names memory the caller owns (data, dtype, 1 or 2
+ * dimensions, strides in elements; the last dimension contiguous). An
+ * optional argument or an output not asked for is the zero descriptor
+ * (ndim 0). The C++ API (the headers beside this one) documents each op's maths,
+ * shapes and contract clauses; this header maps onto it one to one.
+ *
+ * Library: libmoecert_c.so (CMake target moecert_c), which carries moecert
+ * at its configured contract cap. Thread-safe: settings are process-wide
+ * (scopes per thread); handles may be shared read-only between threads,
+ * except a saved state, which one call at a time uses. */
+#ifndef MOECERT_MOECERT_H
+#define MOECERT_MOECERT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOECERT_ABI_VERSION 1
+
+typedef enum moecert_status {
+  MOECERT_OK = 0,
+  MOECERT_CONTRACT_VIOLATION = 1, /* a clause failed under enforce: moecert_last_error() has it */
+  MOECERT_INVALID_ARGUMENT = 2,   /* a descriptor or handle the ABI rejects before any work */
+  MOECERT_OUT_OF_MEMORY = 3,
+  MOECERT_INTERNAL_ERROR = 4      /* any other C++ exception, its what() in the message */
+} moecert_status;
+
+typedef enum moecert_dtype { MOECERT_BF16 = 0, MOECERT_F32 = 1, MOECERT_I32 = 2, MOECERT_F64 = 3 } moecert_dtype;
+
+typedef struct moecert_tensor {
+  void* data;         /* may be NULL only when the tensor has no elements */
+  int32_t dtype;      /* moecert_dtype */
+  int32_t ndim;       /* 0: absent; 1 or 2 */
+  int64_t shape[2];
+  int64_t stride[2];  /* in elements; stride[ndim - 1] == 1; 2-D: stride[0] >= shape[1] */
+} moecert_tensor;
+
+/* What the last failing call on this thread reported. Strings are never NULL
+ * (empty when not applicable) and stay valid until this thread's next call
+ * that fails. For MOECERT_CONTRACT_VIOLATION every field is the C++
+ * moecert::Violation's; otherwise op names the ABI function and message says
+ * what was wrong. */
+typedef struct moecert_error {
+  int32_t status;       /* moecert_status */
+  const char* op;       /* e.g. "experts.backward" */
+  const char* clause;   /* e.g. "experts.backward.dy_finite"; "" outside contracts */
+  const char* kind;     /* "pre", "post" or "invariant" */
+  const char* group;    /* "shape", "index", "alias", "finite", "numeric" or "memory" */
+  const char* level;    /* the clause's level */
+  const char* location; /* e.g. "dy[3, 5]" */
+  const char* observed;
+  const char* expected;
+  const char* message;  /* one line a person can act on */
+  const char* file;     /* where it was detected */
+  int32_t line;
+} moecert_error;
+
+const moecert_error* moecert_last_error(void);
+
+/* ---- library ---------------------------------------------------------- */
+
+int32_t moecert_abi_version(void);     /* MOECERT_ABI_VERSION of the library */
+const char* moecert_version(void);     /* e.g. "0.1.0" */
+const char* moecert_build_info(void);  /* one line: build type, compiler, commit, contract cap */
+
+/* Contract settings (contracts.hpp). level: 0 off, 1 check, 2 audit, 3 full;
+ * semantic: 0 ignore, 1 observe, 2 enforce; groups: bit i = group i (shape,
+ * index, alias, finite, numeric, memory). The getters give what is in effect
+ * on this thread (innermost scope, level clamped to the cap). */
+moecert_status moecert_set_contract_level(int32_t level);
+moecert_status moecert_set_contract_semantic(int32_t semantic);
+moecert_status moecert_set_contract_groups(uint32_t groups);
+int32_t moecert_contract_level(void);
+int32_t moecert_contract_semantic(void);
+uint32_t moecert_contract_groups(void);
+int32_t moecert_contract_level_cap(void);
+/* A per-thread override, as moecert::ContractScope, for every call this
+ * thread makes until the matching pop (scopes nest). */
+moecert_status moecert_contract_scope_push(int32_t level, int32_t semantic, uint32_t groups);
+moecert_status moecert_contract_scope_pop(void);
+
+/* Worker threads of every op (oneTBB's max_allowed_parallelism); 0: oneTBB's
+ * default (every core of the process's affinity mask). Results do not depend
+ * on it. */
+moecert_status moecert_set_num_threads(int32_t threads);
+int32_t moecert_num_threads(void);
+
+/* Kernels: 0 scalar, 1 avx512_bf16, 2 amx_bf16, 3 amx_emu; -1 in an isa
+ * argument: the default. */
+int32_t moecert_default_isa(void);
+int32_t moecert_isa_usable(int32_t isa);
+const char* moecert_isa_name(int32_t isa); /* "" if out of range */
+
+/* ---- experts ---------------------------------------------------------- */
+
+/* Packed expert weights (experts::PackedExperts), immutable once packed. */
+typedef struct moecert_experts moecert_experts;
+
+/* w_gate, w_up [E*I x H] bf16, w_down [E*H x I] bf16; backward != 0 also
+ * packs the orientations a backward multiplies by. */
+moecert_status moecert_experts_pack(int64_t experts, const moecert_tensor* w_gate, const moecert_tensor* w_up,
+                                    const moecert_tensor* w_down, int32_t backward, moecert_experts** out);
+void moecert_experts_free(moecert_experts* w);
+/* Any pointer may be NULL. */
+moecert_status moecert_experts_shape(const moecert_experts* w, int64_t* experts, int64_t* hidden, int64_t* inter,
+                                     int32_t* backward, int64_t* bytes);
+
+/* LoRA factors stacked by expert (experts::Lora): a_gate, a_up [E*r x H],
+ * b_gate, b_up [E*I x r], a_down [E*r x I], b_down [E*H x r], bf16; scale
+ * float(alpha / rank). A NULL moecert_lora pointer, or rank 0: no LoRA. */
+typedef struct moecert_lora {
+  moecert_tensor a_gate, b_gate, a_up, b_up, a_down, b_down;
+  int64_t rank;
+  double alpha;
+} moecert_lora;
+
+/* What a training forward keeps for its backward (experts::Saved). */
+typedef struct moecert_experts_saved moecert_experts_saved;
+moecert_status moecert_experts_saved_new(moecert_experts_saved** out);
+void moecert_experts_saved_free(moecert_experts_saved* s);
+
+typedef struct moecert_train_options {
+  int32_t isa;          /* -1: default */
+  int32_t training;     /* keep what the backward needs */
+  uint64_t memory_cap;  /* bytes, 0: none */
+} moecert_train_options;
+
+/* Inference forward (experts::forward): x [T x H] bf16, idx [T x K] int32,
+ * weights [T x K] f32, y [T x H] f32. */
+moecert_status moecert_experts_forward(const moecert_experts* w, const moecert_tensor* x, const moecert_tensor* idx,
+                                       const moecert_tensor* weights, const moecert_tensor* y, int32_t isa);
+
+/* Training forward (experts::forward_train); options NULL: defaults. */
+moecert_status moecert_experts_forward_train(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
+                                             const moecert_tensor* idx, const moecert_tensor* weights,
+                                             const moecert_tensor* y, moecert_experts_saved* saved,
+                                             const moecert_train_options* options);
+
+/* Gradients (experts::Gradients), f32, each absent or of its shape. */
+typedef struct moecert_experts_grads {
+  moecert_tensor dx, dweights;
+  moecert_tensor a_gate, b_gate, a_up, b_up, a_down, b_down;
+  moecert_tensor w_gate, w_up, w_down;
+  moecert_tensor m_a, m_g;
+} moecert_experts_grads;
+
+moecert_status moecert_experts_backward(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
+                                        const moecert_tensor* dy, moecert_experts_saved* saved,
+                                        const moecert_experts_grads* grads);
+
+/* ---- routers (router.hpp) ---------------------------------------------- */
+
+/* z [T x E] f32 or bf16; idx [T x K] int32, w [T x K] f32 written. */
+moecert_status moecert_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* w,
+                                            int32_t renormalize);
+/* z [T x E] f32, g = dL/dw [T x K] f32; dz [T x E] f32 written. */
+moecert_status moecert_softmax_topk_backward(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* g,
+                                             const moecert_tensor* dz, int32_t renormalize);
+/* bias [E] f32 (selection only). */
+moecert_status moecert_sigmoid_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t groups,
+                                            int64_t topk_group, float scaling, const moecert_tensor* idx,
+                                            const moecert_tensor* w);
+moecert_status moecert_sigmoid_topk_backward(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* g,
+                                             int64_t groups, int64_t topk_group, float scaling, const moecert_tensor* dz);
+/* sx, sy [T x n] f32 or bf16 (backward: f32); mode: 0 raw, 1 exp, 2 softmax. */
+moecert_status moecert_product_key_forward(const moecert_tensor* sx, const moecert_tensor* sy, int32_t mode,
+                                           const moecert_tensor* idx, const moecert_tensor* w);
+moecert_status moecert_product_key_backward(const moecert_tensor* sx, const moecert_tensor* sy,
+                                            const moecert_tensor* idx, const moecert_tensor* g, int32_t mode,
+                                            const moecert_tensor* dsx, const moecert_tensor* dsy);
+
+/* ---- layer (layer.hpp) ------------------------------------------------- */
+
+/* MoeConfig. router: 0 softmax_topk, 1 sigmoid_topk, 2 product_key. */
+typedef struct moecert_config {
+  int64_t experts, hidden, inter, topk, lora_rank;
+  double lora_alpha;
+  int32_t router;
+  int32_t renormalize;
+  int64_t groups, topk_group;
+  double scaling;
+  int64_t max_tokens;
+} moecert_config;
+
+moecert_status moecert_config_validate(const moecert_config* cfg);
+
+/* router_w [R x H] f32, router_b [R] f32, router_bias [E] f32 (sigmoid_topk;
+ * absent otherwise); R = E, or 2n for product_key. */
+typedef struct moecert_layer_weights {
+  const moecert_experts* experts;
+  moecert_tensor router_w, router_b, router_bias;
+  moecert_lora lora;
+} moecert_layer_weights;
+
+typedef struct moecert_layer_saved moecert_layer_saved;
+moecert_status moecert_layer_saved_new(moecert_layer_saved** out);
+void moecert_layer_saved_free(moecert_layer_saved* s);
+/* The routing of the last forward: idx [T x K] int32, weights [T x K] f32
+ * (each absent or written). */
+moecert_status moecert_layer_saved_routing(const moecert_layer_saved* s, const moecert_tensor* idx,
+                                           const moecert_tensor* weights);
+
+moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
+                                     const moecert_tensor* y, moecert_layer_saved* saved,
+                                     const moecert_train_options* options);
+
+typedef struct moecert_layer_grads {
+  moecert_tensor dx, router_w, router_b;
+  moecert_tensor a_gate, b_gate, a_up, b_up, a_down, b_down;
+  moecert_tensor w_gate, w_up, w_down;
+  moecert_tensor m_a, m_g;
+} moecert_layer_grads;
+
+moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
+                                      const moecert_tensor* dy, moecert_layer_saved* saved,
+                                      const moecert_layer_grads* grads, int32_t expert_path, int32_t router_path);
+
+/* ---- derived bounds (contracts/) ---------------------------------------- */
+
+/* Element-wise bounds |kernel - exact| <= bound, as the full-level
+ * within_bound clauses use them (proofs/experts.md, layer.md, router.md),
+ * written as f64 tensors of the outputs' shapes (each absent or written).
+ * Experts and layer: for the saved forward (and, with dy, the backward that
+ * ran on it, with the paths whose bounds are asked for). */
+moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
+                                      const moecert_tensor* dy, const moecert_experts_saved* saved,
+                                      const moecert_tensor* y, const moecert_experts_grads* grads);
+moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
+                                    const moecert_tensor* dy, const moecert_layer_saved* saved, const moecert_tensor* y,
+                                    const moecert_layer_grads* grads);
+/* kind: 0 softmax_topk (param: renormalize), 1 sigmoid_topk (scaling), 2
+ * product_key (mode; z = [sx | sy], [T x 2n]); z f32 as the kernel read it;
+ * idx the kernel's selection; w_bound [T x K]; with g, dz_bound [T x E] (product_key:
+ * [T x 2n], dsx then dsy). */
+moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_tensor* z, const moecert_tensor* idx,
+                                     const moecert_tensor* g, const moecert_tensor* w_bound,
+                                     const moecert_tensor* dz_bound);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOECERT_MOECERT_H */

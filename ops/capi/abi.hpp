@@ -1,0 +1,139 @@
+// The C ABI's plumbing: the handles behind the opaque types, descriptor to
+// view conversion, and the guard every entry point runs its body in (no C++
+// exception crosses the ABI; the last error is per thread).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <optional>
+#include <type_traits>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "moecert/contracts.hpp"
+#include "moecert/experts.hpp"
+#include "moecert/layer.hpp"
+#include "moecert/moecert.h"
+#include "moecert/types.hpp"
+
+struct moecert_experts {
+  moecert::experts::PackedExperts packed;
+};
+struct moecert_experts_saved {
+  moecert::experts::Saved saved;
+};
+struct moecert_layer_saved {
+  moecert::layer::Saved saved;
+};
+
+namespace moecert::capi {
+
+/// A descriptor or handle the ABI rejects (MOECERT_INVALID_ARGUMENT).
+class InvalidArgument : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// Records `status` with `op` and `message` as this thread's last error.
+void set_error(moecert_status status, const char* op, const std::string& message);
+/// Records a contract violation as this thread's last error.
+void set_violation(const Violation& v);
+
+/// Runs `body` for ABI function `op`, mapping every exception to a status.
+template <class F>
+moecert_status guarded(const char* op, F&& body) noexcept {
+  try {
+    std::forward<F>(body)();
+    return MOECERT_OK;
+  } catch (const ContractViolation& e) {
+    set_violation(e.violation());
+    return MOECERT_CONTRACT_VIOLATION;
+  } catch (const InvalidArgument& e) {
+    set_error(MOECERT_INVALID_ARGUMENT, op, e.what());
+    return MOECERT_INVALID_ARGUMENT;
+  } catch (const std::bad_alloc&) {
+    set_error(MOECERT_OUT_OF_MEMORY, op, "out of memory");
+    return MOECERT_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_error(MOECERT_INTERNAL_ERROR, op, e.what());
+    return MOECERT_INTERNAL_ERROR;
+  } catch (...) {
+    set_error(MOECERT_INTERNAL_ERROR, op, "unknown exception");
+    return MOECERT_INTERNAL_ERROR;
+  }
+}
+
+template <class T>
+constexpr moecert_dtype dtype_of();
+template <>
+constexpr moecert_dtype dtype_of<bf16>() { return MOECERT_BF16; }
+template <>
+constexpr moecert_dtype dtype_of<float>() { return MOECERT_F32; }
+template <>
+constexpr moecert_dtype dtype_of<std::int32_t>() { return MOECERT_I32; }
+template <>
+constexpr moecert_dtype dtype_of<double>() { return MOECERT_F64; }
+
+const char* dtype_name(std::int32_t dtype);
+
+/// Whether `t` is given (a NULL pointer or ndim 0: absent).
+inline bool present(const moecert_tensor* t) { return t && t->ndim != 0; }
+
+/// Checks the descriptor's dtype, dimensions, strides and data pointer;
+/// throws InvalidArgument naming `name`.
+void check_descriptor(const moecert_tensor& t, moecert_dtype dtype, int ndim, const char* name);
+
+/// A 2-D descriptor as a view (absent: the empty view; `required`: absent
+/// throws).
+template <class T>
+MatView<T> mat(const moecert_tensor* t, const char* name, bool required = true) {
+  if (!present(t)) {
+    if (required) throw InvalidArgument(std::string(name) + ": absent, expected a 2-D tensor");
+    return {};
+  }
+  check_descriptor(*t, dtype_of<std::remove_const_t<T>>(), 2, name);
+  return {static_cast<T*>(t->data), static_cast<std::size_t>(t->shape[0]), static_cast<std::size_t>(t->shape[1]),
+          static_cast<std::size_t>(t->stride[0])};
+}
+
+/// A 1-D descriptor as a view (absent: the empty view unless `required`).
+template <class T>
+View<T> vec(const moecert_tensor* t, const char* name, bool required = true) {
+  if (!present(t)) {
+    if (required) throw InvalidArgument(std::string(name) + ": absent, expected a 1-D tensor");
+    return {};
+  }
+  check_descriptor(*t, dtype_of<std::remove_const_t<T>>(), 1, name);
+  return {static_cast<T*>(t->data), static_cast<std::size_t>(t->shape[0])};
+}
+
+/// The LoRA descriptor as experts::Lora (NULL or rank 0: none).
+experts::Lora lora_of(const moecert_lora* l);
+/// The handle, or InvalidArgument naming it.
+template <class H>
+H& handle(H* h, const char* name) {
+  if (!h) throw InvalidArgument(std::string(name) + ": null handle");
+  return *h;
+}
+
+}  // namespace moecert::capi
+
+namespace moecert::capi {
+
+/// -1: the default kernel; otherwise an Isa value.
+std::optional<Isa> isa_of(std::int32_t isa);
+/// NULL: the defaults.
+experts::TrainOptions train_options(const moecert_train_options* o);
+experts::Gradients experts_grads(const moecert_experts_grads& g);
+
+}  // namespace moecert::capi
+
+namespace moecert::capi {
+
+MoeConfig config_of(const moecert_config* c);
+layer::Weights weights_of(const moecert_layer_weights* w);
+layer::Gradients layer_grads(const moecert_layer_grads& g);
+
+}  // namespace moecert::capi

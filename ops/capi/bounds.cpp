@@ -1,0 +1,206 @@
+// The C ABI's derived bounds: the element-wise bounds the full-level
+// within_bound clauses compare with (contracts/), for callers that compare
+// moecert's outputs with a reference of their own (the Python tests).
+#include <fmt/format.h>
+
+#include <cmath>
+#include <vector>
+
+#include "contracts/bounds/experts.hpp"
+#include "contracts/bounds/router.hpp"
+#include "contracts/bounds/tracked.hpp"
+#include "contracts/experts_train.hpp"
+#include "contracts/layer.hpp"
+#include "contracts/reference/layer.hpp"
+#include "contracts/reference/router.hpp"
+#include "moecert/moecert.h"
+#include "ops/capi/abi.hpp"
+#include "ops/layer/state.hpp"
+
+using namespace moecert;
+using bounds::Tracked;
+using capi::guarded;
+using capi::handle;
+using capi::InvalidArgument;
+using capi::mat;
+
+namespace {
+
+// Writes slack * e of each tracked element into `out` (absent: nothing).
+void put(const moecert_tensor* out, const std::vector<Tracked>& ref, std::size_t rows, std::size_t cols,
+         const char* name) {
+  if (!capi::present(out)) return;
+  const bool vector = out->ndim == 1;
+  const MatView<double> m = vector ? MatView<double>(static_cast<double*>(out->data), 1, out->shape[0])
+                                   : mat<double>(out, name);
+  if (vector) capi::check_descriptor(*out, MOECERT_F64, 1, name);
+  if (m.rows * m.cols != rows * cols || ref.size() != rows * cols)
+    throw InvalidArgument(fmt::format("{}: {}x{}, expected {}x{} (or a path that did not run)", name, m.rows, m.cols,
+                                      rows, cols));
+  for (std::size_t i = 0; i < rows * cols; ++i) m(i / m.cols, i % m.cols) = bounds::kReferenceSlack * ref[i].e;
+}
+
+bool any(std::initializer_list<const moecert_tensor*> ts) {
+  for (const auto* t : ts)
+    if (capi::present(t)) return true;
+  return false;
+}
+
+template <class G>
+ref::Paths paths_of(const G& g, const moecert_tensor* router_side) {
+  const bool base = any({&g.w_gate, &g.w_up, &g.w_down});
+  const bool expert = base || any({&g.dx, &g.a_gate, &g.b_gate, &g.a_up, &g.b_up, &g.a_down, &g.b_down, &g.m_a, &g.m_g});
+  return {expert, capi::present(router_side), base};
+}
+
+// The six LoRA and three base-weight bounds.
+template <class G>
+void put_weights(const G& g, const ref::LayerResult<Tracked>& r, std::size_t E, std::size_t H, std::size_t I,
+                 std::size_t rank) {
+  put(&g.a_gate, r.dag, E * rank, H, "a_gate bound"), put(&g.b_gate, r.dbg, E * I, rank, "b_gate bound");
+  put(&g.a_up, r.dau, E * rank, H, "a_up bound"), put(&g.b_up, r.dbu, E * I, rank, "b_up bound");
+  put(&g.a_down, r.dad, E * rank, I, "a_down bound"), put(&g.b_down, r.dbd, E * H, rank, "b_down bound");
+  put(&g.w_gate, r.dwg, E * I, H, "w_gate bound"), put(&g.w_up, r.dwu, E * I, H, "w_up bound");
+  put(&g.w_down, r.dwd, E * H, I, "w_down bound");
+}
+
+// A router's rows: weights bound [K] and, with g, dz bound [cols].
+struct RouterRows {
+  std::int32_t kind;
+  double param;
+  MatView<const float> z;
+  MatView<const std::int32_t> idx;
+  MatView<const float> g;
+
+  bounds::WeightsRow weights(std::size_t t) const {
+    const std::size_t k = idx.cols;
+    switch (kind) {
+      case 0: return bounds::softmax_topk_weights_row(z.row(t), z.cols, idx.row(t), k, param != 0);
+      case 1: return bounds::sigmoid_topk_weights_row(z.row(t), idx.row(t), k, param);
+      default: {
+        const std::size_t n = z.cols / 2;
+        return bounds::product_key_weights_row(z.row(t), z.row(t) + n, n, idx.row(t), k, mode());
+      }
+    }
+  }
+  std::pair<std::vector<double>, std::vector<double>> grads(std::size_t t) const {
+    const std::size_t k = idx.cols, e = z.cols;
+    switch (kind) {
+      case 0: {
+        const auto r = ref::softmax_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), k, param != 0);
+        return {r, bounds::softmax_topk_grad_row(z.row(t), e, idx.row(t), g.row(t), k, param != 0)};
+      }
+      case 1: {
+        const auto r = ref::sigmoid_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), k, param);
+        return {r, bounds::sigmoid_topk_grad_row(z.row(t), e, idx.row(t), g.row(t), k, param)};
+      }
+      default: {
+        const std::size_t n = e / 2;
+        std::vector<double> rx, ry;
+        ref::product_key_grad<double>(z.row(t), z.row(t) + n, n, idx.row(t), g.row(t), k, mode(), rx, ry);
+        rx.insert(rx.end(), ry.begin(), ry.end());
+        return {rx, bounds::product_key_grad_row(z.row(t), z.row(t) + n, n, idx.row(t), g.row(t), k, mode())};
+      }
+    }
+  }
+  router::KeyWeights mode() const { return static_cast<router::KeyWeights>(static_cast<int>(param)); }
+};
+
+// bound + the binary64 reference's own rounding (as the router clauses).
+double with_reference(double bound, double ref) { return bound + bounds::gamma(64, bounds::kU64) * std::fabs(ref); }
+
+}  // namespace
+
+extern "C" {
+
+moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
+                                      const moecert_tensor* dy, const moecert_experts_saved* saved,
+                                      const moecert_tensor* y, const moecert_experts_grads* grads) {
+  return guarded("moecert_experts_bounds", [&] {
+    const auto& p = handle(w, "experts").packed;
+    const auto& s = handle(saved, "saved").saved;
+    if (!s.valid()) throw InvalidArgument("saved: holds no training forward");
+    const auto xv = mat<const bf16>(x, "x");
+    const auto dyv = mat<const float>(dy, "dy", false);
+    if (xv.rows != s.impl().tokens || (dyv.data && dyv.rows != xv.rows))
+      throw InvalidArgument(fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
+    const moecert_experts_grads none{};
+    const auto& g = grads ? *grads : none;
+    const auto l = capi::lora_of(lora);
+    const auto d = contracts::experts_data<Tracked>(p, l, xv, dyv.data, s.impl());
+    const auto r = ref::layer_reference(d, dyv.data != nullptr, paths_of(g, &g.dweights));
+    const std::size_t T = d.T, H = d.H, I = d.I, E = d.E, K = d.K;
+    put(y, r.y, T, H, "y bound");
+    if (!dyv.data) return;
+    put(&g.dx, r.dx, T, H, "dx bound"), put(&g.dweights, r.dw, T, K, "dweights bound");
+    put(&g.m_a, r.m_a, T, E, "m_a bound"), put(&g.m_g, r.m_g, T, E, "m_g bound");
+    put_weights(g, r, E, H, I, d.r);
+  });
+}
+
+moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
+                                    const moecert_tensor* dy, const moecert_layer_saved* saved, const moecert_tensor* y,
+                                    const moecert_layer_grads* grads) {
+  return guarded("moecert_layer_bounds", [&] {
+    const MoeConfig c = capi::config_of(cfg);
+    const layer::Weights lw = capi::weights_of(w);
+    const auto& s = handle(saved, "saved").saved;
+    if (!s.valid()) throw InvalidArgument("saved: holds no training forward");
+    const auto xv = mat<const bf16>(x, "x");
+    const auto dyv = mat<const float>(dy, "dy", false);
+    if (xv.rows != s.impl().tokens || (dyv.data && dyv.rows != xv.rows))
+      throw InvalidArgument(fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
+    const moecert_layer_grads none{};
+    const auto& g = grads ? *grads : none;
+    const std::size_t T = xv.rows, K = static_cast<std::size_t>(c.topk);
+    // The router path's bound takes the kernel's dL/dw, which the backward
+    // leaves in the arena.
+    auto paths = paths_of(g, nullptr);
+    paths.router = any({&g.dx, &g.router_w, &g.router_b});  // dx: both paths summed
+    const float* dw = dyv.data && paths.router ? s.impl().arena.get<float>("router.dw", T * K) : nullptr;
+    const auto r = contracts::layer_bounds(c, lw, xv, dyv.data, s.impl(), paths, dw);
+    const std::size_t H = lw.experts->hidden(), I = lw.experts->inter(), E = lw.experts->experts(), R = lw.router_w.rows;
+    put(y, r.y, T, H, "y bound");
+    if (!dyv.data) return;
+    put(&g.dx, r.dx, T, H, "dx bound"), put(&g.router_w, r.dwr, R, H, "router_w bound");
+    put(&g.router_b, r.db, 1, R, "router_b bound");
+    put(&g.m_a, r.m_a, T, E, "m_a bound"), put(&g.m_g, r.m_g, T, E, "m_g bound");
+    put_weights(g, r, E, H, I, static_cast<std::size_t>(c.lora_rank));
+  });
+}
+
+moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_tensor* z, const moecert_tensor* idx,
+                                     const moecert_tensor* g, const moecert_tensor* w_bound,
+                                     const moecert_tensor* dz_bound) {
+  return guarded("moecert_router_bounds", [&] {
+    if (kind < 0 || kind > 2) throw InvalidArgument(fmt::format("kind {}, expected 0..2", kind));
+    const RouterRows rows{kind, param, mat<const float>(z, "z"), mat<const std::int32_t>(idx, "idx"),
+                          mat<const float>(g, "g", false)};
+    const std::size_t T = rows.z.rows, K = rows.idx.cols, C = rows.z.cols;
+    const std::size_t experts = kind == 2 ? (C / 2) * (C / 2) : C;
+    if (rows.idx.rows != T || (rows.g.data && (rows.g.rows != T || rows.g.cols != K)))
+      throw InvalidArgument(fmt::format("idx {}x{} or g {}x{}, expected {} rows and g of idx's shape", rows.idx.rows, K,
+                                        rows.g.rows, rows.g.cols, T));
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t j = 0; j < K; ++j)
+        if (rows.idx(t, j) < -1 || rows.idx(t, j) >= static_cast<std::int64_t>(experts))
+          throw InvalidArgument(fmt::format("idx[{}, {}] = {}, expected -1 <= idx < {}", t, j, rows.idx(t, j), experts));
+    const auto wb = mat<double>(w_bound, "w_bound", false);
+    const auto db = mat<double>(dz_bound, "dz_bound", false);
+    if ((wb.data && (wb.rows != T || wb.cols != K)) || (db.data && (db.rows != T || db.cols != C || !rows.g.data)))
+      throw InvalidArgument(fmt::format("w_bound {}x{} (expected {}x{}), dz_bound {}x{} (expected {}x{}, with g)", wb.rows,
+                                        wb.cols, T, K, db.rows, db.cols, T, C));
+    for (std::size_t t = 0; t < T; ++t) {
+      if (wb.data) {
+        const auto [ref, bound] = rows.weights(t);
+        for (std::size_t j = 0; j < K; ++j) wb(t, j) = with_reference(bound[j], ref[j]);
+      }
+      if (db.data) {
+        const auto [ref, bound] = rows.grads(t);
+        for (std::size_t i = 0; i < C; ++i) db(t, i) = with_reference(bound[i], ref[i]);
+      }
+    }
+  });
+}
+
+}  // extern "C"
