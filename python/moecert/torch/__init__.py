@@ -1,0 +1,27 @@
+"""moecert ops for PyTorch: autograd Functions, nn.Modules, per-token statistics.
+
+    import moecert.torch as mt
+    layer = mt.MoELayer(experts=64, hidden=2048, inter=1408, topk=6, rank=8)
+    y = layer(x.bfloat16())                       # x [T, H]
+    y = mt.experts(x, expert_ids, weights, packed, lora)  # your router, moecert's experts
+
+Tensors are CPU tensors of the dtypes the ops document; anything else raises
+moecert.InvalidArgument before any work. Threads: importing this module sets
+moecert's worker threads to torch.get_num_threads() (unless MOECERT_NUM_THREADS
+is set): moecert's oneTBB workers and torch's intra-op threads take turns on
+the same cores instead of oversubscribing them.
+"""
+import os
+
+import torch
+
+from .. import set_num_threads
+from . import ops
+from .functions import ExpertsFunction, LayerFunction, Stats, experts, product_key, sigmoid_topk, softmax_topk, stats
+from .modules import MoELayer
+from .ops import LayerConfig, Lora, PackedExperts
+
+__all__ = ["ops", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats", "Stats", "ExpertsFunction",
+           "LayerFunction", "MoELayer", "PackedExperts", "Lora", "LayerConfig"]
+
+set_num_threads(int(os.environ.get("MOECERT_NUM_THREADS", torch.get_num_threads())))

@@ -1,0 +1,79 @@
+"""torch tensors as ABI tensor descriptors, checked before any work: CPU,
+dtype, shape, contiguity, and no argument overlapping another."""
+import ctypes
+
+import torch
+
+from .. import _abi
+from ..errors import InvalidArgument
+
+DTYPES = {torch.bfloat16: _abi.BF16, torch.float32: _abi.F32, torch.int32: _abi.I32, torch.float64: _abi.F64}
+ABSENT = _abi.Tensor()
+
+
+def check(t, name, dtypes, shape):
+    """Raises InvalidArgument unless t is a contiguous CPU tensor of one of `dtypes` and of `shape`
+    (None in it: any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument("{}: {}, expected a torch.Tensor".format(name, type(t).__name__))
+    if t.device.type != "cpu":
+        raise InvalidArgument("{}: on {}, expected a CPU tensor".format(name, t.device))
+    if t.dtype not in dtypes:
+        raise InvalidArgument("{}: dtype {}, expected {}".format(
+            name, str(t.dtype).replace("torch.", ""), " or ".join(str(d).replace("torch.", "") for d in dtypes)))
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = " x ".join("?" if s is None else str(s) for s in shape)
+        raise InvalidArgument("{}: shape {}, expected [{}]".format(name, list(t.shape), want))
+    if not t.is_contiguous():
+        raise InvalidArgument("{}: not contiguous (strides {}); pass {}.contiguous()".format(name, t.stride(), name))
+    if t.is_sparse or t.is_quantized:
+        raise InvalidArgument("{}: sparse or quantized, expected a dense tensor".format(name))
+
+
+def describe(t):
+    """The descriptor of a checked tensor (None: absent)."""
+    if t is None:
+        return _abi.Tensor()
+    d = _abi.Tensor()
+    d.data = t.data_ptr() if t.numel() else None
+    d.dtype = DTYPES[t.dtype]
+    d.ndim = t.dim()
+    for i in range(t.dim()):
+        d.shape[i], d.stride[i] = t.shape[i], t.stride()[i]
+    return d
+
+
+def ref(d):
+    return ctypes.byref(d)
+
+
+def byte_range(t):
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def check_no_alias(named):
+    """Raises InvalidArgument if two of the (name, tensor) pairs share a byte."""
+    spans = sorted((byte_range(t) + (n,)) for n, t in named if t is not None and t.numel())
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise InvalidArgument("{} and {} overlap in memory; pass separate tensors".format(an, bn))
+
+
+def index_tensor(t, name, shape):
+    """Expert ids as int32: int32 as is, int64 (torch.topk's) converted after a range check."""
+    check(t, name, (torch.int32, torch.int64), shape)
+    if t.dtype == torch.int64:
+        if t.numel() and (t.min() < -1 or t.max() >= 2 ** 31):
+            raise InvalidArgument("{}: values outside int32".format(name))
+        return t.to(torch.int32)
+    return t
+
+
+def grad_input(dy, name, shape):
+    """An incoming gradient as the kernels read it: contiguous fp32 (autograd hands over any layout)."""
+    if dy.device.type != "cpu":
+        raise InvalidArgument("{}: on {}, expected a CPU tensor".format(name, dy.device))
+    dy = dy.to(torch.float32).contiguous()
+    check(dy, name, (torch.float32,), shape)
+    return dy

@@ -1,0 +1,183 @@
+"""torch.autograd.Functions over moecert's ops (ops.py): the experts op with the
+caller's routing, the three routers and the layer. Each backward computes only
+the gradients autograd asks for (needs_input_grad); incoming gradients are
+taken as contiguous fp32. Double backward is not supported."""
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import ops
+from .ops import BASE_NAMES, LORA_NAMES
+
+
+class Stats:
+    """Receives the per-token statistics M_A, M_G [T, E] (DESIGN.md) of the backward of the op it
+    is passed to: m_a[t, e] = ||activations of t in expert e||, m_g[t, e] = the norm of t's
+    gradient of e's trainable matrices (LoRA factors, or base weights without LoRA); 0 where t is
+    not routed to e. None until that backward ran."""
+
+    def __init__(self):
+        self.m_a = self.m_g = None
+
+
+def stats():
+    """A fresh Stats recorder: pass it as `stats=` to an op or a module's forward."""
+    return Stats()
+
+
+def _wanted(needs, names, first):
+    return {n for i, n in enumerate(names) if needs[first + i]}
+
+
+def _record(stats, grads):
+    if stats is not None:
+        stats.m_a, stats.m_g = grads.pop("m_a"), grads.pop("m_g")
+
+
+class ExpertsFunction(torch.autograd.Function):
+    """apply(x, expert_ids, weights, w_gate, w_up, w_down, a_gate, b_gate, a_up, b_up, a_down, b_down,
+    packed, alpha, stats, isa) -> y. w_gate, w_up, w_down: the tensors `packed` holds (or None),
+    passed so autograd can route their gradients; the LoRA factors None for no LoRA."""
+
+    @staticmethod
+    def forward(ctx, x, expert_ids, weights, w_gate, w_up, w_down, a_gate, b_gate, a_up, b_up, a_down, b_down,
+                packed, alpha, stats, isa):
+        base = (w_gate, w_up, w_down)
+        if any(t is not None for t in base):
+            packed.check_sources(*base)
+        factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
+        lora = ops.Lora(*factors, alpha=alpha) if a_gate is not None else None
+        y, saved = ops.experts_forward_train(packed, x, expert_ids, weights, lora, isa=isa)
+        ctx.saved, ctx.stats, ctx.has_lora = saved, stats, lora is not None
+        ctx.save_for_backward(x, *(f for f in factors if f is not None))
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        ctx.saved_tensors  # raises if x or a factor was changed in place since the forward
+        needs = ctx.needs_input_grad
+        want = _wanted(needs, ("dx",), 0) | _wanted(needs, ("dweights",), 2) | _wanted(needs, BASE_NAMES, 3)
+        if ctx.has_lora:
+            want |= _wanted(needs, LORA_NAMES, 6)
+        if ctx.stats is not None:
+            want |= {"m_a", "m_g"}
+        g = ops.experts_backward(ctx.saved, dy, want)
+        _record(ctx.stats, g)
+        return ((g.get("dx"), None, g.get("dweights")) + tuple(g.get(n) for n in BASE_NAMES) +
+                tuple(g.get(n) for n in LORA_NAMES) + (None,) * 4)
+
+
+def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, isa=None):
+    """The experts op with the caller's routing, differentiable in x, weights, the LoRA factors and
+    (when `base` = (w_gate, w_up, w_down), the tensors packed) the base weights.
+
+    x [T, H] bf16, expert_ids [T, K] int32/int64 (-1 = empty slot, only at a row's tail), weights
+    [T, K] fp32 (0 at -1 slots), packed: PackedExperts, lora: ops.Lora or None. Returns y [T, H] fp32:
+    y_t = sum_j weights[t, j] * expert_{ids[t, j]}(x_t), the gradient of weights dL/dw[t, j] =
+    <dy_t, o_{t, j}>."""
+    base = base if base is not None else (None, None, None)
+    factors = lora.factors() if lora is not None else (None,) * 6
+    alpha = lora.alpha if lora is not None else 0.0
+    return ExpertsFunction.apply(x, expert_ids, weights, *base, *factors, packed, alpha, stats, isa)
+
+
+class _Router(torch.autograd.Function):
+    """Shared backward plumbing: idx is not differentiable; dz from g = dL/dw."""
+
+    @staticmethod
+    def setup(ctx, inputs, idx, extra):
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(*inputs, idx)
+        ctx.extra = extra
+
+
+class SoftmaxTopk(_Router):
+    @staticmethod
+    def forward(ctx, z, k, renormalize):
+        idx, w = ops.softmax_topk(z, k, renormalize)
+        _Router.setup(ctx, (z,), idx, renormalize)
+        return idx, w
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _didx, dw):
+        z, idx = ctx.saved_tensors
+        return ops.softmax_topk_backward(z, idx, dw, ctx.extra), None, None
+
+
+class SigmoidTopk(_Router):
+    @staticmethod
+    def forward(ctx, z, bias, k, groups, topk_group, scaling):
+        idx, w = ops.sigmoid_topk(z, bias, k, groups, topk_group, scaling)
+        _Router.setup(ctx, (z,), idx, (groups, topk_group, scaling))
+        return idx, w
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _didx, dw):
+        z, idx = ctx.saved_tensors
+        return (ops.sigmoid_topk_backward(z, idx, dw, *ctx.extra),) + (None,) * 5
+
+
+class ProductKey(_Router):
+    @staticmethod
+    def forward(ctx, sx, sy, k, weights):
+        idx, w = ops.product_key(sx, sy, k, weights)
+        _Router.setup(ctx, (sx, sy), idx, weights)
+        return idx, w
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _didx, dw):
+        sx, sy, idx = ctx.saved_tensors
+        dsx, dsy = ops.product_key_backward(sx, sy, idx, dw, ctx.extra)
+        return dsx, dsy, None, None
+
+
+def softmax_topk(z, k, renormalize=True):
+    """(idx [T, k] int32, w [T, k] fp32): top-k of softmax(z) (z [T, E] fp32 or bf16), weights
+    renormalised over the k selected or not; differentiable in z through w."""
+    return SoftmaxTopk.apply(z, k, renormalize)
+
+
+def sigmoid_topk(z, bias, k, groups=1, topk_group=1, scaling=1.0):
+    """DeepSeek-V3 group-limited sigmoid top-k; bias [E] fp32 for selection only."""
+    return SigmoidTopk.apply(z, bias, k, groups, topk_group, scaling)
+
+
+def product_key(sx, sy, k, weights="softmax"):
+    """Product-key top-k over E = n*n experts (e = ix*n + iy) from halves sx, sy [T, n]."""
+    return ProductKey.apply(sx, sy, k, weights)
+
+
+class LayerFunction(torch.autograd.Function):
+    """apply(x, router_w, router_b, router_bias, w_gate, w_up, w_down, a_gate .. b_down, cfg, packed,
+    stats, isa) -> y: the MoE layer (router linear + router + experts with LoRA)."""
+
+    @staticmethod
+    def forward(ctx, x, router_w, router_b, router_bias, w_gate, w_up, w_down, a_gate, b_gate, a_up, b_up, a_down,
+                b_down, cfg, packed, stats, isa):
+        packed.check_sources(w_gate, w_up, w_down)
+        factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
+        lora = ops.Lora(*factors, alpha=cfg.lora_alpha) if cfg.lora_rank else None
+        y, saved = ops.layer_forward(cfg, packed, router_w, router_b, x, router_bias, lora, isa=isa)
+        ctx.saved, ctx.stats, ctx.has_lora = saved, stats, lora is not None
+        ctx.save_for_backward(x, router_w, router_b, *(f for f in factors if f is not None))
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        want = _wanted(needs, ("dx", "router_w", "router_b"), 0) | _wanted(needs, BASE_NAMES, 4)
+        if ctx.has_lora:
+            want |= _wanted(needs, LORA_NAMES, 7)
+        if ctx.stats is not None:
+            want |= {"m_a", "m_g"}
+        router_side = {"dx", "router_w", "router_b"}
+        g = ops.layer_backward(ctx.saved, dy, want, expert_path=bool(want - {"router_w", "router_b"}),
+                               router_path=bool(want & router_side))
+        _record(ctx.stats, g)
+        return ((g.get("dx"), g.get("router_w"), g.get("router_b"), None) + tuple(g.get(n) for n in BASE_NAMES) +
+                tuple(g.get(n) for n in LORA_NAMES) + (None,) * 4)

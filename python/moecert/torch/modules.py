@@ -1,0 +1,79 @@
+"""nn.Modules over moecert's ops."""
+import math
+
+import torch
+from torch import nn
+
+from . import ops
+from .functions import LayerFunction
+from .ops import BASE_NAMES, LORA_NAMES
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts layer: router linear (router_w [R, H], router_b [R], fp32), router
+    (softmax_topk, sigmoid_topk with router_bias [E], or product_key), E SwiGLU experts (w_gate,
+    w_up [E, I, H], w_down [E, H, I], bf16; frozen unless train_base) and LoRA of rank r on gate, up
+    and down (a_* [E, r, in], b_* [E, out, r], fp32 master weights, rounded to bf16 for the kernel;
+    b_* start at 0, so the layer starts as its base weights).
+
+    forward(x [..., H] bf16) -> y [..., H] fp32. The experts are packed at the first forward; after
+    an optimizer step that changes the base weights, call repack() (a forward on stale packs
+    raises). Under torch.no_grad() (or with nothing requiring grad) it keeps no saved state."""
+
+    def __init__(self, experts, hidden, inter, topk, rank=0, alpha=None, router="softmax_topk", renormalize=True,
+                 groups=1, topk_group=1, scaling=1.0, max_tokens=4096, train_base=False, isa=None):
+        super().__init__()
+        alpha = float(alpha if alpha is not None else 2 * rank)
+        self.config = ops.LayerConfig(experts, hidden, inter, topk, rank, alpha if rank else 0.0, router,
+                                      renormalize, groups, topk_group, scaling, max_tokens)
+        self.config.struct()  # validates
+        E, H, I, R = experts, hidden, inter, self.config.router_outputs()
+        self.isa = isa
+
+        def base(*shape, fan_in):
+            return nn.Parameter((torch.randn(*shape) / math.sqrt(fan_in)).to(torch.bfloat16), requires_grad=train_base)
+
+        self.w_gate, self.w_up, self.w_down = base(E, I, H, fan_in=H), base(E, I, H, fan_in=H), base(E, H, I, fan_in=I)
+        self.router_w = nn.Parameter(torch.empty(R, H).uniform_(-1 / math.sqrt(H), 1 / math.sqrt(H)))
+        self.router_b = nn.Parameter(torch.zeros(R))
+        self.register_buffer("router_bias", torch.zeros(E) if router == "sigmoid_topk" else None)
+        if rank:
+            for name, rows, cols in (("a_gate", rank, H), ("a_up", rank, H), ("a_down", rank, I)):
+                setattr(self, name, nn.Parameter(torch.empty(E, rows, cols).uniform_(-1 / math.sqrt(cols),
+                                                                                      1 / math.sqrt(cols))))
+            for name, rows in (("b_gate", I), ("b_up", I), ("b_down", H)):
+                setattr(self, name, nn.Parameter(torch.zeros(E, rows, rank)))
+        self._packed = None
+
+    def repack(self):
+        """Packs the current base weights (after an optimizer step on them)."""
+        self._packed = ops.PackedExperts(self.w_gate, self.w_up, self.w_down, backward=True)
+
+    def lora(self):
+        if not self.config.lora_rank:
+            return None
+        return ops.Lora(*(getattr(self, n) for n in LORA_NAMES), alpha=self.config.lora_alpha)
+
+    def forward(self, x, stats=None):
+        if self._packed is None:
+            self.repack()
+        lead, H = x.shape[:-1], self.config.hidden
+        x2 = x.reshape(-1, H) if x.dim() != 2 else x
+        base = tuple(getattr(self, n) for n in BASE_NAMES)
+        factors = self.lora().factors() if self.config.lora_rank else (None,) * 6
+        bias = self.router_bias
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
+                                           (x2, self.router_w, self.router_b) + base + factors):
+            y = LayerFunction.apply(x2, self.router_w, self.router_b, bias, *base, *factors, self.config,
+                                    self._packed, stats, self.isa)
+        else:
+            self._packed.check_sources(*base)
+            with torch.no_grad():
+                y, _ = ops.layer_forward(self.config, self._packed, self.router_w, self.router_b, x2, bias,
+                                         self.lora(), isa=self.isa, training=False)
+        return y.reshape(*lead, H)
+
+    def extra_repr(self):
+        c = self.config
+        return "experts={}, hidden={}, inter={}, topk={}, rank={}, router={}".format(
+            c.experts, c.hidden, c.inter, c.topk, c.lora_rank, c.router)

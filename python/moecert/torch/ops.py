@@ -1,0 +1,475 @@
+"""moecert's ops on torch tensors, without autograd: the one-to-one layer over
+the C ABI that the autograd Functions and modules are built on. Inputs are
+checked here (CPU, dtype, shape, contiguity, aliasing) before any work;
+outputs are allocated here.
+
+Shapes (torch layout, per expert out x in as nn.Linear):
+  w_gate, w_up [E, I, H], w_down [E, H, I] bf16
+  LoRA a_gate, a_up [E, r, H], b_gate, b_up [E, I, r], a_down [E, r, I], b_down [E, H, r]
+  x [T, H] bf16; expert ids [T, K] int32 (or int64); weights [T, K] fp32; y [T, H] fp32
+"""
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .. import _abi
+from .._abi import EXPERTS_GRADS, LAYER_GRADS
+from ..errors import InvalidArgument
+from ._tensors import check, check_no_alias, describe, grad_input, index_tensor, ref
+
+BF16, F32 = (torch.bfloat16,), (torch.float32,)
+LORA_NAMES = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")
+BASE_NAMES = ("w_gate", "w_up", "w_down")
+ROUTERS = ("softmax_topk", "sigmoid_topk", "product_key")
+KEY_WEIGHTS = ("raw", "exp", "softmax")
+
+
+def _isa(isa):
+    from .. import ISAS
+    if isa is None:
+        return -1
+    if isa not in ISAS:
+        raise InvalidArgument("isa {!r}: expected one of {}".format(isa, ", ".join(ISAS)))
+    return ISAS.index(isa)
+
+
+def _flat(t):
+    """A 3-D [E, m, n] tensor as the ABI's stacked 2-D [E*m, n] view."""
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2])
+
+
+class PackedExperts:
+    """Expert weights packed once for moecert's kernels (an immutable copy). w_gate, w_up [E, I, H],
+    w_down [E, H, I], bf16. backward=True also packs the orientations a backward multiplies by.
+    Remembers the sources' versions: an op given the sources after they changed in place raises
+    (repack after an optimizer step)."""
+
+    def __init__(self, w_gate, w_up, w_down, backward=True):
+        if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
+            raise InvalidArgument("w_gate: expected a [E, I, H] tensor")
+        E, I, H = w_gate.shape
+        check(w_gate, "w_gate", BF16, (E, I, H))
+        check(w_up, "w_up", BF16, (E, I, H))
+        check(w_down, "w_down", BF16, (E, H, I))
+        self.experts, self.inter, self.hidden, self.backward = E, I, H, bool(backward)
+        ptr = ctypes.c_void_p()
+        with torch.no_grad():
+            _abi.call("moecert_experts_pack", E, ref(describe(_flat(w_gate))), ref(describe(_flat(w_up))),
+                      ref(describe(_flat(w_down))), int(backward), ctypes.byref(ptr))
+        self._handle = _abi.Handle(ptr, "moecert_experts_free")
+        self._sources = tuple((id(t), t._version) for t in (w_gate, w_up, w_down))
+
+    @property
+    def ptr(self):
+        return self._handle.ptr
+
+    def check_sources(self, w_gate, w_up, w_down):
+        """Raises InvalidArgument unless these are the tensors packed, unchanged since."""
+        for name, t, (tid, version) in zip(BASE_NAMES, (w_gate, w_up, w_down), self._sources):
+            if id(t) != tid or t._version != version:
+                raise InvalidArgument("{}: not the tensor packed, or changed since it was packed; repack".format(name))
+
+    def nbytes(self):
+        b = ctypes.c_int64()
+        _abi.call("moecert_experts_shape", self.ptr, None, None, None, None, ctypes.byref(b))
+        return b.value
+
+
+@dataclass
+class Lora:
+    """LoRA factors of every expert (fp32 or bf16; fp32 ones are rounded to bf16 for the kernel,
+    which is what the op then computes with) and alpha; scale = float(alpha / r)."""
+    a_gate: torch.Tensor
+    b_gate: torch.Tensor
+    a_up: torch.Tensor
+    b_up: torch.Tensor
+    a_down: torch.Tensor
+    b_down: torch.Tensor
+    alpha: float
+
+    @property
+    def rank(self):
+        return self.a_gate.shape[1]
+
+    def factors(self):
+        return tuple(getattr(self, n) for n in LORA_NAMES)
+
+
+def _lora_shapes(E, H, I, r):
+    return {"a_gate": (E, r, H), "b_gate": (E, I, r), "a_up": (E, r, H), "b_up": (E, I, r), "a_down": (E, r, I),
+            "b_down": (E, H, r)}
+
+
+def kernel_lora(lora, E, H, I):
+    """The factors as the kernel reads them: checked, bf16, contiguous (None: no LoRA)."""
+    if lora is None:
+        return None
+    if not isinstance(lora.a_gate, torch.Tensor) or lora.a_gate.dim() != 3:
+        raise InvalidArgument("lora.a_gate: expected a [E, r, H] tensor")
+    r = lora.rank
+    out = []
+    for name, shape in _lora_shapes(E, H, I, r).items():
+        t = getattr(lora, name)
+        check(t, "lora." + name, (torch.float32, torch.bfloat16), shape)
+        out.append(t.detach().to(torch.bfloat16) if t.dtype != torch.bfloat16 else t.detach())
+    return Lora(*out, alpha=float(lora.alpha))
+
+
+def _lora_struct(k):
+    s = _abi.Lora()
+    if k is not None:
+        for name in LORA_NAMES:
+            setattr(s, name, describe(_flat(getattr(k, name))))
+        s.rank, s.alpha = k.rank, k.alpha
+    return s
+
+
+def _options(isa, training=True):
+    return _abi.TrainOptions(_isa(isa), int(training), 0)
+
+
+# ---- experts --------------------------------------------------------------
+
+def experts_forward(packed, x, expert_ids, weights, isa=None):
+    """Inference forward: y [T, H] fp32."""
+    T, K = _routing_shape(packed, x, expert_ids)
+    ids = index_tensor(expert_ids, "expert_ids", (T, K))
+    check(weights, "weights", F32, (T, K))
+    y = torch.empty(T, packed.hidden, dtype=torch.float32)
+    check_no_alias([("x", x), ("expert_ids", ids), ("weights", weights)])
+    _abi.call("moecert_experts_forward", packed.ptr, ref(describe(x)), ref(describe(ids)), ref(describe(weights)),
+              ref(describe(y)), _isa(isa))
+    return y
+
+
+def _routing_shape(packed, x, expert_ids):
+    if not isinstance(packed, PackedExperts):
+        raise InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise InvalidArgument("x: expected a [T, H] tensor")
+    check(x, "x", BF16, (None, packed.hidden))
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
+        raise InvalidArgument("expert_ids: expected a [T, K] tensor")
+    return x.shape[0], expert_ids.shape[1]
+
+
+class ExpertsSaved:
+    """What a training forward keeps for its backward (the C++ experts::Saved, and the inputs the
+    backward reads again)."""
+
+    def __init__(self):
+        self._handle = _abi.Handle(_abi.new_handle("moecert_experts_saved_new"), "moecert_experts_saved_free")
+        self.packed = self.lora = self.x = None
+        self.tokens = self.topk = 0
+
+    @property
+    def ptr(self):
+        return self._handle.ptr
+
+
+def experts_forward_train(packed, x, expert_ids, weights, lora=None, saved=None, isa=None, training=True):
+    """Training forward: (y [T, H] fp32, saved). lora: Lora or None."""
+    T, K = _routing_shape(packed, x, expert_ids)
+    ids = index_tensor(expert_ids, "expert_ids", (T, K))
+    check(weights, "weights", F32, (T, K))
+    k = kernel_lora(lora, packed.experts, packed.hidden, packed.inter)
+    named = [("x", x), ("expert_ids", ids), ("weights", weights)]
+    if k is not None:
+        named += [("lora." + n, getattr(k, n)) for n in LORA_NAMES]
+    check_no_alias(named)
+    saved = saved or ExpertsSaved()
+    y = torch.empty(T, packed.hidden, dtype=torch.float32)
+    _abi.call("moecert_experts_forward_train", packed.ptr, ref(_lora_struct(k)), ref(describe(x)), ref(describe(ids)),
+              ref(describe(weights)), ref(describe(y)), saved.ptr, ref(_options(isa, training)))
+    saved.packed, saved.lora, saved.x, saved.tokens, saved.topk = packed, k, x, T, K
+    return y, saved
+
+
+def _experts_grad_shapes(p, T, K, r):
+    E, H, I = p.experts, p.hidden, p.inter
+    shapes = {"dx": (T, H), "dweights": (T, K), "w_gate": (E, I, H), "w_up": (E, I, H), "w_down": (E, H, I),
+              "m_a": (T, E), "m_g": (T, E)}
+    shapes.update(_lora_shapes(E, H, I, r))
+    return shapes
+
+
+def _fill(struct, names, shapes, want, dtype):
+    """Allocates the wanted outputs into `struct`; returns them by name."""
+    out = {}
+    for name in names:
+        if name in want:
+            t = torch.empty(shapes[name], dtype=dtype)
+            out[name] = t
+            setattr(struct, name, describe(_flat(t) if t.dim() == 3 else t))
+    return out
+
+
+def _want(want, names, lora):
+    want = set(want)
+    unknown = want - set(names)
+    if unknown:
+        raise InvalidArgument("unknown outputs {}: expected some of {}".format(sorted(unknown), ", ".join(names)))
+    if lora is None and want & set(LORA_NAMES):
+        raise InvalidArgument("LoRA gradients asked for a forward without LoRA")
+    return want
+
+
+def experts_backward(saved, dy, want=("dx", "dweights") + LORA_NAMES):
+    """Backward from dy [T, H]: a dict of the outputs named in `want` (fp32; names as
+    moecert_experts_grads: dx, dweights, a_gate .. b_down, w_gate, w_up, w_down, m_a, m_g)."""
+    want = _want(want, EXPERTS_GRADS, saved.lora)
+    dy = grad_input(dy, "dy", (saved.tokens, saved.packed.hidden))
+    g = _abi.ExpertsGrads()
+    r = saved.lora.rank if saved.lora is not None else 0
+    out = _fill(g, EXPERTS_GRADS, _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float32)
+    _abi.call("moecert_experts_backward", saved.packed.ptr, ref(_lora_struct(saved.lora)), ref(describe(saved.x)),
+              ref(describe(dy)), saved.ptr, ref(g))
+    return out
+
+
+def experts_bounds(saved, dy=None, want=()):
+    """The derived element-wise bounds |moecert - exact| (fp64) of y and, with dy, of the outputs
+    in `want` of the backward from dy (proofs/experts.md): a dict with "y" and those names."""
+    want = _want(want, EXPERTS_GRADS, saved.lora)
+    g = _abi.ExpertsGrads()
+    r = saved.lora.rank if saved.lora is not None else 0
+    out = _fill(g, EXPERTS_GRADS, _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float64)
+    out["y"] = torch.empty(saved.tokens, saved.packed.hidden, dtype=torch.float64)
+    dy = None if dy is None else grad_input(dy, "dy", (saved.tokens, saved.packed.hidden))
+    _abi.call("moecert_experts_bounds", saved.packed.ptr, ref(_lora_struct(saved.lora)), ref(describe(saved.x)),
+              ref(describe(dy)), saved.ptr, ref(describe(out["y"])), ref(g))
+    return out
+
+
+# ---- routers -------------------------------------------------------------
+
+def _scores(z, name, bf16_ok=True):
+    if not isinstance(z, torch.Tensor) or z.dim() != 2:
+        raise InvalidArgument("{}: expected a [T, n] tensor".format(name))
+    check(z, name, (torch.float32, torch.bfloat16) if bf16_ok else F32, (None, None))
+    return z
+
+
+def _router_outputs(T, K):
+    return torch.empty(T, K, dtype=torch.int32), torch.empty(T, K, dtype=torch.float32)
+
+
+def softmax_topk(z, k, renormalize=True):
+    """(idx [T, k] int32, w [T, k] fp32) of z [T, E] fp32 or bf16."""
+    z = _scores(z, "z")
+    idx, w = _router_outputs(z.shape[0], k)
+    _abi.call("moecert_softmax_topk_forward", ref(describe(z)), ref(describe(idx)), ref(describe(w)), int(renormalize))
+    return idx, w
+
+
+def softmax_topk_backward(z, idx, g, renormalize=True):
+    """dz [T, E] from g = dL/dw [T, K]."""
+    z = _scores(z.float(), "z", False)
+    idx = index_tensor(idx, "idx", (z.shape[0], None))
+    g = grad_input(g, "g", tuple(idx.shape))
+    dz = torch.empty(z.shape, dtype=torch.float32)
+    _abi.call("moecert_softmax_topk_backward", ref(describe(z)), ref(describe(idx)), ref(describe(g)), ref(describe(dz)),
+              int(renormalize))
+    return dz
+
+
+def sigmoid_topk(z, bias, k, groups=1, topk_group=1, scaling=1.0):
+    """(idx, w) of z [T, E]; bias [E] fp32 enters the selection only."""
+    z = _scores(z, "z")
+    check(bias, "bias", F32, (z.shape[1],))
+    idx, w = _router_outputs(z.shape[0], k)
+    _abi.call("moecert_sigmoid_topk_forward", ref(describe(z)), ref(describe(bias)), groups, topk_group, scaling,
+              ref(describe(idx)), ref(describe(w)))
+    return idx, w
+
+
+def sigmoid_topk_backward(z, idx, g, groups=1, topk_group=1, scaling=1.0):
+    z = _scores(z.float(), "z", False)
+    idx = index_tensor(idx, "idx", (z.shape[0], None))
+    g = grad_input(g, "g", tuple(idx.shape))
+    dz = torch.empty(z.shape, dtype=torch.float32)
+    _abi.call("moecert_sigmoid_topk_backward", ref(describe(z)), ref(describe(idx)), ref(describe(g)), groups,
+              topk_group, scaling, ref(describe(dz)))
+    return dz
+
+
+def product_key(sx, sy, k, weights="softmax"):
+    """(idx, w) of the halves sx, sy [T, n]; expert ix*n + iy; weights "raw", "exp" or "softmax"."""
+    sx, sy = _scores(sx, "sx"), _scores(sy, "sy")
+    if sy.shape != sx.shape or sy.dtype != sx.dtype:
+        raise InvalidArgument("sy: {} {}, expected sx's {} {}".format(list(sy.shape), sy.dtype, list(sx.shape), sx.dtype))
+    idx, w = _router_outputs(sx.shape[0], k)
+    _abi.call("moecert_product_key_forward", ref(describe(sx)), ref(describe(sy)), _key_mode(weights),
+              ref(describe(idx)), ref(describe(w)))
+    return idx, w
+
+
+def _key_mode(weights):
+    if weights not in KEY_WEIGHTS:
+        raise InvalidArgument("weights {!r}: expected raw, exp or softmax".format(weights))
+    return KEY_WEIGHTS.index(weights)
+
+
+def product_key_backward(sx, sy, idx, g, weights="softmax"):
+    """(dsx, dsy) [T, n] from g = dL/dw."""
+    sx, sy = _scores(sx.float(), "sx", False), _scores(sy.float(), "sy", False)
+    idx = index_tensor(idx, "idx", (sx.shape[0], None))
+    g = grad_input(g, "g", tuple(idx.shape))
+    dsx, dsy = torch.empty(sx.shape, dtype=torch.float32), torch.empty(sy.shape, dtype=torch.float32)
+    _abi.call("moecert_product_key_backward", ref(describe(sx)), ref(describe(sy)), ref(describe(idx)), ref(describe(g)),
+              _key_mode(weights), ref(describe(dsx)), ref(describe(dsy)))
+    return dsx, dsy
+
+
+def router_bounds(router, param, z, idx, g=None):
+    """(w_bound [T, K], dz_bound [T, cols] or None): fp64 bounds |moecert - exact| of a router's
+    weights and, with g, of its backward (proofs/router.md). param: renormalize (softmax_topk),
+    scaling (sigmoid_topk) or the weights mode name (product_key, z = [sx | sy])."""
+    kind = ROUTERS.index(router)
+    if router == "product_key":
+        param = _key_mode(param)
+    z = _scores(z.float(), "z", False)
+    idx = index_tensor(idx, "idx", (z.shape[0], None))
+    wb = torch.empty(idx.shape, dtype=torch.float64)
+    db = torch.empty(z.shape, dtype=torch.float64) if g is not None else None
+    g = None if g is None else grad_input(g, "g", tuple(idx.shape))
+    _abi.call("moecert_router_bounds", kind, float(param), ref(describe(z)), ref(describe(idx)), ref(describe(g)),
+              ref(describe(wb)), ref(describe(db)))
+    return wb, db
+
+
+# ---- layer ---------------------------------------------------------------
+
+@dataclass
+class LayerConfig:
+    """moecert::MoeConfig. router: "softmax_topk", "sigmoid_topk" or "product_key" (E = n*n)."""
+    experts: int
+    hidden: int
+    inter: int
+    topk: int
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    router: str = "softmax_topk"
+    renormalize: bool = True
+    groups: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+    max_tokens: int = 4096
+
+    def router_outputs(self):
+        """R: the router linear's outputs (E, or 2n for product_key)."""
+        if self.router == "product_key":
+            return 2 * int(round(self.experts ** 0.5))
+        return self.experts
+
+    def struct(self):
+        if self.router not in ROUTERS:
+            raise InvalidArgument("router {!r}: expected one of {}".format(self.router, ", ".join(ROUTERS)))
+        c = _abi.Config(self.experts, self.hidden, self.inter, self.topk, self.lora_rank, float(self.lora_alpha),
+                        ROUTERS.index(self.router), int(self.renormalize), self.groups, self.topk_group,
+                        float(self.scaling), self.max_tokens)
+        _abi.call("moecert_config_validate", ctypes.byref(c))
+        return c
+
+
+class LayerSaved:
+    """What a layer forward keeps for its backward (moecert::layer::Saved) and its inputs."""
+
+    def __init__(self):
+        self._handle = _abi.Handle(_abi.new_handle("moecert_layer_saved_new"), "moecert_layer_saved_free")
+        self.cfg = self.weights = self.x = None
+        self.keep = ()
+        self.tokens = 0
+
+    @property
+    def ptr(self):
+        return self._handle.ptr
+
+
+def _layer_weights(cfg, packed, router_w, router_b, router_bias, lora):
+    if not isinstance(packed, PackedExperts):
+        raise InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
+    if (packed.experts, packed.hidden, packed.inter) != (cfg.experts, cfg.hidden, cfg.inter):
+        raise InvalidArgument("packed: E={} H={} I={}, the config has E={} H={} I={}".format(
+            packed.experts, packed.hidden, packed.inter, cfg.experts, cfg.hidden, cfg.inter))
+    R, H = cfg.router_outputs(), cfg.hidden
+    check(router_w, "router_w", F32, (R, H))
+    check(router_b, "router_b", F32, (R,))
+    if cfg.router == "sigmoid_topk":
+        check(router_bias, "router_bias", F32, (cfg.experts,))
+    else:
+        router_bias = None
+    k = kernel_lora(lora, cfg.experts, H, cfg.inter) if cfg.lora_rank else None
+    if k is not None and (k.rank != cfg.lora_rank or k.alpha != cfg.lora_alpha):
+        raise InvalidArgument("lora: r={} alpha={}, the config has r={} alpha={}".format(
+            k.rank, k.alpha, cfg.lora_rank, cfg.lora_alpha))
+    w = _abi.LayerWeights()
+    w.experts = packed.ptr
+    w.router_w, w.router_b, w.router_bias = describe(router_w), describe(router_b), describe(router_bias)
+    w.lora = _lora_struct(k)
+    keep = (packed, router_w, router_b, router_bias, k)
+    named = [("router_w", router_w), ("router_b", router_b), ("router_bias", router_bias)]
+    if k is not None:
+        named += [("lora." + n, getattr(k, n)) for n in LORA_NAMES]
+    return w, keep, named
+
+
+def layer_forward(cfg, packed, router_w, router_b, x, router_bias=None, lora=None, saved=None, isa=None,
+                  training=True):
+    """The MoE layer's forward: (y [T, H] fp32, saved). router_w [R, H], router_b [R] fp32
+    (R = E, or 2n for product_key); router_bias [E] for sigmoid_topk."""
+    c = cfg.struct()
+    w, keep, named = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise InvalidArgument("x: expected a [T, H] tensor")
+    check(x, "x", BF16, (None, cfg.hidden))
+    check_no_alias(named + [("x", x)])
+    saved = saved or LayerSaved()
+    y = torch.empty(x.shape[0], cfg.hidden, dtype=torch.float32)
+    _abi.call("moecert_layer_forward", ctypes.byref(c), ctypes.byref(w), ref(describe(x)), ref(describe(y)), saved.ptr,
+              ref(_options(isa, training)))
+    saved.cfg, saved.weights, saved.keep, saved.x, saved.tokens = c, w, keep, x, x.shape[0]
+    saved.config = cfg
+    return y, saved
+
+
+def layer_routing(saved):
+    """(idx [T, K] int32, weights [T, K] fp32) the forward chose."""
+    idx, w = _router_outputs(saved.tokens, saved.config.topk)
+    _abi.call("moecert_layer_saved_routing", saved.ptr, ref(describe(idx)), ref(describe(w)))
+    return idx, w
+
+
+def _layer_grad_shapes(cfg, T):
+    E, H, I = cfg.experts, cfg.hidden, cfg.inter
+    shapes = {"dx": (T, H), "router_w": (cfg.router_outputs(), H), "router_b": (cfg.router_outputs(),),
+              "w_gate": (E, I, H), "w_up": (E, I, H), "w_down": (E, H, I), "m_a": (T, E), "m_g": (T, E)}
+    shapes.update(_lora_shapes(E, H, I, cfg.lora_rank))
+    return shapes
+
+
+def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, expert_path=True, router_path=True):
+    """Backward from dy [T, H]: a dict of the outputs in `want` (fp32; names as moecert_layer_grads)."""
+    cfg = saved.config
+    want = _want(want, LAYER_GRADS, saved.keep[4])
+    dy = grad_input(dy, "dy", (saved.tokens, cfg.hidden))
+    g = _abi.LayerGrads()
+    out = _fill(g, LAYER_GRADS, _layer_grad_shapes(cfg, saved.tokens), want, torch.float32)
+    _abi.call("moecert_layer_backward", ctypes.byref(saved.cfg), ctypes.byref(saved.weights), ref(describe(saved.x)),
+              ref(describe(dy)), saved.ptr, ref(g), int(expert_path), int(router_path))
+    return out
+
+
+def layer_bounds(saved, dy=None, want=()):
+    """fp64 bounds |moecert - exact| of y and, with dy (after the backward from dy ran both paths),
+    of the outputs in `want` (proofs/layer.md), conditioned on the routing the forward chose."""
+    cfg = saved.config
+    want = _want(want, LAYER_GRADS, saved.keep[4])
+    g = _abi.LayerGrads()
+    out = _fill(g, LAYER_GRADS, _layer_grad_shapes(cfg, saved.tokens), want, torch.float64)
+    out["y"] = torch.empty(saved.tokens, cfg.hidden, dtype=torch.float64)
+    dy = None if dy is None else grad_input(dy, "dy", (saved.tokens, cfg.hidden))
+    _abi.call("moecert_layer_bounds", ctypes.byref(saved.cfg), ctypes.byref(saved.weights), ref(describe(saved.x)),
+              ref(describe(dy)), saved.ptr, ref(describe(out["y"])), ref(g))
+    return out
