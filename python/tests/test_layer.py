@@ -1,0 +1,128 @@
+"""The MoE layer (router linear + router + experts with LoRA) against float64
+PyTorch autograd, within moecert's bounds (conditioned on the routing the
+kernel chose, which must equal the float64 selection), for the three routers;
+and a two-step LoRA training loop through MoELayer against the float64 loop."""
+import pytest
+import torch
+
+import moecert.torch as mt
+from moecert.torch import ops
+
+import reference as R
+from conftest import ISAS, within
+
+H, I, K, RANK, T = 32, 48, 2, 4, 7
+WANT = ("dx", "router_w", "router_b") + ops.LORA_NAMES + ("m_a", "m_g")
+
+
+def config(router):
+    if router == "product_key":
+        return ops.LayerConfig(9, H, I, K, RANK, 8.0, router, max_tokens=T)
+    if router == "sigmoid_topk":
+        return ops.LayerConfig(8, H, I, K, RANK, 8.0, router, groups=4, topk_group=2, scaling=1.5, max_tokens=T)
+    return ops.LayerConfig(8, H, I, K, RANK, 8.0, router, max_tokens=T)
+
+
+def weights_of(cfg, z, idx):
+    if cfg.router == "softmax_topk":
+        return R.softmax_topk_weights(z, idx, cfg.renormalize)
+    if cfg.router == "sigmoid_topk":
+        return R.sigmoid_topk_weights(z, idx, cfg.scaling)
+    n = cfg.router_outputs() // 2
+    return R.product_key_weights(z[:, :n], z[:, n:], idx, "softmax")
+
+
+def select(cfg, z, bias):
+    if cfg.router == "softmax_topk":
+        return R.softmax_topk_select(z, cfg.topk)
+    if cfg.router == "sigmoid_topk":
+        return R.sigmoid_topk_select(z, bias, cfg.topk, cfg.groups, cfg.topk_group)
+    n = cfg.router_outputs() // 2
+    return R.product_key_select(z[:, :n], z[:, n:], cfg.topk)
+
+
+def layer64(cfg, params, x, dy, idx):
+    """y and the gradients of <dy, y> in float64, routed by idx (the selection, checked apart)."""
+    p = {k: R.f64(v) for k, v in params.items()}
+    x64 = R.f64(x)
+    z = x64 @ p["router_w"].T + p["router_b"]
+    w = weights_of(cfg, z, idx)
+    y, _ = R.experts(x64, idx, w, p, R.scale_of(cfg.lora_alpha, cfg.lora_rank))
+    names = ("router_w", "router_b") + ops.LORA_NAMES
+    gs = torch.autograd.grad((dy.double() * y).sum(), [x64] + [p[n] for n in names])
+    return y, z.detach(), dict(zip(("dx",) + names, gs)), p
+
+
+def random_params(cfg, g):
+    E, R_ = cfg.experts, cfg.router_outputs()
+    n = lambda *s, sd=1.0: torch.randn(*s, generator=g) * sd
+    p = {"w_gate": n(E, I, H, sd=H ** -0.5).bfloat16(), "w_up": n(E, I, H, sd=H ** -0.5).bfloat16(),
+         "w_down": n(E, H, I, sd=I ** -0.5).bfloat16(), "router_w": n(R_, H, sd=H ** -0.5), "router_b": n(R_, sd=0.1)}
+    shapes = ops._lora_shapes(E, H, I, RANK)
+    p.update({k: n(*shapes[k], sd=0.3).bfloat16() for k in ops.LORA_NAMES})
+    return p
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk", "product_key"])
+def test_layer_within_bounds(isa, router, rng):
+    cfg = config(router)
+    p = random_params(cfg, rng)
+    bias = torch.randn(cfg.experts, generator=rng) * 0.05 if router == "sigmoid_topk" else None
+    x, dy = torch.randn(T, H, generator=rng).bfloat16(), torch.randn(T, H, generator=rng)
+    packed = ops.PackedExperts(p["w_gate"], p["w_up"], p["w_down"])
+    lora = ops.Lora(*(p[k] for k in ops.LORA_NAMES), alpha=cfg.lora_alpha)
+    y, saved = ops.layer_forward(cfg, packed, p["router_w"], p["router_b"], x, bias, lora, isa=isa)
+    got = ops.layer_backward(saved, dy, WANT)
+    bounds = ops.layer_bounds(saved, dy, WANT)
+    idx, _ = ops.layer_routing(saved)
+    y64, z64, g64, p64 = layer64(cfg, p, x, dy, idx)
+    assert torch.equal(idx, select(cfg, z64, bias))
+    within("y", y, y64, bounds["y"])
+    for name in ("dx", "router_w", "router_b") + ops.LORA_NAMES:
+        within(name, got[name], g64[name], bounds[name])
+    s = R.scale_of(cfg.lora_alpha, cfg.lora_rank)
+    w64 = weights_of(cfg, z64, idx).detach()
+    m_a, m_g = R.stats(R.f64(x), idx, w64, p64, s, dy.double(), ops.LORA_NAMES)
+    within("m_a", got["m_a"], m_a, bounds["m_a"])
+    within("m_g", got["m_g"], m_g, bounds["m_g"])
+
+
+def test_moelayer_two_lora_steps_match_the_float64_loop(rng):
+    """forward, backward, SGD step on the LoRA and router parameters, forward again: each step's
+    outputs within their bounds of float64 on the same parameters, and each update within lr times
+    the gradient's bound (plus the two fp32 roundings of p - lr g) of the float64 update."""
+    torch.manual_seed(7)
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T)
+    with torch.no_grad():
+        for k in ("b_gate", "b_up", "b_down"):  # B = 0 at init; nonzero to exercise every LoRA path
+            getattr(layer, k).normal_(0, 0.3)
+    trainable = ("router_w", "router_b") + ops.LORA_NAMES
+    opt = torch.optim.SGD([getattr(layer, k) for k in trainable], lr=0.05)
+    x = torch.randn(T, H, generator=rng).bfloat16()
+    for step in range(2):
+        dy = torch.randn(T, H, generator=rng)
+        before = {k: getattr(layer, k).detach().clone() for k in trainable}
+        params = {k: getattr(layer, k).detach() for k in ops.BASE_NAMES + trainable}
+        kernel = dict(params, **{k: params[k].bfloat16() for k in ops.LORA_NAMES})  # what the kernel reads
+        opt.zero_grad()
+        y = layer(x)
+        y.backward(dy)
+        # The bounds of this step, from the ops on the same inputs (the module's own saved state is
+        # inside autograd).
+        lora = ops.Lora(*(params[k] for k in ops.LORA_NAMES), alpha=8.0)
+        y_ops, saved = ops.layer_forward(layer.config, layer._packed, params["router_w"], params["router_b"], x,
+                                         None, lora)
+        assert torch.equal(y.detach(), y_ops)
+        ops.layer_backward(saved, dy, WANT)
+        bounds = ops.layer_bounds(saved, dy, WANT)
+        idx, _ = ops.layer_routing(saved)
+        y64, _, g64, _ = layer64(layer.config, kernel, x, dy, idx)
+        within("step {} y".format(step), y, y64, bounds["y"])
+        opt.step()
+        for k in trainable:
+            after = getattr(layer, k).detach()
+            update64 = before[k].double() - 0.05 * g64[k]
+            step_g = 0.05 * getattr(layer, k).grad.double().abs()  # p + (-lr g): two fp32 roundings
+            tol = 0.05 * bounds[k] + 2.0 ** -24 * (after.double().abs() + step_g)
+            within("step {} {} after the update".format(step, k), after, update64, tol)
