@@ -1,10 +1,15 @@
 # The README's two commands, and a few helpers. Every target bootstraps first.
 JOBS ?= $(shell nproc)
 
-.PHONY: check report bootstrap debug release tsan stress fuzz clean
+.PHONY: check report python bootstrap debug release tsan stress fuzz clean
 FUZZ_SECONDS ?= 60
 FUZZ_SEED ?= 1
 FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer
+
+# The interpreter for the Python package: Debian's /usr/bin/python3, else the
+# first python3 on PATH, that imports torch (a `python3` on PATH may lack
+# Debian's packages). ctest finds the same one (cmake/python.cmake).
+PYTHON ?= $(shell for p in /usr/bin/python3 python3; do $$p -c "import torch" 2>/dev/null && { command -v $$p; break; }; done)
 
 bootstrap:
 	bash scripts/bootstrap.sh
@@ -34,6 +39,18 @@ report: bootstrap
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS) --target moecert_cli
 	build/release/tools/moecert conform --suite default --out build/report
+
+# Makes `import moecert` work for $(PYTHON): builds libmoecert_c.so (Release),
+# links it into python/moecert/_lib/ and puts python/ on that interpreter's
+# path (a moecert.pth in its user site-packages).
+python: bootstrap
+	cmake --preset release
+	cmake --build --preset release -j $(JOBS) --target moecert_c
+	mkdir -p python/moecert/_lib
+	ln -sf $(CURDIR)/build/release/libmoecert_c.so python/moecert/_lib/libmoecert_c.so
+	@site=$$($(PYTHON) -m site --user-site) && mkdir -p $$site && echo $(CURDIR)/python > $$site/moecert.pth && \
+	  echo "python: $(PYTHON) finds moecert in $(CURDIR)/python ($$site/moecert.pth)"
+	cd / && $(PYTHON) -c "import moecert, moecert.torch; print('import moecert:', moecert.build_info())"
 
 # The tests and the smoke conformance suite under ThreadSanitizer
 # (suppressions, each with its reason: tests/tsan.supp).

@@ -8,6 +8,7 @@ packages=(
   catch2 libfmt-dev libboost1.81-dev libtbb-dev libz3-dev
   clang libclang-rt-14-dev libdnnl-dev libmpfr-dev
   valgrind
+  python3-torch python3-numpy python3-pytest
 )
 
 missing=()

@@ -1,0 +1,165 @@
+"""Bad input: each rejected class raises a Python exception naming the problem
+(InvalidArgument before any work, or ContractViolation carrying the clause,
+location and values), and leaves the caller's tensors as they were."""
+import ctypes
+
+import pytest
+import torch
+
+import moecert
+import moecert.torch as mt
+from moecert import _abi
+from moecert.torch import ops
+from moecert.torch._tensors import describe
+
+E, H, I, K, RANK, T = 4, 32, 48, 2, 4, 6
+
+
+@pytest.fixture
+def case(rng):
+    n = lambda *s, sd=1.0: torch.randn(*s, generator=rng) * sd
+    packed = ops.PackedExperts(n(E, I, H, sd=0.2).bfloat16(), n(E, I, H, sd=0.2).bfloat16(),
+                               n(E, H, I, sd=0.2).bfloat16())
+    shapes = ops._lora_shapes(E, H, I, RANK)
+    lora = ops.Lora(*(n(*shapes[k], sd=0.3).bfloat16() for k in ops.LORA_NAMES), alpha=8.0)
+    ids = torch.stack([torch.randperm(E, generator=rng)[:K] for _ in range(T)]).to(torch.int32)
+    return packed, lora, n(T, H).bfloat16(), ids, torch.rand(T, K, generator=rng)
+
+
+def unchanged(*tensors):
+    """A check that the tensors still hold what they hold now."""
+    bits = lambda t: t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)  # NaN == NaN
+    copies = [bits(t).clone() for t in tensors]
+    return lambda: all(torch.equal(bits(a), b) for a, b in zip(tensors, copies))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda a: a.update(x=a["x"].float()), "x: dtype float32, expected bfloat16"),
+    (lambda a: a.update(x=torch.empty(T, H, dtype=torch.bfloat16, device="meta")), "x: on meta, expected a CPU tensor"),
+    (lambda a: a.update(x=torch.zeros(H, T, dtype=torch.bfloat16).t()), "x: not contiguous"),
+    (lambda a: a.update(x=torch.zeros(T, H + 1, dtype=torch.bfloat16)), "x: shape [6, 33], expected [? x 32]"),
+    (lambda a: a.update(weights=a["weights"].double()), "weights: dtype float64, expected float32"),
+    (lambda a: a.update(ids=a["ids"].float()), "expert_ids: dtype float32, expected int32 or int64"),
+    (lambda a: a.update(ids=a["ids"][:, :1].contiguous()), "weights: shape [6, 2], expected [6 x 1]"),
+    (lambda a: a.update(lora=ops.Lora(*(a["lora"].factors()[:2] + (a["lora"].a_gate,) + a["lora"].factors()[3:]),
+                                      alpha=8.0)), "lora.a_gate and lora.a_up overlap in memory"),
+    (lambda a: a.update(lora=ops.Lora(*a["lora"].factors()[:5], torch.zeros(E, H, RANK + 1), alpha=8.0)),
+     "lora.b_down: shape [4, 32, 5], expected [4 x 32 x 4]"),
+    (lambda a: a.update(isa="avx9"), "isa 'avx9'"),
+])
+def test_invalid_arguments_raise_before_any_work(case, mutate, message):
+    packed, lora, x, ids, weights = case
+    args = {"x": x, "ids": ids, "weights": weights, "lora": lora, "isa": None}
+    mutate(args)
+    same = unchanged(x, ids, weights)
+    with pytest.raises(moecert.InvalidArgument, match=message.replace("[", r"\[").replace("?", r"\?")):
+        mt.experts(args["x"], args["ids"], args["weights"], packed, args["lora"], isa=args["isa"])
+    assert same()
+
+
+def broken(field, fn):
+    def apply(args):
+        args[field] = args[field].clone()
+        fn(args[field])
+    return apply
+
+
+@pytest.mark.parametrize("mutate, clause, location, observed", [
+    (broken("x", lambda x: x.__setitem__((3, 5), float("nan"))), "experts.forward_train.x_finite", "x[3, 5]", "x=nan"),
+    (broken("ids", lambda i: i.__setitem__((2, 1), E)), "experts.forward_train.idx_in_range", "t=2 j=1", "idx=4"),
+    (broken("ids", lambda i: i.__setitem__((1, 0), -1)), "experts.forward_train.idx_in_range", "t=1 j=1",
+     "idx="),
+    (broken("ids", lambda i: i.__setitem__((4, 1), int(i[4, 0]))), "experts.forward_train.idx_unique", "t=4", None),
+    (broken("weights", lambda w: w.__setitem__((0, 1), float("inf"))), "experts.forward_train.weight_finite",
+     "t=0 j=1", None),
+])
+def test_contract_violations_name_clause_location_and_value(case, mutate, clause, location, observed):
+    packed, lora, x, ids, weights = case
+    args = {"x": x, "ids": ids, "weights": weights}
+    mutate(args)
+    same = unchanged(args["x"], args["ids"], args["weights"], *lora.factors())
+    with moecert.contracts("check"):
+        with pytest.raises(moecert.ContractViolation) as err:
+            mt.experts(args["x"], args["ids"], args["weights"], packed, lora)
+    v = err.value
+    assert v.clause == clause and v.op == "experts.forward_train" and v.kind == "pre"
+    assert location in v.location, v.location
+    assert observed is None or observed in v.observed, v.observed
+    assert clause in str(v) and v.file and v.line > 0
+    assert same()
+
+
+def test_backward_before_forward_and_nan_dy(case):
+    packed, lora, x, ids, weights = case
+    saved = ops.ExpertsSaved()
+    saved.packed, saved.lora, saved.x, saved.tokens, saved.topk = packed, lora, x, T, K
+    with pytest.raises(moecert.ContractViolation) as err:
+        ops.experts_backward(saved, torch.zeros(T, H))
+    assert err.value.clause == "experts.backward.state"
+    y, saved = ops.experts_forward_train(packed, x, ids, weights, lora)
+    dy = torch.zeros(T, H)
+    dy[2, 7] = float("nan")
+    with pytest.raises(moecert.ContractViolation) as err:
+        ops.experts_backward(saved, dy)
+    assert err.value.clause == "experts.backward.dy_finite" and "dy[2, 7]" in err.value.location
+
+
+def test_stale_packed_weights_raise(rng):
+    w = [torch.randn(E, I, H, generator=rng).bfloat16(), torch.randn(E, I, H, generator=rng).bfloat16(),
+         torch.randn(E, H, I, generator=rng).bfloat16()]
+    packed = ops.PackedExperts(*w)
+    w[0].add_(1)
+    x = torch.randn(T, H).bfloat16()
+    ids = torch.zeros(T, 1, dtype=torch.int32)
+    with pytest.raises(moecert.InvalidArgument, match="changed since it was packed; repack"):
+        mt.experts(x, ids, torch.ones(T, 1), packed, base=w)
+
+
+def test_router_and_layer_violations(rng):
+    z = torch.randn(T, 8, generator=rng)
+    z[1, 3] = float("nan")
+    with pytest.raises(moecert.ContractViolation) as err:
+        mt.softmax_topk(z, 2)
+    assert err.value.clause == "router.softmax_topk.scores_finite"
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, max_tokens=T)
+    x = torch.randn(T, H).bfloat16()
+    x[0, 0] = float("inf")
+    with pytest.raises(moecert.ContractViolation) as err:
+        layer(x)
+    assert err.value.clause == "layer.forward.x_finite"
+    with pytest.raises(moecert.InvalidArgument, match="x: dtype float32"):
+        layer(torch.randn(T, H))
+
+
+def test_observe_reports_and_continues(case, capfd):
+    packed, lora, x, ids, weights = case
+    x = x.clone()
+    x[0, 1] = float("nan")
+    with moecert.contracts("check", "observe"):
+        y = mt.experts(x, ids, weights, packed, lora)
+    assert y.shape == (T, H)
+    assert "experts.forward_train.x_finite" in capfd.readouterr().err
+
+
+def test_the_c_abi_rejects_bad_descriptors(case):
+    """The C side checks descriptors itself (for callers other than this package)."""
+    packed = case[0]
+    t = torch.zeros(3, H)
+    y = torch.zeros(3, H)
+    idx = torch.zeros(3, 1, dtype=torch.int32)
+    one_dim = describe(torch.zeros(3 * H, dtype=torch.bfloat16))
+    for desc, message in [(describe(t), "x: dtype float32, expected bfloat16"), (_abi.Tensor(), "x: absent, expected a 2-D tensor"),
+                          (one_dim, "x: 1 dimensions, expected 2")]:
+        status = _abi.lib.moecert_experts_forward(packed.ptr, ctypes.byref(desc), ctypes.byref(describe(idx)),
+                                                   ctypes.byref(describe(t)), ctypes.byref(describe(y)), -1)
+        err = _abi.lib.moecert_last_error().contents
+        assert status == 2 and err.status == 2
+        assert err.message.decode() == "moecert_experts_forward: " + message
+    with pytest.raises(moecert.InvalidArgument, match="experts: null handle"):
+        _abi.call("moecert_experts_forward", None, ctypes.byref(describe(t)), ctypes.byref(describe(idx)),
+                  ctypes.byref(describe(t)), ctypes.byref(describe(y)), -1)
+    strided = describe(t)
+    strided.stride[1] = 2
+    with pytest.raises(moecert.InvalidArgument, match="stride\\[1\\] = 2, expected 1"):
+        _abi.call("moecert_softmax_topk_forward", ctypes.byref(strided), ctypes.byref(describe(idx)),
+                  ctypes.byref(describe(y[:, :1].contiguous())), 1)
