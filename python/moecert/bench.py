@@ -1,0 +1,237 @@
+"""Live PyTorch peer: moecert's layer and experts op against a straightforward
+PyTorch eager bf16 implementation of the same layer, in one process.
+
+    python3 -m moecert.bench [--tokens 48 1024 4096] [--reps 5] [--json FILE] [--shape tiny]
+
+For each T, forward+backward of each case: moecert (through moecert.torch, as a
+user calls it) and the eager peer in alternation (moecert, peer, moecert, ...),
+so both meet the same moments of a shared machine; median times and the median
+of the per-repetition ratios (paired). The two results are compared (largest
+difference relative to the largest magnitude of each output). Cases:
+
+  layer    MoELayer: router linear + softmax top-k (renormalised) + experts with
+           LoRA on gate, up and down; the peer routes with the same logits in
+           fp32 and loops over the experts in bf16 (index_add_ combine); LoRA and
+           router parameters trained (base frozen), x requires grad.
+  experts  moecert.torch.experts on the caller's routing (K distinct experts per
+           token, uniform; weights in [0, 1)) against the peer's expert loop.
+  overhead the layer forward through MoELayer against moecert.torch.ops (the
+           ctypes call without autograd): the Python layer's cost per call.
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import moecert
+import moecert.torch as mt
+from moecert.torch import ops
+
+SHAPES = {"paper": dict(experts=64, hidden=2048, inter=1408, topk=6, rank=8),
+          "tiny": dict(experts=8, hidden=128, inter=256, topk=2, rank=4)}
+
+
+class EagerMoE:
+    """The layer as a PyTorch user writes it in eager mode, bf16, autograd for the backward."""
+
+    def __init__(self, layer):
+        c = layer.config
+        self.E, self.K, self.s = c.experts, c.topk, float(c.lora_alpha / c.lora_rank)
+        clone = lambda t, grad: t.detach().to(torch.bfloat16).clone().requires_grad_(grad)
+        self.wg, self.wu, self.wd = (clone(getattr(layer, n), False) for n in ops.BASE_NAMES)
+        self.lora = {n: clone(getattr(layer, n), True) for n in ops.LORA_NAMES}
+        self.router_w = layer.router_w.detach().clone().requires_grad_(True)
+        self.router_b = layer.router_b.detach().clone().requires_grad_(True)
+
+    def params(self):
+        return list(self.lora.values()) + [self.router_w, self.router_b]
+
+    def route(self, x):
+        z = x.float() @ self.router_w.T + self.router_b
+        sel, idx = torch.topk(z, self.K, dim=1)
+        return idx, torch.softmax(sel, dim=1)
+
+    def experts(self, x, idx, w):
+        L, s = self.lora, self.s
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+        for e in range(self.E):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            xe = x[tok]
+            g = xe @ self.wg[e].T + s * (xe @ L["a_gate"][e].T) @ L["b_gate"][e].T
+            u = xe @ self.wu[e].T + s * (xe @ L["a_up"][e].T) @ L["b_up"][e].T
+            h = F.silu(g) * u
+            o = h @ self.wd[e].T + s * (h @ L["a_down"][e].T) @ L["b_down"][e].T
+            y = y.index_add(0, tok, o.float() * w[tok, slot].unsqueeze(1))
+        return y
+
+    def layer(self, x):
+        idx, w = self.route(x)
+        return self.experts(x, idx, w)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def alternate(reps, ours, peer):
+    """Times ours() and peer() in alternation after one warm-up of each: (ours ms, peer ms) lists."""
+    ours(), peer()
+    a, b = [], []
+    for _ in range(reps):
+        a.append(timed(ours)[0])
+        b.append(timed(peer)[0])
+    return a, b
+
+
+def rel_diff(ours, theirs):
+    ours, theirs = ours.detach().double(), theirs.detach().double()
+    scale = float(theirs.abs().max()) or 1.0
+    return float((ours - theirs).abs().max()) / scale
+
+
+def summary(name, T, a, b, diffs):
+    ratios = [y / x for x, y in zip(a, b)]
+    worst = max(diffs, key=lambda kv: kv[1])
+    return {"case": name, "tokens": T, "moecert_ms": statistics.median(a), "peer_ms": statistics.median(b),
+            "speedup": statistics.median(b) / statistics.median(a), "paired_speedup": statistics.median(ratios),
+            "moecert_runs_ms": a, "peer_runs_ms": b, "largest_rel_diff": worst[1], "largest_rel_diff_of": worst[0]}
+
+
+def layer_case(layer, peer, x, dy, reps):
+    xm = x.clone().requires_grad_(True)
+    xp = x.clone().requires_grad_(True)
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+
+    def ours():
+        for p in trainable + [xm]:
+            p.grad = None
+        y = layer(xm)
+        y.backward(dy)
+        return y
+
+    def theirs():
+        for p in peer.params() + [xp]:
+            p.grad = None
+        y = peer.layer(xp)
+        y.backward(dy)
+        return y
+
+    a, b = alternate(reps, ours, theirs)
+    ym, yp = ours(), theirs()
+    diffs = [("y", rel_diff(ym, yp)), ("dx", rel_diff(xm.grad, xp.grad)),
+             ("router_w", rel_diff(layer.router_w.grad, peer.router_w.grad))]
+    diffs += [(n, rel_diff(getattr(layer, n).grad, peer.lora[n].grad)) for n in ops.LORA_NAMES]
+    return a, b, diffs
+
+
+def experts_case(layer, peer, x, dy, reps, gen):
+    c = layer.config
+    T = x.shape[0]
+    idx = torch.stack([torch.randperm(c.experts, generator=gen)[:c.topk] for _ in range(T)])
+    w = torch.rand(T, c.topk, generator=gen)
+    lora = layer.lora()
+    xm, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    wm, wp = w.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    idx32 = idx.to(torch.int32)
+    params = [getattr(layer, n) for n in ops.LORA_NAMES]
+
+    def ours():
+        for p in params + [xm, wm]:
+            p.grad = None
+        y = mt.experts(xm, idx32, wm, layer._packed, lora)
+        y.backward(dy)
+        return y
+
+    def theirs():
+        for p in list(peer.lora.values()) + [xp, wp]:
+            p.grad = None
+        y = peer.experts(xp, idx, wp)
+        y.backward(dy)
+        return y
+
+    a, b = alternate(reps, ours, theirs)
+    ym, yp = ours(), theirs()
+    diffs = [("y", rel_diff(ym, yp)), ("dx", rel_diff(xm.grad, xp.grad)), ("dweights", rel_diff(wm.grad, wp.grad))]
+    diffs += [(n, rel_diff(getattr(layer, n).grad, peer.lora[n].grad)) for n in ops.LORA_NAMES]
+    return a, b, diffs
+
+
+def overhead_case(layer, x, reps):
+    """MoELayer's forward (checks, autograd Function, saved state) against the bare ops call."""
+    lora = layer.lora()
+    base = tuple(getattr(layer, n) for n in ops.BASE_NAMES)
+    lora_bf16 = ops.Lora(*(f.detach().to(torch.bfloat16) for f in lora.factors()), alpha=lora.alpha)
+
+    def module():
+        with torch.no_grad():
+            return layer(x)
+
+    def bare():
+        return ops.layer_forward(layer.config, layer._packed, layer.router_w.detach(), layer.router_b.detach(), x,
+                                 None, lora_bf16, training=False)[0]
+
+    del base
+    return alternate(reps, module, bare)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python3 -m moecert.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[48, 1024, 4096])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="paper")
+    ap.add_argument("--threads", type=int, default=0, help="torch's and moecert's threads (0: torch's default)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        moecert.set_num_threads(args.threads)
+    shape = SHAPES[args.shape]
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    layer = mt.MoELayer(**shape, max_tokens=max(args.tokens))
+    with torch.no_grad():
+        for n in ("b_gate", "b_up", "b_down"):  # nonzero B: every LoRA product does work
+            getattr(layer, n).normal_(0, 1 / math.sqrt(shape["rank"]))
+    layer.repack()
+    peer = EagerMoE(layer)
+    env = {"moecert": moecert.build_info(), "torch": torch.__version__, "python": sys.version.split()[0],
+           "torch_threads": torch.get_num_threads(), "moecert_threads": moecert.num_threads(),
+           "isa": moecert.default_isa(), "contract_level": moecert.contract_level(), "shape": shape,
+           "reps": args.reps}
+    print("# " + " ".join("{}={}".format(k, v) for k, v in env.items()))
+    results = []
+    print("{:<10} {:>6} {:>12} {:>12} {:>8} {:>8}  {}".format("case", "T", "moecert ms", "peer ms", "speedup",
+                                                              "paired", "largest rel diff"))
+    for T in args.tokens:
+        x = torch.randn(T, shape["hidden"], generator=gen).to(torch.bfloat16)
+        dy = torch.randn(T, shape["hidden"], generator=gen)
+        for name, run in (("layer", lambda: layer_case(layer, peer, x, dy, args.reps)),
+                          ("experts", lambda: experts_case(layer, peer, x, dy, args.reps, gen))):
+            a, b, diffs = run()
+            r = summary(name, T, a, b, diffs)
+            results.append(r)
+            print("{:<10} {:>6} {:>12.2f} {:>12.2f} {:>7.2f}x {:>7.2f}x  {:.2g} ({})".format(
+                name, T, r["moecert_ms"], r["peer_ms"], r["speedup"], r["paired_speedup"], r["largest_rel_diff"],
+                r["largest_rel_diff_of"]))
+        a, b = overhead_case(layer, x, args.reps)
+        over = {"case": "overhead", "tokens": T, "module_ms": statistics.median(a), "ops_ms": statistics.median(b),
+                "paired_ratio": statistics.median([p / q for p, q in zip(a, b)])}
+        results.append(over)
+        print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer forward / ops.layer_forward".format(
+            "overhead", T, over["module_ms"], over["ops_ms"], over["paired_ratio"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"schema": "moecert-python-bench/1", "environment": env, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
