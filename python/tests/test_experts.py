@@ -131,3 +131,29 @@ def test_inference_forward_equals_the_training_forward_without_lora(rng):
     ref = reference(base, None, x, ids, w, torch.zeros(T, H))
     within("y (inference)", y, ref["y"], bounds["y"])
     within("y (training)", y_train, ref["y"], bounds["y"])
+
+
+needs_library = pytest.mark.skipif(not mt.library.registered(), reason="torch.library.custom_op needs torch >= 2.4")
+
+
+@needs_library
+def test_registered_op_and_torch_compile_give_the_functions_bits(rng):
+    base, factors, x, dy = problem(rng)
+    ids, w = routing("tails", rng)
+    packed = ops.PackedExperts(base["w_gate"], base["w_up"], base["w_down"])
+    leaves = lambda: ([x.clone().requires_grad_(), w.clone().requires_grad_()] +
+                      [getattr(factors, k).clone().requires_grad_() for k in ops.LORA_NAMES])
+
+    def run(fn):
+        xs, ws, *fs = leaves()
+        y = fn(xs, ws, ops.Lora(*fs, alpha=factors.alpha))
+        y.backward(dy)
+        return [y.detach(), xs.grad, ws.grad] + [f.grad for f in fs]
+
+    function = run(lambda xs, ws, l: mt.ExpertsFunction.apply(xs, ids, ws, None, None, None, *l.factors(), packed,
+                                                               l.alpha, None, None))
+    registered = run(lambda xs, ws, l: mt.experts(xs, ids, ws, packed, l))
+    compiled = run(torch.compile(lambda xs, ws, l: mt.experts(xs, ids, ws, packed, l), fullgraph=True))
+    for a, b, c in zip(function, registered, compiled):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not mt.library._states  # every saved state released by its backward

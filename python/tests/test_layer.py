@@ -5,6 +5,7 @@ and a two-step LoRA training loop through MoELayer against the float64 loop."""
 import pytest
 import torch
 
+import moecert
 import moecert.torch as mt
 from moecert.torch import ops
 
@@ -126,3 +127,21 @@ def test_moelayer_two_lora_steps_match_the_float64_loop(rng):
             step_g = 0.05 * getattr(layer, k).grad.double().abs()  # p + (-lr g): two fp32 roundings
             tol = 0.05 * bounds[k] + 2.0 ** -24 * (after.double().abs() + step_g)
             within("step {} {} after the update".format(step, k), after, update64, tol)
+
+
+def test_saved_states_are_reused_across_steps_and_a_stale_graph_is_refused(rng):
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T)
+    x = torch.randn(T, H, generator=rng).bfloat16()
+    dy = torch.randn(T, H, generator=rng)
+    y = layer(x)
+    y.backward(dy, retain_graph=True)
+    first = layer.router_w.grad.clone()
+    layer.router_w.grad = None
+    y.backward(dy, retain_graph=True)  # no forward in between: the state is as the forward left it
+    assert torch.equal(layer.router_w.grad, first)
+    pool = layer._packed.layer_pool
+    assert len(pool._idle) == 1
+    layer(x).backward(dy)  # takes the idle state, gives it back
+    assert len(pool._idle) == 1
+    with pytest.raises(moecert.InvalidArgument, match="a second backward through one graph is not supported"):
+        y.backward(dy)

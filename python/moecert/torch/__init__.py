@@ -16,12 +16,13 @@ import os
 import torch
 
 from .. import set_num_threads
-from . import ops
+from . import library, ops
 from .functions import ExpertsFunction, LayerFunction, Stats, experts, product_key, sigmoid_topk, softmax_topk, stats
 from .modules import MoELayer
 from .ops import LayerConfig, Lora, PackedExperts
 
-__all__ = ["ops", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats", "Stats", "ExpertsFunction",
+__all__ = ["ops", "library", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats", "Stats", "ExpertsFunction",
            "LayerFunction", "MoELayer", "PackedExperts", "Lora", "LayerConfig"]
 
+library.register()
 set_num_threads(int(os.environ.get("MOECERT_NUM_THREADS", torch.get_num_threads())))

@@ -5,7 +5,7 @@ taken as contiguous fp32. Double backward is not supported."""
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import ops
+from . import library, ops
 from .ops import BASE_NAMES, LORA_NAMES
 
 
@@ -46,8 +46,8 @@ class ExpertsFunction(torch.autograd.Function):
             packed.check_sources(*base)
         factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
         lora = ops.Lora(*factors, alpha=alpha) if a_gate is not None else None
-        y, saved = ops.experts_forward_train(packed, x, expert_ids, weights, lora, isa=isa)
-        ctx.saved, ctx.stats, ctx.has_lora = saved, stats, lora is not None
+        y, saved = ops.experts_forward_train(packed, x, expert_ids, weights, lora, packed.experts_pool.take(), isa)
+        ctx.saved, ctx.generation, ctx.stats, ctx.has_lora = saved, saved.generation, stats, lora is not None
         ctx.save_for_backward(x, *(f for f in factors if f is not None))
         return y
 
@@ -61,7 +61,9 @@ class ExpertsFunction(torch.autograd.Function):
             want |= _wanted(needs, LORA_NAMES, 6)
         if ctx.stats is not None:
             want |= {"m_a", "m_g"}
+        ops.check_generation(ctx.saved, ctx.generation)
         g = ops.experts_backward(ctx.saved, dy, want)
+        ctx.saved.packed.experts_pool.give(ctx.saved)
         _record(ctx.stats, g)
         return ((g.get("dx"), None, g.get("dweights")) + tuple(g.get(n) for n in BASE_NAMES) +
                 tuple(g.get(n) for n in LORA_NAMES) + (None,) * 4)
@@ -74,7 +76,11 @@ def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, is
     x [T, H] bf16, expert_ids [T, K] int32/int64 (-1 = empty slot, only at a row's tail), weights
     [T, K] fp32 (0 at -1 slots), packed: PackedExperts, lora: ops.Lora or None. Returns y [T, H] fp32:
     y_t = sum_j weights[t, j] * expert_{ids[t, j]}(x_t), the gradient of weights dL/dw[t, j] =
-    <dy_t, o_{t, j}>."""
+    <dy_t, o_{t, j}>. Where torch has torch.library.custom_op (2.4 on) and neither base, stats nor
+    isa is given, this is the registered op torch.ops.moecert.experts (library.py), which
+    torch.compile keeps in its graphs."""
+    if base is None and stats is None and isa is None and library.registered():
+        return library.call_experts(x, expert_ids, weights, packed, lora)  # a torch.compile graph op
     base = base if base is not None else (None, None, None)
     factors = lora.factors() if lora is not None else (None,) * 6
     alpha = lora.alpha if lora is not None else 0.0
@@ -160,8 +166,10 @@ class LayerFunction(torch.autograd.Function):
         packed.check_sources(w_gate, w_up, w_down)
         factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
         lora = ops.Lora(*factors, alpha=cfg.lora_alpha) if cfg.lora_rank else None
-        y, saved = ops.layer_forward(cfg, packed, router_w, router_b, x, router_bias, lora, isa=isa)
-        ctx.saved, ctx.stats, ctx.has_lora = saved, stats, lora is not None
+        y, saved = ops.layer_forward(cfg, packed, router_w, router_b, x, router_bias, lora, packed.layer_pool.take(),
+                                     isa)
+        ctx.saved, ctx.generation, ctx.stats, ctx.has_lora = saved, saved.generation, stats, lora is not None
+        ctx.packed = packed
         ctx.save_for_backward(x, router_w, router_b, *(f for f in factors if f is not None))
         return y
 
@@ -176,8 +184,10 @@ class LayerFunction(torch.autograd.Function):
         if ctx.stats is not None:
             want |= {"m_a", "m_g"}
         router_side = {"dx", "router_w", "router_b"}
+        ops.check_generation(ctx.saved, ctx.generation)
         g = ops.layer_backward(ctx.saved, dy, want, expert_path=bool(want - {"router_w", "router_b"}),
                                router_path=bool(want & router_side))
+        ctx.packed.layer_pool.give(ctx.saved)
         _record(ctx.stats, g)
         return ((g.get("dx"), g.get("router_w"), g.get("router_b"), None) + tuple(g.get(n) for n in BASE_NAMES) +
                 tuple(g.get(n) for n in LORA_NAMES) + (None,) * 4)

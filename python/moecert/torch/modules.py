@@ -4,7 +4,7 @@ import math
 import torch
 from torch import nn
 
-from . import ops
+from . import library, ops
 from .functions import LayerFunction
 from .ops import BASE_NAMES, LORA_NAMES
 
@@ -47,6 +47,8 @@ class MoELayer(nn.Module):
 
     def repack(self):
         """Packs the current base weights (after an optimizer step on them)."""
+        if self._packed is not None:
+            library.forget(self._packed)
         self._packed = ops.PackedExperts(self.w_gate, self.w_up, self.w_down, backward=True)
 
     def lora(self):

@@ -39,6 +39,32 @@ def _flat(t):
     return t.reshape(t.shape[0] * t.shape[1], t.shape[2])
 
 
+class SavedPool:
+    """Saved states whose backward has run, for later forwards to reuse: a state's arena (the
+    saved activations, megabytes to gigabytes) is then allocated and first touched once, not per
+    step, as in a C++ training loop. Holds at most `limit` idle states."""
+
+    def __init__(self, make, limit=4):
+        self._make, self._idle, self._limit = make, [], limit
+
+    def take(self):
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self._make()
+
+    def give(self, saved):
+        if len(self._idle) < self._limit and all(saved is not s for s in self._idle):
+            self._idle.append(saved)
+
+
+def check_generation(saved, generation):
+    """Raises unless `saved` still holds the forward that wrote `generation`."""
+    if saved.generation != generation:
+        raise InvalidArgument("the forward's saved state was reused by a later forward after this graph's "
+                              "backward ran: a second backward through one graph is not supported")
+
+
 class PackedExperts:
     """Expert weights packed once for moecert's kernels (an immutable copy). w_gate, w_up [E, I, H],
     w_down [E, H, I], bf16. backward=True also packs the orientations a backward multiplies by.
@@ -59,6 +85,8 @@ class PackedExperts:
                       ref(describe(_flat(w_down))), int(backward), ctypes.byref(ptr))
         self._handle = _abi.Handle(ptr, "moecert_experts_free")
         self._sources = tuple((id(t), t._version) for t in (w_gate, w_up, w_down))
+        self.experts_pool = SavedPool(ExpertsSaved)
+        self.layer_pool = SavedPool(LayerSaved)
 
     @property
     def ptr(self):
@@ -156,12 +184,12 @@ def _routing_shape(packed, x, expert_ids):
 
 class ExpertsSaved:
     """What a training forward keeps for its backward (the C++ experts::Saved, and the inputs the
-    backward reads again)."""
+    backward reads again). `generation` counts the forwards that wrote it."""
 
     def __init__(self):
         self._handle = _abi.Handle(_abi.new_handle("moecert_experts_saved_new"), "moecert_experts_saved_free")
         self.packed = self.lora = self.x = None
-        self.tokens = self.topk = 0
+        self.tokens = self.topk = self.generation = 0
 
     @property
     def ptr(self):
@@ -183,6 +211,7 @@ def experts_forward_train(packed, x, expert_ids, weights, lora=None, saved=None,
     _abi.call("moecert_experts_forward_train", packed.ptr, ref(_lora_struct(k)), ref(describe(x)), ref(describe(ids)),
               ref(describe(weights)), ref(describe(y)), saved.ptr, ref(_options(isa, training)))
     saved.packed, saved.lora, saved.x, saved.tokens, saved.topk = packed, k, x, T, K
+    saved.generation += 1
     return y, saved
 
 
@@ -380,7 +409,7 @@ class LayerSaved:
         self._handle = _abi.Handle(_abi.new_handle("moecert_layer_saved_new"), "moecert_layer_saved_free")
         self.cfg = self.weights = self.x = None
         self.keep = ()
-        self.tokens = 0
+        self.tokens = self.generation = 0
 
     @property
     def ptr(self):
@@ -431,6 +460,7 @@ def layer_forward(cfg, packed, router_w, router_b, x, router_bias=None, lora=Non
               ref(_options(isa, training)))
     saved.cfg, saved.weights, saved.keep, saved.x, saved.tokens = c, w, keep, x, x.shape[0]
     saved.config = cfg
+    saved.generation += 1
     return y, saved
 
 
