@@ -114,8 +114,12 @@ moecert_status moecert_experts_shape(const moecert_experts* w, int64_t* experts,
                                      int32_t* backward, int64_t* bytes);
 
 /* LoRA factors stacked by expert (experts::Lora): a_gate, a_up [E*r x H],
- * b_gate, b_up [E*I x r], a_down [E*r x I], b_down [E*H x r], bf16; scale
- * float(alpha / rank). A NULL moecert_lora pointer, or rank 0: no LoRA. */
+ * b_gate, b_up [E*I x r], a_down [E*r x I], b_down [E*H x r], all six bf16 or
+ * all six f32; scale float(alpha / rank). A NULL moecert_lora pointer, or rank
+ * 0: no LoRA. f32 factors (an optimizer's master weights) are rounded to bf16
+ * (nearest even, on moecert's threads) by the training forward into its saved
+ * state; the backward and the bounds, given the same f32 tensors, read that
+ * rounding (other tensors: MOECERT_INVALID_ARGUMENT). */
 typedef struct moecert_lora {
   moecert_tensor a_gate, b_gate, a_up, b_up, a_down, b_down;
   int64_t rank;
@@ -144,7 +148,9 @@ moecert_status moecert_experts_forward_train(const moecert_experts* w, const moe
                                              const moecert_tensor* y, moecert_experts_saved* saved,
                                              const moecert_train_options* options);
 
-/* Gradients (experts::Gradients), f32, each absent or of its shape. */
+/* Gradients (experts::Gradients), f32, each absent or of its shape; dx may be
+ * bf16 (the f32 dx rounded to nearest even on moecert's threads, as a bf16
+ * input's gradient is stored). */
 typedef struct moecert_experts_grads {
   moecert_tensor dx, dweights;
   moecert_tensor a_gate, b_gate, a_up, b_up, a_down, b_down;
@@ -212,6 +218,7 @@ moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_la
                                      const moecert_tensor* y, moecert_layer_saved* saved,
                                      const moecert_train_options* options);
 
+/* As moecert_experts_grads; router_b [R]. */
 typedef struct moecert_layer_grads {
   moecert_tensor dx, router_w, router_b;
   moecert_tensor a_gate, b_gate, a_up, b_up, a_down, b_down;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <array>
 #include <cstdint>
 #include <new>
 #include <optional>
@@ -11,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "moecert/contracts.hpp"
 #include "moecert/experts.hpp"
@@ -21,11 +23,54 @@
 struct moecert_experts {
   moecert::experts::PackedExperts packed;
 };
+namespace moecert::capi {
+
+/// The LoRA factors a call reads. bf16 descriptors are read in place; fp32
+/// ones are rounded to bf16 (nearest even, on moecert's threads) by the
+/// forward into storage held here, and a backward or bounds call given the
+/// same fp32 tensors reads that rounding.
+class LoraFactors {
+ public:
+  experts::Lora forward(const moecert_lora* l);
+  experts::Lora again(const moecert_lora* l) const;
+
+ private:
+  struct Source {
+    const void* data = nullptr;
+    std::int64_t rows = 0, cols = 0;
+  };
+  static bool fp32(const moecert_lora* l);  // all six fp32 (false: bf16 or no LoRA)
+  std::vector<bf16> data_;
+  std::array<MatView<const bf16>, 6> views_{};
+  std::array<Source, 6> sources_{};
+  std::size_t rank_ = 0;
+  double alpha_ = 0;
+  bool held_ = false;
+};
+
+/// dx given as bf16: the op writes fp32 scratch held here, finish() rounds
+/// it into the caller's tensor (nearest even, on moecert's threads).
+class RoundedDx {
+ public:
+  MatView<float> bind(const moecert_tensor* t, const char* name);
+  void finish() const;
+
+ private:
+  std::vector<float> scratch_;
+  MatView<bf16> out_;
+};
+
+}  // namespace moecert::capi
+
 struct moecert_experts_saved {
   moecert::experts::Saved saved;
+  moecert::capi::LoraFactors lora;
+  moecert::capi::RoundedDx dx;
 };
 struct moecert_layer_saved {
   moecert::layer::Saved saved;
+  moecert::capi::LoraFactors lora;
+  moecert::capi::RoundedDx dx;
 };
 
 namespace moecert::capi {
@@ -126,14 +171,18 @@ namespace moecert::capi {
 std::optional<Isa> isa_of(std::int32_t isa);
 /// NULL: the defaults.
 experts::TrainOptions train_options(const moecert_train_options* o);
-experts::Gradients experts_grads(const moecert_experts_grads& g);
+/// dx through `dx` (bf16: computed in its scratch).
+experts::Gradients experts_grads(const moecert_experts_grads& g, RoundedDx& dx);
 
 }  // namespace moecert::capi
 
 namespace moecert::capi {
 
 MoeConfig config_of(const moecert_config* c);
-layer::Weights weights_of(const moecert_layer_weights* w);
-layer::Gradients layer_grads(const moecert_layer_grads& g);
+/// The weights with `lora` for their LoRA factors (LoraFactors::forward or again of w->lora).
+layer::Weights weights_of(const moecert_layer_weights* w, const experts::Lora& lora);
+/// w's LoRA descriptor, or null.
+inline const moecert_lora* lora_in(const moecert_layer_weights* w) { return w ? &w->lora : nullptr; }
+layer::Gradients layer_grads(const moecert_layer_grads& g, RoundedDx& dx);
 
 }  // namespace moecert::capi

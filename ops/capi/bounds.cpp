@@ -118,7 +118,8 @@ moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lo
                                       const moecert_tensor* y, const moecert_experts_grads* grads) {
   return guarded("moecert_experts_bounds", [&] {
     const auto& p = handle(w, "experts").packed;
-    const auto& s = handle(saved, "saved").saved;
+    const auto& h = handle(saved, "saved");
+    const auto& s = h.saved;
     if (!s.valid()) throw InvalidArgument("saved: holds no training forward");
     const auto xv = mat<const bf16>(x, "x");
     const auto dyv = mat<const float>(dy, "dy", false);
@@ -126,7 +127,7 @@ moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lo
       throw InvalidArgument(fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
     const moecert_experts_grads none{};
     const auto& g = grads ? *grads : none;
-    const auto l = capi::lora_of(lora);
+    const auto l = h.lora.again(lora);
     const auto d = contracts::experts_data<Tracked>(p, l, xv, dyv.data, s.impl());
     const auto r = ref::layer_reference(d, dyv.data != nullptr, paths_of(g, &g.dweights));
     const std::size_t T = d.T, H = d.H, I = d.I, E = d.E, K = d.K;
@@ -143,8 +144,9 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
                                     const moecert_layer_grads* grads) {
   return guarded("moecert_layer_bounds", [&] {
     const MoeConfig c = capi::config_of(cfg);
-    const layer::Weights lw = capi::weights_of(w);
-    const auto& s = handle(saved, "saved").saved;
+    const auto& h = handle(saved, "saved");
+    const layer::Weights lw = capi::weights_of(w, h.lora.again(capi::lora_in(w)));
+    const auto& s = h.saved;
     if (!s.valid()) throw InvalidArgument("saved: holds no training forward");
     const auto xv = mat<const bf16>(x, "x");
     const auto dyv = mat<const float>(dy, "dy", false);

@@ -26,9 +26,9 @@ experts::TrainOptions train_options(const moecert_train_options* o) {
   return t;
 }
 
-experts::Gradients experts_grads(const moecert_experts_grads& g) {
+experts::Gradients experts_grads(const moecert_experts_grads& g, RoundedDx& dx) {
   experts::Gradients out;
-  out.dx = mat<float>(&g.dx, "dx", false), out.dweights = mat<float>(&g.dweights, "dweights", false);
+  out.dx = dx.bind(&g.dx, "dx"), out.dweights = mat<float>(&g.dweights, "dweights", false);
   out.a_gate = mat<float>(&g.a_gate, "a_gate grad", false), out.b_gate = mat<float>(&g.b_gate, "b_gate grad", false);
   out.a_up = mat<float>(&g.a_up, "a_up grad", false), out.b_up = mat<float>(&g.b_up, "b_up grad", false);
   out.a_down = mat<float>(&g.a_down, "a_down grad", false), out.b_down = mat<float>(&g.b_down, "b_down grad", false);
@@ -93,9 +93,9 @@ moecert_status moecert_experts_forward_train(const moecert_experts* w, const moe
                                              const moecert_train_options* options) {
   return guarded("moecert_experts_forward_train", [&] {
     const auto& p = handle(w, "experts").packed;
-    auto& s = handle(saved, "saved").saved;
-    experts::forward_train(p, capi::lora_of(lora), mat<const bf16>(x, "x"), mat<const std::int32_t>(idx, "idx"),
-                           mat<const float>(weights, "weights"), mat<float>(y, "y"), s, capi::train_options(options));
+    auto& h = handle(saved, "saved");
+    experts::forward_train(p, h.lora.forward(lora), mat<const bf16>(x, "x"), mat<const std::int32_t>(idx, "idx"),
+                           mat<const float>(weights, "weights"), mat<float>(y, "y"), h.saved, capi::train_options(options));
   });
 }
 
@@ -104,10 +104,11 @@ moecert_status moecert_experts_backward(const moecert_experts* w, const moecert_
                                         const moecert_experts_grads* grads) {
   return guarded("moecert_experts_backward", [&] {
     const auto& p = handle(w, "experts").packed;
-    auto& s = handle(saved, "saved").saved;
+    auto& h = handle(saved, "saved");
     const auto& g = handle(grads, "grads");
-    experts::backward(p, capi::lora_of(lora), mat<const bf16>(x, "x"), mat<const float>(dy, "dy"), s,
-                      capi::experts_grads(g));
+    const auto views = capi::experts_grads(g, h.dx);
+    experts::backward(p, h.lora.again(lora), mat<const bf16>(x, "x"), mat<const float>(dy, "dy"), h.saved, views);
+    h.dx.finish();
   });
 }
 

@@ -26,20 +26,20 @@ MoeConfig config_of(const moecert_config* c) {
   return cfg;
 }
 
-layer::Weights weights_of(const moecert_layer_weights* w) {
+layer::Weights weights_of(const moecert_layer_weights* w, const experts::Lora& lora) {
   const auto& in = handle(w, "weights");
   layer::Weights out;
   out.experts = &handle(in.experts, "weights.experts").packed;
   out.router_w = mat<const float>(&in.router_w, "router_w");
   out.router_b = vec<const float>(&in.router_b, "router_b");
   out.router_bias = vec<const float>(&in.router_bias, "router_bias", false);
-  out.lora = lora_of(&in.lora);
+  out.lora = lora;
   return out;
 }
 
-layer::Gradients layer_grads(const moecert_layer_grads& g) {
+layer::Gradients layer_grads(const moecert_layer_grads& g, RoundedDx& dx) {
   layer::Gradients out;
-  out.dx = mat<float>(&g.dx, "dx", false);
+  out.dx = dx.bind(&g.dx, "dx");
   out.router_w = mat<float>(&g.router_w, "router_w grad", false);
   out.router_b = vec<float>(&g.router_b, "router_b grad", false);
   out.a_gate = mat<float>(&g.a_gate, "a_gate grad", false), out.b_gate = mat<float>(&g.b_gate, "b_gate grad", false);
@@ -90,8 +90,9 @@ moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_la
                                      const moecert_train_options* options) {
   return guarded("moecert_layer_forward", [&] {
     const auto t = capi::train_options(options);
-    layer::forward(capi::config_of(cfg), capi::weights_of(w), mat<const bf16>(x, "x"), mat<float>(y, "y"),
-                   handle(saved, "saved").saved, {.isa = t.isa, .training = t.training, .memory_cap = t.memory_cap});
+    auto& h = handle(saved, "saved");
+    layer::forward(capi::config_of(cfg), capi::weights_of(w, h.lora.forward(capi::lora_in(w))), mat<const bf16>(x, "x"), mat<float>(y, "y"),
+                   h.saved, {.isa = t.isa, .training = t.training, .memory_cap = t.memory_cap});
   });
 }
 
@@ -99,9 +100,12 @@ moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_l
                                       const moecert_tensor* dy, moecert_layer_saved* saved,
                                       const moecert_layer_grads* grads, int32_t expert_path, int32_t router_path) {
   return guarded("moecert_layer_backward", [&] {
-    layer::backward(capi::config_of(cfg), capi::weights_of(w), mat<const bf16>(x, "x"), mat<const float>(dy, "dy"),
-                    handle(saved, "saved").saved, capi::layer_grads(handle(grads, "grads")),
+    auto& h = handle(saved, "saved");
+    const auto views = capi::layer_grads(handle(grads, "grads"), h.dx);
+    layer::backward(capi::config_of(cfg), capi::weights_of(w, h.lora.again(capi::lora_in(w))), mat<const bf16>(x, "x"),
+                    mat<const float>(dy, "dy"), h.saved, views,
                     {.expert_path = expert_path != 0, .router_path = router_path != 0});
+    h.dx.finish();
   });
 }
 

@@ -15,8 +15,8 @@ difference relative to the largest magnitude of each output). Cases:
            router parameters trained (base frozen), x requires grad.
   experts  moecert.torch.experts on the caller's routing (K distinct experts per
            token, uniform; weights in [0, 1)) against the peer's expert loop.
-  overhead the layer forward through MoELayer against moecert.torch.ops (the
-           ctypes call without autograd): the Python layer's cost per call.
+  overhead a training step (forward+backward) through MoELayer against the bare
+           ops calls (ctypes, outputs allocated): the Python layer's cost per step.
 """
 import argparse
 import json
@@ -165,21 +165,27 @@ def experts_case(layer, peer, x, dy, reps, gen):
     return a, b, diffs
 
 
-def overhead_case(layer, x, reps):
-    """MoELayer's forward (checks, autograd Function, saved state) against the bare ops call."""
+def overhead_case(layer, x, dy, reps):
+    """A training step through MoELayer (checks, LoRA rounding, autograd) against the bare ops
+    calls on the same data (bf16 LoRA copies made once, one reused saved state): what the
+    Python layer adds per step."""
     lora = layer.lora()
-    base = tuple(getattr(layer, n) for n in ops.BASE_NAMES)
     lora_bf16 = ops.Lora(*(f.detach().to(torch.bfloat16) for f in lora.factors()), alpha=lora.alpha)
+    rw, rb = layer.router_w.detach(), layer.router_b.detach()
+    saved = ops.LayerSaved()
+    want = ("dx", "router_w", "router_b") + ops.LORA_NAMES
+    xm = x.clone().requires_grad_(True)
+    trainable = [p for p in layer.parameters() if p.requires_grad]
 
     def module():
-        with torch.no_grad():
-            return layer(x)
+        for p in trainable + [xm]:
+            p.grad = None
+        layer(xm).backward(dy)
 
     def bare():
-        return ops.layer_forward(layer.config, layer._packed, layer.router_w.detach(), layer.router_b.detach(), x,
-                                 None, lora_bf16, training=False)[0]
+        ops.layer_forward(layer.config, layer._packed, rw, rb, x, None, lora_bf16, saved)
+        ops.layer_backward(saved, dy, want)
 
-    del base
     return alternate(reps, module, bare)
 
 
@@ -222,11 +228,11 @@ def main(argv=None):
             print("{:<10} {:>6} {:>12.2f} {:>12.2f} {:>7.2f}x {:>7.2f}x  {:.2g} ({})".format(
                 name, T, r["moecert_ms"], r["peer_ms"], r["speedup"], r["paired_speedup"], r["largest_rel_diff"],
                 r["largest_rel_diff_of"]))
-        a, b = overhead_case(layer, x, args.reps)
+        a, b = overhead_case(layer, x, dy, args.reps)
         over = {"case": "overhead", "tokens": T, "module_ms": statistics.median(a), "ops_ms": statistics.median(b),
                 "paired_ratio": statistics.median([p / q for p, q in zip(a, b)])}
         results.append(over)
-        print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer forward / ops.layer_forward".format(
+        print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step".format(
             "overhead", T, over["module_ms"], over["ops_ms"], over["paired_ratio"]))
     if args.json:
         with open(args.json, "w") as f:

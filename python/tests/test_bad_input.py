@@ -163,3 +163,15 @@ def test_the_c_abi_rejects_bad_descriptors(case):
     with pytest.raises(moecert.InvalidArgument, match="stride\\[1\\] = 2, expected 1"):
         _abi.call("moecert_softmax_topk_forward", ctypes.byref(strided), ctypes.byref(describe(idx)),
                   ctypes.byref(describe(y[:, :1].contiguous())), 1)
+
+
+def test_lora_factors_in_one_dtype_and_the_backward_on_the_forwards(case):
+    packed, lora, x, ids, weights = case
+    mixed = ops.Lora(lora.a_gate.float(), *lora.factors()[1:], alpha=8.0)
+    with pytest.raises(moecert.InvalidArgument, match="lora.b_gate: dtype bfloat16, lora.a_gate's is float32"):
+        ops.experts_forward_train(packed, x, ids, weights, mixed)
+    fp32 = ops.Lora(*(f.float() for f in lora.factors()), alpha=8.0)
+    _, saved = ops.experts_forward_train(packed, x, ids, weights, fp32)
+    saved.lora = ops.Lora(*(f.clone() for f in fp32.factors()), alpha=8.0)  # equal values, other tensors
+    with pytest.raises(moecert.InvalidArgument, match="fp32 factors other than the forward's"):
+        ops.experts_backward(saved, torch.zeros(T, H))

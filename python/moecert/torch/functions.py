@@ -62,7 +62,7 @@ class ExpertsFunction(torch.autograd.Function):
         if ctx.stats is not None:
             want |= {"m_a", "m_g"}
         ops.check_generation(ctx.saved, ctx.generation)
-        g = ops.experts_backward(ctx.saved, dy, want)
+        g = ops.experts_backward(ctx.saved, dy, want, dx_dtype=ctx.saved.x.dtype)
         ctx.saved.packed.experts_pool.give(ctx.saved)
         _record(ctx.stats, g)
         return ((g.get("dx"), None, g.get("dweights")) + tuple(g.get(n) for n in BASE_NAMES) +
@@ -186,7 +186,7 @@ class LayerFunction(torch.autograd.Function):
         router_side = {"dx", "router_w", "router_b"}
         ops.check_generation(ctx.saved, ctx.generation)
         g = ops.layer_backward(ctx.saved, dy, want, expert_path=bool(want - {"router_w", "router_b"}),
-                               router_path=bool(want & router_side))
+                               router_path=bool(want & router_side), dx_dtype=ctx.saved.x.dtype)
         ctx.packed.layer_pool.give(ctx.saved)
         _record(ctx.stats, g)
         return ((g.get("dx"), g.get("router_w"), g.get("router_b"), None) + tuple(g.get(n) for n in BASE_NAMES) +

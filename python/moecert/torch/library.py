@@ -82,7 +82,7 @@ def experts_backward(dy: Tensor, state: Tensor, x: Tensor, weights: Tensor, a_ga
     if saved is None:
         raise InvalidArgument("the forward's saved state was released by this graph's first backward: a second "
                               "backward through one graph is not supported")
-    g = ops.experts_backward(saved, dy, [n for n, w in zip(_WANTED, wanted) if w])
+    g = ops.experts_backward(saved, dy, [n for n, w in zip(_WANTED, wanted) if w], dx_dtype=x.dtype)
     saved.packed.experts_pool.give(saved)
     return [g[n] if n in g else dy.new_empty(0, dtype=torch.float32) for n in _WANTED]
 
@@ -90,7 +90,8 @@ def experts_backward(dy: Tensor, state: Tensor, x: Tensor, weights: Tensor, a_ga
 def _backward_fake(dy, state, x, weights, a_gate, b_gate, a_up, b_up, a_down, b_down, alpha, wanted):
     shapes = [x.shape, weights.shape] + [f.shape if f is not None else (0,)
                                          for f in (a_gate, b_gate, a_up, b_up, a_down, b_down)]
-    return [dy.new_empty(s if w else (0,), dtype=torch.float32) for s, w in zip(shapes, wanted)]
+    dtypes = [x.dtype] + [torch.float32] * 7
+    return [dy.new_empty(s if w else (0,), dtype=d) for s, w, d in zip(shapes, wanted, dtypes)]
 
 
 def _setup_context(ctx, inputs, output):

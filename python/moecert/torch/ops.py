@@ -130,17 +130,21 @@ def _lora_shapes(E, H, I, r):
 
 
 def kernel_lora(lora, E, H, I):
-    """The factors as the kernel reads them: checked, bf16, contiguous (None: no LoRA)."""
+    """The factors as the ABI takes them: checked, detached, all bf16 or all fp32 (None: no
+    LoRA). The ABI rounds fp32 factors to bf16 on moecert's threads and keeps that rounding in
+    the saved state for the backward."""
     if lora is None:
         return None
     if not isinstance(lora.a_gate, torch.Tensor) or lora.a_gate.dim() != 3:
         raise InvalidArgument("lora.a_gate: expected a [E, r, H] tensor")
-    r = lora.rank
     out = []
-    for name, shape in _lora_shapes(E, H, I, r).items():
+    for name, shape in _lora_shapes(E, H, I, lora.rank).items():
         t = getattr(lora, name)
         check(t, "lora." + name, (torch.float32, torch.bfloat16), shape)
-        out.append(t.detach().to(torch.bfloat16) if t.dtype != torch.bfloat16 else t.detach())
+        if t.dtype != lora.a_gate.dtype:
+            raise InvalidArgument("lora.{}: dtype {}, lora.a_gate's is {}; give the six factors in one dtype".format(
+                name, str(t.dtype).replace("torch.", ""), str(lora.a_gate.dtype).replace("torch.", "")))
+        out.append(t.detach())
     return Lora(*out, alpha=float(lora.alpha))
 
 
@@ -201,12 +205,12 @@ def experts_forward_train(packed, x, expert_ids, weights, lora=None, saved=None,
     T, K = _routing_shape(packed, x, expert_ids)
     ids = index_tensor(expert_ids, "expert_ids", (T, K))
     check(weights, "weights", F32, (T, K))
+    saved = saved or ExpertsSaved()
     k = kernel_lora(lora, packed.experts, packed.hidden, packed.inter)
     named = [("x", x), ("expert_ids", ids), ("weights", weights)]
     if k is not None:
         named += [("lora." + n, getattr(k, n)) for n in LORA_NAMES]
     check_no_alias(named)
-    saved = saved or ExpertsSaved()
     y = torch.empty(T, packed.hidden, dtype=torch.float32)
     _abi.call("moecert_experts_forward_train", packed.ptr, ref(_lora_struct(k)), ref(describe(x)), ref(describe(ids)),
               ref(describe(weights)), ref(describe(y)), saved.ptr, ref(_options(isa, training)))
@@ -223,12 +227,12 @@ def _experts_grad_shapes(p, T, K, r):
     return shapes
 
 
-def _fill(struct, names, shapes, want, dtype):
-    """Allocates the wanted outputs into `struct`; returns them by name."""
+def _fill(struct, names, shapes, want, dtype, dx_dtype=None):
+    """Allocates the wanted outputs into `struct` (dx as dx_dtype if given); returns them by name."""
     out = {}
     for name in names:
         if name in want:
-            t = torch.empty(shapes[name], dtype=dtype)
+            t = torch.empty(shapes[name], dtype=dx_dtype if name == "dx" and dx_dtype else dtype)
             out[name] = t
             setattr(struct, name, describe(_flat(t) if t.dim() == 3 else t))
     return out
@@ -244,14 +248,16 @@ def _want(want, names, lora):
     return want
 
 
-def experts_backward(saved, dy, want=("dx", "dweights") + LORA_NAMES):
+def experts_backward(saved, dy, want=("dx", "dweights") + LORA_NAMES, dx_dtype=torch.float32):
     """Backward from dy [T, H]: a dict of the outputs named in `want` (fp32; names as
-    moecert_experts_grads: dx, dweights, a_gate .. b_down, w_gate, w_up, w_down, m_a, m_g)."""
+    moecert_experts_grads: dx, dweights, a_gate .. b_down, w_gate, w_up, w_down, m_a, m_g). dx in
+    dx_dtype: bf16 is the fp32 dx rounded to nearest even on moecert's threads."""
     want = _want(want, EXPERTS_GRADS, saved.lora)
     dy = grad_input(dy, "dy", (saved.tokens, saved.packed.hidden))
     g = _abi.ExpertsGrads()
     r = saved.lora.rank if saved.lora is not None else 0
-    out = _fill(g, EXPERTS_GRADS, _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float32)
+    out = _fill(g, EXPERTS_GRADS, _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float32,
+                dx_dtype)
     _abi.call("moecert_experts_backward", saved.packed.ptr, ref(_lora_struct(saved.lora)), ref(describe(saved.x)),
               ref(describe(dy)), saved.ptr, ref(g))
     return out
@@ -449,12 +455,12 @@ def layer_forward(cfg, packed, router_w, router_b, x, router_bias=None, lora=Non
     """The MoE layer's forward: (y [T, H] fp32, saved). router_w [R, H], router_b [R] fp32
     (R = E, or 2n for product_key); router_bias [E] for sigmoid_topk."""
     c = cfg.struct()
+    saved = saved or LayerSaved()
     w, keep, named = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise InvalidArgument("x: expected a [T, H] tensor")
     check(x, "x", BF16, (None, cfg.hidden))
     check_no_alias(named + [("x", x)])
-    saved = saved or LayerSaved()
     y = torch.empty(x.shape[0], cfg.hidden, dtype=torch.float32)
     _abi.call("moecert_layer_forward", ctypes.byref(c), ctypes.byref(w), ref(describe(x)), ref(describe(y)), saved.ptr,
               ref(_options(isa, training)))
@@ -479,13 +485,15 @@ def _layer_grad_shapes(cfg, T):
     return shapes
 
 
-def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, expert_path=True, router_path=True):
-    """Backward from dy [T, H]: a dict of the outputs in `want` (fp32; names as moecert_layer_grads)."""
+def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, expert_path=True, router_path=True,
+                   dx_dtype=torch.float32):
+    """Backward from dy [T, H]: a dict of the outputs in `want` (fp32, dx in dx_dtype; names as
+    moecert_layer_grads)."""
     cfg = saved.config
     want = _want(want, LAYER_GRADS, saved.keep[4])
     dy = grad_input(dy, "dy", (saved.tokens, cfg.hidden))
     g = _abi.LayerGrads()
-    out = _fill(g, LAYER_GRADS, _layer_grad_shapes(cfg, saved.tokens), want, torch.float32)
+    out = _fill(g, LAYER_GRADS, _layer_grad_shapes(cfg, saved.tokens), want, torch.float32, dx_dtype)
     _abi.call("moecert_layer_backward", ctypes.byref(saved.cfg), ctypes.byref(saved.weights), ref(describe(saved.x)),
               ref(describe(dy)), saved.ptr, ref(g), int(expert_path), int(router_path))
     return out
