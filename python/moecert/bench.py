@@ -16,7 +16,8 @@ difference relative to the largest magnitude of each output). Cases:
   experts  moecert.torch.experts on the caller's routing (K distinct experts per
            token, uniform; weights in [0, 1)) against the peer's expert loop.
   overhead a training step (forward+backward) through MoELayer against the bare
-           ops calls (ctypes, outputs allocated): the Python layer's cost per step.
+           ops calls doing the same work in C (ctypes, outputs allocated): the
+           Python layer's cost per step.
 """
 import argparse
 import json
@@ -166,11 +167,11 @@ def experts_case(layer, peer, x, dy, reps, gen):
 
 
 def overhead_case(layer, x, dy, reps):
-    """A training step through MoELayer (checks, LoRA rounding, autograd) against the bare ops
-    calls on the same data (bf16 LoRA copies made once, one reused saved state): what the
-    Python layer adds per step."""
+    """A training step through MoELayer (checks, autograd) against the bare ops calls doing the
+    same work in C (the fp32 LoRA factors, dx in bf16, one reused saved state): what the Python
+    layer adds per step."""
     lora = layer.lora()
-    lora_bf16 = ops.Lora(*(f.detach().to(torch.bfloat16) for f in lora.factors()), alpha=lora.alpha)
+    factors = ops.Lora(*(f.detach() for f in lora.factors()), alpha=lora.alpha)
     rw, rb = layer.router_w.detach(), layer.router_b.detach()
     saved = ops.LayerSaved()
     want = ("dx", "router_w", "router_b") + ops.LORA_NAMES
@@ -183,8 +184,8 @@ def overhead_case(layer, x, dy, reps):
         layer(xm).backward(dy)
 
     def bare():
-        ops.layer_forward(layer.config, layer._packed, rw, rb, x, None, lora_bf16, saved)
-        ops.layer_backward(saved, dy, want)
+        ops.layer_forward(layer.config, layer._packed, rw, rb, x, None, factors, saved)
+        ops.layer_backward(saved, dy, want, dx_dtype=x.dtype)
 
     return alternate(reps, module, bare)
 
