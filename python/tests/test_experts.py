@@ -156,4 +156,4 @@ def test_registered_op_and_torch_compile_give_the_functions_bits(rng):
     compiled = run(torch.compile(lambda xs, ws, l: mt.experts(xs, ids, ws, packed, l), fullgraph=True))
     for a, b, c in zip(function, registered, compiled):
         assert torch.equal(a, b) and torch.equal(a, c)
-    assert not mt.library._states  # every saved state released by its backward
+    assert not mt.library._in_flight  # every saved state released by its backward

@@ -89,12 +89,13 @@ def test_layer_within_bounds(isa, router, rng):
     within("m_g", got["m_g"], m_g, bounds["m_g"])
 
 
-def test_moelayer_two_lora_steps_match_the_float64_loop(rng):
+@pytest.mark.parametrize("isa", ISAS)
+def test_moelayer_two_lora_steps_match_the_float64_loop(isa, rng):
     """forward, backward, SGD step on the LoRA and router parameters, forward again: each step's
     outputs within their bounds of float64 on the same parameters, and each update within lr times
     the gradient's bound (plus the two fp32 roundings of p - lr g) of the float64 update."""
     torch.manual_seed(7)
-    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T)
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T, isa=isa)
     with torch.no_grad():
         for k in ("b_gate", "b_up", "b_down"):  # B = 0 at init; nonzero to exercise every LoRA path
             getattr(layer, k).normal_(0, 0.3)
@@ -113,7 +114,7 @@ def test_moelayer_two_lora_steps_match_the_float64_loop(rng):
         # inside autograd).
         lora = ops.Lora(*(params[k] for k in ops.LORA_NAMES), alpha=8.0)
         y_ops, saved = ops.layer_forward(layer.config, layer._packed, params["router_w"], params["router_b"], x,
-                                         None, lora)
+                                         None, lora, isa=isa)
         assert torch.equal(y.detach(), y_ops)
         ops.layer_backward(saved, dy, WANT)
         bounds = ops.layer_bounds(saved, dy, WANT)

@@ -142,17 +142,24 @@ class ProductKey(_Router):
 
 def softmax_topk(z, k, renormalize=True):
     """(idx [T, k] int32, w [T, k] fp32): top-k of softmax(z) (z [T, E] fp32 or bf16), weights
-    renormalised over the k selected or not; differentiable in z through w."""
+    renormalised over the k selected or not; differentiable in z through w. The routers are
+    registered ops (torch.ops.moecert.*) where torch has torch.library.custom_op."""
+    if library.registered():
+        return tuple(torch.ops.moecert.softmax_topk(z, k, renormalize))
     return SoftmaxTopk.apply(z, k, renormalize)
 
 
 def sigmoid_topk(z, bias, k, groups=1, topk_group=1, scaling=1.0):
     """DeepSeek-V3 group-limited sigmoid top-k; bias [E] fp32 for selection only."""
+    if library.registered():
+        return tuple(torch.ops.moecert.sigmoid_topk(z, bias, k, groups, topk_group, float(scaling)))
     return SigmoidTopk.apply(z, bias, k, groups, topk_group, scaling)
 
 
 def product_key(sx, sy, k, weights="softmax"):
     """Product-key top-k over E = n*n experts (e = ix*n + iy) from halves sx, sy [T, n]."""
+    if library.registered():
+        return tuple(torch.ops.moecert.product_key(sx, sy, k, weights))
     return ProductKey.apply(sx, sy, k, weights)
 
 

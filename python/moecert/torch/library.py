@@ -1,20 +1,26 @@
-"""moecert's experts op as torch.library custom ops (torch >= 2.4), so that
-torch.compile keeps it as one op in its graphs:
+"""moecert's experts op, routers and layer as torch.library custom ops (torch
+>= 2.4), so that torch.compile keeps each as one op in its graphs:
 
     torch.ops.moecert.experts(x, expert_ids, weights, a_gate, b_gate, a_up, b_up, a_down, b_down,
                               alpha, packed_key, training) -> (y, state)
     torch.ops.moecert.experts_backward(dy, state, x, weights, a_gate, .., b_down, alpha, wanted)
         -> [dx, dweights, d a_gate, .., d b_down]  (empty where not wanted)
 
-joined by register_autograd. Packed weights and saved states are Python
+and likewise moecert::softmax_topk, sigmoid_topk, product_key (-> [idx, w])
+and moecert::layer (-> [y, state]) with their *_backward ops, each joined to
+its forward by register_autograd. Packed weights, layer configs and saved
+states are Python
 objects, which a schema cannot carry: the ops take the packed weights by key
-(`key_of(packed)`) and return the saved state as a one-element int64 tensor
-naming it; the backward releases it (a forward with training=False keeps
-none). `moecert.torch.experts` calls these ops where they are registered; on
-older torch it runs the autograd.Function, with the same bits.
+(`key_of(packed)`, `config_key(cfg)`) and return the saved state as a one-element int64 tensor
+[key, generation] naming it; after the backward the state serves later
+forwards (a retained graph's second backward works until one does). A forward
+with training=False keeps none. moecert.torch's functions and MoELayer call these ops where they are
+registered; on older torch they run the autograd.Functions, with the same bits.
 """
+import dataclasses
 import itertools
 import threading
+import weakref
 from typing import List, Optional
 
 import torch
@@ -25,7 +31,8 @@ from . import ops
 
 _lock = threading.Lock()
 _packed = {}  # key -> PackedExperts
-_states = {}  # key -> ExpertsSaved
+_in_flight = {}                          # key -> saved state whose backward has not run
+_all_states = weakref.WeakValueDictionary()  # key -> every saved state alive (pooled ones too)
 _next = itertools.count(1)
 _WANTED = ("dx", "dweights") + ops.LORA_NAMES
 
@@ -61,29 +68,20 @@ def experts(x: Tensor, expert_ids: Tensor, weights: Tensor, a_gate: Optional[Ten
     packed = _packed[packed_key]
     y, saved = ops.experts_forward_train(packed, x, expert_ids, weights, lora, packed.experts_pool.take(),
                                          training=training)
-    key = 0
-    if training:
-        with _lock:
-            key = next(_next)
-            _states[key] = saved
-    return [y, torch.tensor([key], dtype=torch.int64)]
+    return [y, _hold(saved, training)]
 
 
 def _experts_fake(x, expert_ids, weights, a_gate, b_gate, a_up, b_up, a_down, b_down, alpha, packed_key, training):
-    return [x.new_empty(x.shape, dtype=torch.float32), x.new_empty(1, dtype=torch.int64)]
+    return [x.new_empty(x.shape, dtype=torch.float32), x.new_empty(2, dtype=torch.int64)]
 
 
 def experts_backward(dy: Tensor, state: Tensor, x: Tensor, weights: Tensor, a_gate: Optional[Tensor],
                      b_gate: Optional[Tensor], a_up: Optional[Tensor], b_up: Optional[Tensor],
                      a_down: Optional[Tensor], b_down: Optional[Tensor], alpha: float,
                      wanted: List[bool]) -> List[Tensor]:
-    with _lock:
-        saved = _states.pop(int(state[0]), None)
-    if saved is None:
-        raise InvalidArgument("the forward's saved state was released by this graph's first backward: a second "
-                              "backward through one graph is not supported")
+    saved = _resume(state)
     g = ops.experts_backward(saved, dy, [n for n, w in zip(_WANTED, wanted) if w], dx_dtype=x.dtype)
-    saved.packed.experts_pool.give(saved)
+    _release(saved, saved.packed.experts_pool)
     return [g[n] if n in g else dy.new_empty(0, dtype=torch.float32) for n in _WANTED]
 
 
@@ -113,6 +111,163 @@ def _backward(ctx, grads):
     return (out[0], None, out[1], *out[2:], None, None, None)
 
 
+
+# ---- routers -----------------------------------------------------------------
+
+def _router_fake(z, k):
+    return [z.new_empty((z.shape[0], k), dtype=torch.int32), z.new_empty((z.shape[0], k), dtype=torch.float32)]
+
+
+def softmax_topk(z: Tensor, k: int, renormalize: bool) -> List[Tensor]:
+    return list(ops.softmax_topk(z, k, renormalize))
+
+
+def softmax_topk_backward(z: Tensor, idx: Tensor, g: Tensor, renormalize: bool) -> Tensor:
+    return ops.softmax_topk_backward(z, idx, g, renormalize).to(z.dtype)
+
+
+def sigmoid_topk(z: Tensor, bias: Tensor, k: int, groups: int, topk_group: int, scaling: float) -> List[Tensor]:
+    return list(ops.sigmoid_topk(z, bias, k, groups, topk_group, scaling))
+
+
+def sigmoid_topk_backward(z: Tensor, idx: Tensor, g: Tensor, groups: int, topk_group: int, scaling: float) -> Tensor:
+    return ops.sigmoid_topk_backward(z, idx, g, groups, topk_group, scaling).to(z.dtype)
+
+
+def product_key(sx: Tensor, sy: Tensor, k: int, weights: str) -> List[Tensor]:
+    return list(ops.product_key(sx, sy, k, weights))
+
+
+def product_key_backward(sx: Tensor, sy: Tensor, idx: Tensor, g: Tensor, weights: str) -> List[Tensor]:
+    dsx, dsy = ops.product_key_backward(sx, sy, idx, g, weights)
+    return [dsx.to(sx.dtype), dsy.to(sy.dtype)]
+
+
+def _save_router(ctx, inputs, output, n_scores, extra):
+    ctx.save_for_backward(*inputs[:n_scores], output[0])
+    ctx.extra = extra(inputs)
+
+
+def _softmax_backward(ctx, grads):
+    z, idx = ctx.saved_tensors
+    return torch.ops.moecert.softmax_topk_backward(z, idx, grads[1], ctx.extra), None, None
+
+
+def _sigmoid_backward(ctx, grads):
+    z, idx = ctx.saved_tensors
+    return (torch.ops.moecert.sigmoid_topk_backward(z, idx, grads[1], *ctx.extra),) + (None,) * 5
+
+
+def _product_key_backward(ctx, grads):
+    sx, sy, idx = ctx.saved_tensors
+    dsx, dsy = torch.ops.moecert.product_key_backward(sx, sy, idx, grads[1], ctx.extra)
+    return dsx, dsy, None, None
+
+
+# ---- layer -------------------------------------------------------------------
+
+_configs = {}      # key -> LayerConfig (a copy)
+_config_keys = {}  # the config's fields -> key
+
+
+def config_key(cfg):
+    """A key naming the layer config (equal configs share one)."""
+    fields = dataclasses.astuple(cfg)
+    with _lock:
+        key = _config_keys.get(fields)
+        if key is None:
+            key = _config_keys[fields] = next(_next)
+            _configs[key] = dataclasses.replace(cfg)
+    return key
+
+
+def layer(x: Tensor, router_w: Tensor, router_b: Tensor, router_bias: Optional[Tensor], a_gate: Optional[Tensor],
+          b_gate: Optional[Tensor], a_up: Optional[Tensor], b_up: Optional[Tensor], a_down: Optional[Tensor],
+          b_down: Optional[Tensor], config: int, packed_key: int, training: bool) -> List[Tensor]:
+    cfg = _configs[config]
+    factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
+    lora = ops.Lora(*factors, alpha=cfg.lora_alpha) if cfg.lora_rank else None
+    packed = _packed[packed_key]
+    y, saved = ops.layer_forward(cfg, packed, router_w, router_b, x, router_bias, lora, packed.layer_pool.take(),
+                                 training=training)
+    return [y, _hold(saved, training)]
+
+
+def _layer_fake(x, router_w, router_b, router_bias, a_gate, b_gate, a_up, b_up, a_down, b_down, config, packed_key,
+                training):
+    return [x.new_empty(x.shape, dtype=torch.float32), x.new_empty(2, dtype=torch.int64)]
+
+
+_LAYER_WANTED = ("dx", "router_w", "router_b") + ops.LORA_NAMES
+
+
+def layer_backward(dy: Tensor, state: Tensor, x: Tensor, router_w: Tensor, router_b: Tensor,
+                   a_gate: Optional[Tensor], b_gate: Optional[Tensor], a_up: Optional[Tensor],
+                   b_up: Optional[Tensor], a_down: Optional[Tensor], b_down: Optional[Tensor],
+                   wanted: List[bool]) -> List[Tensor]:
+    saved = _resume(state)
+    want = {n for n, w in zip(_LAYER_WANTED, wanted) if w}
+    g = ops.layer_backward(saved, dy, want, expert_path=bool(want - {"router_w", "router_b"}),
+                           router_path=bool(want & {"dx", "router_w", "router_b"}), dx_dtype=x.dtype)
+    _release(saved, saved.keep[0].layer_pool)
+    return [g[n] if n in g else dy.new_empty(0, dtype=torch.float32) for n in _LAYER_WANTED]
+
+
+def _layer_backward_fake(dy, state, x, router_w, router_b, a_gate, b_gate, a_up, b_up, a_down, b_down, wanted):
+    shapes = [x.shape, router_w.shape, router_b.shape] + [f.shape if f is not None else (0,)
+                                                          for f in (a_gate, b_gate, a_up, b_up, a_down, b_down)]
+    dtypes = [x.dtype] + [torch.float32] * 8
+    return [dy.new_empty(s if w else (0,), dtype=d) for s, w, d in zip(shapes, wanted, dtypes)]
+
+
+def _layer_setup(ctx, inputs, output):
+    x, router_w, router_b, router_bias, *factors = inputs[:10]
+    ctx.lora = factors[0] is not None
+    ctx.save_for_backward(x, router_w, router_b, *(factors if ctx.lora else ()))
+    ctx.state = output[1]
+
+
+def _layer_backward(ctx, grads):
+    x, router_w, router_b, *factors = ctx.saved_tensors
+    factors = factors or [None] * 6
+    needs = ctx.needs_input_grad
+    wanted = [bool(needs[0]), bool(needs[1]), bool(needs[2])] + [ctx.lora and bool(n) for n in needs[4:10]]
+    g = torch.ops.moecert.layer_backward(grads[0], ctx.state, x, router_w, router_b, *factors, wanted)
+    out = [t if w else None for t, w in zip(g, wanted)]
+    return (out[0], out[1], out[2], None, *out[3:], None, None, None)
+
+
+def _hold(saved, training):
+    """The state tensor [key, generation] naming a training forward's saved state (zeros: none)."""
+    if not training:
+        return torch.zeros(2, dtype=torch.int64)
+    with _lock:
+        if getattr(saved, "library_key", None) is None:
+            saved.library_key = next(_next)
+        _in_flight[saved.library_key] = saved
+        _all_states[saved.library_key] = saved
+    return torch.tensor([saved.library_key, saved.generation], dtype=torch.int64)
+
+
+def _resume(state):
+    """The saved state a state tensor names, if it still holds that forward (as the Functions'
+    generation check: a retained graph's second backward works until a later forward reuses it)."""
+    key, generation = int(state[0]), int(state[1])
+    with _lock:
+        saved = _all_states.get(key)
+    if saved is None or saved.generation != generation:
+        raise InvalidArgument("the forward's saved state was reused by a later forward after this graph's "
+                              "backward ran: a second backward through one graph is not supported")
+    return saved
+
+
+def _release(saved, pool):
+    """After a backward: the state may serve a later forward."""
+    with _lock:
+        _in_flight.pop(saved.library_key, None)
+    pool.give(saved)
+
+
 _registered = None
 
 
@@ -130,13 +285,56 @@ def register():
     bwd = lib.custom_op("moecert::experts_backward", mutates_args=())(experts_backward)
     bwd.register_fake(_backward_fake)
     lib.register_autograd("moecert::experts", _backward, setup_context=_setup_context)
+    _register_routers_and_layer(lib)
     _registered = True
     return True
+
+
+def _register_routers_and_layer(lib):
+    def op(name, fn, fake):
+        o = lib.custom_op("moecert::" + name, mutates_args=())(fn)
+        o.register_fake(fake)
+        return o
+
+    op("softmax_topk", softmax_topk, lambda z, k, renormalize: _router_fake(z, k))
+    op("softmax_topk_backward", softmax_topk_backward, lambda z, idx, g, renormalize: torch.empty_like(z))
+    op("sigmoid_topk", sigmoid_topk, lambda z, bias, k, groups, topk_group, scaling: _router_fake(z, k))
+    op("sigmoid_topk_backward", sigmoid_topk_backward,
+       lambda z, idx, g, groups, topk_group, scaling: torch.empty_like(z))
+    op("product_key", product_key, lambda sx, sy, k, weights: _router_fake(sx, k))
+    op("product_key_backward", product_key_backward,
+       lambda sx, sy, idx, g, weights: [torch.empty_like(sx), torch.empty_like(sy)])
+    lib.register_autograd("moecert::softmax_topk", _softmax_backward, setup_context=lambda ctx, inputs, output:
+                          _save_router(ctx, inputs, output, 1, lambda i: i[2]))
+    lib.register_autograd("moecert::sigmoid_topk", _sigmoid_backward, setup_context=lambda ctx, inputs, output:
+                          _save_router(ctx, inputs, output, 1, lambda i: tuple(i[3:6])))
+    lib.register_autograd("moecert::product_key", _product_key_backward, setup_context=lambda ctx, inputs, output:
+                          _save_router(ctx, inputs, output, 2, lambda i: i[3]))
+    op("layer", layer, _layer_fake)
+    op("layer_backward", layer_backward, _layer_backward_fake)
+    lib.register_autograd("moecert::layer", _layer_backward, setup_context=_layer_setup)
 
 
 def registered():
     """Whether register() registered the ops."""
     return bool(_registered)
+
+
+def compiling():
+    """Whether torch.compile is tracing (checks that read tensor versions are left to eager runs)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
+def call_layer(x, layer, config, packed_key):
+    """MoELayer's forward through the registered op (LoRA and router parameters trained);
+    config and packed_key as MoELayer.repack formed them."""
+    factors = tuple(getattr(layer, n) for n in ops.LORA_NAMES) if layer.config.lora_rank else (None,) * 6
+    params = (x, layer.router_w, layer.router_b) + factors
+    needs = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+    y, _ = torch.ops.moecert.layer(x, layer.router_w, layer.router_b, layer.router_bias, *factors, config, packed_key,
+                                   needs)
+    return y
 
 
 def call_experts(x, expert_ids, weights, packed, lora):

@@ -50,6 +50,8 @@ class MoELayer(nn.Module):
         if self._packed is not None:
             library.forget(self._packed)
         self._packed = ops.PackedExperts(self.w_gate, self.w_up, self.w_down, backward=True)
+        if library.registered():  # the registered op's keys, formed outside any compiled region
+            self._keys = (library.config_key(self.config), library.key_of(self._packed))
 
     def lora(self):
         if not self.config.lora_rank:
@@ -64,6 +66,11 @@ class MoELayer(nn.Module):
         base = tuple(getattr(self, n) for n in BASE_NAMES)
         factors = self.lora().factors() if self.config.lora_rank else (None,) * 6
         bias = self.router_bias
+        if (library.registered() and stats is None and self.isa is None and x2.device.type == "cpu" and
+                not any(t.requires_grad for t in base)):
+            if not library.compiling():
+                self._packed.check_sources(*base)
+            return library.call_layer(x2, self, *self._keys).reshape(*lead, H)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
                                            (x2, self.router_w, self.router_b) + base + factors):
             y = LayerFunction.apply(x2, self.router_w, self.router_b, bias, *base, *factors, self.config,

@@ -1,0 +1,75 @@
+"""torch >= 2.4: the registered ops (torch.ops.moecert.*) give the bits of the
+autograd.Functions, eagerly and under torch.compile(fullgraph=True)."""
+import pytest
+import torch
+
+import moecert
+import moecert.torch as mt
+from moecert.torch import functions as fn
+from moecert.torch import ops
+
+pytestmark = pytest.mark.skipif(not mt.library.registered(), reason="torch.library.custom_op needs torch >= 2.4")
+T = 9
+
+
+def grads_of(run, inputs, g):
+    """Outputs and input gradients of run(*leaves) with <g, w> (routers) as the loss."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    idx, w = run(*leaves)
+    w.backward(g)
+    return [idx, w.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk", "product_key"])
+def test_routers(router, rng):
+    z = torch.randn(T, 16, generator=rng)
+    g = torch.randn(T, 4, generator=rng)
+    bias = torch.randn(16, generator=rng) * 0.1
+    if router == "softmax_topk":
+        inputs, ours, function = [z], lambda a: mt.softmax_topk(a, 4), lambda a: fn.SoftmaxTopk.apply(a, 4, True)
+    elif router == "sigmoid_topk":
+        inputs = [z]
+        ours = lambda a: mt.sigmoid_topk(a, bias, 4, 4, 2, 1.5)
+        function = lambda a: fn.SigmoidTopk.apply(a, bias, 4, 4, 2, 1.5)
+    else:
+        inputs = [z[:, :4], z[:, 4:8]]
+        ours = lambda a, b: mt.product_key(a, b, 4, "softmax")
+        function = lambda a, b: fn.ProductKey.apply(a, b, 4, "softmax")
+    want = grads_of(function, inputs, g)
+    for got in (grads_of(ours, inputs, g), grads_of(torch.compile(ours, fullgraph=True), inputs, g)):
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_layer(rng):
+    torch.manual_seed(3)
+    layer = mt.MoELayer(8, 32, 48, 2, rank=4, alpha=8.0, max_tokens=T)
+    with torch.no_grad():
+        for k in ("b_gate", "b_up", "b_down"):
+            getattr(layer, k).normal_(0, 0.3)
+    x = torch.randn(T, 32, generator=rng).bfloat16()
+    dy = torch.randn(T, 32, generator=rng)
+    trainable = [layer.router_w, layer.router_b] + [getattr(layer, k) for k in ops.LORA_NAMES]
+
+    def step(forward):
+        xs = x.clone().requires_grad_()
+        for p in trainable:
+            p.grad = None
+        y = forward(xs)
+        y.backward(dy)
+        return [y.detach(), xs.grad] + [p.grad for p in trainable]
+
+    layer(x)  # packs
+    base = tuple(getattr(layer, k) for k in ops.BASE_NAMES)
+    function = step(lambda xs: fn.LayerFunction.apply(xs, layer.router_w, layer.router_b, None, *base,
+                                                      *layer.lora().factors(), layer.config, layer._packed, None,
+                                                      None))
+    for got in (step(layer), step(torch.compile(layer, fullgraph=True))):
+        assert all(torch.equal(a, b) for a, b in zip(function, got))
+    y = layer(x)
+    y.backward(dy, retain_graph=True)
+    layer.router_w.grad = None
+    y.backward(dy, retain_graph=True)  # no forward since: the state still holds y's
+    assert torch.equal(layer.router_w.grad, function[3])
+    layer(x).backward(dy)  # reuses the state
+    with pytest.raises(moecert.InvalidArgument, match="a second backward through one graph is not supported"):
+        y.backward(dy)
