@@ -17,7 +17,8 @@ difference relative to the largest magnitude of each output). Cases:
            token, uniform; weights in [0, 1)) against the peer's expert loop.
   overhead a training step (forward+backward) through MoELayer against the bare
            ops calls doing the same work in C (ctypes, outputs allocated): the
-           Python layer's cost per step.
+           Python layer's cost per step; and within MoELayer's steps, the time
+           outside the C calls over the time in them.
 """
 import argparse
 import json
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 import moecert
 import moecert.torch as mt
+from moecert import _abi
 from moecert.torch import ops
 
 SHAPES = {"paper": dict(experts=64, hidden=2048, inter=1408, topk=6, rank=8),
@@ -190,6 +192,38 @@ def overhead_case(layer, x, dy, reps):
     return alternate(reps, module, bare)
 
 
+def python_share(layer, x, dy, reps):
+    """Per training step through MoELayer: the time outside moecert's C calls over the time in
+    them (each ABI call timed where the package makes it), median over `reps` steps."""
+    inside = [0.0]
+    real = _abi.call
+
+    def timed(name, *args):
+        t0 = time.perf_counter()
+        try:
+            real(name, *args)
+        finally:
+            inside[0] += time.perf_counter() - t0
+
+    xm = x.clone().requires_grad_(True)
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+    shares = []
+    _abi.call = timed
+    try:
+        for i in range(reps + 1):
+            for p in trainable + [xm]:
+                p.grad = None
+            inside[0] = 0.0
+            t0 = time.perf_counter()
+            layer(xm).backward(dy)
+            total = time.perf_counter() - t0
+            if i:  # the first step warms up
+                shares.append((total - inside[0]) / inside[0])
+    finally:
+        _abi.call = real
+    return shares
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python3 -m moecert.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[48, 1024, 4096])
@@ -232,9 +266,11 @@ def main(argv=None):
         a, b = overhead_case(layer, x, dy, args.reps)
         over = {"case": "overhead", "tokens": T, "module_ms": statistics.median(a), "ops_ms": statistics.median(b),
                 "paired_ratio": statistics.median([p / q for p, q in zip(a, b)])}
+        over["python_share"] = statistics.median(python_share(layer, x, dy, args.reps))
         results.append(over)
-        print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step".format(
-            "overhead", T, over["module_ms"], over["ops_ms"], over["paired_ratio"]))
+        print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step; outside the C calls: "
+              "{:.2%} of the time in them".format("overhead", T, over["module_ms"], over["ops_ms"],
+                                                  over["paired_ratio"], over["python_share"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schema": "moecert-python-bench/1", "environment": env, "results": results}, f, indent=1)
