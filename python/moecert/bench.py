@@ -5,7 +5,8 @@ PyTorch eager bf16 implementation of the same layer, in one process.
 
 For each T, forward+backward of each case: moecert (through moecert.torch, as a
 user calls it) and the eager peer in alternation (moecert, peer, moecert, ...),
-so both meet the same moments of a shared machine; median times and the median
+so both meet the same moments of a shared machine, each timed run after 20 ms
+of untimed runs of the same side (as the C++ bench); median times and the median
 of the per-repetition ratios (paired). The two results are compared (largest
 difference relative to the largest magnitude of each output). Cases:
 
@@ -85,13 +86,26 @@ def timed(fn):
     return (time.perf_counter() - t0) * 1e3, out
 
 
+SETTLE_S = 0.020
+
+
+def settled(fn):
+    """One timed call of fn after untimed calls of it for at least SETTLE_S, as the C++ bench
+    does (bench/bench.cpp): the other side's threads keep spinning after their last parallel
+    region (torch's OpenMP pool, moecert's oneTBB workers) and its data fills the caches."""
+    until = time.perf_counter() + SETTLE_S
+    fn()
+    while time.perf_counter() < until:
+        fn()
+    return timed(fn)[0]
+
+
 def alternate(reps, ours, peer):
-    """Times ours() and peer() in alternation after one warm-up of each: (ours ms, peer ms) lists."""
-    ours(), peer()
+    """Times ours() and peer() in alternation, each settled: (ours ms, peer ms) lists."""
     a, b = [], []
     for _ in range(reps):
-        a.append(timed(ours)[0])
-        b.append(timed(peer)[0])
+        a.append(settled(ours))
+        b.append(settled(peer))
     return a, b
 
 
