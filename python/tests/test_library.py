@@ -12,6 +12,15 @@ pytestmark = pytest.mark.skipif(not mt.library.registered(), reason="torch.libra
 T = 9
 
 
+def registered_eagerly(run):
+    """run() with the registered ops called eagerly (by default only torch.compile uses them)."""
+    mt.library.always = True
+    try:
+        return run()
+    finally:
+        mt.library.always = False
+
+
 def grads_of(run, inputs, g):
     """Outputs and input gradients of run(*leaves) with <g, w> (routers) as the loss."""
     leaves = [t.clone().requires_grad_() for t in inputs]
@@ -36,7 +45,8 @@ def test_routers(router, rng):
         ours = lambda a, b: mt.product_key(a, b, 4, "softmax")
         function = lambda a, b: fn.ProductKey.apply(a, b, 4, "softmax")
     want = grads_of(function, inputs, g)
-    for got in (grads_of(ours, inputs, g), grads_of(torch.compile(ours, fullgraph=True), inputs, g)):
+    for got in (registered_eagerly(lambda: grads_of(ours, inputs, g)),
+                grads_of(torch.compile(ours, fullgraph=True), inputs, g)):
         assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
@@ -63,8 +73,9 @@ def test_layer(rng):
     function = step(lambda xs: fn.LayerFunction.apply(xs, layer.router_w, layer.router_b, None, *base,
                                                       *layer.lora().factors(), layer.config, layer._packed, None,
                                                       None))
-    for got in (step(layer), step(torch.compile(layer, fullgraph=True))):
+    for got in (registered_eagerly(lambda: step(layer)), step(torch.compile(layer, fullgraph=True))):
         assert all(torch.equal(a, b) for a, b in zip(function, got))
+    mt.library.always = True  # what follows is the registered ops' state handling
     y = layer(x)
     y.backward(dy, retain_graph=True)
     layer.router_w.grad = None
@@ -73,3 +84,4 @@ def test_layer(rng):
     layer(x).backward(dy)  # reuses the state
     with pytest.raises(moecert.InvalidArgument, match="a second backward through one graph is not supported"):
         y.backward(dy)
+    mt.library.always = False

@@ -76,10 +76,10 @@ def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, is
     x [T, H] bf16, expert_ids [T, K] int32/int64 (-1 = empty slot, only at a row's tail), weights
     [T, K] fp32 (0 at -1 slots), packed: PackedExperts, lora: ops.Lora or None. Returns y [T, H] fp32:
     y_t = sum_j weights[t, j] * expert_{ids[t, j]}(x_t), the gradient of weights dL/dw[t, j] =
-    <dy_t, o_{t, j}>. Where torch has torch.library.custom_op (2.4 on) and neither base, stats nor
-    isa is given, this is the registered op torch.ops.moecert.experts (library.py), which
-    torch.compile keeps in its graphs."""
-    if base is None and stats is None and isa is None and library.registered():
+    <dy_t, o_{t, j}>. Under torch.compile (torch 2.4 on), with neither base, stats nor isa given,
+    this is the registered op torch.ops.moecert.experts (library.py), which the graph keeps;
+    eagerly, the autograd.Function (the same bits, less dispatch per call)."""
+    if base is None and stats is None and isa is None and library.in_graph():
         return library.call_experts(x, expert_ids, weights, packed, lora)  # a torch.compile graph op
     base = base if base is not None else (None, None, None)
     factors = lora.factors() if lora is not None else (None,) * 6
@@ -142,23 +142,23 @@ class ProductKey(_Router):
 
 def softmax_topk(z, k, renormalize=True):
     """(idx [T, k] int32, w [T, k] fp32): top-k of softmax(z) (z [T, E] fp32 or bf16), weights
-    renormalised over the k selected or not; differentiable in z through w. The routers are
-    registered ops (torch.ops.moecert.*) where torch has torch.library.custom_op."""
-    if library.registered():
+    renormalised over the k selected or not; differentiable in z through w. Under torch.compile
+    (torch 2.4 on) the routers are the registered ops torch.ops.moecert.*."""
+    if library.in_graph():
         return tuple(torch.ops.moecert.softmax_topk(z, k, renormalize))
     return SoftmaxTopk.apply(z, k, renormalize)
 
 
 def sigmoid_topk(z, bias, k, groups=1, topk_group=1, scaling=1.0):
     """DeepSeek-V3 group-limited sigmoid top-k; bias [E] fp32 for selection only."""
-    if library.registered():
+    if library.in_graph():
         return tuple(torch.ops.moecert.sigmoid_topk(z, bias, k, groups, topk_group, float(scaling)))
     return SigmoidTopk.apply(z, bias, k, groups, topk_group, scaling)
 
 
 def product_key(sx, sy, k, weights="softmax"):
     """Product-key top-k over E = n*n experts (e = ix*n + iy) from halves sx, sy [T, n]."""
-    if library.registered():
+    if library.in_graph():
         return tuple(torch.ops.moecert.product_key(sx, sy, k, weights))
     return ProductKey.apply(sx, sy, k, weights)
 

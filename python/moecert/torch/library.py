@@ -9,13 +9,14 @@
 and likewise moecert::softmax_topk, sigmoid_topk, product_key (-> [idx, w])
 and moecert::layer (-> [y, state]) with their *_backward ops, each joined to
 its forward by register_autograd. Packed weights, layer configs and saved
-states are Python
-objects, which a schema cannot carry: the ops take the packed weights by key
-(`key_of(packed)`, `config_key(cfg)`) and return the saved state as a one-element int64 tensor
-[key, generation] naming it; after the backward the state serves later
-forwards (a retained graph's second backward works until one does). A forward
-with training=False keeps none. moecert.torch's functions and MoELayer call these ops where they are
-registered; on older torch they run the autograd.Functions, with the same bits.
+states are Python objects, which a schema cannot carry: the ops take the
+packed weights and the config by key (`key_of(packed)`, `config_key(cfg)`)
+and return the saved state as an int64 tensor [key, generation] naming it;
+after the backward the state serves later forwards (a retained graph's second
+backward works until one does). A forward with training=False keeps none.
+moecert.torch's functions and MoELayer call these ops while torch.compile
+traces; eagerly, and on older torch, they run the autograd.Functions, with the
+same bits (the Functions cost less dispatch per call).
 """
 import dataclasses
 import itertools
@@ -318,6 +319,14 @@ def _register_routers_and_layer(lib):
 def registered():
     """Whether register() registered the ops."""
     return bool(_registered)
+
+
+always = False  # call the registered ops eagerly too (tests)
+
+
+def in_graph():
+    """Whether calls should be the registered ops: while torch.compile traces, or `always`."""
+    return bool(_registered) and (always or compiling())
 
 
 def compiling():

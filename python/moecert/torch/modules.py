@@ -66,7 +66,7 @@ class MoELayer(nn.Module):
         base = tuple(getattr(self, n) for n in BASE_NAMES)
         factors = self.lora().factors() if self.config.lora_rank else (None,) * 6
         bias = self.router_bias
-        if (library.registered() and stats is None and self.isa is None and x2.device.type == "cpu" and
+        if (library.in_graph() and stats is None and self.isa is None and x2.device.type == "cpu" and
                 not any(t.requires_grad for t in base)):
             if not library.compiling():
                 self._packed.check_sources(*base)
