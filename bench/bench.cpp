@@ -25,25 +25,63 @@ std::vector<double> time_ms(int reps, const std::function<void()>& f) {
   return ms;
 }
 
+namespace {
+
 constexpr std::chrono::milliseconds kSettle{20};
 
-void time_against_peer(int reps, const std::function<void()>& f, const std::function<void()>& g, Result& r) {
-  // Each timed run follows untimed runs of the same side for at least
-  // kSettle: the other side's threads keep spinning after their last
-  // parallel region (oneDNN's OpenMP pool for milliseconds) and its data
-  // fills the caches. Sleeping instead lets the host idle the cores, and
-  // the next run pays for waking them (measured here: 2-10x slower runs).
-  auto timed = [](const std::function<void()>& h) {
-    const auto settled = std::chrono::steady_clock::now() + kSettle;
-    do h();
-    while (std::chrono::steady_clock::now() < settled);
-    return elapsed_ms(h);
+// One timed run of h after untimed runs of it for at least kSettle: the
+// other side's threads keep spinning after their last parallel region
+// (oneDNN's OpenMP pool for milliseconds) and its data fills the caches.
+// Sleeping instead lets the host idle the cores, and the next run pays for
+// waking them (measured here: 2-10x slower runs).
+double settled_ms(const std::function<void()>& h) {
+  const auto settled = std::chrono::steady_clock::now() + kSettle;
+  do h();
+  while (std::chrono::steady_clock::now() < settled);
+  return elapsed_ms(h);
+}
+
+// moecert at off and at each requested level, in alternation.
+void time_contract_levels(const Options& opt, const std::function<void()>& f, Result& r) {
+  auto at = [&f](Level level) {
+    return [&f, level] {
+      ContractScope scope{level};
+      f();
+    };
   };
+  r.ms.clear(), r.peer_ms.clear(), r.contracts.clear();
+  for (const Level level : opt.contracts) {
+    ContractRuns c;
+    c.level = level;
+    r.contracts.push_back(c);
+  }
+  std::vector<std::vector<double>> ratio(opt.contracts.size());
+  for (int i = 0; i < opt.reps; ++i) {
+    r.ms.push_back(settled_ms(at(Level::off)));
+    for (std::size_t l = 0; l < opt.contracts.size(); ++l) {
+      r.contracts[l].ms.push_back(settled_ms(at(opt.contracts[l])));
+      ratio[l].push_back(r.contracts[l].ms.back() / r.ms.back());
+    }
+  }
+  r.median_ms = median(r.ms);
+  for (std::size_t l = 0; l < opt.contracts.size(); ++l)
+    r.contracts[l].median_ms = median(r.contracts[l].ms), r.contracts[l].overhead = median(ratio[l]) - 1;
+}
+
+}  // namespace
+
+void time_against_peer(const Options& opt, const std::function<void()>& f, const std::function<void()>& g, Result& r) {
+  if (!opt.contracts.empty()) return time_contract_levels(opt, f, r);
+  if (!g) {
+    r.ms = time_ms(opt.reps, f);
+    r.median_ms = median(r.ms);
+    return;
+  }
   r.ms.clear(), r.peer_ms.clear();
   std::vector<double> ratio;
-  for (int i = 0; i < reps; ++i) {
-    r.ms.push_back(timed(f));
-    r.peer_ms.push_back(timed(g));
+  for (int i = 0; i < opt.reps; ++i) {
+    r.ms.push_back(settled_ms(f));
+    r.peer_ms.push_back(settled_ms(g));
     ratio.push_back(r.peer_ms.back() / r.ms.back());
   }
   r.median_ms = median(r.ms);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moecert/contracts.hpp"
 #include "moecert/types.hpp"
 
 namespace moecert::bench {
@@ -21,6 +22,17 @@ struct Options {
   int threads = 1;
   Isa isa = Isa::scalar;
   int reps = 5;  // timed runs per side (after one warm-up)
+  /// Contract levels to time moecert at against `off`, in alternation,
+  /// instead of the peer (`moecert bench --contracts LEVEL...`).
+  std::vector<Level> contracts;
+};
+
+/// moecert's runs at one contract level, against its runs at `off`.
+struct ContractRuns {
+  Level level = Level::off;
+  std::vector<double> ms;  // run i follows off's run i
+  double median_ms = 0;
+  double overhead = 0;  // median over i of ms[i] / off_ms[i], minus 1
 };
 
 struct Result {
@@ -35,6 +47,7 @@ struct Result {
   double recorded_peer_ms = 0;
   std::string skipped;              // reason, when the case could not run here
   std::string note;
+  std::vector<ContractRuns> contracts;  // --contracts: ms, median_ms are moecert's at off; no peer
 };
 
 struct Case {
@@ -54,8 +67,10 @@ std::vector<double> time_ms(int reps, const std::function<void()>& f);
 /// Times f and a peer g in alternation (each timed run after untimed runs
 /// of the same side for at least 20 ms), so that run i of both sides
 /// meets the same moment of a shared machine; fills r.ms, r.peer_ms, the
-/// medians and r.paired_speedup.
-void time_against_peer(int reps, const std::function<void()>& f, const std::function<void()>& g, Result& r);
+/// medians and r.paired_speedup. With opt.contracts, times f at `off` and
+/// at each of those levels in the same alternation instead (g is not run)
+/// and fills r.ms, r.median_ms and r.contracts. g may be empty (no peer).
+void time_against_peer(const Options& opt, const std::function<void()>& f, const std::function<void()>& g, Result& r);
 double median(std::vector<double> v);
 
 /// How far moecert's output is from the peer's: the largest |ours - peer|

@@ -57,7 +57,7 @@ Result experts_forward(const std::string& name, const Shape& s, const Options& o
   experts::ForwardStats st;
   experts::Workspace ws;  // reused across calls, as a training loop would
   time_against_peer(
-      opt.reps,
+      opt,
       [&] {
         st = experts::forward(packed, xv, iv, wv, MatView<float>(y.data(), s.t, s.h),
                               {.isa = opt.isa, .workspace = &ws});
@@ -87,7 +87,7 @@ Result gemm_matmul(const std::string& name, std::size_t m, std::size_t n, std::s
   OnednnMatmul peer(m, n, k, w);
   std::vector<float> c_peer(m * n);
   time_against_peer(
-      opt.reps,
+      opt,
       [&] { gemm::matmul(MatView<const bf16>(a.data(), m, k), packed, MatView<float>(c.data(), m, n), opt.isa); },
       [&] { peer.run(a.data(), c_peer.data()); }, r);
   r.note = "onednn " + peer.impl_name();

@@ -104,14 +104,13 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
     fwd();
     auto bwd = [&] { layer::backward(d.cfg, w, x, dyv, saved, g); };
     if (base) {
-      r.ms = time_ms(opt.reps, bwd);  // the peer trains LoRA only
-      r.median_ms = median(r.ms);
+      time_against_peer(opt, bwd, {}, r);  // the peer trains LoRA only
     } else {
       peer_fwd();
-      time_against_peer(opt.reps, bwd, [&] { peer.backward(dyv, pg); }, r);
+      time_against_peer(opt, bwd, [&] { peer.backward(dyv, pg); }, r);
     }
   } else {
-    time_against_peer(opt.reps, fwd, peer_fwd, r);
+    time_against_peer(opt, fwd, peer_fwd, r);
   }
   r.isa = std::string(isa_name(opt.isa));
   const double routed = double(s.t) * double(s.k);
@@ -202,12 +201,12 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
   if (backward) {
     fwd(), peer_fwd();
     time_against_peer(
-        opt.reps, [&] { experts::backward(d.packed, lora, x, dyv, saved, gr); },
+        opt, [&] { experts::backward(d.packed, lora, x, dyv, saved, gr); },
         [&] { peer.backward_experts(dyv, pgr, pdw.data()); }, r);
     pairs = {{&dx, &pdx}, {&dw, &pdw}};
     for (int i = 0; i < 6; ++i) pairs.emplace_back(&g[i], &pg[i]);
   } else {
-    time_against_peer(opt.reps, fwd, peer_fwd, r);
+    time_against_peer(opt, fwd, peer_fwd, r);
   }
   // Three GEMMs of 2 T K H I each way (backward: dh, and dx through gate and up).
   r.flops = 6.0 * double(s.t) * double(s.k) * double(s.h) * double(s.i);

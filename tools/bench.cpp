@@ -48,13 +48,47 @@ boost::json::object to_json(const bench::Result& r) {
                           {"median_ms", r.recorded_peer_ms},
                           {"speedup", r.median_ms > 0 ? r.recorded_peer_ms / r.median_ms : 0.0}};
   if (!r.skipped.empty()) o["skipped"] = r.skipped;
+  if (!r.contracts.empty()) {
+    boost::json::array levels;
+    for (const auto& c : r.contracts)
+      levels.push_back({{"level", level_name(c.level)},
+                        {"median_ms", c.median_ms},
+                        {"overhead", c.overhead},
+                        {"runs_ms", boost::json::array(c.ms.begin(), c.ms.end())}});
+    o["contracts"] = std::move(levels);  // median_ms and runs_ms above: moecert at off
+  }
   return o;
+}
+
+// --contracts LEVEL...: check, audit or full (each timed against off).
+std::vector<Level> contract_levels(const std::vector<std::string>& names) {
+  std::vector<Level> out;
+  for (const auto& n : names) {
+    const auto level = parse_level(n);
+    if (!level || *level == Level::off)
+      throw std::invalid_argument(fmt::format("--contracts {}: expected check, audit or full", n));
+    out.push_back(*level);
+  }
+  return out;
+}
+
+void print_result(const bench::Result& r) {
+  if (!r.contracts.empty()) {
+    std::string levels;
+    for (const auto& c : r.contracts)
+      levels += fmt::format("  {} {:.2f} ms ({:+.1f}%)", level_name(c.level), c.median_ms, 100 * c.overhead);
+    fmt::print("{:<44} {:>6} off {:.2f} ms{}\n", r.name, r.isa.substr(0, 6), r.median_ms, levels);
+    return;
+  }
+  fmt::print("{:<44} {:>6} {:>11.2f} {:>9.3f} {:>11.2f} {:>9.3f} {:>7.2f}x {:>7}  {}\n", r.name, r.isa.substr(0, 6),
+             r.median_ms, r.flops / (r.median_ms * 1e9), r.peer_median_ms, r.flops / (r.peer_median_ms * 1e9),
+             r.peer_median_ms / r.median_ms, r.paired_speedup > 0 ? fmt::format("{:.2f}x", r.paired_speedup) : "-", r.note);
 }
 
 }  // namespace
 
 int run_bench(int argc, char** argv) {
-  Args args(argc, argv, {"case", "json", "isa", "threads", "reps"}, {"list"});
+  Args args(argc, argv, {"case", "json", "isa", "threads", "reps", "contracts"}, {"list"});
   const auto cases = bench::all_cases();
   if (args.flag("list")) {
     for (const auto& c : cases) fmt::print("{}\n", c.name);
@@ -64,6 +98,7 @@ int run_bench(int argc, char** argv) {
   opt.threads = static_cast<int>(args.get_int("threads", default_threads()));
   opt.reps = static_cast<int>(args.get_int("reps", 5));
   if (opt.threads < 1 || opt.reps < 1) throw std::invalid_argument("--threads and --reps: expected N >= 1");
+  opt.contracts = contract_levels(args.all("contracts"));
   opt.isa = default_isa();
   if (auto name = args.get("isa")) {
     const auto isa = parse_isa(*name);
@@ -76,8 +111,12 @@ int run_bench(int argc, char** argv) {
   bench::OnednnExperts::set_threads(opt.threads);
 
   boost::json::array results;
-  fmt::print("{:<44} {:>6} {:>11} {:>9} {:>11} {:>9} {:>8} {:>7}\n", "case", "isa", "median ms", "TFLOP/s", "peer ms", "TFLOP/s",
-             "speedup", "paired");
+  if (opt.contracts.empty())
+    fmt::print("{:<44} {:>6} {:>11} {:>9} {:>11} {:>9} {:>8} {:>7}\n", "case", "isa", "median ms", "TFLOP/s", "peer ms",
+               "TFLOP/s", "speedup", "paired");
+  else
+    fmt::print("{:<44} {:>6} moecert at off, then at each level (median; overhead: median of paired ratios - 1)\n",
+               "case", "isa");
   for (const auto& c : cases) {
     bool selected = patterns.empty();
     for (const auto& p : patterns) selected |= c.name.find(p) != std::string::npos;
@@ -93,9 +132,8 @@ int run_bench(int argc, char** argv) {
       fmt::print("{:<44} skipped: {}\n", c.name, r.skipped);
     } else {
       r = c.run(opt);
-      fmt::print("{:<44} {:>6} {:>11.2f} {:>9.3f} {:>11.2f} {:>9.3f} {:>7.2f}x {:>7}  {}\n", c.name, r.isa.substr(0, 6),
-                 r.median_ms, r.flops / (r.median_ms * 1e9), r.peer_median_ms, r.flops / (r.peer_median_ms * 1e9),
-                 r.peer_median_ms / r.median_ms, r.paired_speedup > 0 ? fmt::format("{:.2f}x", r.paired_speedup) : "-", r.note);
+      if (!opt.contracts.empty()) r.peer.clear(), r.note = "--contracts: moecert at off and at each level; no peer run";
+      print_result(r);
     }
     std::fflush(stdout);
     results.push_back(to_json(r));
