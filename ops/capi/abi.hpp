@@ -3,14 +3,14 @@
 // exception crosses the ABI; the last error is per thread).
 #pragma once
 
-#include <cstddef>
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <new>
 #include <optional>
-#include <type_traits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -23,6 +23,7 @@
 struct moecert_experts {
   moecert::experts::PackedExperts packed;
 };
+
 namespace moecert::capi {
 
 /// The LoRA factors a call reads. bf16 descriptors are read in place; fp32
@@ -163,9 +164,6 @@ H& handle(H* h, const char* name) {
   return *h;
 }
 
-}  // namespace moecert::capi
-
-namespace moecert::capi {
 
 /// -1: the default kernel; otherwise an Isa value.
 std::optional<Isa> isa_of(std::int32_t isa);
@@ -173,10 +171,6 @@ std::optional<Isa> isa_of(std::int32_t isa);
 experts::TrainOptions train_options(const moecert_train_options* o);
 /// dx through `dx` (bf16: computed in its scratch).
 experts::Gradients experts_grads(const moecert_experts_grads& g, RoundedDx& dx);
-
-}  // namespace moecert::capi
-
-namespace moecert::capi {
 
 MoeConfig config_of(const moecert_config* c);
 /// The weights with `lora` for their LoRA factors (LoraFactors::forward or again of w->lora).
