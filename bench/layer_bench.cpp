@@ -1,9 +1,10 @@
-// Benchmark cases: the MoE layer with LoRA, forward and backward (issue 6).
-// The live peer is the layer run eagerly on oneDNN (bench/onednn_layer_peer.hpp),
-// in alternation with moecert. Issue 6's target peer, PyTorch CPU bf16
-// eager, is not a Debian 12 package here: its figures, recorded on the
-// 16-core AMX machine at 16 threads, are given beside the live ones for
-// that thread count and those shapes, and marked as recorded.
+// Benchmark cases: the MoE layer with LoRA, forward and backward, and the
+// experts op on the caller's routing. The live peer is the layer run eagerly
+// on oneDNN (bench/onednn_layer_peer.hpp), in alternation with moecert.
+// PyTorch CPU bf16 eager runs live from Python (python3 -m moecert.bench);
+// here its figures recorded on the 16-core AMX machine at 16 threads are
+// given beside the live ones for that thread count and those shapes, marked
+// as recorded.
 #include <cmath>
 #include <numeric>
 #include <random>

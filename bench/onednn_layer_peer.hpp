@@ -5,9 +5,9 @@
 // every element-wise op a separate pass over a materialised tensor, on
 // OpenMP, parallel above PyTorch's grain of 32768 elements; a Python-level
 // loop over the experts; the backward as autograd derives it, including its
-// gradient accumulations. It is not PyTorch: the recorded PyTorch figures
-// of issue 6 stay the target; this peer runs in the same process, on the
-// same data and threads, in alternation with moecert.
+// gradient accumulations. It is not PyTorch (which runs live from Python:
+// python3 -m moecert.bench); this peer runs in the same process as the C++
+// bench, on the same data and threads, in alternation with moecert.
 #pragma once
 
 #include <cstddef>
