@@ -1,0 +1,126 @@
+"""Expert parallelism over torch.distributed: each rank owns a contiguous block
+of experts and its own contiguous share of the tokens; (token, slot) rows
+travel to their expert's rank and back by all_to_all_single.
+
+Bitwise equal to one process: every expert's rows arrive in global token
+order (ranks in order, each rank's rows in token order), each row's GEMM
+results do not depend on the other rows of its batch, the experts' gradient
+sums run over the same rows in the same order, and the home rank combines y
+and dx in slot order from 0 exactly as the one-process op does.
+"""
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgument
+from . import ops
+from .ops import LORA_NAMES
+
+
+def _exchange(send, send_counts, recv_counts, group):
+    """all_to_all_single of the rows of `send` (bf16 travels as its bytes: gloo has no 16-bit types)."""
+    bits = send.dtype == torch.bfloat16
+    payload = send.contiguous().view(torch.uint8) if bits else send
+    out = payload.new_empty((sum(recv_counts),) + tuple(payload.shape[1:]))
+    dist.all_to_all_single(out, payload.contiguous(), recv_counts, send_counts, group=group)
+    return out.view(torch.bfloat16) if bits else out
+
+
+class _Routes:
+    """Where this rank's (token, slot) rows go: rows in (destination, token, slot) order."""
+
+    def __init__(self, expert_ids, per_rank, world, group):
+        T, K = expert_ids.shape
+        flat = expert_ids.reshape(-1).to(torch.int64)
+        self.slots = torch.nonzero(flat >= 0).reshape(-1)  # valid (t, j) in token, slot order
+        dest = flat[self.slots] // per_rank
+        order = torch.sort(dest, stable=True).indices
+        self.slots = self.slots[order]
+        self.local_ids = (flat[self.slots] - dest[order] * per_rank).to(torch.int32)
+        self.tokens = self.slots // K
+        self.send_counts = torch.bincount(dest, minlength=world).tolist()
+        counts = torch.tensor(self.send_counts, dtype=torch.int64)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=group)
+        self.recv_counts = recv.tolist()
+        self.T, self.K = T, K
+
+    def there(self, rows, group):
+        return _exchange(rows, self.send_counts, self.recv_counts, group)
+
+    def back(self, rows, group):
+        return _exchange(rows, self.recv_counts, self.send_counts, group)
+
+    def combine(self, rows, cols):
+        """out[t] = sum over t's slots j = 0..K-1 of its rows, fp32 from 0 (the op's own order)."""
+        out = torch.zeros(self.T, cols, dtype=torch.float32)
+        slot_of = self.slots % self.K
+        for j in range(self.K):
+            pick = torch.nonzero(slot_of == j).reshape(-1)
+            out[self.tokens[pick]] += rows[pick]
+        return out
+
+
+class _ExpertParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, a_gate, b_gate, a_up, b_up, a_down, b_down, expert_ids, module):
+        g = module.group
+        routes = _Routes(expert_ids, module.per_rank, module.world, g)
+        x_in = routes.there(x[routes.tokens], g)
+        w_in = routes.there(weights.reshape(-1)[routes.slots].reshape(-1, 1), g)
+        ids_in = routes.there(routes.local_ids.reshape(-1, 1), g)
+        factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
+        lora = ops.Lora(*factors, alpha=module.alpha) if a_gate is not None else None
+        y_in, saved = ops.experts_forward_train(module.packed, x_in.contiguous(), ids_in.contiguous(),
+                                                w_in.contiguous(), lora)
+        y = routes.combine(routes.back(y_in, g), x.shape[1])
+        ctx.routes, ctx.saved, ctx.module, ctx.has_lora = routes, saved, module, lora is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        m, routes, g = ctx.module, ctx.routes, ctx.module.group
+        dy = dy.to(torch.float32).contiguous()
+        dy_in = routes.there(dy[routes.tokens], g)
+        want = {"dx", "dweights"} | (set(LORA_NAMES) if ctx.has_lora else set())
+        grads = ops.experts_backward(ctx.saved, dy_in.contiguous(), want)
+        dx = routes.combine(routes.back(grads["dx"], g), dy.shape[1])
+        dw_rows = routes.back(grads["dweights"], g).reshape(-1)
+        dweights = torch.zeros(routes.T * routes.K, dtype=torch.float32)
+        dweights[routes.slots] = dw_rows
+        lora_grads = tuple(grads.get(n) for n in LORA_NAMES) if ctx.has_lora else (None,) * 6
+        return (dx, dweights.reshape(routes.T, routes.K)) + lora_grads + (None, None)
+
+
+class ExpertParallelMoE(torch.nn.Module):
+    """The experts op on the caller's routing, its experts spread over a torch.distributed group.
+
+    num_experts E (divisible by the group's size P): rank r owns experts [r E/P, (r+1) E/P) with
+    their base weights w_gate, w_up [E/P, I, H], w_down [E/P, H, I] bf16 (packed once) and,
+    with rank > 0, LoRA factors of its experts as fp32 parameters (b_* from 0). forward(x [T, H]
+    bf16, expert_ids [T, K] global ids, weights [T, K] fp32) -> y [T, H] fp32 for this rank's
+    tokens; autograd gives dx, dL/dweights and the local experts' LoRA gradients. Every rank
+    calls forward and backward together (collectives)."""
+
+    def __init__(self, num_experts, w_gate, w_up, w_down, rank=0, alpha=None, group=None):
+        super().__init__()
+        self.group = group
+        self.world, self.rank_id = dist.get_world_size(group), dist.get_rank(group)
+        if num_experts % self.world:
+            raise InvalidArgument("num_experts {}: not divisible by the group's {} ranks".format(
+                num_experts, self.world))
+        self.num_experts, self.per_rank = num_experts, num_experts // self.world
+        if w_gate.shape[0] != self.per_rank:
+            raise InvalidArgument("w_gate: {} experts, this rank owns {}".format(w_gate.shape[0], self.per_rank))
+        self.first = self.rank_id * self.per_rank
+        self.packed = ops.PackedExperts(w_gate, w_up, w_down)
+        E, I, H = w_gate.shape
+        self.hidden, self.alpha = H, float(alpha if alpha is not None else 2 * rank)
+        if rank:
+            for name, shape in ops._lora_shapes(E, H, I, rank).items():
+                init = torch.zeros(shape) if name.startswith("b_") else (torch.rand(shape) * 2 - 1) / shape[2] ** 0.5
+                setattr(self, name, torch.nn.Parameter(init))
+        self.lora_rank = rank
+
+    def forward(self, x, expert_ids, weights):
+        factors = tuple(getattr(self, n) for n in LORA_NAMES) if self.lora_rank else (None,) * 6
+        return _ExpertParallel.apply(x, weights, *factors, expert_ids, self)

@@ -1,0 +1,102 @@
+"""Expert parallelism on the gloo backend, 2 and 4 processes on 127.0.0.1 started
+here with a time limit: y, dx, dL/dweights and every expert's LoRA gradients
+bitwise equal to one process, for -1 slots, idle experts, every token routed to
+one rank's experts, and uneven token counts per rank."""
+import datetime
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moecert.torch import ops
+
+E, H, I, K, RANK, T = 8, 32, 48, 2, 4, 13
+KINDS = ("normal", "tails", "one_rank")
+SHARES = {2: [5, 8], 4: [2, 4, 3, 4]}  # tokens per rank, uneven
+
+
+def problem(kind, world):
+    g = torch.Generator().manual_seed(11)
+    n = lambda *s, sd=1.0: torch.randn(*s, generator=g) * sd
+    base = [n(E, I, H, sd=H ** -0.5).bfloat16(), n(E, I, H, sd=H ** -0.5).bfloat16(), n(E, H, I, sd=I ** -0.5).bfloat16()]
+    shapes = ops._lora_shapes(E, H, I, RANK)
+    lora = ops.Lora(*(n(*shapes[k], sd=0.3) for k in ops.LORA_NAMES), alpha=8.0)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if kind == "one_rank":  # every slot on the last rank's experts
+        per = E // world
+        ids = torch.stack([torch.randperm(per, generator=g)[:K] for _ in range(T)]) + (world - 1) * per
+    w = torch.rand(T, K, generator=g)
+    if kind == "tails":
+        ids[2, 1] = ids[7, 1] = -1
+        ids[9, :] = -1
+        w[ids < 0] = 0
+    return base, lora, n(T, H).bfloat16(), ids.to(torch.int32), w, n(T, H)
+
+
+def worker(rank, world, port, out_dir):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    from moecert.torch.parallel import ExpertParallelMoE
+    per, off = E // world, sum(SHARES[world][:rank])
+    rows = slice(off, off + SHARES[world][rank])
+    results = {}
+    for kind in KINDS:
+        base, lora, x, ids, w, dy = problem(kind, world)
+        mine = slice(rank * per, (rank + 1) * per)
+        module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0)
+        with torch.no_grad():
+            for k in ops.LORA_NAMES:
+                getattr(module, k).copy_(getattr(lora, k)[mine])
+        xs, ws = x[rows].clone().requires_grad_(), w[rows].clone().requires_grad_()
+        y = module(xs, ids[rows].contiguous(), ws)
+        y.backward(dy[rows])
+        results[kind] = {"y": y.detach(), "dx": xs.grad, "dweights": ws.grad,
+                         **{k: getattr(module, k).grad for k in ops.LORA_NAMES}}
+    torch.save(results, os.path.join(out_dir, "{}.pt".format(rank)))
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world, out_dir, limit_s=180):
+    ctx = mp.start_processes(worker, args=(world, free_port(), out_dir), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + limit_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("{} ranks did not finish within {} s".format(world, limit_s))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bitwise_equal_to_one_process(world):
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_world(world, out_dir)
+        ranks = [torch.load(os.path.join(out_dir, "{}.pt".format(r))) for r in range(world)]
+    per = E // world
+    for kind in KINDS:
+        base, lora, x, ids, w, dy = problem(kind, world)
+        packed = ops.PackedExperts(*base)
+        y, saved = ops.experts_forward_train(packed, x, ids, w, lora)
+        want = ("dx", "dweights") + ops.LORA_NAMES
+        g = ops.experts_backward(saved, dy, want)
+        cat = lambda name: torch.cat([r[kind][name] for r in ranks])
+        assert torch.equal(cat("y"), y), kind
+        assert torch.equal(cat("dx"), g["dx"].bfloat16()), kind  # autograd stores dx as x's dtype
+        assert torch.equal(cat("dweights"), g["dweights"]), kind
+        for k in ops.LORA_NAMES:
+            assert torch.equal(cat(k), g[k]), (kind, k)
+        if kind == "one_rank":  # the other ranks' experts are idle: their gradients exactly 0
+            assert all(torch.all(ranks[r][kind][k] == 0) for r in range(world - 1) for k in ops.LORA_NAMES)
+        assert sum(len(r[kind]["y"]) for r in ranks) == T
+    del per
