@@ -1,7 +1,9 @@
 """Expert parallelism on the gloo backend, 2 and 4 processes on 127.0.0.1 started
 here with a time limit: y, dx, dL/dweights and every expert's LoRA gradients
 bitwise equal to one process, for -1 slots, idle experts, every token routed to
-one rank's experts, and uneven token counts per rank."""
+one rank's experts, and uneven token counts per rank; ranks that disagree on
+the config, a bad expert id on one rank and a NaN found by an expert's owner
+raise on every rank, none waits, and the group works afterwards."""
 import datetime
 import os
 import socket
@@ -57,8 +59,44 @@ def worker(rank, world, port, out_dir):
         y.backward(dy[rows])
         results[kind] = {"y": y.detach(), "dx": xs.grad, "dweights": ws.grad,
                          **{k: getattr(module, k).grad for k in ops.LORA_NAMES}}
+    results["faults"] = faults(rank, world, per, rows)
     torch.save(results, os.path.join(out_dir, "{}.pt".format(rank)))
     dist.destroy_process_group()
+
+
+def faults(rank, world, per, rows):
+    """Bad input on one rank: every rank raises (no rank waits in a collective), the group stays
+    usable. Returns (scenario, exception type, clause or message) per scenario."""
+    import moecert
+    from moecert.torch.parallel import ExpertParallelMoE
+    base, lora, x, ids, w, dy = problem("normal", world)
+    mine = slice(rank * per, (rank + 1) * per)
+    out = []
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out.append((name, "none", ""))
+        except moecert.ContractViolation as e:
+            out.append((name, "ContractViolation", e.clause))
+        except moecert.Error as e:
+            out.append((name, type(e).__name__, str(e)))
+
+    # The ranks disagree on alpha: the same error on every rank, before any exchange.
+    attempt("config", lambda: ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK,
+                                                alpha=8.0 if rank else 16.0))
+    module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0)
+    bad_ids = ids[rows].clone()
+    if rank == world - 1:
+        bad_ids[0, 0] = E  # out of range on one rank
+    attempt("expert id", lambda: module(x[rows], bad_ids, w[rows]))
+    bad_x = x[rows].clone()
+    if rank == 0:
+        bad_x[0, 3] = float("nan")  # found by the experts' owner, after the exchange
+    with moecert.contracts("check"):
+        attempt("nan", lambda: module(bad_x, ids[rows].contiguous(), w[rows]))
+    attempt("after", lambda: module(x[rows], ids[rows].contiguous(), w[rows]))  # the group still works
+    return out
 
 
 def free_port():
@@ -99,4 +137,12 @@ def test_bitwise_equal_to_one_process(world):
         if kind == "one_rank":  # the other ranks' experts are idle: their gradients exactly 0
             assert all(torch.all(ranks[r][kind][k] == 0) for r in range(world - 1) for k in ops.LORA_NAMES)
         assert sum(len(r[kind]["y"]) for r in ranks) == T
+    faults = [dict((name, (kind, what)) for name, kind, what in r["faults"]) for r in ranks]
+    assert len({f["config"] for f in faults}) == 1  # the same error on every rank
+    assert faults[0]["config"][0] == "InvalidArgument" and "alpha" in faults[0]["config"][1]
+    assert faults[-1]["expert id"][0] == "InvalidArgument" and "expert_ids[0, 0] = 8" in faults[-1]["expert id"][1]
+    assert all(f["expert id"][0] == "Error" and "another rank" in f["expert id"][1] for f in faults[:-1])
+    assert any(f["nan"] == ("ContractViolation", "experts.forward_train.x_finite") for f in faults)
+    assert all(f["nan"][0] in ("ContractViolation", "Error") for f in faults)
+    assert all(f["after"] == ("none", "") for f in faults)
     del per

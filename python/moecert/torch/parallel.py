@@ -11,7 +11,7 @@ and dx in slot order from 0 exactly as the one-process op does.
 import torch
 import torch.distributed as dist
 
-from ..errors import InvalidArgument
+from ..errors import Error, InvalidArgument
 from . import ops
 from .ops import LORA_NAMES
 
@@ -23,6 +23,29 @@ def _exchange(send, send_counts, recv_counts, group):
     out = payload.new_empty((sum(recv_counts),) + tuple(payload.shape[1:]))
     dist.all_to_all_single(out, payload.contiguous(), recv_counts, send_counts, group=group)
     return out.view(torch.bfloat16) if bits else out
+
+
+def _agree(ok, group):
+    """Whether every rank's `ok` holds (one all_reduce; every rank learns the same)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _on_every_rank(step, group, what):
+    """Runs step() on this rank, then agrees with the others before any rank goes on to a
+    collective: a failure on one rank raises on every rank (the failing rank its own exception,
+    the others an Error naming the step) instead of leaving them waiting in an exchange."""
+    error = None
+    try:
+        result = step()
+    except Exception as e:  # re-raised below, after the agreement
+        error, result = e, None
+    if not _agree(error is None, group):
+        if error is not None:
+            raise error
+        raise Error("{}: failed on another rank of the group (its own exception names the clause)".format(what))
+    return result
 
 
 class _Routes:
@@ -64,14 +87,16 @@ class _ExpertParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, a_gate, b_gate, a_up, b_up, a_down, b_down, expert_ids, module):
         g = module.group
+        _on_every_rank(lambda: module.check_inputs(x, expert_ids, weights), g, "inputs")
         routes = _Routes(expert_ids, module.per_rank, module.world, g)
         x_in = routes.there(x[routes.tokens], g)
         w_in = routes.there(weights.reshape(-1)[routes.slots].reshape(-1, 1), g)
         ids_in = routes.there(routes.local_ids.reshape(-1, 1), g)
         factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
         lora = ops.Lora(*factors, alpha=module.alpha) if a_gate is not None else None
-        y_in, saved = ops.experts_forward_train(module.packed, x_in.contiguous(), ids_in.contiguous(),
-                                                w_in.contiguous(), lora)
+        y_in, saved = _on_every_rank(lambda: ops.experts_forward_train(
+            module.packed, x_in.contiguous(), ids_in.contiguous(), w_in.contiguous(), lora,
+            module.packed.experts_pool.take()), g, "experts.forward_train")
         y = routes.combine(routes.back(y_in, g), x.shape[1])
         ctx.routes, ctx.saved, ctx.module, ctx.has_lora = routes, saved, module, lora is not None
         return y
@@ -82,7 +107,9 @@ class _ExpertParallel(torch.autograd.Function):
         dy = dy.to(torch.float32).contiguous()
         dy_in = routes.there(dy[routes.tokens], g)
         want = {"dx", "dweights"} | (set(LORA_NAMES) if ctx.has_lora else set())
-        grads = ops.experts_backward(ctx.saved, dy_in.contiguous(), want)
+        grads = _on_every_rank(lambda: ops.experts_backward(ctx.saved, dy_in.contiguous(), want), g,
+                               "experts.backward")
+        m.packed.experts_pool.give(ctx.saved)
         dx = routes.combine(routes.back(grads["dx"], g), dy.shape[1])
         dw_rows = routes.back(grads["dweights"], g).reshape(-1)
         dweights = torch.zeros(routes.T * routes.K, dtype=torch.float32)
@@ -120,6 +147,33 @@ class ExpertParallelMoE(torch.nn.Module):
                 init = torch.zeros(shape) if name.startswith("b_") else (torch.rand(shape) * 2 - 1) / shape[2] ** 0.5
                 setattr(self, name, torch.nn.Parameter(init))
         self.lora_rank = rank
+        self._handshake(I)
+
+    def _handshake(self, inter):
+        """Every rank holds the same shape of the layer (E, H, I, r, alpha, group size) and
+        its own block of experts, or every rank raises the same error before any exchange."""
+        mine = torch.tensor([self.num_experts, self.hidden, inter, self.lora_rank, int(self.alpha * 2 ** 20),
+                             self.world], dtype=torch.int64)
+        low, high = mine.clone(), mine.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(low, high):
+            names = ("num_experts", "hidden", "inter", "rank", "alpha * 2^20", "group size")
+            diff = ["{} {}..{}".format(n, int(a), int(b)) for n, a, b in zip(names, low, high) if a != b]
+            raise InvalidArgument("ExpertParallelMoE: the ranks disagree on " + ", ".join(diff))
+
+    def check_inputs(self, x, expert_ids, weights):
+        """This rank's inputs, checked before any exchange: shapes, dtypes, ids in range."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != torch.bfloat16:
+            raise InvalidArgument("x: expected a [T, {}] bfloat16 tensor".format(self.hidden))
+        if expert_ids.shape != weights.shape or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+            raise InvalidArgument("expert_ids {} and weights {}: expected [T, K] each, T = {}".format(
+                list(expert_ids.shape), list(weights.shape), x.shape[0]))
+        bad = (expert_ids < -1) | (expert_ids >= self.num_experts)
+        if bool(bad.any()):
+            t, j = (int(v) for v in torch.nonzero(bad)[0])
+            raise InvalidArgument("expert_ids[{}, {}] = {}: expected -1 <= id < {}".format(
+                t, j, int(expert_ids[t, j]), self.num_experts))
 
     def forward(self, x, expert_ids, weights):
         factors = tuple(getattr(self, n) for n in LORA_NAMES) if self.lora_rank else (None,) * 6
