@@ -1,7 +1,7 @@
 # The README's two commands, and a few helpers. Every target bootstraps first.
 JOBS ?= $(shell nproc)
 
-.PHONY: check report python bootstrap debug release tsan stress fuzz clean
+.PHONY: check report python bootstrap format format-check debug release tsan stress fuzz clean
 FUZZ_SECONDS ?= 60
 FUZZ_SEED ?= 1
 FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer
@@ -27,12 +27,21 @@ release: bootstrap
 # pages (every buffer's end, then its start, against an inaccessible page),
 # with a valgrind memcheck selection; then the default conformance suite on
 # the Release tool under guard pages, end and start.
-check: debug release
+check: format-check debug release
 	ctest --preset debug -j $(JOBS)
 	ctest --preset release-guard-end -j $(JOBS)
 	ctest --preset release-guard-start -j $(JOBS)
 	build/release/tools/moecert conform --suite default --guard-pages end --out build/check-report 2>/dev/null
 	build/release/tools/moecert conform --suite default --guard-pages start --out build/check-report 2>/dev/null
+
+# The C and C++ sources as .clang-format lays them out (Debian's clang-format 14):
+# `make format` rewrites them, `make format-check` (the first step of check)
+# fails on any file that differs.
+SOURCES = $(shell git ls-files '*.cpp' '*.hpp' '*.h' '*.c')
+format: bootstrap
+	clang-format -i $(SOURCES)
+format-check: bootstrap
+	clang-format --dry-run -Werror $(SOURCES)
 
 # Builds the Release tool and runs the default conformance suite into build/report.
 report: bootstrap

@@ -51,7 +51,8 @@ struct alignas(64) TileConfig {
 
 #define TZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
 #define TLOAD(t, p, s) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(p), "r"(s) : "memory")
-#define TSTORE(t, p, s) __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(s) : "memory")
+#define TSTORE(t, p, s) \
+  __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(s) : "memory")
 #define TDP(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 
 void tile_begin() {
@@ -67,8 +68,9 @@ constexpr std::size_t kTile = 512;  // bf16 elements per 16 x 32 tile
 // (1 KiB per step); b0/b1: the two panels (1 KiB per step). C rows at ldc
 // bytes; c01 = offset in bytes of the right half, c10 of the lower half.
 template <int Order>
-inline void k32x32(const u16* a0, const u16* a1, const u16* b0, const u16* b1, std::size_t steps, char* c,
-                   std::size_t ldc, std::size_t c01, std::size_t c10, bool load_c, int pf) {
+inline void k32x32(const u16* a0, const u16* a1, const u16* b0, const u16* b1, std::size_t steps,
+                   char* c, std::size_t ldc, std::size_t c01, std::size_t c10, bool load_c,
+                   int pf) {
   const std::size_t s64 = 64;
   if (load_c) {
     TLOAD(0, c, ldc);
@@ -128,8 +130,14 @@ template <class T>
 struct Buf {
   T* p = nullptr;
   std::size_t n = 0;
-  void resize(std::size_t m) { p = static_cast<T*>(std::aligned_alloc(4096, (m * sizeof(T) + 4095) / 4096 * 4096)); n = m; }
-  void assign(std::size_t m, T v) { resize(m); std::fill(p, p + m, v); }
+  void resize(std::size_t m) {
+    p = static_cast<T*>(std::aligned_alloc(4096, (m * sizeof(T) + 4095) / 4096 * 4096));
+    n = m;
+  }
+  void assign(std::size_t m, T v) {
+    resize(m);
+    std::fill(p, p + m, v);
+  }
   T* data() { return p; }
   std::size_t size() const { return n; }
   T* begin() { return p; }
@@ -167,8 +175,9 @@ void run_item(Problem& p, const Item& it, const Schedule& s, float* scratch) {
   if (s.kc == 0) {
     for (std::size_t n0 = it.n0; n0 < it.n1; n0 += 32)
       for (std::size_t m0 = it.m0; m0 < it.m1; m0 += 32)
-        kern(a + m0 / 16 * lda, a + (m0 / 16 + 1) * lda, b + n0 / 16 * 16 * k, b + (n0 / 16 + 1) * 16 * k, steps_all,
-             reinterpret_cast<char*>(c + m0 * p.n + n0), ldc, 64, 16 * ldc, false, s.pf);
+        kern(a + m0 / 16 * lda, a + (m0 / 16 + 1) * lda, b + n0 / 16 * 16 * k,
+             b + (n0 / 16 + 1) * 16 * k, steps_all, reinterpret_cast<char*>(c + m0 * p.n + n0), ldc,
+             64, 16 * ldc, false, s.pf);
     return;
   }
   const std::size_t kcs = s.kc / 32, nb = (it.n1 - it.n0) / 32;
@@ -181,10 +190,12 @@ void run_item(Problem& p, const Item& it, const Schedule& s, float* scratch) {
         const u16* b0 = b + n0 / 16 * 16 * k + k0 * kTile;
         const u16* b1 = b0 + 16 * k;
         if (s.scratch) {  // block (m, n) at 4 KiB: tiles C00, C01, C10, C11
-          char* blk = reinterpret_cast<char*>(scratch + (((m0 - it.m0) / 32) * nb + (n0 - it.n0) / 32) * 1024);
+          char* blk = reinterpret_cast<char*>(
+              scratch + (((m0 - it.m0) / 32) * nb + (n0 - it.n0) / 32) * 1024);
           kern(a0, a1, b0, b1, st, blk, 64, 1024, 2048, k0 > 0, s.pf);
         } else {
-          kern(a0, a1, b0, b1, st, reinterpret_cast<char*>(c + m0 * p.n + n0), ldc, 64, 16 * ldc, k0 > 0, s.pf);
+          kern(a0, a1, b0, b1, st, reinterpret_cast<char*>(c + m0 * p.n + n0), ldc, 64, 16 * ldc,
+               k0 > 0, s.pf);
         }
       }
     }
@@ -195,7 +206,8 @@ void run_item(Problem& p, const Item& it, const Schedule& s, float* scratch) {
         const float* blk = scratch + (((m0 - it.m0) / 32) * nb + (n0 - it.n0) / 32) * 1024;
         for (int t = 0; t < 4; ++t)
           for (int r = 0; r < 16; ++r)
-            std::memcpy(c + (m0 + (t / 2) * 16 + r) * p.n + n0 + (t % 2) * 16, blk + t * 256 + r * 16, 64);
+            std::memcpy(c + (m0 + (t / 2) * 16 + r) * p.n + n0 + (t % 2) * 16,
+                        blk + t * 256 + r * 16, 64);
       }
 }
 
@@ -213,32 +225,53 @@ double run(Problem& p, const Schedule& s, unsigned threads, std::size_t mb, std:
       tile_begin();
       Buf<float> scratch;
       scratch.resize(mb * nb + 1024);
-      for (std::size_t i; (i = next.fetch_add(1)) < items.size();) run_item(p, items[i], s, scratch.data());
+      for (std::size_t i; (i = next.fetch_add(1)) < items.size();)
+        run_item(p, items[i], s, scratch.data());
       __asm__ volatile("tilerelease" ::: "memory");
     });
   for (auto& th : pool) th.join();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-
 // Micro schedules on one core: what a k step costs when its tiles come from
 // L1, L2 or nowhere. wa / wb: bytes of A / B cycled through (1 KiB per tile).
 template <int Order, bool Loads, bool Dp>
 double micro(const u16* a, std::size_t wa, const u16* b, std::size_t wb, std::size_t steps) {
   tile_begin();
-  TZERO(0); TZERO(1); TZERO(2); TZERO(3); TZERO(4); TZERO(5); TZERO(6); TZERO(7);
+  TZERO(0);
+  TZERO(1);
+  TZERO(2);
+  TZERO(3);
+  TZERO(4);
+  TZERO(5);
+  TZERO(6);
+  TZERO(7);
   const std::size_t s64 = 64, na = wa / 2048, nb = wb / 2048;
   auto t0 = std::chrono::steady_clock::now();
   for (std::size_t s = 0; s < steps; ++s) {
     const u16* pa = a + (s % na) * 2 * kTile;
     const u16* pb = b + (s % nb) * 2 * kTile;
     if constexpr (Loads && Order == 0) {
-      TLOAD(4, pa, s64); TLOAD(5, pa + kTile, s64); TLOAD(6, pb, s64); TLOAD(7, pb + kTile, s64);
+      TLOAD(4, pa, s64);
+      TLOAD(5, pa + kTile, s64);
+      TLOAD(6, pb, s64);
+      TLOAD(7, pb + kTile, s64);
     }
-    if constexpr (Dp && Order == 0) { TDP(0, 4, 6); TDP(1, 4, 7); TDP(2, 5, 6); TDP(3, 5, 7); }
+    if constexpr (Dp && Order == 0) {
+      TDP(0, 4, 6);
+      TDP(1, 4, 7);
+      TDP(2, 5, 6);
+      TDP(3, 5, 7);
+    }
     if constexpr (Order == 1) {
-      TLOAD(4, pa, s64); TLOAD(6, pb, s64); TDP(0, 4, 6); TLOAD(7, pb + kTile, s64); TDP(1, 4, 7);
-      TLOAD(5, pa + kTile, s64); TDP(2, 5, 6); TDP(3, 5, 7);
+      TLOAD(4, pa, s64);
+      TLOAD(6, pb, s64);
+      TDP(0, 4, 6);
+      TLOAD(7, pb + kTile, s64);
+      TDP(1, 4, 7);
+      TLOAD(5, pa + kTile, s64);
+      TDP(2, 5, 6);
+      TDP(3, 5, 7);
     }
   }
   __asm__ volatile("tilerelease" ::: "memory");
@@ -246,45 +279,90 @@ double micro(const u16* a, std::size_t wa, const u16* b, std::size_t wb, std::si
   return 4.0 * 16 * 16 * 32 * 2 * steps / t * 1e-12;
 }
 
-
 // Orders of one k step, software-pipelined: the loads of step s+1 are issued
 // as soon as the products of step s that read the register are issued.
 template <int V>
 double micro2(const u16* a, std::size_t wa, const u16* b, std::size_t wb, std::size_t steps) {
   tile_begin();
-  TZERO(0); TZERO(1); TZERO(2); TZERO(3); TZERO(4); TZERO(5); TZERO(6); TZERO(7);
+  TZERO(0);
+  TZERO(1);
+  TZERO(2);
+  TZERO(3);
+  TZERO(4);
+  TZERO(5);
+  TZERO(6);
+  TZERO(7);
   const std::size_t s64 = 64, na = wa / 2048, nb = wb / 2048;
   auto A = [&](std::size_t s) { return a + (s % na) * 2 * kTile; };
   auto B = [&](std::size_t s) { return b + (s % nb) * 2 * kTile; };
   auto t0 = std::chrono::steady_clock::now();
   if constexpr (V == 2) {  // 2x2: D06 D26 L6 D17 L4 D37 L5 L7
-    TLOAD(4, A(0), s64); TLOAD(5, A(0) + kTile, s64); TLOAD(6, B(0), s64); TLOAD(7, B(0) + kTile, s64);
+    TLOAD(4, A(0), s64);
+    TLOAD(5, A(0) + kTile, s64);
+    TLOAD(6, B(0), s64);
+    TLOAD(7, B(0) + kTile, s64);
     for (std::size_t s = 0; s < steps; ++s) {
-      const u16* na_ = A(s + 1); const u16* nb_ = B(s + 1);
-      TDP(0, 4, 6); TDP(2, 5, 6); TLOAD(6, nb_, s64); TDP(1, 4, 7); TLOAD(4, na_, s64); TDP(3, 5, 7);
-      TLOAD(5, na_ + kTile, s64); TLOAD(7, nb_ + kTile, s64);
+      const u16* na_ = A(s + 1);
+      const u16* nb_ = B(s + 1);
+      TDP(0, 4, 6);
+      TDP(2, 5, 6);
+      TLOAD(6, nb_, s64);
+      TDP(1, 4, 7);
+      TLOAD(4, na_, s64);
+      TDP(3, 5, 7);
+      TLOAD(5, na_ + kTile, s64);
+      TLOAD(7, nb_ + kTile, s64);
     }
-  } else if constexpr (V == 3) {  // 2x1 (32 x 16), double-buffered operands: C0 C1, A 2-3 / 5-6, B 4 / 7
-    TLOAD(2, A(0), s64); TLOAD(3, A(0) + kTile, s64); TLOAD(4, B(0), s64);
+  } else if constexpr (V ==
+                       3) {  // 2x1 (32 x 16), double-buffered operands: C0 C1, A 2-3 / 5-6, B 4 / 7
+    TLOAD(2, A(0), s64);
+    TLOAD(3, A(0) + kTile, s64);
+    TLOAD(4, B(0), s64);
     for (std::size_t s = 0; s < steps; s += 2) {
-      const u16* a1 = A(s + 1); const u16* b1 = B(s + 1); const u16* a2 = A(s + 2); const u16* b2 = B(s + 2);
-      TLOAD(5, a1, s64); TLOAD(6, a1 + kTile, s64); TLOAD(7, b1, s64);
-      TDP(0, 2, 4); TDP(1, 3, 4);
-      TLOAD(2, a2, s64); TLOAD(3, a2 + kTile, s64); TLOAD(4, b2, s64);
-      TDP(0, 5, 7); TDP(1, 6, 7);
+      const u16* a1 = A(s + 1);
+      const u16* b1 = B(s + 1);
+      const u16* a2 = A(s + 2);
+      const u16* b2 = B(s + 2);
+      TLOAD(5, a1, s64);
+      TLOAD(6, a1 + kTile, s64);
+      TLOAD(7, b1, s64);
+      TDP(0, 2, 4);
+      TDP(1, 3, 4);
+      TLOAD(2, a2, s64);
+      TLOAD(3, a2 + kTile, s64);
+      TLOAD(4, b2, s64);
+      TDP(0, 5, 7);
+      TDP(1, 6, 7);
     }
-  } else if constexpr (V == 4) {  // 2x2 with the products ordered C0 C1 C3 C2: A0 free after 2, B1 after 3
-    TLOAD(4, A(0), s64); TLOAD(5, A(0) + kTile, s64); TLOAD(6, B(0), s64); TLOAD(7, B(0) + kTile, s64);
+  } else if constexpr (
+      V == 4) {  // 2x2 with the products ordered C0 C1 C3 C2: A0 free after 2, B1 after 3
+    TLOAD(4, A(0), s64);
+    TLOAD(5, A(0) + kTile, s64);
+    TLOAD(6, B(0), s64);
+    TLOAD(7, B(0) + kTile, s64);
     for (std::size_t s = 0; s < steps; ++s) {
-      const u16* na_ = A(s + 1); const u16* nb_ = B(s + 1);
-      TDP(0, 4, 6); TDP(1, 4, 7); TLOAD(4, na_, s64); TDP(3, 5, 7); TLOAD(7, nb_ + kTile, s64); TDP(2, 5, 6);
-      TLOAD(5, na_ + kTile, s64); TLOAD(6, nb_, s64);
+      const u16* na_ = A(s + 1);
+      const u16* nb_ = B(s + 1);
+      TDP(0, 4, 6);
+      TDP(1, 4, 7);
+      TLOAD(4, na_, s64);
+      TDP(3, 5, 7);
+      TLOAD(7, nb_ + kTile, s64);
+      TDP(2, 5, 6);
+      TLOAD(5, na_ + kTile, s64);
+      TLOAD(6, nb_, s64);
     }
   } else if constexpr (V == 5) {  // 1x3 (16 x 48): C tiles 0-2, A tile 3, B tiles 5-7
     for (std::size_t s = 0; s < steps; ++s) {
-      const u16* pa = A(s); const u16* pb = B(s);
-      TLOAD(3, pa, s64); TLOAD(5, pb, s64); TDP(0, 3, 5); TLOAD(6, pb + kTile, s64); TDP(1, 3, 6);
-      TLOAD(7, pa + kTile, s64); TDP(2, 3, 7);
+      const u16* pa = A(s);
+      const u16* pb = B(s);
+      TLOAD(3, pa, s64);
+      TLOAD(5, pb, s64);
+      TDP(0, 3, 5);
+      TLOAD(6, pb + kTile, s64);
+      TDP(1, 3, 6);
+      TLOAD(7, pa + kTile, s64);
+      TDP(2, 3, 7);
     }
   }
   __asm__ volatile("tilerelease" ::: "memory");
@@ -312,7 +390,8 @@ int per_cpu_main() {
       r[2] = micro<0, true, false>(a.data(), 16384, b.data(), 16384, 2000000);
     });
     th.join();
-    std::printf("cpu %2u: tdp only %5.2f  2x2 L1 %5.2f  loads only L1 %5.2f TFLOP/s\n", cpu, r[0], r[1], r[2]);
+    std::printf("cpu %2u: tdp only %5.2f  2x2 L1 %5.2f  loads only L1 %5.2f TFLOP/s\n", cpu, r[0],
+                r[1], r[2]);
     std::fflush(stdout);
   }
   return 0;
@@ -324,7 +403,11 @@ int micro_main(unsigned threads) {
   b.resize(64 << 20);
   for (std::size_t i = 0; i < a.size(); ++i) a[i] = b[i] = static_cast<u16>(0x3f00 + (i & 0xff));
   const std::size_t steps = 400000;
-  struct M { const char* name; double (*f)(const u16*, std::size_t, const u16*, std::size_t, std::size_t); std::size_t wa, wb; };
+  struct M {
+    const char* name;
+    double (*f)(const u16*, std::size_t, const u16*, std::size_t, std::size_t);
+    std::size_t wa, wb;
+  };
   const M ms[] = {
       {"tdp only", micro<0, false, true>, 2048, 2048},
       {"loads only, L1", micro<0, true, false>, 2048, 2048},
@@ -359,7 +442,8 @@ int micro_main(unsigned threads) {
           CPU_ZERO(&set);
           CPU_SET(t, &set);
           sched_setaffinity(0, sizeof set, &set);
-          r[t] = m.f(a.data() + t * (m.wa / 2), m.wa, b.data() + t * (m.wb / 2) % (32 << 20), m.wb, steps);
+          r[t] = m.f(a.data() + t * (m.wa / 2), m.wa, b.data() + t * (m.wb / 2) % (32 << 20), m.wb,
+                     steps);
         });
       for (auto& th : pool) th.join();
       double sum = 0;
@@ -369,8 +453,8 @@ int micro_main(unsigned threads) {
   for (std::size_t i = 0; i < std::size(ms); ++i) {
     auto v = res[i];
     std::sort(v.begin(), v.end());
-    std::printf("micro %-36s %2u thr: per thread median %5.2f  min %5.2f  max %5.2f TFLOP/s\n", ms[i].name, threads,
-                v[v.size() / 2], v.front(), v.back());
+    std::printf("micro %-36s %2u thr: per thread median %5.2f  min %5.2f  max %5.2f TFLOP/s\n",
+                ms[i].name, threads, v[v.size() / 2], v.front(), v.back());
   }
   return 0;
 }
@@ -383,14 +467,22 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const std::size_t v = std::strtoull(argv[i + 1], nullptr, 10);
-    if (a == "--threads") threads = v;
-    else if (a == "--experts") experts = v;
-    else if (a == "--rows") rows = v;
-    else if (a == "--n") n = v;
-    else if (a == "--k") k = v;
-    else if (a == "--reps") reps = v;
-    else if (a == "--mb") mb = v;
-    else if (a == "--nb") nb = v;
+    if (a == "--threads")
+      threads = v;
+    else if (a == "--experts")
+      experts = v;
+    else if (a == "--rows")
+      rows = v;
+    else if (a == "--n")
+      n = v;
+    else if (a == "--k")
+      k = v;
+    else if (a == "--reps")
+      reps = v;
+    else if (a == "--mb")
+      mb = v;
+    else if (a == "--nb")
+      nb = v;
   }
   if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
     std::puts("amx_probe: no AMX permission");
@@ -407,13 +499,16 @@ int main(int argc, char** argv) {
     for (auto& x : *v) x = static_cast<u16>(0x3f00 + (rng() & 0xff));  // bf16 in [0.5, 1)
   const double flop = 2.0 * experts * rows * n * k;
   std::vector<Schedule> ss = {
-      {"full.o0.pf3", 0, false, 0, 3}, {"full.o1.pf3", 0, false, 1, 3}, {"full.o1.pf0", 0, false, 1, 0},
-      {"kc256.o0", 256, false, 0, 0},  {"kc256.o1", 256, false, 1, 0},  {"kc256.s.o0", 256, true, 0, 0},
-      {"kc256.s.o1", 256, true, 1, 0}, {"kc512.s.o1", 512, true, 1, 0}, {"kc512.s.o1.pf2", 512, true, 1, 2},
-      {"kc256.s.o1.pf2", 256, true, 1, 2}, {"kc128.s.o1", 128, true, 1, 0}, {"kc1024.s.o1", 1024, true, 1, 0},
+      {"full.o0.pf3", 0, false, 0, 3},     {"full.o1.pf3", 0, false, 1, 3},
+      {"full.o1.pf0", 0, false, 1, 0},     {"kc256.o0", 256, false, 0, 0},
+      {"kc256.o1", 256, false, 1, 0},      {"kc256.s.o0", 256, true, 0, 0},
+      {"kc256.s.o1", 256, true, 1, 0},     {"kc512.s.o1", 512, true, 1, 0},
+      {"kc512.s.o1.pf2", 512, true, 1, 2}, {"kc256.s.o1.pf2", 256, true, 1, 2},
+      {"kc128.s.o1", 128, true, 1, 0},     {"kc1024.s.o1", 1024, true, 1, 0},
   };
   std::vector<float> ref;
-  std::printf("threads %u experts %zu rows %zu n %zu k %zu items %zux%zu\n", threads, experts, rows, n, k, mb, nb);
+  std::printf("threads %u experts %zu rows %zu n %zu k %zu items %zux%zu\n", threads, experts, rows,
+              n, k, mb, nb);
   const char* only = std::getenv("AMX_SCHED");  // comma-separated names to run
   auto picked = [&](const std::string& name) {
     if (!only) return true;
@@ -434,8 +529,8 @@ int main(int argc, char** argv) {
     const double med = t[t.size() / 2];
     if (ref.empty()) ref.assign(p.c.begin(), p.c.end());
     const bool same = std::memcmp(ref.data(), p.c.data(), ref.size() * 4) == 0;
-    std::printf("%-18s median %8.3f ms  %6.2f TFLOP/s  min %8.3f ms  %s\n", s.name.c_str(), med * 1e3,
-                flop / med * 1e-12, t[0] * 1e3, same ? "bitwise same" : "DIFFERENT");
+    std::printf("%-18s median %8.3f ms  %6.2f TFLOP/s  min %8.3f ms  %s\n", s.name.c_str(),
+                med * 1e3, flop / med * 1e-12, t[0] * 1e3, same ? "bitwise same" : "DIFFERENT");
     std::fflush(stdout);
   }
 }

@@ -1,11 +1,11 @@
 // Timing and data helpers shared by the benchmark cases.
 #include "bench/bench.hpp"
 
+#include <oneapi/tbb/parallel_for.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-
-#include <oneapi/tbb/parallel_for.h>
 
 namespace moecert::bench {
 
@@ -65,12 +65,14 @@ void time_contract_levels(const Options& opt, const std::function<void()>& f, Re
   }
   r.median_ms = median(r.ms);
   for (std::size_t l = 0; l < opt.contracts.size(); ++l)
-    r.contracts[l].median_ms = median(r.contracts[l].ms), r.contracts[l].overhead = median(ratio[l]) - 1;
+    r.contracts[l].median_ms = median(r.contracts[l].ms),
+    r.contracts[l].overhead = median(ratio[l]) - 1;
 }
 
 }  // namespace
 
-void time_against_peer(const Options& opt, const std::function<void()>& f, const std::function<void()>& g, Result& r) {
+void time_against_peer(const Options& opt, const std::function<void()>& f,
+                       const std::function<void()>& g, Result& r) {
   if (!opt.contracts.empty()) return time_contract_levels(opt, f, r);
   if (!g) {
     r.ms = time_ms(opt.reps, f);

@@ -39,13 +39,14 @@ struct Result {
   std::string name, op, isa, peer;
   Shape shape;
   int threads = 0;
-  double flops = 0;                 // per run
+  double flops = 0;  // per run
   double median_ms = 0, peer_median_ms = 0;
-  std::vector<double> ms, peer_ms;  // every timed run; with a live peer, run i of each side back to back
-  double paired_speedup = 0;        // live peer: median over i of peer_ms[i] / ms[i]
-  std::string recorded_peer;        // a peer not run here, whose time was recorded elsewhere
+  std::vector<double> ms,
+      peer_ms;                // every timed run; with a live peer, run i of each side back to back
+  double paired_speedup = 0;  // live peer: median over i of peer_ms[i] / ms[i]
+  std::string recorded_peer;  // a peer not run here, whose time was recorded elsewhere
   double recorded_peer_ms = 0;
-  std::string skipped;              // reason, when the case could not run here
+  std::string skipped;  // reason, when the case could not run here
   std::string note;
   std::vector<ContractRuns> contracts;  // --contracts: ms, median_ms are moecert's at off; no peer
 };
@@ -70,7 +71,8 @@ std::vector<double> time_ms(int reps, const std::function<void()>& f);
 /// medians and r.paired_speedup. With opt.contracts, times f at `off` and
 /// at each of those levels in the same alternation instead (g is not run)
 /// and fills r.ms, r.median_ms and r.contracts. g may be empty (no peer).
-void time_against_peer(const Options& opt, const std::function<void()>& f, const std::function<void()>& g, Result& r);
+void time_against_peer(const Options& opt, const std::function<void()>& f,
+                       const std::function<void()>& g, Result& r);
 double median(std::vector<double> v);
 
 /// How far moecert's output is from the peer's: the largest |ours - peer|

@@ -1,9 +1,9 @@
 // Benchmark cases: the grouped expert forward and a single GEMM, each
 // against oneDNN in the same process on the same data and threads.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "bench/bench.hpp"
 #include "bench/onednn_peer.hpp"
@@ -15,7 +15,8 @@ namespace moecert::bench {
 namespace {
 
 // Uniform top-K routing: K distinct experts per token, weights in [0, 1).
-void route(std::size_t t, std::size_t k, std::size_t e, std::vector<std::int32_t>& idx, std::vector<float>& w) {
+void route(std::size_t t, std::size_t k, std::size_t e, std::vector<std::int32_t>& idx,
+           std::vector<float>& w) {
   std::mt19937_64 rng(7);
   idx.resize(t * k);
   w.resize(t * k);
@@ -50,9 +51,10 @@ Result experts_forward(const std::string& name, const Shape& s, const Options& o
   MatView<const std::int32_t> iv(idx.data(), s.t, s.k);
   MatView<const float> wv(w.data(), s.t, s.k);
   std::vector<float> y(s.t * s.h), y_peer(s.t * s.h);
-  const auto packed = experts::PackedExperts::pack(s.e, MatView<const bf16>(wg.data(), s.e * s.i, s.h),
-                                                   MatView<const bf16>(wu.data(), s.e * s.i, s.h),
-                                                   MatView<const bf16>(wd.data(), s.e * s.h, s.i));
+  const auto packed =
+      experts::PackedExperts::pack(s.e, MatView<const bf16>(wg.data(), s.e * s.i, s.h),
+                                   MatView<const bf16>(wu.data(), s.e * s.i, s.h),
+                                   MatView<const bf16>(wd.data(), s.e * s.h, s.i));
   OnednnExperts peer(s.e, s.h, s.i, wg, wu, wd, iv);
   experts::ForwardStats st;
   experts::Workspace ws;  // reused across calls, as a training loop would
@@ -64,14 +66,16 @@ Result experts_forward(const std::string& name, const Shape& s, const Options& o
       },
       [&] { peer.forward(xv, wv, MatView<float>(y_peer.data(), s.t, s.h)); }, r);
   r.isa = std::string(isa_name(st.isa));
-  r.flops = 6.0 * static_cast<double>(st.routed_rows) * static_cast<double>(s.h) * static_cast<double>(s.i);
+  r.flops = 6.0 * static_cast<double>(st.routed_rows) * static_cast<double>(s.h) *
+            static_cast<double>(s.i);
   // The two results must agree to within bf16-level differences; report the largest.
   const Difference diff = difference(y, y_peer);
   r.note = fmt::format("max |y - y_onednn| = {:.3g} (max |y| {:.3g})", diff.max_diff, diff.max_abs);
   return r;
 }
 
-Result gemm_matmul(const std::string& name, std::size_t m, std::size_t n, std::size_t k, const Options& opt) {
+Result gemm_matmul(const std::string& name, std::size_t m, std::size_t n, std::size_t k,
+                   const Options& opt) {
   Result r;
   r.name = name;
   r.op = "gemm.matmul";
@@ -88,7 +92,10 @@ Result gemm_matmul(const std::string& name, std::size_t m, std::size_t n, std::s
   std::vector<float> c_peer(m * n);
   time_against_peer(
       opt,
-      [&] { gemm::matmul(MatView<const bf16>(a.data(), m, k), packed, MatView<float>(c.data(), m, n), opt.isa); },
+      [&] {
+        gemm::matmul(MatView<const bf16>(a.data(), m, k), packed, MatView<float>(c.data(), m, n),
+                     opt.isa);
+      },
       [&] { peer.run(a.data(), c_peer.data()); }, r);
   r.note = "onednn " + peer.impl_name();
   r.flops = 2.0 * double(m) * double(n) * double(k);
@@ -106,8 +113,10 @@ std::size_t experts_bytes(const Shape& s) {
 std::vector<Case> all_cases() {
   std::vector<Case> out;
   auto add_experts = [&](Shape s) {
-    const std::string name = fmt::format("experts.forward/E{}_H{}_I{}_K{}_T{}", s.e, s.h, s.i, s.k, s.t);
-    out.push_back({name, "experts.forward", s, experts_bytes(s), [name, s](const Options& o) { return experts_forward(name, s, o); }});
+    const std::string name =
+        fmt::format("experts.forward/E{}_H{}_I{}_K{}_T{}", s.e, s.h, s.i, s.k, s.t);
+    out.push_back({name, "experts.forward", s, experts_bytes(s),
+                   [name, s](const Options& o) { return experts_forward(name, s, o); }});
   };
   // Decode-sized batches: under one routed row per expert (T = 8) and three
   // (T = 32), where AMX's 16-row edge block is mostly padding (still faster
@@ -120,7 +129,10 @@ std::vector<Case> all_cases() {
   add_experts({256, 7168, 2048, 8, 0, 1024});
   auto add_gemm = [&](std::size_t m, std::size_t n, std::size_t k) {
     const std::string name = fmt::format("gemm.matmul/M{}_N{}_K{}", m, n, k);
-    out.push_back({name, "gemm.matmul", {1, k, n, 1, 0, m}, 3 * n * k * 2 + 2 * m * n * 4,
+    out.push_back({name,
+                   "gemm.matmul",
+                   {1, k, n, 1, 0, m},
+                   3 * n * k * 2 + 2 * m * n * 4,
                    [=](const Options& o) { return gemm_matmul(name, m, n, k, o); }});
   };
   add_gemm(48, 2816, 2048);

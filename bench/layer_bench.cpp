@@ -5,11 +5,11 @@
 // here its figures recorded on the 16-core AMX machine at 16 threads are
 // given beside the live ones for that thread count and those shapes, marked
 // as recorded.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <numeric>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "bench/bench.hpp"
 #include "bench/onednn_layer_peer.hpp"
@@ -29,14 +29,19 @@ struct LayerData {
   experts::PackedExperts packed;
   layer::Weights weights() const {
     return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), nullptr,
-                                   layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(), bu.data(), ad.data(), bd.data()));
+                                   layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(),
+                                                        bu.data(), ad.data(), bd.data()));
   }
 };
 
 LayerData make(const Shape& s) {
   LayerData d;
-  d.cfg = {.experts = static_cast<std::int64_t>(s.e), .hidden = static_cast<std::int64_t>(s.h), .inter = static_cast<std::int64_t>(s.i),
-           .topk = static_cast<std::int64_t>(s.k), .lora_rank = static_cast<std::int64_t>(s.r), .lora_alpha = 16.0,
+  d.cfg = {.experts = static_cast<std::int64_t>(s.e),
+           .hidden = static_cast<std::int64_t>(s.h),
+           .inter = static_cast<std::int64_t>(s.i),
+           .topk = static_cast<std::int64_t>(s.k),
+           .lora_rank = static_cast<std::int64_t>(s.r),
+           .lora_alpha = 16.0,
            .max_tokens = static_cast<std::int64_t>(s.t)};
   auto mk = [](std::vector<bf16>& v, std::size_t n, std::uint64_t seed, float scale) {
     v.resize(n);
@@ -44,9 +49,12 @@ LayerData make(const Shape& s) {
   };
   const float sh = 1.7f / std::sqrt(float(s.h)), si = 1.7f / std::sqrt(float(s.i));
   mk(d.x, s.t * s.h, 11, 1.7f);
-  mk(d.wg, s.e * s.i * s.h, 12, sh), mk(d.wu, s.e * s.i * s.h, 13, sh), mk(d.wd, s.e * s.h * s.i, 14, si);
-  mk(d.ag, s.e * s.r * s.h, 15, sh), mk(d.au, s.e * s.r * s.h, 16, sh), mk(d.ad, s.e * s.r * s.i, 17, si);
-  mk(d.bg, s.e * s.i * s.r, 18, 0.1f), mk(d.bu, s.e * s.i * s.r, 19, 0.1f), mk(d.bd, s.e * s.h * s.r, 20, 0.1f);
+  mk(d.wg, s.e * s.i * s.h, 12, sh), mk(d.wu, s.e * s.i * s.h, 13, sh),
+      mk(d.wd, s.e * s.h * s.i, 14, si);
+  mk(d.ag, s.e * s.r * s.h, 15, sh), mk(d.au, s.e * s.r * s.h, 16, sh),
+      mk(d.ad, s.e * s.r * s.i, 17, si);
+  mk(d.bg, s.e * s.i * s.r, 18, 0.1f), mk(d.bu, s.e * s.i * s.r, 19, 0.1f),
+      mk(d.bd, s.e * s.h * s.r, 20, 0.1f);
   std::mt19937_64 rng(21);
   std::normal_distribution<float> nd(0, 1);
   d.wr.resize(s.e * s.h);
@@ -54,14 +62,16 @@ LayerData make(const Shape& s) {
   d.b.assign(s.e, 0.0f);
   d.dy.resize(s.t * s.h);
   for (auto& v : d.dy) v = nd(rng);
-  d.packed = experts::PackedExperts::pack(s.e, {d.wg.data(), s.e * s.i, s.h}, {d.wu.data(), s.e * s.i, s.h},
+  d.packed = experts::PackedExperts::pack(s.e, {d.wg.data(), s.e * s.i, s.h},
+                                          {d.wu.data(), s.e * s.i, s.h},
                                           {d.wd.data(), s.e * s.h, s.i}, true);
   return d;
 }
 
 // base: the backward also forms the base weights' gradients (full
 // fine-tuning; no recorded peer).
-Result layer_case(const std::string& name, const Shape& s, bool backward, bool base, const Options& opt) {
+Result layer_case(const std::string& name, const Shape& s, bool backward, bool base,
+                  const Options& opt) {
   Result r;
   r.name = name;
   r.op = backward ? "layer.backward" : "layer.forward";
@@ -70,8 +80,8 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   const LayerData d = make(s);
   const auto w = d.weights();
   std::vector<float> y(s.t * s.h), dx(s.t * s.h), dwr(s.e * s.h), db(s.e);
-  std::vector<float> gag(s.e * s.r * s.h), gau(gag.size()), gbg(s.e * s.i * s.r), gbu(gbg.size()), gad(s.e * s.r * s.i),
-      gbd(s.e * s.h * s.r);
+  std::vector<float> gag(s.e * s.r * s.h), gau(gag.size()), gbg(s.e * s.i * s.r), gbu(gbg.size()),
+      gad(s.e * s.r * s.i), gbd(s.e * s.h * s.r);
   layer::Gradients g;
   g.dx = {dx.data(), s.t, s.h};
   g.router_w = {dwr.data(), s.e, s.h};
@@ -82,22 +92,42 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   std::vector<float> gw[3];
   if (base) {
     for (auto& v : gw) v.resize(s.e * s.i * s.h);
-    g.w_gate = {gw[0].data(), s.e * s.i, s.h}, g.w_up = {gw[1].data(), s.e * s.i, s.h}, g.w_down = {gw[2].data(), s.e * s.h, s.i};
+    g.w_gate = {gw[0].data(), s.e * s.i, s.h}, g.w_up = {gw[1].data(), s.e * s.i, s.h},
+    g.w_down = {gw[2].data(), s.e * s.h, s.i};
   }
   layer::Saved saved;  // reused across steps, as a training loop would
   const MatView<const bf16> x(d.x.data(), s.t, s.h);
   auto fwd = [&] { layer::forward(d.cfg, w, x, {y.data(), s.t, s.h}, saved, {.isa = opt.isa}); };
 
   // The eager peer on the same data, with its own outputs.
-  OnednnEagerLayer peer({.experts = s.e, .hidden = s.h, .inter = s.i, .topk = s.k, .rank = s.r,
-                         .scale = float(d.cfg.lora_alpha / double(s.r)), .w_gate = d.wg.data(), .w_up = d.wu.data(),
-                         .w_down = d.wd.data(), .a_gate = d.ag.data(), .b_gate = d.bg.data(), .a_up = d.au.data(),
-                         .b_up = d.bu.data(), .a_down = d.ad.data(), .b_down = d.bd.data(), .router_w = d.wr.data(),
+  OnednnEagerLayer peer({.experts = s.e,
+                         .hidden = s.h,
+                         .inter = s.i,
+                         .topk = s.k,
+                         .rank = s.r,
+                         .scale = float(d.cfg.lora_alpha / double(s.r)),
+                         .w_gate = d.wg.data(),
+                         .w_up = d.wu.data(),
+                         .w_down = d.wd.data(),
+                         .a_gate = d.ag.data(),
+                         .b_gate = d.bg.data(),
+                         .a_up = d.au.data(),
+                         .b_up = d.bu.data(),
+                         .a_down = d.ad.data(),
+                         .b_down = d.bd.data(),
+                         .router_w = d.wr.data(),
                          .router_b = d.b.data()});
-  std::vector<float> py(y.size()), pdx(dx.size()), pdwr(dwr.size()), pdb(db.size()), pag(gag.size()), pau(gau.size()),
-      pbg(gbg.size()), pbu(gbu.size()), pad(gad.size()), pbd(gbd.size());
-  const EagerLayerGrads pg{.dx = pdx.data(), .router_w = pdwr.data(), .router_b = pdb.data(), .a_gate = pag.data(),
-                           .b_gate = pbg.data(), .a_up = pau.data(), .b_up = pbu.data(), .a_down = pad.data(),
+  std::vector<float> py(y.size()), pdx(dx.size()), pdwr(dwr.size()), pdb(db.size()),
+      pag(gag.size()), pau(gau.size()), pbg(gbg.size()), pbu(gbu.size()), pad(gad.size()),
+      pbd(gbd.size());
+  const EagerLayerGrads pg{.dx = pdx.data(),
+                           .router_w = pdwr.data(),
+                           .router_b = pdb.data(),
+                           .a_gate = pag.data(),
+                           .b_gate = pbg.data(),
+                           .a_up = pau.data(),
+                           .b_up = pbu.data(),
+                           .a_down = pad.data(),
                            .b_down = pbd.data()};
   auto peer_fwd = [&] { peer.forward(x, {py.data(), s.t, s.h}); };
   const MatView<const float> dyv(d.dy.data(), s.t, s.h);
@@ -108,14 +138,16 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
       time_against_peer(opt, bwd, {}, r);  // the peer trains LoRA only
     } else {
       peer_fwd();
-      time_against_peer(opt, bwd, [&] { peer.backward(dyv, pg); }, r);
+      time_against_peer(
+          opt, bwd, [&] { peer.backward(dyv, pg); }, r);
     }
   } else {
     time_against_peer(opt, fwd, peer_fwd, r);
   }
   r.isa = std::string(isa_name(opt.isa));
   const double routed = double(s.t) * double(s.k);
-  r.flops = (base ? 12.0 : 6.0) * routed * double(s.h) * double(s.i) + 2.0 * double(s.t) * double(s.e) * double(s.h);
+  r.flops = (base ? 12.0 : 6.0) * routed * double(s.h) * double(s.i) +
+            2.0 * double(s.t) * double(s.e) * double(s.h);
   for (const auto& p : kPytorch)
     if (p[0] == double(s.t) && opt.threads == 16 && !base) {
       r.recorded_peer = "pytorch_eager_recorded";
@@ -134,9 +166,11 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
     const std::vector<float>& theirs;
   };
   const std::vector<Pair> pairs =
-      backward ? std::vector<Pair>{{"dx", dx, pdx},       {"d router_w", dwr, pdwr}, {"d router_b", db, pdb},
-                                   {"d a_gate", gag, pag}, {"d b_gate", gbg, pbg},    {"d a_up", gau, pau},
-                                   {"d b_up", gbu, pbu},   {"d a_down", gad, pad},    {"d b_down", gbd, pbd}}
+      backward ? std::vector<Pair>{{"dx", dx, pdx},         {"d router_w", dwr, pdwr},
+                                   {"d router_b", db, pdb}, {"d a_gate", gag, pag},
+                                   {"d b_gate", gbg, pbg},  {"d a_up", gau, pau},
+                                   {"d b_up", gbu, pbu},    {"d a_down", gad, pad},
+                                   {"d b_down", gbd, pbd}}
                : std::vector<Pair>{{"y", y, py}};
   double worst = -1;
   const char* worst_name = "";
@@ -145,11 +179,14 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
     const double rel = d.max_abs > 0 ? d.max_diff / d.max_abs : d.max_diff;
     if (rel > worst) worst = rel, worst_name = pr.name;
   }
-  r.note = fmt::format("peer: the layer run eagerly on oneDNN ({}); largest |ours - peer| / max |peer|: {:.2g} ({})",
-                       peer.matmul_impls(), worst, worst_name);
+  r.note = fmt::format(
+      "peer: the layer run eagerly on oneDNN ({}); largest |ours - peer| / max |peer|: {:.2g} ({})",
+      peer.matmul_impls(), worst, worst_name);
   if (r.recorded_peer_ms > 0)
-    r.note += fmt::format("; recorded PyTorch CPU bf16 eager (AMX machine, 16 threads, not run here): {:.0f} ms = {:.2f}x",
-                          r.recorded_peer_ms, r.recorded_peer_ms / r.median_ms);
+    r.note += fmt::format(
+        "; recorded PyTorch CPU bf16 eager (AMX machine, 16 threads, not run here): {:.0f} ms = "
+        "{:.2f}x",
+        r.recorded_peer_ms, r.recorded_peer_ms / r.median_ms);
   return r;
 }
 
@@ -175,28 +212,51 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
       std::swap(perm[j], perm[j + rng() % (s.e - j)]);
       idx[t * s.k + j] = perm[j], w[t * s.k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
     }
-  const auto lora = experts::Lora::stacked(d.cfg, d.ag.data(), d.bg.data(), d.au.data(), d.bu.data(), d.ad.data(), d.bd.data());
+  const auto lora = experts::Lora::stacked(d.cfg, d.ag.data(), d.bg.data(), d.au.data(),
+                                           d.bu.data(), d.ad.data(), d.bd.data());
   const MatView<const bf16> x(d.x.data(), s.t, s.h);
   const MatView<const std::int32_t> iv(idx.data(), s.t, s.k);
   const MatView<const float> wv(w.data(), s.t, s.k), dyv(d.dy.data(), s.t, s.h);
   std::vector<float> y(s.t * s.h), dx(s.t * s.h), dw(s.t * s.k), g[6];
-  const std::size_t sizes[6] = {s.e * s.r * s.h, s.e * s.i * s.r, s.e * s.r * s.h, s.e * s.i * s.r, s.e * s.r * s.i, s.e * s.h * s.r};
+  const std::size_t sizes[6] = {s.e * s.r * s.h, s.e * s.i * s.r, s.e * s.r * s.h,
+                                s.e * s.i * s.r, s.e * s.r * s.i, s.e * s.h * s.r};
   const std::size_t cols[6] = {s.h, s.r, s.h, s.r, s.i, s.r};
   experts::Gradients gr;
   gr.dx = {dx.data(), s.t, s.h}, gr.dweights = {dw.data(), s.t, s.k};
   MatView<float>* lv[6] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up, &gr.a_down, &gr.b_down};
-  for (int i = 0; i < 6; ++i) g[i].resize(sizes[i]), *lv[i] = {g[i].data(), sizes[i] / cols[i], cols[i]};
+  for (int i = 0; i < 6; ++i)
+    g[i].resize(sizes[i]), *lv[i] = {g[i].data(), sizes[i] / cols[i], cols[i]};
   experts::Saved saved;  // reused across steps, as a training loop would
-  auto fwd = [&] { experts::forward_train(d.packed, lora, x, iv, wv, {y.data(), s.t, s.h}, saved, {.isa = opt.isa}); };
-  OnednnEagerLayer peer({.experts = s.e, .hidden = s.h, .inter = s.i, .topk = s.k, .rank = s.r,
-                         .scale = float(d.cfg.lora_alpha / double(s.r)), .w_gate = d.wg.data(), .w_up = d.wu.data(),
-                         .w_down = d.wd.data(), .a_gate = d.ag.data(), .b_gate = d.bg.data(), .a_up = d.au.data(),
-                         .b_up = d.bu.data(), .a_down = d.ad.data(), .b_down = d.bd.data(), .router_w = d.wr.data(),
+  auto fwd = [&] {
+    experts::forward_train(d.packed, lora, x, iv, wv, {y.data(), s.t, s.h}, saved,
+                           {.isa = opt.isa});
+  };
+  OnednnEagerLayer peer({.experts = s.e,
+                         .hidden = s.h,
+                         .inter = s.i,
+                         .topk = s.k,
+                         .rank = s.r,
+                         .scale = float(d.cfg.lora_alpha / double(s.r)),
+                         .w_gate = d.wg.data(),
+                         .w_up = d.wu.data(),
+                         .w_down = d.wd.data(),
+                         .a_gate = d.ag.data(),
+                         .b_gate = d.bg.data(),
+                         .a_up = d.au.data(),
+                         .b_up = d.bu.data(),
+                         .a_down = d.ad.data(),
+                         .b_down = d.bd.data(),
+                         .router_w = d.wr.data(),
                          .router_b = d.b.data()});
   std::vector<float> py(y.size()), pdx(dx.size()), pdw(dw.size()), pg[6];
   for (int i = 0; i < 6; ++i) pg[i].resize(sizes[i]);
-  const EagerLayerGrads pgr{.dx = pdx.data(), .a_gate = pg[0].data(), .b_gate = pg[1].data(), .a_up = pg[2].data(),
-                            .b_up = pg[3].data(), .a_down = pg[4].data(), .b_down = pg[5].data()};
+  const EagerLayerGrads pgr{.dx = pdx.data(),
+                            .a_gate = pg[0].data(),
+                            .b_gate = pg[1].data(),
+                            .a_up = pg[2].data(),
+                            .b_up = pg[3].data(),
+                            .a_down = pg[4].data(),
+                            .b_down = pg[5].data()};
   auto peer_fwd = [&] { peer.forward_experts(x, iv, wv, {py.data(), s.t, s.h}); };
   std::vector<std::pair<const std::vector<float>*, const std::vector<float>*>> pairs{{&y, &py}};
   if (backward) {
@@ -216,8 +276,10 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
     const Difference df = difference(*ours, *theirs);
     worst = std::max(worst, df.max_abs > 0 ? df.max_diff / df.max_abs : df.max_diff);
   }
-  r.note = fmt::format("peer: the eager layer's expert part on the same routing ({}); largest |ours - peer| / max |peer|: {:.2g}",
-                       peer.matmul_impls(), worst);
+  r.note = fmt::format(
+      "peer: the eager layer's expert part on the same routing ({}); largest |ours - peer| / max "
+      "|peer|: {:.2g}",
+      peer.matmul_impls(), worst);
   return r;
 }
 
@@ -227,26 +289,33 @@ void add_layer_cases(std::vector<Case>& out) {
   for (std::size_t t : {48, 1024, 4096})
     for (bool backward : {false, true}) {
       const Shape s{64, 2048, 1408, 6, 8, t};
-      const std::string name = fmt::format("layer.{}/E64_H2048_I1408_K6_r8_T{}", backward ? "backward" : "forward", t);
+      const std::string name =
+          fmt::format("layer.{}/E64_H2048_I1408_K6_r8_T{}", backward ? "backward" : "forward", t);
       // Weights; both sides' saved activations (the peer keeps bf16 copies
       // of each routed row's x, g, u, silu(g), h and o).
       const std::size_t bytes = 2 * 3 * s.e * s.h * s.i * 2 + s.t * s.k * (4 * s.i + 3 * s.h) * 8 +
                                 s.t * s.k * (4 * s.i + 2 * s.h) * 2 + 4 * s.t * s.h * 4;
       out.push_back({name, backward ? "layer.backward" : "layer.forward", s, bytes,
-                     [name, s, backward](const Options& o) { return layer_case(name, s, backward, false, o); }});
+                     [name, s, backward](const Options& o) {
+                       return layer_case(name, s, backward, false, o);
+                     }});
     }
   // With the base weights' gradients (3 x E I H fp32 outputs: 2.2 GB).
   const Shape s{64, 2048, 1408, 6, 8, 1024};
   for (bool backward : {false, true})
     for (std::size_t t : {std::size_t{48}, std::size_t{1024}, std::size_t{4096}}) {
       const Shape s{64, 2048, 1408, 6, 8, t};
-      const std::string name = fmt::format("experts.{}/E64_H2048_I1408_K6_r8_T{}", backward ? "backward" : "forward_train", t);
-      out.push_back({name, backward ? "experts.backward" : "experts.forward_train", s, 0,
-                     [name, s, backward](const Options& o) { return experts_case(name, s, backward, o); }});
+      const std::string name = fmt::format("experts.{}/E64_H2048_I1408_K6_r8_T{}",
+                                           backward ? "backward" : "forward_train", t);
+      out.push_back(
+          {name, backward ? "experts.backward" : "experts.forward_train", s, 0,
+           [name, s, backward](const Options& o) { return experts_case(name, s, backward, o); }});
     }
   const std::string name = "layer.backward_base/E64_H2048_I1408_K6_r8_T1024";
-  const std::size_t bytes = 2 * 3 * s.e * s.h * s.i * 2 + 3 * s.e * s.h * s.i * 4 + s.t * s.k * (4 * s.i + 3 * s.h) * 8;
-  out.push_back({name, "layer.backward", s, bytes, [name, s](const Options& o) { return layer_case(name, s, true, true, o); }});
+  const std::size_t bytes =
+      2 * 3 * s.e * s.h * s.i * 2 + 3 * s.e * s.h * s.i * 4 + s.t * s.k * (4 * s.i + 3 * s.h) * 8;
+  out.push_back({name, "layer.backward", s, bytes,
+                 [name, s](const Options& o) { return layer_case(name, s, true, true, o); }});
 }
 
 }  // namespace moecert::bench

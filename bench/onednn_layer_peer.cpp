@@ -19,18 +19,18 @@
 // interpreter overhead.
 #include "bench/onednn_layer_peer.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <dnnl.hpp>
 #include <map>
 #include <numeric>
 #include <stdexcept>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
-
-#include <dnnl.hpp>
-#include <fmt/format.h>
 
 #include "bench/onednn_engine.hpp"
 
@@ -48,11 +48,11 @@ constexpr std::size_t kGrain = 32768;
 // The loops compiled twice: for AVX-512 (PyTorch's element-wise kernels are
 // vectorised for the CPU they run on) and for any x86-64; the lambdas are
 // inlined into both.
-#define MOECERT_PEER_LOOP(name, attr)                                        \
-  template <class F>                                                         \
-  attr void name(long count, bool parallel, const F& f) {                    \
-    _Pragma("omp parallel for schedule(static) if (parallel)")               \
-    for (long q = 0; q < count; ++q) f(static_cast<std::size_t>(q));        \
+#define MOECERT_PEER_LOOP(name, attr)                                                           \
+  template <class F>                                                                            \
+  attr void name(long count, bool parallel, const F& f) {                                       \
+    _Pragma("omp parallel for schedule(static) if (parallel)") for (long q = 0; q < count; ++q) \
+        f(static_cast<std::size_t>(q));                                                         \
   }
 MOECERT_PEER_LOOP(loop_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))))
 MOECERT_PEER_LOOP(loop_plain, )
@@ -60,19 +60,26 @@ MOECERT_PEER_LOOP(loop_plain, )
 
 template <class F>
 void loop(std::size_t count, bool parallel, const F& f) {
-  static const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool wide = __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (wide) loop_avx512(static_cast<long>(count), parallel, f);
-  else loop_plain(static_cast<long>(count), parallel, f);
+  if (wide)
+    loop_avx512(static_cast<long>(count), parallel, f);
+  else
+    loop_plain(static_cast<long>(count), parallel, f);
 }
 
 // f(q) for q < n.
 template <class F>
-void each(std::size_t n, F f) { loop(n, n > kGrain, f); }
+void each(std::size_t n, F f) {
+  loop(n, n > kGrain, f);
+}
 
 // f(row) over `rows` rows of `cols` elements.
 template <class F>
-void each_row(std::size_t rows, std::size_t cols, F f) { loop(rows, rows * cols > kGrain, f); }
+void each_row(std::size_t rows, std::size_t cols, F f) {
+  loop(rows, rows * cols > kGrain, f);
+}
 
 // exp without branches or library calls, so that the loops vectorise as
 // PyTorch's (Sleef) do; glibc's expf would not. About 2 ulp: argument
@@ -96,17 +103,20 @@ float sigmoid(float v) { return 1.0f / (1.0f + vexp(-v)); }
 // kept (PyTorch's oneDNN path caches them likewise).
 class Matmuls {
  public:
-  void run(std::size_t m, std::size_t n, std::size_t k, bool ta, const void* a, bool tb, const void* b, void* c, dt in,
-           dt out, const float* bias = nullptr) {
+  void run(std::size_t m, std::size_t n, std::size_t k, bool ta, const void* a, bool tb,
+           const void* b, void* c, dt in, dt out, const float* bias = nullptr) {
     if (m == 0 || n == 0) return;
     const auto key = std::make_tuple(m, n, k, ta, tb, in, out, bias != nullptr);
     auto it = cache_.find(key);
-    if (it == cache_.end()) it = cache_.emplace(key, make(m, n, k, ta, tb, in, out, bias != nullptr)).first;
+    if (it == cache_.end())
+      it = cache_.emplace(key, make(m, n, k, ta, tb, in, out, bias != nullptr)).first;
     Entry& e = it->second;
-    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(e.src, onednn_engine(), const_cast<void*>(a))},
-                                         {DNNL_ARG_WEIGHTS, memory(e.wei, onednn_engine(), const_cast<void*>(b))},
-                                         {DNNL_ARG_DST, memory(e.dst, onednn_engine(), c)}};
-    if (bias) args.insert({DNNL_ARG_BIAS, memory(e.bias, onednn_engine(), const_cast<float*>(bias))});
+    std::unordered_map<int, memory> args{
+        {DNNL_ARG_SRC, memory(e.src, onednn_engine(), const_cast<void*>(a))},
+        {DNNL_ARG_WEIGHTS, memory(e.wei, onednn_engine(), const_cast<void*>(b))},
+        {DNNL_ARG_DST, memory(e.dst, onednn_engine(), c)}};
+    if (bias)
+      args.insert({DNNL_ARG_BIAS, memory(e.bias, onednn_engine(), const_cast<float*>(bias))});
     e.prim.execute(stream_, args);
     stream_.wait();
   }
@@ -124,20 +134,23 @@ class Matmuls {
     memory::desc src, wei, dst, bias;
     std::string impl;
   };
-  static Entry make(std::size_t m, std::size_t n, std::size_t k, bool ta, bool tb, dt in, dt out, bool bias) {
+  static Entry make(std::size_t m, std::size_t n, std::size_t k, bool ta, bool tb, dt in, dt out,
+                    bool bias) {
     const auto d = [](std::size_t v) { return static_cast<memory::dim>(v); };
     Entry e;
     e.src = memory::desc({d(m), d(k)}, in, ta ? tag::ba : tag::ab);
     e.wei = memory::desc({d(k), d(n)}, in, tb ? tag::ba : tag::ab);
     e.dst = memory::desc({d(m), d(n)}, out, tag::ab);
     e.bias = memory::desc({1, d(n)}, dt::f32, tag::ab);
-    const auto desc = bias ? dnnl::matmul::desc(e.src, e.wei, e.bias, e.dst) : dnnl::matmul::desc(e.src, e.wei, e.dst);
+    const auto desc = bias ? dnnl::matmul::desc(e.src, e.wei, e.bias, e.dst)
+                           : dnnl::matmul::desc(e.src, e.wei, e.dst);
     const dnnl::matmul::primitive_desc pd(desc, onednn_engine());  // oneDNN 2.x API
     e.prim = dnnl::matmul(pd);
     e.impl = pd.impl_info_str();
     return e;
   }
-  std::map<std::tuple<std::size_t, std::size_t, std::size_t, bool, bool, dt, dt, bool>, Entry> cache_;
+  std::map<std::tuple<std::size_t, std::size_t, std::size_t, bool, bool, dt, dt, bool>, Entry>
+      cache_;
   dnnl::stream stream_{onednn_engine()};
 };
 
@@ -169,8 +182,8 @@ struct OnednnEagerLayer::Impl {
 
   // out [m x n_out] = F.linear(in, W) + F.linear(F.linear(in, A), B) * s,
   // in [m x n_in]; keeps in A^T in xa [m x r].
-  void lora_linear(std::size_t m, std::size_t n_in, std::size_t n_out, const bf16* in, const bf16* wt, const bf16* a,
-                   const bf16* b, bf16* xa, bf16* out) {
+  void lora_linear(std::size_t m, std::size_t n_in, std::size_t n_out, const bf16* in,
+                   const bf16* wt, const bf16* a, const bf16* b, bf16* xa, bf16* out) {
     const std::size_t r = s.rank;
     mm.run(m, n_out, n_in, false, in, true, wt, t1.data(), dt::bf16, dt::bf16);
     mm.run(m, r, n_in, false, in, true, a, xa, dt::bf16, dt::bf16);
@@ -181,26 +194,30 @@ struct OnednnEagerLayer::Impl {
 
   // The backward of lora_linear for d_out [m x n_out]: d_in [m x n_in]
   // (bf16), dA [r x n_in] and dB [n_out x r] (f32).
-  void lora_linear_backward(std::size_t m, std::size_t n_in, std::size_t n_out, const bf16* in, const bf16* xa,
-                            const bf16* d_out, const bf16* wt, const bf16* a, const bf16* b, bf16* d_in, float* da,
-                            float* db) {
+  void lora_linear_backward(std::size_t m, std::size_t n_in, std::size_t n_out, const bf16* in,
+                            const bf16* xa, const bf16* d_out, const bf16* wt, const bf16* a,
+                            const bf16* b, bf16* d_in, float* da, float* db) {
     const std::size_t r = s.rank;
     mm.run(m, n_in, n_out, false, d_out, false, wt, t1.data(), dt::bf16, dt::bf16);  // d_out W
-    each(m * n_out, [&](std::size_t q) { t2[q] = bf16(float(d_out[q]) * s.scale); });  // through * s
-    mm.run(m, r, n_out, false, t2.data(), false, b, t3.data(), dt::bf16, dt::bf16);    // d(in A^T)
-    mm.run(n_out, r, m, true, t2.data(), false, xa, db, dt::bf16, dt::f32);            // dB
-    mm.run(r, n_in, m, true, t3.data(), false, in, da, dt::bf16, dt::f32);             // dA
-    mm.run(m, n_in, r, false, t3.data(), false, a, t4.data(), dt::bf16, dt::bf16);     // d(in) via A
+    each(m * n_out,
+         [&](std::size_t q) { t2[q] = bf16(float(d_out[q]) * s.scale); });           // through * s
+    mm.run(m, r, n_out, false, t2.data(), false, b, t3.data(), dt::bf16, dt::bf16);  // d(in A^T)
+    mm.run(n_out, r, m, true, t2.data(), false, xa, db, dt::bf16, dt::f32);          // dB
+    mm.run(r, n_in, m, true, t3.data(), false, in, da, dt::bf16, dt::f32);           // dA
+    mm.run(m, n_in, r, false, t3.data(), false, a, t4.data(), dt::bf16, dt::bf16);   // d(in) via A
     each(m * n_in, [&](std::size_t q) { d_in[q] = bf16(float(t1[q]) + float(t4[q])); });
   }
 };
 
-OnednnEagerLayer::OnednnEagerLayer(const EagerLayerSpec& spec) : impl_(new Impl) { impl_->s = spec; }
+OnednnEagerLayer::OnednnEagerLayer(const EagerLayerSpec& spec) : impl_(new Impl) {
+  impl_->s = spec;
+}
 OnednnEagerLayer::~OnednnEagerLayer() = default;
 
 std::string OnednnEagerLayer::matmul_impls() const {
   std::string out;
-  for (const auto& [name, n] : impl_->mm.impls()) out += fmt::format("{}{} x{}", out.empty() ? "" : ", ", name, n);
+  for (const auto& [name, n] : impl_->mm.impls())
+    out += fmt::format("{}{} x{}", out.empty() ? "" : ", ", name, n);
   return out;
 }
 
@@ -231,8 +248,9 @@ void OnednnEagerLayer::forward(MatView<const bf16> x, MatView<float> y) {
     const float* pt = p.p.data() + t * E;
     std::vector<std::int32_t> order(E);
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + static_cast<long>(K), order.end(),
-                      [&](std::int32_t a, std::int32_t b) { return pt[a] > pt[b] || (pt[a] == pt[b] && a < b); });
+    std::partial_sort(
+        order.begin(), order.begin() + static_cast<long>(K), order.end(),
+        [&](std::int32_t a, std::int32_t b) { return pt[a] > pt[b] || (pt[a] == pt[b] && a < b); });
     for (std::size_t j = 0; j < K; ++j) {
       p.idx[t * K + j] = order[j];
       p.p_sel[t * K + j] = pt[order[j]];
@@ -249,8 +267,8 @@ void OnednnEagerLayer::forward(MatView<const bf16> x, MatView<float> y) {
   run_experts(x, y);
 }
 
-void OnednnEagerLayer::forward_experts(MatView<const bf16> x, MatView<const std::int32_t> idx, MatView<const float> w,
-                                       MatView<float> y) {
+void OnednnEagerLayer::forward_experts(MatView<const bf16> x, MatView<const std::int32_t> idx,
+                                       MatView<const float> w, MatView<float> y) {
   Impl& p = *impl_;
   const std::size_t T = x.rows, K = p.s.topk;
   p.tokens = T;
@@ -286,24 +304,25 @@ void OnednnEagerLayer::run_experts(MatView<const bf16> x, MatView<float> y) {
   p.xe.resize(rows * H), p.o.resize(rows * H);
   p.xa_g.resize(rows * r), p.xa_u.resize(rows * r), p.ha_d.resize(rows * r);
   p.g.resize(rows * I), p.u.resize(rows * I), p.sg.resize(rows * I), p.h.resize(rows * I);
-  for (auto* v : {&p.t1, &p.t2, &p.t3, &p.t4, &p.d_o, &p.dh, &p.dsg, &p.du, &p.dg, &p.dxg, &p.dxu}) v->resize(max_m * wide);
+  for (auto* v : {&p.t1, &p.t2, &p.t3, &p.t4, &p.d_o, &p.dh, &p.dsg, &p.du, &p.dg, &p.dxg, &p.dxu})
+    v->resize(max_m * wide);
   p.f1.resize(max_m * H), p.f2.resize(max_m * H), p.w_sel.resize(max_m);
 
   each_row(T, H, [&](std::size_t t) { std::fill(y.row(t), y.row(t) + H, 0.0f); });
   for (std::size_t e = 0; e < E; ++e) {
     const std::size_t m = p.offset[e + 1] - p.offset[e], r0 = p.offset[e];
     if (m == 0) continue;
-    bf16 *xe = p.xe.data() + r0 * H, *g = p.g.data() + r0 * I, *u = p.u.data() + r0 * I, *sg = p.sg.data() + r0 * I,
-         *h = p.h.data() + r0 * I, *o = p.o.data() + r0 * H;
+    bf16 *xe = p.xe.data() + r0 * H, *g = p.g.data() + r0 * I, *u = p.u.data() + r0 * I,
+         *sg = p.sg.data() + r0 * I, *h = p.h.data() + r0 * I, *o = p.o.data() + r0 * H;
     each_row(m, H, [&](std::size_t i) { std::copy_n(x.row(p.row_token[r0 + i]), H, xe + i * H); });
-    p.lora_linear(m, H, I, xe, p.block(s.w_gate, e, I, H), p.block(s.a_gate, e, r, H), p.block(s.b_gate, e, I, r),
-                  p.xa_g.data() + r0 * r, g);
-    p.lora_linear(m, H, I, xe, p.block(s.w_up, e, I, H), p.block(s.a_up, e, r, H), p.block(s.b_up, e, I, r),
-                  p.xa_u.data() + r0 * r, u);
+    p.lora_linear(m, H, I, xe, p.block(s.w_gate, e, I, H), p.block(s.a_gate, e, r, H),
+                  p.block(s.b_gate, e, I, r), p.xa_g.data() + r0 * r, g);
+    p.lora_linear(m, H, I, xe, p.block(s.w_up, e, I, H), p.block(s.a_up, e, r, H),
+                  p.block(s.b_up, e, I, r), p.xa_u.data() + r0 * r, u);
     each(m * I, [&](std::size_t q) { sg[q] = bf16(float(g[q]) * sigmoid(float(g[q]))); });
     each(m * I, [&](std::size_t q) { h[q] = bf16(float(sg[q]) * float(u[q])); });
-    p.lora_linear(m, I, H, h, p.block(s.w_down, e, H, I), p.block(s.a_down, e, r, I), p.block(s.b_down, e, H, r),
-                  p.ha_d.data() + r0 * r, o);
+    p.lora_linear(m, I, H, h, p.block(s.w_down, e, H, I), p.block(s.a_down, e, r, I),
+                  p.block(s.b_down, e, H, r), p.ha_d.data() + r0 * r, o);
     each(m, [&](std::size_t i) { p.w_sel[i] = p.w[p.row_token[r0 + i] * K + p.row_slot[r0 + i]]; });
     each_row(m, H, [&](std::size_t i) {
       for (std::size_t c = 0; c < H; ++c) p.f1[i * H + c] = float(o[i * H + c]) * p.w_sel[i];
@@ -321,7 +340,8 @@ void OnednnEagerLayer::backward(MatView<const float> dy, const EagerLayerGrads& 
   backward_router(gr);
 }
 
-void OnednnEagerLayer::backward_experts(MatView<const float> dy, const EagerLayerGrads& gr, float* dweights) {
+void OnednnEagerLayer::backward_experts(MatView<const float> dy, const EagerLayerGrads& gr,
+                                        float* dweights) {
   Impl& p = *impl_;
   if (p.offset.empty()) throw std::logic_error("OnednnEagerLayer: backward before forward");
   const EagerLayerSpec& s = p.s;
@@ -333,17 +353,24 @@ void OnednnEagerLayer::backward_experts(MatView<const float> dy, const EagerLaye
     float *da_g = gr.a_gate + e * r * H, *db_g = gr.b_gate + e * I * r, *da_u = gr.a_up + e * r * H,
           *db_u = gr.b_up + e * I * r, *da_d = gr.a_down + e * r * I, *db_d = gr.b_down + e * H * r;
     if (m == 0) {  // no rows, no gradient
-      for (auto [ptr, n] : {std::pair{da_g, r * H}, {db_g, I * r}, {da_u, r * H}, {db_u, I * r}, {da_d, r * I}, {db_d, H * r}})
+      for (auto [ptr, n] : {std::pair{da_g, r * H},
+                            {db_g, I * r},
+                            {da_u, r * H},
+                            {db_u, I * r},
+                            {da_d, r * I},
+                            {db_d, H * r}})
         std::fill(ptr, ptr + n, 0.0f);
       continue;
     }
     const bf16 *xe = p.xe.data() + r0 * H, *g = p.g.data() + r0 * I, *u = p.u.data() + r0 * I,
                *sg = p.sg.data() + r0 * I, *h = p.h.data() + r0 * I, *o = p.o.data() + r0 * H;
     // index_add_ backward: the rows' dy; then o.float() * w_sel.
-    each_row(m, H, [&](std::size_t i) { std::copy_n(dy.row(p.row_token[r0 + i]), H, p.f1.data() + i * H); });
+    each_row(m, H, [&](std::size_t i) {
+      std::copy_n(dy.row(p.row_token[r0 + i]), H, p.f1.data() + i * H);
+    });
     each(m, [&](std::size_t i) { p.w_sel[i] = p.w[p.row_token[r0 + i] * K + p.row_slot[r0 + i]]; });
-    bf16 *d_o = p.d_o.data(), *dh = p.dh.data(), *dsg = p.dsg.data(), *du = p.du.data(), *dg = p.dg.data(),
-         *dxg = p.dxg.data(), *dxu = p.dxu.data();
+    bf16 *d_o = p.d_o.data(), *dh = p.dh.data(), *dsg = p.dsg.data(), *du = p.du.data(),
+         *dg = p.dg.data(), *dxg = p.dxg.data(), *dxu = p.dxu.data();
     each_row(m, H, [&](std::size_t i) {
       for (std::size_t c = 0; c < H; ++c) d_o[i * H + c] = bf16(p.f1[i * H + c] * p.w_sel[i]);
     });
@@ -383,9 +410,11 @@ void OnednnEagerLayer::backward_router(const EagerLayerGrads& gr) {
   p.dp.assign(T * E, 0.0f);
   each_row(T, K, [&](std::size_t t) {
     float dsum = 0;
-    for (std::size_t j = 0; j < K; ++j) dsum -= p.dw[t * K + j] * p.p_sel[t * K + j] / (p.p_sum[t] * p.p_sum[t]);
     for (std::size_t j = 0; j < K; ++j)
-      p.dp[t * E + static_cast<std::size_t>(p.idx[t * K + j])] = p.dw[t * K + j] / p.p_sum[t] + dsum;
+      dsum -= p.dw[t * K + j] * p.p_sel[t * K + j] / (p.p_sum[t] * p.p_sum[t]);
+    for (std::size_t j = 0; j < K; ++j)
+      p.dp[t * E + static_cast<std::size_t>(p.idx[t * K + j])] =
+          p.dw[t * K + j] / p.p_sum[t] + dsum;
   });
   p.dz.resize(T * E);
   each_row(T, E, [&](std::size_t t) {

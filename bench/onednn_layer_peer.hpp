@@ -23,7 +23,8 @@ struct EagerLayerSpec {
   float scale = 0;  // alpha / r
   // Stacked by expert, shapes as layer::Lora and layer::Weights take them.
   const bf16 *w_gate = nullptr, *w_up = nullptr, *w_down = nullptr;
-  const bf16 *a_gate = nullptr, *b_gate = nullptr, *a_up = nullptr, *b_up = nullptr, *a_down = nullptr, *b_down = nullptr;
+  const bf16 *a_gate = nullptr, *b_gate = nullptr, *a_up = nullptr, *b_up = nullptr,
+             *a_down = nullptr, *b_down = nullptr;
   const float *router_w = nullptr, *router_b = nullptr;  // [E x H], [E]
 };
 
@@ -32,7 +33,8 @@ struct EagerLayerSpec {
 /// factors'.
 struct EagerLayerGrads {
   float *dx = nullptr, *router_w = nullptr, *router_b = nullptr;
-  float *a_gate = nullptr, *b_gate = nullptr, *a_up = nullptr, *b_up = nullptr, *a_down = nullptr, *b_down = nullptr;
+  float *a_gate = nullptr, *b_gate = nullptr, *a_up = nullptr, *b_up = nullptr, *a_down = nullptr,
+        *b_down = nullptr;
 };
 
 /// Softmax top-k router with weights renormalised over the K selected.
@@ -47,7 +49,8 @@ class OnednnEagerLayer {
   /// The expert part alone, on the caller's routing (no -1 slots): y from
   /// x, idx, w; the backward's dx, LoRA gradients and dL/dw [T x K] (g's
   /// router entries unused).
-  void forward_experts(MatView<const bf16> x, MatView<const std::int32_t> idx, MatView<const float> w, MatView<float> y);
+  void forward_experts(MatView<const bf16> x, MatView<const std::int32_t> idx,
+                       MatView<const float> w, MatView<float> y);
   void backward_experts(MatView<const float> dy, const EagerLayerGrads& g, float* dweights);
   /// The oneDNN implementations its matmul primitives use, with counts.
   std::string matmul_impls() const;

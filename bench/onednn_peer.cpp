@@ -2,13 +2,12 @@
 // experts. Weights are reordered into oneDNN's preferred layout once.
 #include "bench/onednn_peer.hpp"
 
+#include <fmt/format.h>
 #include <omp.h>
 
 #include <cmath>
 #include <cstring>
-
 #include <dnnl.hpp>
-#include <fmt/format.h>
 
 #include "bench/onednn_engine.hpp"
 
@@ -27,8 +26,10 @@ struct Mm {
   Mm(std::size_t m, std::size_t n, std::size_t k, const bf16* w) {
     const memory::dims sd = {memory::dim(m), memory::dim(k)}, wd = {memory::dim(k), memory::dim(n)},
                        dd = {memory::dim(m), memory::dim(n)};
-    memory::desc src_md(sd, dt::bf16, tag::ab), wei_any(wd, dt::bf16, tag::any), dst_md(dd, dt::f32, tag::ab);
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, wei_any, dst_md), onednn_engine());  // oneDNN 2.x API
+    memory::desc src_md(sd, dt::bf16, tag::ab), wei_any(wd, dt::bf16, tag::any),
+        dst_md(dd, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, wei_any, dst_md),
+                                    onednn_engine());  // oneDNN 2.x API
     prim = dnnl::matmul(pd);
     memory wei_user({wd, dt::bf16, tag::ba}, onednn_engine(), const_cast<bf16*>(w));
     wei = memory(pd.weights_desc(), onednn_engine());
@@ -70,9 +71,9 @@ struct OnednnExperts::Impl {
   std::vector<std::size_t> offset;  // per expert row offset into the scratch
 };
 
-OnednnExperts::OnednnExperts(std::size_t e, std::size_t h, std::size_t i, const std::vector<bf16>& w_gate,
-                             const std::vector<bf16>& w_up, const std::vector<bf16>& w_down,
-                             MatView<const std::int32_t> idx)
+OnednnExperts::OnednnExperts(std::size_t e, std::size_t h, std::size_t i,
+                             const std::vector<bf16>& w_gate, const std::vector<bf16>& w_up,
+                             const std::vector<bf16>& w_down, MatView<const std::int32_t> idx)
     : impl_(new Impl) {
   Impl& p = *impl_;
   p.e = e;
@@ -83,7 +84,9 @@ OnednnExperts::OnednnExperts(std::size_t e, std::size_t h, std::size_t i, const 
   p.slots.resize(e);
   for (std::size_t t = 0; t < idx.rows; ++t)
     for (std::size_t j = 0; j < idx.cols; ++j)
-      if (idx(t, j) >= 0) p.slots[static_cast<std::size_t>(idx(t, j))].push_back(static_cast<std::int32_t>(t * idx.cols + j));
+      if (idx(t, j) >= 0)
+        p.slots[static_cast<std::size_t>(idx(t, j))].push_back(
+            static_cast<std::int32_t>(t * idx.cols + j));
   p.gate_up.resize(e);
   p.down.resize(e);
   std::vector<bf16> w_gu(2 * i * h);
@@ -112,16 +115,19 @@ void OnednnExperts::forward(MatView<const bf16> x, MatView<const float> weights,
   const long rows = static_cast<long>(p.offset[p.e]);
   std::vector<std::int64_t> row_of(p.t * p.k, -1);
   for (std::size_t e = 0; e < p.e; ++e)
-    for (std::size_t r = 0; r < p.slots[e].size(); ++r) row_of[static_cast<std::size_t>(p.slots[e][r])] = static_cast<std::int64_t>(p.offset[e] + r);
+    for (std::size_t r = 0; r < p.slots[e].size(); ++r)
+      row_of[static_cast<std::size_t>(p.slots[e][r])] = static_cast<std::int64_t>(p.offset[e] + r);
 #pragma omp parallel for
   for (long r = 0; r < rows; ++r) {
     std::size_t e = 0;
     while (p.offset[e + 1] <= static_cast<std::size_t>(r)) ++e;
-    const std::size_t token = static_cast<std::size_t>(p.slots[e][static_cast<std::size_t>(r) - p.offset[e]]) / p.k;
+    const std::size_t token =
+        static_cast<std::size_t>(p.slots[e][static_cast<std::size_t>(r) - p.offset[e]]) / p.k;
     std::memcpy(p.xs.data() + r * p.h, x.row(token), p.h * sizeof(bf16));
   }
   for (std::size_t e = 0; e < p.e; ++e)
-    if (p.gate_up[e]) p.gate_up[e]->run(p.xs.data() + p.offset[e] * p.h, p.gus.data() + p.offset[e] * 2 * p.i);
+    if (p.gate_up[e])
+      p.gate_up[e]->run(p.xs.data() + p.offset[e] * p.h, p.gus.data() + p.offset[e] * 2 * p.i);
   const long hn = rows * static_cast<long>(p.i);
 #pragma omp parallel for
   for (long q = 0; q < hn; ++q) {
@@ -147,7 +153,8 @@ void OnednnExperts::forward(MatView<const bf16> x, MatView<const float> weights,
 
 std::string OnednnExperts::version() {
   const dnnl_version_t* v = dnnl_version();
-  return fmt::format("{}.{}.{} ({})", v->major, v->minor, v->patch, v->cpu_runtime == DNNL_RUNTIME_OMP ? "OpenMP" : "other");
+  return fmt::format("{}.{}.{} ({})", v->major, v->minor, v->patch,
+                     v->cpu_runtime == DNNL_RUNTIME_OMP ? "OpenMP" : "other");
 }
 
 void OnednnExperts::set_threads(int n) { omp_set_num_threads(n); }

@@ -18,7 +18,8 @@ class OnednnExperts {
   /// routing fixed at construction (one matmul primitive per expert and
   /// shape, created and weights reordered here, outside the timing).
   OnednnExperts(std::size_t e, std::size_t h, std::size_t i, const std::vector<bf16>& w_gate,
-                const std::vector<bf16>& w_up, const std::vector<bf16>& w_down, MatView<const std::int32_t> idx);
+                const std::vector<bf16>& w_up, const std::vector<bf16>& w_down,
+                MatView<const std::int32_t> idx);
   ~OnednnExperts();
   void forward(MatView<const bf16> x, MatView<const float> weights, MatView<float> y);
   static std::string version();

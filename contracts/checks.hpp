@@ -1,10 +1,10 @@
 // Reusable clause bodies: element scans that report the first offender.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <string>
-
-#include <fmt/format.h>
 
 #include "contracts/engine.hpp"
 #include "moecert/types.hpp"
@@ -26,7 +26,8 @@ bool scan(Checker& c, const ClauseInfo& clause, std::string_view name, MatView<c
   for (std::size_t i = 0; i < m.rows; ++i)
     for (std::size_t j = 0; j < m.cols; ++j)
       if (!ok(m(i, j))) {
-        c.fail(clause, fmt::format("{}[{}, {}]", name, i, j), fmt::format("{}={}", name, static_cast<double>(static_cast<float>(m(i, j)))),
+        c.fail(clause, fmt::format("{}[{}, {}]", name, i, j),
+               fmt::format("{}={}", name, static_cast<double>(static_cast<float>(m(i, j)))),
                std::string(expected));
         return false;
       }
@@ -35,10 +36,12 @@ bool scan(Checker& c, const ClauseInfo& clause, std::string_view name, MatView<c
 
 template <class T>
 bool scan_finite(Checker& c, const ClauseInfo& clause, std::string_view name, MatView<const T> m) {
-  return scan(c, clause, name, m, [](T v) { return std::isfinite(static_cast<float>(v)); }, "finite");
+  return scan(
+      c, clause, name, m, [](T v) { return std::isfinite(static_cast<float>(v)); }, "finite");
 }
 
-inline bool scan_bf16_range(Checker& c, const ClauseInfo& clause, std::string_view name, MatView<const bf16> m) {
+inline bool scan_bf16_range(Checker& c, const ClauseInfo& clause, std::string_view name,
+                            MatView<const bf16> m) {
   return scan(c, clause, name, m, bf16_in_range, "0 or 2^-60 <= |x| <= 2^60");
 }
 

@@ -1,26 +1,31 @@
 // Bound-based, ULP and tie-aware top-k comparison.
 #include "contracts/compare.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
 #include <set>
 
-#include <fmt/format.h>
-
 namespace moecert::compare {
 
 void UtilizationHistogram::add(double u) {
   int bin;
-  if (!(u <= 1)) bin = kBins - 1;
-  else if (u >= 0.1) bin = kBins - 2;
-  else if (u < 1e-6) bin = 0;
-  else bin = std::clamp(static_cast<int>(std::floor(std::log10(u))) + 7, 1, kBins - 3);
+  if (!(u <= 1))
+    bin = kBins - 1;
+  else if (u >= 0.1)
+    bin = kBins - 2;
+  else if (u < 1e-6)
+    bin = 0;
+  else
+    bin = std::clamp(static_cast<int>(std::floor(std::log10(u))) + 7, 1, kBins - 3);
   ++count[bin];
 }
 
-Bounded bounded(std::span<const float> got, std::span<const double> ref, std::span<const double> bound) {
+Bounded bounded(std::span<const float> got, std::span<const double> ref,
+                std::span<const double> bound) {
   Bounded b;
   b.count = got.size();
   for (std::size_t i = 0; i < got.size(); ++i) {
@@ -58,7 +63,8 @@ std::int64_t ordered(std::uint32_t u) {
 
 std::uint64_t ulp_distance(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<std::uint64_t>::max();
-  const std::int64_t d = ordered(std::bit_cast<std::uint32_t>(a)) - ordered(std::bit_cast<std::uint32_t>(b));
+  const std::int64_t d =
+      ordered(std::bit_cast<std::uint32_t>(a)) - ordered(std::bit_cast<std::uint32_t>(b));
   return static_cast<std::uint64_t>(d < 0 ? -d : d);
 }
 
@@ -70,17 +76,21 @@ std::uint64_t ulp_distance(bf16 a, bf16 b) {
 Topk topk_tie_aware(MatView<const float> scores, MatView<const std::int32_t> cand,
                     MatView<const std::int32_t> ref) {
   const std::size_t e = scores.cols, k = ref.cols;
-  auto fail = [](std::size_t t, std::size_t j, std::string why) { return Topk{false, t, j, std::move(why)}; };
+  auto fail = [](std::size_t t, std::size_t j, std::string why) {
+    return Topk{false, t, j, std::move(why)};
+  };
   if (cand.rows != ref.rows || cand.cols != k || scores.rows != ref.rows)
-    return fail(0, 0, fmt::format("shapes differ: candidate {}x{}, reference {}x{}, scores {} rows",
-                                  cand.rows, cand.cols, ref.rows, k, scores.rows));
+    return fail(0, 0,
+                fmt::format("shapes differ: candidate {}x{}, reference {}x{}, scores {} rows",
+                            cand.rows, cand.cols, ref.rows, k, scores.rows));
   for (std::size_t t = 0; t < ref.rows; ++t) {
     std::set<std::int32_t> seen;
     bool tail = false;
     for (std::size_t j = 0; j < k; ++j) {
       const std::int32_t c = cand(t, j), r = ref(t, j);
       if ((c == -1) != (r == -1))
-        return fail(t, j, fmt::format("candidate idx={} but reference idx={}: -1 slots differ", c, r));
+        return fail(t, j,
+                    fmt::format("candidate idx={} but reference idx={}: -1 slots differ", c, r));
       if (c == -1) {
         tail = true;
         continue;
@@ -92,8 +102,9 @@ Topk topk_tie_aware(MatView<const float> scores, MatView<const std::int32_t> can
       const float sc = scores(t, static_cast<std::size_t>(c));
       const float sr = scores(t, static_cast<std::size_t>(r));
       if (!(sc == sr))
-        return fail(t, j, fmt::format("candidate expert {} has score {}, reference expert {} has {}", c,
-                                      sc, r, sr));
+        return fail(t, j,
+                    fmt::format("candidate expert {} has score {}, reference expert {} has {}", c,
+                                sc, r, sr));
     }
   }
   return {};

@@ -26,11 +26,11 @@ struct UtilizationHistogram {
 
 struct Bounded {
   std::size_t count = 0;
-  std::size_t exceeded = 0;       // elements with |err| > bound (or non-finite)
+  std::size_t exceeded = 0;  // elements with |err| > bound (or non-finite)
   double max_abs_err = 0;
-  double max_rel_err = 0;         // |err| / |ref| over elements with ref != 0
-  double max_utilization = 0;     // max |err| / bound; +Inf for a non-finite result
-  std::size_t worst = 0;          // index of the element of max utilisation
+  double max_rel_err = 0;      // |err| / |ref| over elements with ref != 0
+  double max_utilization = 0;  // max |err| / bound; +Inf for a non-finite result
+  std::size_t worst = 0;       // index of the element of max utilisation
   double worst_got = 0, worst_ref = 0, worst_bound = 0;
   UtilizationHistogram histogram;
   bool pass() const { return exceeded == 0; }
@@ -39,7 +39,8 @@ struct Bounded {
 /// Element i passes when |got[i] - ref[i]| <= bound[i] + 2^-52 |ref[i]|
 /// (the second term covers the reference's own rounding to double).
 /// A non-finite got[i] never passes.
-Bounded bounded(std::span<const float> got, std::span<const double> ref, std::span<const double> bound);
+Bounded bounded(std::span<const float> got, std::span<const double> ref,
+                std::span<const double> bound);
 
 /// Distance in units in the last place: the number of floats strictly
 /// between a and b, plus one (0 when equal; +0 and -0 are equal). NaN: max.

@@ -1,9 +1,10 @@
 // Clauses of MoeConfig validation (op core.config.validate).
+#include "moecert/config.hpp"
+
 #include <cmath>
 
 #include "contracts/clauses.hpp"
 #include "contracts/engine.hpp"
-#include "moecert/config.hpp"
 
 namespace moecert {
 
@@ -14,7 +15,8 @@ constexpr std::string_view kRouterNames[] = {"softmax_topk", "sigmoid_topk", "pr
 template <class T>
 void check_range(detail::Checker& chk, const ClauseInfo& c, std::string_view field, T v, T lo,
                  T hi) {
-  if (v < lo || v > hi) chk.fail(c, "", fmt::format("{}={}", field, v), fmt::format("{} <= {} <= {}", lo, field, hi));
+  if (v < lo || v > hi)
+    chk.fail(c, "", fmt::format("{}={}", field, v), fmt::format("{} <= {} <= {}", lo, field, hi));
 }
 }  // namespace
 
@@ -63,7 +65,8 @@ void validate(const MoeConfig& cfg) {
   }
   if (cfg.router == RouterKind::product_key) {
     MOECERT_CONTRACT(chk, c::kProductKeySquare) {
-      const auto n = static_cast<std::int64_t>(std::llround(std::sqrt(static_cast<double>(std::max<std::int64_t>(cfg.experts, 0)))));
+      const auto n = static_cast<std::int64_t>(
+          std::llround(std::sqrt(static_cast<double>(std::max<std::int64_t>(cfg.experts, 0)))));
       if (cfg.experts < 1 || n * n != cfg.experts)
         chk.fail(c::kProductKeySquare, "", fmt::format("E={}", cfg.experts), "E = n*n");
     }
@@ -76,7 +79,8 @@ void validate(const MoeConfig& cfg) {
     }
     MOECERT_CONTRACT(chk, c::kTopkGroupRange) {
       const std::int64_t per_group = cfg.groups >= 1 ? cfg.experts / cfg.groups : 0;
-      if (cfg.topk_group < 1 || cfg.topk_group > cfg.groups || cfg.topk > cfg.topk_group * per_group)
+      if (cfg.topk_group < 1 || cfg.topk_group > cfg.groups ||
+          cfg.topk > cfg.topk_group * per_group)
         chk.fail(c::kTopkGroupRange, "",
                  fmt::format("topk_group={} G={} K={}", cfg.topk_group, cfg.groups, cfg.topk),
                  fmt::format("1 <= topk_group <= G and K <= topk_group * E / G = {}",

@@ -2,6 +2,8 @@
 // overrides), clause counters, the handler and the violation exception.
 #include "contracts/engine.hpp"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -9,8 +11,6 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
-
-#include <fmt/ranges.h>
 
 #ifndef MOECERT_DEFAULT_LEVEL
 #define MOECERT_DEFAULT_LEVEL 0
@@ -23,7 +23,8 @@ namespace {
 
 constexpr std::string_view kLevelNames[] = {"off", "check", "audit", "full"};
 constexpr std::string_view kSemanticNames[] = {"ignore", "observe", "enforce"};
-constexpr std::string_view kGroupNames[] = {"shape", "index", "alias", "finite", "numeric", "memory"};
+constexpr std::string_view kGroupNames[] = {"shape",  "index",   "alias",
+                                            "finite", "numeric", "memory"};
 constexpr std::string_view kKindNames[] = {"pre", "post", "invariant"};
 constexpr std::string_view kKindWords[] = {"precondition", "postcondition", "invariant"};
 
@@ -160,7 +161,8 @@ std::optional<Group> parse_group(std::string_view s) { return parse_name<Group>(
 // ---- violation -------------------------------------------------------------------
 
 std::string Violation::one_line() const {
-  std::string out = fmt::format("{}: {} {} failed", op, kKindWords[static_cast<int>(kind) % 3], clause);
+  std::string out =
+      fmt::format("{}: {} {} failed", op, kKindWords[static_cast<int>(kind) % 3], clause);
   if (!location.empty()) out += " at " + location;
   out += ": ";
   out += observed.empty() ? message : observed;
@@ -208,14 +210,17 @@ ContractSettings effective_contract_settings() {
   return s;
 }
 
-ContractScope::ContractScope(Level level) : ContractScope(level, effective_contract_settings().semantic) {}
+ContractScope::ContractScope(Level level)
+    : ContractScope(level, effective_contract_settings().semantic) {}
 ContractScope::ContractScope(Level level, Semantic semantic) : prev_(t_scope) {
   mine_ = effective_contract_settings();
   mine_.level = level;
   mine_.semantic = semantic;
   t_scope = &mine_;
 }
-ContractScope::ContractScope(const ContractSettings& s) : prev_(t_scope), mine_(s) { t_scope = &mine_; }
+ContractScope::ContractScope(const ContractSettings& s) : prev_(t_scope), mine_(s) {
+  t_scope = &mine_;
+}
 ContractScope::~ContractScope() { t_scope = prev_; }
 
 // ---- counters ------------------------------------------------------------------------

@@ -10,10 +10,10 @@
 // `if constexpr` branch: its body is not compiled into the library.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <string>
 #include <string_view>
-
-#include <fmt/format.h>
 
 #include "moecert/contracts.hpp"
 
@@ -41,8 +41,7 @@ class Checker {
   /// throws ContractViolation under enforce. Under observe it returns, and
   /// a failed precondition makes stop() true.
   void fail(const ClauseInfo& clause, std::string location, std::string observed,
-            std::string expected,
-            SourceLocation where = ::moecert::SourceLocation::current());
+            std::string expected, SourceLocation where = ::moecert::SourceLocation::current());
 
   /// True after a precondition failed under observe: the op must return
   /// without writing any output.
@@ -74,13 +73,13 @@ std::string format_range(ByteRange r);
 
 /// Evaluates the following block when `clause` is compiled in (cap) and on
 /// (runtime settings). `clause` must be a constant expression.
-#define MOECERT_CONTRACT(checker, clause)                            \
+#define MOECERT_CONTRACT(checker, clause)                      \
   if constexpr (::moecert::detail::cap_allows((clause).level)) \
     if ((checker).on(clause))
 
 /// A broken internal invariant: a moecert bug, not bad input. Always on.
-#define MOECERT_ASSERT(cond)                                                          \
-  ((cond) ? static_cast<void>(0)                                                       \
+#define MOECERT_ASSERT(cond)     \
+  ((cond) ? static_cast<void>(0) \
           : ::moecert::detail::assert_fail(#cond, ::moecert::SourceLocation::current()))
 
 namespace moecert::detail {

@@ -7,10 +7,10 @@
 #include "contracts/bounds/experts.hpp"
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
-#include "contracts/tbb_sync.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/gemm.hpp"
+#include "contracts/tbb_sync.hpp"
 #include "contracts/verify.hpp"
 
 namespace moecert::contracts {
@@ -18,14 +18,16 @@ namespace moecert::contracts {
 namespace k = clauses::experts;
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
-                         MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y) {
+                         MatView<const std::int32_t> idx, MatView<const float> weights,
+                         MatView<float> y) {
   const std::size_t t = x.rows, kk = idx.cols, e_count = w.experts();
   MOECERT_CONTRACT(c, k::kShape) {
-    if (x.cols != w.hidden() || idx.rows != t || weights.rows != t || weights.cols != kk || y.rows != t ||
-        y.cols != w.hidden() || x.stride < x.cols || y.stride < y.cols || idx.stride < kk || weights.stride < kk)
+    if (x.cols != w.hidden() || idx.rows != t || weights.rows != t || weights.cols != kk ||
+        y.rows != t || y.cols != w.hidden() || x.stride < x.cols || y.stride < y.cols ||
+        idx.stride < kk || weights.stride < kk)
       c.fail(k::kShape, "",
-             fmt::format("x {}x{}, idx {}x{}, weights {}x{}, y {}x{}", x.rows, x.cols, idx.rows, idx.cols,
-                         weights.rows, weights.cols, y.rows, y.cols),
+             fmt::format("x {}x{}, idx {}x{}, weights {}x{}, y {}x{}", x.rows, x.cols, idx.rows,
+                         idx.cols, weights.rows, weights.cols, y.rows, y.cols),
              fmt::format("x Tx{0}, idx and weights TxK, y Tx{0}", w.hidden()));
   }
   if (c.stop()) return;
@@ -37,13 +39,23 @@ void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, Ma
   MOECERT_CONTRACT(c, k::kXRange) { detail::scan_bf16_range(c, k::kXRange, "x", x); }
   MOECERT_CONTRACT(c, k::kNoAlias) {
     const ByteRange yr = y.bytes();
-    const std::pair<const char*, ByteRange> inputs[] = {{"x", x.bytes()}, {"idx", idx.bytes()}, {"weights", weights.bytes()}};
+    const std::pair<const char*, ByteRange> inputs[] = {
+        {"x", x.bytes()}, {"idx", idx.bytes()}, {"weights", weights.bytes()}};
     for (const auto& [name, r] : inputs)
-      if (overlaps(yr, r)) c.fail(k::kNoAlias, "", fmt::format("y {} overlaps {} {}", detail::format_range(yr), name, detail::format_range(r)), "disjoint");
+      if (overlaps(yr, r))
+        c.fail(k::kNoAlias, "",
+               fmt::format("y {} overlaps {} {}", detail::format_range(yr), name,
+                           detail::format_range(r)),
+               "disjoint");
     for (std::size_t e = 0; e < e_count; ++e)
       for (const auto* p : {&w.gate_up(e), &w.down(e)}) {
-        const ByteRange r{reinterpret_cast<std::uintptr_t>(p->data()), reinterpret_cast<std::uintptr_t>(p->data() + p->size())};
-        if (overlaps(yr, r)) c.fail(k::kNoAlias, fmt::format("e={}", e), fmt::format("y {} overlaps packed weights {}", detail::format_range(yr), detail::format_range(r)), "disjoint");
+        const ByteRange r{reinterpret_cast<std::uintptr_t>(p->data()),
+                          reinterpret_cast<std::uintptr_t>(p->data() + p->size())};
+        if (overlaps(yr, r))
+          c.fail(k::kNoAlias, fmt::format("e={}", e),
+                 fmt::format("y {} overlaps packed weights {}", detail::format_range(yr),
+                             detail::format_range(r)),
+                 "disjoint");
       }
   }
   for (std::size_t e = 0; e < e_count; ++e) {
@@ -52,7 +64,8 @@ void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, Ma
   }
 }
 
-void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx, const experts::Grouping& g) {
+void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx,
+                              const experts::Grouping& g) {
   MOECERT_CONTRACT(c, k::kPermutation) {
     // Every valid slot maps to a row of its own expert's group that maps back
     // to it; the histogram sums to the number of valid slots.
@@ -62,55 +75,65 @@ void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> id
       const std::int32_t e = idx(s / idx.cols, s % idx.cols);
       const std::int64_t row = g.slot_row[s];
       if (e < 0) {
-        if (row != -1) c.fail(k::kPermutation, fmt::format("slot {}", s), fmt::format("row={}", row), "-1 for an empty slot");
+        if (row != -1)
+          c.fail(k::kPermutation, fmt::format("slot {}", s), fmt::format("row={}", row),
+                 "-1 for an empty slot");
         continue;
       }
       ++valid;
       const auto ue = static_cast<std::size_t>(e);
-      if (row < static_cast<std::int64_t>(g.begin[ue]) || row >= static_cast<std::int64_t>(g.begin[ue] + g.count[ue]) ||
+      if (row < static_cast<std::int64_t>(g.begin[ue]) ||
+          row >= static_cast<std::int64_t>(g.begin[ue] + g.count[ue]) ||
           g.row_slot[static_cast<std::size_t>(row)] != static_cast<std::int32_t>(s)) {
-        c.fail(k::kPermutation, fmt::format("slot {}", s), fmt::format("row={} (expert {})", row, e),
-               fmt::format("a row in [{}, {}) mapping back to the slot", g.begin[ue], g.begin[ue] + g.count[ue]));
+        c.fail(k::kPermutation, fmt::format("slot {}", s),
+               fmt::format("row={} (expert {})", row, e),
+               fmt::format("a row in [{}, {}) mapping back to the slot", g.begin[ue],
+                           g.begin[ue] + g.count[ue]));
         return;
       }
     }
     if (valid != sum || valid != g.routed)
-      c.fail(k::kPermutation, "", fmt::format("histogram sum {} routed {}", sum, g.routed), fmt::format("{} valid slots", valid));
+      c.fail(k::kPermutation, "", fmt::format("histogram sum {} routed {}", sum, g.routed),
+             fmt::format("{} valid slots", valid));
   }
 }
 
 ExpertsReference experts_forward_reference(const experts::PackedExperts& w, MatView<const bf16> x,
-                                           MatView<const std::int32_t> idx, MatView<const float> weights) {
+                                           MatView<const std::int32_t> idx,
+                                           MatView<const float> weights) {
   const std::size_t t_count = x.rows, kk = idx.cols, hidden = w.hidden(), inter = w.inter();
   ExpertsReference r;
   r.y.assign(t_count * hidden, 0.0);
   r.bound.assign(t_count * hidden, 0.0);
-  oneapi::tbb::parallel_for(std::size_t{0}, t_count, detail::TbbBody([&](std::size_t t) {
-    std::vector<double> sum_we(hidden, 0.0), sum_wmag(hidden, 0.0);
-    for (std::size_t j = 0; j < kk; ++j) {
-      const std::int32_t e = idx(t, j);
-      if (e < 0) continue;
-      const auto ue = static_cast<std::size_t>(e);
-      const auto row = bounds::expert_row(
-          hidden, inter, [&](std::size_t h) { return double(x(t, h).to_float()); },
-          [&](std::size_t i, std::size_t h) { return double(w.gate(ue, i, h).to_float()); },
-          [&](std::size_t i, std::size_t h) { return double(w.up(ue, i, h).to_float()); },
-          [&](std::size_t m, std::size_t i) { return double(w.down(ue, m, i).to_float()); });
-      const double wt = weights(t, j);
-      for (std::size_t m = 0; m < hidden; ++m) {
-        r.y[t * hidden + m] += wt * row.o[m];
-        sum_we[m] += std::fabs(wt) * row.o_bound[m];
-        sum_wmag[m] += std::fabs(wt) * (std::fabs(row.o[m]) + row.o_bound[m]);
-      }
-    }
-    for (std::size_t m = 0; m < hidden; ++m)
-      r.bound[t * hidden + m] = bounds::kReferenceSlack * bounds::combine(sum_we[m], sum_wmag[m], kk);
-  }));
+  oneapi::tbb::parallel_for(
+      std::size_t{0}, t_count, detail::TbbBody([&](std::size_t t) {
+        std::vector<double> sum_we(hidden, 0.0), sum_wmag(hidden, 0.0);
+        for (std::size_t j = 0; j < kk; ++j) {
+          const std::int32_t e = idx(t, j);
+          if (e < 0) continue;
+          const auto ue = static_cast<std::size_t>(e);
+          const auto row = bounds::expert_row(
+              hidden, inter, [&](std::size_t h) { return double(x(t, h).to_float()); },
+              [&](std::size_t i, std::size_t h) { return double(w.gate(ue, i, h).to_float()); },
+              [&](std::size_t i, std::size_t h) { return double(w.up(ue, i, h).to_float()); },
+              [&](std::size_t m, std::size_t i) { return double(w.down(ue, m, i).to_float()); });
+          const double wt = weights(t, j);
+          for (std::size_t m = 0; m < hidden; ++m) {
+            r.y[t * hidden + m] += wt * row.o[m];
+            sum_we[m] += std::fabs(wt) * row.o_bound[m];
+            sum_wmag[m] += std::fabs(wt) * (std::fabs(row.o[m]) + row.o_bound[m]);
+          }
+        }
+        for (std::size_t m = 0; m < hidden; ++m)
+          r.bound[t * hidden + m] =
+              bounds::kReferenceSlack * bounds::combine(sum_we[m], sum_wmag[m], kk);
+      }));
   return r;
 }
 
-void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
-                          MatView<const std::int32_t> idx, MatView<const float> weights, MatView<const float> y,
+void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
+                          MatView<const bf16> x, MatView<const std::int32_t> idx,
+                          MatView<const float> weights, MatView<const float> y,
                           const experts::ForwardState& st) {
   MOECERT_CONTRACT(c, k::kYFinite) { detail::scan_finite(c, k::kYFinite, "y", y); }
   MOECERT_CONTRACT(c, k::kProbe) {
@@ -123,16 +146,23 @@ void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w, M
       // Gate+up: A read from x through the grouping (so the gather is
       // checked too); down: A read from h in the kernel's layout.
       const auto p1 = verify::probe_gemm_nt(
-          m, w.hidden(), [&](std::size_t i, std::size_t kk) { return x(static_cast<std::size_t>(g.row_slot[r0 + i]) / idx.cols, kk); },
+          m, w.hidden(),
+          [&](std::size_t i, std::size_t kk) {
+            return x(static_cast<std::size_t>(g.row_slot[r0 + i]) / idx.cols, kk);
+          },
           gu.n(), [&](std::size_t j, std::size_t kk) { return gu.at(j, kk); },
           MatView<const float>(st.c1 + r0 * st.ldc1, m, gu.n(), st.ldc1));
       const auto p2 = verify::probe_gemm_nt(
-          m, w.inter(), [&](std::size_t i, std::size_t kk) { return st.h_at(r0 + i, kk); }, w.hidden(),
-          [&](std::size_t j, std::size_t kk) { return dn.at(j, kk); }, MatView<const float>(st.o + r0 * st.ldo, m, w.hidden(), st.ldo));
+          m, w.inter(), [&](std::size_t i, std::size_t kk) { return st.h_at(r0 + i, kk); },
+          w.hidden(), [&](std::size_t j, std::size_t kk) { return dn.at(j, kk); },
+          MatView<const float>(st.o + r0 * st.ldo, m, w.hidden(), st.ldo));
       for (const auto* p : {&p1, &p2})
         if (!p->pass) {
-          c.fail(k::kProbe, fmt::format("e={} {} GEMM row {} column block {}", e, p == &p1 ? "gate_up" : "down", p->row, p->block),
-                 fmt::format("residual {:.6g}", p->residual), fmt::format("<= {:.6g} (proofs/bounds.md §9)", p->threshold));
+          c.fail(k::kProbe,
+                 fmt::format("e={} {} GEMM row {} column block {}", e,
+                             p == &p1 ? "gate_up" : "down", p->row, p->block),
+                 fmt::format("residual {:.6g}", p->residual),
+                 fmt::format("<= {:.6g} (proofs/bounds.md §9)", p->threshold));
           return;
         }
     }
@@ -145,7 +175,8 @@ void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w, M
     const auto cmp = compare::bounded(got, ref.y, ref.bound);
     if (!cmp.pass())
       c.fail(k::kWithinBound, fmt::format("t={} h={}", cmp.worst / y.cols, cmp.worst % y.cols),
-             fmt::format("y={:.9g} ref={:.17g} (utilisation {:.3g})", cmp.worst_got, cmp.worst_ref, cmp.max_utilization),
+             fmt::format("y={:.9g} ref={:.17g} (utilisation {:.3g})", cmp.worst_got, cmp.worst_ref,
+                         cmp.max_utilization),
              fmt::format("|y - ref| <= {:.6g} (proofs/bounds.md §10)", cmp.worst_bound));
   }
 }

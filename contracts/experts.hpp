@@ -8,10 +8,13 @@
 namespace moecert::contracts {
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
-                         MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y);
-void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx, const experts::Grouping& g);
-void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
-                          MatView<const std::int32_t> idx, MatView<const float> weights, MatView<const float> y,
+                         MatView<const std::int32_t> idx, MatView<const float> weights,
+                         MatView<float> y);
+void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx,
+                              const experts::Grouping& g);
+void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
+                          MatView<const bf16> x, MatView<const std::int32_t> idx,
+                          MatView<const float> weights, MatView<const float> y,
                           const experts::ForwardState& st);
 
 /// Reference and bound of every y element (the full-level comparison, also
@@ -20,6 +23,7 @@ struct ExpertsReference {
   std::vector<double> y, bound;  // [T x H]
 };
 ExpertsReference experts_forward_reference(const experts::PackedExperts& w, MatView<const bf16> x,
-                                           MatView<const std::int32_t> idx, MatView<const float> weights);
+                                           MatView<const std::int32_t> idx,
+                                           MatView<const float> weights);
 
 }  // namespace moecert::contracts

@@ -22,17 +22,20 @@ bool is(MatView<T> m, std::size_t rows, std::size_t cols) {
 }
 
 ByteRange packed_bytes(const gemm::PackedWeights& p) {
-  return {reinterpret_cast<std::uintptr_t>(p.data()), reinterpret_cast<std::uintptr_t>(p.data() + p.size())};
+  return {reinterpret_cast<std::uintptr_t>(p.data()),
+          reinterpret_cast<std::uintptr_t>(p.data() + p.size())};
 }
 
 // Fails `clause` if any of `outs` overlaps another or any of `ins`.
-void no_overlap(detail::Checker& c, const ClauseInfo& clause, const std::vector<std::pair<std::string, ByteRange>>& outs,
+void no_overlap(detail::Checker& c, const ClauseInfo& clause,
+                const std::vector<std::pair<std::string, ByteRange>>& outs,
                 const std::vector<std::pair<std::string, ByteRange>>& ins) {
   for (std::size_t i = 0; i < outs.size(); ++i) {
     if (outs[i].second.empty()) continue;
     for (std::size_t j = i + 1; j < outs.size(); ++j)
       if (overlaps(outs[i].second, outs[j].second)) {
-        c.fail(clause, fmt::format("{} and {}", outs[i].first, outs[j].first), "overlapping", "disjoint");
+        c.fail(clause, fmt::format("{} and {}", outs[i].first, outs[j].first), "overlapping",
+               "disjoint");
         return;
       }
     for (const auto& [name, r] : ins)
@@ -44,11 +47,13 @@ void no_overlap(detail::Checker& c, const ClauseInfo& clause, const std::vector<
 }
 
 // The inputs an output of the op must not share a byte with.
-std::vector<std::pair<std::string, ByteRange>> input_ranges(const experts::PackedExperts& w, const experts::Lora& lora,
+std::vector<std::pair<std::string, ByteRange>> input_ranges(const experts::PackedExperts& w,
+                                                            const experts::Lora& lora,
                                                             MatView<const bf16> x) {
   std::vector<std::pair<std::string, ByteRange>> in{{"x", x.bytes()}};
   const auto names = lora_shapes(0, 0, 0, 0);
-  for (std::size_t i = 0; i < 6 && lora.rank; ++i) in.emplace_back(fmt::format("lora.{}", names[i].name), lora_views(lora)[i].bytes());
+  for (std::size_t i = 0; i < 6 && lora.rank; ++i)
+    in.emplace_back(fmt::format("lora.{}", names[i].name), lora_views(lora)[i].bytes());
   for (std::size_t e = 0; e < w.experts(); ++e) {
     in.emplace_back(fmt::format("packed gate_up e={}", e), packed_bytes(w.gate_up(e)));
     in.emplace_back(fmt::format("packed down e={}", e), packed_bytes(w.down(e)));
@@ -64,7 +69,8 @@ std::vector<std::pair<std::string, ByteRange>> input_ranges(const experts::Packe
 
 // ---- shared clause bodies ----------------------------------------------------
 
-void routing_in_range(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts) {
+void routing_in_range(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx,
+                      std::size_t experts) {
   for (std::size_t t = 0; t < idx.rows; ++t) {
     bool tail = false;
     for (std::size_t j = 0; j < idx.cols; ++j) {
@@ -84,8 +90,8 @@ void routing_unique(detail::Checker& c, const ClauseInfo& clause, MatView<const 
     for (std::size_t j = 0; j < idx.cols; ++j)
       for (std::size_t l = 0; l < j; ++l)
         if (idx(t, j) >= 0 && idx(t, j) == idx(t, l)) {
-          c.fail(clause, fmt::format("t={} j={}", t, j), fmt::format("idx={} also at j={}", idx(t, j), l),
-                 "distinct experts in a row");
+          c.fail(clause, fmt::format("t={} j={}", t, j),
+                 fmt::format("idx={} also at j={}", idx(t, j), l), "distinct experts in a row");
           return;
         }
 }
@@ -95,14 +101,19 @@ void routing_weights(detail::Checker& c, const ClauseInfo& clause, MatView<const
   for (std::size_t t = 0; t < weights.rows; ++t)
     for (std::size_t j = 0; j < weights.cols; ++j)
       if (!std::isfinite(weights(t, j)) || (idx(t, j) == -1 && weights(t, j) != 0)) {
-        c.fail(clause, fmt::format("t={} j={}", t, j), fmt::format("w={} idx={}", weights(t, j), idx(t, j)),
+        c.fail(clause, fmt::format("t={} j={}", t, j),
+               fmt::format("w={} idx={}", weights(t, j), idx(t, j)),
                idx(t, j) == -1 ? "0 at a -1 slot" : "finite");
         return;
       }
 }
 
 std::array<Named, 6> lora_shapes(std::size_t E, std::size_t H, std::size_t I, std::size_t r) {
-  return {{{"a_gate", E * r, H}, {"b_gate", E * I, r}, {"a_up", E * r, H}, {"b_up", E * I, r}, {"a_down", E * r, I},
+  return {{{"a_gate", E * r, H},
+           {"b_gate", E * I, r},
+           {"a_up", E * r, H},
+           {"b_up", E * I, r},
+           {"a_down", E * r, I},
            {"b_down", E * H, r}}};
 }
 
@@ -115,16 +126,20 @@ std::string lora_shape_error(const experts::Lora& l, std::size_t E, std::size_t 
   for (std::size_t i = 0; i < 6; ++i) {
     const auto sh = lora_shapes(E, H, I, l.rank)[i];
     const auto v = lora_views(l)[i];
-    if (!is(v, sh.rows, sh.cols)) return fmt::format("lora.{} {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows, sh.cols);
+    if (!is(v, sh.rows, sh.cols))
+      return fmt::format("lora.{} {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
+                         sh.cols);
   }
   return "";
 }
 
-void lora_finite(detail::Checker& c, const ClauseInfo& clause, const experts::Lora& l, std::size_t E, std::size_t H,
-                 std::size_t I) {
+void lora_finite(detail::Checker& c, const ClauseInfo& clause, const experts::Lora& l,
+                 std::size_t E, std::size_t H, std::size_t I) {
   for (std::size_t i = 0; i < 6 && l.rank; ++i)
-    if (!detail::scan(c, clause, fmt::format("lora.{}", lora_shapes(E, H, I, l.rank)[i].name), lora_views(l)[i],
-                      [](bf16 v) { return v.is_finite() && detail::bf16_in_range(v); }, "finite, 0 or 2^-60 <= |a| <= 2^60"))
+    if (!detail::scan(
+            c, clause, fmt::format("lora.{}", lora_shapes(E, H, I, l.rank)[i].name),
+            lora_views(l)[i], [](bf16 v) { return v.is_finite() && detail::bf16_in_range(v); },
+            "finite, 0 or 2^-60 <= |a| <= 2^60"))
       break;
 }
 
@@ -132,7 +147,8 @@ void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, 
   if (rank) {
     const float s = static_cast<float>(alpha / static_cast<double>(rank));
     if (!std::isfinite(s) || !(s > 0) || s < 0x1p-60f || s > 0x1p60f)
-      c.fail(clause, "", fmt::format("s={} (alpha={}, r={})", s, alpha, rank), "finite, 2^-60 <= s <= 2^60");
+      c.fail(clause, "", fmt::format("s={} (alpha={}, r={})", s, alpha, rank),
+             "finite, 2^-60 <= s <= 2^60");
   }
 }
 
@@ -147,32 +163,42 @@ void lora_padding(detail::Checker& c, const ClauseInfo& clause, const experts::P
       for (std::size_t n = 0; n < w->np(); ++n)
         for (std::size_t kk = n < w->n() ? w->k() : 0; kk < w->kp(); ++kk)
           if (w->at(n, kk).bits & 0x7fff) {
-            c.fail(clause, fmt::format("expert {} {} ({}, {})", e, name, n, kk), fmt::format("{}", w->at(n, kk).to_float()),
-                   "0 (rank padding)");
+            c.fail(clause, fmt::format("expert {} {} ({}, {})", e, name, n, kk),
+                   fmt::format("{}", w->at(n, kk).to_float()), "0 (rank padding)");
             return;
           }
     }
   }
 }
 
-std::array<Named, kWeightGrads> grad_shapes(std::size_t E, std::size_t H, std::size_t I, std::size_t r) {
+std::array<Named, kWeightGrads> grad_shapes(std::size_t E, std::size_t H, std::size_t I,
+                                            std::size_t r) {
   const auto l = lora_shapes(E, H, I, r);
-  return {{l[0], l[1], l[2], l[3], l[4], l[5], {"w_gate", E * I, H}, {"w_up", E * I, H}, {"w_down", E * H, I}}};
+  return {{l[0],
+           l[1],
+           l[2],
+           l[3],
+           l[4],
+           l[5],
+           {"w_gate", E * I, H},
+           {"w_up", E * I, H},
+           {"w_down", E * H, I}}};
 }
 
 std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& g) {
   return {g.a_gate, g.b_gate, g.a_up, g.b_up, g.a_down, g.b_down, g.w_gate, g.w_up, g.w_down};
 }
 
-void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s, std::size_t I,
-                        const float* logits, std::size_t R) {
+void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+                        std::size_t I, const float* logits, std::size_t R) {
   // The saved state the backward reads, at the elements it reads (a NaN
   // here: read before write, or a co-live buffer overwrote it).
   const auto& st = s.st;
   const auto& gr = st.grouping;
   const std::size_t T = s.tokens, K = s.topk, r = st.rank;
   auto fail = [&](const char* buffer, std::size_t row, std::size_t col, double v) {
-    c.fail(clause, fmt::format("{} row {} col {}", buffer, row, col), fmt::format("{}", v), "finite (saved by the forward)");
+    c.fail(clause, fmt::format("{} row {} col {}", buffer, row, col), fmt::format("{}", v),
+           "finite (saved by the forward)");
   };
   for (std::size_t i = 0; logits && i < T * R; ++i)
     if (!std::isfinite(logits[i])) return fail("router.logits", i / R, i % R, logits[i]);
@@ -186,11 +212,14 @@ void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const expe
     for (std::size_t i = 0; i < I; ++i) {
       const std::size_t at = 2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel;
       for (const std::size_t col : {at, at + gemm::kPanel})
-        if (!std::isfinite(st.c1[row * st.ldc1 + col])) return fail("experts.c1", row, col, st.c1[row * st.ldc1 + col]);
-      if (!std::isfinite(st.h_at(row, i).to_float())) return fail("experts.h", row, i, st.h_at(row, i).to_float());
+        if (!std::isfinite(st.c1[row * st.ldc1 + col]))
+          return fail("experts.c1", row, col, st.c1[row * st.ldc1 + col]);
+      if (!std::isfinite(st.h_at(row, i).to_float()))
+        return fail("experts.h", row, i, st.h_at(row, i).to_float());
     }
     for (std::size_t kk = 0; kk < 2 * r; ++kk)
-      if (!std::isfinite(st.xa[row * 2 * r + kk])) return fail("lora.xa", row, kk, st.xa[row * 2 * r + kk]);
+      if (!std::isfinite(st.xa[row * 2 * r + kk]))
+        return fail("lora.xa", row, kk, st.xa[row * 2 * r + kk]);
     for (std::size_t kk = 0; kk < r; ++kk)
       if (!std::isfinite(st.ha[row * r + kk])) return fail("lora.ha", row, kk, st.ha[row * r + kk]);
   }
@@ -210,8 +239,8 @@ void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const exper
       for (std::size_t row = e * per; row < (e + 1) * per; ++row)
         for (std::size_t col = 0; col < v.cols; ++col)
           if (v(row, col) != 0.0f) {
-            c.fail(clause, fmt::format("expert {} {} grad ({}, {})", e, names[i].name, row, col), fmt::format("{}", v(row, col)),
-                   "exactly 0 (the expert has no token)");
+            c.fail(clause, fmt::format("expert {} {} grad ({}, {})", e, names[i].name, row, col),
+                   fmt::format("{}", v(row, col)), "exactly 0 (the expert has no token)");
             return;
           }
     }
@@ -222,20 +251,24 @@ void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const exper
     for (std::size_t t = 0; t < m.rows; ++t)
       for (std::size_t e = 0; e < m.cols; ++e) {
         bool routed = false;
-        for (std::size_t j = 0; j < s.topk; ++j) routed = routed || s.idx[t * s.topk + j] == static_cast<std::int32_t>(e);
+        for (std::size_t j = 0; j < s.topk; ++j)
+          routed = routed || s.idx[t * s.topk + j] == static_cast<std::int32_t>(e);
         if (!routed && m(t, e) != 0.0f) {
-          c.fail(clause, fmt::format("{}[{}, {}]", name, t, e), fmt::format("{}", m(t, e)), "exactly 0 (t not routed to e)");
+          c.fail(clause, fmt::format("{}[{}, {}]", name, t, e), fmt::format("{}", m(t, e)),
+                 "exactly 0 (t not routed to e)");
           return;
         }
       }
   }
 }
 
-void dweights_masked(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s, MatView<const float> dw) {
+void dweights_masked(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+                     MatView<const float> dw) {
   for (std::size_t t = 0; t < dw.rows; ++t)
     for (std::size_t j = 0; j < dw.cols; ++j)
       if (s.idx[t * s.topk + j] < 0 && dw(t, j) != 0.0f) {
-        c.fail(clause, fmt::format("t={} j={} (idx -1)", t, j), fmt::format("dL/dw={}", dw(t, j)), "exactly 0");
+        c.fail(clause, fmt::format("t={} j={} (idx -1)", t, j), fmt::format("dL/dw={}", dw(t, j)),
+               "exactly 0");
         return;
       }
 }
@@ -248,25 +281,31 @@ std::vector<float> values(MatView<const float> m) {
 }
 
 bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name, std::size_t cols,
-            const std::vector<float>& got, const std::vector<Tracked>& ref, std::string_view proof) {
+            const std::vector<float>& got, const std::vector<Tracked>& ref,
+            std::string_view proof) {
   std::vector<double> v(got.size()), b(got.size());
-  for (std::size_t i = 0; i < got.size(); ++i) v[i] = ref[i].v, b[i] = bounds::kReferenceSlack * ref[i].e;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    v[i] = ref[i].v, b[i] = bounds::kReferenceSlack * ref[i].e;
   const auto cmp = compare::bounded(got, v, b);
   if (cmp.pass()) return true;
   const std::size_t n = std::max<std::size_t>(cols, 1);
   c.fail(clause, fmt::format("{}[{}, {}]", name, cmp.worst / n, cmp.worst % n),
-         fmt::format("{}={:.9g} ref={:.17g} (utilisation {:.3g})", name, cmp.worst_got, cmp.worst_ref, cmp.max_utilization),
+         fmt::format("{}={:.9g} ref={:.17g} (utilisation {:.3g})", name, cmp.worst_got,
+                     cmp.worst_ref, cmp.max_utilization),
          fmt::format("|{} - ref| <= {:.6g} ({})", name, cmp.worst_bound, proof));
   return false;
 }
 
 template <class S>
-ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::Lora& lora, MatView<const bf16> x,
-                               const float* dy, const experts::TrainState& s) {
+ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::Lora& lora,
+                               MatView<const bf16> x, const float* dy,
+                               const experts::TrainState& s) {
   ref::LayerData<S> d;
-  d.T = x.rows, d.H = w.hidden(), d.I = w.inter(), d.E = w.experts(), d.K = s.topk, d.r = lora.rank, d.R = 0;
+  d.T = x.rows, d.H = w.hidden(), d.I = w.inter(), d.E = w.experts(), d.K = s.topk, d.r = lora.rank,
+  d.R = 0;
   d.router = false;
-  d.scale = d.r ? static_cast<double>(static_cast<float>(lora.alpha / static_cast<double>(d.r))) : 0.0;
+  d.scale =
+      d.r ? static_cast<double>(static_cast<float>(lora.alpha / static_cast<double>(d.r))) : 0.0;
   auto put = [](std::vector<S>& out, auto m) {
     out.resize(m.rows * m.cols);
     for (std::size_t i = 0; i < m.rows; ++i)
@@ -281,7 +320,8 @@ ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::L
         d.wu[(e * d.I + i) * d.H + h] = S(double(w.up(e, i, h).to_float()));
       }
     for (std::size_t h = 0; h < d.H; ++h)
-      for (std::size_t i = 0; i < d.I; ++i) d.wd[(e * d.H + h) * d.I + i] = S(double(w.down(e, h, i).to_float()));
+      for (std::size_t i = 0; i < d.I; ++i)
+        d.wd[(e * d.H + h) * d.I + i] = S(double(w.down(e, h, i).to_float()));
   }
   if (d.r) {
     put(d.ag, lora.a_gate), put(d.bg, lora.b_gate), put(d.au, lora.a_up);
@@ -297,39 +337,52 @@ ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::L
   return d;
 }
 
-template ref::LayerData<double> experts_data<double>(const experts::PackedExperts&, const experts::Lora&, MatView<const bf16>,
+template ref::LayerData<double> experts_data<double>(const experts::PackedExperts&,
+                                                     const experts::Lora&, MatView<const bf16>,
                                                      const float*, const experts::TrainState&);
-template ref::LayerData<Tracked> experts_data<Tracked>(const experts::PackedExperts&, const experts::Lora&,
-                                                       MatView<const bf16>, const float*, const experts::TrainState&);
+template ref::LayerData<Tracked> experts_data<Tracked>(const experts::PackedExperts&,
+                                                       const experts::Lora&, MatView<const bf16>,
+                                                       const float*, const experts::TrainState&);
 
 // ---- experts.forward_train -----------------------------------------------------
 
-void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts& w, const experts::Lora& lora,
-                               MatView<const bf16> x, MatView<const std::int32_t> idx, MatView<const float> weights,
+void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts& w,
+                               const experts::Lora& lora, MatView<const bf16> x,
+                               MatView<const std::int32_t> idx, MatView<const float> weights,
                                MatView<float> y) {
   const std::size_t T = x.rows, K = idx.cols, E = w.experts(), H = w.hidden(), I = w.inter();
   MOECERT_CONTRACT(c, k::kFwdShape) {
     std::string bad;
-    if (!is(x, T, H) || T > static_cast<std::size_t>(kMaxTokens)) bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!is(idx, T, K) || K < 1 || K > std::min<std::size_t>(E, kMaxTopk)) bad = fmt::format("idx {}x{}", idx.rows, idx.cols);
-    else if (!is(weights, T, K)) bad = fmt::format("weights {}x{}", weights.rows, weights.cols);
-    else if (!is(y, T, H)) bad = fmt::format("y {}x{}", y.rows, y.cols);
-    else if (lora.rank > static_cast<std::size_t>(kMaxRank)) bad = fmt::format("r={}", lora.rank);
-    else bad = lora_shape_error(lora, E, H, I);
+    if (!is(x, T, H) || T > static_cast<std::size_t>(kMaxTokens))
+      bad = fmt::format("x {}x{}", x.rows, x.cols);
+    else if (!is(idx, T, K) || K < 1 || K > std::min<std::size_t>(E, kMaxTopk))
+      bad = fmt::format("idx {}x{}", idx.rows, idx.cols);
+    else if (!is(weights, T, K))
+      bad = fmt::format("weights {}x{}", weights.rows, weights.cols);
+    else if (!is(y, T, H))
+      bad = fmt::format("y {}x{}", y.rows, y.cols);
+    else if (lora.rank > static_cast<std::size_t>(kMaxRank))
+      bad = fmt::format("r={}", lora.rank);
+    else
+      bad = lora_shape_error(lora, E, H, I);
     if (!bad.empty())
       c.fail(k::kFwdShape, "", bad,
-             fmt::format("x, y Tx{} (T <= 2^20), idx and weights TxK (1 <= K <= min(E={}, 64)), r <= 256, LoRA of E={} H={} I={} r",
+             fmt::format("x, y Tx{} (T <= 2^20), idx and weights TxK (1 <= K <= min(E={}, 64)), r "
+                         "<= 256, LoRA of E={} H={} I={} r",
                          H, E, E, H, I));
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kFwdIdxInRange) { routing_in_range(c, k::kFwdIdxInRange, idx, E); }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kFwdIdxUnique) { routing_unique(c, k::kFwdIdxUnique, idx); }
-  MOECERT_CONTRACT(c, k::kFwdWeightFinite) { routing_weights(c, k::kFwdWeightFinite, idx, weights); }
+  MOECERT_CONTRACT(c, k::kFwdWeightFinite) {
+    routing_weights(c, k::kFwdWeightFinite, idx, weights);
+  }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kFwdXFinite) {
-    detail::scan(c, k::kFwdXFinite, "x", x, [](bf16 v) { return v.is_finite() && detail::bf16_in_range(v); },
-                 "finite, 0 or 2^-60 <= |x| <= 2^60");
+    detail::scan(
+        c, k::kFwdXFinite, "x", x, [](bf16 v) { return v.is_finite() && detail::bf16_in_range(v); },
+        "finite, 0 or 2^-60 <= |x| <= 2^60");
   }
   MOECERT_CONTRACT(c, k::kFwdLoraFinite) { lora_finite(c, k::kFwdLoraFinite, lora, E, H, I); }
   MOECERT_CONTRACT(c, k::kFwdScale) { lora_scale(c, k::kFwdScale, lora.rank, lora.alpha); }
@@ -341,8 +394,9 @@ void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts&
   }
 }
 
-void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts& w, const experts::Lora& lora,
-                                MatView<const bf16> x, MatView<const float> y, const experts::TrainState& s) {
+void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts& w,
+                                const experts::Lora& lora, MatView<const bf16> x,
+                                MatView<const float> y, const experts::TrainState& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
   MOECERT_CONTRACT(c, k::kFwdWithin) {
     // The layer's expert part with the routing weights given (proofs/experts.md §1).
@@ -353,48 +407,66 @@ void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts
 
 // ---- experts.backward ----------------------------------------------------------
 
-void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w, const experts::Lora& lora,
-                          MatView<const bf16> x, MatView<const float> dy, const experts::Saved::Impl& s,
-                          const experts::Gradients& g) {
+void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
+                          const experts::Lora& lora, MatView<const bf16> x, MatView<const float> dy,
+                          const experts::Saved::Impl& s, const experts::Gradients& g) {
   const std::size_t T = x.rows, E = w.experts(), H = w.hidden(), I = w.inter();
   MOECERT_CONTRACT(c, k::kBwdState) {
-    if (!s.valid) c.fail(k::kBwdState, "", "no forward saved", "a training forward first");
-    else if (!s.training) c.fail(k::kBwdState, "", "forward ran with training = false", "a training forward");
-    else if (s.experts != E || s.hidden != H || s.inter != I || s.rank != lora.rank || (lora.rank && s.alpha != lora.alpha))
+    if (!s.valid)
+      c.fail(k::kBwdState, "", "no forward saved", "a training forward first");
+    else if (!s.training)
+      c.fail(k::kBwdState, "", "forward ran with training = false", "a training forward");
+    else if (s.experts != E || s.hidden != H || s.inter != I || s.rank != lora.rank ||
+             (lora.rank && s.alpha != lora.alpha))
       c.fail(k::kBwdState, "",
-             fmt::format("saved by a forward of E={} H={} I={} r={} alpha={}", s.experts, s.hidden, s.inter, s.rank, s.alpha),
+             fmt::format("saved by a forward of E={} H={} I={} r={} alpha={}", s.experts, s.hidden,
+                         s.inter, s.rank, s.alpha),
              fmt::format("E={} H={} I={} r={} alpha={}", E, H, I, lora.rank, lora.alpha));
-    else if (s.tokens != T) c.fail(k::kBwdState, "", fmt::format("saved T={}, x has {}", s.tokens, T), "the same T");
-    else if (!w.has_backward()) c.fail(k::kBwdState, "", "experts packed without backward", "pack(..., backward = true)");
+    else if (s.tokens != T)
+      c.fail(k::kBwdState, "", fmt::format("saved T={}, x has {}", s.tokens, T), "the same T");
+    else if (!w.has_backward())
+      c.fail(k::kBwdState, "", "experts packed without backward", "pack(..., backward = true)");
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kBwdShape) {
     const std::size_t K = s.topk;
     std::string bad;
-    if (!is(x, T, H)) bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!is(dy, T, H)) bad = fmt::format("dy {}x{}", dy.rows, dy.cols);
-    else if (!g.dx.empty() && !is(g.dx, T, H)) bad = fmt::format("dx {}x{}", g.dx.rows, g.dx.cols);
-    else if (!g.dweights.empty() && !is(g.dweights, T, K)) bad = fmt::format("dweights {}x{}", g.dweights.rows, g.dweights.cols);
-    else if (!g.m_a.empty() && !is(g.m_a, T, E)) bad = fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
-    else if (!g.m_g.empty() && !is(g.m_g, T, E)) bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
+    if (!is(x, T, H))
+      bad = fmt::format("x {}x{}", x.rows, x.cols);
+    else if (!is(dy, T, H))
+      bad = fmt::format("dy {}x{}", dy.rows, dy.cols);
+    else if (!g.dx.empty() && !is(g.dx, T, H))
+      bad = fmt::format("dx {}x{}", g.dx.rows, g.dx.cols);
+    else if (!g.dweights.empty() && !is(g.dweights, T, K))
+      bad = fmt::format("dweights {}x{}", g.dweights.rows, g.dweights.cols);
+    else if (!g.m_a.empty() && !is(g.m_a, T, E))
+      bad = fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
+    else if (!g.m_g.empty() && !is(g.m_g, T, E))
+      bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
     else
       for (std::size_t i = 0; i < kWeightGrads; ++i) {
         const auto v = weight_grads(g)[i];
         const auto sh = grad_shapes(E, H, I, lora.rank)[i];
         if (!v.empty() && !is(v, sh.rows, sh.cols)) {
-          bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows, sh.cols);
+          bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
+                            sh.cols);
           break;
         }
       }
-    if (!bad.empty()) c.fail(k::kBwdShape, "", bad, fmt::format("the shapes of E={} H={} I={} K={} r={}, T={}", E, H, I, K, lora.rank, T));
+    if (!bad.empty())
+      c.fail(k::kBwdShape, "", bad,
+             fmt::format("the shapes of E={} H={} I={} K={} r={}, T={}", E, H, I, K, lora.rank, T));
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kBwdDyFinite) { detail::scan_finite(c, k::kBwdDyFinite, "dy", dy); }
   MOECERT_CONTRACT(c, k::kBwdNoAlias) {
-    std::vector<std::pair<std::string, ByteRange>> outs{
-        {"dx", g.dx.bytes()}, {"dweights", g.dweights.bytes()}, {"m_a", g.m_a.bytes()}, {"m_g", g.m_g.bytes()}};
+    std::vector<std::pair<std::string, ByteRange>> outs{{"dx", g.dx.bytes()},
+                                                        {"dweights", g.dweights.bytes()},
+                                                        {"m_a", g.m_a.bytes()},
+                                                        {"m_g", g.m_g.bytes()}};
     const auto names = grad_shapes(E, H, I, lora.rank);
-    for (std::size_t i = 0; i < kWeightGrads; ++i) outs.emplace_back(fmt::format("{} grad", names[i].name), weight_grads(g)[i].bytes());
+    for (std::size_t i = 0; i < kWeightGrads; ++i)
+      outs.emplace_back(fmt::format("{} grad", names[i].name), weight_grads(g)[i].bytes());
     auto in = input_ranges(w, lora, x);
     in.emplace_back("dy", dy.bytes());
     in.emplace_back("saved workspace", s.arena.bytes());
@@ -402,17 +474,21 @@ void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w, c
   }
 }
 
-void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w, const experts::Lora& lora,
-                           MatView<const bf16> x, MatView<const float> dy, const experts::TrainState& s,
+void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
+                           const experts::Lora& lora, MatView<const bf16> x,
+                           MatView<const float> dy, const experts::TrainState& s,
                            const experts::Gradients& g) {
   const std::size_t E = w.experts(), H = w.hidden(), I = w.inter();
   const auto names = grad_shapes(E, H, I, lora.rank);
   MOECERT_CONTRACT(c, k::kBwdGradFinite) {
     bool ok = true;
-    const std::pair<const char*, MatView<float>> others[] = {{"dx", g.dx}, {"dweights", g.dweights}, {"m_a", g.m_a}, {"m_g", g.m_g}};
-    for (const auto& [name, v] : others) ok = ok && detail::scan_finite(c, k::kBwdGradFinite, name, MatView<const float>(v));
+    const std::pair<const char*, MatView<float>> others[] = {
+        {"dx", g.dx}, {"dweights", g.dweights}, {"m_a", g.m_a}, {"m_g", g.m_g}};
+    for (const auto& [name, v] : others)
+      ok = ok && detail::scan_finite(c, k::kBwdGradFinite, name, MatView<const float>(v));
     for (std::size_t i = 0; i < kWeightGrads && ok; ++i)
-      ok = detail::scan_finite(c, k::kBwdGradFinite, fmt::format("{} grad", names[i].name), MatView<const float>(weight_grads(g)[i]));
+      ok = detail::scan_finite(c, k::kBwdGradFinite, fmt::format("{} grad", names[i].name),
+                               MatView<const float>(weight_grads(g)[i]));
   }
   MOECERT_CONTRACT(c, k::kBwdEmptyZero) { empty_expert_zero(c, k::kBwdEmptyZero, s, g); }
   MOECERT_CONTRACT(c, k::kBwdDwMasked) { dweights_masked(c, k::kBwdDwMasked, s, g.dweights); }
@@ -420,18 +496,26 @@ void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w, 
     static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
     const bool expert = experts::wants_expert_path(g);
     const bool base = !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty();
-    const auto ref = ref::layer_reference(experts_data<Tracked>(w, lora, x, dy.data ? dy.data : &no_tokens, s), true,
-                                          {expert, !g.dweights.empty(), expert && base});
+    const auto ref =
+        ref::layer_reference(experts_data<Tracked>(w, lora, x, dy.data ? dy.data : &no_tokens, s),
+                             true, {expert, !g.dweights.empty(), expert && base});
     const char* proof = "proofs/experts.md §2";
-    if (!g.dweights.empty() && !within(c, k::kBwdWithin, "dweights", s.topk, values(g.dweights), ref.dw, proof)) return;
+    if (!g.dweights.empty() &&
+        !within(c, k::kBwdWithin, "dweights", s.topk, values(g.dweights), ref.dw, proof))
+      return;
     if (!g.dx.empty() && !within(c, k::kBwdWithin, "dx", H, values(g.dx), ref.dx, proof)) return;
-    if (!g.m_a.empty() && !within(c, k::kBwdWithin, "m_a", E, values(g.m_a), ref.m_a, proof)) return;
-    if (!g.m_g.empty() && !within(c, k::kBwdWithin, "m_g", E, values(g.m_g), ref.m_g, proof)) return;
-    const std::vector<Tracked>* refs[] = {&ref.dag, &ref.dbg, &ref.dau, &ref.dbu, &ref.dad, &ref.dbd, &ref.dwg, &ref.dwu, &ref.dwd};
+    if (!g.m_a.empty() && !within(c, k::kBwdWithin, "m_a", E, values(g.m_a), ref.m_a, proof))
+      return;
+    if (!g.m_g.empty() && !within(c, k::kBwdWithin, "m_g", E, values(g.m_g), ref.m_g, proof))
+      return;
+    const std::vector<Tracked>* refs[] = {&ref.dag, &ref.dbg, &ref.dau, &ref.dbu, &ref.dad,
+                                          &ref.dbd, &ref.dwg, &ref.dwu, &ref.dwd};
     for (std::size_t i = 0; i < kWeightGrads; ++i) {
       const auto v = weight_grads(g)[i];
       if (v.empty() || v.rows == 0) continue;
-      if (!within(c, k::kBwdWithin, fmt::format("{} grad", names[i].name), v.cols, values(v), *refs[i], proof)) return;
+      if (!within(c, k::kBwdWithin, fmt::format("{} grad", names[i].name), v.cols, values(v),
+                  *refs[i], proof))
+        return;
     }
   }
 }

@@ -15,16 +15,19 @@
 
 namespace moecert::contracts {
 
-void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts& w, const experts::Lora& lora,
-                               MatView<const bf16> x, MatView<const std::int32_t> idx, MatView<const float> weights,
+void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts& w,
+                               const experts::Lora& lora, MatView<const bf16> x,
+                               MatView<const std::int32_t> idx, MatView<const float> weights,
                                MatView<float> y);
-void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts& w, const experts::Lora& lora,
-                                MatView<const bf16> x, MatView<const float> y, const experts::TrainState& s);
-void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w, const experts::Lora& lora,
-                          MatView<const bf16> x, MatView<const float> dy, const experts::Saved::Impl& s,
-                          const experts::Gradients& g);
-void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w, const experts::Lora& lora,
-                           MatView<const bf16> x, MatView<const float> dy, const experts::TrainState& s,
+void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts& w,
+                                const experts::Lora& lora, MatView<const bf16> x,
+                                MatView<const float> y, const experts::TrainState& s);
+void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
+                          const experts::Lora& lora, MatView<const bf16> x, MatView<const float> dy,
+                          const experts::Saved::Impl& s, const experts::Gradients& g);
+void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
+                           const experts::Lora& lora, MatView<const bf16> x,
+                           MatView<const float> dy, const experts::TrainState& s,
                            const experts::Gradients& g);
 
 // ---- shared with the layer -------------------------------------------------
@@ -33,7 +36,8 @@ void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w, 
 // guards it with MOECERT_CONTRACT(c, clause) (so a cap compiles it out).
 
 /// -1 <= idx < E, and -1 only at the tail of a row.
-void routing_in_range(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx, std::size_t experts);
+void routing_in_range(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx,
+                      std::size_t experts);
 /// No expert twice in a row.
 void routing_unique(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx);
 /// Every weight finite, and 0 at -1 slots.
@@ -50,8 +54,8 @@ std::array<MatView<const bf16>, 6> lora_views(const experts::Lora& l);
 /// The first LoRA view not of its shape, as "lora.a_gate 3x4, expected 4x4"; "" if none.
 std::string lora_shape_error(const experts::Lora& l, std::size_t E, std::size_t H, std::size_t I);
 /// Every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60.
-void lora_finite(detail::Checker& c, const ClauseInfo& clause, const experts::Lora& l, std::size_t E, std::size_t H,
-                 std::size_t I);
+void lora_finite(detail::Checker& c, const ClauseInfo& clause, const experts::Lora& l,
+                 std::size_t E, std::size_t H, std::size_t I);
 /// s = float(alpha / r) finite and in [2^-60, 2^60] (r > 0).
 void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, double alpha);
 /// The packed LoRA factors' rank padding is zero.
@@ -60,32 +64,36 @@ void lora_padding(detail::Checker& c, const ClauseInfo& clause, const experts::P
 /// The weight gradients of the expert path (LoRA's six, then the base
 /// weights' three) with the shapes they must have.
 constexpr std::size_t kWeightGrads = 9;
-std::array<Named, kWeightGrads> grad_shapes(std::size_t E, std::size_t H, std::size_t I, std::size_t r);
+std::array<Named, kWeightGrads> grad_shapes(std::size_t E, std::size_t H, std::size_t I,
+                                            std::size_t r);
 std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& g);
 
 /// The saved state the backward reads is finite (idx in range) at the
 /// elements it reads, for experts of intermediate size I (logits: the
 /// layer's router logits [T x R], or null).
-void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s, std::size_t I,
-                        const float* logits, std::size_t R);
+void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+                        std::size_t I, const float* logits, std::size_t R);
 /// An idle expert's weight gradients are exactly 0, and M_A, M_G are 0
 /// wherever token t is not routed to e.
 void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
                        const experts::Gradients& g);
 /// dL/dw exactly 0 at -1 slots.
-void dweights_masked(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s, MatView<const float> dw);
+void dweights_masked(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+                     MatView<const float> dw);
 
 /// The elements of m, row by row.
 std::vector<float> values(MatView<const float> m);
 /// Compares got (rows x cols, row-major) with the bounded reference (times
 /// kReferenceSlack); fails `clause` at the worst element, citing `proof`.
 bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name, std::size_t cols,
-            const std::vector<float>& got, const std::vector<bounds::Tracked>& ref, std::string_view proof);
+            const std::vector<float>& got, const std::vector<bounds::Tracked>& ref,
+            std::string_view proof);
 
 /// The experts op's inputs as reference data of scalar S (idx and weights
 /// from the saved state: the kernel's copies), dy optional.
 template <class S>
-ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::Lora& lora, MatView<const bf16> x,
-                               const float* dy, const experts::TrainState& s);
+ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::Lora& lora,
+                               MatView<const bf16> x, const float* dy,
+                               const experts::TrainState& s);
 
 }  // namespace moecert::contracts

@@ -1,10 +1,10 @@
 // Clauses of gemm.pack and gemm.matmul.
 #include "contracts/gemm.hpp"
-#include "ops/gemm/ukernel.hpp"
 
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/verify.hpp"
+#include "ops/gemm/ukernel.hpp"
 
 namespace moecert::contracts {
 
@@ -12,14 +12,17 @@ namespace k = clauses::gemm;
 
 void gemm_pack_pre(detail::Checker& c, MatView<const bf16> w, MatView<const bf16> second) {
   MOECERT_CONTRACT(c, k::kPackShape) {
-    if (w.stride < w.cols || (second.data && (second.rows != w.rows || second.cols != w.cols || second.stride < second.cols)))
-      c.fail(k::kPackShape, "", fmt::format("w {}x{} (stride {}), second {}x{} (stride {})", w.rows, w.cols, w.stride,
-                                            second.rows, second.cols, second.stride),
+    if (w.stride < w.cols || (second.data && (second.rows != w.rows || second.cols != w.cols ||
+                                              second.stride < second.cols)))
+      c.fail(k::kPackShape, "",
+             fmt::format("w {}x{} (stride {}), second {}x{} (stride {})", w.rows, w.cols, w.stride,
+                         second.rows, second.cols, second.stride),
              "stride >= cols; second absent or of w's shape");
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kPackWFinite) {
-    detail::scan_finite(c, k::kPackWFinite, "w", w) && (!second.data || detail::scan_finite(c, k::kPackWFinite, "w2", second));
+    detail::scan_finite(c, k::kPackWFinite, "w", w) &&
+        (!second.data || detail::scan_finite(c, k::kPackWFinite, "w2", second));
   }
   MOECERT_CONTRACT(c, k::kPackWRange) {
     detail::scan_bf16_range(c, k::kPackWRange, "w", w) &&
@@ -27,7 +30,8 @@ void gemm_pack_pre(detail::Checker& c, MatView<const bf16> w, MatView<const bf16
   }
 }
 
-void gemm_pack_post(detail::Checker& c, MatView<const bf16> w, MatView<const bf16> second, const gemm::PackedWeights& out) {
+void gemm_pack_post(detail::Checker& c, MatView<const bf16> w, MatView<const bf16> second,
+                    const gemm::PackedWeights& out) {
   MOECERT_CONTRACT(c, k::kPackRoundtrip) {
     // Column n of the packed W is row n of w (or, interleaved by 16-column
     // panel, of w and second).
@@ -38,7 +42,8 @@ void gemm_pack_post(detail::Checker& c, MatView<const bf16> w, MatView<const bf1
       if (row >= src.rows) continue;  // padding of an interleaved panel
       for (std::size_t kk = 0; kk < w.cols; ++kk)
         if (out.at(n, kk).bits != src(row, kk).bits) {
-          c.fail(k::kPackRoundtrip, fmt::format("w[{}, {}]", row, kk), fmt::format("packed {}", out.at(n, kk).to_float()),
+          c.fail(k::kPackRoundtrip, fmt::format("w[{}, {}]", row, kk),
+                 fmt::format("packed {}", out.at(n, kk).to_float()),
                  fmt::format("{} (the input)", src(row, kk).to_float()));
           return;
         }
@@ -46,13 +51,15 @@ void gemm_pack_post(detail::Checker& c, MatView<const bf16> w, MatView<const bf1
   }
 }
 
-void gemm_pack_transposed_post(detail::Checker& c, MatView<const bf16> wt, const gemm::PackedWeights& out) {
+void gemm_pack_transposed_post(detail::Checker& c, MatView<const bf16> wt,
+                               const gemm::PackedWeights& out) {
   MOECERT_CONTRACT(c, k::kPackRoundtrip) {
     // Column n of the packed W is column n of wt.
     for (std::size_t kk = 0; kk < wt.rows; ++kk)
       for (std::size_t n = 0; n < wt.cols; ++n)
         if (out.at(n, kk).bits != wt(kk, n).bits) {
-          c.fail(k::kPackRoundtrip, fmt::format("wt[{}, {}]", kk, n), fmt::format("packed {}", out.at(n, kk).to_float()),
+          c.fail(k::kPackRoundtrip, fmt::format("wt[{}, {}]", kk, n),
+                 fmt::format("packed {}", out.at(n, kk).to_float()),
                  fmt::format("{} (the input)", wt(kk, n).to_float()));
           return;
         }
@@ -68,11 +75,14 @@ void gemm_checksum(detail::Checker& c, const gemm::PackedWeights& w, std::string
   }
 }
 
-void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w, MatView<float> out) {
+void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w,
+                     MatView<float> out) {
   MOECERT_CONTRACT(c, k::kShape) {
-    if (a.cols != w.k() || out.rows != a.rows || out.cols != w.n() || a.stride < a.cols || out.stride < out.cols)
-      c.fail(k::kShape, "", fmt::format("a {}x{} (stride {}), w {}x{}, c {}x{} (stride {})", a.rows, a.cols, a.stride,
-                                        w.n(), w.k(), out.rows, out.cols, out.stride),
+    if (a.cols != w.k() || out.rows != a.rows || out.cols != w.n() || a.stride < a.cols ||
+        out.stride < out.cols)
+      c.fail(k::kShape, "",
+             fmt::format("a {}x{} (stride {}), w {}x{}, c {}x{} (stride {})", a.rows, a.cols,
+                         a.stride, w.n(), w.k(), out.rows, out.cols, out.stride),
              fmt::format("a ?x{}, c {}x{}", w.k(), a.rows, w.n()));
   }
   if (c.stop()) return;
@@ -80,9 +90,10 @@ void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::Pack
     const ByteRange wr{reinterpret_cast<std::uintptr_t>(w.data()),
                        reinterpret_cast<std::uintptr_t>(w.data() + w.size())};
     if (overlaps(out.bytes(), a.bytes()) || overlaps(out.bytes(), wr))
-      c.fail(k::kNoAlias, "", fmt::format("c {} overlaps {}", detail::format_range(out.bytes()),
-                                          overlaps(out.bytes(), a.bytes()) ? "a " + detail::format_range(a.bytes())
-                                                                           : "w " + detail::format_range(wr)),
+      c.fail(k::kNoAlias, "",
+             fmt::format("c {} overlaps {}", detail::format_range(out.bytes()),
+                         overlaps(out.bytes(), a.bytes()) ? "a " + detail::format_range(a.bytes())
+                                                          : "w " + detail::format_range(wr)),
              "disjoint");
   }
   MOECERT_CONTRACT(c, k::kAFinite) { detail::scan_finite(c, k::kAFinite, "a", a); }
@@ -90,14 +101,16 @@ void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::Pack
   gemm_checksum(c, w, "w");
 }
 
-void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w, MatView<const float> out) {
+void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w,
+                      MatView<const float> out) {
   MOECERT_CONTRACT(c, k::kCFinite) { detail::scan_finite(c, k::kCFinite, "c", out); }
   auto b_at = [&](std::size_t j, std::size_t kk) { return w.at(j, kk); };
   MOECERT_CONTRACT(c, k::kProbe) {
     const auto r = verify::probe_gemm_nt(a.rows, a.cols, a, w.n(), b_at, out);
     if (!r.pass)
       c.fail(k::kProbe, fmt::format("row {} column block {}", r.row, r.block),
-             fmt::format("residual {:.6g}", r.residual), fmt::format("<= {:.6g} (proofs/bounds.md §9)", r.threshold));
+             fmt::format("residual {:.6g}", r.residual),
+             fmt::format("<= {:.6g} (proofs/bounds.md §9)", r.threshold));
   }
   MOECERT_CONTRACT(c, k::kWithinBound) {
     std::vector<std::size_t> rows(a.rows);
@@ -105,7 +118,8 @@ void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::Pac
     const auto r = verify::check_rows_gemm_nt(a.cols, a, w.n(), b_at, out, rows);
     if (!r.pass())
       c.fail(k::kWithinBound, fmt::format("i={} j={}", r.worst / w.n(), r.worst % w.n()),
-             fmt::format("c={:.9g} ref={:.17g} (utilisation {:.3g})", r.worst_got, r.worst_ref, r.max_utilization),
+             fmt::format("c={:.9g} ref={:.17g} (utilisation {:.3g})", r.worst_got, r.worst_ref,
+                         r.max_utilization),
              fmt::format("|c - ref| <= {:.6g} (proofs/bounds.md §1)", r.worst_bound));
   }
 }

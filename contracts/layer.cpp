@@ -2,10 +2,10 @@
 // kernel run (proofs/layer.md).
 #include "contracts/layer.hpp"
 
+#include <oneapi/tbb/parallel_for.h>
+
 #include <array>
 #include <cmath>
-
-#include <oneapi/tbb/parallel_for.h>
 
 #include "contracts/bounds/experts.hpp"
 #include "contracts/bounds/router.hpp"
@@ -22,14 +22,17 @@ using bounds::Tracked;
 
 namespace {
 
-std::size_t router_outs(const MoeConfig& cfg) { return static_cast<std::size_t>(workspace::router_outputs(cfg)); }
+std::size_t router_outs(const MoeConfig& cfg) {
+  return static_cast<std::size_t>(workspace::router_outputs(cfg));
+}
 
 struct Dims {
   std::size_t E, H, I, K, r, R;
 };
 Dims dims(const MoeConfig& cfg) {
-  return {static_cast<std::size_t>(cfg.experts), static_cast<std::size_t>(cfg.hidden), static_cast<std::size_t>(cfg.inter),
-          static_cast<std::size_t>(cfg.topk),    static_cast<std::size_t>(cfg.lora_rank), router_outs(cfg)};
+  return {static_cast<std::size_t>(cfg.experts),   static_cast<std::size_t>(cfg.hidden),
+          static_cast<std::size_t>(cfg.inter),     static_cast<std::size_t>(cfg.topk),
+          static_cast<std::size_t>(cfg.lora_rank), router_outs(cfg)};
 }
 
 template <class T>
@@ -37,18 +40,21 @@ bool is(MatView<T> m, std::size_t rows, std::size_t cols) {
   return m.rows == rows && m.cols == cols && m.stride >= cols;
 }
 
-bool wants_base(const layer::Gradients& g) { return !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty(); }
+bool wants_base(const layer::Gradients& g) {
+  return !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty();
+}
 
 bool same_config(const MoeConfig& a, const MoeConfig& b) {
   return a.experts == b.experts && a.hidden == b.hidden && a.inter == b.inter && a.topk == b.topk &&
          a.lora_rank == b.lora_rank && a.lora_alpha == b.lora_alpha && a.router == b.router &&
-         a.renormalize == b.renormalize && a.groups == b.groups && a.topk_group == b.topk_group && a.scaling == b.scaling;
+         a.renormalize == b.renormalize && a.groups == b.groups && a.topk_group == b.topk_group &&
+         a.scaling == b.scaling;
 }
 
 // Compares got(i, j) with the bounded reference (proofs/layer.md).
 template <class Get>
-bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name, std::size_t rows, std::size_t cols,
-            Get got, const std::vector<Tracked>& ref) {
+bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name, std::size_t rows,
+            std::size_t cols, Get got, const std::vector<Tracked>& ref) {
   std::vector<float> g(rows * cols);
   for (std::size_t i = 0; i < rows; ++i)
     for (std::size_t j = 0; j < cols; ++j) g[i * cols + j] = got(i, j);
@@ -57,13 +63,16 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
 
 // The router backward kernel's own rounding, given the g it was fed
 // (proofs/router.md §4), per element of the row's dz.
-std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const float* z, const std::int32_t* ir, std::size_t v,
-                                    const float* g) {
+std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const float* z,
+                                    const std::int32_t* ir, std::size_t v, const float* g) {
   if (v == 0) return std::vector<double>(d.R, 0.0);
   switch (d.kind) {
-    case RouterKind::sigmoid_topk: return bounds::sigmoid_topk_grad_row(z, d.R, ir, g, v, d.scaling);
-    case RouterKind::softmax_topk: return bounds::softmax_topk_grad_row(z, d.R, ir, g, v, d.renormalize);
-    case RouterKind::product_key: break;
+    case RouterKind::sigmoid_topk:
+      return bounds::sigmoid_topk_grad_row(z, d.R, ir, g, v, d.scaling);
+    case RouterKind::softmax_topk:
+      return bounds::softmax_topk_grad_row(z, d.R, ir, g, v, d.renormalize);
+    case RouterKind::product_key:
+      break;
   }
   const std::size_t n = d.R / 2;
   return bounds::product_key_grad_row(z, z + n, n, ir, g, v, router::KeyWeights::softmax);
@@ -72,12 +81,13 @@ std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const floa
 }  // namespace
 
 template <class S>
-ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x, const float* dy,
-                             const layer::Saved::Impl& s) {
+ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
+                             const float* dy, const layer::Saved::Impl& s) {
   const Dims dm = dims(cfg);
   auto d = experts_data<S>(*w.experts, dm.r ? w.lora : experts::Lora{}, x, dy, s);
   d.router = true, d.R = dm.R;
-  d.kind = cfg.router, d.renormalize = cfg.renormalize, d.scaling = static_cast<double>(static_cast<float>(cfg.scaling));
+  d.kind = cfg.router, d.renormalize = cfg.renormalize,
+  d.scaling = static_cast<double>(static_cast<float>(cfg.scaling));
   d.wr.resize(dm.R * dm.H);
   for (std::size_t e = 0; e < dm.R; ++e)
     for (std::size_t h = 0; h < dm.H; ++h) d.wr[e * dm.H + h] = S(double(w.router_w(e, h)));
@@ -88,47 +98,68 @@ ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatV
   return d;
 }
 
-template ref::LayerData<double> layer_data<double>(const MoeConfig&, const layer::Weights&, MatView<const bf16>, const float*,
+template ref::LayerData<double> layer_data<double>(const MoeConfig&, const layer::Weights&,
+                                                   MatView<const bf16>, const float*,
                                                    const layer::Saved::Impl&);
-template ref::LayerData<Tracked> layer_data<Tracked>(const MoeConfig&, const layer::Weights&, MatView<const bf16>, const float*,
+template ref::LayerData<Tracked> layer_data<Tracked>(const MoeConfig&, const layer::Weights&,
+                                                     MatView<const bf16>, const float*,
                                                      const layer::Saved::Impl&);
 
-ref::LayerResult<Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x, const float* dy,
-                                       const layer::Saved::Impl& s, ref::Paths paths, const float* dw_kernel) {
+ref::LayerResult<Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w,
+                                       MatView<const bf16> x, const float* dy,
+                                       const layer::Saved::Impl& s, ref::Paths paths,
+                                       const float* dw_kernel) {
   const auto d = layer_data<Tracked>(cfg, w, x, dy, s);
-  return ref::layer_reference(d, dy != nullptr, paths, [&](std::size_t t, std::vector<Tracked>& dz) {
-    if (!dw_kernel) return;
-    const std::int32_t* ir = s.idx + t * d.K;
-    const auto extra = router_rounding(d, s.logits + t * d.R, ir, ref::valid_prefix(ir, d.K), dw_kernel + t * d.K);
-    for (std::size_t i = 0; i < d.R; ++i) dz[i].e += extra[i];
-  });
+  return ref::layer_reference(
+      d, dy != nullptr, paths, [&](std::size_t t, std::vector<Tracked>& dz) {
+        if (!dw_kernel) return;
+        const std::int32_t* ir = s.idx + t * d.K;
+        const auto extra = router_rounding(d, s.logits + t * d.R, ir, ref::valid_prefix(ir, d.K),
+                                           dw_kernel + t * d.K);
+        for (std::size_t i = 0; i < d.R; ++i) dz[i].e += extra[i];
+      });
 }
 
-void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                       MatView<float> y) {
+void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
+                       MatView<const bf16> x, MatView<float> y) {
   const Dims d = dims(cfg);
   MOECERT_CONTRACT(c, k::kFwdShape) {
     std::string bad;
-    if (!is(x, x.rows, d.H) || x.rows > static_cast<std::size_t>(cfg.max_tokens)) bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!is(y, x.rows, d.H)) bad = fmt::format("y {}x{}", y.rows, y.cols);
-    else if (!w.experts || w.experts->experts() != d.E || w.experts->hidden() != d.H || w.experts->inter() != d.I)
+    if (!is(x, x.rows, d.H) || x.rows > static_cast<std::size_t>(cfg.max_tokens))
+      bad = fmt::format("x {}x{}", x.rows, x.cols);
+    else if (!is(y, x.rows, d.H))
+      bad = fmt::format("y {}x{}", y.rows, y.cols);
+    else if (!w.experts || w.experts->experts() != d.E || w.experts->hidden() != d.H ||
+             w.experts->inter() != d.I)
       bad = "packed experts of another shape";
-    else if (!is(w.router_w, d.R, d.H)) bad = fmt::format("router_w {}x{}", w.router_w.rows, w.router_w.cols);
-    else if (w.router_b.size != d.R) bad = fmt::format("router_b {}", w.router_b.size);
-    else if (cfg.router == RouterKind::sigmoid_topk && w.router_bias.size != d.E) bad = fmt::format("router_bias {}", w.router_bias.size);
+    else if (!is(w.router_w, d.R, d.H))
+      bad = fmt::format("router_w {}x{}", w.router_w.rows, w.router_w.cols);
+    else if (w.router_b.size != d.R)
+      bad = fmt::format("router_b {}", w.router_b.size);
+    else if (cfg.router == RouterKind::sigmoid_topk && w.router_bias.size != d.E)
+      bad = fmt::format("router_bias {}", w.router_bias.size);
     else if (d.r && (w.lora.rank != d.r || w.lora.alpha != cfg.lora_alpha))
-      bad = fmt::format("lora r={} alpha={}, config r={} alpha={}", w.lora.rank, w.lora.alpha, d.r, cfg.lora_alpha);
+      bad = fmt::format("lora r={} alpha={}, config r={} alpha={}", w.lora.rank, w.lora.alpha, d.r,
+                        cfg.lora_alpha);
     else if (d.r)
       bad = lora_shape_error(w.lora, d.E, d.H, d.I);
-    if (!bad.empty()) c.fail(k::kFwdShape, "", bad, fmt::format("the shapes of E={} H={} I={} K={} r={}, T <= {}", d.E, d.H, d.I, d.K, d.r, cfg.max_tokens));
+    if (!bad.empty())
+      c.fail(k::kFwdShape, "", bad,
+             fmt::format("the shapes of E={} H={} I={} K={} r={}, T <= {}", d.E, d.H, d.I, d.K, d.r,
+                         cfg.max_tokens));
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kFwdXFinite) {
-    detail::scan(c, k::kFwdXFinite, "x", x, [](bf16 v) { return v.is_finite() && detail::bf16_in_range(v); },
-                 "finite, 0 or 2^-60 <= |x| <= 2^60") &&
+    detail::scan(
+        c, k::kFwdXFinite, "x", x, [](bf16 v) { return v.is_finite() && detail::bf16_in_range(v); },
+        "finite, 0 or 2^-60 <= |x| <= 2^60") &&
         detail::scan_finite(c, k::kFwdXFinite, "router_w", w.router_w) &&
-        detail::scan_finite(c, k::kFwdXFinite, "router_b", MatView<const float>(w.router_b.data, 1, w.router_b.size, w.router_b.size)) &&
-        detail::scan_finite(c, k::kFwdXFinite, "router_bias", MatView<const float>(w.router_bias.data, 1, w.router_bias.size, w.router_bias.size));
+        detail::scan_finite(
+            c, k::kFwdXFinite, "router_b",
+            MatView<const float>(w.router_b.data, 1, w.router_b.size, w.router_b.size)) &&
+        detail::scan_finite(
+            c, k::kFwdXFinite, "router_bias",
+            MatView<const float>(w.router_bias.data, 1, w.router_bias.size, w.router_bias.size));
   }
   MOECERT_CONTRACT(c, k::kFwdLoraFinite) {
     if (d.r) lora_finite(c, k::kFwdLoraFinite, w.lora, d.E, d.H, d.I);
@@ -136,10 +167,13 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
   MOECERT_CONTRACT(c, k::kFwdScale) { lora_scale(c, k::kFwdScale, d.r, cfg.lora_alpha); }
   MOECERT_CONTRACT(c, k::kFwdNoAlias) {
     const ByteRange out = y.bytes();
-    std::vector<std::pair<std::string, ByteRange>> in{{"x", x.bytes()}, {"router_w", w.router_w.bytes()},
-                                                      {"router_b", w.router_b.bytes()}, {"router_bias", w.router_bias.bytes()}};
+    std::vector<std::pair<std::string, ByteRange>> in{{"x", x.bytes()},
+                                                      {"router_w", w.router_w.bytes()},
+                                                      {"router_b", w.router_b.bytes()},
+                                                      {"router_bias", w.router_bias.bytes()}};
     for (std::size_t i = 0; i < 6 && d.r; ++i)
-      in.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name), lora_views(w.lora)[i].bytes());
+      in.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name),
+                      lora_views(w.lora)[i].bytes());
     for (const auto& [name, r] : in)
       if (overlaps(out, r)) {
         c.fail(k::kFwdNoAlias, fmt::format("y and {}", name), "overlapping", "disjoint");
@@ -148,8 +182,9 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
   }
 }
 
-void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                        MatView<const float> y, const layer::Saved::Impl& s) {
+void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
+                        MatView<const bf16> x, MatView<const float> y,
+                        const layer::Saved::Impl& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
   MOECERT_CONTRACT(c, k::kFwdWithin) {
     const Dims d = dims(cfg);
@@ -164,40 +199,59 @@ void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::W
         }
         zr[t * d.R + e] = {v, bounds::dot(d.H + 1, mag)};
       }
-    if (!within(c, k::kFwdWithin, "z", x.rows, d.R, [&](std::size_t t, std::size_t e) { return s.logits[t * d.R + e]; }, zr)) return;
+    if (!within(
+            c, k::kFwdWithin, "z", x.rows, d.R,
+            [&](std::size_t t, std::size_t e) { return s.logits[t * d.R + e]; }, zr))
+      return;
     const auto ref = layer_bounds(cfg, w, x, nullptr, s, {}, nullptr);
-    within(c, k::kFwdWithin, "y", x.rows, d.H, [&](std::size_t t, std::size_t m) { return y(t, m); }, ref.y);
+    within(
+        c, k::kFwdWithin, "y", x.rows, d.H, [&](std::size_t t, std::size_t m) { return y(t, m); },
+        ref.y);
   }
 }
 
-void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                        MatView<const float> dy, const layer::Saved& saved, const layer::Gradients& g) {
+void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
+                        MatView<const bf16> x, MatView<const float> dy, const layer::Saved& saved,
+                        const layer::Gradients& g) {
   const Dims d = dims(cfg);
   const auto& s = saved.impl();
   MOECERT_CONTRACT(c, k::kBwdState) {
-    if (!s.valid) c.fail(k::kBwdState, "", "no forward saved", "a training forward first");
-    else if (!s.training) c.fail(k::kBwdState, "", "forward ran with training = false", "a training forward");
-    else if (!same_config(s.cfg, cfg)) c.fail(k::kBwdState, "", "saved by a forward of another config", "the same config");
-    else if (s.tokens != x.rows) c.fail(k::kBwdState, "", fmt::format("saved T={}, x has {}", s.tokens, x.rows), "the same T");
-    else if (!w.experts || !w.experts->has_backward()) c.fail(k::kBwdState, "", "experts packed without backward", "pack(..., backward = true)");
+    if (!s.valid)
+      c.fail(k::kBwdState, "", "no forward saved", "a training forward first");
+    else if (!s.training)
+      c.fail(k::kBwdState, "", "forward ran with training = false", "a training forward");
+    else if (!same_config(s.cfg, cfg))
+      c.fail(k::kBwdState, "", "saved by a forward of another config", "the same config");
+    else if (s.tokens != x.rows)
+      c.fail(k::kBwdState, "", fmt::format("saved T={}, x has {}", s.tokens, x.rows), "the same T");
+    else if (!w.experts || !w.experts->has_backward())
+      c.fail(k::kBwdState, "", "experts packed without backward", "pack(..., backward = true)");
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kBwdShape) {
     std::string bad;
     const std::size_t T = x.rows;
-    if (!is(x, T, d.H)) bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!is(dy, T, d.H)) bad = fmt::format("dy {}x{}", dy.rows, dy.cols);
-    else if (!g.dx.empty() && !is(g.dx, T, d.H)) bad = fmt::format("dx {}x{}", g.dx.rows, g.dx.cols);
-    else if (!g.router_w.empty() && !is(g.router_w, d.R, d.H)) bad = fmt::format("router_w grad {}x{}", g.router_w.rows, g.router_w.cols);
-    else if (!g.router_b.empty() && g.router_b.size != d.R) bad = fmt::format("router_b grad {}", g.router_b.size);
-    else if (!g.m_a.empty() && !is(g.m_a, T, d.E)) bad = fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
-    else if (!g.m_g.empty() && !is(g.m_g, T, d.E)) bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
+    if (!is(x, T, d.H))
+      bad = fmt::format("x {}x{}", x.rows, x.cols);
+    else if (!is(dy, T, d.H))
+      bad = fmt::format("dy {}x{}", dy.rows, dy.cols);
+    else if (!g.dx.empty() && !is(g.dx, T, d.H))
+      bad = fmt::format("dx {}x{}", g.dx.rows, g.dx.cols);
+    else if (!g.router_w.empty() && !is(g.router_w, d.R, d.H))
+      bad = fmt::format("router_w grad {}x{}", g.router_w.rows, g.router_w.cols);
+    else if (!g.router_b.empty() && g.router_b.size != d.R)
+      bad = fmt::format("router_b grad {}", g.router_b.size);
+    else if (!g.m_a.empty() && !is(g.m_a, T, d.E))
+      bad = fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
+    else if (!g.m_g.empty() && !is(g.m_g, T, d.E))
+      bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
     else
       for (std::size_t i = 0; i < kWeightGrads; ++i) {
         const auto v = weight_grads(layer::expert_gradients(g))[i];
         const auto sh = grad_shapes(d.E, d.H, d.I, d.r)[i];
         if (!v.empty() && !is(v, sh.rows, sh.cols)) {
-          bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows, sh.cols);
+          bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
+                            sh.cols);
           break;
         }
       }
@@ -206,79 +260,112 @@ void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::W
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kBwdDyFinite) { detail::scan_finite(c, k::kBwdDyFinite, "dy", dy); }
   MOECERT_CONTRACT(c, k::kBwdNoAlias) {
-    std::vector<std::pair<std::string, ByteRange>> outs{{"dx", g.dx.bytes()}, {"router_w grad", g.router_w.bytes()},
-                                                        {"router_b grad", g.router_b.bytes()}, {"m_a", g.m_a.bytes()},
+    std::vector<std::pair<std::string, ByteRange>> outs{{"dx", g.dx.bytes()},
+                                                        {"router_w grad", g.router_w.bytes()},
+                                                        {"router_b grad", g.router_b.bytes()},
+                                                        {"m_a", g.m_a.bytes()},
                                                         {"m_g", g.m_g.bytes()}};
     for (std::size_t i = 0; i < kWeightGrads; ++i)
-      outs.emplace_back(fmt::format("{} grad", grad_shapes(d.E, d.H, d.I, d.r)[i].name), weight_grads(layer::expert_gradients(g))[i].bytes());
-    std::vector<std::pair<std::string, ByteRange>> ins{{"x", x.bytes()}, {"dy", dy.bytes()}, {"router_w", w.router_w.bytes()},
-                                                       {"router_b", w.router_b.bytes()}, {"saved workspace", s.arena.bytes()}};
+      outs.emplace_back(fmt::format("{} grad", grad_shapes(d.E, d.H, d.I, d.r)[i].name),
+                        weight_grads(layer::expert_gradients(g))[i].bytes());
+    std::vector<std::pair<std::string, ByteRange>> ins{{"x", x.bytes()},
+                                                       {"dy", dy.bytes()},
+                                                       {"router_w", w.router_w.bytes()},
+                                                       {"router_b", w.router_b.bytes()},
+                                                       {"saved workspace", s.arena.bytes()}};
     for (std::size_t i = 0; i < 6 && d.r; ++i)
-      ins.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name), lora_views(w.lora)[i].bytes());
+      ins.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name),
+                       lora_views(w.lora)[i].bytes());
     for (std::size_t i = 0; i < outs.size(); ++i) {
       if (outs[i].second.empty()) continue;
       for (std::size_t j = i + 1; j < outs.size(); ++j)
         if (overlaps(outs[i].second, outs[j].second)) {
-          c.fail(k::kBwdNoAlias, fmt::format("{} and {}", outs[i].first, outs[j].first), "overlapping", "disjoint");
+          c.fail(k::kBwdNoAlias, fmt::format("{} and {}", outs[i].first, outs[j].first),
+                 "overlapping", "disjoint");
           return;
         }
       for (const auto& [name, r] : ins)
         if (overlaps(outs[i].second, r)) {
-          c.fail(k::kBwdNoAlias, fmt::format("{} and {}", outs[i].first, name), "overlapping", "disjoint");
+          c.fail(k::kBwdNoAlias, fmt::format("{} and {}", outs[i].first, name), "overlapping",
+                 "disjoint");
           return;
         }
     }
   }
 }
 
-void layer_backward_saved(detail::Checker& c, const MoeConfig& cfg, MatView<const bf16>, const layer::Saved& saved) {
+void layer_backward_saved(detail::Checker& c, const MoeConfig& cfg, MatView<const bf16>,
+                          const layer::Saved& saved) {
   const Dims d = dims(cfg);
-  MOECERT_CONTRACT(c, k::kBwdSavedFinite) { train_saved_finite(c, k::kBwdSavedFinite, saved.impl(), d.I, saved.impl().logits, d.R); }
+  MOECERT_CONTRACT(c, k::kBwdSavedFinite) {
+    train_saved_finite(c, k::kBwdSavedFinite, saved.impl(), d.I, saved.impl().logits, d.R);
+  }
 }
 
-void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                         MatView<const float> dy, const layer::Saved& saved, const layer::Gradients& g,
-                         const layer::BackwardOptions& opt) {
+void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
+                         MatView<const bf16> x, MatView<const float> dy, const layer::Saved& saved,
+                         const layer::Gradients& g, const layer::BackwardOptions& opt) {
   const Dims d = dims(cfg);
   const auto& s = saved.impl();
-  const float* dw = s.arena.plan().find("router.dw") ? s.arena.get<float>("router.dw", x.rows * d.K) : nullptr;
+  const float* dw =
+      s.arena.plan().find("router.dw") ? s.arena.get<float>("router.dw", x.rows * d.K) : nullptr;
   const auto names = grad_shapes(d.E, d.H, d.I, d.r);
   const auto wg = weight_grads(layer::expert_gradients(g));
   MOECERT_CONTRACT(c, k::kBwdGradFinite) {
     bool ok = detail::scan_finite(c, k::kBwdGradFinite, "dx", MatView<const float>(g.dx)) &&
-              detail::scan_finite(c, k::kBwdGradFinite, "router_w grad", MatView<const float>(g.router_w)) &&
-              detail::scan_finite(c, k::kBwdGradFinite, "router_b grad",
-                                  MatView<const float>(g.router_b.data, 1, g.router_b.size, g.router_b.size)) &&
+              detail::scan_finite(c, k::kBwdGradFinite, "router_w grad",
+                                  MatView<const float>(g.router_w)) &&
+              detail::scan_finite(
+                  c, k::kBwdGradFinite, "router_b grad",
+                  MatView<const float>(g.router_b.data, 1, g.router_b.size, g.router_b.size)) &&
               detail::scan_finite(c, k::kBwdGradFinite, "m_a", MatView<const float>(g.m_a)) &&
               detail::scan_finite(c, k::kBwdGradFinite, "m_g", MatView<const float>(g.m_g));
     for (std::size_t i = 0; i < kWeightGrads && ok; ++i)
-      ok = detail::scan_finite(c, k::kBwdGradFinite, fmt::format("{} grad", names[i].name), MatView<const float>(wg[i]));
+      ok = detail::scan_finite(c, k::kBwdGradFinite, fmt::format("{} grad", names[i].name),
+                               MatView<const float>(wg[i]));
   }
-  MOECERT_CONTRACT(c, k::kBwdEmptyZero) { empty_expert_zero(c, k::kBwdEmptyZero, s, layer::expert_gradients(g)); }
+  MOECERT_CONTRACT(c, k::kBwdEmptyZero) {
+    empty_expert_zero(c, k::kBwdEmptyZero, s, layer::expert_gradients(g));
+  }
   MOECERT_CONTRACT(c, k::kBwdRouterMasked) {
     if (dw) dweights_masked(c, k::kBwdRouterMasked, s, MatView<const float>(dw, x.rows, d.K, d.K));
   }
   MOECERT_CONTRACT(c, k::kBwdWithin) {
     static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
-    const auto ref = layer_bounds(cfg, w, x, dy.data ? dy.data : &no_tokens, s,
-                                  {opt.expert_path, opt.router_path, opt.expert_path && wants_base(g)}, dw);
-    auto mat = [&](MatView<float> m) { return [m](std::size_t i, std::size_t j) { return m(i, j); }; };
-    if (opt.router_path && !within(c, k::kBwdWithin, "dL/dw", x.rows, d.K, [&](std::size_t t, std::size_t j) { return dw[t * d.K + j]; }, ref.dw)) return;
+    const auto ref =
+        layer_bounds(cfg, w, x, dy.data ? dy.data : &no_tokens, s,
+                     {opt.expert_path, opt.router_path, opt.expert_path && wants_base(g)}, dw);
+    auto mat = [&](MatView<float> m) {
+      return [m](std::size_t i, std::size_t j) { return m(i, j); };
+    };
+    if (opt.router_path &&
+        !within(
+            c, k::kBwdWithin, "dL/dw", x.rows, d.K,
+            [&](std::size_t t, std::size_t j) { return dw[t * d.K + j]; }, ref.dw))
+      return;
     if (!g.dx.empty() && !within(c, k::kBwdWithin, "dx", x.rows, d.H, mat(g.dx), ref.dx)) return;
-    if (!g.router_w.empty() && !within(c, k::kBwdWithin, "router_w grad", d.R, d.H, mat(g.router_w), ref.dwr)) return;
+    if (!g.router_w.empty() &&
+        !within(c, k::kBwdWithin, "router_w grad", d.R, d.H, mat(g.router_w), ref.dwr))
+      return;
     if (!g.router_b.empty() &&
-        !within(c, k::kBwdWithin, "router_b grad", 1, d.R, [&](std::size_t, std::size_t e) { return g.router_b[e]; }, ref.db))
+        !within(
+            c, k::kBwdWithin, "router_b grad", 1, d.R,
+            [&](std::size_t, std::size_t e) { return g.router_b[e]; }, ref.db))
       return;
     // Without the expert path the reference's weight gradients are all 0
     // (base ones not even formed): compare with zeros of the right size.
-    const std::vector<Tracked>* refs[] = {&ref.dag, &ref.dbg, &ref.dau, &ref.dbu, &ref.dad, &ref.dbd, &ref.dwg, &ref.dwu, &ref.dwd};
+    const std::vector<Tracked>* refs[] = {&ref.dag, &ref.dbg, &ref.dau, &ref.dbu, &ref.dad,
+                                          &ref.dbd, &ref.dwg, &ref.dwu, &ref.dwd};
     for (std::size_t i = 0; i < kWeightGrads; ++i) {
       const auto v = wg[i];
       if (v.empty() || v.rows == 0) continue;
       std::vector<Tracked> zeros;
       const std::vector<Tracked>* want = refs[i];
-      if (want->size() != v.rows * v.cols) want = &(zeros = std::vector<Tracked>(v.rows * v.cols, Tracked{0, 0}));
-      if (!within(c, k::kBwdWithin, fmt::format("{} grad", names[i].name), v.rows, v.cols, mat(v), *want)) return;
+      if (want->size() != v.rows * v.cols)
+        want = &(zeros = std::vector<Tracked>(v.rows * v.cols, Tracked{0, 0}));
+      if (!within(c, k::kBwdWithin, fmt::format("{} grad", names[i].name), v.rows, v.cols, mat(v),
+                  *want))
+        return;
     }
   }
 }

@@ -9,31 +9,34 @@
 
 namespace moecert::contracts {
 
-void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                       MatView<float> y);
-void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                        MatView<const float> y, const layer::Saved::Impl& s);
-void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                        MatView<const float> dy, const layer::Saved& saved, const layer::Gradients& g);
+void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
+                       MatView<const bf16> x, MatView<float> y);
+void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
+                        MatView<const bf16> x, MatView<const float> y, const layer::Saved::Impl& s);
+void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
+                        MatView<const bf16> x, MatView<const float> dy, const layer::Saved& saved,
+                        const layer::Gradients& g);
 /// layer.backward.saved_finite, after the backward's first step began (its
 /// fresh buffers poisoned: a saved buffer that shares their memory shows).
-void layer_backward_saved(detail::Checker& c, const MoeConfig& cfg, MatView<const bf16> x, const layer::Saved& saved);
-void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                         MatView<const float> dy, const layer::Saved& saved, const layer::Gradients& g,
-                         const layer::BackwardOptions& opt);
+void layer_backward_saved(detail::Checker& c, const MoeConfig& cfg, MatView<const bf16> x,
+                          const layer::Saved& saved);
+void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
+                         MatView<const bf16> x, MatView<const float> dy, const layer::Saved& saved,
+                         const layer::Gradients& g, const layer::BackwardOptions& opt);
 
 /// The layer's inputs as reference data of scalar S (routing, logits and
 /// weights from `saved`: the kernel's), dy optional.
 template <class S>
-ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x, const float* dy,
-                             const layer::Saved::Impl& saved);
+ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
+                             const float* dy, const layer::Saved::Impl& saved);
 
 /// The reference forward (and backward with dy) with every element's bound
 /// of the kernel's error (proofs/layer.md), conditioned on the kernel's
 /// routing; `dw_kernel` (the kernel's dL/dw) enters the router backward's
 /// rounding bound.
-ref::LayerResult<bounds::Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                                               const float* dy, const layer::Saved::Impl& saved, ref::Paths paths,
+ref::LayerResult<bounds::Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w,
+                                               MatView<const bf16> x, const float* dy,
+                                               const layer::Saved::Impl& saved, ref::Paths paths,
                                                const float* dw_kernel);
 
 }  // namespace moecert::contracts

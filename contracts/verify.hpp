@@ -41,8 +41,8 @@ struct ProbeResult {
 /// operations. Never fails for a C within bounds::dot of the exact product
 /// (§9: the threshold includes the probe's own rounding).
 template <class AAt, class BAt>
-ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BAt b, MatView<const float> c,
-                          const ProbeOptions& opt = {}) {
+ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BAt b,
+                          MatView<const float> c, const ProbeOptions& opt = {}) {
   ProbeResult res;
   const std::size_t width = std::max<std::size_t>(opt.width, 1);
   std::mt19937_64 rng(opt.seed);
@@ -70,14 +70,16 @@ ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BA
       for (std::size_t kk = 0; kk < k; ++kk) {
         const double av = a(i, kk).to_float();
         rhs += av * br[kk];
-        mag += std::fabs(av) * babs[kk];  // (|A| (|B|^T |r|))_i
+        mag += std::fabs(av) * babs[kk];                                 // (|A| (|B|^T |r|))_i
         if (bounds::flushable(av)) flushed += std::fabs(av) * babs[kk];  // Lemma 1'
       }
       // The block's element bounds (§1, and §2 when C is bf16), summed,
       // plus the probe's own rounding.
       double threshold = bounds::gamma(static_cast<double>(k)) * mag +
                          3 * static_cast<double>(w * k) * bounds::kMinNormal32 + flushed;
-      if (opt.c_is_bf16) threshold += bounds::kUbf16 * (mag + threshold) + static_cast<double>(w) * bounds::kBf16HalfDenormal;
+      if (opt.c_is_bf16)
+        threshold +=
+            bounds::kUbf16 * (mag + threshold) + static_cast<double>(w) * bounds::kBf16HalfDenormal;
       threshold += 2 * g_probe * (mag + cabs);
       const double residual = std::fabs(lhs - rhs);
       const double ratio = threshold > 0 ? residual / threshold : (residual > 0 ? INFINITY : 0);
@@ -94,17 +96,19 @@ ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BA
   return res;
 }
 
-inline ProbeResult probe_gemm_nt(MatView<const bf16> a, MatView<const bf16> b, MatView<const float> c,
-                                 const ProbeOptions& opt = {}) {
-  return probe_gemm_nt(a.rows, a.cols, a, b.rows, [&](std::size_t j, std::size_t kk) { return b(j, kk); }, c, opt);
+inline ProbeResult probe_gemm_nt(MatView<const bf16> a, MatView<const bf16> b,
+                                 MatView<const float> c, const ProbeOptions& opt = {}) {
+  return probe_gemm_nt(
+      a.rows, a.cols, a, b.rows, [&](std::size_t j, std::size_t kk) { return b(j, kk); }, c, opt);
 }
 
 /// Recomputes rows `rows` of C = A B^T (A [m x k] via a(i, k)) with the
 /// double-double reference and compares every element within bounds::dot
 /// (and §2 when C is bf16).
 template <class AAt, class BAt>
-compare::Bounded check_rows_gemm_nt(std::size_t k, AAt a, std::size_t n, BAt b, MatView<const float> c,
-                                    const std::vector<std::size_t>& rows, bool c_is_bf16 = false) {
+compare::Bounded check_rows_gemm_nt(std::size_t k, AAt a, std::size_t n, BAt b,
+                                    MatView<const float> c, const std::vector<std::size_t>& rows,
+                                    bool c_is_bf16 = false) {
   std::vector<float> got;
   std::vector<double> want, bound;
   std::vector<bf16> col(k), row(k);
@@ -116,7 +120,8 @@ compare::Bounded check_rows_gemm_nt(std::size_t k, AAt a, std::size_t n, BAt b, 
       for (std::size_t kk = 0; kk < k; ++kk) {
         const double p = std::fabs(double(row[kk].to_float()) * double(col[kk].to_float()));
         sum_abs += p;
-        if (bounds::flushable(row[kk].to_float()) || bounds::flushable(col[kk].to_float())) flushed += p;
+        if (bounds::flushable(row[kk].to_float()) || bounds::flushable(col[kk].to_float()))
+          flushed += p;
       }
       const double exact = ref::to_double(ref::dot<ref::DoubleDouble>(row.data(), col.data(), k));
       double e = bounds::dot(k, sum_abs, flushed);
@@ -129,9 +134,13 @@ compare::Bounded check_rows_gemm_nt(std::size_t k, AAt a, std::size_t n, BAt b, 
   return compare::bounded(got, want, bound);
 }
 
-inline compare::Bounded check_rows_gemm_nt(MatView<const bf16> a, MatView<const bf16> b, MatView<const float> c,
-                                           const std::vector<std::size_t>& rows, bool c_is_bf16 = false) {
-  return check_rows_gemm_nt(a.cols, a, b.rows, [&](std::size_t j, std::size_t kk) { return b(j, kk); }, c, rows, c_is_bf16);
+inline compare::Bounded check_rows_gemm_nt(MatView<const bf16> a, MatView<const bf16> b,
+                                           MatView<const float> c,
+                                           const std::vector<std::size_t>& rows,
+                                           bool c_is_bf16 = false) {
+  return check_rows_gemm_nt(
+      a.cols, a, b.rows, [&](std::size_t j, std::size_t kk) { return b(j, kk); }, c, rows,
+      c_is_bf16);
 }
 
 }  // namespace moecert::verify

@@ -11,7 +11,8 @@ namespace k = clauses::workspace;
 void plan_pre(detail::Checker& c, const MoeConfig& cfg, std::int64_t tokens) {
   MOECERT_CONTRACT(c, k::kTokensRange) {
     if (tokens < 0 || tokens > cfg.max_tokens)
-      c.fail(k::kTokensRange, "", fmt::format("tokens={}", tokens), fmt::format("0 <= tokens <= {}", cfg.max_tokens));
+      c.fail(k::kTokensRange, "", fmt::format("tokens={}", tokens),
+             fmt::format("0 <= tokens <= {}", cfg.max_tokens));
   }
 }
 
@@ -21,21 +22,25 @@ detail::OverlapPair first_co_live_overlap(const workspace::Plan& p, const std::u
     for (std::size_t j = i + 1; j < b.size(); ++j) {
       if (b[i].bytes == 0 || b[j].bytes == 0) continue;
       const bool co_live = b[i].first <= b[j].last && b[j].first <= b[i].last;
-      const bool overlap = offsets[i] < offsets[j] + b[j].bytes && offsets[j] < offsets[i] + b[i].bytes;
+      const bool overlap =
+          offsets[i] < offsets[j] + b[j].bytes && offsets[j] < offsets[i] + b[i].bytes;
       if (co_live && overlap) return {static_cast<int>(i), static_cast<int>(j)};
     }
   return {};
 }
 
-void plan_post(detail::Checker& c, const workspace::Plan& p, bool overflow, std::uint64_t memory_cap) {
+void plan_post(detail::Checker& c, const workspace::Plan& p, bool overflow,
+               std::uint64_t memory_cap) {
   MOECERT_CONTRACT(c, k::kOverflow) {
-    if (overflow) c.fail(k::kOverflow, fmt::format("tokens={}", p.tokens), "a size overflows 64 bits", "< 2^64");
+    if (overflow)
+      c.fail(k::kOverflow, fmt::format("tokens={}", p.tokens), "a size overflows 64 bits",
+             "< 2^64");
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kMemoryCap) {
     if (memory_cap != 0 && p.total_bytes > memory_cap)
-      c.fail(k::kMemoryCap, fmt::format("tokens={}", p.tokens), fmt::format("total_bytes={}", p.total_bytes),
-             fmt::format("<= {}", memory_cap));
+      c.fail(k::kMemoryCap, fmt::format("tokens={}", p.tokens),
+             fmt::format("total_bytes={}", p.total_bytes), fmt::format("<= {}", memory_cap));
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kDisjoint) {
@@ -49,8 +54,8 @@ void plan_post(detail::Checker& c, const workspace::Plan& p, bool overflow, std:
       }
     }
     if (auto o = first_co_live_overlap(p, offsets.data()))
-      c.fail(k::kDisjoint, fmt::format("{} and {}", p.buffers[o.a].name, p.buffers[o.b].name), "co-live and overlapping",
-             "disjoint");
+      c.fail(k::kDisjoint, fmt::format("{} and {}", p.buffers[o.a].name, p.buffers[o.b].name),
+             "co-live and overlapping", "disjoint");
   }
 }
 

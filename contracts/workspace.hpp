@@ -7,7 +7,8 @@
 namespace moecert::contracts {
 
 void plan_pre(detail::Checker& c, const MoeConfig& cfg, std::int64_t tokens);
-void plan_post(detail::Checker& c, const workspace::Plan& p, bool overflow, std::uint64_t memory_cap);
+void plan_post(detail::Checker& c, const workspace::Plan& p, bool overflow,
+               std::uint64_t memory_cap);
 
 /// The first pair of co-live buffers of `p` (by the given offsets) that
 /// share a byte, or {-1, -1}; shared by the plan and arena clauses.

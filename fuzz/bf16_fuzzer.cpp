@@ -2,10 +2,10 @@
 // ties to even (NaN: a quiet NaN keeping the sign; overflow past the last
 // half-ulp: Inf), and for every bf16 pattern b, bf16(float(b)) == b (NaN:
 // b with its quiet bit set).
+#include <fmt/format.h>
+
 #include <bit>
 #include <cmath>
-
-#include <fmt/format.h>
 
 #include "fuzz/decode.hpp"
 
@@ -30,12 +30,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         const double db = (b.is_inf() ? std::ldexp(1.0, 128) : std::fabs(double(b.to_float()))) - x;
         want = da < db ? lo : db < da ? b.bits : (lo & 1) ? b.bits : lo;
       }
-      if (got.bits != want) moecert::fuzz::finding("bf16_fuzzer", fmt::format("{:a} -> {:#06x}, want {:#06x}", f, got.bits, want));
+      if (got.bits != want)
+        moecert::fuzz::finding("bf16_fuzzer",
+                               fmt::format("{:a} -> {:#06x}, want {:#06x}", f, got.bits, want));
     }
     const bf16 x = bf16::from_bits(static_cast<std::uint16_t>(u & 0xffff));
     const bf16 back(x.to_float());
     if (x.is_nan() ? back.bits != (x.bits | 0x40) : back.bits != x.bits)
-      moecert::fuzz::finding("bf16_fuzzer", fmt::format("round trip {:#06x} -> {:#06x}", x.bits, back.bits));
+      moecert::fuzz::finding("bf16_fuzzer",
+                             fmt::format("round trip {:#06x} -> {:#06x}", x.bits, back.bits));
   }
   return 0;
 }

@@ -3,11 +3,11 @@
 // raises exactly a precondition violation and leaves every byte of C's
 // buffer untouched, or (all preconditions true) raises nothing at level
 // full: its postconditions (finite, probe, every element within bound) hold.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "contracts/checks.hpp"
 #include "fuzz/decode.hpp"
@@ -27,9 +27,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     ContractScope s{Level::full, Semantic::enforce};
     w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
-    if (!w_ok) fuzz::finding("contract_fuzzer", "pack accepted a non-finite or out-of-range weight");
+    if (!w_ok)
+      fuzz::finding("contract_fuzzer", "pack accepted a non-finite or out-of-range weight");
   } catch (const ContractViolation& v) {
-    if (w_ok || v.violation().kind != ClauseKind::pre) fuzz::finding("contract_fuzzer", std::string("pack: ") + v.what());
+    if (w_ok || v.violation().kind != ClauseKind::pre)
+      fuzz::finding("contract_fuzzer", std::string("pack: ") + v.what());
     return 0;
   }
   // One buffer holds both A (bf16) and C (fp32) at fuzzed byte offsets.
@@ -42,7 +44,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   MatView<const bf16> a(a_ptr, m, a_cols);
   MatView<float> c(c_ptr, m, c_cols);
   bool a_ok = true;
-  for (std::size_t i = 0; i < m * a_cols; ++i) a_ok = a_ok && a_ptr[i].is_finite() && detail::bf16_in_range(a_ptr[i]);
+  for (std::size_t i = 0; i < m * a_cols; ++i)
+    a_ok = a_ok && a_ptr[i].is_finite() && detail::bf16_in_range(a_ptr[i]);
   const bool valid = a_cols == k && c_cols == n && a_ok && !overlaps(a.bytes(), c.bytes());
   const std::vector<float> before = buf;
   for (Isa isa : usable_isas()) {
@@ -53,9 +56,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     } catch (const ContractViolation& v) {
       // Valid input may still overflow to Inf: a c_finite postcondition.
       if (valid && v.clause() == "gemm.matmul.c_finite") continue;
-      if (valid || v.violation().kind != ClauseKind::pre) fuzz::finding("contract_fuzzer", std::string("matmul: ") + v.what());
+      if (valid || v.violation().kind != ClauseKind::pre)
+        fuzz::finding("contract_fuzzer", std::string("matmul: ") + v.what());
       if (std::memcmp(before.data(), buf.data(), buf.size() * 4) != 0)
-        fuzz::finding("contract_fuzzer", fmt::format("{} wrote output before failing a precondition", v.clause()));
+        fuzz::finding("contract_fuzzer",
+                      fmt::format("{} wrote output before failing a precondition", v.clause()));
     }
   }
   return 0;

@@ -47,11 +47,16 @@ class Decoder {
   std::int32_t index(std::size_t e) {
     const std::uint8_t sel = u8();
     switch (sel & 15) {
-      case 0: return -1;
-      case 1: return -2;
-      case 2: return static_cast<std::int32_t>(e);
-      case 3: return static_cast<std::int32_t>(e + 1000);
-      default: return static_cast<std::int32_t>(u16() % (e ? e : 1));
+      case 0:
+        return -1;
+      case 1:
+        return -2;
+      case 2:
+        return static_cast<std::int32_t>(e);
+      case 3:
+        return static_cast<std::int32_t>(e + 1000);
+      default:
+        return static_cast<std::int32_t>(u16() % (e ? e : 1));
     }
   }
   std::size_t remaining() const { return n_; }

@@ -24,9 +24,10 @@ struct LayerInput {
   bool lora_ok = true, x_ok = true, scale_ok = true, dy_ok = true;
 
   layer::Weights weights() const {
-    return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), bias.data(),
-                                   layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
-                                                        lora[4].data(), lora[5].data()));
+    return layer::Weights::stacked(
+        cfg, packed, wr.data(), b.data(), bias.data(),
+        layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
+                             lora[4].data(), lora[5].data()));
   }
 };
 
@@ -36,7 +37,8 @@ inline bool ok_bf16(bf16 v) { return v.is_finite() && detail::bf16_in_range(v); 
 // bit patterns only where `specials`.
 inline bf16 small_bf16(Decoder& d, bool specials) {
   if (specials) return d.value_bf16();
-  return bf16(static_cast<float>(static_cast<std::int16_t>(d.u16())) / 16384.0f);  // 0 or 2^-14 <= |v| < 2
+  return bf16(static_cast<float>(static_cast<std::int16_t>(d.u16())) /
+              16384.0f);  // 0 or 2^-14 <= |v| < 2
 }
 
 inline LayerInput decode_layer(Decoder& d, bool with_dy) {
@@ -96,7 +98,8 @@ inline LayerInput decode_layer(Decoder& d, bool with_dy) {
       in.dy_ok = in.dy_ok && std::isfinite(q);
     }
   }
-  in.packed = experts::PackedExperts::pack(in.E, {in.wg.data(), in.E * in.I, in.H}, {in.wu.data(), in.E * in.I, in.H},
+  in.packed = experts::PackedExperts::pack(in.E, {in.wg.data(), in.E * in.I, in.H},
+                                           {in.wu.data(), in.E * in.I, in.H},
                                            {in.wd.data(), in.E * in.H, in.I}, with_dy);
   return in;
 }

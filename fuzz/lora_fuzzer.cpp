@@ -28,12 +28,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     layer::Saved saved;
     try {
       ContractScope s{Level::full, Semantic::enforce};
-      layer::forward(in.cfg, in.weights(), {in.x.data(), in.T, in.H}, {o.out.data(), in.T, in.H}, saved, {.isa = isa});
+      layer::forward(in.cfg, in.weights(), {in.x.data(), in.T, in.H}, {o.out.data(), in.T, in.H},
+                     saved, {.isa = isa});
       if (!valid) fuzz::finding("lora_fuzzer", "forward accepted invalid input");
     } catch (const ContractViolation& v) {
       o.clause = v.clause();
       const std::string& c = o.clause;
-      const bool router_domain = c.rfind("router.", 0) == 0 && v.violation().kind == ClauseKind::pre;
+      const bool router_domain =
+          c.rfind("router.", 0) == 0 && v.violation().kind == ClauseKind::pre;
       if (valid && !router_domain && c != "layer.forward.y_finite")
         fuzz::finding("lora_fuzzer", std::string(isa_name(isa)) + ": " + v.what());
       if (!valid && v.violation().kind != ClauseKind::pre && !router_domain)

@@ -23,7 +23,8 @@ int main(int argc, char** argv) {
     std::sort(files.begin(), files.end());
     for (const auto& f : files) {
       std::ifstream in(f, std::ios::binary);
-      const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
+                                    std::istreambuf_iterator<char>());
       LLVMFuzzerTestOneInput(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
       ++n;
     }

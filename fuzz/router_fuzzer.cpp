@@ -7,12 +7,12 @@
 // off the selection) but a backward's finite postcondition where fp32
 // overflows; every weight agrees with its slot's binary64 reference within
 // proofs/router.md §3, and every finite gradient within §4.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "contracts/bounds/router.hpp"
 #include "contracts/reference/router.hpp"
@@ -58,19 +58,24 @@ bool rows_valid(const std::vector<std::int32_t>& idx, std::size_t t, std::size_t
 // violation and leave `outputs` bytes as they were; valid input none, or
 // the op's finite postcondition `overflow` (valid input can exceed fp32).
 // True when op ran without a violation.
-bool expect(bool valid, const std::function<void()>& op, std::initializer_list<std::pair<const void*, std::size_t>> outputs,
-            const char* what, const char* overflow = nullptr) {
+bool expect(bool valid, const std::function<void()>& op,
+            std::initializer_list<std::pair<const void*, std::size_t>> outputs, const char* what,
+            const char* overflow = nullptr) {
   std::vector<std::vector<std::uint8_t>> before;
-  for (const auto& [p, n] : outputs) before.emplace_back(static_cast<const std::uint8_t*>(p), static_cast<const std::uint8_t*>(p) + n);
+  for (const auto& [p, n] : outputs)
+    before.emplace_back(static_cast<const std::uint8_t*>(p),
+                        static_cast<const std::uint8_t*>(p) + n);
   try {
     ContractScope s{Level::full, Semantic::enforce};
     op();
   } catch (const ContractViolation& v) {
     if (valid && overflow && v.clause() == overflow) return false;
-    if (valid || v.violation().kind != ClauseKind::pre) fuzz::finding(kName, fmt::format("{}: {}", what, v.what()));
+    if (valid || v.violation().kind != ClauseKind::pre)
+      fuzz::finding(kName, fmt::format("{}: {}", what, v.what()));
     std::size_t i = 0;
     for (const auto& [p, n] : outputs)
-      if (std::memcmp(p, before[i++].data(), n) != 0) fuzz::finding(kName, fmt::format("{}: output written before {}", what, v.clause()));
+      if (std::memcmp(p, before[i++].data(), n) != 0)
+        fuzz::finding(kName, fmt::format("{}: output written before {}", what, v.clause()));
     return false;
   }
   if (!valid) fuzz::finding(kName, fmt::format("{}: invalid input accepted", what));
@@ -80,8 +85,11 @@ bool expect(bool valid, const std::function<void()>& op, std::initializer_list<s
 // Every finite result is compared, however large: where fp32 overflowed,
 // the op raised its finite postcondition instead (expect).
 void check(double got, double want, double bound, const char* what) {
-  if (!(std::fabs(got - want) <= bound + bounds::gamma(64, bounds::kU64) * std::fabs(want)))  // + the binary64 reference's rounding
-    fuzz::finding(kName, fmt::format("{}: got {:.9g}, reference {:.17g}, bound {:.3g}", what, got, want, bound));
+  if (!(std::fabs(got - want) <=
+        bound + bounds::gamma(64, bounds::kU64) *
+                    std::fabs(want)))  // + the binary64 reference's rounding
+    fuzz::finding(kName, fmt::format("{}: got {:.9g}, reference {:.17g}, bound {:.3g}", what, got,
+                                     want, bound));
 }
 
 }  // namespace
@@ -102,43 +110,59 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   MatView<std::int32_t> iv(idx.data(), t, k);
   MatView<float> wv(w.data(), t, k);
   const bool scores_ok = all_finite(z), k_ok = k >= 1 && k <= e;
-  const std::pair<const void*, std::size_t> outs[] = {{idx.data(), idx.size() * 4}, {w.data(), w.size() * 4}};
+  const std::pair<const void*, std::size_t> outs[] = {{idx.data(), idx.size() * 4},
+                                                      {w.data(), w.size() * 4}};
 
   if (kind == 0) {
     const bool renorm = d.flag();
     MatView<const float> zv(z.data(), t, e);
-    expect(scores_ok && k_ok, [&] { router::softmax_topk_forward(zv, iv, wv, renorm); }, {outs[0], outs[1]}, "softmax_topk.forward");
+    expect(
+        scores_ok && k_ok, [&] { router::softmax_topk_forward(zv, iv, wv, renorm); },
+        {outs[0], outs[1]}, "softmax_topk.forward");
     if (!(scores_ok && k_ok)) return 0;
     for (std::size_t r = 0; r < t; ++r) {  // every weight against its own slot's reference (§3)
       const auto [wr, b] = bounds::softmax_topk_weights_row(&z[r * e], e, &idx[r * k], k, renorm);
       for (std::size_t j = 0; j < k; ++j) check(w[r * k + j], wr[j], b[j], "softmax_topk.forward");
     }
     std::vector<std::int32_t> bidx = idx;
-    if (d.flag()) for (auto& x : bidx) x = d.index(e);
+    if (d.flag())
+      for (auto& x : bidx) x = d.index(e);
     std::vector<float> dz(t * e, 3.0f);
     const bool ok = rows_valid(bidx, t, k, e) && grads_ok(g);
-    if (!expect(ok, [&] {
-          router::softmax_topk_backward(zv, MatView<const std::int32_t>(bidx.data(), t, k), MatView<const float>(g.data(), t, k),
-                                        MatView<float>(dz.data(), t, e), renorm);
-        }, {{dz.data(), dz.size() * 4}}, "softmax_topk.backward"))
+    if (!expect(
+            ok,
+            [&] {
+              router::softmax_topk_backward(zv, MatView<const std::int32_t>(bidx.data(), t, k),
+                                            MatView<const float>(g.data(), t, k),
+                                            MatView<float>(dz.data(), t, e), renorm);
+            },
+            {{dz.data(), dz.size() * 4}}, "softmax_topk.backward"))
       return 0;
-    for (std::size_t r = 0; r < t; ++r) {  // every expert: selected within §4.1, the others exactly 0 or within it (dense)
+    for (std::size_t r = 0; r < t;
+         ++r) {  // every expert: selected within §4.1, the others exactly 0 or within it (dense)
       const std::int32_t* ir = &bidx[r * k];
       const auto dref = ref::softmax_topk_grad<double>(&z[r * e], e, ir, &g[r * k], k, renorm);
       const auto b = bounds::softmax_topk_grad_row(&z[r * e], e, ir, &g[r * k], k, renorm);
-      for (std::size_t i = 0; i < e; ++i) check(dz[r * e + i], dref[i], b[i], "softmax_topk.backward");
+      for (std::size_t i = 0; i < e; ++i)
+        check(dz[r * e + i], dref[i], b[i], "softmax_topk.backward");
     }
   } else if (kind == 1) {
-    const router::SigmoidTopkParams p{d.range(1, 6), d.range(1, 6), d.flag() ? 1.0f : d.value_f32()};
+    const router::SigmoidTopkParams p{d.range(1, 6), d.range(1, 6),
+                                      d.flag() ? 1.0f : d.value_f32()};
     std::vector<float> bias(d.flag() ? e : d.range(0, 30));
     for (auto& b : bias) b = d.value_f32() * 0.01f;
     MatView<const float> zv(z.data(), t, e);
     bool logits_ok = true;  // sigma(z) normal: z >= -87
     for (float v : z) logits_ok = logits_ok && v >= -87.0f;
-    const bool ok = scores_ok && logits_ok && k_ok && all_finite(bias) && bias.size() == e && e % p.groups == 0 && p.topk_group <= p.groups &&
-                    std::isfinite(p.scaling) && p.scaling > 0;
-    expect(ok, [&] { router::sigmoid_topk_forward(zv, View<const float>{bias.data(), bias.size()}, p, iv, wv); }, {outs[0], outs[1]},
-           "sigmoid_topk.forward");
+    const bool ok = scores_ok && logits_ok && k_ok && all_finite(bias) && bias.size() == e &&
+                    e % p.groups == 0 && p.topk_group <= p.groups && std::isfinite(p.scaling) &&
+                    p.scaling > 0;
+    expect(
+        ok,
+        [&] {
+          router::sigmoid_topk_forward(zv, View<const float>{bias.data(), bias.size()}, p, iv, wv);
+        },
+        {outs[0], outs[1]}, "sigmoid_topk.forward");
     if (!ok) return 0;
     for (std::size_t r = 0; r < t; ++r) {
       const auto [wr, b] = bounds::sigmoid_topk_weights_row(&z[r * e], &idx[r * k], k, p.scaling);
@@ -146,16 +170,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     std::vector<float> dz(t * e, 3.0f);
     const bool bok = grads_ok(g);
-    if (!expect(bok, [&] {
-          router::sigmoid_topk_backward(zv, MatView<const std::int32_t>(idx.data(), t, k), MatView<const float>(g.data(), t, k), p,
-                                        MatView<float>(dz.data(), t, e));
-        }, {{dz.data(), dz.size() * 4}}, "sigmoid_topk.backward", "router.sigmoid_topk_backward.dz_finite"))
+    if (!expect(
+            bok,
+            [&] {
+              router::sigmoid_topk_backward(zv, MatView<const std::int32_t>(idx.data(), t, k),
+                                            MatView<const float>(g.data(), t, k), p,
+                                            MatView<float>(dz.data(), t, e));
+            },
+            {{dz.data(), dz.size() * 4}}, "sigmoid_topk.backward",
+            "router.sigmoid_topk_backward.dz_finite"))
       return 0;
     for (std::size_t r = 0; r < t; ++r) {
       const std::int32_t* ir = &idx[r * k];
       const auto dref = ref::sigmoid_topk_grad<double>(&z[r * e], e, ir, &g[r * k], k, p.scaling);
       const auto b = bounds::sigmoid_topk_grad_row(&z[r * e], e, ir, &g[r * k], k, p.scaling);
-      for (std::size_t i = 0; i < e; ++i) check(dz[r * e + i], dref[i], b[i], "sigmoid_topk.backward");
+      for (std::size_t i = 0; i < e; ++i)
+        check(dz[r * e + i], dref[i], b[i], "sigmoid_topk.backward");
     }
   } else {
     MatView<const float> xv(z.data(), t, n, 2 * n), yv(z.data() + n, t, n, 2 * n);
@@ -167,32 +197,44 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       for (std::size_t i = 0; i < n; ++i) mx = std::max(mx, xv(r, i)), my = std::max(my, yv(r, i));
       small = small && double(mx) + my <= 88.0;
     }
-    expect(scores_ok && small && k_ok, [&] { router::product_key_forward(xv, yv, mode, iv, wv); }, {outs[0], outs[1]}, "product_key.forward");
+    expect(
+        scores_ok && small && k_ok, [&] { router::product_key_forward(xv, yv, mode, iv, wv); },
+        {outs[0], outs[1]}, "product_key.forward");
     if (!(scores_ok && small && k_ok)) return 0;
     std::vector<float> sx(t * n), sy(t * n);
     for (std::size_t r = 0; r < t; ++r)
       for (std::size_t i = 0; i < n; ++i) sx[r * n + i] = xv(r, i), sy[r * n + i] = yv(r, i);
     for (std::size_t r = 0; r < t; ++r) {
-      const auto [wr, b] = bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
+      const auto [wr, b] =
+          bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
       for (std::size_t j = 0; j < k; ++j) check(w[r * k + j], wr[j], b[j], "product_key.forward");
     }
     std::vector<std::int32_t> bidx = idx;
-    if (d.flag()) for (auto& x : bidx) x = d.index(e);
+    if (d.flag())
+      for (auto& x : bidx) x = d.index(e);
     std::vector<float> dsx(t * n, 3.0f), dsy(t * n, 3.0f);
     const bool ok = rows_valid(bidx, t, k, e) && grads_ok(g);
-    if (!expect(ok, [&] {
-          router::product_key_backward(xv, yv, MatView<const std::int32_t>(bidx.data(), t, k), MatView<const float>(g.data(), t, k),
-                                       mode, MatView<float>(dsx.data(), t, n), MatView<float>(dsy.data(), t, n));
-        }, {{dsx.data(), dsx.size() * 4}, {dsy.data(), dsy.size() * 4}}, "product_key.backward",
-        "router.product_key_backward.grad_finite"))
+    if (!expect(
+            ok,
+            [&] {
+              router::product_key_backward(xv, yv, MatView<const std::int32_t>(bidx.data(), t, k),
+                                           MatView<const float>(g.data(), t, k), mode,
+                                           MatView<float>(dsx.data(), t, n),
+                                           MatView<float>(dsy.data(), t, n));
+            },
+            {{dsx.data(), dsx.size() * 4}, {dsy.data(), dsy.size() * 4}}, "product_key.backward",
+            "router.product_key_backward.grad_finite"))
       return 0;
     for (std::size_t r = 0; r < t; ++r) {
       std::vector<double> rx, ry;
-      ref::product_key_grad<double>(&sx[r * n], &sy[r * n], n, &bidx[r * k], &g[r * k], k, mode, rx, ry);
-      const auto b = bounds::product_key_grad_row(&sx[r * n], &sy[r * n], n, &bidx[r * k], &g[r * k], k, mode);
+      ref::product_key_grad<double>(&sx[r * n], &sy[r * n], n, &bidx[r * k], &g[r * k], k, mode, rx,
+                                    ry);
+      const auto b =
+          bounds::product_key_grad_row(&sx[r * n], &sy[r * n], n, &bidx[r * k], &g[r * k], k, mode);
       for (std::size_t i = 0; i < n; ++i)
         for (int half = 0; half < 2; ++half)
-          check(half ? dsy[r * n + i] : dsx[r * n + i], half ? ry[i] : rx[i], b[half * n + i], "product_key.backward");
+          check(half ? dsy[r * n + i] : dsx[r * n + i], half ? ry[i] : rx[i], b[half * n + i],
+                "product_key.backward");
     }
   }
   return 0;

@@ -6,10 +6,10 @@
 // bound to an arena and run step by step, every live buffer written in
 // full: no guard fires; then one byte past a live buffer's end is written
 // and the guard clause must name that buffer.
+#include <fmt/format.h>
+
 #include <cstring>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "fuzz/decode.hpp"
 #include "moecert/workspace.hpp"
@@ -22,16 +22,20 @@ namespace {
 
 std::int64_t field(fuzz::Decoder& d, std::int64_t lo, std::int64_t hi) {
   switch (d.u8() & 15) {
-    case 0: return static_cast<std::int64_t>(d.u32()) << (d.u8() & 31);  // far out of range
-    case 1: return -static_cast<std::int64_t>(d.u8());
-    default: return lo + static_cast<std::int64_t>(d.u32() % static_cast<std::uint64_t>(hi - lo + 1));
+    case 0:
+      return static_cast<std::int64_t>(d.u32()) << (d.u8() & 31);  // far out of range
+    case 1:
+      return -static_cast<std::int64_t>(d.u8());
+    default:
+      return lo + static_cast<std::int64_t>(d.u32() % static_cast<std::uint64_t>(hi - lo + 1));
   }
 }
 
 bool config_valid(const MoeConfig& c) {
-  return c.experts >= 1 && c.experts <= kMaxExperts && c.hidden >= 1 && c.hidden <= kMaxDim && c.inter >= 1 &&
-         c.inter <= kMaxDim && c.topk >= 1 && c.topk <= std::min(c.experts, kMaxTopk) && c.lora_rank >= 0 &&
-         c.lora_rank <= kMaxRank && c.max_tokens >= 1 && c.max_tokens <= kMaxTokens;
+  return c.experts >= 1 && c.experts <= kMaxExperts && c.hidden >= 1 && c.hidden <= kMaxDim &&
+         c.inter >= 1 && c.inter <= kMaxDim && c.topk >= 1 &&
+         c.topk <= std::min(c.experts, kMaxTopk) && c.lora_rank >= 0 && c.lora_rank <= kMaxRank &&
+         c.max_tokens >= 1 && c.max_tokens <= kMaxTokens;
 }
 
 }  // namespace
@@ -69,9 +73,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       fuzz::finding("workspace_fuzzer", fmt::format("{} misaligned or outside the total", a.name));
     for (std::size_t j = i + 1; j < p.buffers.size(); ++j) {
       const auto& b = p.buffers[j];
-      if (a.bytes && b.bytes && a.first <= b.last && b.first <= a.last && a.offset < b.offset + b.bytes &&
-          b.offset < a.offset + a.bytes)
-        fuzz::finding("workspace_fuzzer", fmt::format("{} and {} co-live and overlapping", a.name, b.name));
+      if (a.bytes && b.bytes && a.first <= b.last && b.first <= a.last &&
+          a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes)
+        fuzz::finding("workspace_fuzzer",
+                      fmt::format("{} and {} co-live and overlapping", a.name, b.name));
     }
   }
   if (p.total_bytes > (1u << 22)) return 0;
@@ -85,7 +90,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (int step = 0; step < workspace::step_count(); ++step) {
       arena.enter(step, chk);
       for (const auto& b : p.buffers)
-        if (b.first <= step && step <= b.last && b.bytes) std::memset(arena.get<std::byte>(b.name, b.bytes), step, b.bytes);
+        if (b.first <= step && step <= b.last && b.bytes)
+          std::memset(arena.get<std::byte>(b.name, b.bytes), step, b.bytes);
       if (step == stray_step) {
         for (const auto& b : p.buffers)
           if (b.first <= step && step <= b.last && b.bytes) {
@@ -94,11 +100,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             try {
               step + 1 < workspace::step_count() ? arena.enter(step + 1, chk) : arena.leave(chk);
             } catch (const ContractViolation& v) {
-              if (v.clause() != "workspace.arena.guard" || v.violation().location.find("after " + b.name) != 0)
-                fuzz::finding("workspace_fuzzer", std::string("stray write reported as: ") + v.what());
+              if (v.clause() != "workspace.arena.guard" ||
+                  v.violation().location.find("after " + b.name) != 0)
+                fuzz::finding("workspace_fuzzer",
+                              std::string("stray write reported as: ") + v.what());
               return 0;
             }
-            fuzz::finding("workspace_fuzzer", fmt::format("a write into {}'s guard went unnoticed", b.name));
+            fuzz::finding("workspace_fuzzer",
+                          fmt::format("a write into {}'s guard went unnoticed", b.name));
           }
       }
     }

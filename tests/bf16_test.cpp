@@ -79,7 +79,7 @@ TEST_CASE("core.bf16: denormals convert exactly, no flushing", "[core][bf16]") {
     REQUIRE(std::fpclassify(d.to_float()) == FP_SUBNORMAL);
     REQUIRE(bf16(d.to_float()).bits == m);
   }
-  CHECK(bf16(std::numeric_limits<float>::denorm_min()).bits == 0);        // rounds to +0
+  CHECK(bf16(std::numeric_limits<float>::denorm_min()).bits == 0);         // rounds to +0
   CHECK(bf16(-std::numeric_limits<float>::denorm_min()).bits == 0x8000u);  // to -0
   CHECK(bf16(from_bits32(0x00008000u)).bits == 0);        // tie between 0 and the least denormal
   CHECK(bf16(from_bits32(0x00018000u)).bits == 0x0002u);  // tie, odd: up
@@ -96,7 +96,9 @@ TEST_CASE("core.bf16: random floats match an exact nearest-even reference", "[co
     const double a = std::fabs(double(bf16::from_bits(lo).to_float()));
     const bf16 next = bf16::from_bits(static_cast<std::uint16_t>(lo + 1));
     const double b = next.is_inf() ? std::ldexp(1.0, 128) : std::fabs(double(next.to_float()));
-    const std::uint16_t want = (x - a < b - x) ? lo : (b - x < x - a) ? next.bits : ((lo & 1) ? next.bits : lo);
+    const std::uint16_t want = (x - a < b - x)   ? lo
+                               : (b - x < x - a) ? next.bits
+                                                 : ((lo & 1) ? next.bits : lo);
     REQUIRE(bf16(f).bits == want);
   }
 }

@@ -1,7 +1,7 @@
 // The a-priori bounds hold for plain fp32 kernels over random and
 // adversarial data (proofs/bounds.md); the observed utilisation is printed.
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -63,16 +63,26 @@ void fill(std::mt19937_64& rng, Data d, std::vector<In>& a, std::vector<In>& b) 
   for (std::size_t i = 0; i < n; ++i) {
     float x = u(rng), y = u(rng);
     switch (d) {
-      case Data::random: break;
+      case Data::random:
+        break;
       case Data::cancel:  // pairs that cancel up to a rounding residue
-        if (i % 2 == 1) { x = -static_cast<float>(a[i - 1]) * (1 + 0x1p-7f * u(rng)); y = static_cast<float>(b[i - 1]); }
+        if (i % 2 == 1) {
+          x = -static_cast<float>(a[i - 1]) * (1 + 0x1p-7f * u(rng));
+          y = static_cast<float>(b[i - 1]);
+        }
         break;
       case Data::wide:  // magnitudes 2^-58..2^58, products stay normal
         x = std::ldexp(0.5f + std::fabs(x), ex(rng));
         y = std::ldexp(0.5f + std::fabs(y), ex(rng)) * (y < 0 ? -1 : 1);
         break;
-      case Data::equal: x = 0.1f; y = 0.3f; break;  // all terms equal
-      case Data::growing: x = i == 0 ? 1e4f : std::fabs(x); y = i == 0 ? 1.0f : 3e-4f; break;  // 1 big + many below half an ulp
+      case Data::equal:
+        x = 0.1f;
+        y = 0.3f;
+        break;  // all terms equal
+      case Data::growing:
+        x = i == 0 ? 1e4f : std::fabs(x);
+        y = i == 0 ? 1.0f : 3e-4f;
+        break;  // 1 big + many below half an ulp
     }
     a[i] = In(x);
     b[i] = In(y);
@@ -101,10 +111,12 @@ void check_dots(std::size_t trials, std::size_t max_n, std::uint64_t seed, Stats
       sum_abs += std::fabs(double(af[i]) * double(bf[i]));
     }
     const double exact = ref::to_double(ref::dot<DoubleDouble>(a.data(), b.data(), n));
-    const double bound = bounds::dot(n, sum_abs) + 0x1p-52 * std::fabs(exact);  // + the reference's rounding
+    const double bound =
+        bounds::dot(n, sum_abs) + 0x1p-52 * std::fabs(exact);  // + the reference's rounding
     st.add(std::fabs(dot_sequential(p.data(), n) - exact), bound);
     st.add(std::fabs(dot_pairwise(p.data(), n) - exact), bound);
-    if constexpr (std::is_same_v<In, bf16>) st.add(std::fabs(dot_amx(af.data(), bf.data(), n) - exact), bound);
+    if constexpr (std::is_same_v<In, bf16>)
+      st.add(std::fabs(dot_amx(af.data(), bf.data(), n) - exact), bound);
     float fma_chain = 0;
     for (std::size_t i = 0; i < n; ++i) fma_chain = std::fma(af[i], bf[i], fma_chain);
     st.add(std::fabs(fma_chain - exact), bound);
@@ -156,7 +168,8 @@ TEST_CASE("bounds: sigmoid, silu(g)*u, exp in fp32", "[bounds]") {
     sig.add(std::fabs(s - s_exact), bounds::sigmoid(s_exact) + 0x1p-50 * s_exact);
     const double silu_exact = ref::silu(gd);
     const float h = (g * (1.0f / (1.0f + std::exp(-g)))) * v;
-    sm.add(std::fabs(h - silu_exact * vd), bounds::silu_mul(std::fabs(silu_exact), std::fabs(vd)) + 0x1p-50 * std::fabs(silu_exact * vd));
+    sm.add(std::fabs(h - silu_exact * vd), bounds::silu_mul(std::fabs(silu_exact), std::fabs(vd)) +
+                                               0x1p-50 * std::fabs(silu_exact * vd));
     if (std::fabs(g) < 80) {
       const double e_exact = std::exp(gd);
       ex.add(std::fabs(std::exp(g) - e_exact), bounds::exp(e_exact) + 0x1p-50 * e_exact);
@@ -178,7 +191,9 @@ TEST_CASE("bounds: silu(g)*u with perturbed inputs", "[bounds]") {
     const double eg_real = std::fabs(double(gh) - g), ev_real = std::fabs(double(vh) - v);
     const double exact = ref::silu(g) * v;
     const float h = (gh * (1.0f / (1.0f + std::exp(-gh)))) * vh;
-    st.add(std::fabs(h - exact), bounds::silu_mul(std::fabs(ref::silu(g)), std::fabs(v), eg_real, ev_real) + 0x1p-50 * std::fabs(exact));
+    st.add(std::fabs(h - exact),
+           bounds::silu_mul(std::fabs(ref::silu(g)), std::fabs(v), eg_real, ev_real) +
+               0x1p-50 * std::fabs(exact));
   }
   std::printf("bounds.silu_mul perturbed: max utilisation %.4g\n", st.max_util);
 }
@@ -192,7 +207,8 @@ TEST_CASE("bounds: softmax, renormalised top-k weights, log-sum-exp in fp32", "[
     const float scale = (t % 4 == 0) ? 30.0f : 3.0f;
     std::vector<float> z(n);
     for (auto& v : z) v = nd(rng) * scale;
-    if (t % 5 == 0) for (std::size_t i = 1; i < n; i += 2) z[i] = z[i - 1];  // ties
+    if (t % 5 == 0)
+      for (std::size_t i = 1; i < n; i += 2) z[i] = z[i - 1];  // ties
     float m = z[0];
     for (float v : z) m = std::max(m, v);
     std::vector<float> e(n);
@@ -213,21 +229,30 @@ TEST_CASE("bounds: softmax, renormalised top-k weights, log-sum-exp in fp32", "[
     const std::size_t k = 1 + rng() % std::min<std::size_t>(n, 8);
     std::vector<std::size_t> top(n);
     for (std::size_t i = 0; i < n; ++i) top[i] = i;
-    std::partial_sort(top.begin(), top.begin() + k, top.end(), [&](auto x, auto y) { return z[x] > z[y]; });
+    std::partial_sort(top.begin(), top.begin() + k, top.end(),
+                      [&](auto x, auto y) { return z[x] > z[y]; });
     float sk = 0;
     double pk = 0;
-    for (std::size_t i = 0; i < k; ++i) { sk += e[top[i]] / s; pk += ref::to_double(p[top[i]]); }
+    for (std::size_t i = 0; i < k; ++i) {
+      sk += e[top[i]] / s;
+      pk += ref::to_double(p[top[i]]);
+    }
     const double eps = bounds::softmax_rel(n, max_shift);
     for (std::size_t i = 0; i < k; ++i) {
       const double w = ref::to_double(p[top[i]]) / pk;
-      rn.add(std::fabs((e[top[i]] / s) / sk - w), bounds::renormalized(w, k, eps, 2 * bounds::kMinNormal32, pk) + n * 0x1p-48 * w);
+      rn.add(std::fabs((e[top[i]] / s) / sk - w),
+             bounds::renormalized(w, k, eps, 2 * bounds::kMinNormal32, pk) + n * 0x1p-48 * w);
     }
     const double lse = ref::logsumexp<double>(z.data(), n);
     const float lse32 = m + std::log(s);
-    ls.add(std::fabs(lse32 - lse), bounds::logsumexp(std::fabs(lse), std::fabs(lse - m), n, max_shift) + n * 0x1p-50 * std::fabs(lse));
+    ls.add(std::fabs(lse32 - lse),
+           bounds::logsumexp(std::fabs(lse), std::fabs(lse - m), n, max_shift) +
+               n * 0x1p-50 * std::fabs(lse));
   }
-  std::printf("bounds.softmax %.4g, bounds.renormalized %.4g, bounds.logsumexp %.4g (max utilisation over %zu, %zu, %zu)\n",
-              sp.max_util, rn.max_util, ls.max_util, sp.cases, rn.cases, ls.cases);
+  std::printf(
+      "bounds.softmax %.4g, bounds.renormalized %.4g, bounds.logsumexp %.4g (max utilisation over "
+      "%zu, %zu, %zu)\n",
+      sp.max_util, rn.max_util, ls.max_util, sp.cases, rn.cases, ls.cases);
 }
 
 TEST_CASE("bounds: gamma_n", "[bounds]") {

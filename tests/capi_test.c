@@ -8,12 +8,12 @@
 #include "moecert/moecert.h"
 
 static int failures = 0;
-#define EXPECT(cond)                                                       \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond);  \
-      ++failures;                                                          \
-    }                                                                      \
+#define EXPECT(cond)                                                      \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                         \
+    }                                                                     \
   } while (0)
 #define OK(call) EXPECT((call) == MOECERT_OK)
 
@@ -31,7 +31,8 @@ static moecert_tensor mat(void* data, int32_t dtype, int64_t rows, int64_t cols)
 }
 
 static uint16_t wg[E * I * H], wu[E * I * H], wd[E * H * I], x[T * H];
-static uint16_t ag[E * R * H], bg[E * I * R], au[E * R * H], bu[E * I * R], ad[E * R * I], bd[E * H * R];
+static uint16_t ag[E * R * H], bg[E * I * R], au[E * R * H], bu[E * I * R], ad[E * R * I],
+    bd[E * H * R];
 static int32_t idx[T * K] = {0, 1, 1, -1, 1, 0};
 static float w[T * K] = {0.6f, 0.4f, 1.0f, 0.0f, 0.3f, 0.7f};
 static float y[T * H], dy[T * H], dx[T * H], dw[T * K], gag[E * R * H];
@@ -41,9 +42,14 @@ static void fill(uint16_t* a, int n, float scale, int seed) {
 }
 
 static moecert_lora lora(void) {
-  moecert_lora l = {mat(ag, MOECERT_BF16, E * R, H), mat(bg, MOECERT_BF16, E * I, R), mat(au, MOECERT_BF16, E * R, H),
-                    mat(bu, MOECERT_BF16, E * I, R), mat(ad, MOECERT_BF16, E * R, I), mat(bd, MOECERT_BF16, E * H, R),
-                    R, 4.0};
+  moecert_lora l = {mat(ag, MOECERT_BF16, E * R, H),
+                    mat(bg, MOECERT_BF16, E * I, R),
+                    mat(au, MOECERT_BF16, E * R, H),
+                    mat(bu, MOECERT_BF16, E * I, R),
+                    mat(ad, MOECERT_BF16, E * R, I),
+                    mat(bd, MOECERT_BF16, E * H, R),
+                    R,
+                    4.0};
   return l;
 }
 
@@ -59,12 +65,14 @@ static void experts_op(void) {
   moecert_experts_saved* saved = NULL;
   OK(moecert_experts_saved_new(&saved));
   moecert_lora l = lora();
-  moecert_tensor tx = mat(x, MOECERT_BF16, T, H), ti = mat(idx, MOECERT_I32, T, K), tw = mat(w, MOECERT_F32, T, K);
+  moecert_tensor tx = mat(x, MOECERT_BF16, T, H), ti = mat(idx, MOECERT_I32, T, K),
+                 tw = mat(w, MOECERT_F32, T, K);
   moecert_tensor ty = mat(y, MOECERT_F32, T, H), tdy = mat(dy, MOECERT_F32, T, H);
   OK(moecert_experts_forward_train(packed, &l, &tx, &ti, &tw, &ty, saved, NULL));
   moecert_experts_grads g;
   memset(&g, 0, sizeof g);
-  g.dx = mat(dx, MOECERT_F32, T, H), g.dweights = mat(dw, MOECERT_F32, T, K), g.a_gate = mat(gag, MOECERT_F32, E * R, H);
+  g.dx = mat(dx, MOECERT_F32, T, H), g.dweights = mat(dw, MOECERT_F32, T, K),
+  g.a_gate = mat(gag, MOECERT_F32, E * R, H);
   for (int i = 0; i < T * K; ++i) dw[i] = 42.0f;
   OK(moecert_experts_backward(packed, &l, &tx, &tdy, saved, &g));
   int finite = 1;
@@ -78,7 +86,8 @@ static void experts_op(void) {
   uint16_t saved_x = x[1 * H + 2];
   x[1 * H + 2] = 0x7fc0; /* NaN */
   for (int i = 0; i < T * H; ++i) y[i] = -7.0f;
-  EXPECT(moecert_experts_forward_train(packed, &l, &tx, &ti, &tw, &ty, saved, NULL) == MOECERT_CONTRACT_VIOLATION);
+  EXPECT(moecert_experts_forward_train(packed, &l, &tx, &ti, &tw, &ty, saved, NULL) ==
+         MOECERT_CONTRACT_VIOLATION);
   const moecert_error* err = moecert_last_error();
   EXPECT(err->status == MOECERT_CONTRACT_VIOLATION);
   EXPECT(strcmp(err->clause, "experts.forward_train.x_finite") == 0);
@@ -90,7 +99,8 @@ static void experts_op(void) {
 
   /* A descriptor of the wrong dtype: rejected before any work. */
   moecert_tensor bad = mat(w, MOECERT_F32, T, H);
-  EXPECT(moecert_experts_forward_train(packed, &l, &bad, &ti, &tw, &ty, saved, NULL) == MOECERT_INVALID_ARGUMENT);
+  EXPECT(moecert_experts_forward_train(packed, &l, &bad, &ti, &tw, &ty, saved, NULL) ==
+         MOECERT_INVALID_ARGUMENT);
   EXPECT(strstr(moecert_last_error()->message, "x: dtype float32, expected bfloat16") != NULL);
 
   moecert_experts_saved_free(saved);
@@ -101,9 +111,11 @@ static void router(void) {
   float z[2 * 4] = {1.0f, 3.0f, 2.0f, -1.0f, 0.5f, 0.5f, 4.0f, 0.0f};
   int32_t sel[2 * 2];
   float sw[2 * 2];
-  moecert_tensor tz = mat(z, MOECERT_F32, 2, 4), ts = mat(sel, MOECERT_I32, 2, 2), tsw = mat(sw, MOECERT_F32, 2, 2);
+  moecert_tensor tz = mat(z, MOECERT_F32, 2, 4), ts = mat(sel, MOECERT_I32, 2, 2),
+                 tsw = mat(sw, MOECERT_F32, 2, 2);
   OK(moecert_softmax_topk_forward(&tz, &ts, &tsw, 1));
-  EXPECT(sel[0] == 1 && sel[1] == 2 && sel[2] == 2 && sel[3] == 0); /* ties: the lower index first */
+  EXPECT(sel[0] == 1 && sel[1] == 2 && sel[2] == 2 &&
+         sel[3] == 0); /* ties: the lower index first */
   EXPECT(fabsf(sw[0] + sw[1] - 1.0f) < 1e-6f && sw[0] > sw[1]);
 }
 
@@ -119,11 +131,13 @@ static void layer(void) {
   moecert_layer_weights lw;
   memset(&lw, 0, sizeof lw);
   lw.experts = packed, lw.router_w = mat(rw, MOECERT_F32, E, H), lw.lora = lora();
-  lw.router_b.data = rb, lw.router_b.dtype = MOECERT_F32, lw.router_b.ndim = 1, lw.router_b.shape[0] = E;
+  lw.router_b.data = rb, lw.router_b.dtype = MOECERT_F32, lw.router_b.ndim = 1,
+  lw.router_b.shape[0] = E;
   lw.router_b.stride[0] = 1;
   moecert_layer_saved* saved = NULL;
   OK(moecert_layer_saved_new(&saved));
-  moecert_tensor tx = mat(x, MOECERT_BF16, T, H), ty = mat(y, MOECERT_F32, T, H), tdy = mat(dy, MOECERT_F32, T, H);
+  moecert_tensor tx = mat(x, MOECERT_BF16, T, H), ty = mat(y, MOECERT_F32, T, H),
+                 tdy = mat(dy, MOECERT_F32, T, H);
   OK(moecert_layer_forward(&cfg, &lw, &tx, &ty, saved, NULL));
   moecert_layer_grads g;
   memset(&g, 0, sizeof g);
@@ -144,15 +158,19 @@ int main(void) {
   OK(moecert_set_num_threads(2));
   EXPECT(moecert_num_threads() == 2);
   EXPECT(moecert_set_contract_level(9) == MOECERT_INVALID_ARGUMENT);
-  fill(wg, E * I * H, 0.25f, 1), fill(wu, E * I * H, 0.25f, 2), fill(wd, E * H * I, 0.2f, 3), fill(x, T * H, 1.0f, 4);
-  fill(ag, E * R * H, 0.3f, 5), fill(bg, E * I * R, 0.3f, 6), fill(au, E * R * H, 0.3f, 7), fill(bu, E * I * R, 0.3f, 8);
+  fill(wg, E * I * H, 0.25f, 1), fill(wu, E * I * H, 0.25f, 2), fill(wd, E * H * I, 0.2f, 3),
+      fill(x, T * H, 1.0f, 4);
+  fill(ag, E * R * H, 0.3f, 5), fill(bg, E * I * R, 0.3f, 6), fill(au, E * R * H, 0.3f, 7),
+      fill(bu, E * I * R, 0.3f, 8);
   fill(ad, E * R * I, 0.3f, 9), fill(bd, E * H * R, 0.3f, 10);
   for (int i = 0; i < T * H; ++i) dy[i] = cosf(0.11f * (float)i);
   experts_op();
   router();
   layer();
   OK(moecert_set_num_threads(0));
-  if (failures) fprintf(stderr, "capi_test: %d failed\n", failures);
-  else printf("capi_test: all passed\n");
+  if (failures)
+    fprintf(stderr, "capi_test: %d failed\n", failures);
+  else
+    printf("capi_test: all passed\n");
   return failures != 0;
 }

@@ -13,13 +13,15 @@ static_assert(MOECERT_CONTRACT_CAP_LEVEL == 0, "this test must be built at cap o
 // this test would not link.
 void moecert_capoff_probe_never_defined();
 
-TEST_CASE("core.contracts.cap: at cap off clause bodies are not compiled", "[core][contracts][cap]") {
+TEST_CASE("core.contracts.cap: at cap off clause bodies are not compiled",
+          "[core][contracts][cap]") {
   detail::Checker c{"test.capoff"};
   MOECERT_CONTRACT(c, clauses::config::kExpertsRange) { moecert_capoff_probe_never_defined(); }
   CHECK(contract_level_cap() == Level::off);
 }
 
-TEST_CASE("core.contracts.cap: at cap off the library checks nothing, whatever the level", "[core][contracts][cap]") {
+TEST_CASE("core.contracts.cap: at cap off the library checks nothing, whatever the level",
+          "[core][contracts][cap]") {
   MoeConfig bad;  // every field invalid
   bad.topk = -1;
   reset_clause_counts();

@@ -1,9 +1,10 @@
 // Comparison: bound utilisation, ULP distance, tie-aware top-k.
+#include "contracts/compare.hpp"
+
 #include <cmath>
 #include <limits>
 #include <vector>
 
-#include "contracts/compare.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;
@@ -19,44 +20,53 @@ TEST_CASE("compare: bounded reports utilisation and the worst element", "[compar
   CHECK(r.max_utilization == Approx(1.25));  // 0.25 / 0.2, as computed exactly in binary
   CHECK(r.max_abs_err == 0.5);
   CHECK(r.worst_got == 3.0f);
-  auto ok = compare::bounded(std::vector<float>{1.0f, 2.5f}, std::vector<double>{1.0, 2.0}, std::vector<double>{0.1, 1.0});
+  auto ok = compare::bounded(std::vector<float>{1.0f, 2.5f}, std::vector<double>{1.0, 2.0},
+                             std::vector<double>{0.1, 1.0});
   CHECK(ok.pass());
   CHECK(ok.max_utilization == Approx(0.5));  // 0.5 / (1 + 2^-52)
 }
 
 TEST_CASE("compare: a non-finite result never passes", "[compare][finite]") {
   const std::vector<double> ref = {1.0}, bound = {1e30};
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     auto r = compare::bounded(std::vector<float>{bad}, ref, bound);
     CHECK_FALSE(r.pass());
     CHECK(std::isinf(r.max_utilization));
   }
   // A zero bound admits only an exact result.
-  CHECK(compare::bounded(std::vector<float>{0.0f}, std::vector<double>{0.0}, std::vector<double>{0.0}).pass());
+  CHECK(
+      compare::bounded(std::vector<float>{0.0f}, std::vector<double>{0.0}, std::vector<double>{0.0})
+          .pass());
   // ... and refuses any nonzero error, however small (1e-30 is an input here).
-  CHECK_FALSE(compare::bounded(std::vector<float>{1e-30f}, std::vector<double>{0.0}, std::vector<double>{0.0}).pass());
+  CHECK_FALSE(compare::bounded(std::vector<float>{1e-30f}, std::vector<double>{0.0},
+                               std::vector<double>{0.0})
+                  .pass());
 }
 
 TEST_CASE("compare: ULP distance", "[compare]") {
   CHECK(compare::ulp_distance(1.0f, 1.0f) == 0);
   CHECK(compare::ulp_distance(1.0f, std::nextafter(1.0f, 2.0f)) == 1);
   CHECK(compare::ulp_distance(0.0f, -0.0f) == 0);
-  CHECK(compare::ulp_distance(-std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::denorm_min()) == 2);
+  CHECK(compare::ulp_distance(-std::numeric_limits<float>::denorm_min(),
+                              std::numeric_limits<float>::denorm_min()) == 2);
   CHECK(compare::ulp_distance(bf16(1.0f), bf16::from_bits(0x3f81)) == 1);
   CHECK(compare::ulp_distance(1.0f, NAN) == std::numeric_limits<std::uint64_t>::max());
 }
 
-TEST_CASE("compare: tie-aware top-k accepts other tie breaks, rejects lower scores", "[compare][index]") {
+TEST_CASE("compare: tie-aware top-k accepts other tie breaks, rejects lower scores",
+          "[compare][index]") {
   // One token, 6 experts; experts 1, 2 and 4 tie at 0.5 around the k = 3 boundary.
   const std::vector<float> s = {0.9f, 0.5f, 0.5f, 0.1f, 0.5f, 0.2f};
   MatView<const float> scores(s.data(), 1, 6);
-  const std::vector<std::int32_t> ref = {0, 1, 2};          // total order: ties by index
-  const std::vector<std::int32_t> other_tie = {0, 4, 1};    // another tie break
-  const std::vector<std::int32_t> lower = {0, 1, 5};        // 0.2 < 0.5
+  const std::vector<std::int32_t> ref = {0, 1, 2};        // total order: ties by index
+  const std::vector<std::int32_t> other_tie = {0, 4, 1};  // another tie break
+  const std::vector<std::int32_t> lower = {0, 1, 5};      // 0.2 < 0.5
   const std::vector<std::int32_t> twice = {0, 1, 1};
   const std::vector<std::int32_t> out_of_range = {0, 1, 6};
   auto cmp = [&](const std::vector<std::int32_t>& c) {
-    return compare::topk_tie_aware(scores, MatView<const std::int32_t>(c.data(), 1, 3), MatView<const std::int32_t>(ref.data(), 1, 3));
+    return compare::topk_tie_aware(scores, MatView<const std::int32_t>(c.data(), 1, 3),
+                                   MatView<const std::int32_t>(ref.data(), 1, 3));
   };
   CHECK(cmp(ref).ok);
   CHECK(cmp(other_tie).ok);
@@ -76,7 +86,8 @@ TEST_CASE("compare: tie-aware top-k and -1 tail slots", "[compare][index]") {
   const std::vector<std::int32_t> filled = {0, 1, 2};
   const std::vector<std::int32_t> hole = {0, -1, 1};
   auto cmp = [&](const std::vector<std::int32_t>& c) {
-    return compare::topk_tie_aware(scores, MatView<const std::int32_t>(c.data(), 1, 3), MatView<const std::int32_t>(ref.data(), 1, 3));
+    return compare::topk_tie_aware(scores, MatView<const std::int32_t>(c.data(), 1, 3),
+                                   MatView<const std::int32_t>(ref.data(), 1, 3));
   };
   CHECK(cmp(same).ok);
   CHECK_FALSE(cmp(filled).ok);

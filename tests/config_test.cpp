@@ -1,8 +1,9 @@
 // MoeConfig validation: a typical config passes, each clause fires alone.
+#include "moecert/config.hpp"
+
 #include <cmath>
 #include <limits>
 
-#include "moecert/config.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;
@@ -57,36 +58,52 @@ TEST_CASE("core.config.validate: typical configs pass at every level", "[core][c
 }
 
 TEST_CASE("core.config.validate: experts_range", "[core][config][shape]") {
-  auto v = spoiled(typical(), [](MoeConfig& c) { c.experts = 0; }, "core.config.experts_range");
+  auto v = spoiled(
+      typical(), [](MoeConfig& c) { c.experts = 0; }, "core.config.experts_range");
   CHECK(v.observed == "E=0");
   CHECK(v.expected == "1 <= E <= 65536");
-  spoiled(typical(), [](MoeConfig& c) { c.experts = kMaxExperts + 1; }, "core.config.experts_range");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.experts = kMaxExperts + 1; }, "core.config.experts_range");
 }
 
 TEST_CASE("core.config.validate: hidden_range", "[core][config][shape]") {
-  spoiled(typical(), [](MoeConfig& c) { c.hidden = -1; }, "core.config.hidden_range");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.hidden = -1; }, "core.config.hidden_range");
 }
 
 TEST_CASE("core.config.validate: inter_range", "[core][config][shape]") {
-  spoiled(typical(), [](MoeConfig& c) { c.inter = kMaxDim + 1; }, "core.config.inter_range");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.inter = kMaxDim + 1; }, "core.config.inter_range");
 }
 
 TEST_CASE("core.config.validate: topk_range", "[core][config][shape]") {
-  spoiled(typical(), [](MoeConfig& c) { c.topk = 0; }, "core.config.topk_range");
-  auto v = spoiled(typical(), [](MoeConfig& c) { c.topk = 65; }, "core.config.topk_range");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.topk = 0; }, "core.config.topk_range");
+  auto v = spoiled(
+      typical(), [](MoeConfig& c) { c.topk = 65; }, "core.config.topk_range");
   CHECK(v.expected == "1 <= K <= 64");
-  spoiled(typical(), [](MoeConfig& c) { c.experts = 4; c.topk = 5; }, "core.config.topk_range");
+  spoiled(
+      typical(),
+      [](MoeConfig& c) {
+        c.experts = 4;
+        c.topk = 5;
+      },
+      "core.config.topk_range");
 }
 
 TEST_CASE("core.config.validate: rank_range", "[core][config][shape]") {
-  spoiled(typical(), [](MoeConfig& c) { c.lora_rank = -1; }, "core.config.rank_range");
-  spoiled(typical(), [](MoeConfig& c) { c.lora_rank = 257; }, "core.config.rank_range");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.lora_rank = -1; }, "core.config.rank_range");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.lora_rank = 257; }, "core.config.rank_range");
 }
 
 TEST_CASE("core.config.validate: alpha_finite", "[core][config][shape]") {
-  spoiled(typical(), [](MoeConfig& c) { c.lora_alpha = std::numeric_limits<double>::infinity(); },
-          "core.config.alpha_finite");
-  spoiled(typical(), [](MoeConfig& c) { c.lora_alpha = 0; }, "core.config.alpha_finite");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.lora_alpha = std::numeric_limits<double>::infinity(); },
+      "core.config.alpha_finite");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.lora_alpha = 0; }, "core.config.alpha_finite");
   MoeConfig no_lora = typical();
   no_lora.lora_rank = 0;
   no_lora.lora_alpha = 0;
@@ -95,39 +112,60 @@ TEST_CASE("core.config.validate: alpha_finite", "[core][config][shape]") {
 }
 
 TEST_CASE("core.config.validate: tokens_range", "[core][config][shape]") {
-  spoiled(typical(), [](MoeConfig& c) { c.max_tokens = kMaxTokens + 1; }, "core.config.tokens_range");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.max_tokens = kMaxTokens + 1; }, "core.config.tokens_range");
 }
 
 TEST_CASE("core.config.validate: router_kind", "[core][config][shape]") {
-  spoiled(typical(), [](MoeConfig& c) { c.router = static_cast<RouterKind>(3); }, "core.config.router_kind");
+  spoiled(
+      typical(), [](MoeConfig& c) { c.router = static_cast<RouterKind>(3); },
+      "core.config.router_kind");
 }
 
 TEST_CASE("core.config.validate: product_key_square", "[core][config][shape]") {
-  auto v = spoiled(typical(), [](MoeConfig& c) { c.router = RouterKind::product_key; c.experts = 4095; },
-                   "core.config.product_key_square");
+  auto v = spoiled(
+      typical(),
+      [](MoeConfig& c) {
+        c.router = RouterKind::product_key;
+        c.experts = 4095;
+      },
+      "core.config.product_key_square");
   CHECK(v.observed == "E=4095");
 }
 
 TEST_CASE("core.config.validate: groups_divide", "[core][config][shape]") {
-  spoiled(deepseek_v3(), [](MoeConfig& c) { c.groups = 3; }, "core.config.groups_divide");
-  spoiled(deepseek_v3(), [](MoeConfig& c) { c.groups = 0; }, "core.config.groups_divide");
+  spoiled(
+      deepseek_v3(), [](MoeConfig& c) { c.groups = 3; }, "core.config.groups_divide");
+  spoiled(
+      deepseek_v3(), [](MoeConfig& c) { c.groups = 0; }, "core.config.groups_divide");
 }
 
 TEST_CASE("core.config.validate: topk_group_range", "[core][config][shape]") {
-  spoiled(deepseek_v3(), [](MoeConfig& c) { c.topk_group = 9; }, "core.config.topk_group_range");
-  spoiled(deepseek_v3(), [](MoeConfig& c) { c.topk_group = 0; }, "core.config.topk_group_range");
+  spoiled(
+      deepseek_v3(), [](MoeConfig& c) { c.topk_group = 9; }, "core.config.topk_group_range");
+  spoiled(
+      deepseek_v3(), [](MoeConfig& c) { c.topk_group = 0; }, "core.config.topk_group_range");
   // 1 group of 32 experts kept cannot supply K = 33.
-  spoiled(deepseek_v3(), [](MoeConfig& c) { c.topk_group = 1; c.topk = 33; }, "core.config.topk_group_range");
+  spoiled(
+      deepseek_v3(),
+      [](MoeConfig& c) {
+        c.topk_group = 1;
+        c.topk = 33;
+      },
+      "core.config.topk_group_range");
 }
 
 TEST_CASE("core.config.validate: scaling_finite", "[core][config][shape]") {
-  spoiled(deepseek_v3(), [](MoeConfig& c) { c.scaling = std::nan(""); }, "core.config.scaling_finite");
+  spoiled(
+      deepseek_v3(), [](MoeConfig& c) { c.scaling = std::nan(""); }, "core.config.scaling_finite");
 }
 
 TEST_CASE("core.config.validate: message is one actionable line", "[core][config][shape]") {
-  auto v = spoiled(typical(), [](MoeConfig& c) { c.topk = 65; }, "core.config.topk_range");
+  auto v = spoiled(
+      typical(), [](MoeConfig& c) { c.topk = 65; }, "core.config.topk_range");
   CHECK(v.one_line() ==
-        "core.config.validate: precondition core.config.topk_range failed: K=65, expected 1 <= K <= 64");
+        "core.config.validate: precondition core.config.topk_range failed: K=65, expected 1 <= K "
+        "<= 64");
   CHECK(v.op == "core.config.validate");
   CHECK(v.kind == ClauseKind::pre);
   CHECK(v.group == Group::shape);

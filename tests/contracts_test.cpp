@@ -1,5 +1,6 @@
 // The contract engine: semantics, levels, groups, scopes, handler, counters,
 // and the agreement of the clause registry with the docs and the tests.
+#include <oneapi/tbb/parallel_for.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,12 +9,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <set>
+#include <sstream>
 #include <thread>
 #include <vector>
-
-#include <oneapi/tbb/parallel_for.h>
 
 #include "contracts/clauses.hpp"
 #include "contracts/engine.hpp"
@@ -26,10 +25,14 @@ namespace {
 
 // A miniature op with clauses of every level, to exercise the engine alone.
 namespace k {
-constexpr ClauseInfo kNoAlias = clauses::pre("test.scale.out_no_alias", Group::alias, "out shares no byte with in");
-constexpr ClauseInfo kFiniteIn = clauses::pre("test.scale.finite_in", Group::finite, "in is finite");
-constexpr ClauseInfo kAudit = clauses::post("test.scale.audit_probe", Group::numeric, "audit probe", Level::audit);
-constexpr ClauseInfo kFull = clauses::post("test.scale.full_compare", Group::numeric, "full compare", Level::full);
+constexpr ClauseInfo kNoAlias =
+    clauses::pre("test.scale.out_no_alias", Group::alias, "out shares no byte with in");
+constexpr ClauseInfo kFiniteIn =
+    clauses::pre("test.scale.finite_in", Group::finite, "in is finite");
+constexpr ClauseInfo kAudit =
+    clauses::post("test.scale.audit_probe", Group::numeric, "audit probe", Level::audit);
+constexpr ClauseInfo kFull =
+    clauses::post("test.scale.full_compare", Group::numeric, "full compare", Level::full);
 }  // namespace k
 
 int g_audit_runs = 0, g_full_runs = 0;
@@ -39,12 +42,15 @@ void scale(View<const float> in, View<float> out, float s) {
   detail::Checker c{"test.scale"};
   MOECERT_CONTRACT(c, k::kNoAlias) {
     if (overlaps(in.bytes(), out.bytes()))
-      c.fail(k::kNoAlias, "", fmt::format("out {} overlaps in {}", detail::format_range(out.bytes()),
-                                          detail::format_range(in.bytes())), "disjoint");
+      c.fail(k::kNoAlias, "",
+             fmt::format("out {} overlaps in {}", detail::format_range(out.bytes()),
+                         detail::format_range(in.bytes())),
+             "disjoint");
   }
   MOECERT_CONTRACT(c, k::kFiniteIn) {
     for (std::size_t i = 0; i < in.size; ++i)
-      if (!std::isfinite(in[i])) c.fail(k::kFiniteIn, fmt::format("i={}", i), fmt::format("in={}", in[i]), "finite");
+      if (!std::isfinite(in[i]))
+        c.fail(k::kFiniteIn, fmt::format("i={}", i), fmt::format("in={}", in[i]), "finite");
   }
   if (c.stop()) return;
   for (std::size_t i = 0; i < in.size; ++i) out[i] = s * in[i];
@@ -92,27 +98,38 @@ class StderrCapture {
 
 }  // namespace
 
-TEST_CASE("core.contracts: enforce throws and leaves the caller's output untouched", "[core][contracts]") {
+TEST_CASE("core.contracts: enforce throws and leaves the caller's output untouched",
+          "[core][contracts]") {
   std::vector<float> in = {1, 2, NAN, 4};
   std::vector<float> out = {7, 7, 7, 7};
-  auto v = test::expect_violation([&] { scale({in.data(), 4}, {out.data(), 4}, 2); }, "test.scale.finite_in");
+  auto v = test::expect_violation(
+      [&] {
+        scale({in.data(), 4}, {out.data(), 4}, 2);
+      },
+      "test.scale.finite_in");
   CHECK(out == std::vector<float>{7, 7, 7, 7});
   CHECK(v.location == "i=2");
   CHECK(v.observed == "in=nan");
-  CHECK(v.one_line() == "test.scale: precondition test.scale.finite_in failed at i=2: in=nan, expected finite");
+  CHECK(v.one_line() ==
+        "test.scale: precondition test.scale.finite_in failed at i=2: in=nan, expected finite");
 }
 
 TEST_CASE("core.contracts: alias clause fires on overlapping buffers", "[core][contracts][alias]") {
   std::vector<float> buf = {1, 2, 3, 4, 5};
   const std::vector<float> before = buf;
-  auto v = test::expect_violation([&] { scale({buf.data(), 3}, {buf.data() + 2, 3}, 2); }, "test.scale.out_no_alias");
+  auto v = test::expect_violation(
+      [&] {
+        scale({buf.data(), 3}, {buf.data() + 2, 3}, 2);
+      },
+      "test.scale.out_no_alias");
   CHECK(buf == before);
   CHECK(v.observed.find("overlaps") != std::string::npos);
   ContractScope scope{Level::check, Semantic::enforce};
   CHECK_NOTHROW(scale({buf.data(), 2}, {buf.data() + 2, 2}, 2));  // adjacent, disjoint
 }
 
-TEST_CASE("core.contracts: observe calls the handler, counts and continues without writing", "[core][contracts]") {
+TEST_CASE("core.contracts: observe calls the handler, counts and continues without writing",
+          "[core][contracts]") {
   static std::atomic<int> calls;
   calls = 0;
   auto prev = set_violation_handler([](const Violation& v) {
@@ -226,7 +243,8 @@ TEST_CASE("core.contracts: scopes nest and are per thread", "[core][contracts]")
   set_contract_settings(saved);
 }
 
-TEST_CASE("core.contracts: the handler is replaceable and returns the previous one", "[core][contracts]") {
+TEST_CASE("core.contracts: the handler is replaceable and returns the previous one",
+          "[core][contracts]") {
   auto h1 = [](const Violation&) {};
   auto h2 = [](const Violation&) {};
   auto original = set_violation_handler(h1);
@@ -258,7 +276,8 @@ TEST_CASE("core.contracts: counters are exact under concurrent observe", "[core]
   CHECK(checked("test.scale.out_no_alias") == 4000);
 }
 
-TEST_CASE("core.contracts: first_overlap names the first aliasing pair", "[core][contracts][alias]") {
+TEST_CASE("core.contracts: first_overlap names the first aliasing pair",
+          "[core][contracts][alias]") {
   const ByteRange r[] = {{0, 8}, {8, 16}, {20, 30}, {12, 21}};
   auto p = detail::first_overlap(r, 4);
   REQUIRE(p);
@@ -269,7 +288,8 @@ TEST_CASE("core.contracts: first_overlap names the first aliasing pair", "[core]
 }
 
 TEST_CASE("core.contracts: names parse and print", "[core][contracts]") {
-  for (Level l : {Level::off, Level::check, Level::audit, Level::full}) CHECK(parse_level(level_name(l)) == l);
+  for (Level l : {Level::off, Level::check, Level::audit, Level::full})
+    CHECK(parse_level(level_name(l)) == l);
   for (Semantic s : {Semantic::ignore, Semantic::observe, Semantic::enforce})
     CHECK(parse_semantic(semantic_name(s)) == s);
   for (int g = 0; g < kGroupCount; ++g)
@@ -278,7 +298,8 @@ TEST_CASE("core.contracts: names parse and print", "[core][contracts]") {
   CHECK_FALSE(parse_group(""));
 }
 
-TEST_CASE("core.contracts: the build default is audit in Debug, off in Release", "[core][contracts]") {
+TEST_CASE("core.contracts: the build default is audit in Debug, off in Release",
+          "[core][contracts]") {
 #ifdef NDEBUG
   CHECK(contract_default_level() == Level::off);
 #else
@@ -290,26 +311,31 @@ TEST_CASE("core.contracts: the build default is audit in Debug, off in Release",
   CHECK(effective_contract_settings().level <= contract_level_cap());
 }
 
-TEST_CASE("core.contracts: every clause is documented next to its op and tested", "[core][contracts]") {
+TEST_CASE("core.contracts: every clause is documented next to its op and tested",
+          "[core][contracts]") {
   namespace fs = std::filesystem;
   const fs::path root = MOECERT_SOURCE_DIR;
   std::string headers, tests;
-  for (const auto& e : fs::directory_iterator(root / "include" / "moecert")) headers += read_file(e.path());
+  for (const auto& e : fs::directory_iterator(root / "include" / "moecert"))
+    headers += read_file(e.path());
   for (const auto& e : fs::directory_iterator(root / "tests"))
-    if (e.path().extension() == ".cpp" && e.path().filename() != "contracts_test.cpp") tests += read_file(e.path());
+    if (e.path().extension() == ".cpp" && e.path().filename() != "contracts_test.cpp")
+      tests += read_file(e.path());
   const auto all = all_clauses();
   REQUIRE(all.size() >= 12);
   std::set<std::string_view> ids;
   for (const auto& c : all) {
     INFO(c.id);
-    CHECK(ids.insert(c.id).second);  // unique
+    CHECK(ids.insert(c.id).second);                         // unique
     CHECK(std::count(c.id.begin(), c.id.end(), '.') == 2);  // family.op.clause
     // The documentation table: "///   <id>  <kind>  <group>  <condition>".
     const auto at = headers.find("///   " + std::string(c.id) + " ");
     REQUIRE(at != std::string::npos);
     const std::string line = headers.substr(at, headers.find('\n', at) - at);
-    CHECK(line.find(std::string(" ") + std::string(clause_kind_name(c.kind)) + " ") != std::string::npos);
-    CHECK(line.find(std::string(" ") + std::string(group_name(c.group)) + " ") != std::string::npos);
+    CHECK(line.find(std::string(" ") + std::string(clause_kind_name(c.kind)) + " ") !=
+          std::string::npos);
+    CHECK(line.find(std::string(" ") + std::string(group_name(c.group)) + " ") !=
+          std::string::npos);
     // At least one test names it.
     CHECK(tests.find("\"" + std::string(c.id) + "\"") != std::string::npos);
   }

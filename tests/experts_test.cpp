@@ -1,5 +1,10 @@
 // Grouped expert forward: every usable ISA within the chained bound over odd
 // shapes and routing classes; determinism across thread counts; clauses.
+#include "contracts/experts.hpp"
+
+#include <oneapi/tbb/global_control.h>
+#include <oneapi/tbb/task_arena.h>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -7,12 +12,8 @@
 #include <random>
 #include <vector>
 
-#include <oneapi/tbb/global_control.h>
-#include <oneapi/tbb/task_arena.h>
-
 #include "contracts/checks.hpp"
 #include "contracts/compare.hpp"
-#include "contracts/experts.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
@@ -37,8 +38,8 @@ struct Problem {
   MatView<const float> W() const { return {w.data(), t, k}; }
 };
 
-Problem make(std::uint64_t seed, std::size_t e, std::size_t h, std::size_t i, std::size_t k, std::size_t t,
-             Routing routing) {
+Problem make(std::uint64_t seed, std::size_t e, std::size_t h, std::size_t i, std::size_t k,
+             std::size_t t, Routing routing) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0, 1);
   auto fill = [&](std::vector<bf16>& v, std::size_t n, float scale) {
@@ -77,23 +78,30 @@ Problem make(std::uint64_t seed, std::size_t e, std::size_t h, std::size_t i, st
 
 std::vector<float> run(const Problem& p, Isa isa, float fill = NAN) {
   std::vector<float> y(p.t * p.h, fill);
-  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = isa});
+  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h),
+                   {.isa = isa});
   return y;
 }
 
 }  // namespace
 
-TEST_CASE("experts.forward: every usable ISA within the chained bound", "[experts][forward][numeric]") {
-  struct S { std::size_t e, h, i, k, t; Routing r; };
-  const S shapes[] = {{1, 17, 5, 1, 1, Routing::random},     {3, 40, 33, 2, 7, Routing::random},
-                      {8, 64, 48, 3, 50, Routing::random},   {8, 33, 20, 2, 40, Routing::one_expert},
-                      {6, 48, 40, 3, 30, Routing::empty_slots}, {9, 32, 17, 2, 25, Routing::some_idle},
-                      {4, 24, 16, 2, 0, Routing::random}};
+TEST_CASE("experts.forward: every usable ISA within the chained bound",
+          "[experts][forward][numeric]") {
+  struct S {
+    std::size_t e, h, i, k, t;
+    Routing r;
+  };
+  const S shapes[] = {
+      {1, 17, 5, 1, 1, Routing::random},        {3, 40, 33, 2, 7, Routing::random},
+      {8, 64, 48, 3, 50, Routing::random},      {8, 33, 20, 2, 40, Routing::one_expert},
+      {6, 48, 40, 3, 30, Routing::empty_slots}, {9, 32, 17, 2, 25, Routing::some_idle},
+      {4, 24, 16, 2, 0, Routing::random}};
   std::uint64_t seed = 40;
   for (Isa isa : usable_isas()) {
     DYNAMIC_SECTION(isa_name(isa)) {
       for (const auto& s : shapes) {
-        INFO("E=" << s.e << " H=" << s.h << " I=" << s.i << " K=" << s.k << " T=" << s.t << " routing " << int(s.r));
+        INFO("E=" << s.e << " H=" << s.h << " I=" << s.i << " K=" << s.k << " T=" << s.t
+                  << " routing " << int(s.r));
         const Problem p = make(seed++, s.e, s.h, s.i, s.k, s.t, s.r);
         std::vector<float> y;
         {
@@ -103,7 +111,8 @@ TEST_CASE("experts.forward: every usable ISA within the chained bound", "[expert
         const auto ref = contracts::experts_forward_reference(p.packed, p.X(), p.Idx(), p.W());
         const auto cmp = compare::bounded(y, ref.y, ref.bound);
         CHECK(cmp.pass());
-        if (s.t > 0) CHECK(cmp.max_utilization > 0);  // the comparison saw real errors or exact results
+        if (s.t > 0)
+          CHECK(cmp.max_utilization > 0);  // the comparison saw real errors or exact results
         // Tokens with no valid slot get exactly zero.
         for (std::size_t t = 0; t < s.t; ++t)
           if (p.idx[t * s.k] == -1)
@@ -127,7 +136,8 @@ TEST_CASE("experts.forward: bitwise identical for 1, 2 and 7 threads", "[experts
   }
 }
 
-TEST_CASE("experts.forward: the same bits whether the gate/up output is kept or not", "[experts][forward]") {
+TEST_CASE("experts.forward: the same bits whether the gate/up output is kept or not",
+          "[experts][forward]") {
   // Below audit the gate/up GEMM's C lives only in per-thread scratch blocks
   // (the probe, its only other reader, is off); at audit it goes to the
   // workspace. I = 300 gives two 256-column items per row block, 600 rows
@@ -151,7 +161,8 @@ TEST_CASE("experts.forward: the same bits whether the gate/up output is kept or 
 TEST_CASE("experts.forward: the default kernel choice and its stats", "[experts][forward]") {
   const Problem p = make(51, 8, 32, 16, 2, 10, Routing::random);
   std::vector<float> y(p.t * p.h);
-  const auto st = experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h));
+  const auto st =
+      experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h));
   CHECK(st.routed_rows == 20);
   CHECK(st.padded_rows % gemm::kernel_info(st.isa).mr == 0);
   CHECK(isa_usable(st.isa));
@@ -168,7 +179,8 @@ void expect_pre(Spoil spoil, std::string_view clause) {
   std::vector<float> y(p.t * p.h, 3.0f);
   MatView<float> yv(y.data(), p.t, p.h);
   spoil(p, yv);
-  test::expect_violation([&] { experts::forward(p.packed, p.X(), p.Idx(), p.W(), yv, {.isa = Isa::scalar}); }, clause);
+  test::expect_violation(
+      [&] { experts::forward(p.packed, p.X(), p.Idx(), p.W(), yv, {.isa = Isa::scalar}); }, clause);
   for (float v : y) REQUIRE(v == 3.0f);
 }
 }  // namespace
@@ -180,29 +192,49 @@ TEST_CASE("experts.forward: shape clause", "[experts][forward][shape]") {
 TEST_CASE("experts.forward: idx_in_range clause", "[experts][forward][index]") {
   expect_pre([](Problem& p, MatView<float>&) { p.idx[3] = 4; }, "experts.forward.idx_in_range");
   expect_pre([](Problem& p, MatView<float>&) { p.idx[3] = -2; }, "experts.forward.idx_in_range");
-  expect_pre([](Problem& p, MatView<float>&) { p.idx[2] = -1; p.w[2] = 0; }, "experts.forward.idx_in_range");  // -1 before a valid slot
+  expect_pre(
+      [](Problem& p, MatView<float>&) {
+        p.idx[2] = -1;
+        p.w[2] = 0;
+      },
+      "experts.forward.idx_in_range");  // -1 before a valid slot
 }
 
 TEST_CASE("experts.forward: idx_unique clause", "[experts][forward][index]") {
-  expect_pre([](Problem& p, MatView<float>&) { p.idx[5] = p.idx[4]; }, "experts.forward.idx_unique");
+  expect_pre([](Problem& p, MatView<float>&) { p.idx[5] = p.idx[4]; },
+             "experts.forward.idx_unique");
 }
 
 TEST_CASE("experts.forward: weight_finite clause", "[experts][forward][finite]") {
   expect_pre([](Problem& p, MatView<float>&) { p.w[1] = NAN; }, "experts.forward.weight_finite");
-  expect_pre([](Problem& p, MatView<float>&) { p.idx[1] = -1; p.w[1] = 0.5f; }, "experts.forward.weight_finite");
+  expect_pre(
+      [](Problem& p, MatView<float>&) {
+        p.idx[1] = -1;
+        p.w[1] = 0.5f;
+      },
+      "experts.forward.weight_finite");
 }
 
 TEST_CASE("experts.forward: x_finite and x_range clauses", "[experts][forward][finite]") {
-  expect_pre([](Problem& p, MatView<float>&) { p.x[7] = bf16(INFINITY); }, "experts.forward.x_finite");
-  expect_pre([](Problem& p, MatView<float>&) { p.x[7] = bf16(0x1p-90f); }, "experts.forward.x_range");
+  expect_pre([](Problem& p, MatView<float>&) { p.x[7] = bf16(INFINITY); },
+             "experts.forward.x_finite");
+  expect_pre([](Problem& p, MatView<float>&) { p.x[7] = bf16(0x1p-90f); },
+             "experts.forward.x_range");
 }
 
 TEST_CASE("experts.forward: no_alias clause", "[experts][forward][alias]") {
-  expect_pre([](Problem& p, MatView<float>& y) { y.data = reinterpret_cast<float*>(p.x.data()); y.rows = 1; y.cols = p.h; p.t = 1; },
-             "experts.forward.no_alias");
+  expect_pre(
+      [](Problem& p, MatView<float>& y) {
+        y.data = reinterpret_cast<float*>(p.x.data());
+        y.rows = 1;
+        y.cols = p.h;
+        p.t = 1;
+      },
+      "experts.forward.no_alias");
 }
 
-TEST_CASE("experts.forward: permutation invariant catches a lost row", "[experts][forward][index]") {
+TEST_CASE("experts.forward: permutation invariant catches a lost row",
+          "[experts][forward][index]") {
   const Problem p = make(61, 4, 16, 8, 2, 6, Routing::random);
   auto g = experts::group_by_expert(p.Idx(), 4, 8);
   {
@@ -211,8 +243,12 @@ TEST_CASE("experts.forward: permutation invariant catches a lost row", "[experts
     CHECK_NOTHROW(contracts::experts_forward_grouping(c, p.Idx(), g));
   }
   g.row_slot[g.slot_row[3]] = -1;  // a missing row in the counting sort
-  test::expect_violation([&] { detail::Checker c{"experts.forward"}; contracts::experts_forward_grouping(c, p.Idx(), g); },
-                         "experts.forward.permutation");
+  test::expect_violation(
+      [&] {
+        detail::Checker c{"experts.forward"};
+        contracts::experts_forward_grouping(c, p.Idx(), g);
+      },
+      "experts.forward.permutation");
 }
 
 TEST_CASE("experts.forward: y_finite clause on overflow", "[experts][forward][finite]") {
@@ -220,8 +256,12 @@ TEST_CASE("experts.forward: y_finite clause on overflow", "[experts][forward][fi
   for (auto& v : p.w) v = 3e38f;  // finite weights whose products overflow
   for (auto& v : p.x) v = bf16(v.to_float() * 64);
   std::vector<float> y(p.t * p.h);
-  test::expect_violation([&] { experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = Isa::scalar}); },
-                         "experts.forward.y_finite", Level::check);
+  test::expect_violation(
+      [&] {
+        experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h),
+                         {.isa = Isa::scalar});
+      },
+      "experts.forward.y_finite", Level::check);
 }
 
 namespace {
@@ -239,7 +279,10 @@ ExactState exact_state(const Problem& p) {
   const auto& gu = p.packed.gate_up(0);
   const auto& dn = p.packed.down(0);
   st.layout = gemm::ALayout::rows;
-  st.lda = gu.kp(); st.ldc1 = gu.n(); st.ldh = dn.kp(); st.ldo = p.h;
+  st.lda = gu.kp();
+  st.ldc1 = gu.n();
+  st.ldh = dn.kp();
+  st.ldo = p.h;
   ex.a.assign(8 * st.lda, bf16(0.0f));
   ex.c1.assign(8 * st.ldc1, 0.0f);
   ex.h.assign(8 * st.ldh, bf16(0.0f));
@@ -252,7 +295,8 @@ ExactState exact_state(const Problem& p) {
     for (std::size_t k = 0; k < p.h; ++k) st.a[r * st.lda + k] = p.x[r * p.h + k];
     for (std::size_t n = 0; n < gu.n(); ++n) {
       double s = 0;
-      for (std::size_t k = 0; k < p.h; ++k) s += double(st.a[r * st.lda + k].to_float()) * gu.at(n, k).to_float();
+      for (std::size_t k = 0; k < p.h; ++k)
+        s += double(st.a[r * st.lda + k].to_float()) * gu.at(n, k).to_float();
       st.c1[r * st.ldc1 + n] = static_cast<float>(s);
     }
     for (std::size_t i = 0; i < p.i; ++i) {
@@ -262,7 +306,8 @@ ExactState exact_state(const Problem& p) {
     }
     for (std::size_t m = 0; m < p.h; ++m) {
       double s = 0;
-      for (std::size_t i = 0; i < p.i; ++i) s += double(st.h[r * st.ldh + i].to_float()) * dn.at(m, i).to_float();
+      for (std::size_t i = 0; i < p.i; ++i)
+        s += double(st.h[r * st.ldh + i].to_float()) * dn.at(m, i).to_float();
       st.o[r * st.ldo + m] = static_cast<float>(s);
     }
   }
@@ -275,10 +320,12 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
   ExactState ex = exact_state(p);
   const experts::ForwardState& st = ex.st;
   std::vector<float> y(p.t * p.h);
-  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = Isa::scalar});
+  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h),
+                   {.isa = Isa::scalar});
   auto post = [&] {
     detail::Checker c{"experts.forward"};
-    contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(), MatView<const float>(y.data(), p.t, p.h), st);
+    contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(),
+                                    MatView<const float>(y.data(), p.t, p.h), st);
   };
   {
     ContractScope s{Level::full, Semantic::enforce};
@@ -294,42 +341,55 @@ TEST_CASE("experts.forward: within_bound catches a wrong output", "[experts][for
   const ExactState ex = exact_state(p);
   const experts::ForwardState& st = ex.st;
   std::vector<float> y(p.t * p.h);
-  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h), {.isa = Isa::scalar});
+  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h),
+                   {.isa = Isa::scalar});
   y[p.h + 5] += 0.25f;
-  auto v = test::expect_violation([&] {
-    detail::Checker c{"experts.forward"};
-    contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(), MatView<const float>(y.data(), p.t, p.h), st);
-  }, "experts.forward.within_bound", Level::full);
+  auto v = test::expect_violation(
+      [&] {
+        detail::Checker c{"experts.forward"};
+        contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(),
+                                        MatView<const float>(y.data(), p.t, p.h), st);
+      },
+      "experts.forward.within_bound", Level::full);
   CHECK(v.location == "t=1 h=5");
 }
 
-TEST_CASE("experts.forward: packed weights changed after packing are caught", "[experts][forward][memory]") {
-  expect_pre([](Problem& p, MatView<float>&) { p.packed.mutable_down_for_testing(1).mutable_data_for_testing()[0] = bf16(9.0f); },
-             "gemm.pack.checksum");
+TEST_CASE("experts.forward: packed weights changed after packing are caught",
+          "[experts][forward][memory]") {
+  expect_pre(
+      [](Problem& p, MatView<float>&) {
+        p.packed.mutable_down_for_testing(1).mutable_data_for_testing()[0] = bf16(9.0f);
+      },
+      "gemm.pack.checksum");
 }
 
 // A ContractScope is per thread. Both packs run gemm.pack's clauses per
 // matrix inside oneTBB tasks, which must check at the caller's settings, not
 // the process-wide ones, on whichever thread takes them: counted over 256
 // experts in a 4-thread arena (workers take some of them), both ways round.
-TEST_CASE("experts and LoRA packs: every task checks at the caller's contract settings", "[experts][pack][contracts]") {
+TEST_CASE("experts and LoRA packs: every task checks at the caller's contract settings",
+          "[experts][pack][contracts]") {
   struct Restore {
     ContractSettings s = contract_settings();
     ~Restore() { set_contract_settings(s); }
   } restore;
   MoeConfig cfg;
-  cfg.experts = 256, cfg.hidden = 32, cfg.inter = 16, cfg.topk = 2, cfg.lora_rank = 2, cfg.lora_alpha = 4;
+  cfg.experts = 256, cfg.hidden = 32, cfg.inter = 16, cfg.topk = 2, cfg.lora_rank = 2,
+  cfg.lora_alpha = 4;
   const std::size_t e = 256, h = 32, i = 16, r = 2;
-  std::vector<bf16> wg(e * i * h, bf16(0.5f)), wu(e * i * h, bf16(0.25f)), wd(e * h * i, bf16(0.125f));
+  std::vector<bf16> wg(e * i * h, bf16(0.5f)), wu(e * i * h, bf16(0.25f)),
+      wd(e * h * i, bf16(0.125f));
   std::vector<bf16> lora[6];
   for (auto& f : lora) f.assign(e * r * std::max(h, i), bf16(0.5f));
   auto pack = [&] {
-    (void)experts::PackedExperts::pack(e, {wg.data(), e * i, h}, {wu.data(), e * i, h}, {wd.data(), e * h, i});
+    (void)experts::PackedExperts::pack(e, {wg.data(), e * i, h}, {wu.data(), e * i, h},
+                                       {wd.data(), e * h, i});
   };
   auto pack_lora = [&] {
-    (void)experts::PackedLora::pack(experts::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(),
-                                                           lora[3].data(), lora[4].data(), lora[5].data()),
-                                    e, h, i, false);
+    (void)experts::PackedLora::pack(
+        experts::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
+                               lora[4].data(), lora[5].data()),
+        e, h, i, false);
   };
   auto checked = [] {
     for (const auto& c : clause_counts())
@@ -337,7 +397,8 @@ TEST_CASE("experts and LoRA packs: every task checks at the caller's contract se
     return std::uint64_t{0};
   };
   oneapi::tbb::task_arena(4).execute([&] {
-    for (const auto& [run, matrices] : {std::pair<std::function<void()>, std::size_t>{pack, 2}, {pack_lora, 4}}) {
+    for (const auto& [run, matrices] :
+         {std::pair<std::function<void()>, std::size_t>{pack, 2}, {pack_lora, 4}}) {
       set_contract_level(Level::off);
       reset_clause_counts();
       {

@@ -1,17 +1,18 @@
 // experts.forward_train and experts.backward: within the derived bounds on
 // every ISA and routing class, bitwise the layer's expert part, each part
 // callable alone, deterministic, and every clause fired.
+#include "contracts/experts_train.hpp"
+
+#include <oneapi/tbb/global_control.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
-#include <oneapi/tbb/global_control.h>
-
+#include "contracts/clauses.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
-#include "contracts/clauses.hpp"
-#include "contracts/experts_train.hpp"
 #include "ops/experts/train.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/arena.hpp"
@@ -34,8 +35,8 @@ struct Problem {
   std::vector<float> w, dy;
   experts::PackedExperts packed;
   experts::Lora lora_view() const {
-    return experts::Lora::stacked(E, H, I, r, alpha, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
-                                  lora[4].data(), lora[5].data());
+    return experts::Lora::stacked(E, H, I, r, alpha, lora[0].data(), lora[1].data(), lora[2].data(),
+                                  lora[3].data(), lora[4].data(), lora[5].data());
   }
   MatView<const bf16> X() const { return {x.data(), T, H}; }
   MatView<const std::int32_t> Idx() const { return {idx.data(), T, K}; }
@@ -43,8 +44,8 @@ struct Problem {
   MatView<const float> DY() const { return {dy.data(), T, H}; }
 };
 
-Problem make(std::size_t E, std::size_t H, std::size_t I, std::size_t K, std::size_t r, std::size_t T, Routing routing,
-             std::uint64_t seed = 1) {
+Problem make(std::size_t E, std::size_t H, std::size_t I, std::size_t K, std::size_t r,
+             std::size_t T, Routing routing, std::uint64_t seed = 1) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0, 1);
   Problem p;
@@ -54,7 +55,8 @@ Problem make(std::size_t E, std::size_t H, std::size_t I, std::size_t K, std::si
     for (auto& q : v) q = bf16(nd(rng) * scale);
   };
   const float sh = 1 / std::sqrt(float(H)), si = 1 / std::sqrt(float(I));
-  fill(p.x, T * H, 1), fill(p.wg, E * I * H, sh), fill(p.wu, E * I * H, sh), fill(p.wd, E * H * I, si);
+  fill(p.x, T * H, 1), fill(p.wg, E * I * H, sh), fill(p.wu, E * I * H, sh),
+      fill(p.wd, E * H * I, si);
   const std::size_t sizes[6] = {E * r * H, E * I * r, E * r * H, E * I * r, E * r * I, E * H * r};
   for (int i = 0; i < 6; ++i) fill(p.lora[i], sizes[i], i % 2 ? 0.3f : (i == 4 ? si : sh));
   const std::size_t used = routing == Routing::idle ? std::max<std::size_t>(E / 2, K) : E;
@@ -66,11 +68,13 @@ Problem make(std::size_t E, std::size_t H, std::size_t I, std::size_t K, std::si
     std::size_t valid = K;
     if (routing == Routing::tail) valid = rng() % (K + 1);
     if (routing == Routing::one_expert) order[0] = 2, valid = 1;
-    for (std::size_t j = 0; j < valid; ++j) p.idx[t * K + j] = order[j], p.w[t * K + j] = 0.5f * nd(rng);
+    for (std::size_t j = 0; j < valid; ++j)
+      p.idx[t * K + j] = order[j], p.w[t * K + j] = 0.5f * nd(rng);
   }
   p.dy.resize(T * H);
   for (auto& q : p.dy) q = nd(rng);
-  p.packed = experts::PackedExperts::pack(E, {p.wg.data(), E * I, H}, {p.wu.data(), E * I, H}, {p.wd.data(), E * H, I}, true);
+  p.packed = experts::PackedExperts::pack(E, {p.wg.data(), E * I, H}, {p.wu.data(), E * I, H},
+                                          {p.wd.data(), E * H, I}, true);
   return p;
 }
 
@@ -78,12 +82,14 @@ Problem make(std::size_t E, std::size_t H, std::size_t I, std::size_t K, std::si
 struct Out {
   std::vector<float> y, dx, dw, g[6], base[3], ma, mg;
   experts::Gradients views(const Problem& p) {
-    dx.assign(p.T * p.H, NAN), dw.assign(p.T * p.K, NAN), ma.assign(p.T * p.E, NAN), mg.assign(p.T * p.E, NAN);
+    dx.assign(p.T * p.H, NAN), dw.assign(p.T * p.K, NAN), ma.assign(p.T * p.E, NAN),
+        mg.assign(p.T * p.E, NAN);
     const std::size_t rows[6] = {p.E * p.r, p.E * p.I, p.E * p.r, p.E * p.I, p.E * p.r, p.E * p.H};
     const std::size_t cols[6] = {p.H, p.r, p.H, p.r, p.I, p.r};
     experts::Gradients v;
     MatView<float>* lv[6] = {&v.a_gate, &v.b_gate, &v.a_up, &v.b_up, &v.a_down, &v.b_down};
-    for (int i = 0; i < 6 && p.r; ++i) g[i].assign(rows[i] * cols[i], NAN), *lv[i] = {g[i].data(), rows[i], cols[i]};
+    for (int i = 0; i < 6 && p.r; ++i)
+      g[i].assign(rows[i] * cols[i], NAN), *lv[i] = {g[i].data(), rows[i], cols[i]};
     for (int i = 0; i < 3; ++i) base[i].assign(p.E * p.I * p.H, NAN);
     v.w_gate = {base[0].data(), p.E * p.I, p.H}, v.w_up = {base[1].data(), p.E * p.I, p.H};
     v.w_down = {base[2].data(), p.E * p.H, p.I};
@@ -115,7 +121,8 @@ Out run(const Problem& p, std::optional<Isa> isa = {}) {
   Out o;
   o.y.assign(p.T * p.H, NAN);
   experts::Saved saved;
-  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H}, saved, {.isa = isa});
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
+                         saved, {.isa = isa});
   experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, o.views(p));
   return o;
 }
@@ -134,7 +141,8 @@ std::vector<Isa> kernel_isas() {
 
 }  // namespace
 
-TEST_CASE("experts.backward: every output within its derived bound, every ISA and routing class", "[experts][train]") {
+TEST_CASE("experts.backward: every output within its derived bound, every ISA and routing class",
+          "[experts][train]") {
   for (Isa isa : kernel_isas())
     for (Routing routing : {Routing::normal, Routing::tail, Routing::one_expert, Routing::idle})
       for (std::size_t r : {std::size_t{0}, std::size_t{4}}) {
@@ -143,8 +151,9 @@ TEST_CASE("experts.backward: every output within its derived bound, every ISA an
         reset_clause_counts();
         ContractScope s{Level::full, Semantic::enforce};
         const Out o = run(p, isa);
-        for (const char* id : {"experts.forward_train.within_bound", "experts.backward.within_bound",
-                               "experts.backward.dweights_masked", "experts.backward.empty_expert_zero"})
+        for (const char* id :
+             {"experts.forward_train.within_bound", "experts.backward.within_bound",
+              "experts.backward.dweights_masked", "experts.backward.empty_expert_zero"})
           CHECK(checked(id));
         for (std::size_t t = 0; t < p.T; ++t)
           for (std::size_t j = 0; j < p.K; ++j)
@@ -152,28 +161,42 @@ TEST_CASE("experts.backward: every output within its derived bound, every ISA an
       }
 }
 
-TEST_CASE("experts.forward_train: the layer's expert part, bit for bit (y, dx, dL/dw, every weight gradient, M_A, M_G)",
-          "[experts][train][layer]") {
+TEST_CASE(
+    "experts.forward_train: the layer's expert part, bit for bit (y, dx, dL/dw, every weight "
+    "gradient, M_A, M_G)",
+    "[experts][train][layer]") {
   for (Isa isa : kernel_isas())
     for (RouterKind kind : {RouterKind::softmax_topk, RouterKind::sigmoid_topk}) {
       INFO(isa_name(isa) << " " << router_kind_name(kind));
       Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
-      const MoeConfig cfg{.experts = 8, .hidden = 40, .inter = 24, .topk = 3, .lora_rank = 4, .lora_alpha = p.alpha,
-                          .router = kind, .groups = 2, .topk_group = 2, .scaling = 2.5, .max_tokens = 13};
+      const MoeConfig cfg{.experts = 8,
+                          .hidden = 40,
+                          .inter = 24,
+                          .topk = 3,
+                          .lora_rank = 4,
+                          .lora_alpha = p.alpha,
+                          .router = kind,
+                          .groups = 2,
+                          .topk_group = 2,
+                          .scaling = 2.5,
+                          .max_tokens = 13};
       std::mt19937_64 rng(7);
       std::normal_distribution<float> nd(0, 1);
       std::vector<float> wr(8 * 40), b(8), bias(8, 0.0f);
       for (auto& v : wr) v = nd(rng) * 0.2f;
       for (auto& v : b) v = nd(rng) * 0.1f;
-      const auto lw = layer::Weights::stacked(cfg, p.packed, wr.data(), b.data(), bias.data(), p.lora_view());
+      const auto lw =
+          layer::Weights::stacked(cfg, p.packed, wr.data(), b.data(), bias.data(), p.lora_view());
       Out l;
       l.y.assign(p.T * p.H, NAN);
       layer::Saved ls;
       layer::forward(cfg, lw, p.X(), {l.y.data(), p.T, p.H}, ls, {.isa = isa});
       const auto eg = l.views(p);
       layer::Gradients lg;
-      lg.dx = eg.dx, lg.m_a = eg.m_a, lg.m_g = eg.m_g, lg.w_gate = eg.w_gate, lg.w_up = eg.w_up, lg.w_down = eg.w_down;
-      lg.a_gate = eg.a_gate, lg.b_gate = eg.b_gate, lg.a_up = eg.a_up, lg.b_up = eg.b_up, lg.a_down = eg.a_down;
+      lg.dx = eg.dx, lg.m_a = eg.m_a, lg.m_g = eg.m_g, lg.w_gate = eg.w_gate, lg.w_up = eg.w_up,
+      lg.w_down = eg.w_down;
+      lg.a_gate = eg.a_gate, lg.b_gate = eg.b_gate, lg.a_up = eg.a_up, lg.b_up = eg.b_up,
+      lg.a_down = eg.a_down;
       lg.b_down = eg.b_down;
       layer::backward(cfg, lw, p.X(), p.DY(), ls, lg, {.expert_path = true, .router_path = false});
       layer::backward(cfg, lw, p.X(), p.DY(), ls, {}, {.expert_path = false, .router_path = true});
@@ -187,12 +210,15 @@ TEST_CASE("experts.forward_train: the layer's expert part, bit for bit (y, dx, d
     }
 }
 
-TEST_CASE("experts.backward: dweights and the expert path each alone give the bits of the full call", "[experts][train]") {
+TEST_CASE(
+    "experts.backward: dweights and the expert path each alone give the bits of the full call",
+    "[experts][train]") {
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
   const Out full = run(p);
   experts::Saved saved;
   std::vector<float> y(p.T * p.H), dw(p.T * p.K, NAN), dx(p.T * p.H, NAN);
-  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H}, saved);
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H},
+                         saved);
   experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, only({}, {dw.data(), p.T, p.K}));
   CHECK(same_bits(dw, full.dw));
   experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, only({dx.data(), p.T, p.H}, {}));
@@ -200,7 +226,8 @@ TEST_CASE("experts.backward: dweights and the expert path each alone give the bi
   CHECK(same_bits(y, full.y));
 }
 
-TEST_CASE("experts.backward: the same bits on 1 thread and on all", "[experts][train][determinism]") {
+TEST_CASE("experts.backward: the same bits on 1 thread and on all",
+          "[experts][train][determinism]") {
   for (Isa isa : kernel_isas()) {
     const Problem p = make(16, 72, 40, 4, 8, 50, Routing::tail, 3);
     const Out many = run(p, isa);
@@ -211,12 +238,15 @@ TEST_CASE("experts.backward: the same bits on 1 thread and on all", "[experts][t
 
 // ---- clauses ----------------------------------------------------------------
 
-TEST_CASE("experts.forward_train: preconditions fire and leave y untouched", "[experts][train][clauses]") {
+TEST_CASE("experts.forward_train: preconditions fire and leave y untouched",
+          "[experts][train][clauses]") {
   Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
   std::vector<float> y(p.T * p.H, 7.0f);
   experts::Saved saved;
   auto fwd = [&](const Problem& q, const experts::Lora& l) {
-    return [&, l] { experts::forward_train(q.packed, l, q.X(), q.Idx(), q.W(), {y.data(), q.T, q.H}, saved); };
+    return [&, l] {
+      experts::forward_train(q.packed, l, q.X(), q.Idx(), q.W(), {y.data(), q.T, q.H}, saved);
+    };
   };
   auto expect = [&](const Problem& q, const char* clause, const experts::Lora& l) {
     test::expect_violation(fwd(q, l), clause, Level::check);
@@ -267,13 +297,15 @@ TEST_CASE("experts.forward_train: preconditions fire and leave y untouched", "[e
     std::copy(q.w.begin(), q.w.end(), buf.begin());
     test::expect_violation(
         [&] {
-          experts::forward_train(q.packed, q.lora_view(), q.X(), q.Idx(), {buf.data(), q.T, q.K}, {buf.data() + 1, q.T, q.H}, saved);
+          experts::forward_train(q.packed, q.lora_view(), q.X(), q.Idx(), {buf.data(), q.T, q.K},
+                                 {buf.data() + 1, q.T, q.H}, saved);
         },
         "experts.forward_train.no_alias", Level::check);
   }
 }
 
-TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result clauses fire", "[experts][train][clauses]") {
+TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result clauses fire",
+          "[experts][train][clauses]") {
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
   SECTION("lora_padding") {
     auto l = experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true);
@@ -291,10 +323,12 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   }
   experts::Saved saved;
   std::vector<float> y(p.T * p.H);
-  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H}, saved);
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H},
+                         saved);
   auto post = [&] {
     detail::Checker c{"experts.forward_train"};
-    contracts::experts_train_forward_post(c, p.packed, p.lora_view(), p.X(), {y.data(), p.T, p.H}, saved.impl());
+    contracts::experts_train_forward_post(c, p.packed, p.lora_view(), p.X(), {y.data(), p.T, p.H},
+                                          saved.impl());
   };
   SECTION("y_finite") {
     y[5] = NAN;
@@ -306,7 +340,8 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   }
 }
 
-TEST_CASE("experts.backward: preconditions fire and leave the gradients untouched", "[experts][train][clauses]") {
+TEST_CASE("experts.backward: preconditions fire and leave the gradients untouched",
+          "[experts][train][clauses]") {
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
   experts::Saved saved;
   std::vector<float> y(p.T * p.H), dx(p.T * p.H, 7.0f), dw(p.T * p.K, 7.0f);
@@ -322,50 +357,69 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
     test::expect_violation(bwd(p.DY(), p.lora_view()), "experts.backward.state", Level::check);
     untouched();
   }
-  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H}, saved);
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H},
+                         saved);
   SECTION("state: another alpha, another T, packed without backward") {
     experts::Lora l = p.lora_view();
     l.alpha *= 2;
     test::expect_violation(bwd(p.DY(), l), "experts.backward.state", Level::check);
-    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), {p.x.data(), p.T - 1, p.H}, {p.dy.data(), p.T - 1, p.H}, saved, {}); },
-                           "experts.backward.state", Level::check);
-    const auto fwd_only = experts::PackedExperts::pack(p.E, {p.wg.data(), p.E * p.I, p.H}, {p.wu.data(), p.E * p.I, p.H},
-                                                        {p.wd.data(), p.E * p.H, p.I});
-    test::expect_violation([&] { experts::backward(fwd_only, p.lora_view(), p.X(), p.DY(), saved, g); }, "experts.backward.state",
-                           Level::check);
+    test::expect_violation(
+        [&] {
+          experts::backward(p.packed, p.lora_view(), {p.x.data(), p.T - 1, p.H},
+                            {p.dy.data(), p.T - 1, p.H}, saved, {});
+        },
+        "experts.backward.state", Level::check);
+    const auto fwd_only =
+        experts::PackedExperts::pack(p.E, {p.wg.data(), p.E * p.I, p.H},
+                                     {p.wu.data(), p.E * p.I, p.H}, {p.wd.data(), p.E * p.H, p.I});
+    test::expect_violation(
+        [&] { experts::backward(fwd_only, p.lora_view(), p.X(), p.DY(), saved, g); },
+        "experts.backward.state", Level::check);
     untouched();
   }
   SECTION("shape") {
-    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, only({}, {dw.data(), p.T, p.K - 1})); },
-                           "experts.backward.shape", Level::check);
+    test::expect_violation(
+        [&] {
+          experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved,
+                            only({}, {dw.data(), p.T, p.K - 1}));
+        },
+        "experts.backward.shape", Level::check);
     untouched();
   }
   SECTION("dy_finite") {
     std::vector<float> dy = p.dy;
     dy[9] = NAN;
-    test::expect_violation(bwd({dy.data(), p.T, p.H}, p.lora_view()), "experts.backward.dy_finite", Level::check);
+    test::expect_violation(bwd({dy.data(), p.T, p.H}, p.lora_view()), "experts.backward.dy_finite",
+                           Level::check);
     untouched();
   }
   SECTION("no_alias") {
-    test::expect_violation([&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, only({dx.data(), p.T, p.H}, {dx.data(), p.T, p.K})); },
-                           "experts.backward.no_alias", Level::check);
+    test::expect_violation(
+        [&] {
+          experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved,
+                            only({dx.data(), p.T, p.H}, {dx.data(), p.T, p.K}));
+        },
+        "experts.backward.no_alias", Level::check);
     untouched();
   }
   SECTION("saved_finite: a saved buffer overwritten (FIELD_NOTES 3)") {
     saved.impl().st.c1[saved.impl().st.grouping.begin[1] * saved.impl().st.ldc1] = NAN;
     if (saved.impl().st.grouping.count[1]) {
-      test::expect_violation(bwd(p.DY(), p.lora_view()), "experts.backward.saved_finite", Level::check);
+      test::expect_violation(bwd(p.DY(), p.lora_view()), "experts.backward.saved_finite",
+                             Level::check);
       untouched();
     }
   }
 }
 
-TEST_CASE("experts.backward: the result clauses fire on wrong gradients", "[experts][train][clauses]") {
+TEST_CASE("experts.backward: the result clauses fire on wrong gradients",
+          "[experts][train][clauses]") {
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::idle);
   Out o;
   o.y.assign(p.T * p.H, NAN);
   experts::Saved saved;
-  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H}, saved);
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
+                         saved);
   const auto g = o.views(p);
   experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, g);
   auto post = [&] {
@@ -377,7 +431,7 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients", "[expe
     test::expect_violation(post, "experts.backward.grad_finite", Level::check);
   }
   SECTION("empty_expert_zero") {
-    const std::size_t idle = p.E - 1;  // Routing::idle uses the first half only
+    const std::size_t idle = p.E - 1;            // Routing::idle uses the first half only
     o.base[2][(idle * p.H + 1) * p.I] = 1e-30f;  // any nonzero value breaks an exact-zero clause
     auto v = test::expect_violation(post, "experts.backward.empty_expert_zero", Level::check);
     CHECK(v.location.rfind(fmt::format("expert {} w_down grad", idle), 0) == 0);
@@ -390,7 +444,8 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients", "[expe
     Out u;
     u.y.assign(q.T * q.H, NAN);
     experts::Saved s2;
-    experts::forward_train(q.packed, q.lora_view(), q.X(), q.Idx(), q.W(), {u.y.data(), q.T, q.H}, s2);
+    experts::forward_train(q.packed, q.lora_view(), q.X(), q.Idx(), q.W(), {u.y.data(), q.T, q.H},
+                           s2);
     const auto g2 = u.views(q);
     experts::backward(q.packed, q.lora_view(), q.X(), q.DY(), s2, g2);
     std::size_t slot = 0;
@@ -400,7 +455,8 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients", "[expe
     test::expect_violation(
         [&] {
           detail::Checker c{"experts.backward"};
-          contracts::experts_backward_post(c, q.packed, q.lora_view(), q.X(), q.DY(), s2.impl(), g2);
+          contracts::experts_backward_post(c, q.packed, q.lora_view(), q.X(), q.DY(), s2.impl(),
+                                           g2);
         },
         "experts.backward.dweights_masked", Level::check);
   }

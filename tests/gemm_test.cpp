@@ -1,18 +1,19 @@
 // GEMM: every usable ISA against the reference within bounds over odd
 // shapes; bit-exact models of the AMX and AVX-512 accumulation orders;
 // determinism across thread counts; every gemm clause.
+#include "contracts/gemm.hpp"
+
+#include <oneapi/tbb/global_control.h>
+
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
-#include <oneapi/tbb/global_control.h>
-
 #include "contracts/bounds/basic.hpp"
 #include "contracts/checks.hpp"
 #include "contracts/compare.hpp"
-#include "contracts/gemm.hpp"
 #include "contracts/reference/basic.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"
@@ -37,8 +38,8 @@ std::vector<bf16> random_bf16(std::mt19937_64& rng, std::size_t n, float scale =
   return v;
 }
 
-std::vector<float> run(Isa isa, const std::vector<bf16>& a, std::size_t m, std::size_t k, const gemm::PackedWeights& w,
-                       float fill = NAN) {
+std::vector<float> run(Isa isa, const std::vector<bf16>& a, std::size_t m, std::size_t k,
+                       const gemm::PackedWeights& w, float fill = NAN) {
   std::vector<float> c(m * w.n(), fill);
   gemm::matmul(MatView<const bf16>(a.data(), m, k), w, MatView<float>(c.data(), m, w.n()), isa);
   return c;
@@ -52,7 +53,8 @@ float model_amx(const bf16* a, const bf16* b, std::size_t k) {
     float even = 0, odd = 0;
     for (std::size_t kk = k0; kk < k0 + 32; kk += 2) {
       const float a0 = kk < k ? a[kk].to_float() : 0, b0 = kk < k ? b[kk].to_float() : 0;
-      const float a1 = kk + 1 < k ? a[kk + 1].to_float() : 0, b1 = kk + 1 < k ? b[kk + 1].to_float() : 0;
+      const float a1 = kk + 1 < k ? a[kk + 1].to_float() : 0,
+                  b1 = kk + 1 < k ? b[kk + 1].to_float() : 0;
       even = ftz(std::fma(ftz(a0), ftz(b0), even));
       odd = ftz(std::fma(ftz(a1), ftz(b1), odd));
     }
@@ -64,7 +66,8 @@ float model_avx512(const bf16* a, const bf16* b, std::size_t k) {
   using gemm::amx_model::ftz;
   float acc = 0;
   for (std::size_t kk = 0; kk < k; kk += 2) {
-    const float a1 = kk + 1 < k ? a[kk + 1].to_float() : 0, b1 = kk + 1 < k ? b[kk + 1].to_float() : 0;
+    const float a1 = kk + 1 < k ? a[kk + 1].to_float() : 0,
+                b1 = kk + 1 < k ? b[kk + 1].to_float() : 0;
     acc = ftz(std::fma(ftz(a1), ftz(b1), acc));
     acc = ftz(std::fma(ftz(a[kk].to_float()), ftz(b[kk].to_float()), acc));
   }
@@ -74,7 +77,7 @@ float model_avx512(const bf16* a, const bf16* b, std::size_t k) {
 struct Shape {
   std::size_t m, n, k;
 };
-const Shape kShapes[] = {{0, 16, 32}, {1, 1, 1},   {1, 17, 3},  {7, 31, 33},  {33, 50, 100},
+const Shape kShapes[] = {{0, 16, 32},  {1, 1, 1},     {1, 17, 3},   {7, 31, 33},    {33, 50, 100},
                          {65, 64, 64}, {40, 96, 257}, {3, 200, 31}, {100, 33, 500}, {40, 40, 1100}};
 
 // One MR-row block of A (av, k columns) packed for kernel, and the
@@ -88,16 +91,18 @@ OneBlock one_block(const gemm::KernelInfo& kernel, const std::vector<bf16>& av, 
                    const gemm::PackedWeights& w, std::size_t ldc) {
   OneBlock b;
   b.ap.resize(gemm::a_size(kernel.a_layout, kernel.mr, w.kp()));
-  gemm::pack_a(kernel.a_layout, MatView<const bf16>(av.data(), kernel.mr, k), nullptr, kernel.mr, kernel.mr, w.kp(),
-               b.ap.data());
+  gemm::pack_a(kernel.a_layout, MatView<const bf16>(av.data(), kernel.mr, k), nullptr, kernel.mr,
+               kernel.mr, w.kp(), b.ap.data());
   b.args.a = b.ap.data(), b.args.lda = gemm::a_stride(kernel.a_layout, w.kp());
-  b.args.b = w.data(), b.args.panel_stride = w.kp() * gemm::kPanel, b.args.kp = w.kp(), b.args.ldc = ldc;
+  b.args.b = w.data(), b.args.panel_stride = w.kp() * gemm::kPanel, b.args.kp = w.kp(),
+  b.args.ldc = ldc;
   return b;
 }
 
 }  // namespace
 
-TEST_CASE("gemm.matmul: every usable ISA within bounds of the reference over odd shapes", "[gemm][matmul][numeric]") {
+TEST_CASE("gemm.matmul: every usable ISA within bounds of the reference over odd shapes",
+          "[gemm][matmul][numeric]") {
   std::mt19937_64 rng(31);
   for (Isa isa : usable_isas()) {
     DYNAMIC_SECTION(isa_name(isa)) {
@@ -113,9 +118,11 @@ TEST_CASE("gemm.matmul: every usable ISA within bounds of the reference over odd
         std::vector<double> ref, bound;
         for (std::size_t i = 0; i < s.m; ++i)
           for (std::size_t j = 0; j < s.n; ++j) {
-            ref.push_back(ref::to_double(ref::dot<ref::DoubleDouble>(&a[i * s.k], &wv[j * s.k], s.k)));
+            ref.push_back(
+                ref::to_double(ref::dot<ref::DoubleDouble>(&a[i * s.k], &wv[j * s.k], s.k)));
             double sa = 0;
-            for (std::size_t kk = 0; kk < s.k; ++kk) sa += std::fabs(double(a[i * s.k + kk].to_float()) * wv[j * s.k + kk].to_float());
+            for (std::size_t kk = 0; kk < s.k; ++kk)
+              sa += std::fabs(double(a[i * s.k + kk].to_float()) * wv[j * s.k + kk].to_float());
             bound.push_back(bounds::dot(s.k, sa));
           }
         const auto cmp = compare::bounded(c, ref, bound);
@@ -144,11 +151,13 @@ void expect_bit_exact(Isa isa, Model model, std::uint64_t seed) {
 }
 }  // namespace
 
-TEST_CASE("gemm.matmul: amx_emu equals a plain model of TDPBF16PS bit for bit", "[gemm][matmul][amx_emu]") {
+TEST_CASE("gemm.matmul: amx_emu equals a plain model of TDPBF16PS bit for bit",
+          "[gemm][matmul][amx_emu]") {
   expect_bit_exact(Isa::amx_emu, model_amx, 32);
 }
 
-TEST_CASE("gemm.matmul: avx512_bf16 equals a plain model of VDPBF16PS bit for bit", "[gemm][matmul][avx512_bf16]") {
+TEST_CASE("gemm.matmul: avx512_bf16 equals a plain model of VDPBF16PS bit for bit",
+          "[gemm][matmul][avx512_bf16]") {
   if (!isa_usable(Isa::avx512_bf16)) {
     WARN("avx512_bf16 not usable here: nothing to compare");
     return;
@@ -198,7 +207,8 @@ TEST_CASE("gemm.pack: packed layout reads back and pads with zeros", "[gemm][pac
   for (std::size_t n = 0; n < w.np(); ++n)
     for (std::size_t k = 0; k < w.kp(); ++k)
       REQUIRE(w.at(n, k) == ((n < 20 && k < 45) ? g[n * 45 + k] : bf16(0.0f)));
-  const auto gu = gemm::PackedWeights::pack(MatView<const bf16>(g.data(), 20, 45), MatView<const bf16>(u.data(), 20, 45));
+  const auto gu = gemm::PackedWeights::pack(MatView<const bf16>(g.data(), 20, 45),
+                                            MatView<const bf16>(u.data(), 20, 45));
   CHECK(gu.n() == 64);  // two panels of each, interleaved
   CHECK(gu.at(16 + 3, 7) == u[3 * 45 + 7]);
   CHECK(gu.at(32 + 2, 7) == g[(16 + 2) * 45 + 7]);
@@ -211,8 +221,12 @@ TEST_CASE("gemm.matmul: shape clause, output untouched", "[gemm][matmul][shape]"
   std::vector<bf16> a(4 * 8, bf16(1.0f)), wv(3 * 8, bf16(1.0f));
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 3, 8));
   std::vector<float> c(4 * 3, 5.0f);
-  test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 4, 7), w, MatView<float>(c.data(), 4, 3), Isa::scalar); },
-                         "gemm.matmul.shape");
+  test::expect_violation(
+      [&] {
+        gemm::matmul(MatView<const bf16>(a.data(), 4, 7), w, MatView<float>(c.data(), 4, 3),
+                     Isa::scalar);
+      },
+      "gemm.matmul.shape");
   CHECK(c == std::vector<float>(12, 5.0f));
 }
 
@@ -221,12 +235,20 @@ TEST_CASE("gemm.matmul: a_finite and a_range clauses", "[gemm][matmul][finite]")
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4));
   std::vector<float> c(4, 5.0f);
   a[5] = bf16(NAN);
-  auto v = test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 2, 4), w, MatView<float>(c.data(), 2, 2), Isa::scalar); },
-                                  "gemm.matmul.a_finite");
+  auto v = test::expect_violation(
+      [&] {
+        gemm::matmul(MatView<const bf16>(a.data(), 2, 4), w, MatView<float>(c.data(), 2, 2),
+                     Isa::scalar);
+      },
+      "gemm.matmul.a_finite");
   CHECK(v.location == "a[1, 1]");
   a[5] = bf16::from_bits(0x0001);  // a bf16 denormal: flushed by AMX, so out of range
-  test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 2, 4), w, MatView<float>(c.data(), 2, 2), Isa::scalar); },
-                         "gemm.matmul.a_range");
+  test::expect_violation(
+      [&] {
+        gemm::matmul(MatView<const bf16>(a.data(), 2, 4), w, MatView<float>(c.data(), 2, 2),
+                     Isa::scalar);
+      },
+      "gemm.matmul.a_range");
   CHECK(c == std::vector<float>(4, 5.0f));
 }
 
@@ -236,18 +258,25 @@ TEST_CASE("gemm.matmul: no_alias clause", "[gemm][matmul][alias]") {
   std::vector<float> buf(64, 0.0f);
   // A (bf16) viewed over the same bytes as C.
   MatView<const bf16> a(reinterpret_cast<const bf16*>(buf.data()), 2, 4);
-  test::expect_violation([&] { gemm::matmul(a, w, MatView<float>(buf.data() + 1, 2, 2), Isa::scalar); }, "gemm.matmul.no_alias");
+  test::expect_violation(
+      [&] { gemm::matmul(a, w, MatView<float>(buf.data() + 1, 2, 2), Isa::scalar); },
+      "gemm.matmul.no_alias");
 }
 
 TEST_CASE("gemm.matmul: c_finite fires when in-range products overflow", "[gemm][matmul][finite]") {
   std::vector<bf16> a(300, bf16(0x1p60f)), wv(300, bf16(0x1p60f));
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 1, 300));
   std::vector<float> c(1);
-  test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 1, 300), w, MatView<float>(c.data(), 1, 1), Isa::scalar); },
-                         "gemm.matmul.c_finite", Level::check);
+  test::expect_violation(
+      [&] {
+        gemm::matmul(MatView<const bf16>(a.data(), 1, 300), w, MatView<float>(c.data(), 1, 1),
+                     Isa::scalar);
+      },
+      "gemm.matmul.c_finite", Level::check);
 }
 
-TEST_CASE("gemm.matmul: probe and within_bound clauses catch a wrong result", "[gemm][matmul][numeric]") {
+TEST_CASE("gemm.matmul: probe and within_bound clauses catch a wrong result",
+          "[gemm][matmul][numeric]") {
   std::mt19937_64 rng(36);
   const std::size_t m = 5, n = 9, k = 64;
   const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
@@ -256,12 +285,17 @@ TEST_CASE("gemm.matmul: probe and within_bound clauses catch a wrong result", "[
   c[2 * n + 4] += 1.0f;  // a wrong element, as a buggy kernel would leave it
   MatView<const bf16> av(a.data(), m, k);
   MatView<const float> cv(c.data(), m, n);
-  test::expect_violation([&] { detail::Checker chk{"gemm.matmul"}; contracts::gemm_matmul_post(chk, av, w, cv); },
-                         "gemm.matmul.probe", Level::audit);
+  test::expect_violation(
+      [&] {
+        detail::Checker chk{"gemm.matmul"};
+        contracts::gemm_matmul_post(chk, av, w, cv);
+      },
+      "gemm.matmul.probe", Level::audit);
   // Under observe both numeric clauses run; within_bound names the element.
   ContractSettings no_probe{Level::full, Semantic::observe};
   static int fired = 0;
-  auto prev = set_violation_handler([](const Violation& x) { fired += x.clause == "gemm.matmul.within_bound"; });
+  auto prev = set_violation_handler(
+      [](const Violation& x) { fired += x.clause == "gemm.matmul.within_bound"; });
   {
     ContractScope scope{no_probe};
     detail::Checker chk{"gemm.matmul"};
@@ -274,14 +308,17 @@ TEST_CASE("gemm.matmul: probe and within_bound clauses catch a wrong result", "[
 
 TEST_CASE("gemm.pack: roundtrip catches a packed element that is not the input's", "[gemm][pack]") {
   std::vector<bf16> g(20 * 40), u(20 * 40);
-  for (std::size_t i = 0; i < g.size(); ++i) g[i] = bf16(float(i % 13) - 6), u[i] = bf16(float(i % 7) + 1);
+  for (std::size_t i = 0; i < g.size(); ++i)
+    g[i] = bf16(float(i % 13) - 6), u[i] = bf16(float(i % 7) + 1);
   const MatView<const bf16> gv(g.data(), 20, 40), uv(u.data(), 20, 40);
   ContractScope s{Level::check, Semantic::enforce};
   auto w = gemm::PackedWeights::pack(gv, uv);  // interleaved: a correct pack passes
   // Swap one VNNI pair of up-row 17 (column 16 + 16 + 1 of the packed W).
   const std::size_t n = 2 * gemm::kPanel + gemm::kPanel + 1, k = 6;
-  std::swap(w.mutable_data_for_testing()[(n / gemm::kPanel) * w.kp() * gemm::kPanel + (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2],
-            w.mutable_data_for_testing()[(n / gemm::kPanel) * w.kp() * gemm::kPanel + (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2 + 1]);
+  std::swap(w.mutable_data_for_testing()[(n / gemm::kPanel) * w.kp() * gemm::kPanel +
+                                         (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2],
+            w.mutable_data_for_testing()[(n / gemm::kPanel) * w.kp() * gemm::kPanel +
+                                         (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2 + 1]);
   auto v = test::expect_violation(
       [&] {
         detail::Checker c{"gemm.pack"};
@@ -294,20 +331,27 @@ TEST_CASE("gemm.pack: roundtrip catches a packed element that is not the input's
 TEST_CASE("gemm.pack: w_finite, w_range and shape clauses", "[gemm][pack][finite]") {
   std::vector<bf16> wv(2 * 4, bf16(1.0f));
   wv[6] = bf16(INFINITY);
-  test::expect_violation([&] { gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4)); }, "gemm.pack.w_finite");
+  test::expect_violation([&] { gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4)); },
+                         "gemm.pack.w_finite");
   wv[6] = bf16(0x1p100f);
-  test::expect_violation([&] { gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4)); }, "gemm.pack.w_range");
+  test::expect_violation([&] { gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4)); },
+                         "gemm.pack.w_range");
   wv[6] = bf16(1.0f);
-  test::expect_violation([&] { gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4), MatView<const bf16>(wv.data(), 1, 4)); },
-                         "gemm.pack.shape");
+  test::expect_violation(
+      [&] {
+        gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4),
+                                  MatView<const bf16>(wv.data(), 1, 4));
+      },
+      "gemm.pack.shape");
 }
 
 TEST_CASE("gemm.pack: pack_transposed(wt) is pack(wt^T) bit for bit", "[gemm][pack]") {
   // The LoRA backward's operands are packed from the stored factors' transposes.
   std::mt19937_64 rng(36);
   gemm::PackedWeights storage;
-  const std::size_t shapes[][3] = {{1, 1, 1}, {2, 17, 19}, {8, 2048, 2048}, {45, 20, 20}, {16, 2 * 1408, 2 * 1408},
-                                   {33, 16, 40}, {7, 31, 31}};  // wt rows, cols, stride
+  const std::size_t shapes[][3] = {
+      {1, 1, 1},    {2, 17, 19}, {8, 2048, 2048}, {45, 20, 20}, {16, 2 * 1408, 2 * 1408},
+      {33, 16, 40}, {7, 31, 31}};  // wt rows, cols, stride
   for (const auto& [rows, cols, stride] : shapes) {
     const auto wtv = random_bf16(rng, rows * stride);
     const MatView<const bf16> wt(wtv.data(), rows, cols, stride);
@@ -330,14 +374,17 @@ TEST_CASE("gemm.pack: pack_transposed(wt) is pack(wt^T) bit for bit", "[gemm][pa
 TEST_CASE("gemm.pack: pack_transposed's clauses", "[gemm][pack][finite]") {
   std::vector<bf16> wv(3 * 5, bf16(1.0f));
   wv[7] = bf16(NAN);
-  test::expect_violation([&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5), {}); },
-                         "gemm.pack.w_finite");
+  test::expect_violation(
+      [&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5), {}); },
+      "gemm.pack.w_finite");
   wv[7] = bf16(0x1p-100f);
-  test::expect_violation([&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5), {}); },
-                         "gemm.pack.w_range");
+  test::expect_violation(
+      [&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5), {}); },
+      "gemm.pack.w_range");
   wv[7] = bf16(1.0f);
-  test::expect_violation([&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5, 4), {}); },
-                         "gemm.pack.shape");
+  test::expect_violation(
+      [&] { gemm::PackedWeights::pack_transposed(MatView<const bf16>(wv.data(), 3, 5, 4), {}); },
+      "gemm.pack.shape");
   // Roundtrip: one VNNI pair of the packed W swapped; wt[2, 3] (W[3, 2]) no longer reads back.
   for (std::size_t i = 0; i < wv.size(); ++i) wv[i] = bf16(float(i) + 1);
   const MatView<const bf16> wt(wv.data(), 3, 5);
@@ -354,17 +401,23 @@ TEST_CASE("gemm.pack: pack_transposed's clauses", "[gemm][pack][finite]") {
   CHECK(r.location == "wt[2, 3]");
 }
 
-TEST_CASE("gemm.pack: checksum clause catches packed weights changed after packing", "[gemm][pack][memory]") {
+TEST_CASE("gemm.pack: checksum clause catches packed weights changed after packing",
+          "[gemm][pack][memory]") {
   std::vector<bf16> a(4, bf16(1.0f)), wv(2 * 4, bf16(1.0f));
   auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4));
   std::vector<float> c(2, 7.0f);
   w.mutable_data_for_testing()[1] = bf16(2.0f);  // a stale or overwritten packed copy
-  test::expect_violation([&] { gemm::matmul(MatView<const bf16>(a.data(), 1, 4), w, MatView<float>(c.data(), 1, 2), Isa::scalar); },
-                         "gemm.pack.checksum", Level::audit);
+  test::expect_violation(
+      [&] {
+        gemm::matmul(MatView<const bf16>(a.data(), 1, 4), w, MatView<float>(c.data(), 1, 2),
+                     Isa::scalar);
+      },
+      "gemm.pack.checksum", Level::audit);
   CHECK(c == std::vector<float>(2, 7.0f));
 }
 
-TEST_CASE("gemm.epilogue: exp_poly is within bounds::kExpUlps of exp", "[gemm][epilogue][numeric]") {
+TEST_CASE("gemm.epilogue: exp_poly is within bounds::kExpUlps of exp",
+          "[gemm][epilogue][numeric]") {
   // A sweep of the normal range (every 1021st float of [-87.3, 88.7]) and
   // 10^6 random points, against binary64 exp rounded to nearest.
   double worst = 0;
@@ -375,7 +428,8 @@ TEST_CASE("gemm.epilogue: exp_poly is within bounds::kExpUlps of exp", "[gemm][e
     worst = std::max(worst, err);
     REQUIRE(err <= bounds::kExpUlps);
   };
-  for (std::uint32_t u = std::bit_cast<std::uint32_t>(0.0f); u < std::bit_cast<std::uint32_t>(88.7f); u += 1021) {
+  for (std::uint32_t u = std::bit_cast<std::uint32_t>(0.0f);
+       u < std::bit_cast<std::uint32_t>(88.7f); u += 1021) {
     check(std::bit_cast<float>(u));
     if (std::bit_cast<float>(u) < 87.3f) check(-std::bit_cast<float>(u));
   }
@@ -392,10 +446,11 @@ TEST_CASE("gemm.epilogue: exp_poly is within bounds::kExpUlps of exp", "[gemm][e
 
 // Inputs at exp_poly's edges (not tolerances): zeros, around its overflow and
 // underflow thresholds, +-Inf, NaN, fp32 extremes, a denormal, the smallest normal.
-const float kExpEdges[] = {0.0f, -0.0f, 88.7f, -88.7f, 89.0f, -89.0f, 103.0f, -104.0f, INFINITY, -INFINITY, NAN,
-                           3e38f, -3e38f, 1e-40f, 0x1p-126f};
+const float kExpEdges[] = {0.0f,     -0.0f,     88.7f, -88.7f, 89.0f,  -89.0f, 103.0f,   -104.0f,
+                           INFINITY, -INFINITY, NAN,   3e38f,  -3e38f, 1e-40f, 0x1p-126f};
 
-TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU agree bit for bit", "[gemm][epilogue][avx512_bf16]") {
+TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU agree bit for bit",
+          "[gemm][epilogue][avx512_bf16]") {
   if (!isa_usable(Isa::avx512_bf16)) {
     WARN("avx512_bf16 not usable here: nothing to compare");
     return;
@@ -417,12 +472,15 @@ TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU agree bit for bit", "[gemm][
   gemm::swiglu_avx512(g.data(), u.data(), hv.data(), g.size());
   for (std::size_t i = 0; i < g.size(); ++i) {
     INFO("g=" << g[i] << " u=" << u[i]);
-    if (hs[i].is_nan()) REQUIRE(hv[i].is_nan());  // NaN payloads may differ by operand order
-    else REQUIRE(hs[i].bits == hv[i].bits);
+    if (hs[i].is_nan())
+      REQUIRE(hv[i].is_nan());  // NaN payloads may differ by operand order
+    else
+      REQUIRE(hs[i].bits == hv[i].bits);
   }
 }
 
-TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU backward agree bit for bit", "[gemm][epilogue][avx512_bf16]") {
+TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU backward agree bit for bit",
+          "[gemm][epilogue][avx512_bf16]") {
   if (!isa_usable(Isa::avx512_bf16)) {
     WARN("avx512_bf16 not usable here: nothing to compare");
     return;
@@ -437,7 +495,8 @@ TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU backward agree bit for bit",
     // Inputs, not tolerances: every 11th dh tiny, so products land near the denormals.
     dh[i] = std::uniform_real_distribution<float>(-1, 1)(rng) * (i % 11 == 0 ? 1e-30f : 1.0f);
   }
-  for (std::size_t i = 0; i < std::size(kExpEdges); ++i) g[i] = u[i + 20] = dh[i + 40] = kExpEdges[i];
+  for (std::size_t i = 0; i < std::size(kExpEdges); ++i)
+    g[i] = u[i + 20] = dh[i + 40] = kExpEdges[i];
   for (const float w : {0.37f, 0.0f, -1.5f}) {
     // Odd lengths and offsets exercise the scalar tail of the vector kernel.
     for (const std::size_t len : {n, std::size_t{15}, std::size_t{17}}) {
@@ -446,10 +505,14 @@ TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU backward agree bit for bit",
       gemm::swiglu_backward_avx512(g.data(), u.data(), dh.data(), w, gv.data(), uv.data(), len);
       for (std::size_t i = 0; i < len; ++i) {
         INFO("g=" << g[i] << " u=" << u[i] << " dh=" << dh[i] << " w=" << w);
-        if (gs[i].is_nan()) REQUIRE(gv[i].is_nan());
-        else REQUIRE(gs[i].bits == gv[i].bits);
-        if (us[i].is_nan()) REQUIRE(uv[i].is_nan());
-        else REQUIRE(us[i].bits == uv[i].bits);
+        if (gs[i].is_nan())
+          REQUIRE(gv[i].is_nan());
+        else
+          REQUIRE(gs[i].bits == gv[i].bits);
+        if (us[i].is_nan())
+          REQUIRE(uv[i].is_nan());
+        else
+          REQUIRE(us[i].bits == uv[i].bits);
       }
     }
   }
@@ -461,11 +524,14 @@ TEST_CASE("gemm.epilogue: scalar and AVX-512 SwiGLU backward agree bit for bit",
   CHECK(b == 1.0f * (1.25f * s));
 }
 
-TEST_CASE("gemm.epilogue: scaled rounding to bf16 is bf16(scale * x) in every implementation", "[gemm][epilogue]") {
+TEST_CASE("gemm.epilogue: scaled rounding to bf16 is bf16(scale * x) in every implementation",
+          "[gemm][epilogue]") {
   std::mt19937_64 rng(42);
   std::vector<float> x(4099);
-  for (auto& v : x) v = std::bit_cast<float>(static_cast<std::uint32_t>(rng()));  // every class: NaN, Inf, denormal
-  const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 3e38f, 1e-40f, 1.00390625f, 1.01171875f, -1.00390625f};
+  for (auto& v : x)
+    v = std::bit_cast<float>(static_cast<std::uint32_t>(rng()));  // every class: NaN, Inf, denormal
+  const float special[] = {0.0f,  -0.0f,  INFINITY,    -INFINITY,   NAN,
+                           3e38f, 1e-40f, 1.00390625f, 1.01171875f, -1.00390625f};
   std::copy(std::begin(special), std::end(special), x.begin());
   for (const float scale : {1.0f, 2.0f, 0.3f, -1e30f})
     for (const std::size_t n : {x.size(), std::size_t{1}, std::size_t{17}}) {
@@ -477,15 +543,18 @@ TEST_CASE("gemm.epilogue: scaled rounding to bf16 is bf16(scale * x) in every im
         for (std::size_t i = 0; i < n; ++i) {
           const bf16 want(scale * x[i]);
           INFO("x=" << x[i] << " scale=" << scale);
-          if (want.is_nan()) REQUIRE(out[i].is_nan());
-          else REQUIRE(out[i].bits == want.bits);
+          if (want.is_nan())
+            REQUIRE(out[i].is_nan());
+          else
+            REQUIRE(out[i].bits == want.bits);
         }
         CHECK(out[n].bits == bf16(7.0f).bits);  // nothing written past n
       }
     }
 }
 
-TEST_CASE("gemm.dot16: 16 partial sums and the fixed tree in every implementation", "[gemm][epilogue]") {
+TEST_CASE("gemm.dot16: 16 partial sums and the fixed tree in every implementation",
+          "[gemm][epilogue]") {
   // Every product of a block (nx rows of x, nw rows of w; sizes around the
   // AVX-512 4 x 4 register block) against the loop written out, bit for bit.
   std::mt19937_64 rng(43);
@@ -510,7 +579,8 @@ TEST_CASE("gemm.dot16: 16 partial sums and the fixed tree in every implementatio
         for (std::size_t i = 0; i < nx; ++i)
           for (std::size_t e = 0; e < nw; ++e) {
             float acc[16] = {};
-            for (std::size_t h = 0; h < n; ++h) acc[h % 16] = acc[h % 16] + x[i * n + h] * w[e * ldw + h];
+            for (std::size_t h = 0; h < n; ++h)
+              acc[h % 16] = acc[h % 16] + x[i * n + h] * w[e * ldw + h];
             for (int width = 8; width >= 1; width /= 2)
               for (int l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
             want[i * ldo + e] = acc[0];
@@ -518,8 +588,10 @@ TEST_CASE("gemm.dot16: 16 partial sums and the fixed tree in every implementatio
         for (const auto f : impls) {
           std::vector<float> got(nx * ldo, 7.0f);
           f(rows.data(), nx, w.data(), ldw, nw, n, got.data(), ldo);
-          INFO("n=" << n << " nx=" << nx << " nw=" << nw << (f == gemm::dot16_scalar ? " scalar" : " avx512"));
-          CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);  // nothing written past nw either
+          INFO("n=" << n << " nx=" << nx << " nw=" << nw
+                    << (f == gemm::dot16_scalar ? " scalar" : " avx512"));
+          CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) ==
+                0);  // nothing written past nw either
         }
       }
 }
@@ -546,7 +618,8 @@ TEST_CASE("gemm.rank_sums: every implementation is the row-order fp32 sum", "[ge
           for (auto& x : vs) x = d(rng);
           for (auto& x : acc0) x = d(rng);
           std::vector<const void*> rows(m);
-          for (std::size_t q = 0; q < m; ++q) rows[q] = bf ? static_cast<const void*>(vb.data() + q * ldv) : vf.data() + q * ldv;
+          for (std::size_t q = 0; q < m; ++q)
+            rows[q] = bf ? static_cast<const void*>(vb.data() + q * ldv) : vf.data() + q * ldv;
           std::vector<float> want = acc0;
           for (std::size_t q = 0; q < m; ++q)
             for (std::size_t k = 0; k < r; ++k)
@@ -558,16 +631,20 @@ TEST_CASE("gemm.rank_sums: every implementation is the row-order fp32 sum", "[ge
           for (const auto f : impls) {
             std::vector<float> acc = acc0;
             gemm::RankSumArgs a;
-            a.m = m, a.r = r, a.n = n, a.v = rows.data(), a.v_bf16 = bf, a.vscale = scaled ? vs.data() : nullptr;
+            a.m = m, a.r = r, a.n = n, a.v = rows.data(), a.v_bf16 = bf,
+            a.vscale = scaled ? vs.data() : nullptr;
             a.s = s.data(), a.lds = lds, a.acc = acc.data(), a.ldacc = ldacc;
             f(a);
-            INFO("r=" << r << " n=" << n << " bf16=" << bf << " scaled=" << scaled << (f == gemm::rank_sums_scalar ? " scalar" : " avx512"));
-            CHECK(std::memcmp(acc.data(), want.data(), acc.size() * 4) == 0);  // columns past n untouched too
+            INFO("r=" << r << " n=" << n << " bf16=" << bf << " scaled=" << scaled
+                      << (f == gemm::rank_sums_scalar ? " scalar" : " avx512"));
+            CHECK(std::memcmp(acc.data(), want.data(), acc.size() * 4) ==
+                  0);  // columns past n untouched too
           }
         }
 }
 
-TEST_CASE("gemm.loops: K blocking and the row-block order leave every bit unchanged", "[gemm][loops]") {
+TEST_CASE("gemm.loops: K blocking and the row-block order leave every bit unchanged",
+          "[gemm][loops]") {
   // The loops accumulate C in fp32 across K blocks (an exact spill and
   // reload), and each element is one call's whatever the order of the row
   // and column blocks; for every kernel the result must equal that of all
@@ -582,7 +659,8 @@ TEST_CASE("gemm.loops: K blocking and the row-block order leave every bit unchan
     whole.mc = 0;
     const std::size_t mp = gemm::round_up(m, whole.mr);
     std::vector<bf16> ap(gemm::a_size(whole.a_layout, mp, w.kp()));
-    gemm::pack_a(whole.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(), ap.data());
+    gemm::pack_a(whole.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(),
+                 ap.data());
     std::vector<float> c1(m * n, NAN);
     gemm::gemm_block(whole, ap.data(), m, w, 0, w.np(), n, c1.data(), n);
     for (std::size_t kc : {std::size_t{0}, std::size_t{64}})
@@ -599,14 +677,18 @@ TEST_CASE("gemm.loops: K blocking and the row-block order leave every bit unchan
   }
 }
 
-TEST_CASE("gemm.ukernel: the edge kernel gives the full kernel's first rows bit for bit, for every row count", "[gemm][ukernel]") {
+TEST_CASE(
+    "gemm.ukernel: the edge kernel gives the full kernel's first rows bit for bit, for every row "
+    "count",
+    "[gemm][ukernel]") {
   // Edge blocks of rows < MR run on ukernel_edge (AVX-512 and scalar: those
   // rows only; AMX: 16 rows where rows <= 16); each element of its first
   // rows must be the full kernel's, with and without C's values and a
   // second product, and it must compute no more rows than it claims.
   std::mt19937_64 rng(43);
   const std::size_t k = 300, k2 = 40, n = 32;
-  const auto wv = random_bf16(rng, n * k), av = random_bf16(rng, 32 * k), cv = random_bf16(rng, 32 * n);
+  const auto wv = random_bf16(rng, n * k), av = random_bf16(rng, 32 * k),
+             cv = random_bf16(rng, 32 * n);
   const auto w2v = random_bf16(rng, n * k2), a2v = random_bf16(rng, 32 * k2);
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
   const auto w2 = gemm::PackedWeights::pack(MatView<const bf16>(w2v.data(), n, k2));
@@ -636,7 +718,8 @@ TEST_CASE("gemm.ukernel: the edge kernel gives the full kernel's first rows bit 
           a.rows = rows;
           kernel.ukernel_edge(a);
           kernel.thread_end();
-          INFO(isa_name(isa) << " rows=" << rows << " accumulate=" << acc << " second product=" << two);
+          INFO(isa_name(isa) << " rows=" << rows << " accumulate=" << acc
+                             << " second product=" << two);
           CHECK(std::memcmp(full.data(), edge.data(), rows * n * 4) == 0);
           for (std::size_t i = gemm::round_up(rows, step) * n; i < edge.size(); ++i)
             REQUIRE(std::isnan(edge[i]));  // rows past its step untouched
@@ -646,7 +729,8 @@ TEST_CASE("gemm.ukernel: the edge kernel gives the full kernel's first rows bit 
   CHECK(checked >= (7 + 31) * 4);  // scalar and amx_emu are usable everywhere
 }
 
-TEST_CASE("gemm.ukernel: side work runs once per item, in order, and leaves C's bits alone", "[gemm][amx]") {
+TEST_CASE("gemm.ukernel: side work runs once per item, in order, and leaves C's bits alone",
+          "[gemm][amx]") {
   // Kernels with side_steps (AMX) run UkernelArgs::side between their k
   // steps: fewer items than steps, and more (the rest after the stores).
   std::mt19937_64 rng(47);
@@ -687,7 +771,8 @@ TEST_CASE("storage: 64-byte aligned; 2 MiB and more aligned to 2 MiB", "[gemm][m
   // 64-byte aligned against their guard page; memory_test).
   const GuardPages mode = guard_pages();
   set_guard_pages(GuardPages::off);
-  for (std::size_t bytes : {std::size_t{1}, std::size_t{100}, std::size_t{2} << 20, (std::size_t{5} << 20) + 3}) {
+  for (std::size_t bytes :
+       {std::size_t{1}, std::size_t{100}, std::size_t{2} << 20, (std::size_t{5} << 20) + 3}) {
     void* p = moecert::detail::allocate(bytes);
     const auto addr = reinterpret_cast<std::uintptr_t>(p);
     INFO("bytes=" << bytes);
@@ -699,7 +784,8 @@ TEST_CASE("storage: 64-byte aligned; 2 MiB and more aligned to 2 MiB", "[gemm][m
   set_guard_pages(mode);
 }
 
-TEST_CASE("gemm.loops: row blocks outside the column blocks only while the item's B fits L2", "[gemm][loops]") {
+TEST_CASE("gemm.loops: row blocks outside the column blocks only while the item's B fits L2",
+          "[gemm][loops]") {
   // With KernelInfo::mc (the AMX kernels), each mc-row block passes all
   // the item's column blocks before the next, unless the item's B exceeds
   // kItemBBytes; the epilogue (after each call on the scalar kernel) sees
@@ -717,15 +803,19 @@ TEST_CASE("gemm.loops: row blocks outside the column blocks only while the item'
     const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
     const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
     std::vector<bf16> ap(gemm::a_size(kernel.a_layout, m, w.kp()));
-    gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, m, w.kp(), ap.data());
+    gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, m, w.kp(),
+                 ap.data());
     std::vector<float> c(m * n);
     std::vector<std::pair<std::size_t, std::size_t>> seen, want;
-    auto epilogue = [&](std::size_t i0, std::size_t, std::size_t j0, std::size_t) { seen.emplace_back(i0, j0); };
+    auto epilogue = [&](std::size_t i0, std::size_t, std::size_t j0, std::size_t) {
+      seen.emplace_back(i0, j0);
+    };
     gemm::gemm_block(kernel, ap.data(), m, w, 0, n, n, c.data(), n, {.epilogue = epilogue});
     for (std::size_t x = 0; x < m * n / (kernel.mr * kernel.nr); ++x) {
       const std::size_t blocks = fits ? n / kernel.nr : m / kernel.mr;  // of the inner loop
       const std::size_t outer = x / blocks, inner = x % blocks;
-      want.emplace_back(fits ? std::pair{outer * kernel.mr, inner * kernel.nr} : std::pair{inner * kernel.mr, outer * kernel.nr});
+      want.emplace_back(fits ? std::pair{outer * kernel.mr, inner * kernel.nr}
+                             : std::pair{inner * kernel.mr, outer * kernel.nr});
     }
     INFO("n=" << n);
     CHECK(seen == want);
@@ -746,41 +836,47 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
   const auto w2 = gemm::PackedWeights::pack(MatView<const bf16>(w2v.data(), n, k2));
   for (Isa isa : usable_isas())
     for (std::size_t kc : {std::size_t{0}, std::size_t{64}})
-    for (bool rows_outside : {false, true}) {  // column blocks inside each MR-row block, or outside all
-      gemm::KernelInfo kernel = gemm::kernel_info(isa);
-      kernel.kc = kc;
-      kernel.mc = rows_outside ? kernel.mr : 0;
-      const std::size_t mp = gemm::round_up(m, kernel.mr);
-      std::vector<bf16> ap(gemm::a_size(kernel.a_layout, mp, w.kp())), ap2(gemm::a_size(kernel.a_layout, mp, w2.kp()));
-      gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(), ap.data());
-      gemm::pack_a(kernel.a_layout, MatView<const bf16>(a2.data(), m, k2), nullptr, m, mp, w2.kp(), ap2.data());
-      std::vector<float> want(m * n, NAN), got(m * n, NAN), seen(m * n, NAN);
-      gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, want.data(), n);
-      gemm::gemm_block(kernel, ap2.data(), m, w2, n0, w2.np(), n, want.data(), n, {.accumulate = true});
-      std::vector<int> calls(m * n, 0);
-      bool aligned = true;
-      auto epilogue = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
-        aligned = aligned && j0 % kernel.nr == 0 && j1 <= n && i1 <= m;
-        for (std::size_t i = i0; i < i1; ++i)
-          for (std::size_t j = j0; j < j1; ++j) {
-            ++calls[i * n + j];
-            seen[i * n + j] = got[i * n + j];
+      for (bool rows_outside :
+           {false, true}) {  // column blocks inside each MR-row block, or outside all
+        gemm::KernelInfo kernel = gemm::kernel_info(isa);
+        kernel.kc = kc;
+        kernel.mc = rows_outside ? kernel.mr : 0;
+        const std::size_t mp = gemm::round_up(m, kernel.mr);
+        std::vector<bf16> ap(gemm::a_size(kernel.a_layout, mp, w.kp())),
+            ap2(gemm::a_size(kernel.a_layout, mp, w2.kp()));
+        gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), m, k), nullptr, m, mp, w.kp(),
+                     ap.data());
+        gemm::pack_a(kernel.a_layout, MatView<const bf16>(a2.data(), m, k2), nullptr, m, mp,
+                     w2.kp(), ap2.data());
+        std::vector<float> want(m * n, NAN), got(m * n, NAN), seen(m * n, NAN);
+        gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, want.data(), n);
+        gemm::gemm_block(kernel, ap2.data(), m, w2, n0, w2.np(), n, want.data(), n,
+                         {.accumulate = true});
+        std::vector<int> calls(m * n, 0);
+        bool aligned = true;
+        auto epilogue = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
+          aligned = aligned && j0 % kernel.nr == 0 && j1 <= n && i1 <= m;
+          for (std::size_t i = i0; i < i1; ++i)
+            for (std::size_t j = j0; j < j1; ++j) {
+              ++calls[i * n + j];
+              seen[i * n + j] = got[i * n + j];
+            }
+        };
+        gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, got.data(), n,
+                         {.a2 = ap2.data(), .w2 = &w2, .epilogue = epilogue});
+        INFO(isa_name(isa) << " kc=" << kc << " mc=" << kernel.mc);
+        CHECK(std::memcmp(want.data(), got.data(), got.size() * 4) ==
+              0);  // columns before n0 untouched too
+        CHECK(aligned);
+        std::size_t once = 0, wrong = 0;
+        for (std::size_t i = 0; i < m; ++i)
+          for (std::size_t j = 0; j < n; ++j) {
+            once += calls[i * n + j] == (j >= n0 ? 1 : 0);
+            if (j >= n0) wrong += std::memcmp(&seen[i * n + j], &want[i * n + j], 4) != 0;
           }
-      };
-      gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, got.data(), n,
-                       {.a2 = ap2.data(), .w2 = &w2, .epilogue = epilogue});
-      INFO(isa_name(isa) << " kc=" << kc << " mc=" << kernel.mc);
-      CHECK(std::memcmp(want.data(), got.data(), got.size() * 4) == 0);  // columns before n0 untouched too
-      CHECK(aligned);
-      std::size_t once = 0, wrong = 0;
-      for (std::size_t i = 0; i < m; ++i)
-        for (std::size_t j = 0; j < n; ++j) {
-          once += calls[i * n + j] == (j >= n0 ? 1 : 0);
-          if (j >= n0) wrong += std::memcmp(&seen[i * n + j], &want[i * n + j], 4) != 0;
-        }
-      CHECK(once == m * n);
-      CHECK(wrong == 0);
-    }
+        CHECK(once == m * n);
+        CHECK(wrong == 0);
+      }
 }
 
 TEST_CASE("gemm.pack_a: both A layouts hold the same matrix, padding zero", "[gemm][pack]") {
@@ -813,30 +909,36 @@ struct Exact {
 
 }  // namespace
 
-TEST_CASE("gemm.loops: every kernel reads and writes only inside A, W and C (guard pages)", "[gemm][loops][memory]") {
+TEST_CASE("gemm.loops: every kernel reads and writes only inside A, W and C (guard pages)",
+          "[gemm][loops][memory]") {
   // A packed to exactly its padded rows, C exactly m x n: under guard pages
   // (its end against an inaccessible page, then its start) a kernel that
   // reads past either faults. (The scalar kernel once read the row after
   // an 8-row block's last one: the Release layer backward's segfault.) The
   // results must equal those on ordinary buffers bit for bit.
   std::mt19937_64 rng(41);
-  const Shape shapes[] = {{8, 48, 96}, {32, 32, 32}, {24, 40, 75}, {5, 16, 64}, {33, 80, 200}, {1, 32, 1}};
+  const Shape shapes[] = {{8, 48, 96}, {32, 32, 32},  {24, 40, 75},
+                          {5, 16, 64}, {33, 80, 200}, {1, 32, 1}};
   for (const Shape& s : shapes)
     for (Isa isa : usable_isas()) {
       const gemm::KernelInfo& kernel = gemm::kernel_info(isa);
-      const auto a = random_bf16(rng, s.m * s.k), wv = random_bf16(rng, s.n * s.k), c0 = random_bf16(rng, s.m * s.n);
+      const auto a = random_bf16(rng, s.m * s.k), wv = random_bf16(rng, s.n * s.k),
+                 c0 = random_bf16(rng, s.m * s.n);
       const std::size_t mp = gemm::round_up(s.m, kernel.mr);
       auto product = [&](bool accumulate) {
         const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
         Exact<bf16> ap(gemm::a_size(kernel.a_layout, mp, w.kp()));
-        gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), s.m, s.k), nullptr, s.m, mp, w.kp(), ap.p);
+        gemm::pack_a(kernel.a_layout, MatView<const bf16>(a.data(), s.m, s.k), nullptr, s.m, mp,
+                     w.kp(), ap.p);
         Exact<float> c(s.m * s.n);
         for (std::size_t i = 0; i < c.n; ++i) c.p[i] = c0[i].to_float();
-        gemm::gemm_block(kernel, ap.p, s.m, w, 0, w.np(), s.n, c.p, s.n, {.accumulate = accumulate});
+        gemm::gemm_block(kernel, ap.p, s.m, w, 0, w.np(), s.n, c.p, s.n,
+                         {.accumulate = accumulate});
         return std::vector<float>(c.p, c.p + c.n);
       };
       for (bool accumulate : {false, true}) {
-        INFO(isa_name(isa) << " m=" << s.m << " n=" << s.n << " k=" << s.k << " accumulate=" << accumulate);
+        INFO(isa_name(isa) << " m=" << s.m << " n=" << s.n << " k=" << s.k
+                           << " accumulate=" << accumulate);
         const std::vector<float> plain = product(accumulate);
         for (GuardPages mode : {GuardPages::end, GuardPages::start}) {
           set_guard_pages(mode);

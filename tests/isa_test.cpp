@@ -1,5 +1,6 @@
 // ISA detection and dispatch facts.
 #include "moecert/isa.hpp"
+
 #include "ops/gemm/dispatch.hpp"
 #include "test_util.hpp"
 
@@ -45,10 +46,14 @@ TEST_CASE("core.isa: MOECERT_ISA is validated against this machine", "[core][isa
   CHECK_FALSE(detail::resolve_forced_isa(""));
   CHECK(detail::resolve_forced_isa("scalar") == Isa::scalar);
   CHECK(detail::resolve_forced_isa("amx_emu") == Isa::amx_emu);
-  CHECK_THROWS_WITH(detail::resolve_forced_isa("avx2"), Catch::Contains("expected scalar, avx512_bf16, amx_bf16 or amx_emu"));
+  CHECK_THROWS_WITH(detail::resolve_forced_isa("avx2"),
+                    Catch::Contains("expected scalar, avx512_bf16, amx_bf16 or amx_emu"));
   for (Isa isa : {Isa::avx512_bf16, Isa::amx_bf16}) {
     const std::string name(isa_name(isa));
-    if (isa_detected(isa)) CHECK(detail::resolve_forced_isa(name.c_str()) == isa);
-    else CHECK_THROWS_WITH(detail::resolve_forced_isa(name.c_str()), Catch::Contains("not supported by this CPU/OS"));
+    if (isa_detected(isa))
+      CHECK(detail::resolve_forced_isa(name.c_str()) == isa);
+    else
+      CHECK_THROWS_WITH(detail::resolve_forced_isa(name.c_str()),
+                        Catch::Contains("not supported by this CPU/OS"));
   }
 }

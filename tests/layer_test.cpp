@@ -2,21 +2,21 @@
 // ISA and router, determinism, the reference's gradients against 50-digit
 // central finite differences (each path on its own), per-token statistics
 // against a brute-force one-token-at-a-time backward, and every clause.
+#include "contracts/layer.hpp"
+
+#include <oneapi/tbb/global_control.h>
+#include <oneapi/tbb/task_arena.h>
+#include <xmmintrin.h>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
 
-#include <xmmintrin.h>
-
-#include <oneapi/tbb/global_control.h>
-#include <oneapi/tbb/task_arena.h>
-
 #include "contracts/bounds/experts.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
-#include "contracts/layer.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "ops/layer/state.hpp"
@@ -36,21 +36,29 @@ struct Problem {
   experts::PackedExperts packed;
   layer::Weights weights() const {
     return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), bias.data(),
-                                   layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(), bu.data(), ad.data(), bd.data()));
+                                   layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(),
+                                                        bu.data(), ad.data(), bd.data()));
   }
   MatView<const bf16> X() const { return {x.data(), T, H}; }
   MatView<const float> DY() const { return {dy.data(), T, H}; }
 };
 
-Problem make(RouterKind kind, std::size_t E, std::size_t H, std::size_t I, std::size_t K, std::size_t r, std::size_t T,
-             std::uint64_t seed = 1) {
+Problem make(RouterKind kind, std::size_t E, std::size_t H, std::size_t I, std::size_t K,
+             std::size_t r, std::size_t T, std::uint64_t seed = 1) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0, 1);
   Problem p;
-  p.cfg = {.experts = static_cast<std::int64_t>(E), .hidden = static_cast<std::int64_t>(H), .inter = static_cast<std::int64_t>(I),
-           .topk = static_cast<std::int64_t>(K), .lora_rank = static_cast<std::int64_t>(r), .lora_alpha = 2.0 * double(r),
-           .router = kind, .groups = kind == RouterKind::sigmoid_topk ? 2 : 1, .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1,
-           .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0, .max_tokens = static_cast<std::int64_t>(T)};
+  p.cfg = {.experts = static_cast<std::int64_t>(E),
+           .hidden = static_cast<std::int64_t>(H),
+           .inter = static_cast<std::int64_t>(I),
+           .topk = static_cast<std::int64_t>(K),
+           .lora_rank = static_cast<std::int64_t>(r),
+           .lora_alpha = 2.0 * double(r),
+           .router = kind,
+           .groups = kind == RouterKind::sigmoid_topk ? 2 : 1,
+           .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1,
+           .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0,
+           .max_tokens = static_cast<std::int64_t>(T)};
   p.T = T, p.E = E, p.H = H, p.I = I, p.K = K, p.r = r;
   p.R = static_cast<std::size_t>(workspace::router_outputs(p.cfg));
   auto fill = [&](std::vector<bf16>& v, std::size_t n, float scale) {
@@ -75,7 +83,8 @@ Problem make(RouterKind kind, std::size_t E, std::size_t H, std::size_t I, std::
   for (auto& q : p.bias) q = 0.05f * nd(rng);
   p.dy.resize(T * H);
   for (auto& q : p.dy) q = nd(rng);
-  p.packed = experts::PackedExperts::pack(E, MatView<const bf16>(p.wg.data(), E * I, H), MatView<const bf16>(p.wu.data(), E * I, H),
+  p.packed = experts::PackedExperts::pack(E, MatView<const bf16>(p.wg.data(), E * I, H),
+                                          MatView<const bf16>(p.wu.data(), E * I, H),
                                           MatView<const bf16>(p.wd.data(), E * H, I), true);
   return p;
 }
@@ -88,14 +97,16 @@ struct Grads {
     for (auto* v : {&ag, &au}) v->assign(p.E * p.r * p.H, NAN);
     for (auto* v : {&bg, &bu}) v->assign(p.E * p.I * p.r, NAN);
     ad.assign(p.E * p.r * p.I, NAN), bd.assign(p.E * p.H * p.r, NAN);
-    wg.assign(p.E * p.I * p.H, NAN), wu.assign(p.E * p.I * p.H, NAN), wd.assign(p.E * p.H * p.I, NAN);
+    wg.assign(p.E * p.I * p.H, NAN), wu.assign(p.E * p.I * p.H, NAN),
+        wd.assign(p.E * p.H * p.I, NAN);
     layer::Gradients g;
     g.dx = {dx.data(), p.T, p.H};
     g.router_w = {wr.data(), p.R, p.H};
     g.router_b = {b.data(), p.R};
     g.m_a = {m_a.data(), p.T, p.E};
     g.m_g = {m_g.data(), p.T, p.E};
-    g.w_gate = {wg.data(), p.E * p.I, p.H}, g.w_up = {wu.data(), p.E * p.I, p.H}, g.w_down = {wd.data(), p.E * p.H, p.I};
+    g.w_gate = {wg.data(), p.E * p.I, p.H}, g.w_up = {wu.data(), p.E * p.I, p.H},
+    g.w_down = {wd.data(), p.E * p.H, p.I};
     if (p.r) {
       g.a_gate = {ag.data(), p.E * p.r, p.H}, g.b_gate = {bg.data(), p.E * p.I, p.r};
       g.a_up = {au.data(), p.E * p.r, p.H}, g.b_up = {bu.data(), p.E * p.I, p.r};
@@ -125,7 +136,8 @@ Run run(const Problem& p, std::optional<Isa> isa = {}, layer::BackwardOptions bo
   return out;
 }
 
-const RouterKind kKinds[] = {RouterKind::softmax_topk, RouterKind::sigmoid_topk, RouterKind::product_key};
+const RouterKind kKinds[] = {RouterKind::softmax_topk, RouterKind::sigmoid_topk,
+                             RouterKind::product_key};
 
 std::vector<Isa> kernel_isas() {
   std::vector<Isa> v = usable_isas();
@@ -135,7 +147,8 @@ std::vector<Isa> kernel_isas() {
 
 }  // namespace
 
-TEST_CASE("layer: forward and backward within the derived bounds, every ISA and router", "[layer]") {
+TEST_CASE("layer: forward and backward within the derived bounds, every ISA and router",
+          "[layer]") {
   for (RouterKind kind : kKinds)
     for (Isa isa : kernel_isas())
       for (std::size_t r : {std::size_t{0}, std::size_t{4}}) {
@@ -173,7 +186,8 @@ TEST_CASE("layer: more rows than one block of the gradient sums or of the forwar
 
 TEST_CASE("layer: the paths sum to the full backward", "[layer]") {
   const Problem p = make(RouterKind::softmax_topk, 8, 32, 24, 2, 4, 16);
-  const Run full = run(p, Isa::scalar), ex = run(p, Isa::scalar, {true, false}), rt = run(p, Isa::scalar, {false, true});
+  const Run full = run(p, Isa::scalar), ex = run(p, Isa::scalar, {true, false}),
+            rt = run(p, Isa::scalar, {false, true});
   for (std::size_t i = 0; i < full.g.dx.size(); ++i) {
     INFO(i);
     // dx = the expert rows summed, then the router part added in one fp32
@@ -201,7 +215,8 @@ TEST_CASE("layer: backward again on the same forward, whole or path by path", "[
     for (Isa isa : kernel_isas()) {
       INFO(router_kind_name(kind) << " " << isa_name(isa));
       ContractScope scope{Level::audit, Semantic::enforce};
-      const Run full = run(p, isa), ex = run(p, isa, {true, false}), rt = run(p, isa, {false, true});
+      const Run full = run(p, isa), ex = run(p, isa, {true, false}),
+                rt = run(p, isa, {false, true});
       std::vector<float> y(p.T * p.H);
       layer::Saved saved;
       layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved, {.isa = isa});
@@ -219,7 +234,8 @@ TEST_CASE("layer: backward again on the same forward, whole or path by path", "[
   }
 }
 
-TEST_CASE("layer: a subset of the gradients equals the full backward's, the rest untouched", "[layer]") {
+TEST_CASE("layer: a subset of the gradients equals the full backward's, the rest untouched",
+          "[layer]") {
   // The two A-factor gradients share one pass over the x rows: asking for
   // one of them only must give the same bits, and write nothing else.
   const Problem p = make(RouterKind::softmax_topk, 8, 32, 24, 2, 4, 16);
@@ -231,7 +247,8 @@ TEST_CASE("layer: a subset of the gradients equals the full backward's, the rest
         (which ? g.a_gate : g.a_up) = {};
         g.b_up = {};
       });
-      CHECK(std::memcmp((which ? part.g.au : part.g.ag).data(), (which ? full.g.au : full.g.ag).data(),
+      CHECK(std::memcmp((which ? part.g.au : part.g.ag).data(),
+                        (which ? full.g.au : full.g.ag).data(),
                         full.g.ag.size() * sizeof(float)) == 0);
       CHECK(std::memcmp(part.g.bg.data(), full.g.bg.data(), full.g.bg.size() * sizeof(float)) == 0);
       for (float v : which ? part.g.ag : part.g.au) REQUIRE(std::isnan(v));
@@ -261,7 +278,8 @@ TEST_CASE("layer: bitwise identical for 1, 2 and 7 threads", "[layer]") {
 // the implicit arena (its workers keep the defaults) and in an arena created
 // under those settings (its workers take them), and gets its settings back.
 TEST_CASE("layer: the caller's floating-point environment changes no bit", "[layer]") {
-  constexpr unsigned kOdd = 0x1F80 | 0x8000 | 0x6000 | 0x0040;  // masks; FTZ, round toward zero, DAZ
+  constexpr unsigned kOdd =
+      0x1F80 | 0x8000 | 0x6000 | 0x0040;  // masks; FTZ, round toward zero, DAZ
   for (RouterKind kind : kKinds) {
     const Problem p = make(kind, kind == RouterKind::product_key ? 16 : 12, 64, 40, 4, 8, 40);
     for (Isa isa : usable_isas()) {
@@ -291,7 +309,8 @@ TEST_CASE("layer: an inference forward gives the training forward's y bit for bi
     std::vector<float> y_train(p.T * p.H, NAN), y_infer(p.T * p.H, NAN);
     layer::Saved s1, s2;
     layer::forward(p.cfg, w, p.X(), {y_train.data(), p.T, p.H}, s1, {.isa = isa, .training = true});
-    layer::forward(p.cfg, w, p.X(), {y_infer.data(), p.T, p.H}, s2, {.isa = isa, .training = false});
+    layer::forward(p.cfg, w, p.X(), {y_infer.data(), p.T, p.H}, s2,
+                   {.isa = isa, .training = false});
     INFO(isa_name(isa));
     CHECK(std::memcmp(y_train.data(), y_infer.data(), y_train.size() * 4) == 0);
   }
@@ -308,8 +327,10 @@ ref::LayerData<Hp> hp_data(const Problem& p, const layer::Saved& saved) {
   d.T = dd.T, d.H = dd.H, d.I = dd.I, d.E = dd.E, d.K = dd.K, d.r = dd.r, d.R = dd.R;
   d.kind = dd.kind, d.renormalize = dd.renormalize, d.scaling = dd.scaling, d.scale = dd.scale;
   auto cv = [](const std::vector<double>& v) { return std::vector<Hp>(v.begin(), v.end()); };
-  d.x = cv(dd.x), d.wr = cv(dd.wr), d.b = cv(dd.b), d.wg = cv(dd.wg), d.wu = cv(dd.wu), d.wd = cv(dd.wd);
-  d.ag = cv(dd.ag), d.bg = cv(dd.bg), d.au = cv(dd.au), d.bu = cv(dd.bu), d.ad = cv(dd.ad), d.bd = cv(dd.bd);
+  d.x = cv(dd.x), d.wr = cv(dd.wr), d.b = cv(dd.b), d.wg = cv(dd.wg), d.wu = cv(dd.wu),
+  d.wd = cv(dd.wd);
+  d.ag = cv(dd.ag), d.bg = cv(dd.bg), d.au = cv(dd.au), d.bu = cv(dd.bu), d.ad = cv(dd.ad),
+  d.bd = cv(dd.bd);
   d.idx = dd.idx;
   d.dy = cv(dd.dy);
   return d;
@@ -342,7 +363,9 @@ void check_fd(const char* what, std::vector<Hp>& v, const std::vector<Hp>& analy
 
 }  // namespace
 
-TEST_CASE("layer: reference gradients agree with 50-digit central differences, each path on its own", "[layer][fd]") {
+TEST_CASE(
+    "layer: reference gradients agree with 50-digit central differences, each path on its own",
+    "[layer][fd]") {
   for (RouterKind kind : kKinds) {
     INFO(router_kind_name(kind));
     const Problem p = make(kind, 4, 8, 6, 2, 2, 3, 11);
@@ -367,7 +390,8 @@ TEST_CASE("layer: reference gradients agree with 50-digit central differences, e
       check_fd("dB_up", de.bu, an.dbu, [&] { return loss(de); });
       check_fd("dA_down", de.ad, an.dad, [&] { return loss(de); });
       check_fd("dB_down", de.bd, an.dbd, [&] { return loss(de); });
-      const auto base = ref::layer_reference(de, true, {.expert = true, .router = false, .base = true});
+      const auto base =
+          ref::layer_reference(de, true, {.expert = true, .router = false, .base = true});
       check_fd("dW_gate", de.wg, base.dwg, [&] { return loss(de); });
       check_fd("dW_up", de.wu, base.dwu, [&] { return loss(de); });
       check_fd("dW_down", de.wd, base.dwd, [&] { return loss(de); });
@@ -391,12 +415,14 @@ TEST_CASE("layer: reference gradients agree with 50-digit central differences, e
   }
 }
 
-TEST_CASE("layer: per-token statistics equal a one-token-at-a-time reference backward", "[layer][stats]") {
+TEST_CASE("layer: per-token statistics equal a one-token-at-a-time reference backward",
+          "[layer][stats]") {
   for (std::size_t r : {std::size_t{0}, std::size_t{4}}) {
     const Problem p = make(RouterKind::softmax_topk, 6, 24, 16, 2, r, 9, 5);
     Run k = run(p, Isa::scalar);
     const auto w = p.weights();
-    const auto bound = contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), k.saved.impl(), {}, nullptr);
+    const auto bound =
+        contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), k.saved.impl(), {}, nullptr);
     const auto all = contracts::layer_data<double>(p.cfg, w, p.X(), p.dy.data(), k.saved.impl());
     for (std::size_t t = 0; t < p.T; ++t) {
       // The token alone, with the kernel's routing.
@@ -425,8 +451,10 @@ TEST_CASE("layer: per-token statistics equal a one-token-at-a-time reference bac
           continue;  // base-weight statistics: checked against the Tracked reference below
         }
         const double brute = ref::to_double(sqrt(g2));
-        const double got = k.g.m_g[t * p.E + e], b = bound.m_g[t * p.E + e].e * bounds::kReferenceSlack;
-        INFO("t=" << t << " e=" << e << " kernel " << got << " brute force " << brute << " bound " << b);
+        const double got = k.g.m_g[t * p.E + e],
+                     b = bound.m_g[t * p.E + e].e * bounds::kReferenceSlack;
+        INFO("t=" << t << " e=" << e << " kernel " << got << " brute force " << brute << " bound "
+                  << b);
         CHECK(std::fabs(got - brute) <= b);
         CHECK(b <= 0.5 * brute);  // the bound says something (worst-case propagation: 10-15% here)
       }
@@ -479,8 +507,11 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     Problem& q = p;
     auto w = q.weights();
     w.router_b = {reinterpret_cast<const float*>(buf.data()) + 3, q.R};
-    test::expect_violation([&] { layer::forward(q.cfg, w, q.X(), {buf.data(), q.T, q.H}, saved); }, "layer.forward.no_alias",
-                           Level::check);
+    test::expect_violation(
+        [&] {
+          layer::forward(q.cfg, w, q.X(), {buf.data(), q.T, q.H}, saved);
+        },
+        "layer.forward.no_alias", Level::check);
   }
   SECTION("lora_padding") {
     auto l = experts::PackedLora::pack(p.weights().lora, p.E, p.H, p.I, true);
@@ -489,7 +520,9 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.forward"};
-          MOECERT_CONTRACT(c, clauses::layer::kFwdLoraPadding) { contracts::lora_padding(c, clauses::layer::kFwdLoraPadding, l); }
+          MOECERT_CONTRACT(c, clauses::layer::kFwdLoraPadding) {
+            contracts::lora_padding(c, clauses::layer::kFwdLoraPadding, l);
+          }
         },
         "layer.forward.lora_padding", Level::check);
     CHECK(v.location.rfind("expert 3 b_d", 0) == 0);
@@ -499,7 +532,8 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     for (auto& v : q.x) v = bf16(0x1p60f);
     for (auto& v : q.wg) v = bf16(0x1p60f);
     for (auto& v : q.wu) v = bf16(0x1p60f);
-    q.packed = experts::PackedExperts::pack(q.E, {q.wg.data(), q.E * q.I, q.H}, {q.wu.data(), q.E * q.I, q.H},
+    q.packed = experts::PackedExperts::pack(q.E, {q.wg.data(), q.E * q.I, q.H},
+                                            {q.wu.data(), q.E * q.I, q.H},
                                             {q.wd.data(), q.E * q.H, q.I}, true);
     for (auto& v : q.wr) v = 0;
     test::expect_violation([&] { fwd(q, y); }, "layer.forward.y_finite", Level::check);
@@ -508,12 +542,14 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     ContractScope s{Level::full, Semantic::enforce};
     fwd(p, y);
     // Two bounds away from the reference.
-    const auto ref = contracts::layer_bounds(p.cfg, p.weights(), p.X(), nullptr, saved.impl(), {}, nullptr);
+    const auto ref =
+        contracts::layer_bounds(p.cfg, p.weights(), p.X(), nullptr, saved.impl(), {}, nullptr);
     y[3 * p.H + 1] = static_cast<float>(ref.y[3 * p.H + 1].v + 2 * ref.y[3 * p.H + 1].e);
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.forward"};
-          contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H}, saved.impl());
+          contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H},
+                                        saved.impl());
         },
         "layer.forward.within_bound", Level::full);
     CHECK(v.location == "y[3, 1]");
@@ -528,11 +564,15 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
   Grads g;
   layer::Gradients gv = g.views(p);
   const std::vector<float> dx_before = g.dx;
-  auto bwd = [&](layer::Saved& s, MatView<const float> dy) { layer::backward(p.cfg, w, p.X(), dy, s, gv); };
+  auto bwd = [&](layer::Saved& s, MatView<const float> dy) {
+    layer::backward(p.cfg, w, p.X(), dy, s, gv);
+  };
   SECTION("state: backward before forward, another config, an inference forward") {
-    auto v = test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.state", Level::check);
+    auto v =
+        test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.state", Level::check);
     CHECK(v.observed == "no forward saved");
-    layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved, {.isa = std::nullopt, .training = false});
+    layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved,
+                   {.isa = std::nullopt, .training = false});
     test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.state", Level::check);
     const Problem q = make(RouterKind::product_key, 16, 32, 24, 2, 4, 10);
     layer::forward(q.cfg, q.weights(), q.X(), {y.data(), q.T, q.H}, saved);
@@ -542,32 +582,49 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
   }
   layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved);
   SECTION("shape") {
-    test::expect_violation([&] { bwd(saved, {p.dy.data(), p.T - 1, p.H}); }, "layer.backward.shape", Level::check);
+    test::expect_violation(
+        [&] {
+          bwd(saved, {p.dy.data(), p.T - 1, p.H});
+        },
+        "layer.backward.shape", Level::check);
     gv.w_down = {g.wd.data(), p.E * p.H, p.I - 1};  // a base-weight gradient of the wrong shape
-    auto v = test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.shape", Level::check);
-    CHECK(v.observed == fmt::format("w_down grad {}x{}, expected {}x{}", p.E * p.H, p.I - 1, p.E * p.H, p.I));
+    auto v =
+        test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.shape", Level::check);
+    CHECK(v.observed ==
+          fmt::format("w_down grad {}x{}, expected {}x{}", p.E * p.H, p.I - 1, p.E * p.H, p.I));
     CHECK(std::isnan(g.wd[0]));
   }
   SECTION("dy_finite") {
     std::vector<float> dy = p.dy;
     dy[17] = NAN;
-    test::expect_violation([&] { bwd(saved, {dy.data(), p.T, p.H}); }, "layer.backward.dy_finite", Level::check);
+    test::expect_violation(
+        [&] {
+          bwd(saved, {dy.data(), p.T, p.H});
+        },
+        "layer.backward.dy_finite", Level::check);
     CHECK(std::isnan(g.dx[0]));
   }
   SECTION("no_alias") {
     gv.router_b = {g.dx.data() + 2, p.R};
-    auto v = test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.no_alias", Level::check);
+    auto v = test::expect_violation([&] { bwd(saved, p.DY()); }, "layer.backward.no_alias",
+                                    Level::check);
     CHECK(v.location == "dx and router_b grad");
   }
   SECTION("grad_finite, empty_expert_zero, router_masked hold on a valid run") {
     ContractScope s{Level::check, Semantic::enforce};
     CHECK_NOTHROW(bwd(saved, p.DY()));
-    for (auto* c : {"layer.backward.grad_finite", "layer.backward.empty_expert_zero", "layer.backward.router_masked"}) CHECK(violation_count(c) == 0);
+    for (auto* c : {"layer.backward.grad_finite", "layer.backward.empty_expert_zero",
+                    "layer.backward.router_masked"})
+      CHECK(violation_count(c) == 0);
   }
   SECTION("grad_finite") {
-    std::vector<float> dy(p.dy.size(), 3e38f);  // finite, but dx overflows (expert path only: dw would too)
-    test::expect_violation([&] { layer::backward(p.cfg, w, p.X(), {dy.data(), p.T, p.H}, saved, gv, {true, false}); },
-                           "layer.backward.grad_finite", Level::check);
+    std::vector<float> dy(p.dy.size(),
+                          3e38f);  // finite, but dx overflows (expert path only: dw would too)
+    test::expect_violation(
+        [&] {
+          layer::backward(p.cfg, w, p.X(), {dy.data(), p.T, p.H}, saved, gv, {true, false});
+        },
+        "layer.backward.grad_finite", Level::check);
   }
   SECTION("empty_expert_zero and router_masked fire on wrong outputs") {
     bwd(saved, p.DY());
@@ -596,7 +653,8 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
     // FIELD_NOTES 1: a gradient reaching a -1 slot.
     auto& s = saved.impl();
     const auto dropped = static_cast<std::size_t>(s.idx[p.K - 1]);
-    g.m_a[dropped] = g.m_g[dropped] = 0;  // token 0's statistics for the expert it no longer routes to
+    g.m_a[dropped] = g.m_g[dropped] =
+        0;  // token 0's statistics for the expert it no longer routes to
     s.idx[p.K - 1] = -1;
     const_cast<float*>(s.arena.get<float>("router.dw", p.T * p.K))[p.K - 1] = 0.5f;
     test::expect_violation(
@@ -620,13 +678,16 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
         "layer.backward.within_bound", Level::full);
     CHECK(v.location == "b_down grad[1, 1]");  // element 5 of a 4-column matrix
     g.bd[5] = static_cast<float>(ref.dbd[5].v);
-    const auto base = contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), saved.impl(), {.base = true},
-                                              saved.impl().arena.get<float>("router.dw", p.T * p.K));
+    const auto base =
+        contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), saved.impl(), {.base = true},
+                                saved.impl().arena.get<float>("router.dw", p.T * p.K));
     std::size_t at = 0;  // the element whose bound is tightest relative to its value
     for (std::size_t i = 1; i < base.dwg.size(); ++i)
-      if (base.dwg[i].e * std::fabs(base.dwg[at].v) < base.dwg[at].e * std::fabs(base.dwg[i].v)) at = i;
+      if (base.dwg[i].e * std::fabs(base.dwg[at].v) < base.dwg[at].e * std::fabs(base.dwg[i].v))
+        at = i;
     REQUIRE(base.dwg[at].e < 0.1 * std::fabs(base.dwg[at].v));  // a bound well inside the value
-    g.wg[at] = static_cast<float>(base.dwg[at].v + 3 * base.dwg[at].e + 1e-6 * std::fabs(base.dwg[at].v));
+    g.wg[at] =
+        static_cast<float>(base.dwg[at].v + 3 * base.dwg[at].e + 1e-6 * std::fabs(base.dwg[at].v));
     v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.backward"};
@@ -637,7 +698,8 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
   }
 }
 
-TEST_CASE("layer: FIELD_NOTES 3, two co-live buffers made to share memory", "[layer][contracts][memory]") {
+TEST_CASE("layer: FIELD_NOTES 3, two co-live buffers made to share memory",
+          "[layer][contracts][memory]") {
   const Problem p = make(RouterKind::softmax_topk, 8, 32, 24, 2, 4, 12);
   const auto w = p.weights();
   std::vector<float> y(p.T * p.H);
@@ -648,8 +710,11 @@ TEST_CASE("layer: FIELD_NOTES 3, two co-live buffers made to share memory", "[la
   SECTION("caught by the alias clause of the arena, naming both buffers") {
     layer::Saved saved;
     saved.impl().arena.alias_for_testing("experts.c1", "bwd.dy");
-    auto v = test::expect_violation([&] { layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved); },
-                                    "workspace.arena.disjoint", Level::check);
+    auto v = test::expect_violation(
+        [&] {
+          layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved);
+        },
+        "workspace.arena.disjoint", Level::check);
     CHECK(v.location == "experts.c1 and bwd.dy");
   }
   SECTION("independently, by NaN poison and the saved-finite clause, naming the buffer") {
@@ -673,7 +738,8 @@ TEST_CASE("layer: FIELD_NOTES 3, two co-live buffers made to share memory", "[la
 
 TEST_CASE("layer: amx_bf16 bitwise equal to amx_emu (on a machine with AMX)", "[layer][amx]") {
   if (!isa_usable(Isa::amx_bf16)) {
-    WARN("amx_bf16 not usable here: " << isa_name(default_isa()) << " machine; run on the AMX machine");
+    WARN("amx_bf16 not usable here: " << isa_name(default_isa())
+                                      << " machine; run on the AMX machine");
     return;
   }
   for (RouterKind kind : kKinds) {

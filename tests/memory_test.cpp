@@ -3,6 +3,8 @@
 // own storage and, in the programs that link the guard operator new, in
 // every heap block; a freed block faults too. Each access runs in a child
 // process, which must die of SIGSEGV.
+#include "moecert/memory.hpp"
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "moecert/gemm.hpp"
-#include "moecert/memory.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;
@@ -38,11 +39,14 @@ volatile unsigned char sink;
 
 }  // namespace
 
-TEST_CASE("memory: guard pages fault one byte past the end or before the start of moecert's storage",
-          "[memory]") {
-  for (std::size_t bytes : {std::size_t{64}, std::size_t{6144}, std::size_t{4096}, std::size_t{100000}, std::size_t{3}}) {
+TEST_CASE(
+    "memory: guard pages fault one byte past the end or before the start of moecert's storage",
+    "[memory]") {
+  for (std::size_t bytes : {std::size_t{64}, std::size_t{6144}, std::size_t{4096},
+                            std::size_t{100000}, std::size_t{3}}) {
     INFO("bytes=" << bytes);
-    const auto end = static_cast<std::ptrdiff_t>((bytes + 63) / 64 * 64);  // the end at moecert's 64-byte alignment
+    const auto end = static_cast<std::ptrdiff_t>((bytes + 63) / 64 *
+                                                 64);  // the end at moecert's 64-byte alignment
     auto at = [bytes](std::ptrdiff_t i) {
       return [bytes, i] {
         auto* p = static_cast<unsigned char*>(detail::allocate(bytes));
@@ -59,14 +63,16 @@ TEST_CASE("memory: guard pages fault one byte past the end or before the start o
   }
 }
 
-TEST_CASE("memory: a freed guarded block faults, and a block is freed as it was allocated", "[memory]") {
+TEST_CASE("memory: a freed guarded block faults, and a block is freed as it was allocated",
+          "[memory]") {
   const int use_after_free = dies_of(GuardPages::end, [] {
     auto* p = static_cast<unsigned char*>(detail::allocate(256));
     detail::deallocate(p);
     sink = p[0];
   });
 #if defined(__SANITIZE_THREAD__)
-  CHECK(use_after_free != 0);  // ThreadSanitizer reports the read (and ends the child) before it faults
+  CHECK(use_after_free !=
+        0);  // ThreadSanitizer reports the read (and ends the child) before it faults
 #else
   CHECK(use_after_free == SIGSEGV);
 #endif
@@ -82,7 +88,8 @@ TEST_CASE("memory: a freed guarded block faults, and a block is freed as it was 
 }
 
 #ifdef MOECERT_GUARD_NEW
-TEST_CASE("memory: under guard pages every heap block of a checking program is guarded", "[memory]") {
+TEST_CASE("memory: under guard pages every heap block of a checking program is guarded",
+          "[memory]") {
   // std::vector's storage (the caller's tensors in tests, the ops' per-task
   // temporaries): 40 bf16, 80 bytes, a multiple of new's 16-byte alignment.
   CHECK(dies_of(GuardPages::end, [] {

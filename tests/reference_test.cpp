@@ -26,8 +26,10 @@ In draw(std::mt19937_64& rng, int min_exp, int max_exp) {
   std::uniform_real_distribution<double> mant(1.0, 2.0);
   std::uniform_int_distribution<int> ex(min_exp, max_exp);
   const double v = std::ldexp(mant(rng), ex(rng)) * ((rng() & 1) ? 1 : -1);
-  if constexpr (std::is_same_v<In, bf16>) return bf16(static_cast<float>(v));
-  else return static_cast<float>(v);
+  if constexpr (std::is_same_v<In, bf16>)
+    return bf16(static_cast<float>(v));
+  else
+    return static_cast<float>(v);
 }
 
 template <class In>
@@ -50,8 +52,10 @@ void agree_on_dots(std::uint64_t seed) {
         c[i] = a[i];
         d[i] = b[i];
         c[n + i] = b[i];
-        if constexpr (std::is_same_v<In, bf16>) d[n + i] = bf16::from_bits(a[i].bits ^ 0x8000u);
-        else d[n + i] = -a[i];
+        if constexpr (std::is_same_v<In, bf16>)
+          d[n + i] = bf16::from_bits(a[i].bits ^ 0x8000u);
+        else
+          d[n + i] = -a[i];
       }
       c[2 * n] = draw<In>(rng, -30, -25);
       d[2 * n] = draw<In>(rng, -30, -25);
@@ -62,8 +66,10 @@ void agree_on_dots(std::uint64_t seed) {
       // |dd - hp| / sum |c_i d_i|. (bf16 products are also exact here.)
       const DoubleDouble dd = ref::dot<DoubleDouble>(c.data(), d.data(), 2 * n + 1);
       Hp sum_abs(0);
-      for (std::size_t i = 0; i < 2 * n + 1; ++i) sum_abs += ref::abs(Hp(ref::widen(c[i])) * Hp(ref::widen(d[i])));
-      worst_cancel = std::max(worst_cancel, ref::to_double(ref::abs(ref::to_hp(dd) - exact) / sum_abs));
+      for (std::size_t i = 0; i < 2 * n + 1; ++i)
+        sum_abs += ref::abs(Hp(ref::widen(c[i])) * Hp(ref::widen(d[i])));
+      worst_cancel =
+          std::max(worst_cancel, ref::to_double(ref::abs(ref::to_hp(dd) - exact) / sum_abs));
       if constexpr (std::is_same_v<In, bf16>) REQUIRE(rel_diff(dd, exact) <= 1e-28);
     }
   }
@@ -89,7 +95,8 @@ TEST_CASE("reference: double-double arithmetic is accurate to 2^-100", "[referen
     const DoubleDouble x = DoubleDouble::two_sum(u(rng), u(rng) * 1e-17);
     const DoubleDouble y = DoubleDouble::two_sum(u(rng), u(rng) * 1e-17);
     const Hp hx = ref::to_hp(x), hy = ref::to_hp(y);
-    REQUIRE(rel_diff(x + y, hx + hy) <= 0x1p-100 * ref::to_double((ref::abs(hx) + ref::abs(hy)) / ref::abs(hx + hy)));
+    REQUIRE(rel_diff(x + y, hx + hy) <=
+            0x1p-100 * ref::to_double((ref::abs(hx) + ref::abs(hy)) / ref::abs(hx + hy)));
     REQUIRE(rel_diff(x * y, hx * hy) <= 0x1p-100);
     REQUIRE(rel_diff(x / y, hx / hy) <= 0x1p-100);
   }
@@ -112,7 +119,8 @@ TEST_CASE("reference: transcendentals at 50 digits", "[reference]") {
     CHECK(ref::to_double(ref::abs(fd - ref::silu_grad(hz))) < 1e-28);
     // The double evaluator agrees to double precision.
     // libm exp is within 1 ulp; silu's few operations add a few more (binary64).
-    CHECK(std::fabs(ref::silu(z) - ref::to_double(ref::silu(hz))) <= 8 * 0x1p-53 * (1 + std::fabs(z)));
+    CHECK(std::fabs(ref::silu(z) - ref::to_double(ref::silu(hz))) <=
+          8 * 0x1p-53 * (1 + std::fabs(z)));
   }
   // Double-double transcendentals go through 50 digits.
   const DoubleDouble e1 = ref::exp(DoubleDouble(1.0));

@@ -2,15 +2,16 @@
 // gradients against the high-precision reference within derived bounds,
 // finite-difference checks of the reference, the field regressions, the
 // bounded-exhaustive product-key proof check, and every clause.
+#include "contracts/bounds/router.hpp"
+
+#include <oneapi/tbb/global_control.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
-#include <oneapi/tbb/global_control.h>
-
-#include "contracts/bounds/router.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/reference/router.hpp"
 #include "contracts/router.hpp"
@@ -22,8 +23,8 @@ using namespace moecert;
 using router::KeyWeights;
 
 namespace moecert::router::detail {
-void product_key_select_row(const float* sx, const float* sy, std::size_t n, std::size_t k, std::int32_t* idx,
-                            std::vector<std::int32_t>& ids);
+void product_key_select_row(const float* sx, const float* sy, std::size_t n, std::size_t k,
+                            std::int32_t* idx, std::vector<std::int32_t>& ids);
 }
 
 namespace {
@@ -45,15 +46,18 @@ std::vector<std::int32_t> brute(std::size_t n, std::size_t k, Better better) {
   return ids;
 }
 
-std::vector<std::int32_t> brute_product_key(const float* sx, const float* sy, std::size_t n, std::size_t k) {
+std::vector<std::int32_t> brute_product_key(const float* sx, const float* sy, std::size_t n,
+                                            std::size_t k) {
   const auto ni = static_cast<std::int32_t>(n);
   return brute(n * n, k, [&](std::int32_t a, std::int32_t b) {
-    const auto ka = router::detail::exact_sum(sx[a / ni], sy[a % ni]), kb = router::detail::exact_sum(sx[b / ni], sy[b % ni]);
+    const auto ka = router::detail::exact_sum(sx[a / ni], sy[a % ni]),
+               kb = router::detail::exact_sum(sx[b / ni], sy[b % ni]);
     return ka > kb || (ka == kb && a < b);
   });
 }
 
-double max_shift(const float* z, const std::int32_t* idx, std::size_t v, std::size_t e, bool over_all) {
+double max_shift(const float* z, const std::int32_t* idx, std::size_t v, std::size_t e,
+                 bool over_all) {
   double m = -INFINITY, lo = INFINITY;
   for (std::size_t i = 0; i < (over_all ? e : v); ++i) {
     const double x = z[over_all ? i : static_cast<std::size_t>(idx[i])];
@@ -65,7 +69,8 @@ double max_shift(const float* z, const std::int32_t* idx, std::size_t v, std::si
 
 }  // namespace
 
-TEST_CASE("router.softmax_topk.forward: exact selection, weights within bound", "[router][softmax_topk][numeric]") {
+TEST_CASE("router.softmax_topk.forward: exact selection, weights within bound",
+          "[router][softmax_topk][numeric]") {
   std::mt19937_64 rng(71);
   const std::size_t t = 64, e = 37, k = 5;
   auto z = normal(rng, t * e, 3);
@@ -75,34 +80,42 @@ TEST_CASE("router.softmax_topk.forward: exact selection, weights within bound", 
     std::vector<float> w(t * k);
     {
       ContractScope full{Level::full, Semantic::enforce};
-      router::softmax_topk_forward(MatView<const float>(z.data(), t, e), MatView<std::int32_t>(idx.data(), t, k),
+      router::softmax_topk_forward(MatView<const float>(z.data(), t, e),
+                                   MatView<std::int32_t>(idx.data(), t, k),
                                    MatView<float>(w.data(), t, k), renorm);
     }
     for (std::size_t r = 0; r < t; ++r) {
       const float* zr = &z[r * e];
-      const auto want = brute(e, k, [&](std::int32_t a, std::int32_t b) { return router::detail::outranks(zr[a], a, zr[b], b); });
+      const auto want = brute(e, k, [&](std::int32_t a, std::int32_t b) {
+        return router::detail::outranks(zr[a], a, zr[b], b);
+      });
       REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
       const auto ref = ref::softmax_topk_weights<ref::DoubleDouble>(zr, e, &idx[r * k], k, renorm);
       const auto b = bounds::softmax_topk_weights_row(zr, e, &idx[r * k], k, renorm).bound;
-      for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
+      for (std::size_t j = 0; j < k; ++j)
+        REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
     }
   }
 }
 
-TEST_CASE("router.softmax_topk.backward: within bound of the reference", "[router][softmax_topk][numeric]") {
+TEST_CASE("router.softmax_topk.backward: within bound of the reference",
+          "[router][softmax_topk][numeric]") {
   std::mt19937_64 rng(72);
   const std::size_t t = 40, e = 23, k = 4;
   const auto z = normal(rng, t * e, 2), g = normal(rng, t * k, 1);
   for (bool renorm : {true, false}) {
     std::vector<std::int32_t> idx(t * k);
     std::vector<float> w(t * k), dz(t * e, NAN);
-    router::softmax_topk_forward(MatView<const float>(z.data(), t, e), MatView<std::int32_t>(idx.data(), t, k),
+    router::softmax_topk_forward(MatView<const float>(z.data(), t, e),
+                                 MatView<std::int32_t>(idx.data(), t, k),
                                  MatView<float>(w.data(), t, k), renorm);
-    for (std::size_t r = 0; r < t; r += 5) idx[r * k + k - 1] = -1;  // replayed rows with an empty tail slot
+    for (std::size_t r = 0; r < t; r += 5)
+      idx[r * k + k - 1] = -1;  // replayed rows with an empty tail slot
     {
       ContractScope full{Level::full, Semantic::enforce};
-      router::softmax_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
-                                    MatView<const float>(g.data(), t, k), MatView<float>(dz.data(), t, e), renorm);
+      router::softmax_topk_backward(
+          MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
+          MatView<const float>(g.data(), t, k), MatView<float>(dz.data(), t, e), renorm);
     }
     double worst = 0;
     for (std::size_t r = 0; r < t; ++r) {
@@ -122,7 +135,8 @@ TEST_CASE("router.softmax_topk.backward: within bound of the reference", "[route
       for (std::size_t i = 0; i < e; ++i) {
         double gi = 0, wi = renorm ? 0 : ref::to_double(p[i]);
         for (std::size_t j = 0; j < v; ++j)
-          if (ir[j] == static_cast<std::int32_t>(i)) gi = g[r * k + j], wi = ref::to_double(wsel[j]);
+          if (ir[j] == static_cast<std::int32_t>(i))
+            gi = g[r * k + j], wi = ref::to_double(wsel[j]);
         const bool selected = std::find(ir, ir + v, static_cast<std::int32_t>(i)) != ir + v;
         if (renorm && !selected) {
           REQUIRE(dz[r * e + i] == 0.0f);  // exactly: the math says 0
@@ -139,7 +153,8 @@ TEST_CASE("router.softmax_topk.backward: within bound of the reference", "[route
   }
 }
 
-TEST_CASE("router.sigmoid_topk.forward: group-limited selection and weights", "[router][sigmoid_topk][numeric]") {
+TEST_CASE("router.sigmoid_topk.forward: group-limited selection and weights",
+          "[router][sigmoid_topk][numeric]") {
   std::mt19937_64 rng(73);
   const std::size_t t = 50, e = 32, k = 6;
   const router::SigmoidTopkParams p{8, 3, 2.5f};
@@ -148,8 +163,9 @@ TEST_CASE("router.sigmoid_topk.forward: group-limited selection and weights", "[
   std::vector<float> w(t * k);
   {
     ContractScope full{Level::full, Semantic::enforce};
-    router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
-                                 MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+    router::sigmoid_topk_forward(
+        MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
+        MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
   }
   for (std::size_t r = 0; r < t; ++r) {
     // Brute force: every expert ranked; groups ranked by their top-two sums.
@@ -161,18 +177,28 @@ TEST_CASE("router.sigmoid_topk.forward: group-limited selection and weights", "[
       std::sort(v.rbegin(), v.rend());
       gs[q] = v[0] + v[1];
     }
-    const auto groups = brute(p.groups, p.topk_group, [&](std::int32_t a, std::int32_t b) { return router::detail::outranks(gs[a], a, gs[b], b); });
-    auto all = brute(e, e, [&](std::int32_t a, std::int32_t b) { return router::detail::outranks(sel[a], a, sel[b], b); });
-    std::erase_if(all, [&](std::int32_t i) { return std::find(groups.begin(), groups.end(), i / 4) == groups.end(); });
+    const auto groups = brute(p.groups, p.topk_group, [&](std::int32_t a, std::int32_t b) {
+      return router::detail::outranks(gs[a], a, gs[b], b);
+    });
+    auto all = brute(e, e, [&](std::int32_t a, std::int32_t b) {
+      return router::detail::outranks(sel[a], a, sel[b], b);
+    });
+    std::erase_if(all, [&](std::int32_t i) {
+      return std::find(groups.begin(), groups.end(), i / 4) == groups.end();
+    });
     all.resize(k);
     REQUIRE(std::equal(all.begin(), all.end(), &idx[r * k]));
-    const auto ref = ref::sigmoid_topk_weights<ref::DoubleDouble>(&z[r * e], &idx[r * k], k, p.scaling);
+    const auto ref =
+        ref::sigmoid_topk_weights<ref::DoubleDouble>(&z[r * e], &idx[r * k], k, p.scaling);
     const auto b = bounds::sigmoid_topk_weights_row(&z[r * e], &idx[r * k], k, p.scaling).bound;
-    for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
+    for (std::size_t j = 0; j < k; ++j)
+      REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
   }
 }
 
-TEST_CASE("router.sigmoid_topk.forward: -1 tail slots when the kept groups hold fewer than K experts", "[router][sigmoid_topk][index]") {
+TEST_CASE(
+    "router.sigmoid_topk.forward: -1 tail slots when the kept groups hold fewer than K experts",
+    "[router][sigmoid_topk][index]") {
   std::mt19937_64 rng(74);
   const std::size_t t = 10, e = 16, k = 6;
   const router::SigmoidTopkParams p{4, 1, 1.0f};  // one group of 4 kept, K = 6
@@ -181,8 +207,9 @@ TEST_CASE("router.sigmoid_topk.forward: -1 tail slots when the kept groups hold 
   std::vector<std::int32_t> idx(t * k);
   std::vector<float> w(t * k);
   ContractScope full{Level::full, Semantic::enforce};
-  router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
-                               MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+  router::sigmoid_topk_forward(
+      MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
+      MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
   for (std::size_t r = 0; r < t; ++r) {
     double sum = 0;
     for (std::size_t j = 0; j < k; ++j) {
@@ -194,7 +221,8 @@ TEST_CASE("router.sigmoid_topk.forward: -1 tail slots when the kept groups hold 
   }
 }
 
-TEST_CASE("router.sigmoid_topk.backward: within bound, zero off the selection", "[router][sigmoid_topk][numeric]") {
+TEST_CASE("router.sigmoid_topk.backward: within bound, zero off the selection",
+          "[router][sigmoid_topk][numeric]") {
   std::mt19937_64 rng(75);
   const std::size_t t = 30, e = 24, k = 5;
   const router::SigmoidTopkParams p{4, 2, 2.0f};
@@ -202,27 +230,34 @@ TEST_CASE("router.sigmoid_topk.backward: within bound, zero off the selection", 
   const std::vector<float> bias(e, 0.0f);
   std::vector<std::int32_t> idx(t * k);
   std::vector<float> w(t * k), dz(t * e, NAN);
-  router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
-                               MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+  router::sigmoid_topk_forward(
+      MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
+      MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
   {
     ContractScope full{Level::full, Semantic::enforce};
-    router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
-                                  MatView<const float>(g.data(), t, k), p, MatView<float>(dz.data(), t, e));
+    router::sigmoid_topk_backward(
+        MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
+        MatView<const float>(g.data(), t, k), p, MatView<float>(dz.data(), t, e));
   }
   for (std::size_t r = 0; r < t; ++r) {
     const std::int32_t* ir = &idx[r * k];
-    const auto dref = ref::sigmoid_topk_grad<ref::DoubleDouble>(&z[r * e], e, ir, &g[r * k], k, p.scaling);
-    const std::vector<double> b = bounds::sigmoid_topk_grad_row(&z[r * e], e, ir, &g[r * k], k, p.scaling);
+    const auto dref =
+        ref::sigmoid_topk_grad<ref::DoubleDouble>(&z[r * e], e, ir, &g[r * k], k, p.scaling);
+    const std::vector<double> b =
+        bounds::sigmoid_topk_grad_row(&z[r * e], e, ir, &g[r * k], k, p.scaling);
     for (std::size_t j = 0; j < k; ++j) {
       const auto i = static_cast<std::size_t>(ir[j]);
       // + the rounding of the binary64 inputs of the bound (sum_s, d: gamma_64 of 2^-53)
-      const double bound = b[i] + bounds::gamma(64, bounds::kU64) * std::fabs(ref::to_double(dref[i]));
+      const double bound =
+          b[i] + bounds::gamma(64, bounds::kU64) * std::fabs(ref::to_double(dref[i]));
       REQUIRE(std::fabs(dz[r * e + i] - ref::to_double(dref[i])) <= bound);
     }
   }
 }
 
-TEST_CASE("router.sigmoid_topk.backward: finite and within bound where c / S exceeds the fp32 range", "[router][sigmoid_topk][numeric]") {
+TEST_CASE(
+    "router.sigmoid_topk.backward: finite and within bound where c / S exceeds the fp32 range",
+    "[router][sigmoid_topk][numeric]") {
   // Logits near the clause's floor (-87: sigma about 1.6e-38) and a scaling
   // c of 1e6..3e38: c / sum_S sigma is far beyond fp32, but each exact
   // dz = c (g - D) (s / S)(1 - s) is at most c |g - D|. Computed as
@@ -231,16 +266,20 @@ TEST_CASE("router.sigmoid_topk.backward: finite and within bound where c / S exc
   const std::vector<float> z = {-87.0f, -86.5f, -86.0f, 3.0f};
   const std::vector<std::int32_t> idx = {0, 2};
   for (const float c : {1e6f, 1e30f, 3e38f})
-    for (const float g0 : {1.0f, 1e-30f}) {  // gradient inputs, not tolerances: the bound is sigmoid_topk_grad_row
+    for (const float g0 :
+         {1.0f, 1e-30f}) {  // gradient inputs, not tolerances: the bound is sigmoid_topk_grad_row
       const std::vector<float> g = {g0, -g0};
       std::vector<float> dz(e, NAN);
       {
         ContractScope full{Level::full, Semantic::enforce};
-        router::sigmoid_topk_backward(MatView<const float>(z.data(), 1, e), MatView<const std::int32_t>(idx.data(), 1, k),
-                                      MatView<const float>(g.data(), 1, k), {1, 1, c}, MatView<float>(dz.data(), 1, e));
+        router::sigmoid_topk_backward(
+            MatView<const float>(z.data(), 1, e), MatView<const std::int32_t>(idx.data(), 1, k),
+            MatView<const float>(g.data(), 1, k), {1, 1, c}, MatView<float>(dz.data(), 1, e));
       }
-      const auto dref = ref::sigmoid_topk_grad<ref::DoubleDouble>(z.data(), e, idx.data(), g.data(), k, c);
-      const std::vector<double> b = bounds::sigmoid_topk_grad_row(z.data(), e, idx.data(), g.data(), k, c);
+      const auto dref =
+          ref::sigmoid_topk_grad<ref::DoubleDouble>(z.data(), e, idx.data(), g.data(), k, c);
+      const std::vector<double> b =
+          bounds::sigmoid_topk_grad_row(z.data(), e, idx.data(), g.data(), k, c);
       for (std::size_t j = 0; j < k; ++j) {
         const auto i = static_cast<std::size_t>(idx[j]);
         const double want = ref::to_double(dref[i]);
@@ -254,7 +293,8 @@ TEST_CASE("router.sigmoid_topk.backward: finite and within bound where c / S exc
     }
 }
 
-TEST_CASE("router.product_key.forward: two-stage selection equals brute force", "[router][product_key][index]") {
+TEST_CASE("router.product_key.forward: two-stage selection equals brute force",
+          "[router][product_key][index]") {
   std::mt19937_64 rng(76);
   const std::size_t t = 40, n = 12;
   for (std::size_t k : {1u, 5u, 12u, 20u}) {
@@ -262,8 +302,10 @@ TEST_CASE("router.product_key.forward: two-stage selection equals brute force", 
     std::vector<std::int32_t> idx(t * k);
     std::vector<float> w(t * k);
     ContractScope full{Level::full, Semantic::enforce};
-    router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
-                                KeyWeights::softmax, MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+    router::product_key_forward(MatView<const float>(sx.data(), t, n),
+                                MatView<const float>(sy.data(), t, n), KeyWeights::softmax,
+                                MatView<std::int32_t>(idx.data(), t, k),
+                                MatView<float>(w.data(), t, k));
     for (std::size_t r = 0; r < t; ++r) {
       const auto want = brute_product_key(&sx[r * n], &sy[r * n], n, k);
       REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
@@ -271,7 +313,9 @@ TEST_CASE("router.product_key.forward: two-stage selection equals brute force", 
   }
 }
 
-TEST_CASE("router.product_key.forward: every weight mode within bound of the reference, slot by slot", "[router][product_key][numeric]") {
+TEST_CASE(
+    "router.product_key.forward: every weight mode within bound of the reference, slot by slot",
+    "[router][product_key][numeric]") {
   // The clauses check softmax weights' range and sum and the others'
   // finiteness; this holds every weight to its own slot's reference value
   // (a weight written to the wrong slot passes the clauses).
@@ -288,13 +332,17 @@ TEST_CASE("router.product_key.forward: every weight mode within bound of the ref
       std::vector<float> w(t * k);
       {
         ContractScope full{Level::full, Semantic::enforce};
-        router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), mode,
-                                    MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+        router::product_key_forward(
+            MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), mode,
+            MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
       }
       for (std::size_t r = 0; r < t; ++r) {
-        const auto ref = ref::product_key_weights<ref::DoubleDouble>(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode);
-        const auto b = bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode).bound;
-        for (std::size_t j = 0; j < k; ++j) REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
+        const auto ref = ref::product_key_weights<ref::DoubleDouble>(&sx[r * n], &sy[r * n], n,
+                                                                     &idx[r * k], k, mode);
+        const auto b =
+            bounds::product_key_weights_row(&sx[r * n], &sy[r * n], n, &idx[r * k], k, mode).bound;
+        for (std::size_t j = 0; j < k; ++j)
+          REQUIRE(std::fabs(w[r * k + j] - ref::to_double(ref[j])) <= b[j]);
         // The same weights in another slot order miss the bound (a test that can fail).
         CHECK(std::fabs(w[r * k + 1] - ref::to_double(ref[0])) > b[0]);
       }
@@ -302,7 +350,8 @@ TEST_CASE("router.product_key.forward: every weight mode within bound of the ref
   }
 }
 
-TEST_CASE("router.product_key.forward: 1024 tokens x 4096 experts with ties everywhere", "[router][product_key][index]") {
+TEST_CASE("router.product_key.forward: 1024 tokens x 4096 experts with ties everywhere",
+          "[router][product_key][index]") {
   // FIELD_NOTES 2: scores drawn from a few values, so ties are everywhere.
   std::mt19937_64 rng(77);
   const std::size_t t = 1024, n = 64, k = 16;
@@ -312,13 +361,15 @@ TEST_CASE("router.product_key.forward: 1024 tokens x 4096 experts with ties ever
   for (auto& v : sy) v = values[rng() % 6];
   std::vector<std::int32_t> idx(t * k);
   std::vector<float> w(t * k);
-  router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), KeyWeights::raw,
-                              MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+  router::product_key_forward(
+      MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), KeyWeights::raw,
+      MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
   std::vector<float> scores(t * n * n);
   for (std::size_t r = 0; r < t; ++r) {
     const auto want = brute_product_key(&sx[r * n], &sy[r * n], n, k);
     REQUIRE(std::equal(want.begin(), want.end(), &idx[r * k]));
-    for (std::size_t e = 0; e < n * n; ++e) scores[r * n * n + e] = sx[r * n + e / n] + sy[r * n + e % n];
+    for (std::size_t e = 0; e < n * n; ++e)
+      scores[r * n * n + e] = sx[r * n + e / n] + sy[r * n + e % n];
   }
   // The tie-aware comparison accepts another correct tie break (the last tie
   // group at the boundary broken by index descending) and rejects a selection
@@ -336,21 +387,25 @@ TEST_CASE("router.product_key.forward: 1024 tokens x 4096 experts with ties ever
     for (std::size_t j = first; j < k; ++j) other[r * k + j] = ties[j - first];
     swapped += ties.size() > k - first;
     for (std::size_t e = 0; e < n * n; ++e)  // the best expert strictly below the k-th score
-      if (scores[r * n * n + e] < kth && (lower[r * k + k - 1] == idx[r * k + k - 1] ||
-                                          scores[r * n * n + e] > scores[r * n * n + lower[r * k + k - 1]]))
+      if (scores[r * n * n + e] < kth &&
+          (lower[r * k + k - 1] == idx[r * k + k - 1] ||
+           scores[r * n * n + e] > scores[r * n * n + lower[r * k + k - 1]]))
         lower[r * k + k - 1] = static_cast<std::int32_t>(e);
   }
   CHECK(swapped > 500);  // most rows really have a tie at the boundary
   MatView<const float> sv(scores.data(), t, n * n);
   MatView<const std::int32_t> ref(idx.data(), t, k);
   CHECK(compare::topk_tie_aware(sv, MatView<const std::int32_t>(other.data(), t, k), ref).ok);
-  const auto bad = compare::topk_tie_aware(sv, MatView<const std::int32_t>(lower.data(), t, k), ref);
+  const auto bad =
+      compare::topk_tie_aware(sv, MatView<const std::int32_t>(lower.data(), t, k), ref);
   CHECK_FALSE(bad.ok);
   CHECK(bad.j == k - 1);
 }
 
-TEST_CASE("router.product_key: two-stage equals brute force for every score vector over a small alphabet (proofs/router.md §2)",
-          "[router][product_key][proof]") {
+TEST_CASE(
+    "router.product_key: two-stage equals brute force for every score vector over a small alphabet "
+    "(proofs/router.md §2)",
+    "[router][product_key][proof]") {
   const float alphabet[] = {-1.0f, 0.0f, 0.5f};
   std::vector<std::int32_t> ids, got(16);
   std::size_t checked = 0;
@@ -373,7 +428,8 @@ TEST_CASE("router.product_key: two-stage equals brute force for every score vect
   CHECK(checked == 9 * 1 + 81 * 4 + 729 * 4 + 6561 * 4);
 }
 
-TEST_CASE("router.product_key.backward: -1 slots add nothing; never-selected keys get exactly 0", "[router][product_key][index]") {
+TEST_CASE("router.product_key.backward: -1 slots add nothing; never-selected keys get exactly 0",
+          "[router][product_key][index]") {
   // FIELD_NOTES 1: with idx = -1, a truncating ix = idx / n, iy = idx - ix n
   // lands the gradient on expert (0, -1). Here every row has -1 tail slots.
   std::mt19937_64 rng(78);
@@ -382,33 +438,42 @@ TEST_CASE("router.product_key.backward: -1 slots add nothing; never-selected key
   for (KeyWeights mode : {KeyWeights::raw, KeyWeights::exp, KeyWeights::softmax}) {
     std::vector<std::int32_t> idx(t * k);
     std::vector<float> w(t * k);
-    router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), mode,
-                                MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
+    router::product_key_forward(
+        MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), mode,
+        MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
     for (std::size_t r = 0; r < t; ++r)  // row 0: every slot -1
       for (std::size_t j = r == 0 ? 0 : 1 + r % (k - 1); j < k; ++j) idx[r * k + j] = -1;
     std::vector<float> dsx(t * n, NAN), dsy(t * n, NAN);
     {
       ContractScope full{Level::full, Semantic::enforce};
-      router::product_key_backward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
-                                   MatView<const std::int32_t>(idx.data(), t, k), MatView<const float>(g.data(), t, k), mode,
-                                   MatView<float>(dsx.data(), t, n), MatView<float>(dsy.data(), t, n));
+      router::product_key_backward(
+          MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
+          MatView<const std::int32_t>(idx.data(), t, k), MatView<const float>(g.data(), t, k), mode,
+          MatView<float>(dsx.data(), t, n), MatView<float>(dsy.data(), t, n));
     }
     for (std::size_t r = 0; r < t; ++r) {
       std::vector<double> rx, ry;
-      ref::product_key_grad<double>(&sx[r * n], &sy[r * n], n, &idx[r * k], &g[r * k], k, mode, rx, ry);
-      const auto b = bounds::product_key_grad_row(&sx[r * n], &sy[r * n], n, &idx[r * k], &g[r * k], k, mode);
+      ref::product_key_grad<double>(&sx[r * n], &sy[r * n], n, &idx[r * k], &g[r * k], k, mode, rx,
+                                    ry);
+      const auto b =
+          bounds::product_key_grad_row(&sx[r * n], &sy[r * n], n, &idx[r * k], &g[r * k], k, mode);
       for (std::size_t i = 0; i < n; ++i)
         for (int half = 0; half < 2; ++half) {
           const float got = half ? dsy[r * n + i] : dsx[r * n + i];
           const double want = half ? ry[i] : rx[i], bound = b[half * n + i];
-          if (bound == 0) REQUIRE(got == 0.0f);  // never selected: exactly zero
-          else REQUIRE(std::fabs(got - want) <= bound);
+          if (bound == 0)
+            REQUIRE(got == 0.0f);  // never selected: exactly zero
+          else
+            REQUIRE(std::fabs(got - want) <= bound);
         }
     }
   }
 }
 
-TEST_CASE("router.product_key.backward: scores far from zero round, and the weights' error is part of the bound", "[router][product_key][numeric]") {
+TEST_CASE(
+    "router.product_key.backward: scores far from zero round, and the weights' error is part of "
+    "the bound",
+    "[router][product_key][numeric]") {
   // fl(sx + sy) near 1e4 is off by up to 2^-11; softmax weights over the
   // selected scores inherit that (§4.3's e_j from weighted_diff). The layer's
   // router bound once kept only the fp32 sums' term of §4.3 for product keys:
@@ -423,34 +488,44 @@ TEST_CASE("router.product_key.backward: scores far from zero round, and the weig
   std::vector<std::int32_t> idx(t * k);
   std::vector<float> w(t * k), dsx(t * n), dsy(t * n);
   const MatView<const float> xv(sx.data(), t, n), yv(sy.data(), t, n);
-  router::product_key_forward(xv, yv, KeyWeights::softmax, MatView<std::int32_t>(idx.data(), t, k), MatView<float>(w.data(), t, k));
-  router::product_key_backward(xv, yv, MatView<const std::int32_t>(idx.data(), t, k), MatView<const float>(g.data(), t, k),
-                               KeyWeights::softmax, MatView<float>(dsx.data(), t, n), MatView<float>(dsy.data(), t, n));
+  router::product_key_forward(xv, yv, KeyWeights::softmax, MatView<std::int32_t>(idx.data(), t, k),
+                              MatView<float>(w.data(), t, k));
+  router::product_key_backward(xv, yv, MatView<const std::int32_t>(idx.data(), t, k),
+                               MatView<const float>(g.data(), t, k), KeyWeights::softmax,
+                               MatView<float>(dsx.data(), t, n), MatView<float>(dsy.data(), t, n));
   double beyond_sums = 0;  // max over keys of error / (the fp32 sums' term alone)
   for (std::size_t r = 0; r < t; ++r) {
     const std::int32_t* ir = &idx[r * k];
     std::vector<double> rx, ry;
-    ref::product_key_grad<double>(&sx[r * n], &sy[r * n], n, ir, &g[r * k], k, KeyWeights::softmax, rx, ry);
-    const auto b = bounds::product_key_grad_row(&sx[r * n], &sy[r * n], n, ir, &g[r * k], k, KeyWeights::softmax);
-    const auto wr = ref::product_key_weights<double>(&sx[r * n], &sy[r * n], n, ir, k, KeyWeights::softmax);
+    ref::product_key_grad<double>(&sx[r * n], &sy[r * n], n, ir, &g[r * k], k, KeyWeights::softmax,
+                                  rx, ry);
+    const auto b = bounds::product_key_grad_row(&sx[r * n], &sy[r * n], n, ir, &g[r * k], k,
+                                                KeyWeights::softmax);
+    const auto wr =
+        ref::product_key_weights<double>(&sx[r * n], &sy[r * n], n, ir, k, KeyWeights::softmax);
     double dot = 0;
     for (std::size_t j = 0; j < k; ++j) dot += wr[j] * g[r * k + j];
     std::vector<double> terms(2 * n, 0);
     std::vector<std::size_t> count(2 * n, 0);
     for (std::size_t j = 0; j < k; ++j) {
       const auto e = static_cast<std::size_t>(ir[j]);
-      for (const std::size_t key : {e / n, n + e % n}) terms[key] += wr[j] * std::fabs(g[r * k + j] - dot), ++count[key];
+      for (const std::size_t key : {e / n, n + e % n})
+        terms[key] += wr[j] * std::fabs(g[r * k + j] - dot), ++count[key];
     }
     for (std::size_t i = 0; i < 2 * n; ++i) {
-      const double err = std::fabs((i < n ? dsx[r * n + i] : dsy[r * n + i - n]) - (i < n ? rx[i] : ry[i - n]));
+      const double err =
+          std::fabs((i < n ? dsx[r * n + i] : dsy[r * n + i - n]) - (i < n ? rx[i] : ry[i - n]));
       REQUIRE(err <= b[i]);
-      if (count[i]) beyond_sums = std::max(beyond_sums, err / (bounds::accumulated(terms[i], 0, count[i]) + 0x1p-52 * terms[i]));
+      if (count[i])
+        beyond_sums = std::max(
+            beyond_sums, err / (bounds::accumulated(terms[i], 0, count[i]) + 0x1p-52 * terms[i]));
     }
   }
   CHECK(beyond_sums > 10);
 }
 
-TEST_CASE("router: reference gradients agree with 50-digit central differences", "[router][reference]") {
+TEST_CASE("router: reference gradients agree with 50-digit central differences",
+          "[router][reference]") {
   using ref::Hp;
   std::mt19937_64 rng(79);
   const std::size_t e = 7, k = 3, n = 3;
@@ -478,7 +553,8 @@ TEST_CASE("router: reference gradients agree with 50-digit central differences",
       zm[i] -= h;
       auto loss = [&](const std::vector<Hp>& zz) {  // softmax in Hp over the perturbed logits
         Hp m = zz[0], sum(0), l(0);
-        for (const auto& v : zz) if (v > m) m = v;
+        for (const auto& v : zz)
+          if (v > m) m = v;
         if (renorm) {
           for (std::size_t j = 0; j < k; ++j) sum += ref::exp(zz[idx[j]] - m);
           for (std::size_t j = 0; j < k; ++j) l += Hp(g[j]) * ref::exp(zz[idx[j]] - m) / sum;
@@ -497,7 +573,9 @@ TEST_CASE("router: reference gradients agree with 50-digit central differences",
     for (std::size_t i = 0; i < e; ++i) {
       auto loss = [&](const Hp& dzi) {
         Hp sum(0), l(0);
-        auto zz = [&](std::int32_t q) { return Hp(z[q]) + (q == static_cast<std::int32_t>(i) ? dzi : Hp(0)); };
+        auto zz = [&](std::int32_t q) {
+          return Hp(z[q]) + (q == static_cast<std::int32_t>(i) ? dzi : Hp(0));
+        };
         for (std::size_t j = 0; j < k; ++j) sum += ref::sigmoid(zz(idx[j]));
         for (std::size_t j = 0; j < k; ++j) l += Hp(g[j]) * Hp(c) * ref::sigmoid(zz(idx[j])) / sum;
         return l;
@@ -505,7 +583,8 @@ TEST_CASE("router: reference gradients agree with 50-digit central differences",
       agree((loss(h) - loss(-h)) / (Hp(2) * h), an[i]);
     }
   }
-  for (KeyWeights mode : {KeyWeights::raw, KeyWeights::exp, KeyWeights::softmax}) {  // product key: dsx
+  for (KeyWeights mode :
+       {KeyWeights::raw, KeyWeights::exp, KeyWeights::softmax}) {  // product key: dsx
     const std::int32_t pidx[k] = {5, 0, 7};
     std::vector<Hp> ax, ay;
     ref::product_key_grad<Hp>(sx.data(), sy.data(), n, pidx, g.data(), k, mode, ax, ay);
@@ -513,12 +592,16 @@ TEST_CASE("router: reference gradients agree with 50-digit central differences",
       auto loss = [&](const Hp& d) {
         std::vector<Hp> s(k);
         for (std::size_t j = 0; j < k; ++j)
-          s[j] = Hp(sx[pidx[j] / 3]) + (pidx[j] / 3 == static_cast<std::int32_t>(i) ? d : Hp(0)) + Hp(sy[pidx[j] % 3]);
+          s[j] = Hp(sx[pidx[j] / 3]) + (pidx[j] / 3 == static_cast<std::int32_t>(i) ? d : Hp(0)) +
+                 Hp(sy[pidx[j] % 3]);
         Hp l(0), m = s[0], sum(0);
-        for (const auto& v : s) if (v > m) m = v;
+        for (const auto& v : s)
+          if (v > m) m = v;
         for (const auto& v : s) sum += ref::exp(v - m);
         for (std::size_t j = 0; j < k; ++j)
-          l += Hp(g[j]) * (mode == KeyWeights::raw ? s[j] : mode == KeyWeights::exp ? ref::exp(s[j]) : ref::exp(s[j] - m) / sum);
+          l += Hp(g[j]) * (mode == KeyWeights::raw   ? s[j]
+                           : mode == KeyWeights::exp ? ref::exp(s[j])
+                                                     : ref::exp(s[j] - m) / sum);
         return l;
       };
       agree((loss(h) - loss(-h)) / (Hp(2) * h), ax[i]);
@@ -537,7 +620,8 @@ TEST_CASE("router: bitwise identical for 1, 2 and 7 threads", "[router]") {
     oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, threads);
     std::vector<std::int32_t> idx(t * k);
     std::vector<float> w(t * k);
-    router::softmax_topk_forward(MatView<const float>(z.data(), t, e), MatView<std::int32_t>(idx.data(), t, k),
+    router::softmax_topk_forward(MatView<const float>(z.data(), t, e),
+                                 MatView<std::int32_t>(idx.data(), t, k),
                                  MatView<float>(w.data(), t, k), true);
     outs.push_back(w);
   }
@@ -559,7 +643,8 @@ struct SmRun {
     for (std::size_t i = 0; i < z.size(); ++i) z[i] = static_cast<float>((i * 7) % 11) * 0.25f;
   }
   void forward() {
-    router::softmax_topk_forward(MatView<const float>(z.data(), t, e), MatView<std::int32_t>(idx.data(), t, k),
+    router::softmax_topk_forward(MatView<const float>(z.data(), t, e),
+                                 MatView<std::int32_t>(idx.data(), t, k),
                                  MatView<float>(w.data(), t, k), true);
   }
   void untouched() const {
@@ -575,8 +660,8 @@ struct SmRun {
 // from the router's bounds::*_weights_row, which the exchange must exceed
 // for both slots (else there is nothing to catch).
 template <class Post>
-void expect_exchanged_weights_caught(const std::vector<float>& w, const std::vector<double>& bound, Post post,
-                                     const char* clause) {
+void expect_exchanged_weights_caught(const std::vector<float>& w, const std::vector<double>& bound,
+                                     Post post, const char* clause) {
   auto wb = w;
   std::swap(wb[0], wb[1]);
   REQUIRE(std::fabs(double(wb[0]) - wb[1]) > std::max(bound[0], bound[1]));
@@ -606,20 +691,25 @@ TEST_CASE("router.softmax_topk: precondition clauses", "[router][softmax_topk][s
   }
   {
     SmRun r;
-    test::expect_violation([&] {
-      router::softmax_topk_forward(MatView<const float>(r.z.data(), r.t, r.e), MatView<std::int32_t>(r.idx.data(), r.t, r.k),
-                                   MatView<float>(r.z.data() + 2, r.t, r.k), true);
-    }, "router.softmax_topk.no_alias");
+    test::expect_violation(
+        [&] {
+          router::softmax_topk_forward(MatView<const float>(r.z.data(), r.t, r.e),
+                                       MatView<std::int32_t>(r.idx.data(), r.t, r.k),
+                                       MatView<float>(r.z.data() + 2, r.t, r.k), true);
+        },
+        "router.softmax_topk.no_alias");
   }
 }
 
-TEST_CASE("router.softmax_topk: postcondition clauses catch corrupted selections and weights", "[router][softmax_topk][index]") {
+TEST_CASE("router.softmax_topk: postcondition clauses catch corrupted selections and weights",
+          "[router][softmax_topk][index]") {
   SmRun r;
   r.forward();
   MatView<const float> z(r.z.data(), r.t, r.e);
   auto post = [&](std::vector<std::int32_t> idx, std::vector<float> w) {
     detail::Checker c{"router.softmax_topk.forward"};
-    contracts::softmax_topk_post(c, z, MatView<const std::int32_t>(idx.data(), r.t, r.k), MatView<const float>(w.data(), r.t, r.k), true);
+    contracts::softmax_topk_post(c, z, MatView<const std::int32_t>(idx.data(), r.t, r.k),
+                                 MatView<const float>(w.data(), r.t, r.k), true);
   };
   auto bad = r.idx;
   bad[1] = 6;
@@ -641,8 +731,9 @@ TEST_CASE("router.softmax_topk: postcondition clauses catch corrupted selections
   auto wb = r.w;
   wb[0] += 0.01f;  // sum != 1
   test::expect_violation([&] { post(r.idx, wb); }, "router.softmax_topk.weights_range");
-  expect_exchanged_weights_caught(r.w, bounds::softmax_topk_weights_row(r.z.data(), r.e, r.idx.data(), r.k, true).bound,
-                                  [&](const std::vector<float>& ww) { post(r.idx, ww); }, "router.softmax_topk.within_bound");
+  expect_exchanged_weights_caught(
+      r.w, bounds::softmax_topk_weights_row(r.z.data(), r.e, r.idx.data(), r.k, true).bound,
+      [&](const std::vector<float>& ww) { post(r.idx, ww); }, "router.softmax_topk.within_bound");
 }
 
 TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index]") {
@@ -650,11 +741,13 @@ TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index
   r.forward();
   std::vector<float> g(r.t * r.k, 1.0f), dz(r.t * r.e, 5.0f);
   auto run = [&](std::vector<std::int32_t> idx, std::vector<float> gg, MatView<float> out) {
-    router::softmax_topk_backward(MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(idx.data(), r.t, r.k),
+    router::softmax_topk_backward(MatView<const float>(r.z.data(), r.t, r.e),
+                                  MatView<const std::int32_t>(idx.data(), r.t, r.k),
                                   MatView<const float>(gg.data(), r.t, r.k), out, true);
   };
   MatView<float> dzv(dz.data(), r.t, r.e);
-  test::expect_violation([&] { run(r.idx, g, MatView<float>(dz.data(), r.t, r.e - 1)); }, "router.softmax_topk_backward.shape");
+  test::expect_violation([&] { run(r.idx, g, MatView<float>(dz.data(), r.t, r.e - 1)); },
+                         "router.softmax_topk_backward.shape");
   auto bad = r.idx;
   bad[0] = -1;  // -1 before a valid slot
   test::expect_violation([&] { run(bad, g, dzv); }, "router.softmax_topk_backward.idx_valid");
@@ -672,21 +765,30 @@ TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index
     for (float v : ok) REQUIRE(std::isfinite(v));
   }
   for (float v : dz) REQUIRE(v == 5.0f);
-  test::expect_violation([&] { run(r.idx, g, MatView<float>(g.data(), 1, r.e)); }, "router.softmax_topk_backward.shape");
-  test::expect_violation([&] {
-    router::softmax_topk_backward(MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
-                                  MatView<const float>(g.data(), r.t, r.k), MatView<float>(r.z.data(), r.t, r.e), true);
-  }, "router.softmax_topk_backward.no_alias");
+  test::expect_violation([&] { run(r.idx, g, MatView<float>(g.data(), 1, r.e)); },
+                         "router.softmax_topk_backward.shape");
+  test::expect_violation(
+      [&] {
+        router::softmax_topk_backward(MatView<const float>(r.z.data(), r.t, r.e),
+                                      MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
+                                      MatView<const float>(g.data(), r.t, r.k),
+                                      MatView<float>(r.z.data(), r.t, r.e), true);
+      },
+      "router.softmax_topk_backward.no_alias");
   // Post: a gradient on an expert no slot selected.
   run(r.idx, g, dzv);
   std::int32_t unselected = 0;
   while (unselected == r.idx[0] || unselected == r.idx[1]) ++unselected;
   dz[static_cast<std::size_t>(unselected)] = 1e-3f;
-  test::expect_violation([&] {
-    detail::Checker c{"router.softmax_topk.backward"};
-    contracts::softmax_topk_backward_post(c, MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
-                                          MatView<const float>(g.data(), r.t, r.k), MatView<const float>(dz.data(), r.t, r.e), true);
-  }, "router.softmax_topk_backward.unselected_grad");
+  test::expect_violation(
+      [&] {
+        detail::Checker c{"router.softmax_topk.backward"};
+        contracts::softmax_topk_backward_post(c, MatView<const float>(r.z.data(), r.t, r.e),
+                                              MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
+                                              MatView<const float>(g.data(), r.t, r.k),
+                                              MatView<const float>(dz.data(), r.t, r.e), true);
+      },
+      "router.softmax_topk_backward.unselected_grad");
   // Post (full): a selected expert's gradient off by 1% of its value.
   auto g2 = g;
   g2[0] = 3.0f;  // unequal g: dz = w (g - D) is not 0
@@ -696,8 +798,10 @@ TEST_CASE("router.softmax_topk.backward: clauses", "[router][softmax_topk][index
   dz[sel] *= 1.01f;
   auto check_dz = [&] {
     detail::Checker c{"router.softmax_topk.backward"};
-    contracts::softmax_topk_backward_post(c, MatView<const float>(r.z.data(), r.t, r.e), MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
-                                          MatView<const float>(g2.data(), r.t, r.k), MatView<const float>(dz.data(), r.t, r.e), true);
+    contracts::softmax_topk_backward_post(c, MatView<const float>(r.z.data(), r.t, r.e),
+                                          MatView<const std::int32_t>(r.idx.data(), r.t, r.k),
+                                          MatView<const float>(g2.data(), r.t, r.k),
+                                          MatView<const float>(dz.data(), r.t, r.e), true);
   };
   check_dz();  // below full: not checked
   ContractScope full{Level::full, Semantic::enforce};
@@ -712,24 +816,45 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   std::vector<std::int32_t> idx(t * k, 99);
   router::SigmoidTopkParams p{4, 2, 1.0f};
   auto fwd = [&](View<const float> b, const router::SigmoidTopkParams& pp) {
-    router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), b, pp, MatView<std::int32_t>(idx.data(), t, k),
+    router::sigmoid_topk_forward(MatView<const float>(z.data(), t, e), b, pp,
+                                 MatView<std::int32_t>(idx.data(), t, k),
                                  MatView<float>(w.data(), t, k));
   };
-  test::expect_violation([&] { fwd(View<const float>{bias.data(), e - 1}, p); }, "router.sigmoid_topk.shape");  // bias length
-  test::expect_violation([&] { fwd(View<const float>{bias.data(), e}, {3, 1, 1.0f}); }, "router.sigmoid_topk.shape");  // G does not divide E
-  test::expect_violation([&] { fwd(View<const float>{bias.data(), e}, {4, 5, 1.0f}); }, "router.sigmoid_topk.shape");  // topk_group > G
+  test::expect_violation(
+      [&] {
+        fwd(View<const float>{bias.data(), e - 1}, p);
+      },
+      "router.sigmoid_topk.shape");  // bias length
+  test::expect_violation(
+      [&] {
+        fwd(View<const float>{bias.data(), e}, {3, 1, 1.0f});
+      },
+      "router.sigmoid_topk.shape");  // G does not divide E
+  test::expect_violation(
+      [&] {
+        fwd(View<const float>{bias.data(), e}, {4, 5, 1.0f});
+      },
+      "router.sigmoid_topk.shape");  // topk_group > G
   bias[2] = NAN;
-  test::expect_violation([&] { fwd(View<const float>{bias.data(), e}, p); }, "router.sigmoid_topk.scores_finite");
+  test::expect_violation(
+      [&] {
+        fwd(View<const float>{bias.data(), e}, p);
+      },
+      "router.sigmoid_topk.scores_finite");
   bias[2] = 0;
-  test::expect_violation([&] { fwd(View<const float>{reinterpret_cast<const float*>(idx.data()), e}, p); },
-                         "router.sigmoid_topk.no_alias");
+  test::expect_violation(
+      [&] {
+        fwd(View<const float>{reinterpret_cast<const float*>(idx.data()), e}, p);
+      },
+      "router.sigmoid_topk.no_alias");
   for (auto v : idx) REQUIRE(v == 99);
   for (auto v : w) REQUIRE(v == 9.0f);
   fwd(View<const float>{bias.data(), e}, p);
   auto post = [&](std::vector<std::int32_t> ii, std::vector<float> ww) {
     detail::Checker c{"router.sigmoid_topk.forward"};
-    contracts::sigmoid_topk_post(c, MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
-                                 MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(ww.data(), t, k));
+    contracts::sigmoid_topk_post(
+        c, MatView<const float>(z.data(), t, e), View<const float>{bias.data(), e}, p,
+        MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(ww.data(), t, k));
   };
   auto bad = idx;
   bad[0] = -2;
@@ -746,7 +871,8 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
     for (std::size_t i = 0; i < e; ++i) sel[i] = router::detail::sigmoid(z[i]);
     std::int32_t pick = -1;
     for (std::int32_t i = 0; i < static_cast<std::int32_t>(e); ++i)
-      if (i / 2 != idx[0] / 2 && i / 2 != idx[1] / 2 && router::detail::outranks(sel[idx[0]], idx[0], sel[i], i) &&
+      if (i / 2 != idx[0] / 2 && i / 2 != idx[1] / 2 &&
+          router::detail::outranks(sel[idx[0]], idx[0], sel[i], i) &&
           (pick < 0 || router::detail::outranks(sel[i], i, sel[pick], pick)))
         pick = i;
     if (pick >= 0 && router::detail::outranks(sel[idx[0]], idx[0], sel[pick], pick)) bad[1] = pick;
@@ -756,23 +882,30 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   auto wb = w;
   wb[0] = 1.5f;  // above c
   test::expect_violation([&] { post(idx, wb); }, "router.sigmoid_topk.weights_range");
-  expect_exchanged_weights_caught(w, bounds::sigmoid_topk_weights_row(z.data(), idx.data(), k, p.scaling).bound,
-                                  [&](const std::vector<float>& ww) { post(idx, ww); }, "router.sigmoid_topk.within_bound");
+  expect_exchanged_weights_caught(
+      w, bounds::sigmoid_topk_weights_row(z.data(), idx.data(), k, p.scaling).bound,
+      [&](const std::vector<float>& ww) { post(idx, ww); }, "router.sigmoid_topk.within_bound");
   // Backward.
   auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> out) {
-    router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(ii.data(), t, k),
+    router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e),
+                                  MatView<const std::int32_t>(ii.data(), t, k),
                                   MatView<const float>(gg.data(), t, k), p, out);
   };
-  test::expect_violation([&] { bwd(idx, g, MatView<float>(dz.data(), t - 1, e)); }, "router.sigmoid_topk_backward.shape");
+  test::expect_violation([&] { bwd(idx, g, MatView<float>(dz.data(), t - 1, e)); },
+                         "router.sigmoid_topk_backward.shape");
   bad = idx;
   bad[2] = 8;
-  test::expect_violation([&] { bwd(bad, g, MatView<float>(dz.data(), t, e)); }, "router.sigmoid_topk_backward.idx_valid");
+  test::expect_violation([&] { bwd(bad, g, MatView<float>(dz.data(), t, e)); },
+                         "router.sigmoid_topk_backward.idx_valid");
   auto gb = g;
   gb[0] = INFINITY;
-  test::expect_violation([&] { bwd(idx, gb, MatView<float>(dz.data(), t, e)); }, "router.sigmoid_topk_backward.g_finite");
+  test::expect_violation([&] { bwd(idx, gb, MatView<float>(dz.data(), t, e)); },
+                         "router.sigmoid_topk_backward.g_finite");
   gb[0] = 0x1.000002p126f;
-  test::expect_violation([&] { bwd(idx, gb, MatView<float>(dz.data(), t, e)); }, "router.sigmoid_topk_backward.g_finite");
-  test::expect_violation([&] { bwd(idx, g, MatView<float>(z.data(), t, e)); }, "router.sigmoid_topk_backward.no_alias");
+  test::expect_violation([&] { bwd(idx, gb, MatView<float>(dz.data(), t, e)); },
+                         "router.sigmoid_topk_backward.g_finite");
+  test::expect_violation([&] { bwd(idx, g, MatView<float>(z.data(), t, e)); },
+                         "router.sigmoid_topk_backward.no_alias");
   for (auto v : dz) REQUIRE(v == 5.0f);
   bwd(idx, g, MatView<float>(dz.data(), t, e));
   std::int32_t off = 0;
@@ -781,8 +914,9 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   auto g2 = g;
   auto sg_post = [&] {
     detail::Checker c{"router.sigmoid_topk.backward"};
-    contracts::sigmoid_topk_backward_post(c, MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
-                                          MatView<const float>(g2.data(), t, k), p, MatView<const float>(dz.data(), t, e));
+    contracts::sigmoid_topk_backward_post(
+        c, MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
+        MatView<const float>(g2.data(), t, k), p, MatView<const float>(dz.data(), t, e));
   };
   test::expect_violation(sg_post, "router.sigmoid_topk_backward.unselected_grad");
   // Post (full): a selected expert's gradient off by 1% of its value.
@@ -797,10 +931,13 @@ TEST_CASE("router.sigmoid_topk: clauses", "[router][sigmoid_topk][shape]") {
   // Valid input whose exact dz is beyond fp32: c = 3e38, g = +-2^126.
   gb = g;
   gb[0] = 0x1p126f, gb[1] = -0x1p126f;
-  test::expect_violation([&] {
-    router::sigmoid_topk_backward(MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
-                                  MatView<const float>(gb.data(), t, k), {4, 2, 3e38f}, MatView<float>(dz.data(), t, e));
-  }, "router.sigmoid_topk_backward.dz_finite");
+  test::expect_violation(
+      [&] {
+        router::sigmoid_topk_backward(
+            MatView<const float>(z.data(), t, e), MatView<const std::int32_t>(idx.data(), t, k),
+            MatView<const float>(gb.data(), t, k), {4, 2, 3e38f}, MatView<float>(dz.data(), t, e));
+      },
+      "router.sigmoid_topk_backward.dz_finite");
 }
 
 TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
@@ -810,20 +947,26 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   std::vector<float> w(t * k, 9.0f), g(t * k, 1.0f), dsx(t * n, 5.0f), dsy(t * n, 5.0f);
   std::vector<std::int32_t> idx(t * k, 99);
   auto fwd = [&](std::size_t kk, MatView<float> out) {
-    router::product_key_forward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), KeyWeights::softmax,
+    router::product_key_forward(MatView<const float>(sx.data(), t, n),
+                                MatView<const float>(sy.data(), t, n), KeyWeights::softmax,
                                 MatView<std::int32_t>(idx.data(), t, kk), out);
   };
-  test::expect_violation([&] { fwd(17, MatView<float>(w.data(), t, 17)); }, "router.product_key.shape");  // K > n^2
+  test::expect_violation([&] { fwd(17, MatView<float>(w.data(), t, 17)); },
+                         "router.product_key.shape");  // K > n^2
   sx[5] = NAN;
-  test::expect_violation([&] { fwd(k, MatView<float>(w.data(), t, k)); }, "router.product_key.scores_finite");
+  test::expect_violation([&] { fwd(k, MatView<float>(w.data(), t, k)); },
+                         "router.product_key.scores_finite");
   sx[5] = 0.5f;
-  test::expect_violation([&] { fwd(k, MatView<float>(sy.data(), t, k)); }, "router.product_key.no_alias");
+  test::expect_violation([&] { fwd(k, MatView<float>(sy.data(), t, k)); },
+                         "router.product_key.no_alias");
   for (auto v : idx) REQUIRE(v == 99);
   fwd(k, MatView<float>(w.data(), t, k));
   auto post = [&](std::vector<std::int32_t> ii, std::vector<float> ww) {
     detail::Checker c{"router.product_key.forward"};
-    contracts::product_key_post(c, MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n), KeyWeights::softmax,
-                                MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(ww.data(), t, k));
+    contracts::product_key_post(c, MatView<const float>(sx.data(), t, n),
+                                MatView<const float>(sy.data(), t, n), KeyWeights::softmax,
+                                MatView<const std::int32_t>(ii.data(), t, k),
+                                MatView<const float>(ww.data(), t, k));
   };
   auto bad = idx;
   bad[2] = -1;
@@ -837,14 +980,21 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   auto wb = w;
   wb[1] = -0.1f;
   test::expect_violation([&] { post(idx, wb); }, "router.product_key.weights_range");
-  expect_exchanged_weights_caught(w, bounds::product_key_weights_row(sx.data(), sy.data(), n, idx.data(), k, KeyWeights::softmax).bound,
-                                  [&](const std::vector<float>& ww) { post(idx, ww); }, "router.product_key.within_bound");
-  auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> ox, MatView<float> oy) {
-    router::product_key_backward(MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
-                                 MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(gg.data(), t, k), KeyWeights::raw, ox, oy);
+  expect_exchanged_weights_caught(
+      w,
+      bounds::product_key_weights_row(sx.data(), sy.data(), n, idx.data(), k, KeyWeights::softmax)
+          .bound,
+      [&](const std::vector<float>& ww) { post(idx, ww); }, "router.product_key.within_bound");
+  auto bwd = [&](std::vector<std::int32_t> ii, std::vector<float> gg, MatView<float> ox,
+                 MatView<float> oy) {
+    router::product_key_backward(MatView<const float>(sx.data(), t, n),
+                                 MatView<const float>(sy.data(), t, n),
+                                 MatView<const std::int32_t>(ii.data(), t, k),
+                                 MatView<const float>(gg.data(), t, k), KeyWeights::raw, ox, oy);
   };
   MatView<float> ox(dsx.data(), t, n), oy(dsy.data(), t, n);
-  test::expect_violation([&] { bwd(idx, g, MatView<float>(dsx.data(), t, n - 1), oy); }, "router.product_key_backward.shape");
+  test::expect_violation([&] { bwd(idx, g, MatView<float>(dsx.data(), t, n - 1), oy); },
+                         "router.product_key_backward.shape");
   bad = idx;
   bad[4] = 16;
   test::expect_violation([&] { bwd(bad, g, ox, oy); }, "router.product_key_backward.idx_in_range");
@@ -861,15 +1011,19 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   bad[k - 1] = -1;
   bwd(bad, g, ox, oy);
   std::size_t unused = 0;
-  while (unused < n && (bad[0] / 4 == static_cast<std::int32_t>(unused) || bad[1] / 4 == static_cast<std::int32_t>(unused))) ++unused;
+  while (unused < n && (bad[0] / 4 == static_cast<std::int32_t>(unused) ||
+                        bad[1] / 4 == static_cast<std::int32_t>(unused)))
+    ++unused;
   REQUIRE(unused < n);
   REQUIRE(dsx[unused] == 0.0f);
   dsx[unused] += g[k - 1];  // what the truncating decode would have added
   auto pk_post = [&](const std::vector<std::int32_t>& ii) {
     detail::Checker c{"router.product_key.backward"};
-    contracts::product_key_backward_post(c, MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
-                                         MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(g.data(), t, k),
-                                         KeyWeights::raw, MatView<const float>(dsx.data(), t, n), MatView<const float>(dsy.data(), t, n));
+    contracts::product_key_backward_post(
+        c, MatView<const float>(sx.data(), t, n), MatView<const float>(sy.data(), t, n),
+        MatView<const std::int32_t>(ii.data(), t, k), MatView<const float>(g.data(), t, k),
+        KeyWeights::raw, MatView<const float>(dsx.data(), t, n),
+        MatView<const float>(dsy.data(), t, n));
   };
   test::expect_violation([&] { pk_post(bad); }, "router.product_key_backward.unused_zero");
   // Post (full): a selected key's gradient off by 1% of its value.
@@ -885,11 +1039,15 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   // (experts 0..3, n = 4), each g = 2^126, raw weights: dsx[0] = 2^128.
   const std::vector<std::int32_t> same_x = {0, 1, 2, 3};
   const std::vector<float> big(4, 0x1p126f);
-  test::expect_violation([&] {
-    router::product_key_backward(MatView<const float>(sx.data(), 1, n), MatView<const float>(sy.data(), 1, n),
-                                 MatView<const std::int32_t>(same_x.data(), 1, 4), MatView<const float>(big.data(), 1, 4), KeyWeights::raw,
-                                 MatView<float>(dsx.data(), 1, n), MatView<float>(dsy.data(), 1, n));
-  }, "router.product_key_backward.grad_finite");
+  test::expect_violation(
+      [&] {
+        router::product_key_backward(
+            MatView<const float>(sx.data(), 1, n), MatView<const float>(sy.data(), 1, n),
+            MatView<const std::int32_t>(same_x.data(), 1, 4),
+            MatView<const float>(big.data(), 1, 4), KeyWeights::raw,
+            MatView<float>(dsx.data(), 1, n), MatView<float>(dsy.data(), 1, n));
+      },
+      "router.product_key_backward.grad_finite");
 }
 
 TEST_CASE("router: bf16 scores give the results of their exact fp32 values", "[router]") {
@@ -900,21 +1058,29 @@ TEST_CASE("router: bf16 scores give the results of their exact fp32 values", "[r
   for (std::size_t i = 0; i < zf.size(); ++i) zf[i] = (zb[i] = bf16(zf[i])).to_float();
   std::vector<std::int32_t> i1(t * k), i2(t * k);
   std::vector<float> w1(t * k), w2(t * k);
-  router::softmax_topk_forward(MatView<const float>(zf.data(), t, e), MatView<std::int32_t>(i1.data(), t, k), MatView<float>(w1.data(), t, k), true);
-  router::softmax_topk_forward(MatView<const bf16>(zb.data(), t, e), MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k), true);
+  router::softmax_topk_forward(MatView<const float>(zf.data(), t, e),
+                               MatView<std::int32_t>(i1.data(), t, k),
+                               MatView<float>(w1.data(), t, k), true);
+  router::softmax_topk_forward(MatView<const bf16>(zb.data(), t, e),
+                               MatView<std::int32_t>(i2.data(), t, k),
+                               MatView<float>(w2.data(), t, k), true);
   CHECK(i1 == i2);
   CHECK(w1 == w2);
   const std::vector<float> bias(e, 0.0f);
-  router::sigmoid_topk_forward(MatView<const float>(zf.data(), t, e), View<const float>{bias.data(), e}, {4, 2, 1.0f},
-                               MatView<std::int32_t>(i1.data(), t, k), MatView<float>(w1.data(), t, k));
-  router::sigmoid_topk_forward(MatView<const bf16>(zb.data(), t, e), View<const float>{bias.data(), e}, {4, 2, 1.0f},
-                               MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k));
+  router::sigmoid_topk_forward(
+      MatView<const float>(zf.data(), t, e), View<const float>{bias.data(), e}, {4, 2, 1.0f},
+      MatView<std::int32_t>(i1.data(), t, k), MatView<float>(w1.data(), t, k));
+  router::sigmoid_topk_forward(
+      MatView<const bf16>(zb.data(), t, e), View<const float>{bias.data(), e}, {4, 2, 1.0f},
+      MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k));
   CHECK(i1 == i2);
   CHECK(w1 == w2);
-  router::product_key_forward(MatView<const float>(zf.data(), t, n), MatView<const float>(zf.data() + t * n, t, n), KeyWeights::exp,
-                              MatView<std::int32_t>(i1.data(), t, k), MatView<float>(w1.data(), t, k));
-  router::product_key_forward(MatView<const bf16>(zb.data(), t, n), MatView<const bf16>(zb.data() + t * n, t, n), KeyWeights::exp,
-                              MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k));
+  router::product_key_forward(
+      MatView<const float>(zf.data(), t, n), MatView<const float>(zf.data() + t * n, t, n),
+      KeyWeights::exp, MatView<std::int32_t>(i1.data(), t, k), MatView<float>(w1.data(), t, k));
+  router::product_key_forward(
+      MatView<const bf16>(zb.data(), t, n), MatView<const bf16>(zb.data() + t * n, t, n),
+      KeyWeights::exp, MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k));
   CHECK(i1 == i2);
   CHECK(w1 == w2);
 }

@@ -1,7 +1,8 @@
 // Views, byte ranges and the ISA enum.
+#include "moecert/types.hpp"
+
 #include <vector>
 
-#include "moecert/types.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;

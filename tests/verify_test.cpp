@@ -1,12 +1,13 @@
 // The audit probe: no false alarm on correct products, and wrong products
 // (one term dropped, one element moved by one bf16 ulp) caught at K = 1024.
+#include "contracts/verify.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <vector>
 
 #include "contracts/reference/basic.hpp"
-#include "contracts/verify.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;
@@ -24,7 +25,8 @@ struct Problem {
 
 // Magnitudes in [lo, 1), random signs unless `positive`; C by a plain fp32
 // kernel (sequential FMA), i.e. a correct product.
-Problem make(std::mt19937_64& rng, std::size_t m, std::size_t n, std::size_t k, float lo, bool positive) {
+Problem make(std::mt19937_64& rng, std::size_t m, std::size_t n, std::size_t k, float lo,
+             bool positive) {
   std::uniform_real_distribution<float> u(lo, 1.0f);
   auto draw = [&] { return bf16(u(rng) * ((positive || (rng() & 1)) ? 1.0f : -1.0f)); };
   Problem p{m, n, k, std::vector<bf16>(m * k), std::vector<bf16>(n * k), std::vector<float>(m * n)};
@@ -33,7 +35,8 @@ Problem make(std::mt19937_64& rng, std::size_t m, std::size_t n, std::size_t k, 
   for (std::size_t i = 0; i < m; ++i)
     for (std::size_t j = 0; j < n; ++j) {
       float s = 0;
-      for (std::size_t kk = 0; kk < k; ++kk) s = std::fma(p.a[i * k + kk].to_float(), p.b[j * k + kk].to_float(), s);
+      for (std::size_t kk = 0; kk < k; ++kk)
+        s = std::fma(p.a[i * k + kk].to_float(), p.b[j * k + kk].to_float(), s);
       p.c[i * n + j] = s;
     }
   return p;
@@ -47,7 +50,8 @@ TEST_CASE("verify: no false alarm on 10^4 correct products", "[verify][numeric]"
   for (int t = 0; t < 10000; ++t) {
     const std::size_t m = 1 + rng() % 6, n = 1 + rng() % 20, k = 1 + rng() % 1024;
     Problem p = make(rng, m, n, k, t % 2 ? 0.0f : 0.5f, t % 3 == 0);
-    const auto r = verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = 1 + rng() % 8, .seed = rng()});
+    const auto r =
+        verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = 1 + rng() % 8, .seed = rng()});
     REQUIRE(r.pass);
     worst = std::max(worst, r.max_ratio);
   }
@@ -83,8 +87,10 @@ TEST_CASE("verify: one element moved by one bf16 ulp is caught at K = 1024", "[v
       (positive ? caught : caught_signed) += hit;
     }
   }
-  std::printf("verify.probe: one-ulp move caught in %d of %d (nonnegative products), %d of %d (signed, "
-              "informational)\n", caught, trials, caught_signed, trials);
+  std::printf(
+      "verify.probe: one-ulp move caught in %d of %d (nonnegative products), %d of %d (signed, "
+      "informational)\n",
+      caught, trials, caught_signed, trials);
   CHECK(caught >= trials * 99 / 100);
 }
 

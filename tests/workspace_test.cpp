@@ -1,10 +1,11 @@
 // Workspace planner and arena: the plan's invariants on concrete configs,
 // its clauses, guard zones, poison, and the alias hook of FIELD_NOTES 3.
+#include "contracts/workspace.hpp"
+
 #include <cmath>
 #include <cstring>
 #include <random>
 
-#include "contracts/workspace.hpp"
 #include "moecert/workspace.hpp"
 #include "ops/workspace/arena.hpp"
 #include "ops/workspace/planner.hpp"
@@ -17,7 +18,12 @@ namespace {
 
 MoeConfig big_config() {
   // FIELD_NOTES 4: the config a peer kernel needed 48 GB for.
-  return {.experts = 256, .hidden = 7168, .inter = 2048, .topk = 8, .lora_rank = 16, .lora_alpha = 32,
+  return {.experts = 256,
+          .hidden = 7168,
+          .inter = 2048,
+          .topk = 8,
+          .lora_rank = 16,
+          .lora_alpha = 32,
           .max_tokens = 25600};
 }
 
@@ -42,7 +48,8 @@ void check_plan(const Plan& p) {
       }
       const bool saved_a = a.first <= workspace::f_combine && a.last >= workspace::b_gather;
       const bool saved_b = b.first <= workspace::f_combine && b.last >= workspace::b_gather;
-      if ((saved_a && b.first >= workspace::b_gather) || (saved_b && a.first >= workspace::b_gather)) {
+      if ((saved_a && b.first >= workspace::b_gather) ||
+          (saved_b && a.first >= workspace::b_gather)) {
         INFO(a.name << " and " << b.name << " (saved and backward)");
         REQUIRE((extent_end(a) <= b.offset || extent_end(b) <= a.offset));
       }
@@ -52,7 +59,8 @@ void check_plan(const Plan& p) {
 
 }  // namespace
 
-TEST_CASE("workspace.plan: FIELD_NOTES 4 config fits in 16 GiB besides packed weights", "[workspace]") {
+TEST_CASE("workspace.plan: FIELD_NOTES 4 config fits in 16 GiB besides packed weights",
+          "[workspace]") {
   ContractScope s{Level::check, Semantic::enforce};
   const Plan p = workspace::plan(big_config(), 25600);
   check_plan(p);
@@ -75,7 +83,9 @@ TEST_CASE("workspace.plan: FIELD_NOTES 4 config fits in 16 GiB besides packed we
 TEST_CASE("workspace.plan: random configs give disjoint co-live buffers", "[workspace]") {
   ContractScope s{Level::check, Semantic::enforce};
   std::mt19937_64 rng(7);
-  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
   for (int n = 0; n < 3000; ++n) {
     MoeConfig c;
     c.experts = pick(1, 1024);
@@ -93,7 +103,8 @@ TEST_CASE("workspace.plan: random configs give disjoint co-live buffers", "[work
 TEST_CASE("workspace.plan: clauses", "[workspace][contracts]") {
   MoeConfig c = big_config();
   SECTION("tokens_range") {
-    auto v = test::expect_violation([&] { workspace::plan(c, 25601); }, "workspace.plan.tokens_range", Level::check);
+    auto v = test::expect_violation([&] { workspace::plan(c, 25601); },
+                                    "workspace.plan.tokens_range", Level::check);
     CHECK(v.observed == "tokens=25601");
   }
   SECTION("memory_cap: a violation before anything is allocated") {
@@ -116,7 +127,8 @@ TEST_CASE("workspace.plan: clauses", "[workspace][contracts]") {
     CHECK(violation_count("workspace.plan.overflow") == before + 1);
     CHECK(violation_count("core.config.experts_range") == config_before + 1);
     // Under enforce, the config clause stops it first.
-    test::expect_violation([&] { workspace::plan(c, 1); }, "core.config.experts_range", Level::check);
+    test::expect_violation([&] { workspace::plan(c, 1); }, "core.config.experts_range",
+                           Level::check);
   }
   SECTION("disjoint: the plan invariant names the overlapping pair") {
     ContractScope s{Level::check, Semantic::enforce};
@@ -133,7 +145,13 @@ TEST_CASE("workspace.plan: clauses", "[workspace][contracts]") {
 }
 
 TEST_CASE("workspace.arena: guards, poison, and the alias hook", "[workspace][contracts]") {
-  const MoeConfig c{.experts = 8, .hidden = 64, .inter = 48, .topk = 2, .lora_rank = 4, .lora_alpha = 8, .max_tokens = 16};
+  const MoeConfig c{.experts = 8,
+                    .hidden = 64,
+                    .inter = 48,
+                    .topk = 2,
+                    .lora_rank = 4,
+                    .lora_alpha = 8,
+                    .max_tokens = 16};
   ContractScope s{Level::check, Semantic::enforce};
   const Plan p = workspace::plan(c, 16);
   workspace::Arena arena;
@@ -165,13 +183,15 @@ TEST_CASE("workspace.arena: guards, poison, and the alias hook", "[workspace][co
     // 32 int32 = 128 bytes: the guard starts right after them.
     REQUIRE(idx_buf->bytes == 128);
     idx[32] = 0;
-    auto v = test::expect_violation([&] { arena.enter(workspace::f_gather, chk); }, "workspace.arena.guard", Level::check);
+    auto v = test::expect_violation([&] { arena.enter(workspace::f_gather, chk); },
+                                    "workspace.arena.guard", Level::check);
     CHECK(v.location == "after router.idx, at forward.gather");
   }
   SECTION("FIELD_NOTES 3: two co-live buffers made to share memory") {
     workspace::Arena bad;
     bad.alias_for_testing("experts.c1", "lora.xa");
-    auto v = test::expect_violation([&] { bad.bind(p, chk); }, "workspace.arena.disjoint", Level::check);
+    auto v =
+        test::expect_violation([&] { bad.bind(p, chk); }, "workspace.arena.disjoint", Level::check);
     CHECK(v.location == "experts.c1 and lora.xa");
   }
 }

@@ -8,7 +8,8 @@ namespace moecert::tools {
 Args::Args(int argc, char** argv, std::set<std::string> options, std::set<std::string> flags) {
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
-    if (a.rfind("--", 0) != 0) throw std::invalid_argument(fmt::format("unexpected argument '{}'", a));
+    if (a.rfind("--", 0) != 0)
+      throw std::invalid_argument(fmt::format("unexpected argument '{}'", a));
     std::string name = a.substr(2), value;
     const auto eq = name.find('=');
     const bool inline_value = eq != std::string::npos;

@@ -1,10 +1,9 @@
 // The environment fingerprint shared by `info`, `conform` and `bench`.
 #pragma once
 
+#include <boost/json.hpp>
 #include <string>
 #include <vector>
-
-#include <boost/json.hpp>
 
 namespace moecert::tools {
 

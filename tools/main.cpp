@@ -1,9 +1,9 @@
 // moecert: the command-line program (info, conform, bench, plan).
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <exception>
 #include <string_view>
-
-#include <fmt/format.h>
 
 #include "tools/commands.hpp"
 

@@ -15,10 +15,10 @@
 
 namespace moecert::bounds {
 
-inline constexpr double kU32 = 0x1p-24;            // unit roundoff of binary32
-inline constexpr double kUbf16 = 0x1p-8;           // unit roundoff of bf16
-inline constexpr double kU64 = 0x1p-53;            // of binary64
-inline constexpr double kMinNormal32 = 0x1p-126;   // flush threshold
+inline constexpr double kU32 = 0x1p-24;                // unit roundoff of binary32
+inline constexpr double kUbf16 = 0x1p-8;               // unit roundoff of bf16
+inline constexpr double kU64 = 0x1p-53;                // of binary64
+inline constexpr double kMinNormal32 = 0x1p-126;       // flush threshold
 inline constexpr double kBf16HalfDenormal = 0x1p-134;  // half the least bf16 denormal
 /// Relative error, in binary32 ulps (units of kU32), allowed for the
 /// kernels' exp and log: ops/gemm/exp_poly.hpp measures at most 1 ulp over
@@ -37,7 +37,8 @@ constexpr double gamma(double n, double u = kU32) {
 /// sum |a_i b_i| over inputs a_i that are themselves denormal (flushed):
 /// `flushed_inputs`, 0 wherever the inputs are range-checked.
 constexpr double dot(std::size_t n, double sum_abs_products, double flushed_inputs = 0) {
-  return gamma(static_cast<double>(n)) * sum_abs_products + 3 * static_cast<double>(n) * kMinNormal32 + flushed_inputs;
+  return gamma(static_cast<double>(n)) * sum_abs_products +
+         3 * static_cast<double>(n) * kMinNormal32 + flushed_inputs;
 }
 
 /// True for an input a kernel may flush to zero (a nonzero denormal).
@@ -98,7 +99,8 @@ inline double softmax_rel(std::size_t n, double max_shift, double e_z = 0) {
   // softmax (|e^d| < 2^-150): the absolute term covers them, so the shift
   // that matters is capped (found by router_fuzzer with |z| near 1e38).
   max_shift = std::min(max_shift, kUnderflowShift);
-  const double rho = std::expm1(max_shift * kU32) + (1 + std::expm1(max_shift * kU32)) * kExpUlps * kU32;
+  const double rho =
+      std::expm1(max_shift * kU32) + (1 + std::expm1(max_shift * kU32)) * kExpUlps * kU32;
   const double theta = (1 + rho) * (1 + gamma(static_cast<double>(n > 0 ? n - 1 : 0))) - 1;
   const double rounding = (1 + rho) * (1 + kU32) / (1 - theta) - 1;
   return (1 + rounding) * std::exp(2 * e_z) - 1;
@@ -130,9 +132,10 @@ constexpr double renormalized(double w_exact, std::size_t k, double eps, double 
 /// exact log-sum L = lse - m and the maximum shift.
 inline double logsumexp(double lse_abs, double l_abs, std::size_t n, double max_shift) {
   max_shift = std::min(max_shift, kUnderflowShift);
-  const double rho = std::expm1(max_shift * kU32) + (1 + std::expm1(max_shift * kU32)) * kExpUlps * kU32;
+  const double rho =
+      std::expm1(max_shift * kU32) + (1 + std::expm1(max_shift * kU32)) * kExpUlps * kU32;
   const double theta = (1 + rho) * (1 + gamma(static_cast<double>(n > 0 ? n - 1 : 0))) - 1;
-  const double e_log_arg = -std::log1p(-theta);          // |log S_hat - log S|
+  const double e_log_arg = -std::log1p(-theta);  // |log S_hat - log S|
   const double e_l = e_log_arg + kExpUlps * kU32 * (l_abs + e_log_arg) + kMinNormal32;
   return e_l + kU32 * (lse_abs + e_l);
 }

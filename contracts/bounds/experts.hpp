@@ -35,7 +35,8 @@ ExpertRow expert_row(std::size_t hidden, std::size_t inter, X x, Wg wg, Wu wu, W
     const double s = ref::silu(g);
     h[i] = s * u;
     // §5 then §2: the fp32 silu(g) * u from GEMM outputs within §1, in bf16.
-    eh[i] = bf16_store(std::fabs(h[i]), silu_mul(std::fabs(s), std::fabs(u), dot(hidden, sg), dot(hidden, su)));
+    eh[i] = bf16_store(std::fabs(h[i]),
+                       silu_mul(std::fabs(s), std::fabs(u), dot(hidden, sg), dot(hidden, su)));
   }
   ExpertRow r;
   r.o.resize(hidden);
@@ -45,10 +46,11 @@ ExpertRow expert_row(std::size_t hidden, std::size_t inter, X x, Wg wg, Wu wu, W
     for (std::size_t i = 0; i < inter; ++i) {
       const double d = wd(m, i);
       o += h[i] * d;
-      propagated += eh[i] * std::fabs(d);                // §3 with eb = 0
+      propagated += eh[i] * std::fabs(d);               // §3 with eb = 0
       mag += (std::fabs(h[i]) + eh[i]) * std::fabs(d);  // |h_hat| |W_d|
       // h_hat may be a denormal bf16 (flushed by AMX and AVX-512): Lemma 1'.
-      if (std::fabs(h[i]) - eh[i] < kMinNormal32) flushed += (std::fabs(h[i]) + eh[i]) * std::fabs(d);
+      if (std::fabs(h[i]) - eh[i] < kMinNormal32)
+        flushed += (std::fabs(h[i]) + eh[i]) * std::fabs(d);
     }
     r.o[m] = o;
     r.o_bound[m] = propagated + dot(inter, mag, flushed);
@@ -59,7 +61,8 @@ ExpertRow expert_row(std::size_t hidden, std::size_t inter, X x, Wg wg, Wu wu, W
 /// §10: y = sum_j w_j o_j accumulated in fp32 from zero in slot order:
 /// |y_hat - y| <= sum_j |w_j| e_j + gamma_K sum_j |w_j| (|o_j| + e_j) + 2 K eta.
 constexpr double combine(double sum_w_e, double sum_w_mag, std::size_t k) {
-  return sum_w_e + gamma(static_cast<double>(k)) * sum_w_mag + 2 * static_cast<double>(k) * kMinNormal32;
+  return sum_w_e + gamma(static_cast<double>(k)) * sum_w_mag +
+         2 * static_cast<double>(k) * kMinNormal32;
 }
 
 /// The factor covering the binary64 reference's own rounding (§10).

@@ -24,8 +24,8 @@ struct WeightsRow {
 /// [k]): |w_j - exact| <= eps w_j + 2 eta, eps from §6 over the logits the
 /// softmax runs over (the selected ones, or all e when dense); 0 at -1
 /// slots (weight exactly 0).
-inline WeightsRow softmax_topk_weights_row(const float* z, std::size_t e, const std::int32_t* idx, std::size_t k,
-                                           bool renormalize) {
+inline WeightsRow softmax_topk_weights_row(const float* z, std::size_t e, const std::int32_t* idx,
+                                           std::size_t k, bool renormalize) {
   const std::size_t v = ref::valid_prefix(idx, k), n = renormalize ? v : e;
   auto w = ref::softmax_topk_weights<double>(z, e, idx, k, renormalize);
   double lo = INFINITY, hi = -INFINITY;
@@ -44,7 +44,8 @@ inline WeightsRow softmax_topk_weights_row(const float* z, std::size_t e, const 
 /// clause keeps z >= -87, so s stays normal), §7 with one extra
 /// multiplication, plus eta for a weight below the normal range; 0 at -1
 /// slots.
-inline WeightsRow sigmoid_topk_weights_row(const float* z, const std::int32_t* idx, std::size_t k, double c) {
+inline WeightsRow sigmoid_topk_weights_row(const float* z, const std::int32_t* idx, std::size_t k,
+                                           double c) {
   const std::size_t v = ref::valid_prefix(idx, k);
   auto w = ref::sigmoid_topk_weights<double>(z, idx, k, c);
   const double rel = renormalized_rel(v, gamma(kExpUlps + 2), 1);
@@ -58,8 +59,9 @@ inline WeightsRow sigmoid_topk_weights_row(const float* z, const std::int32_t* i
 /// error u, exact where it is below the normal range): raw, u |s|; exp, §4a
 /// with input error u |s|; softmax, §6 over the selected scores with their
 /// rounding as input error, eps w + 2 eta. 0 at -1 slots.
-inline WeightsRow product_key_weights_row(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
-                                          std::size_t k, router::KeyWeights mode) {
+inline WeightsRow product_key_weights_row(const float* sx, const float* sy, std::size_t n,
+                                          const std::int32_t* idx, std::size_t k,
+                                          router::KeyWeights mode) {
   const std::size_t v = ref::valid_prefix(idx, k);
   auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
   std::vector<double> s(v);
@@ -85,10 +87,11 @@ inline WeightsRow product_key_weights_row(const float* sx, const float* sy, std:
 /// w_hat_j = w_j (1 + e_j) + a_j, |e_j| <= eps, |a_j| <= 2 eta; sum_w_absg =
 /// sum_S w |g|, sum_absg = sum_S |g|. The form of every softmax-style
 /// gradient (renormalised over S, dense over E, product-key softmax).
-constexpr double weighted_diff(double w, double g, double d_exact, double sum_w_absg, double sum_absg, std::size_t k,
-                               double eps) {
+constexpr double weighted_diff(double w, double g, double d_exact, double sum_w_absg,
+                               double sum_absg, std::size_t k, double eps) {
   const double eta2 = 2 * kMinNormal32;
-  const double e_d = eps * sum_w_absg + eta2 * sum_absg + gamma(static_cast<double>(k)) * ((1 + eps) * sum_w_absg + eta2 * sum_absg);
+  const double e_d = eps * sum_w_absg + eta2 * sum_absg +
+                     gamma(static_cast<double>(k)) * ((1 + eps) * sum_w_absg + eta2 * sum_absg);
   const double diff = std::fabs(g - d_exact);
   const double e_f = e_d + kU32 * (diff + e_d);
   const double w_hat = w * (1 + eps) + eta2;
@@ -100,13 +103,15 @@ constexpr double weighted_diff(double w, double g, double d_exact, double sum_w_
 /// over the weights' logits (the selected ones, or all e when dense); an
 /// expert off the selection of a renormalised row gets exactly 0 (bound 0);
 /// logits too far apart for §6 (eps = inf) give +inf.
-inline std::vector<double> softmax_topk_grad_row(const float* z, std::size_t e, const std::int32_t* idx, const float* g,
+inline std::vector<double> softmax_topk_grad_row(const float* z, std::size_t e,
+                                                 const std::int32_t* idx, const float* g,
                                                  std::size_t k, bool renormalize) {
   const std::size_t v = ref::valid_prefix(idx, k);
   const auto wsel = ref::softmax_topk_weights<double>(z, e, idx, k, renormalize);
   const auto p = ref::softmax<double>(z, e);
   double d = 0, swg = 0, sg = 0, lo = INFINITY, hi = -INFINITY;
-  for (std::size_t j = 0; j < v; ++j) d += wsel[j] * g[j], swg += wsel[j] * std::fabs(g[j]), sg += std::fabs(g[j]);
+  for (std::size_t j = 0; j < v; ++j)
+    d += wsel[j] * g[j], swg += wsel[j] * std::fabs(g[j]), sg += std::fabs(g[j]);
   for (std::size_t i = 0; i < (renormalize ? v : e); ++i) {
     const double x = renormalize ? z[idx[i]] : z[i];
     lo = std::min(lo, x), hi = std::max(hi, x);
@@ -128,13 +133,14 @@ inline std::vector<double> softmax_topk_grad_row(const float* z, std::size_t e, 
 /// r_hat) fl(1 - s_hat))) with f_hat = fl(g - D_hat), r_hat = fl(s_hat /
 /// S_hat), S = sum_S s over k terms, r_j = s_j / S, D = sum_S g r; s is the
 /// exact sigma of this expert's logit.
-inline double sigmoid_grad(double s, double g, double c, double sum_s, double d_exact, double sum_absg_r,
-                           double sum_absg, std::size_t k) {
+inline double sigmoid_grad(double s, double g, double c, double sum_s, double d_exact,
+                           double sum_absg_r, double sum_absg, std::size_t k) {
   const double eta = kMinNormal32;
   const double es = gamma(kExpUlps + 2);  // relative error of s_hat (§4 of bounds.md)
   const double e_sum = (1 + es) * (1 + gamma(static_cast<double>(k > 0 ? k - 1 : 0))) - 1;
   const double e_r = (1 + es) * (1 + kU32) / (1 - e_sum) - 1;
-  const double e_d = e_r * sum_absg_r + gamma(static_cast<double>(k)) * (1 + e_r) * sum_absg_r + 2 * eta * sum_absg;
+  const double e_d = e_r * sum_absg_r + gamma(static_cast<double>(k)) * (1 + e_r) * sum_absg_r +
+                     2 * eta * sum_absg;
   const double diff = std::fabs(g - d_exact);
   const double e_f = e_d + kU32 * (diff + e_d);  // |f_hat - (g - D)|
   // p = f r: r_hat = r (1 + e) + a, |e| <= e_r, |a| <= 2 eta; rounding u |p_hat| + eta.
@@ -150,7 +156,8 @@ inline double sigmoid_grad(double s, double g, double c, double sum_s, double d_
 /// §4.2 for every expert i of one sigmoid_topk row (logits z [e], selection
 /// idx [k], g [k], scaling c), from the exact sigmoids; 0 off the selection,
 /// where the backward writes an exact 0.
-inline std::vector<double> sigmoid_topk_grad_row(const float* z, std::size_t e, const std::int32_t* idx, const float* g,
+inline std::vector<double> sigmoid_topk_grad_row(const float* z, std::size_t e,
+                                                 const std::int32_t* idx, const float* g,
                                                  std::size_t k, double c) {
   const std::size_t v = ref::valid_prefix(idx, k);
   std::vector<double> s(v);
@@ -162,7 +169,8 @@ inline std::vector<double> sigmoid_topk_grad_row(const float* z, std::size_t e, 
   }
   std::vector<double> out(e, 0.0);
   for (std::size_t j = 0; j < v; ++j)
-    out[static_cast<std::size_t>(idx[j])] = sigmoid_grad(s[j], g[j], c, sum_s, d, sum_absg_r, sum_absg, v);
+    out[static_cast<std::size_t>(idx[j])] =
+        sigmoid_grad(s[j], g[j], c, sum_s, d, sum_absg_r, sum_absg, v);
   return out;
 }
 
@@ -181,8 +189,9 @@ constexpr double accumulated(double sum_abs_terms, double sum_errors, std::size_
 /// reference's own evaluation. A key no valid slot selects gets 0 (the
 /// backward leaves it exactly 0); a weight the scores leave unconstrained
 /// (|s| beyond about 1e5, §6) gives +inf.
-inline std::vector<double> product_key_grad_row(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
-                                                const float* g, std::size_t k, router::KeyWeights mode) {
+inline std::vector<double> product_key_grad_row(const float* sx, const float* sy, std::size_t n,
+                                                const std::int32_t* idx, const float* g,
+                                                std::size_t k, router::KeyWeights mode) {
   const std::size_t v = ref::valid_prefix(idx, k);
   const auto w = ref::product_key_weights<double>(sx, sy, n, idx, k, mode);
   auto score = [&](std::size_t j) {
@@ -192,7 +201,8 @@ inline std::vector<double> product_key_grad_row(const float* sx, const float* sy
   double top = -INFINITY, shift = 0, d = 0, swg = 0, sg = 0;
   for (std::size_t j = 0; j < v; ++j) top = std::max(top, score(j));
   for (std::size_t j = 0; j < v; ++j)
-    shift = std::max(shift, top - score(j)), d += w[j] * g[j], swg += w[j] * std::fabs(g[j]), sg += std::fabs(g[j]);
+    shift = std::max(shift, top - score(j)), d += w[j] * g[j], swg += w[j] * std::fabs(g[j]),
+    sg += std::fabs(g[j]);
   const double eps = softmax_rel(v, shift, 2 * kU32 * std::fabs(top) + 2 * kU32 * shift);
   std::vector<double> terms(2 * n, 0.0), errs(2 * n, 0.0), out(2 * n, 0.0);
   std::vector<std::size_t> count(2 * n, 0);
@@ -202,13 +212,15 @@ inline std::vector<double> product_key_grad_row(const float* sx, const float* sy
     if (mode == router::KeyWeights::exp) {
       const double e_w = bounds::exp(w[j], kU32 * std::fabs(score(j)));
       ds = gj * w[j];
-      e = std::fabs(gj) * e_w + kU32 * std::fabs(gj) * (w[j] + e_w) + kMinNormal32;  // a product below the normal range
+      e = std::fabs(gj) * e_w + kU32 * std::fabs(gj) * (w[j] + e_w) +
+          kMinNormal32;  // a product below the normal range
     } else if (mode == router::KeyWeights::softmax) {
       ds = w[j] * (gj - d);
       e = weighted_diff(w[j], gj, d, swg, sg, v, eps);
     }
     const auto at = static_cast<std::size_t>(idx[j]);
-    for (const std::size_t key : {at / n, n + at % n}) terms[key] += std::fabs(ds), errs[key] += e, ++count[key];
+    for (const std::size_t key : {at / n, n + at % n})
+      terms[key] += std::fabs(ds), errs[key] += e, ++count[key];
   }
   for (std::size_t i = 0; i < 2 * n; ++i) {
     if (!count[i]) continue;

@@ -59,7 +59,8 @@ inline Tracked sig(Tracked a) {
 /// A binary64 sum of n terms rounded once to fp32: the binary64 error is
 /// far below the final rounding (gamma_n at u = 2^-53).
 inline Tracked r64to32(Tracked a, double sum_abs, std::size_t n) {
-  return {a.v, a.e + gamma(static_cast<double>(n), kU64) * sum_abs + kU32 * (a.mag() + gamma(static_cast<double>(n), kU64) * sum_abs) + kMinNormal32};
+  return {a.v, a.e + gamma(static_cast<double>(n), kU64) * sum_abs +
+                   kU32 * (a.mag() + gamma(static_cast<double>(n), kU64) * sum_abs) + kMinNormal32};
 }
 
 }  // namespace moecert::bounds
@@ -83,7 +84,9 @@ inline Hp r64to32(const Hp& a, double, std::size_t) { return a; }
 
 /// A value the tile unit may flush: nonzero and possibly below the smallest
 /// normal fp32 (Lemma 1').
-inline bool may_flush(const bounds::Tracked& a) { return a.mag() > 0 && std::fabs(a.v) - a.e < bounds::kMinNormal32; }
+inline bool may_flush(const bounds::Tracked& a) {
+  return a.mag() > 0 && std::fabs(a.v) - a.e < bounds::kMinNormal32;
+}
 
 /// An fp32 sum of the products a(i) * b(i), i < count (any order, §1),
 /// n_terms terms counted for gamma (zero padding included). With S =

@@ -20,7 +20,8 @@ inline std::size_t valid_prefix(const std::int32_t* idx, std::size_t k) {
 
 /// softmax_topk weights of one row (z [E], selection idx [K]).
 template <class T>
-std::vector<T> softmax_topk_weights(const float* z, std::size_t e, const std::int32_t* idx, std::size_t k, bool renormalize) {
+std::vector<T> softmax_topk_weights(const float* z, std::size_t e, const std::int32_t* idx,
+                                    std::size_t k, bool renormalize) {
   const std::size_t v = valid_prefix(idx, k);
   std::vector<T> w(k, T(0));
   if (renormalize) {
@@ -37,15 +38,16 @@ std::vector<T> softmax_topk_weights(const float* z, std::size_t e, const std::in
 
 /// softmax_topk gradient dz [E] of one row from g [K].
 template <class T>
-std::vector<T> softmax_topk_grad(const float* z, std::size_t e, const std::int32_t* idx, const float* g, std::size_t k,
-                                 bool renormalize) {
+std::vector<T> softmax_topk_grad(const float* z, std::size_t e, const std::int32_t* idx,
+                                 const float* g, std::size_t k, bool renormalize) {
   const std::size_t v = valid_prefix(idx, k);
   std::vector<T> dz(e, T(0));
   if (renormalize) {
     const auto w = softmax_topk_weights<T>(z, e, idx, k, true);
     T dot(0);
     for (std::size_t j = 0; j < v; ++j) dot += w[j] * T(g[j]);
-    for (std::size_t j = 0; j < v; ++j) dz[static_cast<std::size_t>(idx[j])] = w[j] * (T(g[j]) - dot);
+    for (std::size_t j = 0; j < v; ++j)
+      dz[static_cast<std::size_t>(idx[j])] = w[j] * (T(g[j]) - dot);
   } else {
     const auto p = softmax<T>(z, e);
     T dot(0);
@@ -61,7 +63,8 @@ std::vector<T> softmax_topk_grad(const float* z, std::size_t e, const std::int32
 
 /// sigmoid_topk weights of one row: c s_j / sum_S s.
 template <class T>
-std::vector<T> sigmoid_topk_weights(const float* z, const std::int32_t* idx, std::size_t k, double c) {
+std::vector<T> sigmoid_topk_weights(const float* z, const std::int32_t* idx, std::size_t k,
+                                    double c) {
   const std::size_t v = valid_prefix(idx, k);
   std::vector<T> w(k, T(0));
   T sum(0);
@@ -71,8 +74,8 @@ std::vector<T> sigmoid_topk_weights(const float* z, const std::int32_t* idx, std
 }
 
 template <class T>
-std::vector<T> sigmoid_topk_grad(const float* z, std::size_t e, const std::int32_t* idx, const float* g, std::size_t k,
-                                 double c) {
+std::vector<T> sigmoid_topk_grad(const float* z, std::size_t e, const std::int32_t* idx,
+                                 const float* g, std::size_t k, double c) {
   const std::size_t v = valid_prefix(idx, k);
   std::vector<T> dz(e, T(0));
   T sum(0), dot(0);
@@ -87,17 +90,22 @@ std::vector<T> sigmoid_topk_grad(const float* z, std::size_t e, const std::int32
 
 /// product_key weights of one row (scores sx[ix] + sy[iy], exact in T).
 template <class T>
-std::vector<T> product_key_weights(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx, std::size_t k,
+std::vector<T> product_key_weights(const float* sx, const float* sy, std::size_t n,
+                                   const std::int32_t* idx, std::size_t k,
                                    router::KeyWeights mode) {
   const std::size_t v = valid_prefix(idx, k);
   std::vector<T> s(v), w(k, T(0));
   const auto ni = static_cast<std::int32_t>(n);
   for (std::size_t j = 0; j < v; ++j) s[j] = T(sx[idx[j] / ni]) + T(sy[idx[j] % ni]);
-  if (mode == router::KeyWeights::raw) for (std::size_t j = 0; j < v; ++j) w[j] = s[j];
-  if (mode == router::KeyWeights::exp) for (std::size_t j = 0; j < v; ++j) w[j] = exp(s[j]);
-  if (mode == router::KeyWeights::softmax && v > 0) {  // a row of -1 slots has no weights to normalise
+  if (mode == router::KeyWeights::raw)
+    for (std::size_t j = 0; j < v; ++j) w[j] = s[j];
+  if (mode == router::KeyWeights::exp)
+    for (std::size_t j = 0; j < v; ++j) w[j] = exp(s[j]);
+  if (mode == router::KeyWeights::softmax &&
+      v > 0) {  // a row of -1 slots has no weights to normalise
     T m = s[0], sum(0);
-    for (std::size_t j = 1; j < v; ++j) if (s[j] > m) m = s[j];
+    for (std::size_t j = 1; j < v; ++j)
+      if (s[j] > m) m = s[j];
     for (std::size_t j = 0; j < v; ++j) sum += w[j] = exp(s[j] - m);
     for (std::size_t j = 0; j < v; ++j) w[j] = w[j] / sum;
   }
@@ -106,8 +114,9 @@ std::vector<T> product_key_weights(const float* sx, const float* sy, std::size_t
 
 /// product_key gradients (dsx, dsy) of one row, -1 slots adding nothing.
 template <class T>
-void product_key_grad(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx, const float* g, std::size_t k,
-                      router::KeyWeights mode, std::vector<T>& dsx, std::vector<T>& dsy) {
+void product_key_grad(const float* sx, const float* sy, std::size_t n, const std::int32_t* idx,
+                      const float* g, std::size_t k, router::KeyWeights mode, std::vector<T>& dsx,
+                      std::vector<T>& dsy) {
   const std::size_t v = valid_prefix(idx, k);
   dsx.assign(n, T(0));
   dsy.assign(n, T(0));
@@ -116,7 +125,9 @@ void product_key_grad(const float* sx, const float* sy, std::size_t n, const std
   for (std::size_t j = 0; j < v; ++j) dot += w[j] * T(g[j]);
   const auto ni = static_cast<std::int32_t>(n);
   for (std::size_t j = 0; j < v; ++j) {
-    const T ds = mode == router::KeyWeights::raw ? T(g[j]) : mode == router::KeyWeights::exp ? T(g[j]) * w[j] : w[j] * (T(g[j]) - dot);
+    const T ds = mode == router::KeyWeights::raw   ? T(g[j])
+                 : mode == router::KeyWeights::exp ? T(g[j]) * w[j]
+                                                   : w[j] * (T(g[j]) - dot);
     dsx[static_cast<std::size_t>(idx[j] / ni)] += ds;
     dsy[static_cast<std::size_t>(idx[j] % ni)] += ds;
   }

@@ -3,9 +3,8 @@
 // Transcendentals at high precision come from Boost.Multiprecision.
 #pragma once
 
-#include <cmath>
-
 #include <boost/multiprecision/cpp_bin_float.hpp>
+#include <cmath>
 
 namespace moecert::ref {
 
@@ -64,7 +63,9 @@ struct DoubleDouble {
   DoubleDouble& operator-=(DoubleDouble y) { return *this = *this - y; }
   DoubleDouble& operator*=(DoubleDouble y) { return *this = *this * y; }
   DoubleDouble& operator/=(DoubleDouble y) { return *this = *this / y; }
-  friend bool operator<(DoubleDouble x, DoubleDouble y) { return x.hi < y.hi || (x.hi == y.hi && x.lo < y.lo); }
+  friend bool operator<(DoubleDouble x, DoubleDouble y) {
+    return x.hi < y.hi || (x.hi == y.hi && x.lo < y.lo);
+  }
   friend bool operator>(DoubleDouble x, DoubleDouble y) { return y < x; }
   friend bool operator==(DoubleDouble x, DoubleDouble y) { return x.hi == y.hi && x.lo == y.lo; }
 };
@@ -82,14 +83,18 @@ inline Hp to_hp(const Hp& x) { return x; }
 template <class T>
 T from_hp(const Hp& x);
 template <>
-inline double from_hp<double>(const Hp& x) { return x.convert_to<double>(); }
+inline double from_hp<double>(const Hp& x) {
+  return x.convert_to<double>();
+}
 template <>
 inline DoubleDouble from_hp<DoubleDouble>(const Hp& x) {
   const double hi = x.convert_to<double>();
   return {hi, Hp(x - hi).convert_to<double>()};
 }
 template <>
-inline Hp from_hp<Hp>(const Hp& x) { return x; }
+inline Hp from_hp<Hp>(const Hp& x) {
+  return x;
+}
 
 inline double abs(double x) { return std::fabs(x); }
 inline DoubleDouble abs(DoubleDouble x) { return x.hi < 0 ? -x : x; }

@@ -25,12 +25,12 @@ inline constexpr std::int64_t kMaxTokens = std::int64_t{1} << 20;
 /// One MoE layer: E experts of SwiGLU (H -> I -> H), top-K routing, optional
 /// LoRA of rank r with scale alpha / r on gate, up and down.
 struct MoeConfig {
-  std::int64_t experts = 0;     // E
-  std::int64_t hidden = 0;      // H
-  std::int64_t inter = 0;       // I
-  std::int64_t topk = 0;        // K
-  std::int64_t lora_rank = 0;   // r; 0 = no LoRA
-  double lora_alpha = 0.0;      // alpha
+  std::int64_t experts = 0;    // E
+  std::int64_t hidden = 0;     // H
+  std::int64_t inter = 0;      // I
+  std::int64_t topk = 0;       // K
+  std::int64_t lora_rank = 0;  // r; 0 = no LoRA
+  double lora_alpha = 0.0;     // alpha
   RouterKind router = RouterKind::softmax_topk;
   bool renormalize = true;      // softmax_topk: weights renormalised over the K selected
   std::int64_t groups = 1;      // sigmoid_topk: expert groups G
@@ -39,7 +39,9 @@ struct MoeConfig {
   std::int64_t max_tokens = 0;  // T_max
 
   /// LoRA scale alpha / r (0 when r = 0).
-  double lora_scale() const { return lora_rank > 0 ? lora_alpha / static_cast<double>(lora_rank) : 0.0; }
+  double lora_scale() const {
+    return lora_rank > 0 ? lora_alpha / static_cast<double>(lora_rank) : 0.0;
+  }
 };
 
 /// Validates `cfg` (op `core.config.validate`, level check, group shape).

@@ -45,7 +45,8 @@ std::optional<Group> parse_group(std::string_view);
 struct SourceLocation {
   const char* file = "";
   unsigned line_number = 0;
-  static constexpr SourceLocation current(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
+  static constexpr SourceLocation current(const char* file = __builtin_FILE(),
+                                          unsigned line = __builtin_LINE()) {
     return {file, line};
   }
   constexpr const char* file_name() const { return file; }
@@ -59,19 +60,19 @@ struct ClauseInfo {
   std::string_view id;
   ClauseKind kind;
   Group group;
-  Level level;           // the lowest level at which it is evaluated
+  Level level;            // the lowest level at which it is evaluated
   std::string_view text;  // the condition, e.g. "-1 <= idx[t,j] < n*n"
 };
 
 /// Everything known about one violation.
 struct Violation {
-  std::string op;        // dotted op id, e.g. "router.product_key.backward"
-  std::string clause;    // clause id, e.g. "router.product_key.idx_in_range"
+  std::string op;      // dotted op id, e.g. "router.product_key.backward"
+  std::string clause;  // clause id, e.g. "router.product_key.idx_in_range"
   ClauseKind kind = ClauseKind::pre;
   Group group = Group::shape;
-  Level level = Level::check;  // the clause's level
+  Level level = Level::check;             // the clause's level
   Semantic semantic = Semantic::enforce;  // in effect when it was found
-  std::string message;   // what is wrong, in words
+  std::string message;                    // what is wrong, in words
   std::string location;  // e.g. "t=17 j=3"; empty when the clause is about a whole argument
   std::string observed;  // e.g. "idx=-2"
   std::string expected;  // bound or expected value, e.g. "-1 <= idx < 256"

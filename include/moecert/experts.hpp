@@ -26,8 +26,9 @@ class PackedExperts {
   /// on every matrix. With `backward`, also the orientations the layer
   /// backward multiplies by: W_d[e]^T ([I x H] as packed W, for dh = do W_d)
   /// and [W_g[e]^T | W_u[e]^T] ([H x 2I], for dx = [dg du] [W_g; W_u]).
-  static PackedExperts pack(std::size_t experts, MatView<const bf16> w_gate, MatView<const bf16> w_up,
-                            MatView<const bf16> w_down, bool backward = false);
+  static PackedExperts pack(std::size_t experts, MatView<const bf16> w_gate,
+                            MatView<const bf16> w_up, MatView<const bf16> w_down,
+                            bool backward = false);
 
   std::size_t experts() const { return gate_up_.size(); }
   std::size_t hidden() const { return hidden_; }
@@ -106,7 +107,8 @@ struct ForwardStats {
 ///                                                 reference (full)
 /// and gemm.pack.checksum (audit) on every expert's packed weights.
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
-                     MatView<const float> weights, MatView<float> y, const ForwardOptions& opt = {});
+                     MatView<const float> weights, MatView<float> y,
+                     const ForwardOptions& opt = {});
 
 /// LoRA factors of every expert, stacked by expert (expert e: rows
 /// e*rows .. e*rows + rows - 1): a_gate, a_up [E*r x H]; b_gate, b_up
@@ -118,19 +120,25 @@ struct Lora {
   double alpha = 0.0;    // alpha
 
   /// Views of six dense row-major arrays in that order and those shapes.
-  static Lora stacked(std::size_t experts, std::size_t hidden, std::size_t inter, std::size_t rank, double alpha,
-                      const bf16* a_gate, const bf16* b_gate, const bf16* a_up, const bf16* b_up, const bf16* a_down,
-                      const bf16* b_down) {
+  static Lora stacked(std::size_t experts, std::size_t hidden, std::size_t inter, std::size_t rank,
+                      double alpha, const bf16* a_gate, const bf16* b_gate, const bf16* a_up,
+                      const bf16* b_up, const bf16* a_down, const bf16* b_down) {
     const std::size_t E = experts, H = hidden, I = inter, r = rank;
-    return {{a_gate, E * r, H}, {b_gate, E * I, r}, {a_up, E * r, H}, {b_up, E * I, r}, {a_down, E * r, I}, {b_down, E * H, r},
-            rank, alpha};
+    return {{a_gate, E * r, H},
+            {b_gate, E * I, r},
+            {a_up, E * r, H},
+            {b_up, E * I, r},
+            {a_down, E * r, I},
+            {b_down, E * H, r},
+            rank,
+            alpha};
   }
   /// The same for `cfg`'s E, H, I, r and alpha.
-  static Lora stacked(const MoeConfig& cfg, const bf16* a_gate, const bf16* b_gate, const bf16* a_up, const bf16* b_up,
-                      const bf16* a_down, const bf16* b_down) {
+  static Lora stacked(const MoeConfig& cfg, const bf16* a_gate, const bf16* b_gate,
+                      const bf16* a_up, const bf16* b_up, const bf16* a_down, const bf16* b_down) {
     auto u = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-    return stacked(u(cfg.experts), u(cfg.hidden), u(cfg.inter), u(cfg.lora_rank), cfg.lora_alpha, a_gate, b_gate, a_up,
-                   b_up, a_down, b_down);
+    return stacked(u(cfg.experts), u(cfg.hidden), u(cfg.inter), u(cfg.lora_rank), cfg.lora_alpha,
+                   a_gate, b_gate, a_up, b_up, a_down, b_down);
   }
 };
 
@@ -155,9 +163,9 @@ class Saved {
 };
 
 struct TrainOptions {
-  std::optional<Isa> isa;         // as ForwardOptions
-  bool training = true;           // keep what the backward needs (false: y only)
-  std::uint64_t memory_cap = 0;   // workspace.plan.memory_cap (0: none)
+  std::optional<Isa> isa;        // as ForwardOptions
+  bool training = true;          // keep what the backward needs (false: y only)
+  std::uint64_t memory_cap = 0;  // workspace.plan.memory_cap (0: none)
 };
 
 /// Training forward with LoRA: y = sum_j w[t,j] E_{idx[t,j]}(x_t) where each
@@ -188,16 +196,17 @@ struct TrainOptions {
 ///                                                       reference (full)
 /// and experts.forward.permutation (the grouping it shares with experts::forward) and the
 /// workspace.* clauses of its arena.
-void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, MatView<const std::int32_t> idx,
-                   MatView<const float> weights, MatView<float> y, Saved& saved, const TrainOptions& opt = {});
+void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
+                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
+                   Saved& saved, const TrainOptions& opt = {});
 
 /// Gradients of the experts op; each is optional (an empty view is not
 /// computed) and, when given, written entirely. Shapes: dx [T x H],
 /// dweights [T x K], the LoRA factors' and base weights' as those weights
 /// (base: [E*I x H], [E*I x H], [E*H x I]), m_a, m_g [T x E].
 struct Gradients {
-  MatView<float> dx;                                          // expert path
-  MatView<float> dweights;                                    // dL/dw[t,j] = <dy_t, o_{t,idx[t,j]}>, 0 at -1 slots
+  MatView<float> dx;        // expert path
+  MatView<float> dweights;  // dL/dw[t,j] = <dy_t, o_{t,idx[t,j]}>, 0 at -1 slots
   MatView<float> a_gate, b_gate, a_up, b_up, a_down, b_down;  // LoRA (expert path)
   MatView<float> w_gate, w_up, w_down;                        // base weights (expert path)
   MatView<float> m_a, m_g;                                    // per-token statistics (expert path)
@@ -229,7 +238,7 @@ struct Gradients {
 ///   experts.backward.dweights_masked   post  numeric  dweights exactly 0 at -1 slots (FIELD_NOTES 1, 5)
 ///   experts.backward.within_bound      post  numeric  every requested output within its derived bound of
 ///                                                     the reference backward (full)
-void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, MatView<const float> dy, Saved& saved,
-              const Gradients& grads);
+void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
+              MatView<const float> dy, Saved& saved, const Gradients& grads);
 
 }  // namespace moecert::experts

@@ -45,11 +45,13 @@ class PackedWeights {
   static PackedWeights pack(MatView<const bf16> w, MatView<const bf16> second = {});
   /// pack(), writing into `storage`'s memory when it has the same padded
   /// size (no fresh pages for a repack after an optimizer step).
-  static PackedWeights pack(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage);
+  static PackedWeights pack(MatView<const bf16> w, MatView<const bf16> second,
+                            PackedWeights&& storage);
   /// The same layout without the gemm.pack clauses: for an operand an op
   /// forms from its own activations (any finite value is legal there, and
   /// the op's own clauses judge the result).
-  static PackedWeights pack_operand(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage);
+  static PackedWeights pack_operand(MatView<const bf16> w, MatView<const bf16> second,
+                                    PackedWeights&& storage);
   /// Packs W = wt^T (W[n][k] = wt[k][n]) without forming it: each packed k
   /// pair interleaves two rows of wt (the layout of pack(W) bit for bit).
   /// The gemm.pack clauses, on wt's elements.
@@ -72,7 +74,8 @@ class PackedWeights {
  private:
   // Sizes for W of `rows` x `depth` (two interleaved: 2x the columns) and
   // storage (`storage`'s where the size matches); panels not yet written.
-  static PackedWeights sized(std::size_t rows, std::size_t depth, bool interleaved, PackedWeights&& storage);
+  static PackedWeights sized(std::size_t rows, std::size_t depth, bool interleaved,
+                             PackedWeights&& storage);
 
   std::unique_ptr<bf16[], moecert::detail::AlignedFree> data_;
   std::size_t n_ = 0, k_ = 0, np_ = 0, kp_ = 0;

@@ -32,16 +32,17 @@ using Lora = experts::Lora;
 
 struct Weights {
   const experts::PackedExperts* experts = nullptr;  // packed with backward = true for a backward
-  MatView<const float> router_w;  // [R x H]
-  View<const float> router_b;     // [R]
+  MatView<const float> router_w;                    // [R x H]
+  View<const float> router_b;                       // [R]
   View<const float> router_bias;  // sigmoid_topk: selection bias [E]; empty otherwise
   Lora lora;
 
   /// Views of dense row-major arrays for `cfg`: router_w [R x H] (R = E, or
   /// 2n for product_key), router_b [R], router_bias [E] (taken for
   /// sigmoid_topk only; may be null otherwise), and `lora` (taken when r > 0).
-  static Weights stacked(const MoeConfig& cfg, const experts::PackedExperts& experts, const float* router_w,
-                         const float* router_b, const float* router_bias, const Lora& lora);
+  static Weights stacked(const MoeConfig& cfg, const experts::PackedExperts& experts,
+                         const float* router_w, const float* router_b, const float* router_bias,
+                         const Lora& lora);
 };
 
 /// Gradients. Each output is written entirely (the sum over the paths that
@@ -52,12 +53,12 @@ struct Weights {
 /// with du, dW_d[e] = sum of bf16(w dy) h^T, as GEMMs on the layer's kernel
 /// with K = the expert's rows (as many FLOPs again as the backward's GEMMs).
 struct Gradients {
-  MatView<float> dx;                                  // [T x H]
-  MatView<float> router_w;                            // [R x H]
-  View<float> router_b;                               // [R]
+  MatView<float> dx;                                          // [T x H]
+  MatView<float> router_w;                                    // [R x H]
+  View<float> router_b;                                       // [R]
   MatView<float> a_gate, b_gate, a_up, b_up, a_down, b_down;  // LoRA
-  MatView<float> w_gate, w_up, w_down;                // base: [E*I x H], [E*I x H], [E*H x I]
-  MatView<float> m_a, m_g;                            // per-token statistics (DESIGN.md)
+  MatView<float> w_gate, w_up, w_down;  // base: [E*I x H], [E*I x H], [E*H x I]
+  MatView<float> m_a, m_g;              // per-token statistics (DESIGN.md)
 };
 
 /// What a forward keeps for the backward: the workspace arena with the
@@ -81,9 +82,9 @@ class Saved {
 };
 
 struct ForwardOptions {
-  std::optional<Isa> isa;         // as experts::ForwardOptions
-  bool training = true;           // keep what the backward needs
-  std::uint64_t memory_cap = 0;   // workspace.plan.memory_cap (0: none)
+  std::optional<Isa> isa;        // as experts::ForwardOptions
+  bool training = true;          // keep what the backward needs
+  std::uint64_t memory_cap = 0;  // workspace.plan.memory_cap (0: none)
 };
 
 struct BackwardOptions {
@@ -105,8 +106,8 @@ struct BackwardOptions {
 ///   layer.forward.y_finite      post  finite   every y element finite
 ///   layer.forward.within_bound  post  numeric  every y element within the chained bound (full)
 /// and the clauses of the router, experts.forward and workspace.* it runs.
-void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y, Saved& saved,
-             const ForwardOptions& opt = {});
+void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y,
+             Saved& saved, const ForwardOptions& opt = {});
 
 /// Backward from dy [T x H] fp32, with the forward's `saved` and the same x
 /// and weights. It leaves `saved` as it found it: a backward may run again
@@ -133,7 +134,8 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              reference backward (full)
 /// and the clauses of the router backward it runs (dL/dw outside the router's domain is its
 /// g_finite; a sigmoid router's dz beyond fp32 its dz_finite, before grad_finite could see it).
-void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<const float> dy,
-              Saved& saved, const Gradients& grads, const BackwardOptions& opt = {});
+void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
+              MatView<const float> dy, Saved& saved, const Gradients& grads,
+              const BackwardOptions& opt = {});
 
 }  // namespace moecert::layer

@@ -30,17 +30,22 @@ typedef enum moecert_status {
   MOECERT_CONTRACT_VIOLATION = 1, /* a clause failed under enforce: moecert_last_error() has it */
   MOECERT_INVALID_ARGUMENT = 2,   /* a descriptor or handle the ABI rejects before any work */
   MOECERT_OUT_OF_MEMORY = 3,
-  MOECERT_INTERNAL_ERROR = 4      /* any other C++ exception, its what() in the message */
+  MOECERT_INTERNAL_ERROR = 4 /* any other C++ exception, its what() in the message */
 } moecert_status;
 
-typedef enum moecert_dtype { MOECERT_BF16 = 0, MOECERT_F32 = 1, MOECERT_I32 = 2, MOECERT_F64 = 3 } moecert_dtype;
+typedef enum moecert_dtype {
+  MOECERT_BF16 = 0,
+  MOECERT_F32 = 1,
+  MOECERT_I32 = 2,
+  MOECERT_F64 = 3
+} moecert_dtype;
 
 typedef struct moecert_tensor {
-  void* data;         /* may be NULL only when the tensor has no elements */
-  int32_t dtype;      /* moecert_dtype */
-  int32_t ndim;       /* 0: absent; 1 or 2 */
+  void* data;    /* may be NULL only when the tensor has no elements */
+  int32_t dtype; /* moecert_dtype */
+  int32_t ndim;  /* 0: absent; 1 or 2 */
   int64_t shape[2];
-  int64_t stride[2];  /* in elements; stride[ndim - 1] == 1; 2-D: stride[0] >= shape[1] */
+  int64_t stride[2]; /* in elements; stride[ndim - 1] == 1; 2-D: stride[0] >= shape[1] */
 } moecert_tensor;
 
 /* What the last failing call on this thread reported. Strings are never NULL
@@ -58,8 +63,8 @@ typedef struct moecert_error {
   const char* location; /* e.g. "dy[3, 5]" */
   const char* observed;
   const char* expected;
-  const char* message;  /* one line a person can act on */
-  const char* file;     /* where it was detected */
+  const char* message; /* one line a person can act on */
+  const char* file;    /* where it was detected */
   int32_t line;
 } moecert_error;
 
@@ -67,9 +72,9 @@ const moecert_error* moecert_last_error(void);
 
 /* ---- library ---------------------------------------------------------- */
 
-int32_t moecert_abi_version(void);     /* MOECERT_ABI_VERSION of the library */
-const char* moecert_version(void);     /* e.g. "0.1.0" */
-const char* moecert_build_info(void);  /* one line: build type, compiler, commit, contract cap */
+int32_t moecert_abi_version(void);    /* MOECERT_ABI_VERSION of the library */
+const char* moecert_version(void);    /* e.g. "0.1.0" */
+const char* moecert_build_info(void); /* one line: build type, compiler, commit, contract cap */
 
 /* Contract settings (contracts.hpp). level: 0 off, 1 check, 2 audit, 3 full;
  * semantic: 0 ignore, 1 observe, 2 enforce; groups: bit i = group i (shape,
@@ -106,12 +111,13 @@ typedef struct moecert_experts moecert_experts;
 
 /* w_gate, w_up [E*I x H] bf16, w_down [E*H x I] bf16; backward != 0 also
  * packs the orientations a backward multiplies by. */
-moecert_status moecert_experts_pack(int64_t experts, const moecert_tensor* w_gate, const moecert_tensor* w_up,
-                                    const moecert_tensor* w_down, int32_t backward, moecert_experts** out);
+moecert_status moecert_experts_pack(int64_t experts, const moecert_tensor* w_gate,
+                                    const moecert_tensor* w_up, const moecert_tensor* w_down,
+                                    int32_t backward, moecert_experts** out);
 void moecert_experts_free(moecert_experts* w);
 /* Any pointer may be NULL. */
-moecert_status moecert_experts_shape(const moecert_experts* w, int64_t* experts, int64_t* hidden, int64_t* inter,
-                                     int32_t* backward, int64_t* bytes);
+moecert_status moecert_experts_shape(const moecert_experts* w, int64_t* experts, int64_t* hidden,
+                                     int64_t* inter, int32_t* backward, int64_t* bytes);
 
 /* LoRA factors stacked by expert (experts::Lora): a_gate, a_up [E*r x H],
  * b_gate, b_up [E*I x r], a_down [E*r x I], b_down [E*H x r], all six bf16 or
@@ -132,20 +138,22 @@ moecert_status moecert_experts_saved_new(moecert_experts_saved** out);
 void moecert_experts_saved_free(moecert_experts_saved* s);
 
 typedef struct moecert_train_options {
-  int32_t isa;          /* -1: default */
-  int32_t training;     /* keep what the backward needs */
-  uint64_t memory_cap;  /* bytes, 0: none */
+  int32_t isa;         /* -1: default */
+  int32_t training;    /* keep what the backward needs */
+  uint64_t memory_cap; /* bytes, 0: none */
 } moecert_train_options;
 
 /* Inference forward (experts::forward): x [T x H] bf16, idx [T x K] int32,
  * weights [T x K] f32, y [T x H] f32. */
-moecert_status moecert_experts_forward(const moecert_experts* w, const moecert_tensor* x, const moecert_tensor* idx,
-                                       const moecert_tensor* weights, const moecert_tensor* y, int32_t isa);
+moecert_status moecert_experts_forward(const moecert_experts* w, const moecert_tensor* x,
+                                       const moecert_tensor* idx, const moecert_tensor* weights,
+                                       const moecert_tensor* y, int32_t isa);
 
 /* Training forward (experts::forward_train); options NULL: defaults. */
-moecert_status moecert_experts_forward_train(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
-                                             const moecert_tensor* idx, const moecert_tensor* weights,
-                                             const moecert_tensor* y, moecert_experts_saved* saved,
+moecert_status moecert_experts_forward_train(const moecert_experts* w, const moecert_lora* lora,
+                                             const moecert_tensor* x, const moecert_tensor* idx,
+                                             const moecert_tensor* weights, const moecert_tensor* y,
+                                             moecert_experts_saved* saved,
                                              const moecert_train_options* options);
 
 /* Gradients (experts::Gradients), f32, each absent or of its shape; dx may be
@@ -158,30 +166,36 @@ typedef struct moecert_experts_grads {
   moecert_tensor m_a, m_g;
 } moecert_experts_grads;
 
-moecert_status moecert_experts_backward(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
-                                        const moecert_tensor* dy, moecert_experts_saved* saved,
+moecert_status moecert_experts_backward(const moecert_experts* w, const moecert_lora* lora,
+                                        const moecert_tensor* x, const moecert_tensor* dy,
+                                        moecert_experts_saved* saved,
                                         const moecert_experts_grads* grads);
 
 /* ---- routers (router.hpp) ---------------------------------------------- */
 
 /* z [T x E] f32 or bf16; idx [T x K] int32, w [T x K] f32 written. */
-moecert_status moecert_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* w,
-                                            int32_t renormalize);
+moecert_status moecert_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* idx,
+                                            const moecert_tensor* w, int32_t renormalize);
 /* z [T x E] f32, g = dL/dw [T x K] f32; dz [T x E] f32 written. */
-moecert_status moecert_softmax_topk_backward(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* g,
-                                             const moecert_tensor* dz, int32_t renormalize);
+moecert_status moecert_softmax_topk_backward(const moecert_tensor* z, const moecert_tensor* idx,
+                                             const moecert_tensor* g, const moecert_tensor* dz,
+                                             int32_t renormalize);
 /* bias [E] f32 (selection only). */
-moecert_status moecert_sigmoid_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t groups,
-                                            int64_t topk_group, float scaling, const moecert_tensor* idx,
-                                            const moecert_tensor* w);
-moecert_status moecert_sigmoid_topk_backward(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* g,
-                                             int64_t groups, int64_t topk_group, float scaling, const moecert_tensor* dz);
+moecert_status moecert_sigmoid_topk_forward(const moecert_tensor* z, const moecert_tensor* bias,
+                                            int64_t groups, int64_t topk_group, float scaling,
+                                            const moecert_tensor* idx, const moecert_tensor* w);
+moecert_status moecert_sigmoid_topk_backward(const moecert_tensor* z, const moecert_tensor* idx,
+                                             const moecert_tensor* g, int64_t groups,
+                                             int64_t topk_group, float scaling,
+                                             const moecert_tensor* dz);
 /* sx, sy [T x n] f32 or bf16 (backward: f32); mode: 0 raw, 1 exp, 2 softmax. */
-moecert_status moecert_product_key_forward(const moecert_tensor* sx, const moecert_tensor* sy, int32_t mode,
-                                           const moecert_tensor* idx, const moecert_tensor* w);
+moecert_status moecert_product_key_forward(const moecert_tensor* sx, const moecert_tensor* sy,
+                                           int32_t mode, const moecert_tensor* idx,
+                                           const moecert_tensor* w);
 moecert_status moecert_product_key_backward(const moecert_tensor* sx, const moecert_tensor* sy,
-                                            const moecert_tensor* idx, const moecert_tensor* g, int32_t mode,
-                                            const moecert_tensor* dsx, const moecert_tensor* dsy);
+                                            const moecert_tensor* idx, const moecert_tensor* g,
+                                            int32_t mode, const moecert_tensor* dsx,
+                                            const moecert_tensor* dsy);
 
 /* ---- layer (layer.hpp) ------------------------------------------------- */
 
@@ -214,8 +228,9 @@ void moecert_layer_saved_free(moecert_layer_saved* s);
 moecert_status moecert_layer_saved_routing(const moecert_layer_saved* s, const moecert_tensor* idx,
                                            const moecert_tensor* weights);
 
-moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
-                                     const moecert_tensor* y, moecert_layer_saved* saved,
+moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_layer_weights* w,
+                                     const moecert_tensor* x, const moecert_tensor* y,
+                                     moecert_layer_saved* saved,
                                      const moecert_train_options* options);
 
 /* As moecert_experts_grads; router_b [R]. */
@@ -226,9 +241,10 @@ typedef struct moecert_layer_grads {
   moecert_tensor m_a, m_g;
 } moecert_layer_grads;
 
-moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
-                                      const moecert_tensor* dy, moecert_layer_saved* saved,
-                                      const moecert_layer_grads* grads, int32_t expert_path, int32_t router_path);
+moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_layer_weights* w,
+                                      const moecert_tensor* x, const moecert_tensor* dy,
+                                      moecert_layer_saved* saved, const moecert_layer_grads* grads,
+                                      int32_t expert_path, int32_t router_path);
 
 /* ---- derived bounds (contracts/) ---------------------------------------- */
 
@@ -237,19 +253,21 @@ moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_l
  * written as f64 tensors of the outputs' shapes (each absent or written).
  * Experts and layer: for the saved forward (and, with dy, the backward that
  * ran on it, with the paths whose bounds are asked for). */
-moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
-                                      const moecert_tensor* dy, const moecert_experts_saved* saved,
-                                      const moecert_tensor* y, const moecert_experts_grads* grads);
-moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
-                                    const moecert_tensor* dy, const moecert_layer_saved* saved, const moecert_tensor* y,
+moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lora* lora,
+                                      const moecert_tensor* x, const moecert_tensor* dy,
+                                      const moecert_experts_saved* saved, const moecert_tensor* y,
+                                      const moecert_experts_grads* grads);
+moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_layer_weights* w,
+                                    const moecert_tensor* x, const moecert_tensor* dy,
+                                    const moecert_layer_saved* saved, const moecert_tensor* y,
                                     const moecert_layer_grads* grads);
 /* kind: 0 softmax_topk (param: renormalize), 1 sigmoid_topk (scaling), 2
  * product_key (mode; z = [sx | sy], [T x 2n]); z f32 as the kernel read it;
  * idx the kernel's selection; w_bound [T x K]; with g, dz_bound [T x E] (product_key:
  * [T x 2n], dsx then dsy). */
-moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_tensor* z, const moecert_tensor* idx,
-                                     const moecert_tensor* g, const moecert_tensor* w_bound,
-                                     const moecert_tensor* dz_bound);
+moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_tensor* z,
+                                     const moecert_tensor* idx, const moecert_tensor* g,
+                                     const moecert_tensor* w_bound, const moecert_tensor* dz_bound);
 
 #ifdef __cplusplus
 }

@@ -37,8 +37,10 @@ namespace moecert::router {
 ///   router.softmax_topk.within_bound post numeric  (full) every w within proofs/router.md §3 of its
 ///                                                  own slot's binary64 reference (a weight written
 ///                                                  to another slot passes weights_range, not this)
-void softmax_topk_forward(MatView<const float> z, MatView<std::int32_t> idx, MatView<float> w, bool renormalize);
-void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatView<float> w, bool renormalize);
+void softmax_topk_forward(MatView<const float> z, MatView<std::int32_t> idx, MatView<float> w,
+                          bool renormalize);
+void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatView<float> w,
+                          bool renormalize);
 
 /// softmax_topk, backward: given g = dL/dw [T x K] and the forward's z and
 /// idx, dz [T x E] (written entirely). Renormalised: dz_i = w_i (g_i - sum_S w g)
@@ -58,8 +60,8 @@ void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatV
 ///                                                 unselected dz_j has the sign of -sum_S p g (or is 0)
 ///   router.softmax_topk_backward.within_bound post numeric (full) every dz within proofs/router.md
 ///                                                 §4.1 of the binary64 reference given g
-void softmax_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
-                           MatView<float> dz, bool renormalize);
+void softmax_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx,
+                           MatView<const float> g, MatView<float> dz, bool renormalize);
 
 /// Group-limited sigmoid top-k (DeepSeek-V3).
 struct SigmoidTopkParams {
@@ -88,8 +90,8 @@ struct SigmoidTopkParams {
 ///   router.sigmoid_topk.weights_range post  numeric  0 <= w <= c; sum_S w <= c (1 + §7)
 ///   router.sigmoid_topk.within_bound  post  numeric  (full) every w within proofs/router.md §3 of its
 ///                                                    own slot's binary64 reference
-void sigmoid_topk_forward(MatView<const float> z, View<const float> bias, const SigmoidTopkParams& p,
-                          MatView<std::int32_t> idx, MatView<float> w);
+void sigmoid_topk_forward(MatView<const float> z, View<const float> bias,
+                          const SigmoidTopkParams& p, MatView<std::int32_t> idx, MatView<float> w);
 void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const SigmoidTopkParams& p,
                           MatView<std::int32_t> idx, MatView<float> w);
 
@@ -109,8 +111,8 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
 ///                                                 |dz_i| reaches c |g_i - D|; proofs/router.md §4.2)
 ///   router.sigmoid_topk_backward.within_bound post numeric (full) every finite dz within
 ///                                                 proofs/router.md §4.2 of the binary64 reference given g
-void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx, MatView<const float> g,
-                           const SigmoidTopkParams& p, MatView<float> dz);
+void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> idx,
+                           MatView<const float> g, const SigmoidTopkParams& p, MatView<float> dz);
 
 /// How product-key weights come from the selected scores s.
 enum class KeyWeights : std::uint8_t {
@@ -158,7 +160,8 @@ void product_key_forward(MatView<const bf16> sx, MatView<const bf16> sy, KeyWeig
 ///                                                 overflow: g w with exp weights, sums of up to K slots)
 ///   router.product_key_backward.within_bound post numeric (full) every finite dsx, dsy within
 ///                                                 proofs/router.md §4.3 of the binary64 reference given g
-void product_key_backward(MatView<const float> sx, MatView<const float> sy, MatView<const std::int32_t> idx,
-                          MatView<const float> g, KeyWeights mode, MatView<float> dsx, MatView<float> dsy);
+void product_key_backward(MatView<const float> sx, MatView<const float> sy,
+                          MatView<const std::int32_t> idx, MatView<const float> g, KeyWeights mode,
+                          MatView<float> dsx, MatView<float> dsy);
 
 }  // namespace moecert::router

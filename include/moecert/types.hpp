@@ -109,10 +109,14 @@ inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx512_bf16, Isa::amx_bf16,
 
 constexpr std::string_view isa_name(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return "scalar";
-    case Isa::avx512_bf16: return "avx512_bf16";
-    case Isa::amx_bf16: return "amx_bf16";
-    case Isa::amx_emu: return "amx_emu";
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx512_bf16:
+      return "avx512_bf16";
+    case Isa::amx_bf16:
+      return "amx_bf16";
+    case Isa::amx_emu:
+      return "amx_emu";
   }
   return "unknown";
 }

@@ -14,7 +14,7 @@
 namespace moecert::workspace {
 
 struct Buffer {
-  std::string name;         // e.g. "experts.c1"
+  std::string name;          // e.g. "experts.c1"
   std::uint64_t offset = 0;  // bytes from the plan's start, a multiple of 64
   std::uint64_t bytes = 0;   // requested size
   int first = 0, last = 0;   // live steps, inclusive (step_name)
@@ -31,7 +31,7 @@ struct Plan {
 };
 
 struct PlanOptions {
-  bool training = true;         // forward and backward; false: the forward only
+  bool training = true;          // forward and backward; false: the forward only
   std::uint64_t memory_cap = 0;  // largest total_bytes allowed; 0: no cap
 };
 

@@ -114,13 +114,21 @@ moecert_status guarded(const char* op, F&& body) noexcept {
 template <class T>
 constexpr moecert_dtype dtype_of();
 template <>
-constexpr moecert_dtype dtype_of<bf16>() { return MOECERT_BF16; }
+constexpr moecert_dtype dtype_of<bf16>() {
+  return MOECERT_BF16;
+}
 template <>
-constexpr moecert_dtype dtype_of<float>() { return MOECERT_F32; }
+constexpr moecert_dtype dtype_of<float>() {
+  return MOECERT_F32;
+}
 template <>
-constexpr moecert_dtype dtype_of<std::int32_t>() { return MOECERT_I32; }
+constexpr moecert_dtype dtype_of<std::int32_t>() {
+  return MOECERT_I32;
+}
 template <>
-constexpr moecert_dtype dtype_of<double>() { return MOECERT_F64; }
+constexpr moecert_dtype dtype_of<double>() {
+  return MOECERT_F64;
+}
 
 const char* dtype_name(std::int32_t dtype);
 
@@ -140,8 +148,8 @@ MatView<T> mat(const moecert_tensor* t, const char* name, bool required = true) 
     return {};
   }
   check_descriptor(*t, dtype_of<std::remove_const_t<T>>(), 2, name);
-  return {static_cast<T*>(t->data), static_cast<std::size_t>(t->shape[0]), static_cast<std::size_t>(t->shape[1]),
-          static_cast<std::size_t>(t->stride[0])};
+  return {static_cast<T*>(t->data), static_cast<std::size_t>(t->shape[0]),
+          static_cast<std::size_t>(t->shape[1]), static_cast<std::size_t>(t->stride[0])};
 }
 
 /// A 1-D descriptor as a view (absent: the empty view unless `required`).
@@ -164,7 +172,6 @@ H& handle(H* h, const char* name) {
   return *h;
 }
 
-
 /// -1: the default kernel; otherwise an Isa value.
 std::optional<Isa> isa_of(std::int32_t isa);
 /// NULL: the defaults.
@@ -176,7 +183,9 @@ MoeConfig config_of(const moecert_config* c);
 /// The weights with `lora` for their LoRA factors (LoraFactors::forward or again of w->lora).
 layer::Weights weights_of(const moecert_layer_weights* w, const experts::Lora& lora);
 /// w's LoRA descriptor, or null.
-inline const moecert_lora* lora_in(const moecert_layer_weights* w) { return w ? &w->lora : nullptr; }
+inline const moecert_lora* lora_in(const moecert_layer_weights* w) {
+  return w ? &w->lora : nullptr;
+}
 layer::Gradients layer_grads(const moecert_layer_grads& g, RoundedDx& dx);
 
 }  // namespace moecert::capi

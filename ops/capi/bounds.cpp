@@ -27,17 +27,19 @@ using capi::mat;
 namespace {
 
 // Writes slack * e of each tracked element into `out` (absent: nothing).
-void put(const moecert_tensor* out, const std::vector<Tracked>& ref, std::size_t rows, std::size_t cols,
-         const char* name) {
+void put(const moecert_tensor* out, const std::vector<Tracked>& ref, std::size_t rows,
+         std::size_t cols, const char* name) {
   if (!capi::present(out)) return;
   const bool vector = out->ndim == 1;
-  const MatView<double> m = vector ? MatView<double>(static_cast<double*>(out->data), 1, out->shape[0])
-                                   : mat<double>(out, name);
+  const MatView<double> m = vector
+                                ? MatView<double>(static_cast<double*>(out->data), 1, out->shape[0])
+                                : mat<double>(out, name);
   if (vector) capi::check_descriptor(*out, MOECERT_F64, 1, name);
   if (m.rows * m.cols != rows * cols || ref.size() != rows * cols)
-    throw InvalidArgument(fmt::format("{}: {}x{}, expected {}x{} (or a path that did not run)", name, m.rows, m.cols,
-                                      rows, cols));
-  for (std::size_t i = 0; i < rows * cols; ++i) m(i / m.cols, i % m.cols) = bounds::kReferenceSlack * ref[i].e;
+    throw InvalidArgument(fmt::format("{}: {}x{}, expected {}x{} (or a path that did not run)",
+                                      name, m.rows, m.cols, rows, cols));
+  for (std::size_t i = 0; i < rows * cols; ++i)
+    m(i / m.cols, i % m.cols) = bounds::kReferenceSlack * ref[i].e;
 }
 
 bool any(std::initializer_list<const moecert_tensor*> ts) {
@@ -49,17 +51,20 @@ bool any(std::initializer_list<const moecert_tensor*> ts) {
 template <class G>
 ref::Paths paths_of(const G& g, const moecert_tensor* router_side) {
   const bool base = any({&g.w_gate, &g.w_up, &g.w_down});
-  const bool expert = base || any({&g.dx, &g.a_gate, &g.b_gate, &g.a_up, &g.b_up, &g.a_down, &g.b_down, &g.m_a, &g.m_g});
+  const bool expert = base || any({&g.dx, &g.a_gate, &g.b_gate, &g.a_up, &g.b_up, &g.a_down,
+                                   &g.b_down, &g.m_a, &g.m_g});
   return {expert, capi::present(router_side), base};
 }
 
 // The six LoRA and three base-weight bounds.
 template <class G>
-void put_weights(const G& g, const ref::LayerResult<Tracked>& r, std::size_t E, std::size_t H, std::size_t I,
-                 std::size_t rank) {
-  put(&g.a_gate, r.dag, E * rank, H, "a_gate bound"), put(&g.b_gate, r.dbg, E * I, rank, "b_gate bound");
+void put_weights(const G& g, const ref::LayerResult<Tracked>& r, std::size_t E, std::size_t H,
+                 std::size_t I, std::size_t rank) {
+  put(&g.a_gate, r.dag, E * rank, H, "a_gate bound"),
+      put(&g.b_gate, r.dbg, E * I, rank, "b_gate bound");
   put(&g.a_up, r.dau, E * rank, H, "a_up bound"), put(&g.b_up, r.dbu, E * I, rank, "b_up bound");
-  put(&g.a_down, r.dad, E * rank, I, "a_down bound"), put(&g.b_down, r.dbd, E * H, rank, "b_down bound");
+  put(&g.a_down, r.dad, E * rank, I, "a_down bound"),
+      put(&g.b_down, r.dbd, E * H, rank, "b_down bound");
   put(&g.w_gate, r.dwg, E * I, H, "w_gate bound"), put(&g.w_up, r.dwu, E * I, H, "w_up bound");
   put(&g.w_down, r.dwd, E * H, I, "w_down bound");
 }
@@ -75,8 +80,10 @@ struct RouterRows {
   bounds::WeightsRow weights(std::size_t t) const {
     const std::size_t k = idx.cols;
     switch (kind) {
-      case 0: return bounds::softmax_topk_weights_row(z.row(t), z.cols, idx.row(t), k, param != 0);
-      case 1: return bounds::sigmoid_topk_weights_row(z.row(t), idx.row(t), k, param);
+      case 0:
+        return bounds::softmax_topk_weights_row(z.row(t), z.cols, idx.row(t), k, param != 0);
+      case 1:
+        return bounds::sigmoid_topk_weights_row(z.row(t), idx.row(t), k, param);
       default: {
         const std::size_t n = z.cols / 2;
         return bounds::product_key_weights_row(z.row(t), z.row(t) + n, n, idx.row(t), k, mode());
@@ -87,7 +94,8 @@ struct RouterRows {
     const std::size_t k = idx.cols, e = z.cols;
     switch (kind) {
       case 0: {
-        const auto r = ref::softmax_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), k, param != 0);
+        const auto r =
+            ref::softmax_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), k, param != 0);
         return {r, bounds::softmax_topk_grad_row(z.row(t), e, idx.row(t), g.row(t), k, param != 0)};
       }
       case 1: {
@@ -97,25 +105,32 @@ struct RouterRows {
       default: {
         const std::size_t n = e / 2;
         std::vector<double> rx, ry;
-        ref::product_key_grad<double>(z.row(t), z.row(t) + n, n, idx.row(t), g.row(t), k, mode(), rx, ry);
+        ref::product_key_grad<double>(z.row(t), z.row(t) + n, n, idx.row(t), g.row(t), k, mode(),
+                                      rx, ry);
         rx.insert(rx.end(), ry.begin(), ry.end());
-        return {rx, bounds::product_key_grad_row(z.row(t), z.row(t) + n, n, idx.row(t), g.row(t), k, mode())};
+        return {rx, bounds::product_key_grad_row(z.row(t), z.row(t) + n, n, idx.row(t), g.row(t), k,
+                                                 mode())};
       }
     }
   }
-  router::KeyWeights mode() const { return static_cast<router::KeyWeights>(static_cast<int>(param)); }
+  router::KeyWeights mode() const {
+    return static_cast<router::KeyWeights>(static_cast<int>(param));
+  }
 };
 
 // bound + the binary64 reference's own rounding (as the router clauses).
-double with_reference(double bound, double ref) { return bound + bounds::gamma(64, bounds::kU64) * std::fabs(ref); }
+double with_reference(double bound, double ref) {
+  return bound + bounds::gamma(64, bounds::kU64) * std::fabs(ref);
+}
 
 }  // namespace
 
 extern "C" {
 
-moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
-                                      const moecert_tensor* dy, const moecert_experts_saved* saved,
-                                      const moecert_tensor* y, const moecert_experts_grads* grads) {
+moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lora* lora,
+                                      const moecert_tensor* x, const moecert_tensor* dy,
+                                      const moecert_experts_saved* saved, const moecert_tensor* y,
+                                      const moecert_experts_grads* grads) {
   return guarded("moecert_experts_bounds", [&] {
     const auto& p = handle(w, "experts").packed;
     const auto& h = handle(saved, "saved");
@@ -124,7 +139,8 @@ moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lo
     const auto xv = mat<const bf16>(x, "x");
     const auto dyv = mat<const float>(dy, "dy", false);
     if (xv.rows != s.impl().tokens || (dyv.data && dyv.rows != xv.rows))
-      throw InvalidArgument(fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
+      throw InvalidArgument(
+          fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
     const moecert_experts_grads none{};
     const auto& g = grads ? *grads : none;
     const auto l = h.lora.again(lora);
@@ -139,8 +155,9 @@ moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lo
   });
 }
 
-moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
-                                    const moecert_tensor* dy, const moecert_layer_saved* saved, const moecert_tensor* y,
+moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_layer_weights* w,
+                                    const moecert_tensor* x, const moecert_tensor* dy,
+                                    const moecert_layer_saved* saved, const moecert_tensor* y,
                                     const moecert_layer_grads* grads) {
   return guarded("moecert_layer_bounds", [&] {
     const MoeConfig c = capi::config_of(cfg);
@@ -151,7 +168,8 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
     const auto xv = mat<const bf16>(x, "x");
     const auto dyv = mat<const float>(dy, "dy", false);
     if (xv.rows != s.impl().tokens || (dyv.data && dyv.rows != xv.rows))
-      throw InvalidArgument(fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
+      throw InvalidArgument(
+          fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
     const moecert_layer_grads none{};
     const auto& g = grads ? *grads : none;
     const std::size_t T = xv.rows, K = static_cast<std::size_t>(c.topk);
@@ -159,9 +177,11 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
     // leaves in the arena.
     auto paths = paths_of(g, nullptr);
     paths.router = any({&g.dx, &g.router_w, &g.router_b});  // dx: both paths summed
-    const float* dw = dyv.data && paths.router ? s.impl().arena.get<float>("router.dw", T * K) : nullptr;
+    const float* dw =
+        dyv.data && paths.router ? s.impl().arena.get<float>("router.dw", T * K) : nullptr;
     const auto r = contracts::layer_bounds(c, lw, xv, dyv.data, s.impl(), paths, dw);
-    const std::size_t H = lw.experts->hidden(), I = lw.experts->inter(), E = lw.experts->experts(), R = lw.router_w.rows;
+    const std::size_t H = lw.experts->hidden(), I = lw.experts->inter(), E = lw.experts->experts(),
+                      R = lw.router_w.rows;
     put(y, r.y, T, H, "y bound");
     if (!dyv.data) return;
     put(&g.dx, r.dx, T, H, "dx bound"), put(&g.router_w, r.dwr, R, H, "router_w bound");
@@ -171,27 +191,32 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
   });
 }
 
-moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_tensor* z, const moecert_tensor* idx,
-                                     const moecert_tensor* g, const moecert_tensor* w_bound,
+moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_tensor* z,
+                                     const moecert_tensor* idx, const moecert_tensor* g,
+                                     const moecert_tensor* w_bound,
                                      const moecert_tensor* dz_bound) {
   return guarded("moecert_router_bounds", [&] {
     if (kind < 0 || kind > 2) throw InvalidArgument(fmt::format("kind {}, expected 0..2", kind));
-    const RouterRows rows{kind, param, mat<const float>(z, "z"), mat<const std::int32_t>(idx, "idx"),
-                          mat<const float>(g, "g", false)};
+    const RouterRows rows{kind, param, mat<const float>(z, "z"),
+                          mat<const std::int32_t>(idx, "idx"), mat<const float>(g, "g", false)};
     const std::size_t T = rows.z.rows, K = rows.idx.cols, C = rows.z.cols;
     const std::size_t experts = kind == 2 ? (C / 2) * (C / 2) : C;
     if (rows.idx.rows != T || (rows.g.data && (rows.g.rows != T || rows.g.cols != K)))
-      throw InvalidArgument(fmt::format("idx {}x{} or g {}x{}, expected {} rows and g of idx's shape", rows.idx.rows, K,
-                                        rows.g.rows, rows.g.cols, T));
+      throw InvalidArgument(
+          fmt::format("idx {}x{} or g {}x{}, expected {} rows and g of idx's shape", rows.idx.rows,
+                      K, rows.g.rows, rows.g.cols, T));
     for (std::size_t t = 0; t < T; ++t)
       for (std::size_t j = 0; j < K; ++j)
         if (rows.idx(t, j) < -1 || rows.idx(t, j) >= static_cast<std::int64_t>(experts))
-          throw InvalidArgument(fmt::format("idx[{}, {}] = {}, expected -1 <= idx < {}", t, j, rows.idx(t, j), experts));
+          throw InvalidArgument(fmt::format("idx[{}, {}] = {}, expected -1 <= idx < {}", t, j,
+                                            rows.idx(t, j), experts));
     const auto wb = mat<double>(w_bound, "w_bound", false);
     const auto db = mat<double>(dz_bound, "dz_bound", false);
-    if ((wb.data && (wb.rows != T || wb.cols != K)) || (db.data && (db.rows != T || db.cols != C || !rows.g.data)))
-      throw InvalidArgument(fmt::format("w_bound {}x{} (expected {}x{}), dz_bound {}x{} (expected {}x{}, with g)", wb.rows,
-                                        wb.cols, T, K, db.rows, db.cols, T, C));
+    if ((wb.data && (wb.rows != T || wb.cols != K)) ||
+        (db.data && (db.rows != T || db.cols != C || !rows.g.data)))
+      throw InvalidArgument(
+          fmt::format("w_bound {}x{} (expected {}x{}), dz_bound {}x{} (expected {}x{}, with g)",
+                      wb.rows, wb.cols, T, K, db.rows, db.cols, T, C));
     for (std::size_t t = 0; t < T; ++t) {
       if (wb.data) {
         const auto [ref, bound] = rows.weights(t);

@@ -1,8 +1,9 @@
 // The C ABI of the experts op: packing, the inference forward, the training
 // forward and backward (include/moecert/experts.hpp).
+#include "moecert/experts.hpp"
+
 #include <fmt/format.h>
 
-#include "moecert/experts.hpp"
 #include "moecert/moecert.h"
 #include "ops/capi/abi.hpp"
 
@@ -16,7 +17,8 @@ namespace moecert::capi {
 
 std::optional<Isa> isa_of(std::int32_t isa) {
   if (isa == -1) return std::nullopt;
-  if (isa < 0 || isa > static_cast<std::int32_t>(Isa::amx_emu)) throw InvalidArgument(fmt::format("isa {}", isa));
+  if (isa < 0 || isa > static_cast<std::int32_t>(Isa::amx_emu))
+    throw InvalidArgument(fmt::format("isa {}", isa));
   return static_cast<Isa>(isa);
 }
 
@@ -29,10 +31,14 @@ experts::TrainOptions train_options(const moecert_train_options* o) {
 experts::Gradients experts_grads(const moecert_experts_grads& g, RoundedDx& dx) {
   experts::Gradients out;
   out.dx = dx.bind(&g.dx, "dx"), out.dweights = mat<float>(&g.dweights, "dweights", false);
-  out.a_gate = mat<float>(&g.a_gate, "a_gate grad", false), out.b_gate = mat<float>(&g.b_gate, "b_gate grad", false);
-  out.a_up = mat<float>(&g.a_up, "a_up grad", false), out.b_up = mat<float>(&g.b_up, "b_up grad", false);
-  out.a_down = mat<float>(&g.a_down, "a_down grad", false), out.b_down = mat<float>(&g.b_down, "b_down grad", false);
-  out.w_gate = mat<float>(&g.w_gate, "w_gate grad", false), out.w_up = mat<float>(&g.w_up, "w_up grad", false);
+  out.a_gate = mat<float>(&g.a_gate, "a_gate grad", false),
+  out.b_gate = mat<float>(&g.b_gate, "b_gate grad", false);
+  out.a_up = mat<float>(&g.a_up, "a_up grad", false),
+  out.b_up = mat<float>(&g.b_up, "b_up grad", false);
+  out.a_down = mat<float>(&g.a_down, "a_down grad", false),
+  out.b_down = mat<float>(&g.b_down, "b_down grad", false);
+  out.w_gate = mat<float>(&g.w_gate, "w_gate grad", false),
+  out.w_up = mat<float>(&g.w_up, "w_up grad", false);
   out.w_down = mat<float>(&g.w_down, "w_down grad", false);
   out.m_a = mat<float>(&g.m_a, "m_a", false), out.m_g = mat<float>(&g.m_g, "m_g", false);
   return out;
@@ -42,23 +48,24 @@ experts::Gradients experts_grads(const moecert_experts_grads& g, RoundedDx& dx) 
 
 extern "C" {
 
-moecert_status moecert_experts_pack(int64_t experts, const moecert_tensor* w_gate, const moecert_tensor* w_up,
-                                    const moecert_tensor* w_down, int32_t backward, moecert_experts** out) {
+moecert_status moecert_experts_pack(int64_t experts, const moecert_tensor* w_gate,
+                                    const moecert_tensor* w_up, const moecert_tensor* w_down,
+                                    int32_t backward, moecert_experts** out) {
   return guarded("moecert_experts_pack", [&] {
     if (!out) throw InvalidArgument("out: null");
     if (experts < 1) throw InvalidArgument(fmt::format("experts {}, expected >= 1", experts));
     auto h = std::make_unique<moecert_experts>();
-    h->packed = experts::PackedExperts::pack(static_cast<std::size_t>(experts), mat<const bf16>(w_gate, "w_gate"),
-                                             mat<const bf16>(w_up, "w_up"), mat<const bf16>(w_down, "w_down"),
-                                             backward != 0);
+    h->packed = experts::PackedExperts::pack(
+        static_cast<std::size_t>(experts), mat<const bf16>(w_gate, "w_gate"),
+        mat<const bf16>(w_up, "w_up"), mat<const bf16>(w_down, "w_down"), backward != 0);
     *out = h.release();
   });
 }
 
 void moecert_experts_free(moecert_experts* w) { delete w; }
 
-moecert_status moecert_experts_shape(const moecert_experts* w, int64_t* experts, int64_t* hidden, int64_t* inter,
-                                     int32_t* backward, int64_t* bytes) {
+moecert_status moecert_experts_shape(const moecert_experts* w, int64_t* experts, int64_t* hidden,
+                                     int64_t* inter, int32_t* backward, int64_t* bytes) {
   return guarded("moecert_experts_shape", [&] {
     const auto& p = handle(w, "experts").packed;
     if (experts) *experts = static_cast<int64_t>(p.experts());
@@ -78,36 +85,43 @@ moecert_status moecert_experts_saved_new(moecert_experts_saved** out) {
 
 void moecert_experts_saved_free(moecert_experts_saved* s) { delete s; }
 
-moecert_status moecert_experts_forward(const moecert_experts* w, const moecert_tensor* x, const moecert_tensor* idx,
-                                       const moecert_tensor* weights, const moecert_tensor* y, int32_t isa) {
+moecert_status moecert_experts_forward(const moecert_experts* w, const moecert_tensor* x,
+                                       const moecert_tensor* idx, const moecert_tensor* weights,
+                                       const moecert_tensor* y, int32_t isa) {
   return guarded("moecert_experts_forward", [&] {
     const auto& p = handle(w, "experts").packed;
-    experts::forward(p, mat<const bf16>(x, "x"), mat<const std::int32_t>(idx, "idx"), mat<const float>(weights, "weights"),
-                     mat<float>(y, "y"), {.isa = capi::isa_of(isa)});
+    experts::forward(p, mat<const bf16>(x, "x"), mat<const std::int32_t>(idx, "idx"),
+                     mat<const float>(weights, "weights"), mat<float>(y, "y"),
+                     {.isa = capi::isa_of(isa)});
   });
 }
 
-moecert_status moecert_experts_forward_train(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
-                                             const moecert_tensor* idx, const moecert_tensor* weights,
-                                             const moecert_tensor* y, moecert_experts_saved* saved,
+moecert_status moecert_experts_forward_train(const moecert_experts* w, const moecert_lora* lora,
+                                             const moecert_tensor* x, const moecert_tensor* idx,
+                                             const moecert_tensor* weights, const moecert_tensor* y,
+                                             moecert_experts_saved* saved,
                                              const moecert_train_options* options) {
   return guarded("moecert_experts_forward_train", [&] {
     const auto& p = handle(w, "experts").packed;
     auto& h = handle(saved, "saved");
-    experts::forward_train(p, h.lora.forward(lora), mat<const bf16>(x, "x"), mat<const std::int32_t>(idx, "idx"),
-                           mat<const float>(weights, "weights"), mat<float>(y, "y"), h.saved, capi::train_options(options));
+    experts::forward_train(p, h.lora.forward(lora), mat<const bf16>(x, "x"),
+                           mat<const std::int32_t>(idx, "idx"),
+                           mat<const float>(weights, "weights"), mat<float>(y, "y"), h.saved,
+                           capi::train_options(options));
   });
 }
 
-moecert_status moecert_experts_backward(const moecert_experts* w, const moecert_lora* lora, const moecert_tensor* x,
-                                        const moecert_tensor* dy, moecert_experts_saved* saved,
+moecert_status moecert_experts_backward(const moecert_experts* w, const moecert_lora* lora,
+                                        const moecert_tensor* x, const moecert_tensor* dy,
+                                        moecert_experts_saved* saved,
                                         const moecert_experts_grads* grads) {
   return guarded("moecert_experts_backward", [&] {
     const auto& p = handle(w, "experts").packed;
     auto& h = handle(saved, "saved");
     const auto& g = handle(grads, "grads");
     const auto views = capi::experts_grads(g, h.dx);
-    experts::backward(p, h.lora.again(lora), mat<const bf16>(x, "x"), mat<const float>(dy, "dy"), h.saved, views);
+    experts::backward(p, h.lora.again(lora), mat<const bf16>(x, "x"), mat<const float>(dy, "dy"),
+                      h.saved, views);
     h.dx.finish();
   });
 }

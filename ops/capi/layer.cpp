@@ -1,8 +1,9 @@
 // The C ABI of the MoE layer (include/moecert/layer.hpp) and its config.
+#include "moecert/layer.hpp"
+
 #include <fmt/format.h>
 
 #include "moecert/config.hpp"
-#include "moecert/layer.hpp"
 #include "moecert/moecert.h"
 #include "ops/capi/abi.hpp"
 
@@ -17,10 +18,12 @@ namespace moecert::capi {
 
 MoeConfig config_of(const moecert_config* c) {
   const auto& in = handle(c, "cfg");
-  if (in.router < 0 || in.router > 2) throw InvalidArgument(fmt::format("cfg.router {}, expected 0..2", in.router));
+  if (in.router < 0 || in.router > 2)
+    throw InvalidArgument(fmt::format("cfg.router {}, expected 0..2", in.router));
   MoeConfig cfg;
   cfg.experts = in.experts, cfg.hidden = in.hidden, cfg.inter = in.inter, cfg.topk = in.topk;
-  cfg.lora_rank = in.lora_rank, cfg.lora_alpha = in.lora_alpha, cfg.router = static_cast<RouterKind>(in.router);
+  cfg.lora_rank = in.lora_rank, cfg.lora_alpha = in.lora_alpha,
+  cfg.router = static_cast<RouterKind>(in.router);
   cfg.renormalize = in.renormalize != 0, cfg.groups = in.groups, cfg.topk_group = in.topk_group;
   cfg.scaling = in.scaling, cfg.max_tokens = in.max_tokens;
   return cfg;
@@ -42,10 +45,14 @@ layer::Gradients layer_grads(const moecert_layer_grads& g, RoundedDx& dx) {
   out.dx = dx.bind(&g.dx, "dx");
   out.router_w = mat<float>(&g.router_w, "router_w grad", false);
   out.router_b = vec<float>(&g.router_b, "router_b grad", false);
-  out.a_gate = mat<float>(&g.a_gate, "a_gate grad", false), out.b_gate = mat<float>(&g.b_gate, "b_gate grad", false);
-  out.a_up = mat<float>(&g.a_up, "a_up grad", false), out.b_up = mat<float>(&g.b_up, "b_up grad", false);
-  out.a_down = mat<float>(&g.a_down, "a_down grad", false), out.b_down = mat<float>(&g.b_down, "b_down grad", false);
-  out.w_gate = mat<float>(&g.w_gate, "w_gate grad", false), out.w_up = mat<float>(&g.w_up, "w_up grad", false);
+  out.a_gate = mat<float>(&g.a_gate, "a_gate grad", false),
+  out.b_gate = mat<float>(&g.b_gate, "b_gate grad", false);
+  out.a_up = mat<float>(&g.a_up, "a_up grad", false),
+  out.b_up = mat<float>(&g.b_up, "b_up grad", false);
+  out.a_down = mat<float>(&g.a_down, "a_down grad", false),
+  out.b_down = mat<float>(&g.b_down, "b_down grad", false);
+  out.w_gate = mat<float>(&g.w_gate, "w_gate grad", false),
+  out.w_up = mat<float>(&g.w_up, "w_up grad", false);
   out.w_down = mat<float>(&g.w_down, "w_down grad", false);
   out.m_a = mat<float>(&g.m_a, "m_a", false), out.m_g = mat<float>(&g.m_g, "m_g", false);
   return out;
@@ -76,7 +83,8 @@ moecert_status moecert_layer_saved_routing(const moecert_layer_saved* s, const m
     auto copy = [](auto from, auto to, const char* name) {
       if (to.empty() && to.data == nullptr) return;
       if (to.rows != from.rows || to.cols != from.cols)
-        throw InvalidArgument(fmt::format("{}: {}x{}, expected {}x{}", name, to.rows, to.cols, from.rows, from.cols));
+        throw InvalidArgument(
+            fmt::format("{}: {}x{}, expected {}x{}", name, to.rows, to.cols, from.rows, from.cols));
       for (std::size_t i = 0; i < from.rows; ++i)
         for (std::size_t j = 0; j < from.cols; ++j) to(i, j) = from(i, j);
     };
@@ -85,25 +93,28 @@ moecert_status moecert_layer_saved_routing(const moecert_layer_saved* s, const m
   });
 }
 
-moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
-                                     const moecert_tensor* y, moecert_layer_saved* saved,
+moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_layer_weights* w,
+                                     const moecert_tensor* x, const moecert_tensor* y,
+                                     moecert_layer_saved* saved,
                                      const moecert_train_options* options) {
   return guarded("moecert_layer_forward", [&] {
     const auto t = capi::train_options(options);
     auto& h = handle(saved, "saved");
-    layer::forward(capi::config_of(cfg), capi::weights_of(w, h.lora.forward(capi::lora_in(w))), mat<const bf16>(x, "x"), mat<float>(y, "y"),
-                   h.saved, {.isa = t.isa, .training = t.training, .memory_cap = t.memory_cap});
+    layer::forward(capi::config_of(cfg), capi::weights_of(w, h.lora.forward(capi::lora_in(w))),
+                   mat<const bf16>(x, "x"), mat<float>(y, "y"), h.saved,
+                   {.isa = t.isa, .training = t.training, .memory_cap = t.memory_cap});
   });
 }
 
-moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_layer_weights* w, const moecert_tensor* x,
-                                      const moecert_tensor* dy, moecert_layer_saved* saved,
-                                      const moecert_layer_grads* grads, int32_t expert_path, int32_t router_path) {
+moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_layer_weights* w,
+                                      const moecert_tensor* x, const moecert_tensor* dy,
+                                      moecert_layer_saved* saved, const moecert_layer_grads* grads,
+                                      int32_t expert_path, int32_t router_path) {
   return guarded("moecert_layer_backward", [&] {
     auto& h = handle(saved, "saved");
     const auto views = capi::layer_grads(handle(grads, "grads"), h.dx);
-    layer::backward(capi::config_of(cfg), capi::weights_of(w, h.lora.again(capi::lora_in(w))), mat<const bf16>(x, "x"),
-                    mat<const float>(dy, "dy"), h.saved, views,
+    layer::backward(capi::config_of(cfg), capi::weights_of(w, h.lora.again(capi::lora_in(w))),
+                    mat<const bf16>(x, "x"), mat<const float>(dy, "dy"), h.saved, views,
                     {.expert_path = expert_path != 0, .router_path = router_path != 0});
     h.dx.finish();
   });

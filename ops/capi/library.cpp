@@ -1,13 +1,12 @@
 // The C ABI: the last-error record, version and build, contract settings,
 // threads and kernels.
 #include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
 
 #include <memory>
 #include <mutex>
 #include <new>
 #include <vector>
-
-#include <oneapi/tbb/global_control.h>
 
 #include "moecert/contracts.hpp"
 #include "moecert/isa.hpp"
@@ -23,8 +22,9 @@ struct ErrorRecord {
   std::string op, clause, kind, group, level, location, observed, expected, message, file;
   moecert_error view{};
   void publish(moecert_status status, int line) {
-    view = {status,           op.c_str(),       clause.c_str(),  kind.c_str(),    group.c_str(), level.c_str(),
-            location.c_str(), observed.c_str(), expected.c_str(), message.c_str(), file.c_str(),  line};
+    view = {status,           op.c_str(),      clause.c_str(),   kind.c_str(),
+            group.c_str(),    level.c_str(),   location.c_str(), observed.c_str(),
+            expected.c_str(), message.c_str(), file.c_str(),     line};
   }
 };
 
@@ -45,7 +45,9 @@ std::vector<std::unique_ptr<ContractScope>>& scopes() {
 std::mutex threads_mutex;
 std::unique_ptr<oneapi::tbb::global_control> threads_control;  // guarded by threads_mutex
 
-bool valid_isa(std::int32_t isa) { return isa >= 0 && isa <= static_cast<std::int32_t>(Isa::amx_emu); }
+bool valid_isa(std::int32_t isa) {
+  return isa >= 0 && isa <= static_cast<std::int32_t>(Isa::amx_emu);
+}
 
 }  // namespace
 
@@ -58,45 +60,61 @@ void set_error(moecert_status status, const char* op, const std::string& message
 
 void set_violation(const Violation& v) {
   ErrorRecord& r = record();
-  r.op = v.op, r.clause = v.clause, r.kind = clause_kind_name(v.kind), r.group = group_name(v.group);
-  r.level = level_name(v.level), r.location = v.location, r.observed = v.observed, r.expected = v.expected;
+  r.op = v.op, r.clause = v.clause, r.kind = clause_kind_name(v.kind),
+  r.group = group_name(v.group);
+  r.level = level_name(v.level), r.location = v.location, r.observed = v.observed,
+  r.expected = v.expected;
   r.message = v.one_line(), r.file = v.source.file_name();
   r.publish(MOECERT_CONTRACT_VIOLATION, static_cast<int>(v.source.line()));
 }
 
 const char* dtype_name(std::int32_t dtype) {
   switch (dtype) {
-    case MOECERT_BF16: return "bfloat16";
-    case MOECERT_F32: return "float32";
-    case MOECERT_I32: return "int32";
-    case MOECERT_F64: return "float64";
-    default: return "unknown";
+    case MOECERT_BF16:
+      return "bfloat16";
+    case MOECERT_F32:
+      return "float32";
+    case MOECERT_I32:
+      return "int32";
+    case MOECERT_F64:
+      return "float64";
+    default:
+      return "unknown";
   }
 }
 
 void check_descriptor(const moecert_tensor& t, moecert_dtype dtype, int ndim, const char* name) {
   if (t.dtype != dtype)
-    throw InvalidArgument(fmt::format("{}: dtype {}, expected {}", name, dtype_name(t.dtype), dtype_name(dtype)));
-  if (t.ndim != ndim) throw InvalidArgument(fmt::format("{}: {} dimensions, expected {}", name, t.ndim, ndim));
+    throw InvalidArgument(
+        fmt::format("{}: dtype {}, expected {}", name, dtype_name(t.dtype), dtype_name(dtype)));
+  if (t.ndim != ndim)
+    throw InvalidArgument(fmt::format("{}: {} dimensions, expected {}", name, t.ndim, ndim));
   std::int64_t elements = 1;
   for (int d = 0; d < ndim; ++d) {
-    if (t.shape[d] < 0) throw InvalidArgument(fmt::format("{}: shape[{}] = {}", name, d, t.shape[d]));
+    if (t.shape[d] < 0)
+      throw InvalidArgument(fmt::format("{}: shape[{}] = {}", name, d, t.shape[d]));
     elements *= t.shape[d];
   }
   if (t.stride[ndim - 1] != 1 && elements > 0)
-    throw InvalidArgument(fmt::format("{}: stride[{}] = {}, expected 1 (rows contiguous)", name, ndim - 1, t.stride[ndim - 1]));
+    throw InvalidArgument(fmt::format("{}: stride[{}] = {}, expected 1 (rows contiguous)", name,
+                                      ndim - 1, t.stride[ndim - 1]));
   if (ndim == 2 && t.stride[0] < t.shape[1] && t.shape[0] > 1)
-    throw InvalidArgument(fmt::format("{}: row stride {} < {} columns", name, t.stride[0], t.shape[1]));
-  if (!t.data && elements > 0) throw InvalidArgument(fmt::format("{}: null data with {} elements", name, elements));
+    throw InvalidArgument(
+        fmt::format("{}: row stride {} < {} columns", name, t.stride[0], t.shape[1]));
+  if (!t.data && elements > 0)
+    throw InvalidArgument(fmt::format("{}: null data with {} elements", name, elements));
 }
 
 experts::Lora lora_of(const moecert_lora* l) {
   if (!l || l->rank == 0) return {};
   if (l->rank < 0) throw InvalidArgument(fmt::format("lora: rank {}", l->rank));
   experts::Lora out;
-  out.a_gate = mat<const bf16>(&l->a_gate, "lora.a_gate"), out.b_gate = mat<const bf16>(&l->b_gate, "lora.b_gate");
-  out.a_up = mat<const bf16>(&l->a_up, "lora.a_up"), out.b_up = mat<const bf16>(&l->b_up, "lora.b_up");
-  out.a_down = mat<const bf16>(&l->a_down, "lora.a_down"), out.b_down = mat<const bf16>(&l->b_down, "lora.b_down");
+  out.a_gate = mat<const bf16>(&l->a_gate, "lora.a_gate"),
+  out.b_gate = mat<const bf16>(&l->b_gate, "lora.b_gate");
+  out.a_up = mat<const bf16>(&l->a_up, "lora.a_up"),
+  out.b_up = mat<const bf16>(&l->b_up, "lora.b_up");
+  out.a_down = mat<const bf16>(&l->a_down, "lora.a_down"),
+  out.b_down = mat<const bf16>(&l->b_down, "lora.b_down");
   out.rank = static_cast<std::size_t>(l->rank), out.alpha = l->alpha;
   return out;
 }
@@ -118,44 +136,53 @@ const char* moecert_version(void) { return build_info().version.c_str(); }
 const char* moecert_build_info(void) {
   static const std::string line = [] {
     const BuildInfo& b = build_info();
-    return fmt::format("moecert {} {} {} commit {} contract cap {}", b.version, b.build_type, b.compiler, b.git_commit,
-                       level_name(b.contract_cap));
+    return fmt::format("moecert {} {} {} commit {} contract cap {}", b.version, b.build_type,
+                       b.compiler, b.git_commit, level_name(b.contract_cap));
   }();
   return line.c_str();
 }
 
 moecert_status moecert_set_contract_level(int32_t level) {
   return guarded("moecert_set_contract_level", [&] {
-    if (level < 0 || level > 3) throw InvalidArgument(fmt::format("level {}, expected 0..3", level));
+    if (level < 0 || level > 3)
+      throw InvalidArgument(fmt::format("level {}, expected 0..3", level));
     set_contract_level(static_cast<Level>(level));
   });
 }
 
 moecert_status moecert_set_contract_semantic(int32_t semantic) {
   return guarded("moecert_set_contract_semantic", [&] {
-    if (semantic < 0 || semantic > 2) throw InvalidArgument(fmt::format("semantic {}, expected 0..2", semantic));
+    if (semantic < 0 || semantic > 2)
+      throw InvalidArgument(fmt::format("semantic {}, expected 0..2", semantic));
     set_contract_semantic(static_cast<Semantic>(semantic));
   });
 }
 
 moecert_status moecert_set_contract_groups(uint32_t groups) {
   return guarded("moecert_set_contract_groups", [&] {
-    if (groups >> kGroupCount) throw InvalidArgument(fmt::format("groups {:#x}, expected bits 0..{}", groups, kGroupCount - 1));
+    if (groups >> kGroupCount)
+      throw InvalidArgument(
+          fmt::format("groups {:#x}, expected bits 0..{}", groups, kGroupCount - 1));
     ContractSettings s = contract_settings();
     s.groups = groups;
     set_contract_settings(s);
   });
 }
 
-int32_t moecert_contract_level(void) { return static_cast<int32_t>(effective_contract_settings().level); }
-int32_t moecert_contract_semantic(void) { return static_cast<int32_t>(effective_contract_settings().semantic); }
+int32_t moecert_contract_level(void) {
+  return static_cast<int32_t>(effective_contract_settings().level);
+}
+int32_t moecert_contract_semantic(void) {
+  return static_cast<int32_t>(effective_contract_settings().semantic);
+}
 uint32_t moecert_contract_groups(void) { return effective_contract_settings().groups; }
 int32_t moecert_contract_level_cap(void) { return static_cast<int32_t>(contract_level_cap()); }
 
 moecert_status moecert_contract_scope_push(int32_t level, int32_t semantic, uint32_t groups) {
   return guarded("moecert_contract_scope_push", [&] {
     if (level < 0 || level > 3 || semantic < 0 || semantic > 2 || (groups >> kGroupCount))
-      throw InvalidArgument(fmt::format("level {}, semantic {}, groups {:#x}", level, semantic, groups));
+      throw InvalidArgument(
+          fmt::format("level {}, semantic {}, groups {:#x}", level, semantic, groups));
     ContractSettings s{static_cast<Level>(level), static_cast<Semantic>(semantic), groups};
     capi::scopes().push_back(std::make_unique<ContractScope>(s));
   });
@@ -180,13 +207,15 @@ moecert_status moecert_set_num_threads(int32_t threads) {
 }
 
 int32_t moecert_num_threads(void) {
-  return static_cast<int32_t>(
-      oneapi::tbb::global_control::active_value(oneapi::tbb::global_control::max_allowed_parallelism));
+  return static_cast<int32_t>(oneapi::tbb::global_control::active_value(
+      oneapi::tbb::global_control::max_allowed_parallelism));
 }
 
 int32_t moecert_default_isa(void) { return static_cast<int32_t>(default_isa()); }
 
-int32_t moecert_isa_usable(int32_t isa) { return capi::valid_isa(isa) && isa_usable(static_cast<Isa>(isa)) ? 1 : 0; }
+int32_t moecert_isa_usable(int32_t isa) {
+  return capi::valid_isa(isa) && isa_usable(static_cast<Isa>(isa)) ? 1 : 0;
+}
 
 const char* moecert_isa_name(int32_t isa) {
   return capi::valid_isa(isa) ? isa_name(static_cast<Isa>(isa)).data() : "";

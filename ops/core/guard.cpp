@@ -21,13 +21,15 @@ constexpr std::size_t kPage = 4096;
 // Address space reserved for guarded blocks (no memory: PROT_NONE,
 // MAP_NORESERVE): 1 TiB, at 2 pages or more a block hundreds of millions of
 // blocks; less where the address space is smaller (ThreadSanitizer's is).
-constexpr std::size_t kRegionSizes[] = {std::size_t{1} << 40, std::size_t{1} << 36, std::size_t{1} << 32};
+constexpr std::size_t kRegionSizes[] = {std::size_t{1} << 40, std::size_t{1} << 36,
+                                        std::size_t{1} << 32};
 
 std::atomic<GuardPages>& mode_ref() {
   static std::atomic<GuardPages> mode{[] {
     GuardPages m = GuardPages::off;
     const char* env = std::getenv("MOECERT_GUARD_PAGES");
-    if (env && *env && !parse_guard_pages(env, m)) {  // a test mode silently off would pass for tested
+    if (env && *env &&
+        !parse_guard_pages(env, m)) {  // a test mode silently off would pass for tested
       std::fprintf(stderr, "MOECERT_GUARD_PAGES=%s: expected off, end or start\n", env);
       std::abort();
     }
@@ -77,10 +79,14 @@ std::atomic<Region*> g_region{nullptr};  // set once a block was handed out
 
 bool parse_guard_pages(const char* text, GuardPages& out) {
   if (!text) return false;
-  if (!std::strcmp(text, "off")) out = GuardPages::off;
-  else if (!std::strcmp(text, "end")) out = GuardPages::end;
-  else if (!std::strcmp(text, "start")) out = GuardPages::start;
-  else return false;
+  if (!std::strcmp(text, "off"))
+    out = GuardPages::off;
+  else if (!std::strcmp(text, "end"))
+    out = GuardPages::end;
+  else if (!std::strcmp(text, "start"))
+    out = GuardPages::start;
+  else
+    return false;
   return true;
 }
 
@@ -94,7 +100,8 @@ namespace {
 // ordinary storage, which a run under guard pages should know.
 void* refused(const char* why) noexcept {
   static std::atomic<bool> told{false};
-  if (!told.exchange(true)) std::fprintf(stderr, "moecert: guard pages: %s; ordinary storage from here\n", why);
+  if (!told.exchange(true))
+    std::fprintf(stderr, "moecert: guard pages: %s; ordinary storage from here\n", why);
   return nullptr;
 }
 }  // namespace

@@ -15,7 +15,8 @@ void* allocate(std::size_t n, std::size_t align) {
   if (moecert::guard_pages() != moecert::GuardPages::off)
     if (void* p = moecert::detail::guard_allocate(n, align)) return p;
   const std::size_t size = (std::max<std::size_t>(n, 1) + align - 1) / align * align;
-  void* p = align <= __STDCPP_DEFAULT_NEW_ALIGNMENT__ ? std::malloc(size) : std::aligned_alloc(align, size);
+  void* p = align <= __STDCPP_DEFAULT_NEW_ALIGNMENT__ ? std::malloc(size)
+                                                      : std::aligned_alloc(align, size);
   if (!p) throw std::bad_alloc();
   return p;
 }
@@ -30,12 +31,20 @@ constexpr std::size_t kDefault = __STDCPP_DEFAULT_NEW_ALIGNMENT__;
 
 void* operator new(std::size_t n) { return allocate(n, kDefault); }
 void* operator new[](std::size_t n) { return allocate(n, kDefault); }
-void* operator new(std::size_t n, std::align_val_t a) { return allocate(n, static_cast<std::size_t>(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return allocate(n, static_cast<std::size_t>(a)); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept try { return allocate(n, kDefault); } catch (...) {
+void* operator new(std::size_t n, std::align_val_t a) {
+  return allocate(n, static_cast<std::size_t>(a));
+}
+void* operator new[](std::size_t n, std::align_val_t a) {
+  return allocate(n, static_cast<std::size_t>(a));
+}
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept try {
+  return allocate(n, kDefault);
+} catch (...) {
   return nullptr;
 }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept try { return allocate(n, kDefault); } catch (...) {
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept try {
+  return allocate(n, kDefault);
+} catch (...) {
   return nullptr;
 }
 void operator delete(void* p) noexcept { release(p); }

@@ -5,11 +5,12 @@
 // table entry per 2 MiB instead of per 4 KiB. The advice is a hint: where
 // the kernel refuses it the memory is the same, in small pages. Under
 // guard pages (moecert/memory.hpp), 64-byte aligned against the guard.
+#include "moecert/memory.hpp"
+
 #include <algorithm>
 #include <cstdlib>
 #include <new>
 
-#include "moecert/memory.hpp"
 #include "moecert/types.hpp"
 
 #if defined(__linux__)
@@ -23,7 +24,8 @@ void* allocate(std::size_t bytes) {
     if (void* p = guard_allocate(bytes, 64)) return p;
   constexpr std::size_t kHuge = std::size_t{2} << 20;
   const std::size_t align = bytes >= kHuge ? kHuge : 64;
-  const std::size_t size = (std::max<std::size_t>(bytes, 1) + align - 1) / align * align;  // aligned_alloc: a multiple
+  const std::size_t size =
+      (std::max<std::size_t>(bytes, 1) + align - 1) / align * align;  // aligned_alloc: a multiple
   void* p = std::aligned_alloc(align, size);
   if (!p) throw std::bad_alloc();
 #if defined(__linux__) && defined(MADV_HUGEPAGE)

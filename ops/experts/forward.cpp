@@ -1,20 +1,20 @@
 // Grouped SwiGLU expert forward: group, gather, gate+up GEMM with the SwiGLU
 // epilogue, down GEMM, weighted combine in slot order.
 #include "ops/experts/forward.hpp"
-#include "ops/experts/lora.hpp"
+
+#include <oneapi/tbb/enumerable_thread_specific.h>
+#include <oneapi/tbb/parallel_for.h>
 
 #include <cstring>
 #include <memory>
 #include <vector>
-
-#include <oneapi/tbb/enumerable_thread_specific.h>
-#include <oneapi/tbb/parallel_for.h>
 
 #include "contracts/clauses.hpp"
 #include "contracts/experts.hpp"
 #include "moecert/isa.hpp"
 #include "ops/core/prefetch.hpp"
 #include "ops/core/task.hpp"
+#include "ops/experts/lora.hpp"
 #include "ops/gemm/loops.hpp"
 #include "ops/workspace/planner.hpp"
 
@@ -40,9 +40,12 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   const gemm::KernelInfo& kernel = gemm::kernel_info(stats.isa);
   Workspace temporary_ws;
   Workspace::Impl& ws = (opt.workspace ? *opt.workspace : temporary_ws).impl();
-  ws.arena.bind(workspace::plan_shape({w.experts(), w.hidden(), w.inter(), k, 0, t_count, 0}, false, 0, chk), chk);
+  ws.arena.bind(
+      workspace::plan_shape({w.experts(), w.hidden(), w.inter(), k, 0, t_count, 0}, false, 0, chk),
+      chk);
   // The gate/up GEMM's fp32 output is kept only for the audit probe.
-  forward_impl(w, nullptr, x, idx, weights, y, kernel, ws.arena, ws.state, chk.level() >= moecert::clauses::experts::kProbe.level);
+  forward_impl(w, nullptr, x, idx, weights, y, kernel, ws.arena, ws.state,
+               chk.level() >= moecert::clauses::experts::kProbe.level);
   ws.arena.leave(chk);
   stats.routed_rows = ws.state.grouping.routed;
   stats.padded_rows = ws.state.grouping.rows();
@@ -52,7 +55,8 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
 
 void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const bf16> x,
                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
-                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st, bool keep_c1) {
+                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st,
+                  bool keep_c1) {
   moecert::detail::Checker chk{"experts.forward"};
   const std::size_t t_count = x.rows, k = idx.cols, hidden = w.hidden(), inter = w.inter();
   const std::size_t rank = lora ? lora->rank : 0;
@@ -62,7 +66,8 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   contracts::experts_forward_grouping(chk, idx, g);
   const std::size_t rows = g.rows();
   const gemm::ALayout layout = kernel.a_layout;
-  const std::size_t kp1 = w.experts() ? w.gate_up(0).kp() : 0, kp2 = w.experts() ? w.down(0).kp() : 0;
+  const std::size_t kp1 = w.experts() ? w.gate_up(0).kp() : 0,
+                    kp2 = w.experts() ? w.down(0).kp() : 0;
   const std::size_t kr1 = round_up(2 * rank, gemm::kKStep), kr2 = round_up(rank, gemm::kKStep);
   st.layout = layout;
   st.lda = gemm::a_stride(layout, kp1);
@@ -76,7 +81,9 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   // First element of padded row r in the packed A and h buffers (r is a
   // multiple of the kernel's MR wherever a block starts).
   auto a_row = [&](std::size_t r) { return st.a + gemm::a_offset(layout, st.lda, r, 0); };
-  auto h_at = [&](std::size_t r, std::size_t col) { return st.h + gemm::a_offset(layout, st.ldh, r, col); };
+  auto h_at = [&](std::size_t r, std::size_t col) {
+    return st.h + gemm::a_offset(layout, st.ldh, r, col);
+  };
   bf16* lb_gu = nullptr;
   const std::size_t ld_lb1 = gemm::a_stride(layout, kr1);
   if (rank) {
@@ -97,13 +104,14 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   for_each_tile(row_blocks, [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0;
     std::vector<std::int32_t> tokens(m);
-    for (std::size_t r = 0; r < m; ++r) tokens[r] = g.row_slot[r0 + r] / static_cast<std::int32_t>(k);
+    for (std::size_t r = 0; r < m; ++r)
+      tokens[r] = g.row_slot[r0 + r] / static_cast<std::int32_t>(k);
     gemm::pack_a(layout, x, tokens.data(), m, padded_rows(tl), kp1, a_row(r0));
     if (!rank) return;
     gemm::gemm_block(kernel, a_row(r0), m, lora->experts[tl.e].a_gu, 0, 2 * rank, 2 * rank,
                      st.xa + r0 * 2 * rank, 2 * rank);
-    gemm::pack_a_f32(kernel, st.xa + r0 * 2 * rank, 2 * rank, nullptr, m, padded_rows(tl), 2 * rank, kr1, st.scale,
-                     lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0));
+    gemm::pack_a_f32(kernel, st.xa + r0 * 2 * rank, 2 * rank, nullptr, m, padded_rows(tl), 2 * rank,
+                     kr1, st.scale, lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0));
   });
 
   arena.enter(workspace::f_gate_up, chk);
@@ -146,7 +154,9 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
         for (std::size_t i = i0; i < i1; ++i) {
           const float* c = cb + (i * ldc + (n - col0));
 #ifdef MOECERT_MUTANT_SWIGLU_GATE_UP_SWAPPED
-          kernel.swiglu(c + gemm::kPanel, c, h_at(r0 + i, col), std::min(gemm::kPanel, inter - col));  // mutant (docs/MUTANTS.md): silu(u) g
+          kernel.swiglu(
+              c + gemm::kPanel, c, h_at(r0 + i, col),
+              std::min(gemm::kPanel, inter - col));  // mutant (docs/MUTANTS.md): silu(u) g
 #else
           kernel.swiglu(c, c + gemm::kPanel, h_at(r0 + i, col), std::min(gemm::kPanel, inter - col));
 #endif
@@ -154,8 +164,10 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
       }
     };
     gemm::BlockOptions bo{.c_col0 = col0, .epilogue = swiglu};
-    if (rank) bo.a2 = lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0), bo.w2 = &lora->experts[tl.e].b_gu;
-    gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, cb, ldc, bo);
+    if (rank)
+      bo.a2 = lb_gu + gemm::a_offset(layout, ld_lb1, r0, 0), bo.w2 = &lora->experts[tl.e].b_gu;
+    gemm::gemm_block(kernel, a_row(r0), tl.m1 - tl.m0, w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1, cb,
+                     ldc, bo);
   });
 
   // 4. Down GEMM (+ LoRA: ha = h A_d^T saved, lb = bf16(s ha), o += lb B_d^T).
@@ -175,38 +187,44 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
     for (std::size_t r = 0; r < padded_rows(tl); ++r)
       for (std::size_t col = r < m ? inter : 0; col < kp2; ++col) *h_at(r0 + r, col) = bf16{};
     if (!rank) return;
-    gemm::gemm_block(kernel, h_at(r0, 0), m, lora->experts[tl.e].a_d, 0, rank, rank, st.ha + r0 * rank, rank);
-    gemm::pack_a_f32(kernel, st.ha + r0 * rank, rank, nullptr, m, padded_rows(tl), rank, kr2, st.scale,
-                     lb_d + gemm::a_offset(layout, ld_lb2, r0, 0));
+    gemm::gemm_block(kernel, h_at(r0, 0), m, lora->experts[tl.e].a_d, 0, rank, rank,
+                     st.ha + r0 * rank, rank);
+    gemm::pack_a_f32(kernel, st.ha + r0 * rank, rank, nullptr, m, padded_rows(tl), rank, kr2,
+                     st.scale, lb_d + gemm::a_offset(layout, ld_lb2, r0, 0));
   });
   for_each_tile(tiles(g, hidden, mb, gemm::item_cols(kp2)), [&](const Tile& tl) {
     const std::size_t r0 = g.begin[tl.e] + tl.m0;
     gemm::BlockOptions bo;
-    if (rank) bo.a2 = lb_d + gemm::a_offset(layout, ld_lb2, r0, 0), bo.w2 = &lora->experts[tl.e].b_d;
-    gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden, st.o + r0 * st.ldo, st.ldo, bo);
+    if (rank)
+      bo.a2 = lb_d + gemm::a_offset(layout, ld_lb2, r0, 0), bo.w2 = &lora->experts[tl.e].b_d;
+    gemm::gemm_block(kernel, h_at(r0, 0), tl.m1 - tl.m0, w.down(tl.e), tl.n0, tl.n1, hidden,
+                     st.o + r0 * st.ldo, st.ldo, bo);
   });
 
   // 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.
   arena.enter(workspace::f_combine, chk);
-  oneapi::tbb::parallel_for(std::size_t{0}, t_count, moecert::detail::task([&](std::size_t t) {
-    float* yt = y.row(t);
-    if (t + 1 < t_count)  // the next token's rows
-      for (std::size_t j = 0; j < k; ++j)
-        if (const std::int64_t next = g.slot_row[(t + 1) * k + j]; next >= 0)
-          moecert::detail::prefetch_lines(st.o + static_cast<std::size_t>(next) * st.ldo, hidden * sizeof(float));
-    std::fill(yt, yt + hidden, 0.0f);
-    for (std::size_t j = 0; j < k; ++j) {
-      const std::int64_t row = g.slot_row[t * k + j];
-      if (row < 0) continue;
+  oneapi::tbb::parallel_for(
+      std::size_t{0}, t_count, moecert::detail::task([&](std::size_t t) {
+        float* yt = y.row(t);
+        if (t + 1 < t_count)  // the next token's rows
+          for (std::size_t j = 0; j < k; ++j)
+            if (const std::int64_t next = g.slot_row[(t + 1) * k + j]; next >= 0)
+              moecert::detail::prefetch_lines(st.o + static_cast<std::size_t>(next) * st.ldo,
+                                              hidden * sizeof(float));
+        std::fill(yt, yt + hidden, 0.0f);
+        for (std::size_t j = 0; j < k; ++j) {
+          const std::int64_t row = g.slot_row[t * k + j];
+          if (row < 0) continue;
 #ifdef MOECERT_MUTANT_COMBINE_OTHER_SLOT_WEIGHT
-      const float wt = weights(t, (j + 1) % k);  // mutant (docs/MUTANTS.md): another slot's weight
+          const float wt =
+              weights(t, (j + 1) % k);  // mutant (docs/MUTANTS.md): another slot's weight
 #else
-      const float wt = weights(t, j);
+          const float wt = weights(t, j);
 #endif
-      const float* o = st.o + static_cast<std::size_t>(row) * st.ldo;
-      for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
-    }
-  }));
+          const float* o = st.o + static_cast<std::size_t>(row) * st.ldo;
+          for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
+        }
+      }));
 }
 
 }  // namespace moecert::experts

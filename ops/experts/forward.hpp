@@ -3,11 +3,11 @@
 // the backward to reuse.
 #pragma once
 
+#include <oneapi/tbb/parallel_for.h>
+
 #include <cstddef>
 
 #include "moecert/experts.hpp"
-#include <oneapi/tbb/parallel_for.h>
-
 #include "ops/core/task.hpp"
 #include "ops/experts/grouping.hpp"
 #include "ops/gemm/ukernel.hpp"
@@ -52,13 +52,12 @@ inline std::vector<Tile> tiles(const Grouping& g, std::size_t n, std::size_t mb,
 
 template <class F>
 void for_each_tile(const std::vector<Tile>& ts, F f) {
-  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, ts.size(), 1),
-                            moecert::detail::task([&](const oneapi::tbb::blocked_range<std::size_t>& r) {
-                              for (std::size_t i = r.begin(); i < r.end(); ++i) f(ts[i]);
-                            }));
+  oneapi::tbb::parallel_for(
+      oneapi::tbb::blocked_range<std::size_t>(0, ts.size(), 1),
+      moecert::detail::task([&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+        for (std::size_t i = r.begin(); i < r.end(); ++i) f(ts[i]);
+      }));
 }
-
-
 
 /// The forward on a bound arena (steps f_gather .. f_combine): the body of
 /// experts::forward and of the layer's forward. `lora` may be null. Without
@@ -66,7 +65,8 @@ void for_each_tile(const std::vector<Tile>& ts, F f) {
 /// for callers that read only y, h and o afterwards.
 void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const bf16> x,
                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
-                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st, bool keep_c1 = true);
+                  const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st,
+                  bool keep_c1 = true);
 
 struct Workspace::Impl {
   ForwardState state;

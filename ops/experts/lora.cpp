@@ -22,62 +22,68 @@ struct Dense {
 
 }  // namespace
 
-PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter, bool backward) {
+PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidden,
+                            std::size_t inter, bool backward) {
   return pack(l, experts, hidden, inter, backward, PackedLora{});
 }
 
-PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter, bool backward,
-                            PackedLora&& previous) {
+PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidden,
+                            std::size_t inter, bool backward, PackedLora&& previous) {
   PackedLora out;
   out.rank = l.rank;
   if (out.rank == 0) return out;
 #ifdef MOECERT_MUTANT_LORA_SCALE_INVERTED
-  out.scale = static_cast<float>(static_cast<double>(l.rank) / l.alpha);  // mutant (docs/MUTANTS.md): r / alpha
+  out.scale = static_cast<float>(static_cast<double>(l.rank) /
+                                 l.alpha);  // mutant (docs/MUTANTS.md): r / alpha
 #else
   out.scale = static_cast<float>(l.alpha / static_cast<double>(l.rank));
 #endif
   const std::size_t r = out.rank, H = hidden, I = inter;
-  out.experts = std::move(previous.experts);  // storage: each pack below reuses its buffer if the size matches
+  out.experts = std::move(
+      previous.experts);  // storage: each pack below reuses its buffer if the size matches
   out.experts.resize(experts);
   // gemm.pack's clauses per matrix, at the caller's settings on every thread.
-  oneapi::tbb::parallel_for(std::size_t{0}, out.experts.size(), moecert::detail::task([&](std::size_t e) {
-    auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };
-    auto au = [&](std::size_t k, std::size_t h) { return l.a_up(e * r + k, h); };
-    auto bg = [&](std::size_t i, std::size_t k) { return l.b_gate(e * I + i, k); };
-    auto bu = [&](std::size_t i, std::size_t k) { return l.b_up(e * I + i, k); };
-    PackedLoraExpert& p = out.experts[e];
-    // [A_g; A_u] (2r x H), and blockdiag(B_g, B_u) (2I x 2r): its rows [B_g | 0]
-    // then [0 | B_u], the gate and up halves of the fused B_gu.
-    Dense agu(2 * r, H), bgu(2 * I, 2 * r);
-    for (std::size_t k = 0; k < r; ++k)
-      for (std::size_t h = 0; h < H; ++h) agu(k, h) = ag(k, h), agu(r + k, h) = au(k, h);
-    for (std::size_t i = 0; i < I; ++i)
-      for (std::size_t k = 0; k < r; ++k) bgu(i, k) = bg(i, k), bgu(I + i, r + k) = bu(i, k);
-    const MatView<const bf16> bg0(bgu.v.data(), I, 2 * r), bu0(bgu.v.data() + I * 2 * r, I, 2 * r);
-    // A_d[e] and B_d[e] are row blocks of the stacked factors: packed in place.
-    const MatView<const bf16> a_d(l.a_down.row(e * r), r, I, l.a_down.stride), b_d(l.b_down.row(e * H), H, r, l.b_down.stride);
-    p.a_gu = gemm::PackedWeights::pack(agu.view(), {}, std::move(p.a_gu));
-    p.b_gu = gemm::PackedWeights::pack(bg0, bu0, std::move(p.b_gu));
-    p.a_d = gemm::PackedWeights::pack(a_d, {}, std::move(p.a_d));
+  oneapi::tbb::parallel_for(
+      std::size_t{0}, out.experts.size(), moecert::detail::task([&](std::size_t e) {
+        auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };
+        auto au = [&](std::size_t k, std::size_t h) { return l.a_up(e * r + k, h); };
+        auto bg = [&](std::size_t i, std::size_t k) { return l.b_gate(e * I + i, k); };
+        auto bu = [&](std::size_t i, std::size_t k) { return l.b_up(e * I + i, k); };
+        PackedLoraExpert& p = out.experts[e];
+        // [A_g; A_u] (2r x H), and blockdiag(B_g, B_u) (2I x 2r): its rows [B_g | 0]
+        // then [0 | B_u], the gate and up halves of the fused B_gu.
+        Dense agu(2 * r, H), bgu(2 * I, 2 * r);
+        for (std::size_t k = 0; k < r; ++k)
+          for (std::size_t h = 0; h < H; ++h) agu(k, h) = ag(k, h), agu(r + k, h) = au(k, h);
+        for (std::size_t i = 0; i < I; ++i)
+          for (std::size_t k = 0; k < r; ++k) bgu(i, k) = bg(i, k), bgu(I + i, r + k) = bu(i, k);
+        const MatView<const bf16> bg0(bgu.v.data(), I, 2 * r),
+            bu0(bgu.v.data() + I * 2 * r, I, 2 * r);
+        // A_d[e] and B_d[e] are row blocks of the stacked factors: packed in place.
+        const MatView<const bf16> a_d(l.a_down.row(e * r), r, I, l.a_down.stride),
+            b_d(l.b_down.row(e * H), H, r, l.b_down.stride);
+        p.a_gu = gemm::PackedWeights::pack(agu.view(), {}, std::move(p.a_gu));
+        p.b_gu = gemm::PackedWeights::pack(bg0, bu0, std::move(p.b_gu));
+        p.a_d = gemm::PackedWeights::pack(a_d, {}, std::move(p.a_d));
 #ifdef MOECERT_MUTANT_LORA_PADDING_GARBAGE
-    p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
-    if (p.b_d.kp() > r)  // mutant (docs/MUTANTS.md): rank padding (column 0, k = r) not zero
-      p.b_d.mutable_data_for_testing()[(r / 2) * 2 * gemm::kPanel + r % 2] = bf16(0.5f);
+        p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
+        if (p.b_d.kp() > r)  // mutant (docs/MUTANTS.md): rank padding (column 0, k = r) not zero
+          p.b_d.mutable_data_for_testing()[(r / 2) * 2 * gemm::kPanel + r % 2] = bf16(0.5f);
 #else
-    p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
+        p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
 #endif
-    if (!backward) {
-      for (auto* t : {&p.b_d_t, &p.a_d_t, &p.b_gu_t, &p.a_gu_t}) *t = gemm::PackedWeights{};
-      return;
-    }
-    // The backward's orientations are transposes of the same matrices:
-    // B_d^T, A_d^T, blockdiag(B_g, B_u)^T = [[B_g^T 0] [0 B_u^T]] and
-    // [A_g; A_u]^T = [A_g^T | A_u^T], packed straight from them.
-    p.b_d_t = gemm::PackedWeights::pack_transposed(b_d, std::move(p.b_d_t));
-    p.a_d_t = gemm::PackedWeights::pack_transposed(a_d, std::move(p.a_d_t));
-    p.b_gu_t = gemm::PackedWeights::pack_transposed(bgu.view(), std::move(p.b_gu_t));
-    p.a_gu_t = gemm::PackedWeights::pack_transposed(agu.view(), std::move(p.a_gu_t));
-  }));
+        if (!backward) {
+          for (auto* t : {&p.b_d_t, &p.a_d_t, &p.b_gu_t, &p.a_gu_t}) *t = gemm::PackedWeights{};
+          return;
+        }
+        // The backward's orientations are transposes of the same matrices:
+        // B_d^T, A_d^T, blockdiag(B_g, B_u)^T = [[B_g^T 0] [0 B_u^T]] and
+        // [A_g; A_u]^T = [A_g^T | A_u^T], packed straight from them.
+        p.b_d_t = gemm::PackedWeights::pack_transposed(b_d, std::move(p.b_d_t));
+        p.a_d_t = gemm::PackedWeights::pack_transposed(a_d, std::move(p.a_d_t));
+        p.b_gu_t = gemm::PackedWeights::pack_transposed(bgu.view(), std::move(p.b_gu_t));
+        p.a_gu_t = gemm::PackedWeights::pack_transposed(agu.view(), std::move(p.a_gu_t));
+      }));
   return out;
 }
 

@@ -3,8 +3,8 @@
 
 #include <vector>
 
-#include "moecert/gemm.hpp"
 #include "moecert/experts.hpp"
+#include "moecert/gemm.hpp"
 
 namespace moecert::experts {
 
@@ -29,9 +29,10 @@ struct PackedLora {
   /// Packs every expert's factors (both orientations when `backward`) for
   /// E experts of H -> I -> H, reusing the memory of `previous` where the
   /// shapes match.
-  static PackedLora pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter, bool backward,
-                         PackedLora&& previous);
-  static PackedLora pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter, bool backward);
+  static PackedLora pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter,
+                         bool backward, PackedLora&& previous);
+  static PackedLora pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter,
+                         bool backward);
 };
 
 }  // namespace moecert::experts

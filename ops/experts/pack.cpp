@@ -1,8 +1,8 @@
 // PackedExperts: per-expert packing of gate+up (fused) and down.
+#include <oneapi/tbb/parallel_for.h>
+
 #include <algorithm>
 #include <vector>
-
-#include <oneapi/tbb/parallel_for.h>
 
 #include "moecert/experts.hpp"
 #include "ops/core/task.hpp"
@@ -10,8 +10,9 @@
 
 namespace moecert::experts {
 
-PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gate, MatView<const bf16> w_up,
-                                  MatView<const bf16> w_down, bool backward) {
+PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gate,
+                                  MatView<const bf16> w_up, MatView<const bf16> w_down,
+                                  bool backward) {
   PackedExperts out;
   out.hidden_ = w_gate.cols;
   out.inter_ = experts ? w_gate.rows / experts : 0;
@@ -21,28 +22,31 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
   // gemm.pack's clauses run per matrix, at the caller's contract settings on
   // every thread (a violation escapes the parallel loop as the exception
   // oneTBB rethrows).
-  oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::task([&](std::size_t e) {
-    MatView<const bf16> g(w_gate.row(e * i_rows), i_rows, w_gate.cols, w_gate.stride);
-    MatView<const bf16> u(w_up.row(e * i_rows), i_rows, w_up.cols, w_up.stride);
-    MatView<const bf16> d(w_down.row(e * h_rows), h_rows, w_down.cols, w_down.stride);
-    out.gate_up_[e] = gemm::PackedWeights::pack(g, u);
-    out.down_[e] = gemm::PackedWeights::pack(d);
-  }));
+  oneapi::tbb::parallel_for(
+      std::size_t{0}, experts, moecert::detail::task([&](std::size_t e) {
+        MatView<const bf16> g(w_gate.row(e * i_rows), i_rows, w_gate.cols, w_gate.stride);
+        MatView<const bf16> u(w_up.row(e * i_rows), i_rows, w_up.cols, w_up.stride);
+        MatView<const bf16> d(w_down.row(e * h_rows), h_rows, w_down.cols, w_down.stride);
+        out.gate_up_[e] = gemm::PackedWeights::pack(g, u);
+        out.down_[e] = gemm::PackedWeights::pack(d);
+      }));
   if (!backward) return out;
   out.down_t_.resize(experts);
   out.gate_up_t_.resize(experts);
   // W_d^T, and [W_g^T | W_u^T] = [W_g; W_u]^T, packed from the weights'
   // rows (the gate and up rows stacked in one buffer: two arrays).
-  oneapi::tbb::parallel_for(std::size_t{0}, experts, moecert::detail::task([&](std::size_t e) {
-    std::vector<bf16> gu(2 * i_rows * h_rows);
-    for (std::size_t i = 0; i < i_rows; ++i) {
-      std::copy_n(w_gate.row(e * i_rows + i), h_rows, gu.data() + i * h_rows);
-      std::copy_n(w_up.row(e * i_rows + i), h_rows, gu.data() + (i_rows + i) * h_rows);
-    }
-    const MatView<const bf16> d(w_down.row(e * h_rows), h_rows, w_down.cols, w_down.stride);
-    out.down_t_[e] = gemm::PackedWeights::pack_transposed(d, {});
-    out.gate_up_t_[e] = gemm::PackedWeights::pack_transposed(MatView<const bf16>(gu.data(), 2 * i_rows, h_rows), {});
-  }));
+  oneapi::tbb::parallel_for(
+      std::size_t{0}, experts, moecert::detail::task([&](std::size_t e) {
+        std::vector<bf16> gu(2 * i_rows * h_rows);
+        for (std::size_t i = 0; i < i_rows; ++i) {
+          std::copy_n(w_gate.row(e * i_rows + i), h_rows, gu.data() + i * h_rows);
+          std::copy_n(w_up.row(e * i_rows + i), h_rows, gu.data() + (i_rows + i) * h_rows);
+        }
+        const MatView<const bf16> d(w_down.row(e * h_rows), h_rows, w_down.cols, w_down.stride);
+        out.down_t_[e] = gemm::PackedWeights::pack_transposed(d, {});
+        out.gate_up_t_[e] = gemm::PackedWeights::pack_transposed(
+            MatView<const bf16>(gu.data(), 2 * i_rows, h_rows), {});
+      }));
   return out;
 }
 
@@ -56,8 +60,10 @@ bf16 PackedExperts::up(std::size_t e, std::size_t i, std::size_t h) const {
 
 std::size_t PackedExperts::bytes() const {
   std::size_t b = 0;
-  for (std::size_t e = 0; e < experts(); ++e) b += (gate_up_[e].size() + down_[e].size()) * sizeof(bf16);
-  for (std::size_t e = 0; e < down_t_.size(); ++e) b += (down_t_[e].size() + gate_up_t_[e].size()) * sizeof(bf16);
+  for (std::size_t e = 0; e < experts(); ++e)
+    b += (gate_up_[e].size() + down_[e].size()) * sizeof(bf16);
+  for (std::size_t e = 0; e < down_t_.size(); ++e)
+    b += (down_t_[e].size() + gate_up_t_[e].size()) * sizeof(bf16);
   return b;
 }
 

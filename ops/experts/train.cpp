@@ -20,16 +20,18 @@ Saved& Saved::operator=(Saved&&) noexcept = default;
 bool Saved::valid() const { return impl_->valid; }
 std::size_t Saved::bytes() const { return impl_->arena.capacity(); }
 
-void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x, MatView<float> y, bool training) {
-  forward_impl(w, s.lora.rank ? &s.lora : nullptr, x, s.idx_view(), s.weights_view(), y, gemm::kernel_info(s.isa), s.arena,
-               s.st, training);  // c1: read by the backward only
+void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x,
+                         MatView<float> y, bool training) {
+  forward_impl(w, s.lora.rank ? &s.lora : nullptr, x, s.idx_view(), s.weights_view(), y,
+               gemm::kernel_info(s.isa), s.arena, s.st, training);  // c1: read by the backward only
   s.training = training;
   s.valid = true;
   ++s.generation;
 }
 
-void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, MatView<const std::int32_t> idx,
-                   MatView<const float> weights, MatView<float> y, Saved& saved, const TrainOptions& opt) {
+void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
+                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
+                   Saved& saved, const TrainOptions& opt) {
   const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker chk{"experts.forward_train"};
   contracts::experts_train_forward_pre(chk, w, lora, x, idx, weights, y);
@@ -37,9 +39,11 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
   Saved::Impl& s = saved.impl();
   s.valid = false;
   s.tokens = x.rows, s.topk = idx.cols;
-  s.experts = w.experts(), s.hidden = w.hidden(), s.inter = w.inter(), s.rank = lora.rank, s.alpha = lora.alpha;
+  s.experts = w.experts(), s.hidden = w.hidden(), s.inter = w.inter(), s.rank = lora.rank,
+  s.alpha = lora.alpha;
   const workspace::Plan plan =
-      workspace::plan_shape({s.experts, s.hidden, s.inter, s.topk, s.rank, s.tokens, 0}, opt.training, opt.memory_cap, chk);
+      workspace::plan_shape({s.experts, s.hidden, s.inter, s.topk, s.rank, s.tokens, 0},
+                            opt.training, opt.memory_cap, chk);
   if (plan.buffers.empty()) return;  // a plan clause failed under observe
   s.lora = PackedLora::pack(lora, s.experts, s.hidden, s.inter, opt.training, std::move(s.lora));
   MOECERT_CONTRACT(chk, clauses::experts_train::kFwdLoraPadding) {
@@ -60,8 +64,8 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
   contracts::experts_train_forward_post(chk, w, lora, x, y, s);
 }
 
-void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, MatView<const float> dy, Saved& saved,
-              const Gradients& grads) {
+void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
+              MatView<const float> dy, Saved& saved, const Gradients& grads) {
   const moecert::detail::FpDefaults fp;
   detail::Checker chk{"experts.backward"};
   contracts::experts_backward_pre(chk, w, lora, x, dy, saved.impl(), grads);
@@ -69,7 +73,8 @@ void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x, M
   Saved::Impl& s = saved.impl();
   s.arena.enter(workspace::b_gather, chk);
   MOECERT_CONTRACT(chk, clauses::experts_train::kBwdSavedFinite) {
-    contracts::train_saved_finite(chk, clauses::experts_train::kBwdSavedFinite, s, w.inter(), nullptr, 0);
+    contracts::train_saved_finite(chk, clauses::experts_train::kBwdSavedFinite, s, w.inter(),
+                                  nullptr, 0);
   }
   if (chk.stop()) return;
   const bool expert_path = wants_expert_path(grads);

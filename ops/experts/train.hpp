@@ -36,7 +36,8 @@ struct Saved::Impl : TrainState {
 
 /// The forward's steps f_gather .. f_combine on `s` (its arena bound, idx
 /// and weights in it, s.lora packed, s.isa set); afterwards s is valid.
-void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x, MatView<float> y, bool training);
+void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x,
+                         MatView<float> y, bool training);
 
 /// What the backward's first part leaves for the rest (arena buffers).
 struct DyRows {
@@ -48,15 +49,16 @@ struct DyRows {
 /// is not empty, dL/dw [T x K] = <dh', h> + <dyb, lb_d> (0 at -1 slots);
 /// with the expert path, dh += bf16(s dyb) A_d. dy rows and dh are formed
 /// only when either part runs.
-DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> dy, bool expert_path, MatView<float> dw,
-                   detail::Checker& chk);
+DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> dy, bool expert_path,
+                   MatView<float> dw, detail::Checker& chk);
 
 /// Steps b_swiglu .. b_scatter of the expert path: dg, du, dx rows, then
 /// grads.dx = sum_j dx rows in slot order, the LoRA and base-weight
 /// gradients and M_A, M_G. Without the expert path, the requested outputs
 /// are written with 0. grads.dweights is not touched.
-void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> x, MatView<const float> dy,
-                     const DyRows& d, const Gradients& grads, bool expert_path, detail::Checker& chk);
+void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> x,
+                     MatView<const float> dy, const DyRows& d, const Gradients& grads,
+                     bool expert_path, detail::Checker& chk);
 
 /// True when any output of the expert path is requested.
 bool wants_expert_path(const Gradients& g);

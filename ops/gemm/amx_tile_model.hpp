@@ -46,7 +46,8 @@ inline void zero(int t) { std::memset(state().tile[t], 0, sizeof state().tile[t]
 inline void load(int t, const void* src, std::size_t stride) {
   State& s = state();
   for (int r = 0; r < s.cfg.rows[t]; ++r)
-    std::memcpy(s.tile[t] + r * 64, static_cast<const std::uint8_t*>(src) + r * stride, s.cfg.colsb[t]);
+    std::memcpy(s.tile[t] + r * 64, static_cast<const std::uint8_t*>(src) + r * stride,
+                s.cfg.colsb[t]);
 }
 
 inline void store(int t, void* dst, std::size_t stride) {

@@ -1,16 +1,16 @@
 // ISA detection and the MOECERT_ISA override: the one place that decides
 // which kernel level may run (CPUID, XGETBV, the AMX permission request).
+#include "ops/gemm/dispatch.hpp"
+
 #include <cpuid.h>
+#include <fmt/format.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
 
-#include <fmt/format.h>
-
 #include "moecert/isa.hpp"
-#include "ops/gemm/dispatch.hpp"
 #include "ops/gemm/ukernel.hpp"
 
 #if defined(__linux__)
@@ -72,8 +72,8 @@ CpuInfo detect() {
   }
   if (osxsave) {
     const std::uint64_t xcr0 = xgetbv0();
-    c.os_avx512 = (xcr0 & 0xe6) == 0xe6;                          // SSE, AVX, opmask, ZMM
-    c.os_amx = ((xcr0 >> 17) & 3) == 3;                            // XTILECFG, XTILEDATA
+    c.os_avx512 = (xcr0 & 0xe6) == 0xe6;  // SSE, AVX, opmask, ZMM
+    c.os_amx = ((xcr0 >> 17) & 3) == 3;   // XTILECFG, XTILEDATA
   }
   if (c.amx_tile && c.amx_bf16 && c.os_amx) c.amx_permission = request_amx_permission();
 
@@ -95,10 +95,14 @@ bool hw_detected(Isa isa) {
   const CpuInfo& c = cpu_info();
   const bool avx512 = c.avx512f && c.avx512bw && c.avx512vl && c.os_avx512;
   switch (isa) {
-    case Isa::scalar: return true;
-    case Isa::avx512_bf16: return avx512 && c.avx512_bf16;
-    case Isa::amx_bf16: return c.amx_tile && c.amx_bf16 && c.os_amx && c.amx_permission;
-    case Isa::amx_emu: return true;
+    case Isa::scalar:
+      return true;
+    case Isa::avx512_bf16:
+      return avx512 && c.avx512_bf16;
+    case Isa::amx_bf16:
+      return c.amx_tile && c.amx_bf16 && c.os_amx && c.amx_permission;
+    case Isa::amx_emu:
+      return true;
   }
   return false;
 }
@@ -111,14 +115,14 @@ std::optional<Isa> resolve_forced_isa(const char* env) {
   if (!env || !*env) return std::nullopt;
   const auto isa = parse_isa(env);
   if (!isa)
-    throw std::invalid_argument(
-        fmt::format("MOECERT_ISA={}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", env));
-  if (!hw_detected(*isa))
     throw std::invalid_argument(fmt::format(
-        "MOECERT_ISA={}: not supported by this CPU/OS; usable here: {}", env,
-        hw_detected(Isa::amx_bf16)       ? "scalar, avx512_bf16, amx_bf16, amx_emu"
-        : hw_detected(Isa::avx512_bf16) ? "scalar, avx512_bf16, amx_emu"
-                                        : "scalar, amx_emu"));
+        "MOECERT_ISA={}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", env));
+  if (!hw_detected(*isa))
+    throw std::invalid_argument(
+        fmt::format("MOECERT_ISA={}: not supported by this CPU/OS; usable here: {}", env,
+                    hw_detected(Isa::amx_bf16)      ? "scalar, avx512_bf16, amx_bf16, amx_emu"
+                    : hw_detected(Isa::avx512_bf16) ? "scalar, avx512_bf16, amx_emu"
+                                                    : "scalar, amx_emu"));
   return isa;
 }
 
@@ -195,22 +199,27 @@ const KernelInfo& kernel_info(Isa isa) {
   static const ScaleToBf16Fn vec_cvt = avx512 ? scale_to_bf16_avx512 : scale_to_bf16_scalar;
   static const Dot16Fn vec_dot = avx512 ? dot16_avx512 : dot16_scalar;
   static const KernelInfo table[] = {
-      {Isa::scalar, 8, 32, 0, 0, ALayout::rows, ukernel_scalar_8x32, ukernel_scalar_edge, false, no_hook, no_hook, swiglu_scalar, swiglu_backward_scalar,
-       rank_sums_scalar, scale_to_bf16_scalar, dot16_scalar, "ukernel_scalar_8x32"},
-      {Isa::avx512_bf16, 8, 32, 0, 0, ALayout::rows, ukernel_avx512_bf16_8x32, ukernel_avx512_bf16_edge, false, no_hook, no_hook, swiglu_avx512,
-       swiglu_backward_avx512, rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, "ukernel_avx512_bf16_8x32"},
-      {Isa::amx_bf16, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_bf16_32x32, ukernel_amx_bf16_edge, true, amx_bf16_tile_begin, amx_bf16_tile_end,
-       swiglu_avx512, swiglu_backward_avx512, rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, "ukernel_amx_bf16_32x32"},
-      {Isa::amx_emu, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_emu_32x32, ukernel_amx_emu_edge, true, amx_emu_tile_begin, amx_emu_tile_end, vec,
-       vec_bwd, vec_sums, vec_cvt, vec_dot, "ukernel_amx_emu_32x32"},
+      {Isa::scalar, 8, 32, 0, 0, ALayout::rows, ukernel_scalar_8x32, ukernel_scalar_edge, false,
+       no_hook, no_hook, swiglu_scalar, swiglu_backward_scalar, rank_sums_scalar,
+       scale_to_bf16_scalar, dot16_scalar, "ukernel_scalar_8x32"},
+      {Isa::avx512_bf16, 8, 32, 0, 0, ALayout::rows, ukernel_avx512_bf16_8x32,
+       ukernel_avx512_bf16_edge, false, no_hook, no_hook, swiglu_avx512, swiglu_backward_avx512,
+       rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, "ukernel_avx512_bf16_8x32"},
+      {Isa::amx_bf16, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_bf16_32x32,
+       ukernel_amx_bf16_edge, true, amx_bf16_tile_begin, amx_bf16_tile_end, swiglu_avx512,
+       swiglu_backward_avx512, rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512,
+       "ukernel_amx_bf16_32x32"},
+      {Isa::amx_emu, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_emu_32x32,
+       ukernel_amx_emu_edge, true, amx_emu_tile_begin, amx_emu_tile_end, vec, vec_bwd, vec_sums,
+       vec_cvt, vec_dot, "ukernel_amx_emu_32x32"},
   };
   if (!isa_usable(isa))
-    throw std::invalid_argument(fmt::format("isa {}: not usable on this machine (usable: {})",
-                                            isa_name(isa), [] {
-                                              std::string s;
-                                              for (Isa i : usable_isas()) s += (s.empty() ? "" : ", ") + std::string(isa_name(i));
-                                              return s;
-                                            }()));
+    throw std::invalid_argument(
+        fmt::format("isa {}: not usable on this machine (usable: {})", isa_name(isa), [] {
+          std::string s;
+          for (Isa i : usable_isas()) s += (s.empty() ? "" : ", ") + std::string(isa_name(i));
+          return s;
+        }()));
   return table[static_cast<int>(isa)];
 }
 }  // namespace gemm

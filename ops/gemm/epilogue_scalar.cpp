@@ -11,8 +11,8 @@ void swiglu_scalar(const float* g, const float* u, bf16* h, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) h[i] = bf16(exp_poly::swiglu(g[i], u[i]));
 }
 
-void swiglu_backward_scalar(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du,
-                            std::size_t n) {
+void swiglu_backward_scalar(const float* g, const float* u, const float* dh, float w, bf16* dg,
+                            bf16* du, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
     float a, b;
     exp_poly::swiglu_backward(g[i], u[i], dh[i], w, a, b);
@@ -38,15 +38,16 @@ float dot16_one(const float* x, const float* w, std::size_t n) {
 }
 }  // namespace
 
-void dot16_scalar(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw, std::size_t n,
-                  float* out, std::size_t ldo) {
+void dot16_scalar(const float* const* x, std::size_t nx, const float* w, std::size_t ldw,
+                  std::size_t nw, std::size_t n, float* out, std::size_t ldo) {
   for (std::size_t i = 0; i < nx; ++i)
     for (std::size_t e = 0; e < nw; ++e) out[i * ldo + e] = dot16_one(x[i], w + e * ldw, n);
 }
 
 void rank_sums_scalar(const RankSumArgs& p) {
 #ifdef MOECERT_MUTANT_RANK_SUMS_LAST_ROW_DROPPED
-  for (std::size_t q = 0; q + 1 < p.m; ++q) {  // mutant (docs/MUTANTS.md): the last row left out of every sum
+  for (std::size_t q = 0; q + 1 < p.m;
+       ++q) {  // mutant (docs/MUTANTS.md): the last row left out of every sum
 #else
   for (std::size_t q = 0; q < p.m; ++q) {
 #endif

@@ -13,12 +13,13 @@
 namespace moecert::gemm::exp_poly {
 
 inline constexpr float kLog2e = 0x1.715476p+0f;
-inline constexpr float kLn2Hi = 0x1.62e400p-1f;   // ln 2, high bits (n * kLn2Hi exact for |n| < 2^9)
+inline constexpr float kLn2Hi = 0x1.62e400p-1f;  // ln 2, high bits (n * kLn2Hi exact for |n| < 2^9)
 inline constexpr float kLn2Lo = 0x1.7f7d1cp-20f;  // ln 2 - kLn2Hi
 inline constexpr float kMax = 88.7228f;           // beyond: +Inf
 inline constexpr float kMin = -103.9721f;         // below: +0
-inline constexpr float kC[8] = {1.0f, 1.0f, 0x1p-1f, 0x1.555556p-3f, 0x1.555556p-5f, 0x1.111112p-7f, 0x1.6c16c2p-10f,
-                                0x1.a01a02p-13f};  // 1/k!
+inline constexpr float kC[8] = {
+    1.0f,           1.0f,           0x1p-1f,         0x1.555556p-3f,
+    0x1.555556p-5f, 0x1.111112p-7f, 0x1.6c16c2p-10f, 0x1.a01a02p-13f};  // 1/k!
 
 inline float exp(float x) {
   if (!(x < kMax)) return x != x ? x : INFINITY;

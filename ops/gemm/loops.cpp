@@ -11,21 +11,23 @@
 
 namespace moecert::gemm {
 
-void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
-            std::size_t kp, bf16* dst) {
+void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::size_t m,
+            std::size_t m_padded, std::size_t kp, bf16* dst) {
   const std::size_t lda = a_stride(l, kp);
   const bf16 zero{};
   for (std::size_t i = 0; i < m_padded; ++i) {
     const bf16* src = i < m ? a.row(rows ? static_cast<std::size_t>(rows[i]) : i) : nullptr;
     const std::size_t valid = src ? a.cols : 0;
-    if (rows && i + 1 < m) detail::prefetch_lines(a.row(static_cast<std::size_t>(rows[i + 1])), a.cols * sizeof(bf16));
+    if (rows && i + 1 < m)
+      detail::prefetch_lines(a.row(static_cast<std::size_t>(rows[i + 1])), a.cols * sizeof(bf16));
     if (l == ALayout::rows) {  // one contiguous row
       bf16* d = dst + i * lda;
       if (valid) std::memcpy(static_cast<void*>(d), src, valid * sizeof(bf16));
       std::fill(d + valid, d + kp, zero);
     } else if (valid == kp) {  // the row's 32-element pieces, one per tile; a fixed-size copy each
       for (std::size_t k0 = 0; k0 < kp; k0 += kKStep)
-        std::memcpy(static_cast<void*>(dst + a_offset(l, lda, i, k0)), src + k0, kKStep * sizeof(bf16));
+        std::memcpy(static_cast<void*>(dst + a_offset(l, lda, i, k0)), src + k0,
+                    kKStep * sizeof(bf16));
     } else {  // the same with K padding
       for (std::size_t k0 = 0; k0 < kp; k0 += kKStep) {
         bf16* d = dst + a_offset(l, lda, i, k0);
@@ -37,14 +39,16 @@ void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::siz
   }
 }
 
-void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld, const std::int32_t* rows, std::size_t m,
-                std::size_t m_padded, std::size_t k, std::size_t kp, float scale, bf16* dst) {
+void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld,
+                const std::int32_t* rows, std::size_t m, std::size_t m_padded, std::size_t k,
+                std::size_t kp, float scale, bf16* dst) {
   const ALayout l = kernel.a_layout;
   const std::size_t lda = a_stride(l, kp), piece = l == ALayout::rows ? kp : kKStep;
   const bf16 zero{};
   for (std::size_t i = 0; i < m_padded; ++i) {
     const float* s = i < m ? src + (rows ? static_cast<std::size_t>(rows[i]) : i) * ld : nullptr;
-    if (rows && i + 1 < m) detail::prefetch_lines(src + static_cast<std::size_t>(rows[i + 1]) * ld, k * sizeof(float));
+    if (rows && i + 1 < m)
+      detail::prefetch_lines(src + static_cast<std::size_t>(rows[i + 1]) * ld, k * sizeof(float));
     for (std::size_t k0 = 0; k0 < kp; k0 += piece) {  // contiguous pieces of the packed row
       bf16* d = dst + a_offset(l, lda, i, k0);
       const std::size_t n = s && k0 < k ? std::min(piece, k - k0) : 0;
@@ -55,12 +59,15 @@ void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld, cons
 }
 
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
-                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc,
-                const BlockOptions& opt) {
-  const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp(), lda = a_stride(kernel.a_layout, kp);
+                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c,
+                std::size_t ldc, const BlockOptions& opt) {
+  const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp(),
+                    lda = a_stride(kernel.a_layout, kp);
   const std::size_t kp2 = opt.w2 ? opt.w2->kp() : 0, lda2 = a_stride(kernel.a_layout, kp2);
 #ifdef MOECERT_MUTANT_SHARED_EDGE_TILE_RACE
-  alignas(64) static float edge[32 * 32];  // mutant (docs/MUTANTS.md): one scratch block shared by every thread (a data race)
+  alignas(64) static float
+      edge[32 *
+           32];  // mutant (docs/MUTANTS.md): one scratch block shared by every thread (a data race)
 #else
   alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
 #endif
@@ -123,7 +130,7 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
           args.side_n = in_call.rows;
           if (args.kp2) args.a2 = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
           float* const cblk = c + (m0 * ldc + (n0 - opt.c_col0));  // C's element (m0, n0)
-          if (mm == mr && nn == nr) {  // full block: straight into C
+          if (mm == mr && nn == nr) {                              // full block: straight into C
             args.c = cblk;
             args.ldc = ldc;
             kernel.ukernel(args);
@@ -143,14 +150,20 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
             args.rows = mm;
             (short_block ? kernel.ukernel_edge : kernel.ukernel)(args);
 #ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
-            for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
+            for (std::size_t i = 0; i < mm; ++i)
+              std::memcpy(
+                  cblk + i * ldc, blk + i * nr,
+                  (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
 #else
-            for (std::size_t i = 0; i < mm; ++i) std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
+            for (std::size_t i = 0; i < mm; ++i)
+              std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
 #endif
           }
           if (opt.epilogue && last) {
-            if (kernel.side_steps) pending = {&opt, m0, mm, n0, n0 + nn};
-            else opt.epilogue(m0, m0 + mm, n0, n0 + nn);
+            if (kernel.side_steps)
+              pending = {&opt, m0, mm, n0, n0 + nn};
+            else
+              opt.epilogue(m0, m0 + mm, n0, n0 + nn);
           }
         }
       }

@@ -13,7 +13,9 @@ namespace moecert::gemm {
 /// lda of packed A of depth kp. rows: kp plus 64 bytes, so that rows are
 /// never a multiple of 4 KiB apart (rows at a power-of-two stride share L1
 /// sets); tiles: one 16-row block.
-inline std::size_t a_stride(ALayout l, std::size_t kp) { return l == ALayout::rows ? kp + 32 : kTileRows * kp; }
+inline std::size_t a_stride(ALayout l, std::size_t kp) {
+  return l == ALayout::rows ? kp + 32 : kTileRows * kp;
+}
 /// Elements of packed A with m_padded rows (a multiple of the kernel's MR).
 inline std::size_t a_size(ALayout l, std::size_t m_padded, std::size_t kp) {
   return l == ALayout::rows ? m_padded * a_stride(l, kp) : m_padded * kp;
@@ -30,12 +32,14 @@ inline constexpr std::size_t kItemBBytes = std::size_t{1} << 20;
 /// columns, the dx GEMM (K = 2I, 1.4 MiB of B at 256) 3-6% faster, the down
 /// and dh GEMMs 0-8%, gate/up even at T = 4096 and 4-7% faster at T = 1024
 /// (twice the items for 16 threads).
-inline std::size_t item_cols(std::size_t kp) { return 128 * kp * sizeof(bf16) <= kItemBBytes ? 128 : 256; }
+inline std::size_t item_cols(std::size_t kp) {
+  return 128 * kp * sizeof(bf16) <= kItemBBytes ? 128 : 256;
+}
 
 /// Copies rows of A (row rows[i] of `a`, or row i when rows is null) into dst
 /// in layout l, K zero-padded to kp and rows m..m_padded-1 zero.
-void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::size_t m, std::size_t m_padded,
-            std::size_t kp, bf16* dst);
+void pack_a(ALayout l, MatView<const bf16> a, const std::int32_t* rows, std::size_t m,
+            std::size_t m_padded, std::size_t kp, bf16* dst);
 
 /// A non-owning reference to a callable (the callable outlives the call).
 template <class Sig>
@@ -46,7 +50,8 @@ class FunctionRef<R(Args...)> {
   FunctionRef() = default;
   template <class F>
   FunctionRef(const F& f)  // NOLINT: implicit, like a reference
-      : obj_(&f), call_([](const void* o, Args... a) -> R { return (*static_cast<const F*>(o))(a...); }) {}
+      : obj_(&f),
+        call_([](const void* o, Args... a) -> R { return (*static_cast<const F*>(o))(a...); }) {}
   explicit operator bool() const { return call_ != nullptr; }
   R operator()(Args... a) const { return call_(obj_, a...); }
 
@@ -85,14 +90,15 @@ struct BlockOptions {
 /// multiple of the kernel's NR. Calls the kernel's thread hooks around the
 /// work.
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
-                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c, std::size_t ldc,
-                const BlockOptions& opt = {});
+                std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c,
+                std::size_t ldc, const BlockOptions& opt = {});
 
 /// pack_a from fp32 rows, in the kernel's layout: dst row i =
 /// bf16(scale * src[rows[i] or i][0:k]) (one fp32 multiplication, then round
 /// to nearest even; the kernel's to_bf16), zero-padded.
-void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld, const std::int32_t* rows, std::size_t m,
-                std::size_t m_padded, std::size_t k, std::size_t kp, float scale, bf16* dst);
+void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld,
+                const std::int32_t* rows, std::size_t m, std::size_t m_padded, std::size_t k,
+                std::size_t kp, float scale, bf16* dst);
 
 inline std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }
 

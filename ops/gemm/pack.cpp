@@ -26,7 +26,8 @@ constexpr std::size_t lo = 0, hi = 1;  // a VNNI pair: k even, then k + 1
 // zero.
 void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst) {
   const std::size_t rows = w.rows > p * kPanel ? std::min(kPanel, w.rows - p * kPanel) : 0;
-  const std::size_t pairs = (w.cols + 1) / 2, whole = w.cols / 2;  // k pairs; those without K's odd end
+  const std::size_t pairs = (w.cols + 1) / 2,
+                    whole = w.cols / 2;  // k pairs; those without K's odd end
   const bf16 zero{};
   const bf16* src[kPanel];
   for (std::size_t n = 0; n < rows; ++n) src[n] = w.row(p * kPanel + n);
@@ -34,7 +35,8 @@ void pack_panel(MatView<const bf16> w, std::size_t p, std::size_t kp, bf16* dst)
     bf16* d = dst + kk * 2 * kPanel;
     const std::size_t k = 2 * kk;
     if (kk < whole) {
-      for (std::size_t n = 0; n < rows; ++n) d[2 * n + lo] = src[n][k], d[2 * n + hi] = src[n][k + 1];
+      for (std::size_t n = 0; n < rows; ++n)
+        d[2 * n + lo] = src[n][k], d[2 * n + hi] = src[n][k + 1];
     } else {
       for (std::size_t n = 0; n < rows; ++n) d[2 * n + lo] = src[n][k], d[2 * n + hi] = zero;
     }
@@ -73,7 +75,8 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
   return pack(w, second, PackedWeights{});
 }
 
-PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage) {
+PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> second,
+                                  PackedWeights&& storage) {
   const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker c{"gemm.pack"};
   contracts::gemm_pack_pre(c, w, second);
@@ -83,15 +86,18 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
   return out;
 }
 
-PackedWeights PackedWeights::sized(std::size_t rows, std::size_t depth, bool interleaved, PackedWeights&& storage) {
+PackedWeights PackedWeights::sized(std::size_t rows, std::size_t depth, bool interleaved,
+                                   PackedWeights&& storage) {
   PackedWeights out;
   out.interleaved_ = interleaved;
   out.k_ = depth;
   out.kp_ = round_up(std::max<std::size_t>(depth, 1), kKStep);
   out.n_ = interleaved ? 2 * round_up(rows, kPanel) : rows;
   out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
-  if (storage.data_ && storage.size() == out.np_ * out.kp_) out.data_ = std::move(storage.data_);
-  else out.data_.reset(static_cast<bf16*>(detail::allocate(out.np_ * out.kp_ * sizeof(bf16))));
+  if (storage.data_ && storage.size() == out.np_ * out.kp_)
+    out.data_ = std::move(storage.data_);
+  else
+    out.data_.reset(static_cast<bf16*>(detail::allocate(out.np_ * out.kp_ * sizeof(bf16))));
   return out;
 }
 
@@ -101,20 +107,24 @@ PackedWeights PackedWeights::pack_transposed(MatView<const bf16> wt, PackedWeigh
   contracts::gemm_pack_pre(c, wt, {});
   if (c.stop()) return {};
   PackedWeights out = sized(wt.cols, wt.rows, false, std::move(storage));
-  for (std::size_t p = 0; p < out.np_ / kPanel; ++p) pack_panel_transposed(wt, p, out.kp_, out.data_.get() + p * out.kp_ * kPanel);
+  for (std::size_t p = 0; p < out.np_ / kPanel; ++p)
+    pack_panel_transposed(wt, p, out.kp_, out.data_.get() + p * out.kp_ * kPanel);
   out.checksum_ = out.compute_checksum();
   contracts::gemm_pack_transposed_post(c, wt, out);
   return out;
 }
 
-PackedWeights PackedWeights::pack_operand(MatView<const bf16> w, MatView<const bf16> second, PackedWeights&& storage) {
+PackedWeights PackedWeights::pack_operand(MatView<const bf16> w, MatView<const bf16> second,
+                                          PackedWeights&& storage) {
   PackedWeights out = sized(w.rows, w.cols, second.data != nullptr, std::move(storage));
   const std::size_t panel_elems = out.kp_ * kPanel;
   const std::size_t panels = out.np_ / kPanel;
   for (std::size_t p = 0; p < panels; ++p) {
     bf16* dst = out.data_.get() + p * panel_elems;
-    if (out.interleaved_) pack_panel(p % 2 == 0 ? w : second, p / 2, out.kp_, dst);
-    else pack_panel(w, p, out.kp_, dst);
+    if (out.interleaved_)
+      pack_panel(p % 2 == 0 ? w : second, p / 2, out.kp_, dst);
+    else
+      pack_panel(w, p, out.kp_, dst);
   }
   out.checksum_ = out.compute_checksum();
   return out;

@@ -23,9 +23,10 @@ namespace moecert::gemm {
 // time of T = 1024). acc holds the sums between blocks: fp32 stores and
 // reloads, the same bits.
 template <class RowAt>
-void row_sums(const KernelInfo& kernel, std::size_t q0, std::size_t m, std::size_t r, const float* s, std::size_t lds,
-              const float* vscale, bool v_bf16, RowAt row_at, std::size_t chunk, std::size_t shift, std::size_t n0,
-              std::size_t n1, float* acc, std::size_t ldacc) {
+void row_sums(const KernelInfo& kernel, std::size_t q0, std::size_t m, std::size_t r,
+              const float* s, std::size_t lds, const float* vscale, bool v_bf16, RowAt row_at,
+              std::size_t chunk, std::size_t shift, std::size_t n0, std::size_t n1, float* acc,
+              std::size_t ldacc) {
   constexpr std::size_t kRows = 64;
   const void* ptr[kRows];
   for (std::size_t b0 = 0; b0 < m; b0 += kRows) {
@@ -34,7 +35,8 @@ void row_sums(const KernelInfo& kernel, std::size_t q0, std::size_t m, std::size
       const std::size_t len = chunk ? std::min(n1 - j, chunk - (j + shift) % chunk) : n1 - j;
       for (std::size_t q = 0; q < bm; ++q) ptr[q] = row_at(q0 + b0 + q, j);
       RankSumArgs a;
-      a.m = bm, a.r = r, a.n = len, a.v = ptr, a.v_bf16 = v_bf16, a.vscale = vscale ? vscale + b0 : nullptr;
+      a.m = bm, a.r = r, a.n = len, a.v = ptr, a.v_bf16 = v_bf16,
+      a.vscale = vscale ? vscale + b0 : nullptr;
       a.s = s + b0 * lds, a.lds = lds, a.acc = acc + (j - n0), a.ldacc = ldacc;
       kernel.rank_sums(a);
       j += len;

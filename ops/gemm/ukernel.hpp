@@ -27,7 +27,8 @@ enum class ALayout : std::uint8_t { rows, tiles };
 /// Offset of A element (r, k) in a packed A of the given layout and lda.
 constexpr std::size_t a_offset(ALayout l, std::size_t lda, std::size_t r, std::size_t k) {
   return l == ALayout::rows ? r * lda + k
-                            : (r / kTileRows) * lda + (k / kKStep) * (kTileRows * kKStep) + (r % kTileRows) * kKStep + k % kKStep;
+                            : (r / kTileRows) * lda + (k / kKStep) * (kTileRows * kKStep) +
+                                  (r % kTileRows) * kKStep + k % kKStep;
 }
 
 // What a kernel reads: A's rows of the block (MR, or the edge kernel's own
@@ -48,7 +49,7 @@ struct UkernelArgs {
   std::size_t kp;            // K, padded to kKStep
   float* c;                  // MR x NR, stride ldc elements
   std::size_t ldc;
-  bool accumulate;           // false: C is written without being read (it may hold NaN)
+  bool accumulate;  // false: C is written without being read (it may hold NaN)
   // KernelInfo::ukernel_edge only: the rows of the block wanted, 1..MR-1.
   std::size_t rows = 0;
   // An optional second product into the same C (kp2 > 0): after the K steps
@@ -80,8 +81,8 @@ using SwigluFn = void (*)(const float* g, const float* u, bf16* h, std::size_t n
 /// The SwiGLU backward of n elements (exp_poly::swiglu_backward, then bf16):
 /// dg[i], du[i] from gate g[i], up u[i], dh[i] and the row's routing weight
 /// w. Bit-identical across implementations, like SwigluFn.
-using SwigluBackwardFn = void (*)(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du,
-                                  std::size_t n);
+using SwigluBackwardFn = void (*)(const float* g, const float* u, const float* dh, float w,
+                                  bf16* dg, bf16* du, std::size_t n);
 
 /// Sums over rows of rank-r outer products, the shape of every LoRA and
 /// router-linear weight gradient: for q = 0..m-1 in order, k < r, j < n,
@@ -94,7 +95,7 @@ struct RankSumArgs {
   std::size_t m = 0, r = 0, n = 0;
   const void* const* v = nullptr;  // m row pointers
   bool v_bf16 = false;
-  const float* vscale = nullptr;   // m factors, or null
+  const float* vscale = nullptr;  // m factors, or null
   const float* s = nullptr;
   std::size_t lds = 0;
   float* acc = nullptr;
@@ -112,17 +113,18 @@ using ScaleToBf16Fn = void (*)(const float* src, float scale, bf16* dst, std::si
 /// fixed tree 8, 4, 2, 1 (the router linear; proofs/bounds.md §1). Every
 /// product on its own: bit-identical across implementations and block
 /// shapes (the AVX-512 one keeps 4 x 4 of them in registers).
-using Dot16Fn = void (*)(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw,
-                         std::size_t n, float* out, std::size_t ldo);
+using Dot16Fn = void (*)(const float* const* x, std::size_t nx, const float* w, std::size_t ldw,
+                         std::size_t nw, std::size_t n, float* out, std::size_t ldo);
 
 /// A kernel as registered in dispatch.cpp.
 struct KernelInfo {
   Isa isa;
-  std::size_t mr, nr;     // block of C per call
-  std::size_t kc;         // K block of the loops (multiple of kKStep); 0: all of K in one call
-  std::size_t mc;         // rows per block of the loops, outside the column blocks, where the item's B fits
-                          // kItemBBytes (loops.hpp); a multiple of mr; 0: all rows
-  ALayout a_layout;       // how A is packed for it
+  std::size_t mr, nr;  // block of C per call
+  std::size_t kc;      // K block of the loops (multiple of kKStep); 0: all of K in one call
+  std::size_t
+      mc;  // rows per block of the loops, outside the column blocks, where the item's B fits
+           // kItemBBytes (loops.hpp); a multiple of mr; 0: all rows
+  ALayout a_layout;  // how A is packed for it
   UkernelFn ukernel;
   // Or null: for edge blocks of UkernelArgs::rows < MR rows. C's rows
   // [0, rows) come out bit for bit as the full kernel's (each row's products
@@ -131,15 +133,16 @@ struct KernelInfo {
   // expert's 1-7 routed rows cost 1-7 rows, not 8: at T = 48, K = 6, E = 64
   // about 4.5 rows per expert).
   UkernelFn ukernel_edge;
-  bool side_steps;         // runs UkernelArgs::side between its k steps (AMX: the vector units idle meanwhile)
+  bool
+      side_steps;  // runs UkernelArgs::side between its k steps (AMX: the vector units idle meanwhile)
   void (*thread_begin)();  // before a thread's first call in a work item (AMX: tile config)
   void (*thread_end)();    // after its last (AMX: tile release)
   SwigluFn swiglu;         // the epilogue to pair with it
   SwigluBackwardFn swiglu_backward;
-  RankSumFn rank_sums;     // the gradient sums of the layer backward
-  ScaleToBf16Fn to_bf16;   // fp32 rows into A operands (pack_a_f32)
-  Dot16Fn dot16;           // the router linear's dot products
-  const char* name;        // e.g. "ukernel_amx_bf16_32x32"
+  RankSumFn rank_sums;    // the gradient sums of the layer backward
+  ScaleToBf16Fn to_bf16;  // fp32 rows into A operands (pack_a_f32)
+  Dot16Fn dot16;          // the router linear's dot products
+  const char* name;       // e.g. "ukernel_amx_bf16_32x32"
 };
 
 /// The kernel of `isa` (amx_bf16 only where usable: dispatch refuses otherwise).
@@ -156,16 +159,18 @@ void ukernel_amx_emu_32x32(const UkernelArgs&);
 void ukernel_amx_emu_edge(const UkernelArgs&);
 void swiglu_scalar(const float* g, const float* u, bf16* h, std::size_t n);
 void swiglu_avx512(const float* g, const float* u, bf16* h, std::size_t n);
-void swiglu_backward_scalar(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du, std::size_t n);
-void swiglu_backward_avx512(const float* g, const float* u, const float* dh, float w, bf16* dg, bf16* du, std::size_t n);
+void swiglu_backward_scalar(const float* g, const float* u, const float* dh, float w, bf16* dg,
+                            bf16* du, std::size_t n);
+void swiglu_backward_avx512(const float* g, const float* u, const float* dh, float w, bf16* dg,
+                            bf16* du, std::size_t n);
 void rank_sums_scalar(const RankSumArgs&);
 void rank_sums_avx512(const RankSumArgs&);
 void scale_to_bf16_scalar(const float* src, float scale, bf16* dst, std::size_t n);
 void scale_to_bf16_avx512(const float* src, float scale, bf16* dst, std::size_t n);
-void dot16_scalar(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw, std::size_t n,
-                  float* out, std::size_t ldo);
-void dot16_avx512(const float* const* x, std::size_t nx, const float* w, std::size_t ldw, std::size_t nw, std::size_t n,
-                  float* out, std::size_t ldo);
+void dot16_scalar(const float* const* x, std::size_t nx, const float* w, std::size_t ldw,
+                  std::size_t nw, std::size_t n, float* out, std::size_t ldo);
+void dot16_avx512(const float* const* x, std::size_t nx, const float* w, std::size_t ldw,
+                  std::size_t nw, std::size_t n, float* out, std::size_t ldo);
 void amx_bf16_tile_begin();
 void amx_bf16_tile_end();
 void amx_emu_tile_begin();

@@ -37,12 +37,12 @@ inline TileConfig tile_config() {
 // C tiles 0-3 (0-1 with 16 rows); with `side`, its call i after step i (the
 // vector units are free while the tiles multiply).
 template <class Tiles, int Rows>
-inline void steps(const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride, std::size_t kp,
-                  const UkernelArgs* side = nullptr) {
+inline void steps(const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride,
+                  std::size_t kp, const UkernelArgs* side = nullptr) {
   constexpr bool two = Rows == 32;
   constexpr std::size_t kTile = kTileRows * kKStep;  // elements per A tile
-  const bf16* a0 = a;        // rows 0-15: tile per k step, contiguous
-  const bf16* a1 = a + lda;  // rows 16-31 (32 rows only)
+  const bf16* a0 = a;                                // rows 0-15: tile per k step, contiguous
+  const bf16* a1 = a + lda;                          // rows 16-31 (32 rows only)
   const bf16* b0 = b;
   const bf16* b1 = b + panel_stride;
   for (std::size_t k = 0; k < kp; k += kKStep) {
@@ -116,12 +116,16 @@ inline void ukernel_rows(const UkernelArgs& p) {
 }
 
 template <class Tiles>
-inline void ukernel_32x32(const UkernelArgs& p) { ukernel_rows<Tiles, 32>(p); }
+inline void ukernel_32x32(const UkernelArgs& p) {
+  ukernel_rows<Tiles, 32>(p);
+}
 /// Edge blocks: 16 rows where p.rows <= 16, else all 32.
 template <class Tiles>
 inline void ukernel_edge(const UkernelArgs& p) {
-  if (p.rows <= 16) ukernel_rows<Tiles, 16>(p);
-  else ukernel_rows<Tiles, 32>(p);
+  if (p.rows <= 16)
+    ukernel_rows<Tiles, 16>(p);
+  else
+    ukernel_rows<Tiles, 32>(p);
 }
 
 }  // namespace moecert::gemm::amx

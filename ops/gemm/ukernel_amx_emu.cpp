@@ -8,13 +8,21 @@ namespace {
 
 struct ModelTiles {
   template <int T>
-  static void zero() { amx_model::zero(T); }
+  static void zero() {
+    amx_model::zero(T);
+  }
   template <int T>
-  static void load(const void* p, std::size_t stride) { amx_model::load(T, p, stride); }
+  static void load(const void* p, std::size_t stride) {
+    amx_model::load(T, p, stride);
+  }
   template <int T>
-  static void store(void* p, std::size_t stride) { amx_model::store(T, p, stride); }
+  static void store(void* p, std::size_t stride) {
+    amx_model::store(T, p, stride);
+  }
   template <int C, int A, int B>
-  static void dp() { amx_model::dpbf16ps(C, A, B); }
+  static void dp() {
+    amx_model::dpbf16ps(C, A, B);
+  }
 };
 
 }  // namespace

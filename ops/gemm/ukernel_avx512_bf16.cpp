@@ -21,8 +21,8 @@ namespace {
 constexpr int kMr = 8;
 
 template <int Rows>
-inline void steps(__m512 (&acc)[Rows][2], const bf16* a, std::size_t lda, const bf16* b, std::size_t panel_stride,
-                  std::size_t kp) {
+inline void steps(__m512 (&acc)[Rows][2], const bf16* a, std::size_t lda, const bf16* b,
+                  std::size_t panel_stride, std::size_t kp) {
   const bf16* b0 = b;
   const bf16* b1 = b + panel_stride;
   const std::size_t kpairs = kp / 2;
@@ -64,7 +64,9 @@ void ukernel_avx512_bf16_8x32(const UkernelArgs& p) { kRun[p.accumulate][kMr - 1
 
 void ukernel_avx512_bf16_edge(const UkernelArgs& p) {
 #ifdef MOECERT_MUTANT_EDGE_ROWS_SHORT
-  if (p.rows > 1) kRun[p.accumulate][p.rows - 2](p);  // mutant (docs/MUTANTS.md): the block's last row not computed
+  if (p.rows > 1)
+    kRun[p.accumulate][p.rows - 2](
+        p);  // mutant (docs/MUTANTS.md): the block's last row not computed
 #else
   kRun[p.accumulate][p.rows - 1](p);
 #endif

@@ -1,9 +1,9 @@
 // MoE layer forward: router linear, router, experts with LoRA; saves what the
 // backward needs in the planned arena.
+#include <oneapi/tbb/parallel_for.h>
+
 #include <algorithm>
 #include <cmath>
-
-#include <oneapi/tbb/parallel_for.h>
 
 #include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
@@ -25,14 +25,17 @@ std::size_t Saved::bytes() const { return impl_->arena.capacity(); }
 MatView<const std::int32_t> Saved::idx() const { return impl_->idx_view(); }
 MatView<const float> Saved::weights() const { return impl_->weights_view(); }
 
-Weights Weights::stacked(const MoeConfig& cfg, const experts::PackedExperts& experts, const float* router_w,
-                         const float* router_b, const float* router_bias, const Lora& lora) {
-  const auto R = static_cast<std::size_t>(workspace::router_outputs(cfg)), H = static_cast<std::size_t>(cfg.hidden);
+Weights Weights::stacked(const MoeConfig& cfg, const experts::PackedExperts& experts,
+                         const float* router_w, const float* router_b, const float* router_bias,
+                         const Lora& lora) {
+  const auto R = static_cast<std::size_t>(workspace::router_outputs(cfg)),
+             H = static_cast<std::size_t>(cfg.hidden);
   Weights w;
   w.experts = &experts;
   w.router_w = {router_w, R, H};
   w.router_b = {router_b, R};
-  if (cfg.router == RouterKind::sigmoid_topk) w.router_bias = {router_bias, static_cast<std::size_t>(cfg.experts)};
+  if (cfg.router == RouterKind::sigmoid_topk)
+    w.router_bias = {router_bias, static_cast<std::size_t>(cfg.experts)};
   if (cfg.lora_rank) w.lora = lora;
   return w;
 }
@@ -43,39 +46,43 @@ namespace {
 // tree (the kernel's dot16; an fp32 sum of H + 1 terms in one fixed order,
 // proofs/bounds.md §1). Tasks of 4 tokens, so that W_r streams from L2 once
 // per 4 tokens rather than once per token.
-void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatView<const float> wr, View<const float> b,
-                   MatView<float> z) {
+void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatView<const float> wr,
+                   View<const float> b, MatView<float> z) {
   constexpr std::size_t kTokens = 4;
   const std::size_t hidden = x.cols, outs = wr.rows;
-  oneapi::tbb::parallel_for(std::size_t{0}, (x.rows + kTokens - 1) / kTokens, moecert::detail::task([&](std::size_t blk) {
-    const std::size_t t0 = blk * kTokens, tn = std::min(x.rows, t0 + kTokens) - t0;
-    std::vector<float> xf(kTokens * hidden);
-    const float* rows[kTokens];
-    for (std::size_t i = 0; i < tn; ++i) {
-      rows[i] = xf.data() + i * hidden;
-      for (std::size_t h = 0; h < hidden; ++h) xf[i * hidden + h] = x(t0 + i, h).to_float();
-    }
-    kernel.dot16(rows, tn, wr.data, wr.stride, outs, hidden, z.row(t0), z.stride);
-    for (std::size_t i = 0; i < tn; ++i)
-      for (std::size_t e = 0; e < outs; ++e) z(t0 + i, e) += b[e];
-  }));
+  oneapi::tbb::parallel_for(
+      std::size_t{0}, (x.rows + kTokens - 1) / kTokens, moecert::detail::task([&](std::size_t blk) {
+        const std::size_t t0 = blk * kTokens, tn = std::min(x.rows, t0 + kTokens) - t0;
+        std::vector<float> xf(kTokens * hidden);
+        const float* rows[kTokens];
+        for (std::size_t i = 0; i < tn; ++i) {
+          rows[i] = xf.data() + i * hidden;
+          for (std::size_t h = 0; h < hidden; ++h) xf[i * hidden + h] = x(t0 + i, h).to_float();
+        }
+        kernel.dot16(rows, tn, wr.data, wr.stride, outs, hidden, z.row(t0), z.stride);
+        for (std::size_t i = 0; i < tn; ++i)
+          for (std::size_t e = 0; e < outs; ++e) z(t0 + i, e) += b[e];
+      }));
 }
 
-void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z, MatView<std::int32_t> idx,
-                MatView<float> weights) {
+void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z,
+                MatView<std::int32_t> idx, MatView<float> weights) {
   switch (cfg.router) {
-    case RouterKind::softmax_topk: router::softmax_topk_forward(z, idx, weights, cfg.renormalize); break;
+    case RouterKind::softmax_topk:
+      router::softmax_topk_forward(z, idx, weights, cfg.renormalize);
+      break;
     case RouterKind::sigmoid_topk:
-      router::sigmoid_topk_forward(z, w.router_bias,
-                                   {static_cast<std::size_t>(cfg.groups), static_cast<std::size_t>(cfg.topk_group),
-                                    static_cast<float>(cfg.scaling)},
-                                   idx, weights);
+      router::sigmoid_topk_forward(
+          z, w.router_bias,
+          {static_cast<std::size_t>(cfg.groups), static_cast<std::size_t>(cfg.topk_group),
+           static_cast<float>(cfg.scaling)},
+          idx, weights);
       break;
     case RouterKind::product_key: {
       const std::size_t n = z.cols / 2;
       router::product_key_forward(MatView<const float>(z.data, z.rows, n, z.stride),
-                                  MatView<const float>(z.data + n, z.rows, n, z.stride), router::KeyWeights::softmax, idx,
-                                  weights);
+                                  MatView<const float>(z.data + n, z.rows, n, z.stride),
+                                  router::KeyWeights::softmax, idx, weights);
       break;
     }
   }
@@ -83,8 +90,8 @@ void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z, 
 
 }  // namespace
 
-void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y, Saved& saved,
-             const ForwardOptions& opt) {
+void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y,
+             Saved& saved, const ForwardOptions& opt) {
   validate(cfg);
   const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker chk{"layer.forward"};
@@ -96,18 +103,24 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   s.tokens = x.rows, s.topk = static_cast<std::size_t>(cfg.topk);
   const std::size_t t_count = x.rows, k = static_cast<std::size_t>(cfg.topk);
   const std::size_t outs = static_cast<std::size_t>(workspace::router_outputs(cfg));
-  const workspace::Plan plan = workspace::plan(cfg, static_cast<std::int64_t>(t_count),
-                                               {.training = opt.training, .memory_cap = opt.memory_cap});
+  const workspace::Plan plan =
+      workspace::plan(cfg, static_cast<std::int64_t>(t_count),
+                      {.training = opt.training, .memory_cap = opt.memory_cap});
   if (plan.buffers.empty()) return;  // a plan clause failed under observe
   const auto E = static_cast<std::size_t>(cfg.experts), H = static_cast<std::size_t>(cfg.hidden);
   const auto I = static_cast<std::size_t>(cfg.inter);
   const experts::Lora lora = cfg.lora_rank ? w.lora : experts::Lora{};
 #ifdef MOECERT_MUTANT_STALE_LORA_PACK
-  if (s.lora.experts.empty()) s.lora = experts::PackedLora::pack(lora, E, H, I, opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
+  if (s.lora.experts.empty())
+    s.lora = experts::PackedLora::pack(
+        lora, E, H, I,
+        opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
 #else
   s.lora = experts::PackedLora::pack(lora, E, H, I, opt.training, std::move(s.lora));
 #endif
-  MOECERT_CONTRACT(chk, clauses::layer::kFwdLoraPadding) { contracts::lora_padding(chk, clauses::layer::kFwdLoraPadding, s.lora); }
+  MOECERT_CONTRACT(chk, clauses::layer::kFwdLoraPadding) {
+    contracts::lora_padding(chk, clauses::layer::kFwdLoraPadding, s.lora);
+  }
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
   s.logits = s.arena.get<float>("router.logits", t_count * outs);
@@ -116,7 +129,8 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   const MatView<float> z(s.logits, t_count, outs, outs);
   s.isa = opt.isa.value_or(default_isa());
   router_linear(gemm::kernel_info(s.isa), x, w.router_w, w.router_b, z);
-  run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k), MatView<float>(s.weights, t_count, k, k));
+  run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k),
+             MatView<float>(s.weights, t_count, k, k));
   experts::train_forward_steps(*w.experts, s, x, y, opt.training);
   s.arena.leave(chk);
   contracts::layer_forward_post(chk, cfg, w, x, y, s);

@@ -17,7 +17,8 @@ struct Saved::Impl : experts::TrainState {
 inline experts::Gradients expert_gradients(const Gradients& g) {
   experts::Gradients e;
   e.dx = g.dx;
-  e.a_gate = g.a_gate, e.b_gate = g.b_gate, e.a_up = g.a_up, e.b_up = g.b_up, e.a_down = g.a_down, e.b_down = g.b_down;
+  e.a_gate = g.a_gate, e.b_gate = g.b_gate, e.a_up = g.a_up, e.b_up = g.b_up, e.a_down = g.a_down,
+  e.b_down = g.b_down;
   e.w_gate = g.w_gate, e.w_up = g.w_up, e.w_down = g.w_down;
   e.m_a = g.m_a, e.m_g = g.m_g;
   return e;

@@ -15,7 +15,8 @@ namespace moecert::router::detail {
 /// Writes the k best of the ids 0..n-1 under `better` (a strict total
 /// order: better(a, b) means a ranks before b) into out, best first.
 template <class Better>
-void top_k(std::size_t n, std::size_t k, Better better, std::int32_t* out, std::vector<std::int32_t>& ids) {
+void top_k(std::size_t n, std::size_t k, Better better, std::int32_t* out,
+           std::vector<std::int32_t>& ids) {
   ids.resize(n);
   for (std::size_t i = 0; i < n; ++i) ids[i] = static_cast<std::int32_t>(i);
   std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(), better);
@@ -31,9 +32,13 @@ inline std::size_t valid_slots(const std::int32_t* idx, std::size_t k) {
 
 /// Score descending, then index ascending.
 #ifdef MOECERT_MUTANT_TIE_BREAK_REVERSED
-inline bool outranks(float sa, std::int32_t a, float sb, std::int32_t b) { return sa > sb || (sa == sb && a > b); }  // mutant (docs/MUTANTS.md): ties to the higher index
+inline bool outranks(float sa, std::int32_t a, float sb, std::int32_t b) {
+  return sa > sb || (sa == sb && a > b);
+}  // mutant (docs/MUTANTS.md): ties to the higher index
 #else
-inline bool outranks(float sa, std::int32_t a, float sb, std::int32_t b) { return sa > sb || (sa == sb && a < b); }
+inline bool outranks(float sa, std::int32_t a, float sb, std::int32_t b) {
+  return sa > sb || (sa == sb && a < b);
+}
 #endif
 
 /// sigma(z) in fp32 as every router kernel computes it (proofs/bounds.md §4).
@@ -44,8 +49,12 @@ inline float sigmoid(float z) { return 1.0f / (1.0f + gemm::exp_poly::exp(-z)); 
 /// orders sums exactly (proofs/router.md §2).
 struct ExactSum {
   double hi, lo;
-  friend bool operator>(const ExactSum& x, const ExactSum& y) { return x.hi > y.hi || (x.hi == y.hi && x.lo > y.lo); }
-  friend bool operator==(const ExactSum& x, const ExactSum& y) { return x.hi == y.hi && x.lo == y.lo; }
+  friend bool operator>(const ExactSum& x, const ExactSum& y) {
+    return x.hi > y.hi || (x.hi == y.hi && x.lo > y.lo);
+  }
+  friend bool operator==(const ExactSum& x, const ExactSum& y) {
+    return x.hi == y.hi && x.lo == y.lo;
+  }
 };
 inline ExactSum exact_sum(float a, float b) {
   const double x = a, y = b, s = x + y, bb = s - x;

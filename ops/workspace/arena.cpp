@@ -27,16 +27,21 @@ void Arena::bind(const Plan& p, detail::Checker& c) {
   for (const auto& b : plan_.buffers) offsets_.push_back(b.offset);
 #ifdef MOECERT_MUTANT_ARENA_ALIAS_COLIVE
   for (const auto& [a, b] : test_aliases_) apply_alias(a, b);
-  if (plan_.find("bwd.dy")) apply_alias("experts.c1", "bwd.dy");  // mutant (docs/MUTANTS.md): two co-live buffers share memory (FIELD_NOTES 3)
+  if (plan_.find("bwd.dy"))
+    apply_alias(
+        "experts.c1",
+        "bwd.dy");  // mutant (docs/MUTANTS.md): two co-live buffers share memory (FIELD_NOTES 3)
 #else
   for (const auto& [a, b] : test_aliases_) apply_alias(a, b);
 #endif
   std::memset(block_.get(), kGuardByte, kGuard);
   MOECERT_CONTRACT(c, k::kArenaDisjoint) {
     if (auto o = contracts::first_co_live_overlap(plan_, offsets_.data()))
-      c.fail(k::kArenaDisjoint, fmt::format("{} and {}", plan_.buffers[o.a].name, plan_.buffers[o.b].name),
-             fmt::format("[{}, {}) and [{}, {}) both live", offsets_[o.a], offsets_[o.a] + plan_.buffers[o.a].bytes,
-                         offsets_[o.b], offsets_[o.b] + plan_.buffers[o.b].bytes),
+      c.fail(k::kArenaDisjoint,
+             fmt::format("{} and {}", plan_.buffers[o.a].name, plan_.buffers[o.b].name),
+             fmt::format("[{}, {}) and [{}, {}) both live", offsets_[o.a],
+                         offsets_[o.a] + plan_.buffers[o.a].bytes, offsets_[o.b],
+                         offsets_[o.b] + plan_.buffers[o.b].bytes),
              "disjoint");
   }
 }
@@ -62,7 +67,9 @@ void Arena::check_guards(detail::Checker& c, std::string_view when) {
         if (g[i] != std::byte{kGuardByte}) return false;
       return true;
     };
-    if (!intact(block_.get())) c.fail(k::kArenaGuard, fmt::format("before the first buffer, at {}", when), "damaged", "intact");
+    if (!intact(block_.get()))
+      c.fail(k::kArenaGuard, fmt::format("before the first buffer, at {}", when), "damaged",
+             "intact");
     const std::byte* base = block_.get() + kGuard;
     for (std::size_t i = 0; i < plan_.buffers.size(); ++i) {
       const auto& b = plan_.buffers[i];

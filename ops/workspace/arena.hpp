@@ -85,7 +85,7 @@ class Arena {
   std::unique_ptr<std::byte[], Free> block_;
   std::size_t capacity_ = 0;
   Plan plan_;
-  int current_ = -1;  // the step entered last; -1 before the first
+  int current_ = -1;                    // the step entered last; -1 before the first
   std::vector<std::uint64_t> offsets_;  // the plan's, unless a test hook moved one
   std::vector<std::pair<std::string, std::string>> test_aliases_;
 };

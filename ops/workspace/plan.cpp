@@ -28,19 +28,28 @@ struct Checked {
     const bool o = __builtin_mul_overflow(a.v, b.v, &r);
     return {o ? UINT64_MAX : r, a.overflow || b.overflow || o};
   }
-  friend Checked operator/(const Checked& a, const Checked& b) { return {a.v / b.v, a.overflow || b.overflow}; }
-  friend Checked max_of(const Checked& a, const Checked& b) { return {std::max(a.v, b.v), a.overflow || b.overflow}; }
-  friend Checked min_of(const Checked& a, const Checked& b) { return {std::min(a.v, b.v), a.overflow || b.overflow}; }
+  friend Checked operator/(const Checked& a, const Checked& b) {
+    return {a.v / b.v, a.overflow || b.overflow};
+  }
+  friend Checked max_of(const Checked& a, const Checked& b) {
+    return {std::max(a.v, b.v), a.overflow || b.overflow};
+  }
+  friend Checked min_of(const Checked& a, const Checked& b) {
+    return {std::min(a.v, b.v), a.overflow || b.overflow};
+  }
 };
 
-constexpr std::string_view kStepNames[] = {"forward.route",   "forward.gather",  "forward.gate_up", "forward.down",
-                                           "forward.combine", "backward.gather", "backward.dh",     "backward.router",
-                                           "backward.swiglu", "backward.dx",     "backward.scatter"};
+constexpr std::string_view kStepNames[] = {"forward.route", "forward.gather",  "forward.gate_up",
+                                           "forward.down",  "forward.combine", "backward.gather",
+                                           "backward.dh",   "backward.router", "backward.swiglu",
+                                           "backward.dx",   "backward.scatter"};
 static_assert(std::size(kStepNames) == kSteps);
 
 }  // namespace
 
-std::string_view step_name(int step) { return step >= 0 && step < kSteps ? kStepNames[step] : "invalid"; }
+std::string_view step_name(int step) {
+  return step >= 0 && step < kSteps ? kStepNames[step] : "invalid";
+}
 int step_count() { return kSteps; }
 
 const Buffer* Plan::find(std::string_view name) const {
@@ -51,13 +60,15 @@ const Buffer* Plan::find(std::string_view name) const {
 
 std::int64_t router_outputs(const MoeConfig& cfg) {
   if (cfg.router != RouterKind::product_key) return cfg.experts;
-  const auto n = static_cast<std::int64_t>(std::llround(std::sqrt(static_cast<double>(std::max<std::int64_t>(cfg.experts, 0)))));
+  const auto n = static_cast<std::int64_t>(
+      std::llround(std::sqrt(static_cast<double>(std::max<std::int64_t>(cfg.experts, 0)))));
   return 2 * n;
 }
 
 Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail::Checker& chk) {
   auto n = [](std::uint64_t x) { return Checked{x}; };
-  const Dims<Checked> d{n(s.experts), n(s.hidden), n(s.inter), n(s.topk), n(s.rank), n(s.tokens), n(s.router_out)};
+  const Dims<Checked> d{n(s.experts), n(s.hidden), n(s.inter),     n(s.topk),
+                        n(s.rank),    n(s.tokens), n(s.router_out)};
   Checked total;
   const auto planned = plan_buffers(d, training, total);
   const Checked weights = packed_weight_bytes(d, training);
@@ -68,7 +79,8 @@ Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail:
   p.training = training;
   p.total_bytes = total.v;
   p.packed_weight_bytes = weights.v;
-  for (const auto& b : planned) p.buffers.push_back({std::string(b.name), b.offset.v, b.bytes.v, b.first, b.last});
+  for (const auto& b : planned)
+    p.buffers.push_back({std::string(b.name), b.offset.v, b.bytes.v, b.first, b.last});
   for (int step = 0; step < kSteps; ++step) {
     std::uint64_t live = 0;
     for (const auto& b : p.buffers)
@@ -86,8 +98,8 @@ Plan plan(const MoeConfig& cfg, std::int64_t tokens, const PlanOptions& options)
   contracts::plan_pre(chk, cfg, tokens);
   if (chk.stop()) return {};
   auto u = [](std::int64_t x) { return static_cast<std::uint64_t>(std::max<std::int64_t>(x, 0)); };
-  const Shape s{u(cfg.experts), u(cfg.hidden), u(cfg.inter), u(cfg.topk), u(cfg.lora_rank), u(tokens),
-                u(router_outputs(cfg))};
+  const Shape s{u(cfg.experts),   u(cfg.hidden), u(cfg.inter),          u(cfg.topk),
+                u(cfg.lora_rank), u(tokens),     u(router_outputs(cfg))};
   return plan_shape(s, options.training, options.memory_cap, chk);
 }
 

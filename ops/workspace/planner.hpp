@@ -27,17 +27,17 @@ namespace moecert::workspace {
 
 /// Steps of one layer's forward and backward, in execution order.
 enum Step : int {
-  f_route,      // router linear + router
-  f_gather,     // x rows grouped by expert
-  f_gate_up,    // gate+up GEMM (+ LoRA), SwiGLU
-  f_down,       // down GEMM (+ LoRA)
-  f_combine,    // y = sum_j w o
-  b_gather,     // dy rows grouped by expert
-  b_dh,         // dh' = dy W_d (+ LoRA); router path: dw = <dy, o>
-  b_router,     // router backward, router linear backward
-  b_swiglu,     // dg, du; LoRA down gradients
-  b_dx,         // dx rows = [dg du] [W_g; W_u] (+ LoRA)
-  b_scatter,    // dx = sum_j dx rows + router path; LoRA gate/up gradients
+  f_route,    // router linear + router
+  f_gather,   // x rows grouped by expert
+  f_gate_up,  // gate+up GEMM (+ LoRA), SwiGLU
+  f_down,     // down GEMM (+ LoRA)
+  f_combine,  // y = sum_j w o
+  b_gather,   // dy rows grouped by expert
+  b_dh,       // dh' = dy W_d (+ LoRA); router path: dw = <dy, o>
+  b_router,   // router backward, router linear backward
+  b_swiglu,   // dg, du; LoRA down gradients
+  b_dx,       // dx rows = [dg du] [W_g; W_u] (+ LoRA)
+  b_scatter,  // dx = sum_j dx rows + router path; LoRA gate/up gradients
   kSteps
 };
 inline constexpr std::uint64_t kAlign = 64;  // bytes; every offset and size is a multiple
@@ -57,9 +57,9 @@ struct Dims {
 template <class N>
 struct Planned {
   std::string_view name;
-  N bytes;   // requested
-  N offset;  // from the plan's start
-  N end;     // offset + round_up(bytes, kAlign) + kGuard
+  N bytes;          // requested
+  N offset;         // from the plan's start
+  N end;            // offset + round_up(bytes, kAlign) + kGuard
   int first, last;  // live steps, inclusive
 };
 
@@ -79,7 +79,8 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
   const N TK = T * K;
   // Padded grouped rows: each expert with a token pads to MR; empty ones take none.
 #ifdef MOECERT_MUTANT_SIZE_TIMES_K
-  const N R = (TK + min_of(E, TK) * N(kMaxMr - 1)) * K;  // mutant (docs/MUTANTS.md): rows sized max_len x top_k (FIELD_NOTES 4)
+  const N R = (TK + min_of(E, TK) * N(kMaxMr - 1)) *
+              K;  // mutant (docs/MUTANTS.md): rows sized max_len x top_k (FIELD_NOTES 4)
 #else
   const N R = TK + min_of(E, TK) * N(kMaxMr - 1);
 #endif
@@ -102,14 +103,16 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
       for (const auto& b : out)
         if (co_live(b.first, b.last, first, last_step)) offset = max_of(offset, b.end);
     }
-    out.push_back({name, bytes, offset, offset + round_up(bytes, kAlign) + N(kGuard), first, last_step});
+    out.push_back(
+        {name, bytes, offset, offset + round_up(bytes, kAlign) + N(kGuard), first, last_step});
   };
   // Saved across forward and backward; without training, kept to the end of
   // the forward (its postconditions read them).
   add("router.logits", T * d.router_out * N(4), f_route, training ? b_router : f_route);
   add("router.idx", TK * N(4), f_route, last);
   add("router.weights", TK * N(4), f_route, last);
-  add("experts.c1", R * round_up(I, kKStep) * N(2) * N(4), f_gate_up, training ? b_swiglu : f_combine);
+  add("experts.c1", R * round_up(I, kKStep) * N(2) * N(4), f_gate_up,
+      training ? b_swiglu : f_combine);
   add("experts.h", packed_a(I), f_gate_up, training ? b_scatter : f_combine);
   // LoRA buffers are sized by r (empty when r = 0).
   add("lora.xa", R * r * N(2) * N(4), f_gather, training ? b_scatter : f_combine);
@@ -141,8 +144,10 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
 template <class N>
 N packed_weight_bytes(const Dims<N>& d, bool training) {
   const N E = d.experts, H = d.hidden, I = d.inter, r = d.rank;
-  auto packed = [](const N& n, const N& k) { return round_up(n, kKStep) * round_up(k, kKStep) * N(2); };
-  N per_expert = packed(I * N(2), H) + packed(H, I);                  // gate+up (interleaved), down
+  auto packed = [](const N& n, const N& k) {
+    return round_up(n, kKStep) * round_up(k, kKStep) * N(2);
+  };
+  N per_expert = packed(I * N(2), H) + packed(H, I);  // gate+up (interleaved), down
   N lora = packed(r * N(2), H) + packed(I * N(2), r * N(2)) + packed(r, I) + packed(H, r);
   if (training) {
     per_expert = per_expert + packed(I, H) + packed(H, I * N(2));  // W_d^T, [W_g; W_u]^T

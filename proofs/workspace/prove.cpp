@@ -7,6 +7,9 @@
 // Each obligation is checked by asking z3 for a config that violates it
 // (unsat = proved). With --flaw the test-only broken planner is checked
 // instead, and the run succeeds only if z3 finds and prints a counterexample.
+#include <fmt/format.h>
+#include <z3++.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -14,9 +17,6 @@
 #include <set>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <z3++.h>
 
 #include "ops/workspace/planner.hpp"
 
@@ -64,7 +64,8 @@ z3::expr lemma(const char* name, const z3::expr& ha, const z3::expr& hb, Op op) 
   if (solver.check() == z3::unsat)
     ++lemmas().proved;
   else
-    lemmas().failed.push_back(fmt::format("{} with operands <= {}, {}", name, ha.to_string(), hb.to_string()));
+    lemmas().failed.push_back(
+        fmt::format("{} with operands <= {}, {}", name, ha.to_string(), hb.to_string()));
   return h;
 }
 
@@ -94,16 +95,19 @@ struct Z {
   explicit Z(std::uint64_t x) : e(num(x)), hi(num(x)) {}
   Z(z3::expr x, z3::expr h) : e(std::move(x)), hi(std::move(h)) {}
   friend Z operator+(const Z& a, const Z& b) {
-    return {a.e + b.e, lemma("+", a.hi, b.hi, [](const z3::expr& x, const z3::expr& y) { return x + y; })};
+    return {a.e + b.e,
+            lemma("+", a.hi, b.hi, [](const z3::expr& x, const z3::expr& y) { return x + y; })};
   }
   friend Z operator*(const Z& a, const Z& b) {
-    const z3::expr h = lemma("*", a.hi, b.hi, [](const z3::expr& x, const z3::expr& y) { return x * y; });
+    const z3::expr h =
+        lemma("*", a.hi, b.hi, [](const z3::expr& x, const z3::expr& y) { return x * y; });
     if (a.e.is_numeral() || b.e.is_numeral()) return {a.e * b.e, h};
     return {atom(a.e * b.e), h};
   }
   // By a positive constant only (round_up).
   friend Z operator/(const Z& a, const Z& b) {
-    return {a.e / b.e, lemma("/", a.hi, b.hi, [&](const z3::expr& x, const z3::expr&) { return x / b.e; })};
+    return {a.e / b.e,
+            lemma("/", a.hi, b.hi, [&](const z3::expr& x, const z3::expr&) { return x / b.e; })};
   }
   friend Z max_of(const Z& a, const Z& b) {
     auto f = [](const z3::expr& x, const z3::expr& y) { return z3::ite(x >= y, x, y); };
@@ -116,12 +120,14 @@ struct Z {
 };
 
 struct Symbols {
-  z3::expr E = ctx().int_const("E"), H = ctx().int_const("H"), I = ctx().int_const("I"), K = ctx().int_const("K"),
-           r = ctx().int_const("r"), T = ctx().int_const("T"), R = ctx().int_const("router_out");
+  z3::expr E = ctx().int_const("E"), H = ctx().int_const("H"), I = ctx().int_const("I"),
+           K = ctx().int_const("K"), r = ctx().int_const("r"), T = ctx().int_const("T"),
+           R = ctx().int_const("router_out");
   // The documented limits (include/moecert/config.hpp; proofs/workspace.md).
   z3::expr limits() const {
-    return E >= 1 && E <= 65536 && H >= 1 && H <= 65536 && I >= 1 && I <= 65536 && K >= 1 && K <= 64 && K <= E &&
-           r >= 0 && r <= 256 && T >= 0 && T <= (1 << 20) && R >= 1 && R <= 2 * E;
+    return E >= 1 && E <= 65536 && H >= 1 && H <= 65536 && I >= 1 && I <= 65536 && K >= 1 &&
+           K <= 64 && K <= E && r >= 0 && r <= 256 && T >= 0 && T <= (1 << 20) && R >= 1 &&
+           R <= 2 * E;
   }
 };
 
@@ -133,8 +139,8 @@ std::string largest(const std::vector<z3::expr>& v) {
 
 std::string config_of(const z3::model& m, const Symbols& s) {
   auto v = [&](const z3::expr& x) { return m.eval(x, true).get_decimal_string(0); };
-  return fmt::format("E={} H={} I={} K={} r={} T={} router_out={}", v(s.E), v(s.H), v(s.I), v(s.K), v(s.r), v(s.T),
-                     v(s.R));
+  return fmt::format("E={} H={} I={} K={} r={} T={} router_out={}", v(s.E), v(s.H), v(s.I), v(s.K),
+                     v(s.r), v(s.T), v(s.R));
 }
 
 // Returns a counterexample config to `claim` under the limits, or "".
@@ -149,9 +155,12 @@ std::string refute(const Symbols& s, const z3::expr& claim) {
   p.set("timeout", 60000u);
   solver.set(p);
   switch (solver.check()) {
-    case z3::unsat: return "";
-    case z3::sat: return config_of(solver.get_model(), s);
-    default: return "unknown (z3 could not decide within 60 s)";
+    case z3::unsat:
+      return "";
+    case z3::sat:
+      return config_of(solver.get_model(), s);
+    default:
+      return "unknown (z3 could not decide within 60 s)";
   }
 }
 
@@ -164,7 +173,7 @@ int prove(bool training, int& obligations) {
   bounds_seen().clear();
   atoms().clear();
   definitions().clear();
-  const Dims<Z> d{Z(s.E, num(65536)), Z(s.H, num(65536)), Z(s.I, num(65536)), Z(s.K, num(64)),
+  const Dims<Z> d{Z(s.E, num(65536)), Z(s.H, num(65536)),   Z(s.I, num(65536)),    Z(s.K, num(64)),
                   Z(s.r, num(256)),   Z(s.T, num(1 << 20)), Z(s.R, num(2 * 65536))};
   Z total(0);
   const auto bufs = plan_buffers<Z, flaw>(d, training, total);
@@ -191,7 +200,8 @@ int prove(bool training, int& obligations) {
     if (!worst.empty()) fmt::print("FAILED [{}] a value may reach {} >= 2^64\n", mode, worst);
     if (!worst.empty() || !lemmas().failed.empty()) ++failed;
     if (std::getenv("PROOF_VERBOSE"))
-      fmt::print("{} node lemmas proved, largest bound {}\n", lemmas().proved, largest(bounds_seen()));
+      fmt::print("{} node lemmas proved, largest bound {}\n", lemmas().proved,
+                 largest(bounds_seen()));
   }
   // (2) and (3).
   for (std::size_t i = 0; i < bufs.size(); ++i) {
@@ -202,7 +212,8 @@ int prove(bool training, int& obligations) {
     for (std::size_t j = i + 1; j < bufs.size(); ++j) {
       const auto& b = bufs[j];
       if (!co_live(a.first, a.last, b.first, b.last)) continue;
-      obligation(fmt::format("{} and {} (co-live) disjoint", a.name, b.name), a.end.e <= b.offset.e || b.end.e <= a.offset.e);
+      obligation(fmt::format("{} and {} (co-live) disjoint", a.name, b.name),
+                 a.end.e <= b.offset.e || b.end.e <= a.offset.e);
     }
   }
   return failed;
@@ -215,12 +226,13 @@ int main(int argc, char** argv) {
   const bool flaw = argc > 1 && std::strcmp(argv[1], "--flaw") == 0;
   int obligations = 0, failed = 0;
   for (const bool training : {true, false})
-    failed += flaw ? prove<Flaw::stack_on_previous_only>(training, obligations) : prove<Flaw::none>(training, obligations);
+    failed += flaw ? prove<Flaw::stack_on_previous_only>(training, obligations)
+                   : prove<Flaw::none>(training, obligations);
   if (flaw) {
     fmt::print("broken planner: {} of {} obligations refuted\n", failed, obligations);
     return failed > 0 ? 0 : 1;
   }
-  fmt::print("workspace plan: {} obligations proved for every config within the limits{}\n", obligations - failed,
-             failed ? fmt::format(", {} FAILED", failed) : "");
+  fmt::print("workspace plan: {} obligations proved for every config within the limits{}\n",
+             obligations - failed, failed ? fmt::format(", {} FAILED", failed) : "");
   return failed == 0 ? 0 : 1;
 }

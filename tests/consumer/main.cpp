@@ -7,7 +7,8 @@
 int main() {
   // C = A W^T on the default kernel: every element 32 * 1 * 0.5, exactly.
   std::vector<moecert::bf16> a(2 * 32, moecert::bf16(1.0f)), w(16 * 32, moecert::bf16(0.5f));
-  const auto pw = moecert::gemm::PackedWeights::pack(moecert::MatView<const moecert::bf16>(w.data(), 16, 32));
+  const auto pw =
+      moecert::gemm::PackedWeights::pack(moecert::MatView<const moecert::bf16>(w.data(), 16, 32));
   std::vector<float> c(2 * 16);
   moecert::gemm::matmul(moecert::MatView<const moecert::bf16>(a.data(), 2, 32), pw,
                         moecert::MatView<float>(c.data(), 2, 16), moecert::default_isa());

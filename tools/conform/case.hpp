@@ -24,15 +24,15 @@ struct RunContext {
 
 struct CaseResult {
   Verdict verdict = Verdict::pass;
-  std::string detail;          // why it failed or was skipped; a short note otherwise
+  std::string detail;  // why it failed or was skipped; a short note otherwise
   double max_abs_err = 0;
   double max_rel_err = 0;
   double max_bound_utilization = 0;  // |err| / bound, <= 1 passes
-  std::string worst;           // the worst element's location and values
-  bool deterministic = true;   // re-run with another thread count, bitwise equal
-  std::string digest;          // FNV-1a 64 of the outputs' bits, hex (compares runs, builds, machines)
-  std::vector<std::string> clauses_fired;  // clause ids whose violation the case provoked
-  compare::UtilizationHistogram histogram;   // of every compared element
+  std::string worst;                 // the worst element's location and values
+  bool deterministic = true;         // re-run with another thread count, bitwise equal
+  std::string digest;  // FNV-1a 64 of the outputs' bits, hex (compares runs, builds, machines)
+  std::vector<std::string> clauses_fired;   // clause ids whose violation the case provoked
+  compare::UtilizationHistogram histogram;  // of every compared element
 
   /// A result that is only a verdict and its reason (a skip).
   static CaseResult only(Verdict v, std::string why) {
@@ -49,11 +49,11 @@ struct CaseResult {
 };
 
 struct CaseDef {
-  std::string op;       // dotted op id
-  std::string variant;  // e.g. "roundtrip"
-  std::string isa;      // ISA name, or "any"
-  std::string shape;    // shape class and sizes
-  std::string data;     // data class
+  std::string op;              // dotted op id
+  std::string variant;         // e.g. "roundtrip"
+  std::string isa;             // ISA name, or "any"
+  std::string shape;           // shape class and sizes
+  std::string data;            // data class
   Suite suite = Suite::smoke;  // the smallest suite that runs it
   Level level = Level::full;   // the contract level it runs at
   std::function<CaseResult(const RunContext&)> run;

@@ -1,11 +1,11 @@
 // Conformance cases for the engine itself: bf16 conversion, MoeConfig
 // validation (every clause provoked), contract semantics, ISA dispatch.
+#include <fmt/format.h>
+
 #include <bit>
 #include <cmath>
 #include <functional>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "contracts/clauses.hpp"
 #include "moecert/moecert.hpp"
@@ -38,7 +38,7 @@ std::uint16_t bf16_reference(float f) {
   const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
   const auto lo = static_cast<std::uint16_t>(u >> 16);  // truncation, toward zero
   if ((u & 0xffffu) == 0) return lo;
-  const auto hi = static_cast<std::uint16_t>(lo + 1);   // next away from zero (may be Inf)
+  const auto hi = static_cast<std::uint16_t>(lo + 1);  // next away from zero (may be Inf)
   const double x = std::fabs(static_cast<double>(f));
   const double a = std::fabs(static_cast<double>(bf16::from_bits(lo).to_float()));
   double b = std::fabs(static_cast<double>(bf16::from_bits(hi).to_float()));
@@ -58,7 +58,8 @@ CaseResult bf16_roundtrip(const RunContext&) {
     const bool ok = x.is_nan() ? (y.is_nan() && y.bits == (x.bits | 0x0040u)) : y.bits == x.bits;
     if (!ok && bad++ == 0) r.worst = fmt::format("bits={:#06x} -> {:#06x}", b, y.bits);
   }
-  expect(r, bad == 0, fmt::format("{} of 65536 patterns do not round-trip; first {}", bad, r.worst));
+  expect(r, bad == 0,
+         fmt::format("{} of 65536 patterns do not round-trip; first {}", bad, r.worst));
   r.detail = r.verdict == Verdict::pass ? "65536 patterns" : r.detail;
   return r;
 }
@@ -125,10 +126,27 @@ std::vector<BadConfig> bad_configs() {
       {&k::kAlphaFinite, [](MoeConfig& c) { c.lora_alpha = std::nan(""); }},
       {&k::kTokensRange, [](MoeConfig& c) { c.max_tokens = 0; }},
       {&k::kRouterKind, [](MoeConfig& c) { c.router = static_cast<RouterKind>(7); }},
-      {&k::kProductKeySquare, [](MoeConfig& c) { c.router = RouterKind::product_key; c.experts = 60; }},
-      {&k::kGroupsDivide, [](MoeConfig& c) { c.router = RouterKind::sigmoid_topk; c.groups = 5; }},
-      {&k::kTopkGroupRange, [](MoeConfig& c) { c.router = RouterKind::sigmoid_topk; c.groups = 8; c.topk_group = 9; }},
-      {&k::kScalingFinite, [](MoeConfig& c) { c.router = RouterKind::sigmoid_topk; c.scaling = -1; }},
+      {&k::kProductKeySquare,
+       [](MoeConfig& c) {
+         c.router = RouterKind::product_key;
+         c.experts = 60;
+       }},
+      {&k::kGroupsDivide,
+       [](MoeConfig& c) {
+         c.router = RouterKind::sigmoid_topk;
+         c.groups = 5;
+       }},
+      {&k::kTopkGroupRange,
+       [](MoeConfig& c) {
+         c.router = RouterKind::sigmoid_topk;
+         c.groups = 8;
+         c.topk_group = 9;
+       }},
+      {&k::kScalingFinite,
+       [](MoeConfig& c) {
+         c.router = RouterKind::sigmoid_topk;
+         c.scaling = -1;
+       }},
   };
 }
 
@@ -221,7 +239,8 @@ CaseResult contract_semantics(const RunContext&) {
       expect(r, v.clause() == id, fmt::format("enforce threw {}", v.clause()));
     }
   }
-  if (r.verdict == Verdict::pass) r.detail = "enforce throws, observe counts and continues, ignore/off evaluate nothing";
+  if (r.verdict == Verdict::pass)
+    r.detail = "enforce throws, observe counts and continues, ignore/off evaluate nothing";
   return r;
 }
 
@@ -252,7 +271,8 @@ CaseResult isa_dispatch(const RunContext&) {
   expect(r, isa_usable(default_isa()), "default ISA not usable");
   expect(r, isa_usable(Isa::scalar) && isa_usable(Isa::amx_emu), "scalar/amx_emu not usable");
   for (Isa isa : kAllIsas) {
-    expect(r, !isa_usable(isa) || isa_detected(isa), fmt::format("{} usable but not detected", isa_name(isa)));
+    expect(r, !isa_usable(isa) || isa_detected(isa),
+           fmt::format("{} usable but not detected", isa_name(isa)));
     expect(r, parse_isa(isa_name(isa)) == isa, "isa names do not round-trip");
   }
   r.detail = fmt::format("default {}", isa_name(default_isa()));
@@ -262,17 +282,23 @@ CaseResult isa_dispatch(const RunContext&) {
 }  // namespace
 
 void add_core_cases(std::vector<CaseDef>& out) {
-  out.push_back({"core.bf16.convert", "roundtrip", "any", "all-65536", "all-patterns", Suite::smoke, Level::off, bf16_roundtrip});
-  out.push_back({"core.bf16.convert", "rne", "any", "halfway+1e6", "ties,random", Suite::smoke, Level::off, bf16_rounding});
-  out.push_back({"core.config.validate", "valid", "any", "tiny", "normal", Suite::smoke, Level::full, config_valid});
+  out.push_back({"core.bf16.convert", "roundtrip", "any", "all-65536", "all-patterns", Suite::smoke,
+                 Level::off, bf16_roundtrip});
+  out.push_back({"core.bf16.convert", "rne", "any", "halfway+1e6", "ties,random", Suite::smoke,
+                 Level::off, bf16_rounding});
+  out.push_back({"core.config.validate", "valid", "any", "tiny", "normal", Suite::smoke,
+                 Level::full, config_valid});
   for (const auto& bad : bad_configs()) {
     std::string variant(bad.clause->id.substr(bad.clause->id.rfind('.') + 1));
     out.push_back({"core.config.validate", "bad_" + variant, "any", "tiny", "invalid", Suite::smoke,
                    Level::check, [bad](const RunContext&) { return config_clause(bad); }});
   }
-  out.push_back({"core.contracts.engine", "semantics", "any", "tiny", "invalid", Suite::smoke, Level::check, contract_semantics});
-  out.push_back({"core.contracts.alias", "overlaps", "any", "tiny", "random", Suite::smoke, Level::off, alias_helper});
-  out.push_back({"core.isa.dispatch", "detect", "any", "none", "none", Suite::smoke, Level::off, isa_dispatch});
+  out.push_back({"core.contracts.engine", "semantics", "any", "tiny", "invalid", Suite::smoke,
+                 Level::check, contract_semantics});
+  out.push_back({"core.contracts.alias", "overlaps", "any", "tiny", "random", Suite::smoke,
+                 Level::off, alias_helper});
+  out.push_back({"core.isa.dispatch", "detect", "any", "none", "none", Suite::smoke, Level::off,
+                 isa_dispatch});
 }
 
 }  // namespace moecert::tools

@@ -2,12 +2,12 @@
 // (experts.forward_train + experts.backward, every output at level full):
 // per ISA and routing class, determinism across thread counts, and
 // amx_bf16 bit-exact with amx_emu.
+#include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
-
-#include <oneapi/tbb/global_control.h>
-#include <fmt/format.h>
 
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
@@ -34,8 +34,9 @@ struct Problem {
   std::vector<float> w, dy;
   experts::PackedExperts packed;
   experts::Lora lora_view() const {
-    return experts::Lora::stacked(d.E, d.H, d.I, d.r, 2.0 * double(d.r), lora[0].data(), lora[1].data(), lora[2].data(),
-                                  lora[3].data(), lora[4].data(), lora[5].data());
+    return experts::Lora::stacked(d.E, d.H, d.I, d.r, 2.0 * double(d.r), lora[0].data(),
+                                  lora[1].data(), lora[2].data(), lora[3].data(), lora[4].data(),
+                                  lora[5].data());
   }
 };
 
@@ -51,7 +52,8 @@ void route(Problem& p, Routing routing, std::mt19937_64& rng) {
     std::size_t valid = d.K;
     if (routing == Routing::tail) valid = rng() % (d.K + 1);
     if (routing == Routing::one_expert) order[0] = 1, valid = 1;
-    for (std::size_t j = 0; j < valid; ++j) p.idx[t * d.K + j] = order[j], p.w[t * d.K + j] = 0.5f * nd(rng);
+    for (std::size_t j = 0; j < valid; ++j)
+      p.idx[t * d.K + j] = order[j], p.w[t * d.K + j] = 0.5f * nd(rng);
   }
 }
 
@@ -65,13 +67,16 @@ Problem make(Dims d, Routing routing, std::uint64_t seed) {
     for (auto& q : v) q = bf16(nd(rng) * s);
   };
   const float sh = 1 / std::sqrt(float(d.H)), si = 1 / std::sqrt(float(d.I));
-  fill(p.x, d.T * d.H, 1), fill(p.wg, d.E * d.I * d.H, sh), fill(p.wu, d.E * d.I * d.H, sh), fill(p.wd, d.E * d.H * d.I, si);
-  const std::size_t sizes[6] = {d.E * d.r * d.H, d.E * d.I * d.r, d.E * d.r * d.H, d.E * d.I * d.r, d.E * d.r * d.I, d.E * d.H * d.r};
+  fill(p.x, d.T * d.H, 1), fill(p.wg, d.E * d.I * d.H, sh), fill(p.wu, d.E * d.I * d.H, sh),
+      fill(p.wd, d.E * d.H * d.I, si);
+  const std::size_t sizes[6] = {d.E * d.r * d.H, d.E * d.I * d.r, d.E * d.r * d.H,
+                                d.E * d.I * d.r, d.E * d.r * d.I, d.E * d.H * d.r};
   for (int i = 0; i < 6; ++i) fill(p.lora[i], sizes[i], i % 2 ? 0.3f : (i == 4 ? si : sh));
   route(p, routing, rng);
   p.dy.resize(d.T * d.H);
   for (auto& q : p.dy) q = nd(rng);
-  p.packed = experts::PackedExperts::pack(d.E, {p.wg.data(), d.E * d.I, d.H}, {p.wu.data(), d.E * d.I, d.H},
+  p.packed = experts::PackedExperts::pack(d.E, {p.wg.data(), d.E * d.I, d.H},
+                                          {p.wu.data(), d.E * d.I, d.H},
                                           {p.wd.data(), d.E * d.H, d.I}, true);
   return p;
 }
@@ -80,19 +85,24 @@ Problem make(Dims d, Routing routing, std::uint64_t seed) {
 // NaN, as a caller's might); the outputs in one vector.
 std::vector<float> forward_backward(const Problem& p, Isa isa) {
   const Dims& d = p.d;
-  std::vector<float> y(d.T * d.H, NAN), dx(d.T * d.H, NAN), dw(d.T * d.K, NAN), ma(d.T * d.E, NAN), mg(d.T * d.E, NAN);
+  std::vector<float> y(d.T * d.H, NAN), dx(d.T * d.H, NAN), dw(d.T * d.K, NAN), ma(d.T * d.E, NAN),
+      mg(d.T * d.E, NAN);
   std::vector<float> g[9];
-  const std::size_t rows[9] = {d.E * d.r, d.E * d.I, d.E * d.r, d.E * d.I, d.E * d.r, d.E * d.H, d.E * d.I, d.E * d.I, d.E * d.H};
+  const std::size_t rows[9] = {d.E * d.r, d.E * d.I, d.E * d.r, d.E * d.I, d.E * d.r,
+                               d.E * d.H, d.E * d.I, d.E * d.I, d.E * d.H};
   const std::size_t cols[9] = {d.H, d.r, d.H, d.r, d.I, d.r, d.H, d.H, d.I};
   experts::Gradients gr;
   gr.dx = {dx.data(), d.T, d.H}, gr.dweights = {dw.data(), d.T, d.K};
-  MatView<float>* v[9] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up, &gr.a_down, &gr.b_down, &gr.w_gate, &gr.w_up, &gr.w_down};
-  for (int i = 0; i < 9; ++i) g[i].assign(rows[i] * cols[i], NAN), *v[i] = {g[i].data(), rows[i], cols[i]};
+  MatView<float>* v[9] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up,  &gr.a_down,
+                          &gr.b_down, &gr.w_gate, &gr.w_up, &gr.w_down};
+  for (int i = 0; i < 9; ++i)
+    g[i].assign(rows[i] * cols[i], NAN), *v[i] = {g[i].data(), rows[i], cols[i]};
   gr.m_a = {ma.data(), d.T, d.E}, gr.m_g = {mg.data(), d.T, d.E};
   experts::Saved saved;
-  experts::forward_train(p.packed, p.lora_view(), {p.x.data(), d.T, d.H}, {p.idx.data(), d.T, d.K}, {p.w.data(), d.T, d.K},
-                         {y.data(), d.T, d.H}, saved, {.isa = isa});
-  experts::backward(p.packed, p.lora_view(), {p.x.data(), d.T, d.H}, {p.dy.data(), d.T, d.H}, saved, gr);
+  experts::forward_train(p.packed, p.lora_view(), {p.x.data(), d.T, d.H}, {p.idx.data(), d.T, d.K},
+                         {p.w.data(), d.T, d.K}, {y.data(), d.T, d.H}, saved, {.isa = isa});
+  experts::backward(p.packed, p.lora_view(), {p.x.data(), d.T, d.H}, {p.dy.data(), d.T, d.H}, saved,
+                    gr);
   std::vector<float> out;
   for (const auto* o : {&y, &dx, &dw, &ma, &mg}) out.insert(out.end(), o->begin(), o->end());
   for (const auto& o : g) out.insert(out.end(), o.begin(), o.end());
@@ -100,7 +110,8 @@ std::vector<float> forward_backward(const Problem& p, Isa isa) {
 }
 
 CaseResult train_case(Routing routing, Isa isa, Dims dims, const RunContext& ctx) {
-  if (!isa_usable(isa)) return CaseResult::only(Verdict::skip, fmt::format("{} not usable on this CPU", isa_name(isa)));
+  if (!isa_usable(isa))
+    return CaseResult::only(Verdict::skip, fmt::format("{} not usable on this CPU", isa_name(isa)));
   CaseResult r;
   const Problem p = make(dims, routing, ctx.seed + 11);
   const auto many = forward_backward(p, isa);
@@ -113,7 +124,9 @@ CaseResult train_case(Routing routing, Isa isa, Dims dims, const RunContext& ctx
   r.digest = digest_of(many);
   expect(r, r.deterministic, "results differ between 1 and N threads");
   if (r.verdict != Verdict::pass) return r;
-  r.detail = "y, dx, dweights, LoRA and base-weight gradients, M_A, M_G within proofs/experts.md (level full)";
+  r.detail =
+      "y, dx, dweights, LoRA and base-weight gradients, M_A, M_G within proofs/experts.md (level "
+      "full)";
   if (isa == Isa::amx_bf16) {
     const auto emu = forward_backward(p, Isa::amx_emu);
     const bool exact = std::memcmp(emu.data(), many.data(), many.size() * sizeof(float)) == 0;
@@ -128,13 +141,16 @@ CaseResult train_case(Routing routing, Isa isa, Dims dims, const RunContext& ctx
 void add_experts_train_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
   for (Routing routing : {Routing::normal, Routing::tail, Routing::one_expert, Routing::idle})
     for (Isa isa : isas)
-      out.push_back({"experts.forward_backward_train", "caller_routing", std::string(isa_name(isa)), "small:E8_H40_I24_K3_r4_T13",
-                     kRoutingNames[static_cast<int>(routing)], Suite::smoke, Level::full,
-                     [routing, isa](const RunContext& ctx) { return train_case(routing, isa, kSmall, ctx); }});
+      out.push_back({"experts.forward_backward_train", "caller_routing", std::string(isa_name(isa)),
+                     "small:E8_H40_I24_K3_r4_T13", kRoutingNames[static_cast<int>(routing)],
+                     Suite::smoke, Level::full, [routing, isa](const RunContext& ctx) {
+                       return train_case(routing, isa, kSmall, ctx);
+                     }});
   for (Isa isa : isas)
-    out.push_back({"experts.forward_backward_train", "caller_routing", std::string(isa_name(isa)),
-                   "realistic:E16_H512_I384_K4_r8_T64", "minus1_tail", Suite::def, Level::full,
-                   [isa](const RunContext& ctx) { return train_case(Routing::tail, isa, kRealistic, ctx); }});
+    out.push_back(
+        {"experts.forward_backward_train", "caller_routing", std::string(isa_name(isa)),
+         "realistic:E16_H512_I384_K4_r8_T64", "minus1_tail", Suite::def, Level::full,
+         [isa](const RunContext& ctx) { return train_case(Routing::tail, isa, kRealistic, ctx); }});
 }
 
 }  // namespace moecert::tools

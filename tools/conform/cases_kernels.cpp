@@ -2,12 +2,12 @@
 // the run covers x shape class x data class; bound utilisation against the
 // high-precision reference, determinism across thread counts, and for
 // amx_bf16 bit-exact agreement with amx_emu.
+#include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
-
-#include <fmt/format.h>
-#include <oneapi/tbb/global_control.h>
 
 #include "contracts/checks.hpp"
 #include "contracts/compare.hpp"
@@ -24,10 +24,14 @@ namespace {
 enum class Data { normal, wide, zeros, near_overflow };
 const char* data_name(Data d) {
   switch (d) {
-    case Data::normal: return "normal";
-    case Data::wide: return "wide_exponent";
-    case Data::zeros: return "zeros";
-    case Data::near_overflow: return "near_overflow";
+    case Data::normal:
+      return "normal";
+    case Data::wide:
+      return "wide_exponent";
+    case Data::zeros:
+      return "zeros";
+    case Data::near_overflow:
+      return "near_overflow";
   }
   return "?";
 }
@@ -50,7 +54,8 @@ std::vector<bf16> draw(std::mt19937_64& rng, std::size_t n, Data d, float scale)
 // Runs f with `threads` threads at most.
 template <class F>
 auto with_threads(int threads, F f) {
-  oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(threads));
+  oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism,
+                                 static_cast<std::size_t>(threads));
   return f();
 }
 
@@ -59,24 +64,28 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 std::string skip_reason(Isa isa) {
-  return fmt::format("{} not usable on this CPU ({})", isa_name(isa),
-                     isa == Isa::amx_bf16 ? "no AMX-BF16 tiles or no permission" : "no AVX-512 BF16");
+  return fmt::format(
+      "{} not usable on this CPU ({})", isa_name(isa),
+      isa == Isa::amx_bf16 ? "no AMX-BF16 tiles or no permission" : "no AVX-512 BF16");
 }
 
 CaseResult fill_from(const compare::Bounded& b, CaseResult r) {
   r.max_abs_err = b.max_abs_err;
   r.max_rel_err = b.max_rel_err;
   r.max_bound_utilization = b.max_utilization;
-  r.worst = fmt::format("element {}: got {:.9g}, ref {:.17g}, bound {:.3g}", b.worst, b.worst_got, b.worst_ref, b.worst_bound);
+  r.worst = fmt::format("element {}: got {:.9g}, ref {:.17g}, bound {:.3g}", b.worst, b.worst_got,
+                        b.worst_ref, b.worst_bound);
   r.histogram.merge(b.histogram);
   if (!b.pass()) {
     r.verdict = Verdict::fail;
-    r.detail = fmt::format("{} of {} elements beyond their bound; worst {}", b.exceeded, b.count, r.worst);
+    r.detail =
+        fmt::format("{} of {} elements beyond their bound; worst {}", b.exceeded, b.count, r.worst);
   }
   return r;
 }
 
-CaseResult gemm_case(Isa isa, std::size_t m, std::size_t n, std::size_t k, Data d, const RunContext& ctx, bool sampled) {
+CaseResult gemm_case(Isa isa, std::size_t m, std::size_t n, std::size_t k, Data d,
+                     const RunContext& ctx, bool sampled) {
   CaseResult r;
   if (!isa_usable(isa)) return CaseResult::only(Verdict::skip, skip_reason(isa));
   std::mt19937_64 rng(ctx.seed ^ (m * 131 + n * 17 + k));
@@ -90,16 +99,23 @@ CaseResult gemm_case(Isa isa, std::size_t m, std::size_t n, std::size_t k, Data 
   const auto c = with_threads(ctx.threads, [&] { return run(isa); });
   r.deterministic = same_bits(c, with_threads(1, [&] { return run(isa); }));
   std::vector<std::size_t> rows;
-  for (std::size_t i = 0; i < m; i += sampled ? std::max<std::size_t>(1, m / 8) : 1) rows.push_back(i);
-  r = fill_from(verify::check_rows_gemm_nt(MatView<const bf16>(a.data(), m, k), MatView<const bf16>(wv.data(), n, k),
+  for (std::size_t i = 0; i < m; i += sampled ? std::max<std::size_t>(1, m / 8) : 1)
+    rows.push_back(i);
+  r = fill_from(verify::check_rows_gemm_nt(MatView<const bf16>(a.data(), m, k),
+                                           MatView<const bf16>(wv.data(), n, k),
                                            MatView<const float>(c.data(), m, n), rows),
                 r);
-  const auto probe = verify::probe_gemm_nt(MatView<const bf16>(a.data(), m, k), MatView<const bf16>(wv.data(), n, k),
+  const auto probe = verify::probe_gemm_nt(MatView<const bf16>(a.data(), m, k),
+                                           MatView<const bf16>(wv.data(), n, k),
                                            MatView<const float>(c.data(), m, n));
-  if (!probe.pass && r.verdict != Verdict::fail) r.fail(fmt::format("probe: residual {:.6g} > {:.6g} at row {}", probe.residual, probe.threshold, probe.row));
-  if (!r.deterministic && r.verdict != Verdict::fail) r.fail("results differ between 1 and N threads");
+  if (!probe.pass && r.verdict != Verdict::fail)
+    r.fail(fmt::format("probe: residual {:.6g} > {:.6g} at row {}", probe.residual, probe.threshold,
+                       probe.row));
+  if (!r.deterministic && r.verdict != Verdict::fail)
+    r.fail("results differ between 1 and N threads");
   if (r.verdict == Verdict::pass) {
-    r.detail = fmt::format("{} rows compared, probe max ratio {:.3g}", rows.size(), probe.max_ratio);
+    r.detail =
+        fmt::format("{} rows compared, probe max ratio {:.3g}", rows.size(), probe.max_ratio);
     if (isa == Isa::amx_bf16) {
       const bool exact = same_bits(c, run(Isa::amx_emu));
       r.detail += exact ? "; bit-exact with amx_emu" : "";
@@ -112,17 +128,22 @@ CaseResult gemm_case(Isa isa, std::size_t m, std::size_t n, std::size_t k, Data 
 enum class Routing { normal, one_expert, empty_experts, empty_slots, sparse };
 const char* routing_name(Routing r) {
   switch (r) {
-    case Routing::normal: return "normal";
-    case Routing::one_expert: return "all_on_one_expert";
-    case Routing::empty_experts: return "empty_experts";
-    case Routing::empty_slots: return "minus1_slots";
-    case Routing::sparse: return "sparse_routing";
+    case Routing::normal:
+      return "normal";
+    case Routing::one_expert:
+      return "all_on_one_expert";
+    case Routing::empty_experts:
+      return "empty_experts";
+    case Routing::empty_slots:
+      return "minus1_slots";
+    case Routing::sparse:
+      return "sparse_routing";
   }
   return "?";
 }
 
-CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, std::size_t k, std::size_t t, Routing routing,
-                        const RunContext& ctx) {
+CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, std::size_t k,
+                        std::size_t t, Routing routing, const RunContext& ctx) {
   if (!isa_usable(isa)) return CaseResult::only(Verdict::skip, skip_reason(isa));
   std::mt19937_64 rng(ctx.seed ^ (e * 7 + h * 11 + i * 13 + t));
   const auto wg = draw(rng, e * i * h, Data::normal, 1 / std::sqrt(float(h)));
@@ -131,7 +152,8 @@ CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, st
   const auto x = draw(rng, t * h, Data::normal, 1);
   std::vector<std::int32_t> idx(t * k, -1);
   std::vector<float> w(t * k, 0.0f);
-  const std::size_t usable_experts = routing == Routing::empty_experts ? std::max<std::size_t>(1, e / 2) : e;
+  const std::size_t usable_experts =
+      routing == Routing::empty_experts ? std::max<std::size_t>(1, e / 2) : e;
   for (std::size_t r = 0; r < t; ++r) {
     std::vector<std::int32_t> perm(usable_experts);
     for (std::size_t q = 0; q < usable_experts; ++q) perm[q] = static_cast<std::int32_t>(q);
@@ -139,13 +161,15 @@ CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, st
     std::size_t valid = std::min(k, usable_experts);
     if (routing == Routing::one_expert) valid = 1, perm[0] = 0;
     if (routing == Routing::empty_slots) valid = rng() % (valid + 1);
-    if (routing == Routing::sparse) valid = rng() % 4 == 0 ? 1 : 0;  // a quarter of the tokens, one expert each
+    if (routing == Routing::sparse)
+      valid = rng() % 4 == 0 ? 1 : 0;  // a quarter of the tokens, one expert each
     for (std::size_t j = 0; j < valid; ++j) {
       idx[r * k + j] = perm[j];
       w[r * k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
     }
   }
-  const auto packed = experts::PackedExperts::pack(e, MatView<const bf16>(wg.data(), e * i, h), MatView<const bf16>(wu.data(), e * i, h),
+  const auto packed = experts::PackedExperts::pack(e, MatView<const bf16>(wg.data(), e * i, h),
+                                                   MatView<const bf16>(wu.data(), e * i, h),
                                                    MatView<const bf16>(wd.data(), e * h, i));
   MatView<const bf16> xv(x.data(), t, h);
   MatView<const std::int32_t> iv(idx.data(), t, k);
@@ -160,7 +184,8 @@ CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, st
   r.deterministic = same_bits(y, with_threads(1, [&] { return run(isa); }));
   const auto ref = contracts::experts_forward_reference(packed, xv, iv, wv);
   r = fill_from(compare::bounded(y, ref.y, ref.bound), r);
-  if (!r.deterministic && r.verdict != Verdict::fail) r.fail("results differ between 1 and N threads");
+  if (!r.deterministic && r.verdict != Verdict::fail)
+    r.fail("results differ between 1 and N threads");
   if (r.verdict == Verdict::pass) {
     r.detail = fmt::format("{} tokens, chained bound (proofs/bounds.md §10)", t);
     if (isa == Isa::amx_bf16) {
@@ -175,30 +200,53 @@ CaseResult experts_case(Isa isa, std::size_t e, std::size_t h, std::size_t i, st
 }  // namespace
 
 void add_kernel_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
-  struct G { const char* cls; std::size_t m, n, k; Suite suite; bool sampled; };
-  const G gemms[] = {{"tiny", 1, 16, 32, Suite::smoke, false},      {"odd", 37, 50, 100, Suite::smoke, false},
-                     {"odd", 65, 33, 257, Suite::def, false},       {"realistic", 256, 1024, 2048, Suite::def, true},
+  struct G {
+    const char* cls;
+    std::size_t m, n, k;
+    Suite suite;
+    bool sampled;
+  };
+  const G gemms[] = {{"tiny", 1, 16, 32, Suite::smoke, false},
+                     {"odd", 37, 50, 100, Suite::smoke, false},
+                     {"odd", 65, 33, 257, Suite::def, false},
+                     {"realistic", 256, 1024, 2048, Suite::def, true},
                      {"realistic", 1024, 2816, 2048, Suite::full, true}};
   for (Isa isa : isas)
     for (const auto& g : gemms)
       for (Data d : {Data::normal, Data::wide, Data::zeros, Data::near_overflow}) {
-        if ((g.suite == Suite::full && d != Data::normal) || (d == Data::near_overflow && g.k > 300)) continue;
+        if ((g.suite == Suite::full && d != Data::normal) ||
+            (d == Data::near_overflow && g.k > 300))
+          continue;
         out.push_back({"gemm.matmul.forward", "bf16_fp32", std::string(isa_name(isa)),
                        fmt::format("{}:M{}_N{}_K{}", g.cls, g.m, g.n, g.k), data_name(d), g.suite,
                        g.suite == Suite::smoke ? Level::full : Level::check,
-                       [=](const RunContext& ctx) { return gemm_case(isa, g.m, g.n, g.k, d, ctx, g.sampled); }});
+                       [=](const RunContext& ctx) {
+                         return gemm_case(isa, g.m, g.n, g.k, d, ctx, g.sampled);
+                       }});
       }
-  struct X { const char* cls; std::size_t e, h, i, k, t; Suite suite; };
-  const X xs[] = {{"tiny", 2, 16, 16, 1, 3, Suite::smoke}, {"odd", 5, 40, 33, 2, 23, Suite::smoke},
-                  {"odd", 9, 72, 50, 3, 61, Suite::def},   {"realistic", 16, 512, 384, 4, 128, Suite::def},
+  struct X {
+    const char* cls;
+    std::size_t e, h, i, k, t;
+    Suite suite;
+  };
+  const X xs[] = {{"tiny", 2, 16, 16, 1, 3, Suite::smoke},
+                  {"odd", 5, 40, 33, 2, 23, Suite::smoke},
+                  {"odd", 9, 72, 50, 3, 61, Suite::def},
+                  {"realistic", 16, 512, 384, 4, 128, Suite::def},
                   {"realistic", 64, 2048, 1408, 6, 64, Suite::full}};
   for (Isa isa : isas)
     for (const auto& x : xs)
-      for (Routing rt : {Routing::normal, Routing::one_expert, Routing::empty_experts, Routing::empty_slots, Routing::sparse}) {
-        if (x.suite != Suite::smoke && rt != Routing::normal && rt != Routing::empty_slots) continue;
+      for (Routing rt : {Routing::normal, Routing::one_expert, Routing::empty_experts,
+                         Routing::empty_slots, Routing::sparse}) {
+        if (x.suite != Suite::smoke && rt != Routing::normal && rt != Routing::empty_slots)
+          continue;
         out.push_back({"experts.forward", "swiglu", std::string(isa_name(isa)),
-                       fmt::format("{}:E{}_H{}_I{}_K{}_T{}", x.cls, x.e, x.h, x.i, x.k, x.t), routing_name(rt), x.suite,
-                       x.suite == Suite::smoke ? Level::full : Level::check, [=](const RunContext& ctx) { return experts_case(isa, x.e, x.h, x.i, x.k, x.t, rt, ctx); }});
+                       fmt::format("{}:E{}_H{}_I{}_K{}_T{}", x.cls, x.e, x.h, x.i, x.k, x.t),
+                       routing_name(rt), x.suite,
+                       x.suite == Suite::smoke ? Level::full : Level::check,
+                       [=](const RunContext& ctx) {
+                         return experts_case(isa, x.e, x.h, x.i, x.k, x.t, rt, ctx);
+                       }});
       }
 }
 

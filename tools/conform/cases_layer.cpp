@@ -1,12 +1,12 @@
 // Conformance cases of the MoE layer (forward + backward with LoRA, two
 // training steps on one saved state: the LoRA factors change between them)
 // and of the workspace plan of FIELD_NOTES 4.
+#include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
-
-#include <oneapi/tbb/global_control.h>
-#include <fmt/format.h>
 
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
@@ -24,9 +24,10 @@ struct Layer {
   std::vector<float> wr, b, bias, dy;
   experts::PackedExperts packed;
   layer::Weights weights() const {
-    return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), bias.data(),
-                                   layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
-                                                        lora[4].data(), lora[5].data()));
+    return layer::Weights::stacked(
+        cfg, packed, wr.data(), b.data(), bias.data(),
+        layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
+                             lora[4].data(), lora[5].data()));
   }
 };
 
@@ -37,11 +38,19 @@ constexpr Dims kSmall{8, 40, 24, 3, 4, 13}, kRealistic{16, 512, 384, 4, 8, 64};
 
 Layer make(RouterKind kind, std::uint64_t seed, Dims d) {
   Layer l;
-  l.E = kind == RouterKind::product_key ? (d.E == 8 ? 9 : 16) : d.E, l.H = d.H, l.I = d.I, l.K = d.K, l.r = d.r, l.T = d.T;
+  l.E = kind == RouterKind::product_key ? (d.E == 8 ? 9 : 16) : d.E, l.H = d.H, l.I = d.I,
+  l.K = d.K, l.r = d.r, l.T = d.T;
   auto i64 = [](std::size_t v) { return static_cast<std::int64_t>(v); };
-  l.cfg = {.experts = i64(l.E), .hidden = i64(l.H), .inter = i64(l.I), .topk = i64(l.K), .lora_rank = i64(l.r),
-           .lora_alpha = 2.0 * double(l.r), .router = kind, .groups = kind == RouterKind::sigmoid_topk ? 2 : 1,
-           .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1, .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0,
+  l.cfg = {.experts = i64(l.E),
+           .hidden = i64(l.H),
+           .inter = i64(l.I),
+           .topk = i64(l.K),
+           .lora_rank = i64(l.r),
+           .lora_alpha = 2.0 * double(l.r),
+           .router = kind,
+           .groups = kind == RouterKind::sigmoid_topk ? 2 : 1,
+           .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1,
+           .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0,
            .max_tokens = i64(l.T)};
   l.R = static_cast<std::size_t>(workspace::router_outputs(l.cfg));
   std::mt19937_64 rng(seed);
@@ -51,16 +60,20 @@ Layer make(RouterKind kind, std::uint64_t seed, Dims d) {
     for (auto& q : v) q = bf16(nd(rng) * s);
   };
   const float sh = 1 / std::sqrt(float(l.H)), si = 1 / std::sqrt(float(l.I));
-  fill(l.x, l.T * l.H, 1), fill(l.wg, l.E * l.I * l.H, sh), fill(l.wu, l.E * l.I * l.H, sh), fill(l.wd, l.E * l.H * l.I, si);
-  const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
+  fill(l.x, l.T * l.H, 1), fill(l.wg, l.E * l.I * l.H, sh), fill(l.wu, l.E * l.I * l.H, sh),
+      fill(l.wd, l.E * l.H * l.I, si);
+  const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H,
+                                l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
   for (int i = 0; i < 6; ++i) fill(l.lora[i], sizes[i], i % 2 ? 0.3f : (i == 4 ? si : sh));
   l.wr.resize(l.R * l.H), l.b.resize(l.R), l.bias.resize(l.E), l.dy.resize(l.T * l.H);
   for (auto& q : l.wr) q = nd(rng) * sh;
   for (auto& q : l.b) q = nd(rng) * 0.1f;
-  l.b[l.R / 2 - 1] = -50;  // an output no token selects: idle experts (their LoRA gradients must be 0)
+  l.b[l.R / 2 - 1] =
+      -50;  // an output no token selects: idle experts (their LoRA gradients must be 0)
   for (auto& q : l.bias) q = nd(rng) * 0.05f;
   for (auto& q : l.dy) q = nd(rng);
-  l.packed = experts::PackedExperts::pack(l.E, {l.wg.data(), l.E * l.I, l.H}, {l.wu.data(), l.E * l.I, l.H},
+  l.packed = experts::PackedExperts::pack(l.E, {l.wg.data(), l.E * l.I, l.H},
+                                          {l.wu.data(), l.E * l.I, l.H},
                                           {l.wd.data(), l.E * l.H, l.I}, true);
   return l;
 }
@@ -76,7 +89,8 @@ std::vector<float> steps(Layer& l, Isa isa, bool base) {
         for (std::size_t i = 0; i < f.size(); i += 3) f[i] = bf16(f[i].to_float() * 0.75f + 0.01f);
     // Fresh output buffers hold NaN, as a caller's might: every element must be written.
     std::vector<float> y(l.T * l.H, NAN), dx(l.T * l.H, NAN), g[6];
-    const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
+    const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H,
+                                  l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
     const std::size_t cols[6] = {l.H, l.r, l.H, l.r, l.I, l.r};
     for (int i = 0; i < 6; ++i) g[i].assign(sizes[i], NAN);
     std::vector<float> gwr(l.R * l.H, NAN), gb(l.R, NAN), ma(l.T * l.E, NAN), mg(l.T * l.E, NAN);
@@ -90,7 +104,8 @@ std::vector<float> steps(Layer& l, Isa isa, bool base) {
     std::vector<float> gw[3];  // base weights, where the case asks for them
     if (base) {
       for (auto& v : gw) v.assign(l.E * l.I * l.H, NAN);
-      gr.w_gate = {gw[0].data(), l.E * l.I, l.H}, gr.w_up = {gw[1].data(), l.E * l.I, l.H}, gr.w_down = {gw[2].data(), l.E * l.H, l.I};
+      gr.w_gate = {gw[0].data(), l.E * l.I, l.H}, gr.w_up = {gw[1].data(), l.E * l.I, l.H},
+      gr.w_down = {gw[2].data(), l.E * l.H, l.I};
     }
     const auto w = l.weights();
     layer::forward(l.cfg, w, {l.x.data(), l.T, l.H}, {y.data(), l.T, l.H}, saved, {.isa = isa});
@@ -123,12 +138,15 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
   r.digest = digest_of(many);
   expect(r, r.deterministic, "results differ between 1 and N threads");
   if (r.verdict == Verdict::pass) {
-    r.detail = fmt::format("2 training steps; y, dx, router, LoRA{} gradients within proofs/layer.md (level full)",
-                           base ? " and base-weight" : "");
-    if (isa == Isa::amx_bf16) {  // every output of both steps, LoRA products fused in the kernel included
+    r.detail = fmt::format(
+        "2 training steps; y, dx, router, LoRA{} gradients within proofs/layer.md (level full)",
+        base ? " and base-weight" : "");
+    if (isa ==
+        Isa::amx_bf16) {  // every output of both steps, LoRA products fused in the kernel included
       Layer c = make(kind, ctx.seed + 3, dims);
       const auto emu = steps(c, Isa::amx_emu, base);
-      const bool exact = emu.size() == many.size() && std::memcmp(emu.data(), many.data(), many.size() * sizeof(float)) == 0;
+      const bool exact = emu.size() == many.size() &&
+                         std::memcmp(emu.data(), many.data(), many.size() * sizeof(float)) == 0;
       r.detail += exact ? "; bit-exact with amx_emu" : "";
       expect(r, exact, "amx_bf16 and amx_emu differ bitwise");
     }
@@ -138,28 +156,40 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
 
 CaseResult plan_case(const RunContext&) {
   CaseResult r;
-  const MoeConfig cfg{.experts = 256, .hidden = 7168, .inter = 2048, .topk = 8, .lora_rank = 16, .lora_alpha = 32, .max_tokens = 25600};
+  const MoeConfig cfg{.experts = 256,
+                      .hidden = 7168,
+                      .inter = 2048,
+                      .topk = 8,
+                      .lora_rank = 16,
+                      .lora_alpha = 32,
+                      .max_tokens = 25600};
   const auto p = workspace::plan(cfg, 25600);
-  r.detail = fmt::format("total {:.2f} GiB (target <= 16 GiB), lower bound {:.2f} GiB", p.total_bytes / 0x1p30,
-                         p.peak_live_bytes / 0x1p30);
-  expect(r, p.total_bytes <= (std::uint64_t{16} << 30), "FIELD_NOTES 4 config over 16 GiB: " + r.detail);
+  r.detail = fmt::format("total {:.2f} GiB (target <= 16 GiB), lower bound {:.2f} GiB",
+                         p.total_bytes / 0x1p30, p.peak_live_bytes / 0x1p30);
+  expect(r, p.total_bytes <= (std::uint64_t{16} << 30),
+         "FIELD_NOTES 4 config over 16 GiB: " + r.detail);
   return r;
 }
 
 }  // namespace
 
 void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
-  out.push_back({"workspace.plan", "field_notes_4", "any", "E256_H7168_I2048_K8_r16_T25600", "-", Suite::smoke, Level::check,
-                 plan_case});
-  for (RouterKind kind : {RouterKind::softmax_topk, RouterKind::sigmoid_topk, RouterKind::product_key})
+  out.push_back({"workspace.plan", "field_notes_4", "any", "E256_H7168_I2048_K8_r16_T25600", "-",
+                 Suite::smoke, Level::check, plan_case});
+  for (RouterKind kind :
+       {RouterKind::softmax_topk, RouterKind::sigmoid_topk, RouterKind::product_key})
     for (Isa isa : isas)
-      out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)), std::string(isa_name(isa)),
-                     "small:E8_H40_I24_K3_r4_T13", "normal", Suite::smoke, Level::full,
-                     [kind, isa](const RunContext& ctx) { return layer_case(kind, isa, kSmall, true, ctx); }});
+      out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)),
+                     std::string(isa_name(isa)), "small:E8_H40_I24_K3_r4_T13", "normal",
+                     Suite::smoke, Level::full, [kind, isa](const RunContext& ctx) {
+                       return layer_case(kind, isa, kSmall, true, ctx);
+                     }});
   for (Isa isa : isas)
-    out.push_back({"layer.forward_backward", "softmax_topk", std::string(isa_name(isa)), "realistic:E16_H512_I384_K4_r8_T64",
-                   "normal", Suite::def, Level::full,
-                   [isa](const RunContext& ctx) { return layer_case(RouterKind::softmax_topk, isa, kRealistic, false, ctx); }});
+    out.push_back({"layer.forward_backward", "softmax_topk", std::string(isa_name(isa)),
+                   "realistic:E16_H512_I384_K4_r8_T64", "normal", Suite::def, Level::full,
+                   [isa](const RunContext& ctx) {
+                     return layer_case(RouterKind::softmax_topk, isa, kRealistic, false, ctx);
+                   }});
 }
 
 }  // namespace moecert::tools

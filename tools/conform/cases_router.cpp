@@ -1,13 +1,13 @@
 // Conformance cases for the routers: selection against brute force under
 // the total order, weights and gradients against the binary64 reference
 // within the bounds of proofs/router.md, determinism.
+#include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
-
-#include <fmt/format.h>
-#include <oneapi/tbb/global_control.h>
 
 #include "contracts/bounds/router.hpp"
 #include "contracts/reference/router.hpp"
@@ -39,7 +39,8 @@ struct Tally {
   double slack = 0;
   void add(double got, double want, double bound, const std::string& where) {
     bound += slack * std::fabs(want);
-    const double err = std::fabs(got - want), util = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0);
+    const double err = std::fabs(got - want),
+                 util = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0);
     r.histogram.add(util);
     r.max_abs_err = std::max(r.max_abs_err, err);
     if (want != 0) r.max_rel_err = std::max(r.max_rel_err, err / std::fabs(want));
@@ -59,17 +60,21 @@ struct Tally {
 
 template <class F>
 auto threads(int n, F f) {
-  oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(n));
+  oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism,
+                                 static_cast<std::size_t>(n));
   return f();
 }
 
-CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward, const RunContext& ctx) {
+CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward,
+                        const RunContext& ctx) {
   std::mt19937_64 rng(ctx.seed ^ (s.t * 31 + s.e));
   const auto z = scores(rng, s.t * s.e, ties), g = scores(rng, s.t * s.k, false);
   MatView<const float> zv(z.data(), s.t, s.e);
   auto fwd = [&] {
-    std::pair<std::vector<std::int32_t>, std::vector<float>> out{std::vector<std::int32_t>(s.t * s.k), std::vector<float>(s.t * s.k)};
-    router::softmax_topk_forward(zv, MatView<std::int32_t>(out.first.data(), s.t, s.k), MatView<float>(out.second.data(), s.t, s.k), renorm);
+    std::pair<std::vector<std::int32_t>, std::vector<float>> out{
+        std::vector<std::int32_t>(s.t * s.k), std::vector<float>(s.t * s.k)};
+    router::softmax_topk_forward(zv, MatView<std::int32_t>(out.first.data(), s.t, s.k),
+                                 MatView<float>(out.second.data(), s.t, s.k), renorm);
     return out;
   };
   const auto [idx, w] = threads(ctx.threads, fwd);
@@ -81,23 +86,27 @@ CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward, c
     const std::int32_t* ir = &idx[t * s.k];
     std::vector<std::int32_t> all(s.e);
     for (std::size_t i = 0; i < s.e; ++i) all[i] = static_cast<std::int32_t>(i);
-    std::stable_sort(all.begin(), all.end(), [&](auto a, auto b) { return router::detail::outranks(zr[a], a, zr[b], b); });
+    std::stable_sort(all.begin(), all.end(),
+                     [&](auto a, auto b) { return router::detail::outranks(zr[a], a, zr[b], b); });
     if (!std::equal(ir, ir + s.k, all.begin())) {
       tl.fail(fmt::format("row {}: selection differs from brute force under the total order", t));
       break;
     }
     if (!backward) {
       const auto [wr, b] = bounds::softmax_topk_weights_row(zr, s.e, ir, s.k, renorm);
-      for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
+      for (std::size_t j = 0; j < s.k; ++j)
+        tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
       continue;
     }
   }
   if (backward && tl.r.verdict != Verdict::fail) {
     auto idx2 = idx;
-    for (std::size_t t = 0; t < s.t; t += 3) idx2[t * s.k + s.k - 1] = -1;  // replayed rows with an empty tail slot
+    for (std::size_t t = 0; t < s.t; t += 3)
+      idx2[t * s.k + s.k - 1] = -1;  // replayed rows with an empty tail slot
     auto bwd = [&] {
       std::vector<float> dz(s.t * s.e);
-      router::softmax_topk_backward(zv, MatView<const std::int32_t>(idx2.data(), s.t, s.k), MatView<const float>(g.data(), s.t, s.k),
+      router::softmax_topk_backward(zv, MatView<const std::int32_t>(idx2.data(), s.t, s.k),
+                                    MatView<const float>(g.data(), s.t, s.k),
                                     MatView<float>(dz.data(), s.t, s.e), renorm);
       return dz;
     };
@@ -108,23 +117,30 @@ CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward, c
       const std::int32_t* ir = &idx2[t * s.k];
       const auto dref = ref::softmax_topk_grad<double>(zr, s.e, ir, &g[t * s.k], s.k, renorm);
       const auto b = bounds::softmax_topk_grad_row(zr, s.e, ir, &g[t * s.k], s.k, renorm);
-      for (std::size_t i = 0; i < s.e; ++i) tl.add(dz[t * s.e + i], ref::to_double(dref[i]), b[i], fmt::format("t={} e={}", t, i));
+      for (std::size_t i = 0; i < s.e; ++i)
+        tl.add(dz[t * s.e + i], ref::to_double(dref[i]), b[i], fmt::format("t={} e={}", t, i));
     }
   }
   if (!tl.r.deterministic) tl.fail("results differ between 1 and N threads");
-  if (tl.r.verdict == Verdict::pass) tl.r.detail = backward ? "every dz within proofs/router.md §4.1; unselected exactly 0 where the math says so"
-                                                            : "selection = brute force; weights within proofs/bounds.md §6";
+  if (tl.r.verdict == Verdict::pass)
+    tl.r.detail =
+        backward
+            ? "every dz within proofs/router.md §4.1; unselected exactly 0 where the math says so"
+            : "selection = brute force; weights within proofs/bounds.md §6";
   return tl.r;
 }
 
 CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunContext& ctx) {
   const std::size_t n = static_cast<std::size_t>(std::lround(std::sqrt(double(s.e))));
   std::mt19937_64 rng(ctx.seed ^ (s.t * 37 + n));
-  const auto sx = scores(rng, s.t * n, ties), sy = scores(rng, s.t * n, ties), g = scores(rng, s.t * s.k, false);
+  const auto sx = scores(rng, s.t * n, ties), sy = scores(rng, s.t * n, ties),
+             g = scores(rng, s.t * s.k, false);
   MatView<const float> xv(sx.data(), s.t, n), yv(sy.data(), s.t, n);
   auto fwd = [&] {
-    std::pair<std::vector<std::int32_t>, std::vector<float>> out{std::vector<std::int32_t>(s.t * s.k), std::vector<float>(s.t * s.k)};
-    router::product_key_forward(xv, yv, router::KeyWeights::raw, MatView<std::int32_t>(out.first.data(), s.t, s.k),
+    std::pair<std::vector<std::int32_t>, std::vector<float>> out{
+        std::vector<std::int32_t>(s.t * s.k), std::vector<float>(s.t * s.k)};
+    router::product_key_forward(xv, yv, router::KeyWeights::raw,
+                                MatView<std::int32_t>(out.first.data(), s.t, s.k),
                                 MatView<float>(out.second.data(), s.t, s.k));
     return out;
   };
@@ -144,16 +160,21 @@ CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunC
     if (!std::equal(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(s.k), &idx[t * s.k]))
       tl.fail(fmt::format("row {}: two-stage selection differs from brute force", t));
     if (backward) continue;
-    const auto [wr, b] = bounds::product_key_weights_row(&sx[t * n], &sy[t * n], n, &idx[t * s.k], s.k, router::KeyWeights::raw);
-    for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
+    const auto [wr, b] = bounds::product_key_weights_row(&sx[t * n], &sy[t * n], n, &idx[t * s.k],
+                                                         s.k, router::KeyWeights::raw);
+    for (std::size_t j = 0; j < s.k; ++j)
+      tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
   }
   if (backward && tl.r.verdict != Verdict::fail) {
     for (std::size_t t = 0; t < s.t; ++t)
-      for (std::size_t j = 1 + t % s.k; j < s.k; ++j) idx[t * s.k + j] = -1;  // -1 tails of every length
+      for (std::size_t j = 1 + t % s.k; j < s.k; ++j)
+        idx[t * s.k + j] = -1;  // -1 tails of every length
     auto bwd = [&] {
       std::vector<float> dsx(s.t * n), dsy(s.t * n);
-      router::product_key_backward(xv, yv, MatView<const std::int32_t>(idx.data(), s.t, s.k), MatView<const float>(g.data(), s.t, s.k),
-                                   router::KeyWeights::raw, MatView<float>(dsx.data(), s.t, n), MatView<float>(dsy.data(), s.t, n));
+      router::product_key_backward(xv, yv, MatView<const std::int32_t>(idx.data(), s.t, s.k),
+                                   MatView<const float>(g.data(), s.t, s.k),
+                                   router::KeyWeights::raw, MatView<float>(dsx.data(), s.t, n),
+                                   MatView<float>(dsy.data(), s.t, n));
       dsx.insert(dsx.end(), dsy.begin(), dsy.end());
       return dsx;
     };
@@ -161,23 +182,29 @@ CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunC
     tl.r.deterministic = tl.r.deterministic && threads(1, bwd) == d;
     for (std::size_t t = 0; t < s.t; ++t) {
       std::vector<double> rx, ry;
-      ref::product_key_grad<double>(&sx[t * n], &sy[t * n], n, &idx[t * s.k], &g[t * s.k], s.k, router::KeyWeights::raw, rx, ry);
+      ref::product_key_grad<double>(&sx[t * n], &sy[t * n], n, &idx[t * s.k], &g[t * s.k], s.k,
+                                    router::KeyWeights::raw, rx, ry);
       // Never-selected keys must be exactly 0 (FIELD_NOTES 1): a zero bound.
-      const auto b = bounds::product_key_grad_row(&sx[t * n], &sy[t * n], n, &idx[t * s.k], &g[t * s.k], s.k, router::KeyWeights::raw);
+      const auto b = bounds::product_key_grad_row(&sx[t * n], &sy[t * n], n, &idx[t * s.k],
+                                                  &g[t * s.k], s.k, router::KeyWeights::raw);
       for (std::size_t i = 0; i < n; ++i)
         for (int half = 0; half < 2; ++half) {
           const double got = half ? d[s.t * n + t * n + i] : d[t * n + i];
-          tl.add(got, half ? ry[i] : rx[i], b[half * n + i], fmt::format("t={} {}[{}]", t, half ? "dsy" : "dsx", i));
+          tl.add(got, half ? ry[i] : rx[i], b[half * n + i],
+                 fmt::format("t={} {}[{}]", t, half ? "dsy" : "dsx", i));
         }
     }
   }
   if (!tl.r.deterministic) tl.fail("results differ between 1 and N threads");
   if (tl.r.verdict == Verdict::pass)
-    tl.r.detail = backward ? "-1 slots add nothing; unselected keys exactly 0; others within §4.3" : "two-stage top-K = brute force (proofs/router.md §2); weights within §3";
+    tl.r.detail = backward
+                      ? "-1 slots add nothing; unselected keys exactly 0; others within §4.3"
+                      : "two-stage top-K = brute force (proofs/router.md §2); weights within §3";
   return tl.r;
 }
 
-CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t topk_group, const RunContext& ctx) {
+CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t topk_group,
+                        const RunContext& ctx) {
   std::mt19937_64 rng(ctx.seed ^ (s.t * 41 + s.e));
   const router::SigmoidTopkParams p{8, topk_group, 2.5f};
   const std::size_t size = s.e / p.groups;
@@ -186,8 +213,10 @@ CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t to
   for (auto& b : bias) b *= 0.05f;
   MatView<const float> zv(z.data(), s.t, s.e);
   auto fwd = [&] {
-    std::pair<std::vector<std::int32_t>, std::vector<float>> o{std::vector<std::int32_t>(s.t * s.k), std::vector<float>(s.t * s.k)};
-    router::sigmoid_topk_forward(zv, View<const float>{bias.data(), s.e}, p, MatView<std::int32_t>(o.first.data(), s.t, s.k),
+    std::pair<std::vector<std::int32_t>, std::vector<float>> o{std::vector<std::int32_t>(s.t * s.k),
+                                                               std::vector<float>(s.t * s.k)};
+    router::sigmoid_topk_forward(zv, View<const float>{bias.data(), s.e}, p,
+                                 MatView<std::int32_t>(o.first.data(), s.t, s.k),
                                  MatView<float>(o.second.data(), s.t, s.k));
     return o;
   };
@@ -198,7 +227,8 @@ CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t to
   for (std::size_t t = 0; t < s.t && tl.r.verdict != Verdict::fail; ++t) {
     // Brute force: groups by the sum of their top two selection scores, then experts.
     std::vector<float> sel(s.e), gs(p.groups);
-    for (std::size_t i = 0; i < s.e; ++i) sel[i] = router::detail::sigmoid(z[t * s.e + i]) + bias[i];
+    for (std::size_t i = 0; i < s.e; ++i)
+      sel[i] = router::detail::sigmoid(z[t * s.e + i]) + bias[i];
     for (std::size_t q = 0; q < p.groups; ++q) {
       std::vector<float> v(sel.begin() + q * size, sel.begin() + (q + 1) * size);
       std::sort(v.rbegin(), v.rend());
@@ -206,10 +236,17 @@ CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t to
     }
     std::vector<std::int32_t> order(p.groups), all(s.e);
     for (std::size_t q = 0; q < p.groups; ++q) order[q] = static_cast<std::int32_t>(q);
-    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return router::detail::outranks(gs[a], a, gs[b], b); });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](auto a, auto b) { return router::detail::outranks(gs[a], a, gs[b], b); });
     for (std::size_t i = 0; i < s.e; ++i) all[i] = static_cast<std::int32_t>(i);
-    std::stable_sort(all.begin(), all.end(), [&](auto a, auto b) { return router::detail::outranks(sel[a], a, sel[b], b); });
-    std::erase_if(all, [&](std::int32_t i) { return std::find(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(p.topk_group), i / static_cast<std::int32_t>(size)) == order.begin() + static_cast<std::ptrdiff_t>(p.topk_group); });
+    std::stable_sort(all.begin(), all.end(), [&](auto a, auto b) {
+      return router::detail::outranks(sel[a], a, sel[b], b);
+    });
+    std::erase_if(all, [&](std::int32_t i) {
+      return std::find(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(p.topk_group),
+                       i / static_cast<std::int32_t>(size)) ==
+             order.begin() + static_cast<std::ptrdiff_t>(p.topk_group);
+    });
     all.resize(s.k, -1);  // fewer eligible than K: -1 tail
     if (!std::equal(all.begin(), all.end(), &idx[t * s.k])) {
       tl.fail(fmt::format("row {}: selection differs from brute force", t));
@@ -218,13 +255,15 @@ CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t to
     const std::int32_t* ir = &idx[t * s.k];
     if (!backward) {
       const auto [wr, b] = bounds::sigmoid_topk_weights_row(&z[t * s.e], ir, s.k, p.scaling);
-      for (std::size_t j = 0; j < s.k; ++j) tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
+      for (std::size_t j = 0; j < s.k; ++j)
+        tl.add(w[t * s.k + j], wr[j], b[j], fmt::format("t={} j={}", t, j));
     }
   }
   if (backward && tl.r.verdict != Verdict::fail) {
     auto bwd = [&] {
       std::vector<float> dz(s.t * s.e);
-      router::sigmoid_topk_backward(zv, MatView<const std::int32_t>(idx.data(), s.t, s.k), MatView<const float>(g.data(), s.t, s.k), p,
+      router::sigmoid_topk_backward(zv, MatView<const std::int32_t>(idx.data(), s.t, s.k),
+                                    MatView<const float>(g.data(), s.t, s.k), p,
                                     MatView<float>(dz.data(), s.t, s.e));
       return dz;
     };
@@ -232,21 +271,27 @@ CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t to
     tl.r.deterministic = threads(1, bwd) == dz;
     for (std::size_t t = 0; t < s.t; ++t) {
       const std::int32_t* ir = &idx[t * s.k];
-      const auto dref = ref::sigmoid_topk_grad<double>(&z[t * s.e], s.e, ir, &g[t * s.k], s.k, p.scaling);
-      const auto b = bounds::sigmoid_topk_grad_row(&z[t * s.e], s.e, ir, &g[t * s.k], s.k, p.scaling);
-      for (std::size_t i = 0; i < s.e; ++i) tl.add(dz[t * s.e + i], dref[i], b[i], fmt::format("t={} e={}", t, i));
+      const auto dref =
+          ref::sigmoid_topk_grad<double>(&z[t * s.e], s.e, ir, &g[t * s.k], s.k, p.scaling);
+      const auto b =
+          bounds::sigmoid_topk_grad_row(&z[t * s.e], s.e, ir, &g[t * s.k], s.k, p.scaling);
+      for (std::size_t i = 0; i < s.e; ++i)
+        tl.add(dz[t * s.e + i], dref[i], b[i], fmt::format("t={} e={}", t, i));
     }
   }
   if (!tl.r.deterministic) tl.fail("results differ between 1 and N threads");
   if (tl.r.verdict == Verdict::pass)
-    tl.r.detail = backward ? "within proofs/router.md §4.2; unselected exactly 0" : "group-limited selection = brute force; weights within §7";
+    tl.r.detail = backward ? "within proofs/router.md §4.2; unselected exactly 0"
+                           : "group-limited selection = brute force; weights within §7";
   return tl.r;
 }
 
 }  // namespace
 
 void add_router_cases(std::vector<CaseDef>& out) {
-  const Shape shapes[] = {{"tiny", 2, 16, 1, Suite::smoke}, {"odd", 37, 64, 9, Suite::smoke}, {"realistic", 256, 4096, 16, Suite::def}};
+  const Shape shapes[] = {{"tiny", 2, 16, 1, Suite::smoke},
+                          {"odd", 37, 64, 9, Suite::smoke},
+                          {"realistic", 256, 4096, 16, Suite::def}};
   for (const auto& s : shapes)
     for (bool ties : {false, true}) {
       const std::string shape = fmt::format("{}:T{}_E{}_K{}", s.cls, s.t, s.e, s.k);
@@ -254,19 +299,25 @@ void add_router_cases(std::vector<CaseDef>& out) {
       const Level level = s.suite == Suite::smoke ? Level::full : Level::check;
       for (bool renorm : {true, false})
         for (bool bwd : {false, true})
-          out.push_back({bwd ? "router.softmax_topk.backward" : "router.softmax_topk.forward", renorm ? "renormalized" : "dense", "any",
-                         shape, bwd ? std::string(data) + ",minus1_slots" : data, s.suite, level,
-                         [=](const RunContext& ctx) { return softmax_case(s, ties, renorm, bwd, ctx); }});
+          out.push_back(
+              {bwd ? "router.softmax_topk.backward" : "router.softmax_topk.forward",
+               renorm ? "renormalized" : "dense", "any", shape,
+               bwd ? std::string(data) + ",minus1_slots" : data, s.suite, level,
+               [=](const RunContext& ctx) { return softmax_case(s, ties, renorm, bwd, ctx); }});
       for (bool bwd : {false, true})
-        for (std::size_t kept : {4u, 1u}) {  // kept = 1 with 8 groups: fewer than K eligible when K > E/8
+        for (std::size_t kept :
+             {4u, 1u}) {  // kept = 1 with 8 groups: fewer than K eligible when K > E/8
           if (kept == 1 && s.k <= s.e / 8) continue;
-          out.push_back({bwd ? "router.sigmoid_topk.backward" : "router.sigmoid_topk.forward", fmt::format("G8_keep{}", kept), "any",
-                         shape, kept == 1 ? std::string(data) + ",minus1_slots" : data, s.suite, level,
-                         [=](const RunContext& ctx) { return sigmoid_case(s, ties, bwd, kept, ctx); }});
+          out.push_back(
+              {bwd ? "router.sigmoid_topk.backward" : "router.sigmoid_topk.forward",
+               fmt::format("G8_keep{}", kept), "any", shape,
+               kept == 1 ? std::string(data) + ",minus1_slots" : data, s.suite, level,
+               [=](const RunContext& ctx) { return sigmoid_case(s, ties, bwd, kept, ctx); }});
         }
       for (bool bwd : {false, true})
-        out.push_back({bwd ? "router.product_key.backward" : "router.product_key.forward", "raw", "any", shape,
-                       bwd ? std::string(data) + ",minus1_slots" : data, s.suite, level,
+        out.push_back({bwd ? "router.product_key.backward" : "router.product_key.forward", "raw",
+                       "any", shape, bwd ? std::string(data) + ",minus1_slots" : data, s.suite,
+                       level,
                        [=](const RunContext& ctx) { return product_key_case(s, ties, bwd, ctx); }});
     }
 }

@@ -1,13 +1,12 @@
 // `moecert conform`: runs a suite of cases, then writes the report.
+#include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <map>
 #include <set>
-
-#include <fmt/format.h>
-#include <oneapi/tbb/global_control.h>
 
 #include "moecert/moecert.hpp"
 #include "tools/commands.hpp"
@@ -76,8 +75,8 @@ CaseRecord run_case(const CaseDef& def, const RunContext& ctx) {
 
 }  // namespace
 
-Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx, const std::string& suite_name,
-                 const std::string& isa_used) {
+Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx,
+                 const std::string& suite_name, const std::string& isa_used) {
   Report report;
   report.env = environment(ctx.threads, isa_used);
   report.suite = suite_name;
@@ -92,11 +91,13 @@ Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx, const 
   report.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
 
   std::set<std::string> fired;
-  for (const auto& c : report.cases) fired.insert(c.result.clauses_fired.begin(), c.result.clauses_fired.end());
+  for (const auto& c : report.cases)
+    fired.insert(c.result.clauses_fired.begin(), c.result.clauses_fired.end());
   const auto counts = checked_counts();
   for (const auto& info : all_clauses()) {
     auto it = counts.find(std::string(info.id));
-    report.clauses.push_back({info, it == counts.end() ? 0 : it->second, fired.count(std::string(info.id)) > 0});
+    report.clauses.push_back(
+        {info, it == counts.end() ? 0 : it->second, fired.count(std::string(info.id)) > 0});
   }
   return report;
 }
@@ -108,10 +109,12 @@ int run_conform(int argc, char** argv) {
   const std::string out = args.get_or("out", "build/report");
   const int threads = static_cast<int>(args.get_int("threads", default_threads()));
   if (threads < 1) throw std::invalid_argument("--threads: expected N >= 1");
-  if (const auto guard = args.get("guard-pages")) {  // from here on: the cases' inputs, outputs and scratch
+  if (const auto guard =
+          args.get("guard-pages")) {  // from here on: the cases' inputs, outputs and scratch
     GuardPages mode;
     if (!parse_guard_pages(guard->c_str(), mode))
-      throw std::invalid_argument(fmt::format("--guard-pages {}: expected off, end or start", *guard));
+      throw std::invalid_argument(
+          fmt::format("--guard-pages {}: expected off, end or start", *guard));
     set_guard_pages(mode);
   }
 
@@ -122,8 +125,8 @@ int run_conform(int argc, char** argv) {
   for (const auto& name : args.all("isa")) {
     const auto isa = parse_isa(name);
     if (!isa)
-      throw std::invalid_argument(
-          fmt::format("--isa {}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", name));
+      throw std::invalid_argument(fmt::format(
+          "--isa {}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", name));
     ctx.isas.push_back(*isa);  // kept even if unusable here: its cases are reported as skip
     isa_used += (isa_used.empty() ? "" : ",") + name;
   }
@@ -142,11 +145,14 @@ int run_conform(int argc, char** argv) {
 
   const Report report = run_cases(defs, ctx, suite_name, isa_used);
   write_report(report, out);
-  fmt::print("conform: {} suite: {} cases, {} passed, {} failed, {} skipped; clauses exercised {}/{}; report in {}\n",
-             suite_name, report.cases.size(), report.passed(), report.failed(), report.skipped(),
-             report.clauses_exercised(), report.clauses.size(), out);
+  fmt::print(
+      "conform: {} suite: {} cases, {} passed, {} failed, {} skipped; clauses exercised {}/{}; "
+      "report in {}\n",
+      suite_name, report.cases.size(), report.passed(), report.failed(), report.skipped(),
+      report.clauses_exercised(), report.clauses.size(), out);
   for (const auto& c : report.cases)
-    if (c.result.verdict == Verdict::fail) fmt::print("conform: FAIL {}: {}\n", c.def.id(), c.result.detail);
+    if (c.result.verdict == Verdict::fail)
+      fmt::print("conform: FAIL {}: {}\n", c.def.id(), c.result.detail);
   return report.failed() ? 1 : 0;
 }
 

@@ -1,14 +1,14 @@
 // Writes a conformance report as report.json, report.md, report.html and junit.xml.
 #include "tools/conform/report.hpp"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
 #include <stdexcept>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 namespace moecert::tools {
 namespace {
@@ -17,12 +17,23 @@ std::string escape_xml(std::string_view s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&apos;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -31,9 +42,12 @@ std::string escape_xml(std::string_view s) {
 std::string escape_md(std::string_view s) {
   std::string out;
   for (char c : s) {
-    if (c == '|') out += "\\|";
-    else if (c == '\n') out += ' ';
-    else out += c;
+    if (c == '|')
+      out += "\\|";
+    else if (c == '\n')
+      out += ' ';
+    else
+      out += c;
   }
   return out;
 }
@@ -47,19 +61,25 @@ void write_file(const std::filesystem::path& p, const std::string& text) {
 std::string md(const Report& r) {
   std::string s;
   s += fmt::format("# moecert conformance report ({} suite)\n\n", r.suite);
-  s += fmt::format("**{}**: {} cases, {} passed, {} failed, {} skipped; clauses exercised {} of {}; {:.1f} s\n\n",
-                   r.failed() ? "FAIL" : "PASS", r.cases.size(), r.passed(), r.failed(), r.skipped(),
-                   r.clauses_exercised(), r.clauses.size(), r.seconds);
+  s += fmt::format(
+      "**{}**: {} cases, {} passed, {} failed, {} skipped; clauses exercised {} of {}; {:.1f} "
+      "s\n\n",
+      r.failed() ? "FAIL" : "PASS", r.cases.size(), r.passed(), r.failed(), r.skipped(),
+      r.clauses_exercised(), r.clauses.size(), r.seconds);
   s += "## Environment\n\n| | |\n| --- | --- |\n";
   const auto& e = r.env;
-  s += fmt::format("| CPU | {} ({}) |\n| ISA detected | {} |\n| ISA usable | {} |\n| ISA used | {} |\n",
-                   e.cpu_model, e.cpu_vendor, fmt::join(e.isa_detected, ", "),
-                   fmt::join(e.isa_usable, ", "), e.isa_used);
-  s += fmt::format("| threads | {} |\n| compiler | {} |\n| flags | `{}` |\n| build | {} |\n| commit | {} |\n",
-                   e.threads, e.compiler, e.flags, e.build_type, e.git_commit);
-  s += fmt::format("| contracts | cap {}, default {} |\n| versions | moecert {}, fmt {}, oneTBB {}, Boost {} |\n",
-                   e.contract_cap, e.contract_default, e.moecert_version, e.fmt_version,
-                   e.tbb_version, e.boost_version);
+  s += fmt::format(
+      "| CPU | {} ({}) |\n| ISA detected | {} |\n| ISA usable | {} |\n| ISA used | {} |\n",
+      e.cpu_model, e.cpu_vendor, fmt::join(e.isa_detected, ", "), fmt::join(e.isa_usable, ", "),
+      e.isa_used);
+  s += fmt::format(
+      "| threads | {} |\n| compiler | {} |\n| flags | `{}` |\n| build | {} |\n| commit | {} |\n",
+      e.threads, e.compiler, e.flags, e.build_type, e.git_commit);
+  s += fmt::format(
+      "| contracts | cap {}, default {} |\n| versions | moecert {}, fmt {}, oneTBB {}, Boost {} "
+      "|\n",
+      e.contract_cap, e.contract_default, e.moecert_version, e.fmt_version, e.tbb_version,
+      e.boost_version);
   s += fmt::format("| seed | {} |\n\n", r.seed);
   if (r.failed()) {
     s += "## Failures\n\n";
@@ -68,21 +88,24 @@ std::string md(const Report& r) {
         s += fmt::format("- `{}`: {}\n", c.def.id(), escape_md(c.result.detail));
     s += "\n";
   }
-  s += "## Cases\n\n| verdict | op | variant | isa | shape | data | level | max abs err | max rel err | max bound util | deterministic | detail |\n";
+  s += "## Cases\n\n| verdict | op | variant | isa | shape | data | level | max abs err | max rel "
+       "err | max bound util | deterministic | detail |\n";
   s += "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | --- | --- |\n";
   for (const auto& c : r.cases) {
     const auto& d = c.def;
     const auto& x = c.result;
-    s += fmt::format("| {} | `{}` | {} | {} | {} | {} | {} | {:.3g} | {:.3g} | {:.3g} | {} | {} |\n",
-                     verdict_name(x.verdict), d.op, d.variant, d.isa, d.shape, d.data,
-                     level_name(d.level), x.max_abs_err, x.max_rel_err, x.max_bound_utilization,
-                     x.deterministic ? "yes" : "NO", escape_md(x.detail));
+    s +=
+        fmt::format("| {} | `{}` | {} | {} | {} | {} | {} | {:.3g} | {:.3g} | {:.3g} | {} | {} |\n",
+                    verdict_name(x.verdict), d.op, d.variant, d.isa, d.shape, d.data,
+                    level_name(d.level), x.max_abs_err, x.max_rel_err, x.max_bound_utilization,
+                    x.deterministic ? "yes" : "NO", escape_md(x.detail));
   }
-  s += "\n## Clause coverage\n\n| clause | kind | group | level | checked | violation tested |\n| --- | --- | --- | --- | ---: | --- |\n";
+  s += "\n## Clause coverage\n\n| clause | kind | group | level | checked | violation tested |\n| "
+       "--- | --- | --- | --- | ---: | --- |\n";
   for (const auto& c : r.clauses)
-    s += fmt::format("| `{}` | {} | {} | {} | {} | {} |\n", c.info.id, clause_kind_name(c.info.kind),
-                     group_name(c.info.group), level_name(c.info.level), c.checked,
-                     c.violation_tested ? "yes" : "no");
+    s += fmt::format("| `{}` | {} | {} | {} | {} | {} |\n", c.info.id,
+                     clause_kind_name(c.info.kind), group_name(c.info.group),
+                     level_name(c.info.level), c.checked, c.violation_tested ? "yes" : "no");
   return s;
 }
 
@@ -101,13 +124,15 @@ std::string utilization_svg(const Report& r) {
     const double w = std::min(u, 1.2) / 1.2 * width;
     s += fmt::format(R"(<text x="0" y="{}" font-size="10">{}</text>)", y + 12,
                      escape_xml(rows[i]->def.id()));
-    s += fmt::format(R"(<rect x="{}" y="{}" width="{:.1f}" height="{}" fill="{}"/>)", label, y + 3, w,
-                     h - 6, u <= 1 ? "#4a8" : "#c44");
-    s += fmt::format(R"(<text x="{:.1f}" y="{}" font-size="11">{:.3g}</text>)", label + w + 4, y + 13, u);
+    s += fmt::format(R"(<rect x="{}" y="{}" width="{:.1f}" height="{}" fill="{}"/>)", label, y + 3,
+                     w, h - 6, u <= 1 ? "#4a8" : "#c44");
+    s += fmt::format(R"(<text x="{:.1f}" y="{}" font-size="11">{:.3g}</text>)", label + w + 4,
+                     y + 13, u);
   }
   const double one = label + width / 1.2;
-  s += fmt::format(R"(<line x1="{0:.1f}" y1="0" x2="{0:.1f}" y2="{1}" stroke="#000" stroke-dasharray="3"/>)",
-                   one, h * static_cast<int>(rows.size()));
+  s += fmt::format(
+      R"(<line x1="{0:.1f}" y1="0" x2="{0:.1f}" y2="{1}" stroke="#000" stroke-dasharray="3"/>)",
+      one, h * static_cast<int>(rows.size()));
   return s + "</svg>";
 }
 
@@ -115,51 +140,65 @@ std::string utilization_svg(const Report& r) {
 std::string histogram_svgs(const Report& r) {
   std::map<std::string, compare::UtilizationHistogram> groups;
   for (const auto& c : r.cases) groups[c.def.op + " on " + c.def.isa].merge(c.result.histogram);
-  static const char* kLabels[] = {"<1e-6", "1e-6", "1e-5", "1e-4", "1e-3", "1e-2", "1e-1", "0.1-1", ">1"};
+  static const char* kLabels[] = {"<1e-6", "1e-6", "1e-5",  "1e-4", "1e-3",
+                                  "1e-2",  "1e-1", "0.1-1", ">1"};
   std::string s;
   for (const auto& [name, h] : groups) {
     std::uint64_t total = 0, top = 1;
     for (auto n : h.count) total += n, top = std::max(top, n);
     if (total == 0) continue;
     const int bw = 52, height = 90;
-    s += fmt::format(R"(<figure style="display:inline-block;margin:6px"><svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}">)",
-                     bw * compare::UtilizationHistogram::kBins, height + 30);
+    s += fmt::format(
+        R"(<figure style="display:inline-block;margin:6px"><svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}">)",
+        bw * compare::UtilizationHistogram::kBins, height + 30);
     for (int i = 0; i < compare::UtilizationHistogram::kBins; ++i) {
       const double frac = std::log1p(double(h.count[i])) / std::log1p(double(top));  // log scale
       const int bh = static_cast<int>(frac * height);
-      s += fmt::format(R"(<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{}: {}</title></rect>)", i * bw + 4,
-                       height - bh, bw - 8, bh, i == compare::UtilizationHistogram::kBins - 1 ? "#c44" : "#48a", kLabels[i], h.count[i]);
-      s += fmt::format(R"(<text x="{}" y="{}" font-size="10">{}</text>)", i * bw + 4, height + 12, kLabels[i]);
-      s += fmt::format(R"(<text x="{}" y="{}" font-size="9">{}</text>)", i * bw + 4, height + 24, h.count[i]);
+      s += fmt::format(
+          R"(<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{}: {}</title></rect>)",
+          i * bw + 4, height - bh, bw - 8, bh,
+          i == compare::UtilizationHistogram::kBins - 1 ? "#c44" : "#48a", kLabels[i], h.count[i]);
+      s += fmt::format(R"(<text x="{}" y="{}" font-size="10">{}</text>)", i * bw + 4, height + 12,
+                       kLabels[i]);
+      s += fmt::format(R"(<text x="{}" y="{}" font-size="9">{}</text>)", i * bw + 4, height + 24,
+                       h.count[i]);
     }
-    s += fmt::format("</svg><figcaption>{} ({} elements)</figcaption></figure>", escape_xml(name), total);
+    s += fmt::format("</svg><figcaption>{} ({} elements)</figcaption></figure>", escape_xml(name),
+                     total);
   }
   return s.empty() ? "<p>No element comparisons in this run.</p>" : s;
 }
 
 std::string html(const Report& r) {
-  std::string s = R"(<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>moecert conformance</title>
+  std::string s =
+      R"(<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>moecert conformance</title>
 <style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ccc;padding:2px 6px}.pass{color:#173}.fail{color:#b00;font-weight:bold}.skip{color:#777}</style>
 </head><body>)";
   s += fmt::format("<h1>moecert conformance report ({} suite)</h1>", escape_xml(r.suite));
-  s += fmt::format(R"(<p class="{}">{}: {} cases, {} passed, {} failed, {} skipped; clauses exercised {} of {}</p>)",
-                   r.failed() ? "fail" : "pass", r.failed() ? "FAIL" : "PASS", r.cases.size(), r.passed(),
-                   r.failed(), r.skipped(), r.clauses_exercised(), r.clauses.size());
-  s += fmt::format("<p>{} &middot; ISA used {} &middot; {} threads &middot; {} {} &middot; commit {}</p>",
-                   escape_xml(r.env.cpu_model), escape_xml(r.env.isa_used), r.env.threads,
-                   escape_xml(r.env.compiler), escape_xml(r.env.build_type), escape_xml(r.env.git_commit));
+  s += fmt::format(
+      R"(<p class="{}">{}: {} cases, {} passed, {} failed, {} skipped; clauses exercised {} of {}</p>)",
+      r.failed() ? "fail" : "pass", r.failed() ? "FAIL" : "PASS", r.cases.size(), r.passed(),
+      r.failed(), r.skipped(), r.clauses_exercised(), r.clauses.size());
+  s += fmt::format(
+      "<p>{} &middot; ISA used {} &middot; {} threads &middot; {} {} &middot; commit {}</p>",
+      escape_xml(r.env.cpu_model), escape_xml(r.env.isa_used), r.env.threads,
+      escape_xml(r.env.compiler), escape_xml(r.env.build_type), escape_xml(r.env.git_commit));
   s += "<h2>Bound utilisation (worst element per case)</h2>" + utilization_svg(r);
-  s += "<h2>Error histograms: elements by |err| / bound, per op and ISA (log-scaled bars)</h2>" + histogram_svgs(r);
-  s += "<h2>Cases</h2><table><tr><th>verdict</th><th>case</th><th>level</th><th>max abs err</th><th>max bound util</th><th>deterministic</th><th>detail</th></tr>";
+  s += "<h2>Error histograms: elements by |err| / bound, per op and ISA (log-scaled bars)</h2>" +
+       histogram_svgs(r);
+  s += "<h2>Cases</h2><table><tr><th>verdict</th><th>case</th><th>level</th><th>max abs "
+       "err</th><th>max bound util</th><th>deterministic</th><th>detail</th></tr>";
   for (const auto& c : r.cases) {
     const auto v = verdict_name(c.result.verdict);
-    s += fmt::format(R"(<tr><td class="{0}">{0}</td><td>{1}</td><td>{2}</td><td>{3:.3g}</td><td>{4:.3g}</td><td>{5}</td><td>{6}</td></tr>)",
-                     v, escape_xml(c.def.id()), level_name(c.def.level), c.result.max_abs_err,
-                     c.result.max_bound_utilization, c.result.deterministic ? "yes" : "NO",
-                     escape_xml(c.result.detail));
+    s += fmt::format(
+        R"(<tr><td class="{0}">{0}</td><td>{1}</td><td>{2}</td><td>{3:.3g}</td><td>{4:.3g}</td><td>{5}</td><td>{6}</td></tr>)",
+        v, escape_xml(c.def.id()), level_name(c.def.level), c.result.max_abs_err,
+        c.result.max_bound_utilization, c.result.deterministic ? "yes" : "NO",
+        escape_xml(c.result.detail));
   }
-  s += "</table><h2>Clauses</h2><table><tr><th>clause</th><th>kind</th><th>group</th><th>checked</th><th>violation tested</th></tr>";
+  s += "</table><h2>Clauses</h2><table><tr><th>clause</th><th>kind</th><th>group</th><th>checked</"
+       "th><th>violation tested</th></tr>";
   for (const auto& c : r.clauses)
     s += fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", c.info.id,
                      clause_kind_name(c.info.kind), group_name(c.info.group), c.checked,
@@ -168,11 +207,14 @@ td,th{border:1px solid #ccc;padding:2px 6px}.pass{color:#173}.fail{color:#b00;fo
 }
 
 std::string junit(const Report& r) {
-  std::string s = R"(<?xml version="1.0" encoding="UTF-8"?>)" "\n";
-  s += fmt::format(R"(<testsuites name="moecert" tests="{}" failures="{}" skipped="{}" time="{:.3f}">)",
-                   r.cases.size(), r.failed(), r.skipped(), r.seconds);
-  s += fmt::format(R"(<testsuite name="moecert.conform.{}" tests="{}" failures="{}" skipped="{}" time="{:.3f}">)",
-                   escape_xml(r.suite), r.cases.size(), r.failed(), r.skipped(), r.seconds);
+  std::string s = R"(<?xml version="1.0" encoding="UTF-8"?>)"
+                  "\n";
+  s += fmt::format(
+      R"(<testsuites name="moecert" tests="{}" failures="{}" skipped="{}" time="{:.3f}">)",
+      r.cases.size(), r.failed(), r.skipped(), r.seconds);
+  s += fmt::format(
+      R"(<testsuite name="moecert.conform.{}" tests="{}" failures="{}" skipped="{}" time="{:.3f}">)",
+      escape_xml(r.suite), r.cases.size(), r.failed(), r.skipped(), r.seconds);
   for (const auto& c : r.cases) {
     s += fmt::format(R"(<testcase classname="{}" name="{}" time="{:.3f}">)", escape_xml(c.def.op),
                      escape_xml(c.def.id()), c.seconds);
@@ -189,24 +231,31 @@ std::string junit(const Report& r) {
 
 std::string_view verdict_name(Verdict v) {
   switch (v) {
-    case Verdict::pass: return "pass";
-    case Verdict::fail: return "fail";
-    case Verdict::skip: return "skip";
+    case Verdict::pass:
+      return "pass";
+    case Verdict::fail:
+      return "fail";
+    case Verdict::skip:
+      return "skip";
   }
   return "?";
 }
 
 int Report::passed() const {
-  return static_cast<int>(std::count_if(cases.begin(), cases.end(), [](auto& c) { return c.result.verdict == Verdict::pass; }));
+  return static_cast<int>(std::count_if(cases.begin(), cases.end(),
+                                        [](auto& c) { return c.result.verdict == Verdict::pass; }));
 }
 int Report::failed() const {
-  return static_cast<int>(std::count_if(cases.begin(), cases.end(), [](auto& c) { return c.result.verdict == Verdict::fail; }));
+  return static_cast<int>(std::count_if(cases.begin(), cases.end(),
+                                        [](auto& c) { return c.result.verdict == Verdict::fail; }));
 }
 int Report::skipped() const {
-  return static_cast<int>(std::count_if(cases.begin(), cases.end(), [](auto& c) { return c.result.verdict == Verdict::skip; }));
+  return static_cast<int>(std::count_if(cases.begin(), cases.end(),
+                                        [](auto& c) { return c.result.verdict == Verdict::skip; }));
 }
 int Report::clauses_exercised() const {
-  return static_cast<int>(std::count_if(clauses.begin(), clauses.end(), [](auto& c) { return c.checked > 0; }));
+  return static_cast<int>(
+      std::count_if(clauses.begin(), clauses.end(), [](auto& c) { return c.checked > 0; }));
 }
 
 boost::json::object to_json(const Report& r) {
@@ -214,31 +263,51 @@ boost::json::object to_json(const Report& r) {
   json::array cases;
   for (const auto& c : r.cases) {
     const auto& x = c.result;
-    auto finite = [](double v) -> json::value { return std::isfinite(v) ? json::value(v) : json::value(nullptr); };
+    auto finite = [](double v) -> json::value {
+      return std::isfinite(v) ? json::value(v) : json::value(nullptr);
+    };
     cases.push_back(json::object{
-        {"id", c.def.id()}, {"op", c.def.op}, {"variant", c.def.variant}, {"isa", c.def.isa},
-        {"shape", c.def.shape}, {"data", c.def.data}, {"level", level_name(c.def.level)},
-        {"max_abs_err", finite(x.max_abs_err)}, {"max_rel_err", finite(x.max_rel_err)},
-        {"max_bound_utilization", finite(x.max_bound_utilization)}, {"worst", x.worst},
-        {"deterministic", x.deterministic}, {"digest", x.digest}, {"verdict", verdict_name(x.verdict)},
-        {"detail", x.detail}, {"seconds", c.seconds},
+        {"id", c.def.id()},
+        {"op", c.def.op},
+        {"variant", c.def.variant},
+        {"isa", c.def.isa},
+        {"shape", c.def.shape},
+        {"data", c.def.data},
+        {"level", level_name(c.def.level)},
+        {"max_abs_err", finite(x.max_abs_err)},
+        {"max_rel_err", finite(x.max_rel_err)},
+        {"max_bound_utilization", finite(x.max_bound_utilization)},
+        {"worst", x.worst},
+        {"deterministic", x.deterministic},
+        {"digest", x.digest},
+        {"verdict", verdict_name(x.verdict)},
+        {"detail", x.detail},
+        {"seconds", c.seconds},
         {"clauses_checked", json::array(c.clauses_checked.begin(), c.clauses_checked.end())},
         {"clauses_fired", json::array(x.clauses_fired.begin(), x.clauses_fired.end())},
-        {"utilization_histogram", json::array(std::begin(x.histogram.count), std::end(x.histogram.count))}});
+        {"utilization_histogram",
+         json::array(std::begin(x.histogram.count), std::end(x.histogram.count))}});
   }
   json::array clauses;
   for (const auto& c : r.clauses)
-    clauses.push_back(json::object{{"id", c.info.id}, {"kind", clause_kind_name(c.info.kind)},
-                                   {"group", group_name(c.info.group)}, {"level", level_name(c.info.level)},
-                                   {"checked", c.checked}, {"violation_tested", c.violation_tested}});
+    clauses.push_back(json::object{{"id", c.info.id},
+                                   {"kind", clause_kind_name(c.info.kind)},
+                                   {"group", group_name(c.info.group)},
+                                   {"level", level_name(c.info.level)},
+                                   {"checked", c.checked},
+                                   {"violation_tested", c.violation_tested}});
   return {{"schema", "moecert-conformance/1"},
           {"suite", r.suite},
           {"seed", r.seed},
           {"environment", to_json(r.env)},
           {"summary",
-           {{"cases", r.cases.size()}, {"passed", r.passed()}, {"failed", r.failed()},
-            {"skipped", r.skipped()}, {"clauses_total", r.clauses.size()},
-            {"clauses_exercised", r.clauses_exercised()}, {"seconds", r.seconds}}},
+           {{"cases", r.cases.size()},
+            {"passed", r.passed()},
+            {"failed", r.failed()},
+            {"skipped", r.skipped()},
+            {"clauses_total", r.clauses.size()},
+            {"clauses_exercised", r.clauses_exercised()},
+            {"seconds", r.seconds}}},
           {"cases", cases},
           {"clauses", clauses}};
 }

@@ -34,8 +34,8 @@ std::string_view verdict_name(Verdict v);
 
 /// Runs every case in order (progress on stderr) and assembles the report,
 /// clause coverage included.
-Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx, const std::string& suite_name,
-                 const std::string& isa_used);
+Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx,
+                 const std::string& suite_name, const std::string& isa_used);
 
 /// Schema moecert-conformance/1 (docs/report-schema.md).
 boost::json::object to_json(const Report& r);
