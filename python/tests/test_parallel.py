@@ -121,7 +121,6 @@ def test_bitwise_equal_to_one_process(world):
     with tempfile.TemporaryDirectory() as out_dir:
         run_world(world, out_dir)
         ranks = [torch.load(os.path.join(out_dir, "{}.pt".format(r))) for r in range(world)]
-    per = E // world
     for kind in KINDS:
         base, lora, x, ids, w, dy = problem(kind, world)
         packed = ops.PackedExperts(*base)
@@ -145,4 +144,3 @@ def test_bitwise_equal_to_one_process(world):
     assert any(f["nan"] == ("ContractViolation", "experts.forward_train.x_finite") for f in faults)
     assert all(f["nan"][0] in ("ContractViolation", "Error") for f in faults)
     assert all(f["after"] == ("none", "") for f in faults)
-    del per
