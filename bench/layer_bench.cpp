@@ -32,6 +32,27 @@ struct LayerData {
                                    layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(),
                                                         bu.data(), ad.data(), bd.data()));
   }
+  /// The eager oneDNN peer of this layer, on the same arrays.
+  EagerLayerSpec peer_spec() const {
+    auto u = [](std::int64_t v) { return static_cast<std::size_t>(v); };
+    return {.experts = u(cfg.experts),
+            .hidden = u(cfg.hidden),
+            .inter = u(cfg.inter),
+            .topk = u(cfg.topk),
+            .rank = u(cfg.lora_rank),
+            .scale = float(cfg.lora_alpha / double(cfg.lora_rank)),
+            .w_gate = wg.data(),
+            .w_up = wu.data(),
+            .w_down = wd.data(),
+            .a_gate = ag.data(),
+            .b_gate = bg.data(),
+            .a_up = au.data(),
+            .b_up = bu.data(),
+            .a_down = ad.data(),
+            .b_down = bd.data(),
+            .router_w = wr.data(),
+            .router_b = b.data()};
+  }
 };
 
 LayerData make(const Shape& s) {
@@ -100,23 +121,7 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   auto fwd = [&] { layer::forward(d.cfg, w, x, {y.data(), s.t, s.h}, saved, {.isa = opt.isa}); };
 
   // The eager peer on the same data, with its own outputs.
-  OnednnEagerLayer peer({.experts = s.e,
-                         .hidden = s.h,
-                         .inter = s.i,
-                         .topk = s.k,
-                         .rank = s.r,
-                         .scale = float(d.cfg.lora_alpha / double(s.r)),
-                         .w_gate = d.wg.data(),
-                         .w_up = d.wu.data(),
-                         .w_down = d.wd.data(),
-                         .a_gate = d.ag.data(),
-                         .b_gate = d.bg.data(),
-                         .a_up = d.au.data(),
-                         .b_up = d.bu.data(),
-                         .a_down = d.ad.data(),
-                         .b_down = d.bd.data(),
-                         .router_w = d.wr.data(),
-                         .router_b = d.b.data()});
+  OnednnEagerLayer peer(d.peer_spec());
   std::vector<float> py(y.size()), pdx(dx.size()), pdwr(dwr.size()), pdb(db.size()),
       pag(gag.size()), pau(gau.size()), pbg(gbg.size()), pbu(gbu.size()), pad(gad.size()),
       pbd(gbd.size());
@@ -231,23 +236,7 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
     experts::forward_train(d.packed, lora, x, iv, wv, {y.data(), s.t, s.h}, saved,
                            {.isa = opt.isa});
   };
-  OnednnEagerLayer peer({.experts = s.e,
-                         .hidden = s.h,
-                         .inter = s.i,
-                         .topk = s.k,
-                         .rank = s.r,
-                         .scale = float(d.cfg.lora_alpha / double(s.r)),
-                         .w_gate = d.wg.data(),
-                         .w_up = d.wu.data(),
-                         .w_down = d.wd.data(),
-                         .a_gate = d.ag.data(),
-                         .b_gate = d.bg.data(),
-                         .a_up = d.au.data(),
-                         .b_up = d.bu.data(),
-                         .a_down = d.ad.data(),
-                         .b_down = d.bd.data(),
-                         .router_w = d.wr.data(),
-                         .router_b = d.b.data()});
+  OnednnEagerLayer peer(d.peer_spec());
   std::vector<float> py(y.size()), pdx(dx.size()), pdw(dw.size()), pg[6];
   for (int i = 0; i < 6; ++i) pg[i].resize(sizes[i]);
   const EagerLayerGrads pgr{.dx = pdx.data(),

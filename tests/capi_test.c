@@ -116,7 +116,13 @@ static void router(void) {
   OK(moecert_softmax_topk_forward(&tz, &ts, &tsw, 1));
   EXPECT(sel[0] == 1 && sel[1] == 2 && sel[2] == 2 &&
          sel[3] == 0); /* ties: the lower index first */
-  EXPECT(fabsf(sw[0] + sw[1] - 1.0f) < 1e-6f && sw[0] > sw[1]);
+  /* The weights within their derived bounds of softmax over the two selected logits. */
+  double bound[2 * 2];
+  moecert_tensor tb = mat(bound, MOECERT_F64, 2, 2), none = {0};
+  OK(moecert_router_bounds(0, 1.0, &tz, &ts, &none, &tb, &none));
+  const double exact[2 * 2] = {1 / (1 + exp(-1.0)), 1 / (1 + exp(1.0)), 1 / (1 + exp(-3.5)),
+                               1 / (1 + exp(3.5))};
+  for (int i = 0; i < 4; ++i) EXPECT(fabs(sw[i] - exact[i]) <= bound[i]);
 }
 
 static void layer(void) {

@@ -172,6 +172,26 @@ H& handle(H* h, const char* name) {
   return *h;
 }
 
+/// The gradients the experts op and the layer name alike (moecert_experts_grads
+/// and moecert_layer_grads into experts::Gradients and layer::Gradients): dx
+/// through `dx` (bf16: computed in its scratch), the LoRA and base-weight
+/// gradients, M_A and M_G.
+template <class In, class Out>
+void expert_path_grads(const In& g, RoundedDx& dx, Out& out) {
+  out.dx = dx.bind(&g.dx, "dx");
+  out.a_gate = mat<float>(&g.a_gate, "a_gate grad", false);
+  out.b_gate = mat<float>(&g.b_gate, "b_gate grad", false);
+  out.a_up = mat<float>(&g.a_up, "a_up grad", false);
+  out.b_up = mat<float>(&g.b_up, "b_up grad", false);
+  out.a_down = mat<float>(&g.a_down, "a_down grad", false);
+  out.b_down = mat<float>(&g.b_down, "b_down grad", false);
+  out.w_gate = mat<float>(&g.w_gate, "w_gate grad", false);
+  out.w_up = mat<float>(&g.w_up, "w_up grad", false);
+  out.w_down = mat<float>(&g.w_down, "w_down grad", false);
+  out.m_a = mat<float>(&g.m_a, "m_a", false);
+  out.m_g = mat<float>(&g.m_g, "m_g", false);
+}
+
 /// -1: the default kernel; otherwise an Isa value.
 std::optional<Isa> isa_of(std::int32_t isa);
 /// NULL: the defaults.

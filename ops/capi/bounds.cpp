@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "contracts/bounds/experts.hpp"
@@ -118,6 +119,21 @@ struct RouterRows {
   }
 };
 
+// x and dy (optional) as views, after checking that `saved` holds a training
+// forward of their T.
+template <class Saved>
+std::pair<MatView<const bf16>, MatView<const float>> saved_rows(const Saved& saved,
+                                                                const moecert_tensor* x,
+                                                                const moecert_tensor* dy) {
+  if (!saved.valid()) throw InvalidArgument("saved: holds no training forward");
+  const auto xv = mat<const bf16>(x, "x");
+  const auto dyv = mat<const float>(dy, "dy", false);
+  const std::size_t T = saved.impl().tokens;
+  if (xv.rows != T || (dyv.data && dyv.rows != xv.rows))
+    throw InvalidArgument(fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, T));
+  return {xv, dyv};
+}
+
 // bound + the binary64 reference's own rounding (as the router clauses).
 double with_reference(double bound, double ref) {
   return bound + bounds::gamma(64, bounds::kU64) * std::fabs(ref);
@@ -135,12 +151,7 @@ moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lo
     const auto& p = handle(w, "experts").packed;
     const auto& h = handle(saved, "saved");
     const auto& s = h.saved;
-    if (!s.valid()) throw InvalidArgument("saved: holds no training forward");
-    const auto xv = mat<const bf16>(x, "x");
-    const auto dyv = mat<const float>(dy, "dy", false);
-    if (xv.rows != s.impl().tokens || (dyv.data && dyv.rows != xv.rows))
-      throw InvalidArgument(
-          fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
+    const auto [xv, dyv] = saved_rows(s, x, dy);
     const moecert_experts_grads none{};
     const auto& g = grads ? *grads : none;
     const auto l = h.lora.again(lora);
@@ -164,12 +175,7 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
     const auto& h = handle(saved, "saved");
     const layer::Weights lw = capi::weights_of(w, h.lora.again(capi::lora_in(w)));
     const auto& s = h.saved;
-    if (!s.valid()) throw InvalidArgument("saved: holds no training forward");
-    const auto xv = mat<const bf16>(x, "x");
-    const auto dyv = mat<const float>(dy, "dy", false);
-    if (xv.rows != s.impl().tokens || (dyv.data && dyv.rows != xv.rows))
-      throw InvalidArgument(
-          fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, s.impl().tokens));
+    const auto [xv, dyv] = saved_rows(s, x, dy);
     const moecert_layer_grads none{};
     const auto& g = grads ? *grads : none;
     const std::size_t T = xv.rows, K = static_cast<std::size_t>(c.topk);

@@ -30,17 +30,8 @@ experts::TrainOptions train_options(const moecert_train_options* o) {
 
 experts::Gradients experts_grads(const moecert_experts_grads& g, RoundedDx& dx) {
   experts::Gradients out;
-  out.dx = dx.bind(&g.dx, "dx"), out.dweights = mat<float>(&g.dweights, "dweights", false);
-  out.a_gate = mat<float>(&g.a_gate, "a_gate grad", false),
-  out.b_gate = mat<float>(&g.b_gate, "b_gate grad", false);
-  out.a_up = mat<float>(&g.a_up, "a_up grad", false),
-  out.b_up = mat<float>(&g.b_up, "b_up grad", false);
-  out.a_down = mat<float>(&g.a_down, "a_down grad", false),
-  out.b_down = mat<float>(&g.b_down, "b_down grad", false);
-  out.w_gate = mat<float>(&g.w_gate, "w_gate grad", false),
-  out.w_up = mat<float>(&g.w_up, "w_up grad", false);
-  out.w_down = mat<float>(&g.w_down, "w_down grad", false);
-  out.m_a = mat<float>(&g.m_a, "m_a", false), out.m_g = mat<float>(&g.m_g, "m_g", false);
+  out.dweights = mat<float>(&g.dweights, "dweights", false);
+  expert_path_grads(g, dx, out);
   return out;
 }
 
