@@ -18,8 +18,12 @@ difference relative to the largest magnitude of each output). Cases:
            token, uniform; weights in [0, 1)) against the peer's expert loop.
   overhead a training step (forward+backward) through MoELayer against the bare
            ops calls doing the same work in C (ctypes, outputs allocated): the
-           Python layer's cost per step; and within MoELayer's steps, the time
-           outside the C calls over the time in them.
+           Python layer's cost per step; within MoELayer's steps, the time
+           outside the C calls over the time in them (python_share); and the
+           step's time with the C calls replaced by no-ops (python_alone_ms):
+           the same Python work on warm caches. The difference is the refill
+           of caches and TLB that the op's weight streams (about 1 GB per step
+           at T = 48) leave cold for whatever code runs next.
 """
 import argparse
 import json
@@ -238,6 +242,26 @@ def python_share(layer, x, dy, reps):
     return shares
 
 
+def python_alone(layer, x, dy, reps):
+    """A training step through MoELayer with every C call a no-op (outputs left unwritten):
+    the Python and torch bookkeeping alone, on warm caches; median ms over 20 * reps steps."""
+    xm = x.clone().requires_grad_(True)
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+    real, times = _abi.call, []
+    _abi.call = lambda name, *args: None
+    try:
+        for i in range(20 * reps + 5):
+            for p in trainable + [xm]:
+                p.grad = None
+            t0 = time.perf_counter()
+            layer(xm).backward(dy)
+            if i >= 5:
+                times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        _abi.call = real
+    return statistics.median(times)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python3 -m moecert.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[48, 1024, 4096])
@@ -281,10 +305,12 @@ def main(argv=None):
         over = {"case": "overhead", "tokens": T, "module_ms": statistics.median(a), "ops_ms": statistics.median(b),
                 "paired_ratio": statistics.median([p / q for p, q in zip(a, b)])}
         over["python_share"] = statistics.median(python_share(layer, x, dy, args.reps))
+        over["python_alone_ms"] = python_alone(layer, x, dy, args.reps)
         results.append(over)
         print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step; outside the C calls: "
-              "{:.2%} of the time in them".format("overhead", T, over["module_ms"], over["ops_ms"],
-                                                  over["paired_ratio"], over["python_share"]))
+              "{:.2%} of the time in them; Python alone {:.3f} ms".format(
+                  "overhead", T, over["module_ms"], over["ops_ms"], over["paired_ratio"], over["python_share"],
+                  over["python_alone_ms"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schema": "moecert-python-bench/1", "environment": env, "results": results}, f, indent=1)

@@ -46,9 +46,13 @@ def unchanged(*tensors):
     (lambda a: a.update(lora=ops.Lora(*a["lora"].factors()[:5], torch.zeros(E, H, RANK + 1), alpha=8.0)),
      "lora.b_down: shape [4, 32, 5], expected [4 x 32 x 4]"),
     (lambda a: a.update(isa="avx9"), "isa 'avx9'"),
+    (lambda a: a.update(x=a["lora"].a_gate.view(-1)[:T * H].view(T, H)), "x and lora.a_gate overlap in memory"),
 ])
-def test_invalid_arguments_raise_before_any_work(case, mutate, message):
+@pytest.mark.parametrize("warm", [False, True], ids=["first call", "after a good call"])
+def test_invalid_arguments_raise_before_any_work(case, mutate, message, warm):
     packed, lora, x, ids, weights = case
+    if warm:  # the good call's checked descriptors are remembered (PackedExperts.memo)
+        mt.experts(x, ids, weights, packed, lora)
     args = {"x": x, "ids": ids, "weights": weights, "lora": lora, "isa": None}
     mutate(args)
     same = unchanged(x, ids, weights)
@@ -129,6 +133,30 @@ def test_router_and_layer_violations(rng):
     assert err.value.clause == "layer.forward.x_finite"
     with pytest.raises(moecert.InvalidArgument, match="x: dtype float32"):
         layer(torch.randn(T, H))
+
+
+def test_layer_arguments_checked_after_a_good_call(rng):
+    """The layer's checked weight descriptors are remembered between calls (PackedExperts.memo):
+    a router weight or LoRA factor replaced, or an x over one of them, is still refused."""
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, max_tokens=T)
+    x = torch.randn(T, H, generator=rng).bfloat16()
+    layer(x).sum().backward()
+    with torch.no_grad():
+        layer.router_w.data = layer.router_w.data.t().contiguous().t()
+    with pytest.raises(moecert.InvalidArgument, match="router_w: not contiguous"):
+        layer(x)
+    with torch.no_grad():
+        layer.router_w.data = layer.router_w.data.contiguous()
+        layer.a_up.data = layer.a_up.data.double()
+    with pytest.raises(moecert.InvalidArgument, match="lora.a_up: dtype float64"):
+        layer(x)
+    with torch.no_grad():
+        layer.a_up.data = layer.a_up.data.float()
+    layer(x).sum().backward()
+    over = layer.router_w.detach().view(torch.bfloat16).view(-1)[:T * H].view(T, H)
+    with pytest.raises(moecert.InvalidArgument, match="router_w and x overlap in memory|x and router_w overlap"):
+        ops.layer_forward(layer.config, layer._packed, layer.router_w.detach(), layer.router_b.detach(), over, None,
+                          layer.lora())
 
 
 def test_observe_reports_and_continues(case, capfd):

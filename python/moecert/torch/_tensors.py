@@ -31,16 +31,24 @@ def check(t, name, dtypes, shape):
 
 
 def describe(t):
-    """The descriptor of a checked tensor (None: absent)."""
+    """The descriptor of a checked tensor of at most 2 dimensions (None: absent); a contiguous
+    3-D [E, m, n] tensor as the ABI's stacked 2-D [E*m, n]."""
     if t is None:
         return _abi.Tensor()
-    d = _abi.Tensor()
-    d.data = t.data_ptr() if t.numel() else None
-    d.dtype = DTYPES[t.dtype]
-    d.ndim = t.dim()
-    for i in range(t.dim()):
-        d.shape[i], d.stride[i] = t.shape[i], t.stride()[i]
-    return d
+    data = t.data_ptr() if t.numel() else None
+    if t.dim() == 3:
+        E, m, n = t.shape
+        return _abi.Tensor(data, DTYPES[t.dtype], 2, (E * m, n), (n, 1))
+    return _abi.Tensor(data, DTYPES[t.dtype], t.dim(), tuple(t.shape), t.stride())
+
+
+def signature(tensors):
+    """What the checks of these tensors depend on (address, shape, strides, dtype, device; None for
+    an absent one), to compare with an earlier call's; None where one is not a dense tensor."""
+    try:
+        return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_cpu) for t in tensors)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def ref(d):
@@ -52,12 +60,16 @@ def byte_range(t):
     return start, start + t.numel() * t.element_size()
 
 
-def check_no_alias(named):
-    """Raises InvalidArgument if two of the (name, tensor) pairs share a byte."""
+def check_no_alias(named, checked=()):
+    """Raises InvalidArgument if two of the (name, tensor) pairs, or one of them and one of the
+    `checked` spans (an earlier call's result), share a byte; returns the (start, end, name) byte
+    spans of `named`, sorted."""
     spans = sorted((byte_range(t) + (n,)) for n, t in named if t is not None and t.numel())
-    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+    every = sorted(spans + list(checked)) if checked else spans
+    for (a0, a1, an), (b0, b1, bn) in zip(every, every[1:]):
         if b0 < a1:
             raise InvalidArgument("{} and {} overlap in memory; pass separate tensors".format(an, bn))
+    return spans
 
 
 def index_tensor(t, name, shape):

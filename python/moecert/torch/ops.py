@@ -16,7 +16,7 @@ import torch
 from .. import _abi
 from .._abi import EXPERTS_GRADS, LAYER_GRADS
 from ..errors import InvalidArgument
-from ._tensors import check, check_no_alias, describe, grad_input, index_tensor, ref
+from ._tensors import check, check_no_alias, describe, grad_input, index_tensor, ref, signature
 
 BF16, F32 = (torch.bfloat16,), (torch.float32,)
 LORA_NAMES = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")
@@ -32,11 +32,6 @@ def _isa(isa):
     if isa not in ISAS:
         raise InvalidArgument("isa {!r}: expected one of {}".format(isa, ", ".join(ISAS)))
     return ISAS.index(isa)
-
-
-def _flat(t):
-    """A 3-D [E, m, n] tensor as the ABI's stacked 2-D [E*m, n] view."""
-    return t.reshape(t.shape[0] * t.shape[1], t.shape[2])
 
 
 class SavedPool:
@@ -81,12 +76,26 @@ class PackedExperts:
         self.experts, self.inter, self.hidden, self.backward = E, I, H, bool(backward)
         ptr = ctypes.c_void_p()
         with torch.no_grad():
-            _abi.call("moecert_experts_pack", E, ref(describe(_flat(w_gate))), ref(describe(_flat(w_up))),
-                      ref(describe(_flat(w_down))), int(backward), ctypes.byref(ptr))
+            _abi.call("moecert_experts_pack", E, ref(describe(w_gate)), ref(describe(w_up)),
+                      ref(describe(w_down)), int(backward), ctypes.byref(ptr))
         self._handle = _abi.Handle(ptr, "moecert_experts_free")
         self._sources = tuple((id(t), t._version) for t in (w_gate, w_up, w_down))
         self.experts_pool = SavedPool(ExpertsSaved)
         self.layer_pool = SavedPool(LayerSaved)
+        self._memo = {}
+
+    def memo(self, name, key, make):
+        """make(), or what it returned for `name` at the last call with an equal key (a key of
+        None is never equal): the checked descriptors of the tensors a training loop passes at
+        every step (LoRA factors, router weights), which stay where they are between steps."""
+        if key is not None:
+            hit = self._memo.get(name)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        value = make()
+        if key is not None:
+            self._memo[name] = (key, value)
+        return value
 
     @property
     def ptr(self):
@@ -152,9 +161,24 @@ def _lora_struct(k):
     s = _abi.Lora()
     if k is not None:
         for name in LORA_NAMES:
-            setattr(s, name, describe(_flat(getattr(k, name))))
+            setattr(s, name, describe(getattr(k, name)))
         s.rank, s.alpha = k.rank, k.alpha
     return s
+
+
+def _lora_key(lora):
+    """The memo key of LoRA factors: their signature and alpha (None: no LoRA, or not tensors)."""
+    if lora is None:
+        return ()
+    sig = signature(lora.factors())
+    return None if sig is None else (sig, lora.alpha)
+
+
+def _checked_lora(lora, E, H, I):
+    """(the kernel's factors, their ABI struct, their byte spans), the factors checked."""
+    k = kernel_lora(lora, E, H, I)
+    spans = check_no_alias([("lora." + n, getattr(k, n)) for n in LORA_NAMES]) if k is not None else []
+    return k, _lora_struct(k), spans
 
 
 def _options(isa, training=True):
@@ -192,12 +216,29 @@ class ExpertsSaved:
 
     def __init__(self):
         self._handle = _abi.Handle(_abi.new_handle("moecert_experts_saved_new"), "moecert_experts_saved_free")
-        self.packed = self.lora = self.x = None
+        self.packed = self._lora = self._lora_struct = self.x = None
         self.tokens = self.topk = self.generation = 0
 
     @property
     def ptr(self):
         return self._handle.ptr
+
+    @property
+    def lora(self):
+        """The forward's LoRA factors (Lora, detached) or None."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, k):
+        self._lora, self._lora_struct = k, None
+
+    def lora_descriptors(self, struct=None):
+        """The ABI struct of `lora` (formed at the first call after `lora` was set, or given)."""
+        if struct is not None:
+            self._lora_struct = struct
+        elif self._lora_struct is None:
+            self._lora_struct = _lora_struct(self._lora)
+        return self._lora_struct
 
 
 def experts_forward_train(packed, x, expert_ids, weights, lora=None, saved=None, isa=None, training=True):
@@ -206,15 +247,14 @@ def experts_forward_train(packed, x, expert_ids, weights, lora=None, saved=None,
     ids = index_tensor(expert_ids, "expert_ids", (T, K))
     check(weights, "weights", F32, (T, K))
     saved = saved or ExpertsSaved()
-    k = kernel_lora(lora, packed.experts, packed.hidden, packed.inter)
-    named = [("x", x), ("expert_ids", ids), ("weights", weights)]
-    if k is not None:
-        named += [("lora." + n, getattr(k, n)) for n in LORA_NAMES]
-    check_no_alias(named)
+    k, lora_struct, lora_spans = packed.memo("experts.lora", _lora_key(lora),
+                                             lambda: _checked_lora(lora, packed.experts, packed.hidden, packed.inter))
+    check_no_alias([("x", x), ("expert_ids", ids), ("weights", weights)], lora_spans)
     y = torch.empty(T, packed.hidden, dtype=torch.float32)
-    _abi.call("moecert_experts_forward_train", packed.ptr, ref(_lora_struct(k)), ref(describe(x)), ref(describe(ids)),
+    _abi.call("moecert_experts_forward_train", packed.ptr, ref(lora_struct), ref(describe(x)), ref(describe(ids)),
               ref(describe(weights)), ref(describe(y)), saved.ptr, ref(_options(isa, training)))
     saved.packed, saved.lora, saved.x, saved.tokens, saved.topk = packed, k, x, T, K
+    saved.lora_descriptors(lora_struct)
     saved.generation += 1
     return y, saved
 
@@ -234,7 +274,7 @@ def _fill(struct, names, shapes, want, dtype, dx_dtype=None):
         if name in want:
             t = torch.empty(shapes[name], dtype=dx_dtype if name == "dx" and dx_dtype else dtype)
             out[name] = t
-            setattr(struct, name, describe(_flat(t) if t.dim() == 3 else t))
+            setattr(struct, name, describe(t))
     return out
 
 
@@ -258,7 +298,7 @@ def experts_backward(saved, dy, want=("dx", "dweights") + LORA_NAMES, dx_dtype=t
     r = saved.lora.rank if saved.lora is not None else 0
     out = _fill(g, EXPERTS_GRADS, _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float32,
                 dx_dtype)
-    _abi.call("moecert_experts_backward", saved.packed.ptr, ref(_lora_struct(saved.lora)), ref(describe(saved.x)),
+    _abi.call("moecert_experts_backward", saved.packed.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
               ref(describe(dy)), saved.ptr, ref(g))
     return out
 
@@ -272,7 +312,7 @@ def experts_bounds(saved, dy=None, want=()):
     out = _fill(g, EXPERTS_GRADS, _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float64)
     out["y"] = torch.empty(saved.tokens, saved.packed.hidden, dtype=torch.float64)
     dy = None if dy is None else grad_input(dy, "dy", (saved.tokens, saved.packed.hidden))
-    _abi.call("moecert_experts_bounds", saved.packed.ptr, ref(_lora_struct(saved.lora)), ref(describe(saved.x)),
+    _abi.call("moecert_experts_bounds", saved.packed.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
               ref(describe(dy)), saved.ptr, ref(describe(out["y"])), ref(g))
     return out
 
@@ -376,9 +416,10 @@ def router_bounds(router, param, z, idx, g=None):
 
 # ---- layer ---------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class LayerConfig:
-    """moecert::MoeConfig. router: "softmax_topk", "sigmoid_topk" or "product_key" (E = n*n)."""
+    """moecert::MoeConfig, immutable. router: "softmax_topk", "sigmoid_topk" or "product_key"
+    (E = n*n)."""
     experts: int
     hidden: int
     inter: int
@@ -399,12 +440,16 @@ class LayerConfig:
         return self.experts
 
     def struct(self):
-        if self.router not in ROUTERS:
-            raise InvalidArgument("router {!r}: expected one of {}".format(self.router, ", ".join(ROUTERS)))
-        c = _abi.Config(self.experts, self.hidden, self.inter, self.topk, self.lora_rank, float(self.lora_alpha),
-                        ROUTERS.index(self.router), int(self.renormalize), self.groups, self.topk_group,
-                        float(self.scaling), self.max_tokens)
-        _abi.call("moecert_config_validate", ctypes.byref(c))
+        """The ABI's struct, validated (at the first call; the config is immutable)."""
+        c = self.__dict__.get("_struct")
+        if c is None:
+            if self.router not in ROUTERS:
+                raise InvalidArgument("router {!r}: expected one of {}".format(self.router, ", ".join(ROUTERS)))
+            c = _abi.Config(self.experts, self.hidden, self.inter, self.topk, self.lora_rank, float(self.lora_alpha),
+                            ROUTERS.index(self.router), int(self.renormalize), self.groups, self.topk_group,
+                            float(self.scaling), self.max_tokens)
+            _abi.call("moecert_config_validate", ctypes.byref(c))
+            object.__setattr__(self, "_struct", c)
         return c
 
 
@@ -423,8 +468,19 @@ class LayerSaved:
 
 
 def _layer_weights(cfg, packed, router_w, router_b, router_bias, lora):
+    """(the ABI's LayerWeights, the tensors it points into, their byte spans), checked; the
+    same objects as at the last call while the tensors stay where they were."""
     if not isinstance(packed, PackedExperts):
         raise InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
+    router_bias = router_bias if cfg.router == "sigmoid_topk" else None
+    lora = lora if cfg.lora_rank else None
+    sig, lora_key = signature((router_w, router_b, router_bias)), _lora_key(lora)
+    key = None if sig is None or lora_key is None else (cfg, sig, lora_key)
+    return packed.memo("layer.weights", key,
+                       lambda: _checked_layer_weights(cfg, packed, router_w, router_b, router_bias, lora))
+
+
+def _checked_layer_weights(cfg, packed, router_w, router_b, router_bias, lora):
     if (packed.experts, packed.hidden, packed.inter) != (cfg.experts, cfg.hidden, cfg.inter):
         raise InvalidArgument("packed: E={} H={} I={}, the config has E={} H={} I={}".format(
             packed.experts, packed.hidden, packed.inter, cfg.experts, cfg.hidden, cfg.inter))
@@ -433,9 +489,7 @@ def _layer_weights(cfg, packed, router_w, router_b, router_bias, lora):
     check(router_b, "router_b", F32, (R,))
     if cfg.router == "sigmoid_topk":
         check(router_bias, "router_bias", F32, (cfg.experts,))
-    else:
-        router_bias = None
-    k = kernel_lora(lora, cfg.experts, H, cfg.inter) if cfg.lora_rank else None
+    k = kernel_lora(lora, cfg.experts, H, cfg.inter)
     if k is not None and (k.rank != cfg.lora_rank or k.alpha != cfg.lora_alpha):
         raise InvalidArgument("lora: r={} alpha={}, the config has r={} alpha={}".format(
             k.rank, k.alpha, cfg.lora_rank, cfg.lora_alpha))
@@ -443,11 +497,10 @@ def _layer_weights(cfg, packed, router_w, router_b, router_bias, lora):
     w.experts = packed.ptr
     w.router_w, w.router_b, w.router_bias = describe(router_w), describe(router_b), describe(router_bias)
     w.lora = _lora_struct(k)
-    keep = (packed, router_w, router_b, router_bias, k)
     named = [("router_w", router_w), ("router_b", router_b), ("router_bias", router_bias)]
     if k is not None:
         named += [("lora." + n, getattr(k, n)) for n in LORA_NAMES]
-    return w, keep, named
+    return w, (packed, router_w, router_b, router_bias, k), check_no_alias(named)
 
 
 def layer_forward(cfg, packed, router_w, router_b, x, router_bias=None, lora=None, saved=None, isa=None,
@@ -456,11 +509,11 @@ def layer_forward(cfg, packed, router_w, router_b, x, router_bias=None, lora=Non
     (R = E, or 2n for product_key); router_bias [E] for sigmoid_topk."""
     c = cfg.struct()
     saved = saved or LayerSaved()
-    w, keep, named = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
+    w, keep, spans = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise InvalidArgument("x: expected a [T, H] tensor")
     check(x, "x", BF16, (None, cfg.hidden))
-    check_no_alias(named + [("x", x)])
+    check_no_alias([("x", x)], spans)
     y = torch.empty(x.shape[0], cfg.hidden, dtype=torch.float32)
     _abi.call("moecert_layer_forward", ctypes.byref(c), ctypes.byref(w), ref(describe(x)), ref(describe(y)), saved.ptr,
               ref(_options(isa, training)))
