@@ -11,12 +11,13 @@
 #include "contracts/bounds/router.hpp"
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
-#include "ops/router/select.hpp"
+#include "contracts/order.hpp"
+#include "ops/router/select.hpp"  // router::detail::sigmoid: the selection scores as declared
 
 namespace moecert::contracts {
 
 namespace k = clauses::router;
-using router::detail::outranks;
+using order::ranks_before;
 
 namespace {
 
@@ -74,7 +75,7 @@ void index_rows(detail::Checker& c, const ClauseInfo& valid, const ClauseInfo& u
 }
 
 std::size_t valid_slots(MatView<const std::int32_t> idx, std::size_t t) {
-  return router::detail::valid_slots(idx.row(t), idx.cols);
+  return order::filled_slots(idx.row(t), idx.cols);
 }
 
 // sorted and top-k property for a router whose eligible experts of row t
@@ -87,7 +88,7 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
     const std::size_t valid = valid_slots(idx, t);
     for (std::size_t j = 1; j < valid; ++j) {
       const std::int32_t a = idx(t, j - 1), b = idx(t, j);
-      if (!outranks(score(t, a), a, score(t, b), b)) {
+      if (!ranks_before(score(t, a), a, score(t, b), b)) {
         c.fail(sorted, fmt::format("t={} j={}", t, j),
                fmt::format("slot {} expert {} score {} before expert {} score {}", j - 1, a,
                            score(t, a), b, score(t, b)),
@@ -101,7 +102,7 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
     for (std::size_t i = 0; i < e; ++i) {
       const auto ii = static_cast<std::int32_t>(i);
       const bool beats = eligible(t, i) && !chosen[i] &&
-                         (valid < idx.cols || outranks(score(t, ii), ii, score(t, kth), kth));
+                         (valid < idx.cols || ranks_before(score(t, ii), ii, score(t, kth), kth));
       if (beats) {
         c.fail(
             *topk, fmt::format("t={}", t),
@@ -425,7 +426,7 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
           order[q] = static_cast<std::int32_t>(q);
         }
         std::sort(order.begin(), order.end(),
-                  [&](std::int32_t x, std::int32_t y) { return outranks(gs[x], x, gs[y], y); });
+                  [&](std::int32_t x, std::int32_t y) { return ranks_before(gs[x], x, gs[y], y); });
         std::fill(kept.begin(), kept.end(), 0);
         for (std::size_t q = 0; q < p.topk_group; ++q) kept[static_cast<std::size_t>(order[q])] = 1;
       }
@@ -558,9 +559,9 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
     for (std::size_t t = 0; t < idx.rows; ++t)
       for (std::size_t j = 1; j < idx.cols; ++j) {
         const std::int32_t a = idx(t, j - 1), b = idx(t, j), ni = static_cast<std::int32_t>(n);
-        const auto ka = router::detail::exact_sum(sx(t, a / ni), sy(t, a % ni));
-        const auto kb = router::detail::exact_sum(sx(t, b / ni), sy(t, b % ni));
-        if (!(ka > kb || (ka == kb && a < b))) {
+        const int cmp = order::compare(order::pair_sum(sx(t, a / ni), sy(t, a % ni)),
+                                       order::pair_sum(sx(t, b / ni), sy(t, b % ni)));
+        if (!(cmp > 0 || (cmp == 0 && a < b))) {
           c.fail(k::kPkSorted, fmt::format("t={} j={}", t, j),
                  fmt::format("expert {} before expert {}", a, b),
                  "exact score descending, then index ascending");

@@ -3,7 +3,8 @@ here with a time limit: y, dx, dL/dweights and every expert's LoRA gradients
 bitwise equal to one process, for -1 slots, idle experts, every token routed to
 one rank's experts, and uneven token counts per rank; ranks that disagree on
 the config, a bad expert id on one rank and a NaN found by an expert's owner
-raise on every rank, none waits, and the group works afterwards."""
+raise on every rank, none waits, and the group works afterwards; a rank that
+dies or stalls makes the others raise within the group's timeout."""
 import datetime
 import os
 import socket
@@ -105,8 +106,36 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_world(world, out_dir, limit_s=180):
-    ctx = mp.start_processes(worker, args=(world, free_port(), out_dir), nprocs=world, join=False,
+LOST_TIMEOUT_S = 5
+
+
+def lost_rank_worker(rank, world, port, out_dir, how):
+    """The last rank dies (exits) or stalls (sleeps past the timeout) after the module was built;
+    the others run a forward and record what it raised and when."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=LOST_TIMEOUT_S))
+    import moecert
+    from moecert.torch.parallel import ExpertParallelMoE
+    base, lora, x, ids, w, dy = problem("normal", world)
+    per = E // world
+    module = ExpertParallelMoE(E, *(b[rank * per:(rank + 1) * per].contiguous() for b in base), rank=RANK)
+    if rank == world - 1:
+        if how == "stalls":
+            time.sleep(4 * LOST_TIMEOUT_S)
+        os._exit(0)  # no goodbye to the group
+    t0 = time.monotonic()
+    try:
+        module(x, ids, w)
+        outcome = ("none", "")
+    except moecert.Error as e:
+        outcome = (type(e).__name__, str(e))
+    torch.save({"outcome": outcome, "seconds": time.monotonic() - t0}, os.path.join(out_dir, "{}.pt".format(rank)))
+    os._exit(0)  # the group is broken: leave without its teardown
+
+
+def run_world(world, out_dir, limit_s=180, target=worker, extra=()):
+    ctx = mp.start_processes(target, args=(world, free_port(), out_dir) + extra, nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + limit_s
     while not ctx.join(timeout=1):
@@ -144,3 +173,15 @@ def test_bitwise_equal_to_one_process(world):
     assert any(f["nan"] == ("ContractViolation", "experts.forward_train.x_finite") for f in faults)
     assert all(f["nan"][0] in ("ContractViolation", "Error") for f in faults)
     assert all(f["after"] == ("none", "") for f in faults)
+
+
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+def test_a_lost_rank_makes_the_others_raise(how):
+    world = 2
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_world(world, out_dir, limit_s=120, target=lost_rank_worker, extra=(how,))
+        seen = [torch.load(os.path.join(out_dir, "{}.pt".format(r))) for r in range(world - 1)]
+    for r in seen:
+        kind, message = r["outcome"]
+        assert kind == "Error" and "a rank of the group died, left or stalled" in message, r
+        assert r["seconds"] < 3 * LOST_TIMEOUT_S, r  # within the timeout (and the spawn's slack), no hang

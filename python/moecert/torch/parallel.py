@@ -16,19 +16,29 @@ from . import ops
 from .ops import LORA_NAMES
 
 
+def _collective(fn, *args, **kwargs):
+    """Runs one torch.distributed collective; its failure (a rank that died, or stalled past the
+    process group's timeout) raises moecert.Error naming it, on every rank that was waiting."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        raise Error("ExpertParallelMoE: {} failed: a rank of the group died, left or stalled past the "
+                    "process group's timeout ({})".format(fn.__name__, str(e).splitlines()[0] if str(e) else e)) from e
+
+
 def _exchange(send, send_counts, recv_counts, group):
     """all_to_all_single of the rows of `send` (bf16 travels as its bytes: gloo has no 16-bit types)."""
     bits = send.dtype == torch.bfloat16
     payload = send.contiguous().view(torch.uint8) if bits else send
     out = payload.new_empty((sum(recv_counts),) + tuple(payload.shape[1:]))
-    dist.all_to_all_single(out, payload.contiguous(), recv_counts, send_counts, group=group)
+    _collective(dist.all_to_all_single, out, payload.contiguous(), recv_counts, send_counts, group=group)
     return out.view(torch.bfloat16) if bits else out
 
 
 def _agree(ok, group):
     """Whether every rank's `ok` holds (one all_reduce; every rank learns the same)."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    _collective(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -63,7 +73,7 @@ class _Routes:
         self.send_counts = torch.bincount(dest, minlength=world).tolist()
         counts = torch.tensor(self.send_counts, dtype=torch.int64)
         recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=group)
+        _collective(dist.all_to_all_single, recv, counts, group=group)
         self.recv_counts = recv.tolist()
         self.T, self.K = T, K
 
@@ -155,8 +165,8 @@ class ExpertParallelMoE(torch.nn.Module):
         mine = torch.tensor([self.num_experts, self.hidden, inter, self.lora_rank, int(self.alpha * 2 ** 20),
                              self.world], dtype=torch.int64)
         low, high = mine.clone(), mine.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+        _collective(dist.all_reduce, low, op=dist.ReduceOp.MIN, group=self.group)
+        _collective(dist.all_reduce, high, op=dist.ReduceOp.MAX, group=self.group)
         if not torch.equal(low, high):
             names = ("num_experts", "hidden", "inter", "rank", "alpha * 2^20", "group size")
             diff = ["{} {}..{}".format(n, int(a), int(b)) for n, a, b in zip(names, low, high) if a != b]
