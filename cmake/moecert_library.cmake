@@ -26,8 +26,10 @@ set(MOECERT_SOURCES
   ops/experts/lora.cpp
   ops/experts/train.cpp
   ops/layer/forward.cpp
+  ops/layer/router_linear.cpp
   ops/layer/backward.cpp
   contracts/layer.cpp
+  contracts/layer_router_linear.cpp
   ops/workspace/plan.cpp
   ops/workspace/arena.cpp
   contracts/workspace.cpp

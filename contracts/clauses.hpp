@@ -324,11 +324,23 @@ inline constexpr ClauseInfo kBwdRouterMasked =
     post("layer.backward.router_masked", Group::numeric, "dL/dw 0 at -1 slots");
 inline constexpr ClauseInfo kBwdWithin =
     post("layer.backward.within_bound", Group::numeric, "gradients within bound", Level::full);
+inline constexpr ClauseInfo kRlShape =
+    pre("layer.router_linear.shape", Group::shape,
+        "x T x H, W_r R x H, b R; z, dz T x R; grads of their shapes");
+inline constexpr ClauseInfo kRlFinite =
+    pre("layer.router_linear.finite", Group::finite, "x, W_r, b (forward), dz (backward) finite");
+inline constexpr ClauseInfo kRlNoAlias = pre("layer.router_linear.no_alias", Group::alias,
+                                             "outputs disjoint from each other and the inputs");
+inline constexpr ClauseInfo kRlOutFinite =
+    post("layer.router_linear.out_finite", Group::finite, "every output finite");
+inline constexpr ClauseInfo kRlWithin = post("layer.router_linear.within_bound", Group::numeric,
+                                             "every output within bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
     kFwdShape,        kFwdXFinite, kFwdLoraFinite,  kFwdScale,      kFwdNoAlias,
     kFwdLoraPadding,  kFwdYFinite, kFwdWithin,      kBwdState,      kBwdShape,
     kBwdDyFinite,     kBwdNoAlias, kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero,
-    kBwdRouterMasked, kBwdWithin};
+    kBwdRouterMasked, kBwdWithin,  kRlShape,        kRlFinite,      kRlNoAlias,
+    kRlOutFinite,     kRlWithin};
 }  // namespace layer
 
 }  // namespace moecert::clauses

@@ -13,6 +13,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/experts_train.hpp"
+#include "contracts/layer_router_linear.hpp"
 #include "ops/workspace/arena.hpp"
 
 namespace moecert::contracts {
@@ -189,16 +190,7 @@ void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::W
   MOECERT_CONTRACT(c, k::kFwdWithin) {
     const Dims d = dims(cfg);
     // z: an fp32 sum of H + 1 terms (proofs/bounds.md §1).
-    std::vector<Tracked> zr(x.rows * d.R);
-    for (std::size_t t = 0; t < x.rows; ++t)
-      for (std::size_t e = 0; e < d.R; ++e) {
-        double v = w.router_b[e], mag = std::fabs(w.router_b[e]);
-        for (std::size_t h = 0; h < d.H; ++h) {
-          const double p = double(x(t, h).to_float()) * w.router_w(e, h);
-          v += p, mag += std::fabs(p);
-        }
-        zr[t * d.R + e] = {v, bounds::dot(d.H + 1, mag)};
-      }
+    const std::vector<Tracked> zr = router_logits_reference(x, w.router_w, w.router_b);
     if (!within(
             c, k::kFwdWithin, "z", x.rows, d.R,
             [&](std::size_t t, std::size_t e) { return s.logits[t * d.R + e]; }, zr))

@@ -17,6 +17,7 @@
 #include "contracts/bounds/experts.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
+#include "contracts/layer_router_linear.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "ops/layer/state.hpp"
@@ -695,6 +696,143 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
         },
         "layer.backward.within_bound", Level::full);
     CHECK(v.location == fmt::format("w_gate grad[{}, {}]", at / p.H, at % p.H));
+  }
+}
+
+namespace {
+
+// The router linear alone on p's x and router weights: z, and from dz its
+// gradients (dx accumulated into dx0).
+struct Linear {
+  std::vector<float> z, dx, dwr, db;
+};
+
+Linear router_linear(const Problem& p, const std::vector<float>& dz, const std::vector<float>& dx0,
+                     Isa isa) {
+  Linear o;
+  o.z.assign(p.T * p.R, NAN), o.dx = dx0, o.dwr.assign(p.R * p.H, NAN), o.db.assign(p.R, NAN);
+  const MatView<const float> w{p.wr.data(), p.R, p.H};
+  layer::router_linear_forward(p.X(), w, {p.b.data(), p.R}, {o.z.data(), p.T, p.R}, isa);
+  layer::router_linear_backward(p.X(), w, {dz.data(), p.T, p.R},
+                                {.dx = {o.dx.data(), p.T, p.H},
+                                 .router_w = {o.dwr.data(), p.R, p.H},
+                                 .router_b = {o.db.data(), p.R}},
+                                isa);
+  return o;
+}
+
+std::vector<float> normal(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0, 1);
+  std::vector<float> v(n);
+  for (auto& q : v) q = nd(rng);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "layer.router_linear: the layer's logits bit for bit; gradients within bound, any thread count",
+    "[layer][router_linear]") {
+  for (RouterKind kind : kKinds)
+    for (Isa isa : kernel_isas()) {
+      INFO(router_kind_name(kind) << " " << isa_name(isa));
+      const Problem p = make(kind, kind == RouterKind::product_key ? 9 : 8, 40, 24, 3, 4, 21);
+      const auto dz = normal(p.T * p.R, 7), dx0 = normal(p.T * p.H, 8);
+      ContractScope s{Level::full, Semantic::enforce};  // within_bound runs on every output
+      const Run layer_run = run(p, isa);
+      const Linear a = router_linear(p, dz, dx0, isa);
+      CHECK(std::memcmp(a.z.data(), layer_run.saved.impl().logits, a.z.size() * sizeof(float)) ==
+            0);
+      oneapi::tbb::global_control one(oneapi::tbb::global_control::max_allowed_parallelism, 1);
+      const Linear b = router_linear(p, dz, dx0, isa);
+      CHECK(a.z == b.z);
+      CHECK(a.dx == b.dx);
+      CHECK(a.dwr == b.dwr);
+      CHECK(a.db == b.db);
+    }
+}
+
+TEST_CASE("layer.router_linear: clauses", "[layer][router_linear][contracts]") {
+  Problem p = make(RouterKind::softmax_topk, 8, 32, 24, 3, 4, 9);
+  auto dz = normal(p.T * p.R, 3);
+  std::vector<float> z(p.T * p.R), dx(p.T * p.H, 0.0f), dwr(p.R * p.H), db(p.R);
+  auto fwd = [&](MatView<float> out) {
+    layer::router_linear_forward(p.X(), {p.wr.data(), p.R, p.H}, {p.b.data(), p.R}, out);
+  };
+  auto bwd = [&](const layer::RouterLinearGrads& g) {
+    layer::router_linear_backward(p.X(), {p.wr.data(), p.R, p.H}, {dz.data(), p.T, p.R}, g);
+  };
+  const layer::RouterLinearGrads all{.dx = {dx.data(), p.T, p.H},
+                                     .router_w = {dwr.data(), p.R, p.H},
+                                     .router_b = {db.data(), p.R}};
+  SECTION("shape") {
+    test::expect_violation(
+        [&] {
+          fwd({z.data(), p.T, p.R - 1});
+        },
+        "layer.router_linear.shape", Level::check);
+    test::expect_violation(
+        [&] {
+          bwd({.router_b = {db.data(), p.R - 1}});
+        },
+        "layer.router_linear.shape", Level::check);
+  }
+  SECTION("finite") {
+    p.x[5] = bf16(NAN);
+    const auto v = test::expect_violation(
+        [&] {
+          fwd({z.data(), p.T, p.R});
+        },
+        "layer.router_linear.finite", Level::check);
+    CHECK(v.location == "x[0, 5]");
+    p.x[5] = bf16(1.0f), dz[2 * p.R + 1] = INFINITY;
+    test::expect_violation([&] { bwd(all); }, "layer.router_linear.finite", Level::check);
+  }
+  SECTION("no_alias") {
+    test::expect_violation(
+        [&] {
+          fwd({p.wr.data(), p.T, p.R});
+        },
+        "layer.router_linear.no_alias", Level::check);
+    test::expect_violation(
+        [&] {
+          bwd({.dx = {dx.data(), p.T, p.H}, .router_w = {dx.data(), p.R, p.H}});
+        },
+        "layer.router_linear.no_alias", Level::check);
+  }
+  SECTION("out_finite") {
+    for (auto& v : p.x) v = bf16(0x1p60f);
+    for (auto& v : p.wr) v = 0x1p100f;
+    test::expect_violation(
+        [&] {
+          fwd({z.data(), p.T, p.R});
+        },
+        "layer.router_linear.out_finite", Level::check);
+  }
+  SECTION("within_bound") {
+    const MatView<const float> w{p.wr.data(), p.R, p.H};
+    fwd({z.data(), p.T, p.R});
+    const auto ref = contracts::router_logits_reference(p.X(), w, {p.b.data(), p.R});
+    z[2 * p.R + 3] = static_cast<float>(ref[2 * p.R + 3].v + 2 * ref[2 * p.R + 3].e + 1e-30);
+    auto v = test::expect_violation(
+        [&] {
+          detail::Checker c{"layer.router_linear.forward"};
+          contracts::router_linear_forward_post(c, p.X(), w, {p.b.data(), p.R},
+                                                {z.data(), p.T, p.R});
+        },
+        "layer.router_linear.within_bound", Level::full);
+    CHECK(v.location == "z[2, 3]");
+    const std::vector<float> before = dx;
+    bwd(all);
+    db[1] += 1.0f;
+    v = test::expect_violation(
+        [&] {
+          detail::Checker c{"layer.router_linear.backward"};
+          contracts::router_linear_backward_post(c, p.X(), w, {dz.data(), p.T, p.R}, all, before);
+        },
+        "layer.router_linear.within_bound", Level::full);
+    CHECK(v.location == "router_b grad[0, 1]");
   }
 }
 

@@ -138,4 +138,35 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
               MatView<const float> dy, Saved& saved, const Gradients& grads,
               const BackwardOptions& opt = {});
 
+/// The router linear's gradients, each optional (empty: not computed).
+struct RouterLinearGrads {
+  MatView<float> dx{};        // [T x H], accumulated: dx += dz W_r
+  MatView<float> router_w{};  // [R x H], written: dW_r = dz^T x
+  View<float> router_b{};     // [R], written: db = the column sums of dz
+};
+
+/// The layer's router linear on its own, computed as forward() and backward()
+/// compute it, for a caller that composes the layer from its parts (expert
+/// parallelism routes each rank's tokens with it and sums the ranks' dW_r).
+/// Forward: z = x W_r^T + b, x [T x H] bf16, W_r [R x H], b [R], z [T x R]
+/// fp32 (written); each element an fp32 sum of H + 1 terms in one fixed order,
+/// so a row of z does not depend on the other rows. Backward from dz [T x R]
+/// fp32 into `grads`: dx's sums run over the R outputs in order, dW_r's and
+/// db's over the tokens in order.
+///
+/// Clauses (contracts/layer_router_linear.cpp; bounds: proofs/layer.md §4):
+///   layer.router_linear.shape        pre   shape    x T x H; W_r R x H; b R (forward); z, dz T x R;
+///                                                   every given gradient of its shape
+///   layer.router_linear.finite       pre   finite   every x (finite, 0 or 2^-60 <= |x| <= 2^60), W_r,
+///                                                   b (forward) and dz (backward) element finite
+///   layer.router_linear.no_alias     pre   alias    the outputs share no byte with each other or
+///                                                   any input
+///   layer.router_linear.out_finite   post  finite   every output element finite
+///   layer.router_linear.within_bound post  numeric  every output element within gamma_n sum|terms|
+///                                                   of its exact value, n its terms (full)
+void router_linear_forward(MatView<const bf16> x, MatView<const float> w, View<const float> b,
+                           MatView<float> z, std::optional<Isa> isa = {});
+void router_linear_backward(MatView<const bf16> x, MatView<const float> w, MatView<const float> dz,
+                            const RouterLinearGrads& grads, std::optional<Isa> isa = {});
+
 }  // namespace moecert::layer

@@ -246,6 +246,21 @@ moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_l
                                       moecert_layer_saved* saved, const moecert_layer_grads* grads,
                                       int32_t expert_path, int32_t router_path);
 
+/* The layer's router linear alone (layer::router_linear_forward/backward):
+ * x [T x H] bf16, router_w [R x H] f32, router_b [R] f32, z [T x R] f32
+ * written. Backward from dz [T x R] f32: dx [T x H] f32 accumulated
+ * (dx += dz W_r), router_w grad [R x H] and router_b grad [R] written; each
+ * absent or given. isa: as moecert_train_options. */
+moecert_status moecert_router_linear_forward(const moecert_tensor* x,
+                                             const moecert_tensor* router_w,
+                                             const moecert_tensor* router_b,
+                                             const moecert_tensor* z, int32_t isa);
+moecert_status moecert_router_linear_backward(const moecert_tensor* x,
+                                              const moecert_tensor* router_w,
+                                              const moecert_tensor* dz, const moecert_tensor* dx,
+                                              const moecert_tensor* d_router_w,
+                                              const moecert_tensor* d_router_b, int32_t isa);
+
 /* ---- derived bounds (contracts/) ---------------------------------------- */
 
 /* Element-wise bounds |kernel - exact| <= bound, as the full-level

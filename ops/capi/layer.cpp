@@ -110,4 +110,30 @@ moecert_status moecert_layer_backward(const moecert_config* cfg, const moecert_l
   });
 }
 
+moecert_status moecert_router_linear_forward(const moecert_tensor* x,
+                                             const moecert_tensor* router_w,
+                                             const moecert_tensor* router_b,
+                                             const moecert_tensor* z, int32_t isa) {
+  return guarded("moecert_router_linear_forward", [&] {
+    layer::router_linear_forward(mat<const bf16>(x, "x"), mat<const float>(router_w, "router_w"),
+                                 vec<const float>(router_b, "router_b"), mat<float>(z, "z"),
+                                 capi::isa_of(isa));
+  });
+}
+
+moecert_status moecert_router_linear_backward(const moecert_tensor* x,
+                                              const moecert_tensor* router_w,
+                                              const moecert_tensor* dz, const moecert_tensor* dx,
+                                              const moecert_tensor* d_router_w,
+                                              const moecert_tensor* d_router_b, int32_t isa) {
+  return guarded("moecert_router_linear_backward", [&] {
+    layer::router_linear_backward(mat<const bf16>(x, "x"), mat<const float>(router_w, "router_w"),
+                                  mat<const float>(dz, "dz"),
+                                  {.dx = mat<float>(dx, "dx", false),
+                                   .router_w = mat<float>(d_router_w, "d_router_w", false),
+                                   .router_b = vec<float>(d_router_b, "d_router_b", false)},
+                                  capi::isa_of(isa));
+  });
+}
+
 }  // extern "C"

@@ -11,6 +11,7 @@
 #include "moecert/isa.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
+#include "ops/layer/router_linear.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/planner.hpp"
 
@@ -41,29 +42,6 @@ Weights Weights::stacked(const MoeConfig& cfg, const experts::PackedExperts& exp
 }
 
 namespace {
-
-// z = x W_r^T + b in fp32: each dot product as 16 partial sums and a fixed
-// tree (the kernel's dot16; an fp32 sum of H + 1 terms in one fixed order,
-// proofs/bounds.md §1). Tasks of 4 tokens, so that W_r streams from L2 once
-// per 4 tokens rather than once per token.
-void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatView<const float> wr,
-                   View<const float> b, MatView<float> z) {
-  constexpr std::size_t kTokens = 4;
-  const std::size_t hidden = x.cols, outs = wr.rows;
-  oneapi::tbb::parallel_for(
-      std::size_t{0}, (x.rows + kTokens - 1) / kTokens, moecert::detail::task([&](std::size_t blk) {
-        const std::size_t t0 = blk * kTokens, tn = std::min(x.rows, t0 + kTokens) - t0;
-        std::vector<float> xf(kTokens * hidden);
-        const float* rows[kTokens];
-        for (std::size_t i = 0; i < tn; ++i) {
-          rows[i] = xf.data() + i * hidden;
-          for (std::size_t h = 0; h < hidden; ++h) xf[i * hidden + h] = x(t0 + i, h).to_float();
-        }
-        kernel.dot16(rows, tn, wr.data, wr.stride, outs, hidden, z.row(t0), z.stride);
-        for (std::size_t i = 0; i < tn; ++i)
-          for (std::size_t e = 0; e < outs; ++e) z(t0 + i, e) += b[e];
-      }));
-}
 
 void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z,
                 MatView<std::int32_t> idx, MatView<float> weights) {
@@ -128,7 +106,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   s.weights = s.arena.get<float>("router.weights", t_count * k);
   const MatView<float> z(s.logits, t_count, outs, outs);
   s.isa = opt.isa.value_or(default_isa());
-  router_linear(gemm::kernel_info(s.isa), x, w.router_w, w.router_b, z);
+  linear::router_linear(gemm::kernel_info(s.isa), x, w.router_w, w.router_b, z);
   run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k),
              MatView<float>(s.weights, t_count, k, k));
   experts::train_forward_steps(*w.experts, s, x, y, opt.training);

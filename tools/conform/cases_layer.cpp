@@ -154,6 +154,53 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
   return r;
 }
 
+// The router linear alone, forward and backward (dx accumulated into a
+// nonzero dx), contracts at full: every output within its sum's bound.
+std::vector<float> router_linear_run(const Layer& l, Isa isa) {
+  std::vector<float> z(l.T * l.R, NAN), dx(l.T * l.H), dwr(l.R * l.H, NAN), db(l.R, NAN),
+      dz(l.T * l.R);
+  for (std::size_t i = 0; i < dx.size(); ++i) dx[i] = l.dy[i] * 0.5f;
+  for (std::size_t i = 0; i < dz.size(); ++i) dz[i] = l.dy[i % l.dy.size()] * 0.25f;
+  const MatView<const float> w{l.wr.data(), l.R, l.H};
+  const MatView<const bf16> x{l.x.data(), l.T, l.H};
+  layer::router_linear_forward(x, w, {l.b.data(), l.R}, {z.data(), l.T, l.R}, isa);
+  layer::router_linear_backward(x, w, {dz.data(), l.T, l.R},
+                                {.dx = {dx.data(), l.T, l.H},
+                                 .router_w = {dwr.data(), l.R, l.H},
+                                 .router_b = {db.data(), l.R}},
+                                isa);
+  for (auto* v : {&dx, &dwr, &db}) z.insert(z.end(), v->begin(), v->end());
+  return z;
+}
+
+CaseResult router_linear_case(RouterKind kind, Isa isa, const RunContext& ctx) {
+  CaseResult r;
+  if (!isa_usable(isa)) {
+    r.verdict = Verdict::skip;
+    r.detail = fmt::format("{} not usable on this CPU", isa_name(isa));
+    return r;
+  }
+  const Layer l = make(kind, ctx.seed + 5, kSmall);
+  const auto many = router_linear_run(l, isa);
+  std::vector<float> one;
+  {
+    oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, 1);
+    one = router_linear_run(l, isa);
+  }
+  r.deterministic = many == one;
+  r.digest = digest_of(many);
+  expect(r, r.deterministic, "results differ between 1 and N threads");
+  if (r.verdict == Verdict::pass) {
+    r.detail = "z, dx, dW_r, db within proofs/layer.md §4 (level full)";
+    if (isa == Isa::amx_bf16) {
+      const bool exact = router_linear_run(l, Isa::amx_emu) == many;
+      r.detail += exact ? "; bit-exact with amx_emu" : "";
+      expect(r, exact, "amx_bf16 and amx_emu differ bitwise");
+    }
+  }
+  return r;
+}
+
 CaseResult plan_case(const RunContext&) {
   CaseResult r;
   const MoeConfig cfg{.experts = 256,
@@ -184,6 +231,12 @@ void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
                      Suite::smoke, Level::full, [kind, isa](const RunContext& ctx) {
                        return layer_case(kind, isa, kSmall, true, ctx);
                      }});
+  for (RouterKind kind : {RouterKind::softmax_topk, RouterKind::product_key})
+    for (Isa isa : isas)
+      out.push_back(
+          {"layer.router_linear", std::string(router_kind_name(kind)), std::string(isa_name(isa)),
+           "small:E8_H40_K3_T13", "normal", Suite::smoke, Level::full,
+           [kind, isa](const RunContext& ctx) { return router_linear_case(kind, isa, ctx); }});
   for (Isa isa : isas)
     out.push_back({"layer.forward_backward", "softmax_topk", std::string(isa_name(isa)),
                    "realistic:E16_H512_I384_K4_r8_T64", "normal", Suite::def, Level::full,
