@@ -107,6 +107,8 @@ _PROTOTYPES = {
     "moecert_layer_forward": ([POINTER(Config), POINTER(LayerWeights), T, T, H, POINTER(TrainOptions)], c_int32),
     "moecert_layer_backward": ([POINTER(Config), POINTER(LayerWeights), T, T, H, POINTER(LayerGrads), c_int32,
                                 c_int32], c_int32),
+    "moecert_router_linear_forward": ([T, T, T, T, c_int32], c_int32),
+    "moecert_router_linear_backward": ([T, T, T, T, T, T, c_int32], c_int32),
     "moecert_experts_bounds": ([H, POINTER(Lora), T, T, H, T, POINTER(ExpertsGrads)], c_int32),
     "moecert_layer_bounds": ([POINTER(Config), POINTER(LayerWeights), T, T, H, T, POINTER(LayerGrads)], c_int32),
     "moecert_router_bounds": ([c_int32, c_double, T, T, T, T, T], c_int32),

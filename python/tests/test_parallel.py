@@ -4,7 +4,11 @@ bitwise equal to one process, for -1 slots, idle experts, every token routed to
 one rank's experts, and uneven token counts per rank; ranks that disagree on
 the config, a bad expert id on one rank and a NaN found by an expert's owner
 raise on every rank, none waits, and the group works afterwards; a rank that
-dies or stalls makes the others raise within the group's timeout."""
+dies or stalls makes the others raise within the group's timeout. The layer
+(router linear and router on each rank's tokens, data-parallel router
+parameters) likewise for the three routers: y, dx and the LoRA gradients
+bitwise those of one process, the router gradients the same on every rank and
+in every run and within the derived bound of the exact value."""
 import datetime
 import os
 import socket
@@ -100,6 +104,72 @@ def faults(rank, world, per, rows):
     return out
 
 
+LAYER_KINDS = ("softmax_topk", "sigmoid_topk", "product_key")
+
+
+def layer_problem(router):
+    """A layer config and its parameters (fp32 LoRA factors, B nonzero), x and dy."""
+    if router == "product_key":
+        cfg = ops.LayerConfig(16, H, I, K, RANK, 8.0, router, max_tokens=T)
+    elif router == "sigmoid_topk":
+        cfg = ops.LayerConfig(E, H, I, K, RANK, 8.0, router, groups=4, topk_group=2, scaling=1.5, max_tokens=T)
+    else:
+        cfg = ops.LayerConfig(E, H, I, K, RANK, 8.0, router, max_tokens=T)
+    g = torch.Generator().manual_seed(23)
+    n = lambda *s, sd=1.0: torch.randn(*s, generator=g) * sd
+    Ex, R_ = cfg.experts, cfg.router_outputs()
+    p = {"w_gate": n(Ex, I, H, sd=H ** -0.5).bfloat16(), "w_up": n(Ex, I, H, sd=H ** -0.5).bfloat16(),
+         "w_down": n(Ex, H, I, sd=I ** -0.5).bfloat16(), "router_w": n(R_, H, sd=H ** -0.5), "router_b": n(R_, sd=0.1),
+         "router_bias": n(Ex, sd=0.05) if router == "sigmoid_topk" else None}
+    shapes = ops._lora_shapes(Ex, H, I, RANK)
+    p.update({k: n(*shapes[k], sd=0.3) for k in ops.LORA_NAMES})
+    return cfg, p, n(T, H).bfloat16(), n(T, H)
+
+
+def layer_worker(rank, world, port, out_dir):
+    """ExpertParallelMoELayer on this rank's tokens, for each router, twice; and router parameters
+    that differ on one rank."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    import moecert
+    from moecert.torch.parallel import ExpertParallelMoELayer
+    off = sum(SHARES[world][:rank])
+    rows = slice(off, off + SHARES[world][rank])
+    results = {}
+    for router in LAYER_KINDS:
+        cfg, p, x, dy = layer_problem(router)
+        per = cfg.experts // world
+        mine = slice(rank * per, (rank + 1) * per)
+        module = ExpertParallelMoELayer(cfg, *(p[k][mine].contiguous() for k in ops.BASE_NAMES), p["router_w"],
+                                        p["router_b"], p["router_bias"])
+        with torch.no_grad():
+            for k in ops.LORA_NAMES:
+                getattr(module.experts, k).copy_(p[k][mine])
+        runs = []
+        for _ in range(2):
+            module.zero_grad(set_to_none=True)
+            xs = x[rows].clone().requires_grad_()
+            y = module(xs)
+            y.backward(dy[rows])
+            runs.append({"y": y.detach(), "dx": xs.grad, "router_w": module.router_w.grad,
+                         "router_b": module.router_b.grad,
+                         **{k: getattr(module.experts, k).grad for k in ops.LORA_NAMES}})
+        results[router] = runs
+    cfg, p, x, dy = layer_problem("softmax_topk")
+    per = cfg.experts // world
+    router_b = p["router_b"].clone()
+    if rank == 0:
+        router_b[1] += 2 ** -20  # one bit apart on one rank
+    try:
+        ExpertParallelMoELayer(cfg, *(p[k][rank * per:(rank + 1) * per].contiguous() for k in ops.BASE_NAMES),
+                               p["router_w"], router_b)
+        results["mismatch"] = ("none", "")
+    except moecert.Error as e:
+        results["mismatch"] = (type(e).__name__, str(e))
+    torch.save(results, os.path.join(out_dir, "{}.pt".format(rank)))
+    dist.destroy_process_group()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,3 +255,38 @@ def test_a_lost_rank_makes_the_others_raise(how):
         kind, message = r["outcome"]
         assert kind == "Error" and "a rank of the group died, left or stalled" in message, r
         assert r["seconds"] < 3 * LOST_TIMEOUT_S, r  # within the timeout (and the spawn's slack), no hang
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_bitwise_equal_to_one_process_router_grads_within_bound(world):
+    from test_layer import layer64  # the layer in float64 torch autograd
+    from conftest import within
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_world(world, out_dir, target=layer_worker)
+        ranks = [torch.load(os.path.join(out_dir, "{}.pt".format(r))) for r in range(world)]
+    for router in LAYER_KINDS:
+        cfg, p, x, dy = layer_problem(router)
+        packed = ops.PackedExperts(*(p[k] for k in ops.BASE_NAMES))
+        lora = ops.Lora(*(p[k] for k in ops.LORA_NAMES), alpha=cfg.lora_alpha)
+        y, saved = ops.layer_forward(cfg, packed, p["router_w"], p["router_b"], x, p["router_bias"], lora)
+        want = ("dx", "router_w", "router_b") + ops.LORA_NAMES
+        g = ops.layer_backward(saved, dy, want, dx_dtype=torch.bfloat16)
+        bounds = ops.layer_bounds(saved, dy, ("router_w", "router_b"))
+        idx, _ = ops.layer_routing(saved)
+        kernel = {k: v.bfloat16() if k in ops.LORA_NAMES else v  # the factors as the kernel reads them
+                  for k, v in p.items() if v is not None}
+        _, _, g64, _ = layer64(cfg, kernel, x, dy, idx)
+        for run in range(2):
+            cat = lambda name: torch.cat([r[router][run][name] for r in ranks])
+            assert torch.equal(cat("y"), y), router
+            assert torch.equal(cat("dx"), g["dx"]), router
+            for k in ops.LORA_NAMES:
+                assert torch.equal(cat(k), g[k]), (router, k)
+            for k in ("router_w", "router_b"):
+                first = ranks[0][router][0][k]
+                assert bool(first.abs().sum() > 0), (router, k)
+                assert all(torch.equal(r[router][run][k], first) for r in ranks), (router, k, "ranks or runs differ")
+                within("{} {} over {} ranks".format(router, k, world), first, g64[k], bounds[k])
+    mismatch = [r["mismatch"] for r in ranks]
+    assert len(set(mismatch)) == 1 and mismatch[0][0] == "InvalidArgument", mismatch
+    assert "router parameters" in mismatch[0][1]

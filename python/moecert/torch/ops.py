@@ -523,6 +523,46 @@ def layer_forward(cfg, packed, router_w, router_b, x, router_bias=None, lora=Non
     return y, saved
 
 
+def router_linear_forward(x, router_w, router_b, isa=None):
+    """The layer's router linear alone, as layer_forward computes it: z = x router_w^T + router_b
+    [T, R] fp32 (x [T, H] bf16, router_w [R, H], router_b [R] fp32); a row of z does not depend on
+    the other rows."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise InvalidArgument("x: expected a [T, H] tensor")
+    check(x, "x", BF16, (None, None))
+    check(router_w, "router_w", F32, (None, x.shape[1]))
+    check(router_b, "router_b", F32, (router_w.shape[0],))
+    z = torch.empty(x.shape[0], router_w.shape[0], dtype=torch.float32)
+    _abi.call("moecert_router_linear_forward", ref(describe(x)), ref(describe(router_w)), ref(describe(router_b)),
+              ref(describe(z)), _isa(isa))
+    return z
+
+
+def router_linear_backward(x, router_w, dz, dx=None, want=("router_w", "router_b"), isa=None):
+    """Backward of router_linear_forward from dz [T, R]: a dict with dx (given: an fp32 [T, H]
+    tensor, to which dz router_w is added in place, and returned) and the router weights'
+    gradients named in `want` (fp32; sums over the tokens in order)."""
+    check(x, "x", BF16, (None, None))
+    check(router_w, "router_w", F32, (None, x.shape[1]))
+    dz = grad_input(dz, "dz", (x.shape[0], router_w.shape[0]))
+    out = {}
+    if dx is not None:
+        check(dx, "dx", F32, tuple(x.shape))
+        out["dx"] = dx
+    unknown = set(want) - {"router_w", "router_b"}
+    if unknown:
+        raise InvalidArgument("unknown outputs {}: expected some of router_w, router_b".format(sorted(unknown)))
+    for name, shape in (("router_w", tuple(router_w.shape)), ("router_b", (router_w.shape[0],))):
+        if name in want:
+            out[name] = torch.empty(shape, dtype=torch.float32)
+    check_no_alias([("x", x), ("router_w", router_w), ("dz", dz)] +
+                   [(n if n == "dx" else n + " grad", t) for n, t in out.items()])
+    _abi.call("moecert_router_linear_backward", ref(describe(x)), ref(describe(router_w)), ref(describe(dz)),
+              ref(describe(out.get("dx"))), ref(describe(out.get("router_w"))), ref(describe(out.get("router_b"))),
+              _isa(isa))
+    return out
+
+
 def layer_routing(saved):
     """(idx [T, K] int32, weights [T, K] fp32) the forward chose."""
     idx, w = _router_outputs(saved.tokens, saved.config.topk)

@@ -93,39 +93,51 @@ class _Routes:
         return out
 
 
+def _experts_forward(module, x, expert_ids, weights, factors):
+    """The experts op over the group on this rank's tokens: (y [T, H] fp32, what
+    _experts_backward needs)."""
+    g = module.group
+    routes = _Routes(expert_ids, module.per_rank, module.world, g)
+    x_in = routes.there(x[routes.tokens], g)
+    w_in = routes.there(weights.reshape(-1)[routes.slots].reshape(-1, 1), g)
+    ids_in = routes.there(routes.local_ids.reshape(-1, 1), g)
+    lora = ops.Lora(*factors, alpha=module.alpha) if factors[0] is not None else None
+    y_in, saved = _on_every_rank(lambda: ops.experts_forward_train(
+        module.packed, x_in.contiguous(), ids_in.contiguous(), w_in.contiguous(), lora,
+        module.packed.experts_pool.take()), g, "experts.forward_train")
+    y = routes.combine(routes.back(y_in, g), x.shape[1])
+    return y, (routes, saved, lora is not None)
+
+
+def _experts_backward(module, state, dy):
+    """(dx [T, H] fp32, dL/dweights [T, K], the local experts' six LoRA gradients or Nones)."""
+    routes, saved, has_lora = state
+    g = module.group
+    dy = dy.to(torch.float32).contiguous()
+    dy_in = routes.there(dy[routes.tokens], g)
+    want = {"dx", "dweights"} | (set(LORA_NAMES) if has_lora else set())
+    grads = _on_every_rank(lambda: ops.experts_backward(saved, dy_in.contiguous(), want), g, "experts.backward")
+    module.packed.experts_pool.give(saved)
+    dx = routes.combine(routes.back(grads["dx"], g), dy.shape[1])
+    dw_rows = routes.back(grads["dweights"], g).reshape(-1)
+    dweights = torch.zeros(routes.T * routes.K, dtype=torch.float32)
+    dweights[routes.slots] = dw_rows
+    lora_grads = tuple(grads.get(n) for n in LORA_NAMES) if has_lora else (None,) * 6
+    return dx, dweights.reshape(routes.T, routes.K), lora_grads
+
+
 class _ExpertParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, a_gate, b_gate, a_up, b_up, a_down, b_down, expert_ids, module):
-        g = module.group
-        _on_every_rank(lambda: module.check_inputs(x, expert_ids, weights), g, "inputs")
-        routes = _Routes(expert_ids, module.per_rank, module.world, g)
-        x_in = routes.there(x[routes.tokens], g)
-        w_in = routes.there(weights.reshape(-1)[routes.slots].reshape(-1, 1), g)
-        ids_in = routes.there(routes.local_ids.reshape(-1, 1), g)
-        factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
-        lora = ops.Lora(*factors, alpha=module.alpha) if a_gate is not None else None
-        y_in, saved = _on_every_rank(lambda: ops.experts_forward_train(
-            module.packed, x_in.contiguous(), ids_in.contiguous(), w_in.contiguous(), lora,
-            module.packed.experts_pool.take()), g, "experts.forward_train")
-        y = routes.combine(routes.back(y_in, g), x.shape[1])
-        ctx.routes, ctx.saved, ctx.module, ctx.has_lora = routes, saved, module, lora is not None
+        _on_every_rank(lambda: module.check_inputs(x, expert_ids, weights), module.group, "inputs")
+        y, ctx.state = _experts_forward(module, x, expert_ids, weights, (a_gate, b_gate, a_up, b_up, a_down, b_down))
+        ctx.module = module
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        m, routes, g = ctx.module, ctx.routes, ctx.module.group
-        dy = dy.to(torch.float32).contiguous()
-        dy_in = routes.there(dy[routes.tokens], g)
-        want = {"dx", "dweights"} | (set(LORA_NAMES) if ctx.has_lora else set())
-        grads = _on_every_rank(lambda: ops.experts_backward(ctx.saved, dy_in.contiguous(), want), g,
-                               "experts.backward")
-        m.packed.experts_pool.give(ctx.saved)
-        dx = routes.combine(routes.back(grads["dx"], g), dy.shape[1])
-        dw_rows = routes.back(grads["dweights"], g).reshape(-1)
-        dweights = torch.zeros(routes.T * routes.K, dtype=torch.float32)
-        dweights[routes.slots] = dw_rows
-        lora_grads = tuple(grads.get(n) for n in LORA_NAMES) if ctx.has_lora else (None,) * 6
-        return (dx, dweights.reshape(routes.T, routes.K)) + lora_grads + (None, None)
+        dx, dweights, lora_grads = _experts_backward(ctx.module, ctx.state, dy)
+        return (dx, dweights) + lora_grads + (None, None)
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -188,3 +200,125 @@ class ExpertParallelMoE(torch.nn.Module):
     def forward(self, x, expert_ids, weights):
         factors = tuple(getattr(self, n) for n in LORA_NAMES) if self.lora_rank else (None,) * 6
         return _ExpertParallel.apply(x, weights, *factors, expert_ids, self)
+
+
+def _route(cfg, z, bias):
+    """(idx, w) of the layer's router on the logits z [T, R], as the layer routes."""
+    if cfg.router == "softmax_topk":
+        return ops.softmax_topk(z, cfg.topk, cfg.renormalize)
+    if cfg.router == "sigmoid_topk":
+        return ops.sigmoid_topk(z, bias, cfg.topk, cfg.groups, cfg.topk_group, cfg.scaling)
+    n = z.shape[1] // 2
+    return ops.product_key(z[:, :n].contiguous(), z[:, n:].contiguous(), cfg.topk, "softmax")
+
+
+def _route_backward(cfg, z, idx, g):
+    """dz [T, R] from g = dL/dw, as the layer's router path computes it."""
+    if cfg.router == "softmax_topk":
+        return ops.softmax_topk_backward(z, idx, g, cfg.renormalize)
+    if cfg.router == "sigmoid_topk":
+        return ops.sigmoid_topk_backward(z, idx, g, cfg.groups, cfg.topk_group, cfg.scaling)
+    n = z.shape[1] // 2
+    dsx, dsy = ops.product_key_backward(z[:, :n].contiguous(), z[:, n:].contiguous(), idx, g, "softmax")
+    return torch.cat([dsx, dsy], dim=1)
+
+
+def _sum_over_ranks(t, group, world):
+    """The sum of every rank's t, added in rank order (rank 0's, then + rank 1's, ...): the same
+    bits on every rank, in every run (an all_reduce leaves the order to the backend)."""
+    flat = t.reshape(-1)
+    parts = torch.empty(world * flat.numel(), dtype=flat.dtype)
+    _collective(dist.all_to_all_single, parts, flat.repeat(world), group=group)
+    parts = parts.view(world, -1)
+    total = parts[0].clone()
+    for p in range(1, world):
+        total += parts[p]
+    return total.view(t.shape)
+
+
+class _ExpertParallelLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, router_w, router_b, a_gate, b_gate, a_up, b_up, a_down, b_down, module):
+        cfg, g = module.config, module.group
+        z = _on_every_rank(lambda: module.logits(x, router_w, router_b), g, "layer.router_linear")
+        idx, w = _on_every_rank(lambda: _route(cfg, z, module.router_bias), g, "router")
+        factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
+        y, ctx.state = _experts_forward(module.experts, x, idx, w, factors)
+        ctx.module, ctx.z, ctx.idx = module, z, idx
+        ctx.save_for_backward(x, router_w)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        m = ctx.module
+        x, router_w = ctx.saved_tensors
+        dx, dweights, lora_grads = _experts_backward(m.experts, ctx.state, dy)
+        dz = _on_every_rank(lambda: _route_backward(m.config, ctx.z, ctx.idx, dweights), m.group, "router backward")
+        grads = _on_every_rank(lambda: ops.router_linear_backward(x, router_w, dz, dx=dx), m.group,
+                               "layer.router_linear backward")
+        R, H = router_w.shape
+        both = _sum_over_ranks(torch.cat([grads["router_w"].reshape(-1), grads["router_b"]]), m.group, m.world)
+        return (dx, both[:R * H].view(R, H), both[R * H:]) + lora_grads + (None,)
+
+
+class ExpertParallelMoELayer(torch.nn.Module):
+    """moecert's MoE layer (MoELayer's maths and bits: router linear, router, SwiGLU experts with
+    LoRA) with its experts spread over a torch.distributed group as ExpertParallelMoE spreads them.
+
+    config: ops.LayerConfig (E divisible by the group's size). Rank r holds experts
+    [r E/P, (r+1) E/P): w_gate, w_up [E/P, I, H], w_down [E/P, H, I] bf16, and their LoRA factors
+    (`self.experts.a_gate` ..., fp32, b_* from 0). The router parameters router_w [R, H], router_b
+    [R] fp32 (and router_bias [E] for sigmoid_topk) are data-parallel: every rank holds the same
+    (checked at construction) and routes its own tokens; their gradients are the sum over the
+    ranks' tokens, added in rank order, the same bits on every rank. forward(x [T, H] bf16) -> y
+    [T, H] fp32 for this rank's tokens; every rank calls forward and backward together."""
+
+    def __init__(self, config, w_gate, w_up, w_down, router_w, router_b, router_bias=None, group=None):
+        super().__init__()
+        config.struct()  # validates
+        self.config, self.group = config, group
+        self.experts = ExpertParallelMoE(config.experts, w_gate, w_up, w_down, rank=config.lora_rank,
+                                         alpha=config.lora_alpha, group=group)
+        self.world = self.experts.world
+        R, H = config.router_outputs(), config.hidden
+        ops.check(router_w, "router_w", ops.F32, (R, H))
+        ops.check(router_b, "router_b", ops.F32, (R,))
+        self.router_w = torch.nn.Parameter(router_w.detach().clone())
+        self.router_b = torch.nn.Parameter(router_b.detach().clone())
+        if config.router == "sigmoid_topk":
+            ops.check(router_bias, "router_bias", ops.F32, (config.experts,))
+            router_bias = router_bias.detach().clone()
+        else:
+            router_bias = None
+        self.register_buffer("router_bias", router_bias)
+        self._handshake()
+
+    def _handshake(self):
+        """Every rank holds the same router (kind, K, its parameters bit for bit), or every rank
+        raises the same error before any exchange."""
+        c = self.config
+        fields = torch.tensor([ops.ROUTERS.index(c.router), c.topk, int(c.renormalize), c.groups, c.topk_group,
+                               int(c.scaling * 2 ** 20)], dtype=torch.int64)
+        params = [self.router_w, self.router_b] + ([self.router_bias] if self.router_bias is not None else [])
+        bits = torch.cat([p.detach().reshape(-1).view(torch.int32).to(torch.int64) for p in params])
+        mine = torch.cat([fields, bits])
+        low, high = mine.clone(), mine.clone()
+        _collective(dist.all_reduce, low, op=dist.ReduceOp.MIN, group=self.group)
+        _collective(dist.all_reduce, high, op=dist.ReduceOp.MAX, group=self.group)
+        names = ("router", "topk", "renormalize", "groups", "topk_group", "scaling * 2^20")
+        diff = ["{} {}..{}".format(n, int(a), int(b)) for n, a, b in zip(names, low, high) if a != b]
+        if not torch.equal(low[len(names):], high[len(names):]):
+            diff.append("the router parameters (router_w, router_b, router_bias) differ")
+        if diff:
+            raise InvalidArgument("ExpertParallelMoELayer: the ranks disagree on " + ", ".join(diff))
+
+    def logits(self, x, router_w, router_b):
+        """This rank's router logits z [T, R] (x checked first)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.config.hidden or \
+                x.dtype != torch.bfloat16:
+            raise InvalidArgument("x: expected a [T, {}] bfloat16 tensor".format(self.config.hidden))
+        return ops.router_linear_forward(x, router_w.detach(), router_b.detach())
+
+    def forward(self, x):
+        factors = tuple(getattr(self.experts, n) for n in LORA_NAMES) if self.config.lora_rank else (None,) * 6
+        return _ExpertParallelLayer.apply(x, self.router_w, self.router_b, *factors, self)
