@@ -104,11 +104,14 @@ def faults(rank, world, per, rows):
     return out
 
 
-LAYER_KINDS = ("softmax_topk", "sigmoid_topk", "product_key")
+LAYER_CASES = [(router, one_rank) for router in ("softmax_topk", "sigmoid_topk", "product_key")
+               for one_rank in (False, True)]
 
 
-def layer_problem(router):
-    """A layer config and its parameters (fp32 LoRA factors, B nonzero), x and dy."""
+def layer_problem(router, one_rank=False):
+    """A layer config and its parameters (fp32 LoRA factors, B nonzero), x and dy; one_rank: the
+    router bias sends every token to the last experts (the last rank's for 2 and 4 ranks), the
+    others idle."""
     if router == "product_key":
         cfg = ops.LayerConfig(16, H, I, K, RANK, 8.0, router, max_tokens=T)
     elif router == "sigmoid_topk":
@@ -123,6 +126,8 @@ def layer_problem(router):
          "router_bias": n(Ex, sd=0.05) if router == "sigmoid_topk" else None}
     shapes = ops._lora_shapes(Ex, H, I, RANK)
     p.update({k: n(*shapes[k], sd=0.3) for k in ops.LORA_NAMES})
+    if one_rank:  # experts 6, 7 of 8; product key: ix = 3 of 4, experts 12..15 of 16
+        p["router_b"][[3] if router == "product_key" else [6, 7]] += 8.0
     return cfg, p, n(T, H).bfloat16(), n(T, H)
 
 
@@ -133,11 +138,12 @@ def layer_worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     import moecert
     from moecert.torch.parallel import ExpertParallelMoELayer
+    moecert.set_num_threads(rank + 1)  # the ranks' thread counts differ
     off = sum(SHARES[world][:rank])
     rows = slice(off, off + SHARES[world][rank])
     results = {}
-    for router in LAYER_KINDS:
-        cfg, p, x, dy = layer_problem(router)
+    for router, one_rank in LAYER_CASES:
+        cfg, p, x, dy = layer_problem(router, one_rank)
         per = cfg.experts // world
         mine = slice(rank * per, (rank + 1) * per)
         module = ExpertParallelMoELayer(cfg, *(p[k][mine].contiguous() for k in ops.BASE_NAMES), p["router_w"],
@@ -154,7 +160,18 @@ def layer_worker(rank, world, port, out_dir):
             runs.append({"y": y.detach(), "dx": xs.grad, "router_w": module.router_w.grad,
                          "router_b": module.router_b.grad,
                          **{k: getattr(module.experts, k).grad for k in ops.LORA_NAMES}})
-        results[router] = runs
+        results[router, one_rank] = runs
+    bad_x = x[rows].clone()
+    if rank == world - 1:
+        bad_x[1, 2] = float("nan")
+    try:
+        with moecert.contracts("check"):
+            module(bad_x)
+        results["nan"] = ("none", "")
+    except moecert.ContractViolation as e:
+        results["nan"] = ("ContractViolation", e.clause)
+    except moecert.Error as e:
+        results["nan"] = (type(e).__name__, str(e))
     cfg, p, x, dy = layer_problem("softmax_topk")
     per = cfg.experts // world
     router_b = p["router_b"].clone()
@@ -264,8 +281,8 @@ def test_layer_bitwise_equal_to_one_process_router_grads_within_bound(world):
     with tempfile.TemporaryDirectory() as out_dir:
         run_world(world, out_dir, target=layer_worker)
         ranks = [torch.load(os.path.join(out_dir, "{}.pt".format(r))) for r in range(world)]
-    for router in LAYER_KINDS:
-        cfg, p, x, dy = layer_problem(router)
+    for router, one_rank in LAYER_CASES:
+        cfg, p, x, dy = layer_problem(router, one_rank)
         packed = ops.PackedExperts(*(p[k] for k in ops.BASE_NAMES))
         lora = ops.Lora(*(p[k] for k in ops.LORA_NAMES), alpha=cfg.lora_alpha)
         y, saved = ops.layer_forward(cfg, packed, p["router_w"], p["router_b"], x, p["router_bias"], lora)
@@ -276,17 +293,22 @@ def test_layer_bitwise_equal_to_one_process_router_grads_within_bound(world):
         kernel = {k: v.bfloat16() if k in ops.LORA_NAMES else v  # the factors as the kernel reads them
                   for k, v in p.items() if v is not None}
         _, _, g64, _ = layer64(cfg, kernel, x, dy, idx)
+        case = (router, one_rank)
+        if one_rank:  # the other ranks' experts idle: exactly 0
+            assert all(torch.all(r[case][0][k] == 0) for r in ranks[:-1] for k in ops.LORA_NAMES), case
         for run in range(2):
-            cat = lambda name: torch.cat([r[router][run][name] for r in ranks])
-            assert torch.equal(cat("y"), y), router
-            assert torch.equal(cat("dx"), g["dx"]), router
+            cat = lambda name: torch.cat([r[case][run][name] for r in ranks])
+            assert torch.equal(cat("y"), y), case
+            assert torch.equal(cat("dx"), g["dx"]), case
             for k in ops.LORA_NAMES:
-                assert torch.equal(cat(k), g[k]), (router, k)
+                assert torch.equal(cat(k), g[k]), (case, k)
             for k in ("router_w", "router_b"):
-                first = ranks[0][router][0][k]
-                assert bool(first.abs().sum() > 0), (router, k)
-                assert all(torch.equal(r[router][run][k], first) for r in ranks), (router, k, "ranks or runs differ")
-                within("{} {} over {} ranks".format(router, k, world), first, g64[k], bounds[k])
+                first = ranks[0][case][0][k]
+                assert bool(first.abs().sum() > 0), (case, k)
+                assert all(torch.equal(r[case][run][k], first) for r in ranks), (case, k, "ranks or runs differ")
+                within("{} {} over {} ranks".format(case, k, world), first, g64[k], bounds[k])
+    assert ranks[-1]["nan"] == ("ContractViolation", "layer.router_linear.finite"), ranks[-1]["nan"]
+    assert all(r["nan"][0] == "Error" and "another rank" in r["nan"][1] for r in ranks[:-1])
     mismatch = [r["mismatch"] for r in ranks]
     assert len(set(mismatch)) == 1 and mismatch[0][0] == "InvalidArgument", mismatch
     assert "router parameters" in mismatch[0][1]
