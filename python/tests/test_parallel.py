@@ -1,6 +1,6 @@
 """Expert parallelism on the gloo backend, 2 and 4 processes on 127.0.0.1 started
-here with a time limit: y, dx, dL/dweights and every expert's LoRA gradients
-bitwise equal to one process, for -1 slots, idle experts, every token routed to
+here with a time limit: y, dx, dL/dweights and every expert's LoRA (and, when
+trained, base-weight) gradients bitwise equal to one process, for -1 slots, idle experts, every token routed to
 one rank's experts, and uneven token counts per rank; ranks that disagree on
 the config, a bad expert id on one rank and a NaN found by an expert's owner
 raise on every rank, none waits, and the group works afterwards; a rank that
@@ -64,6 +64,14 @@ def worker(rank, world, port, out_dir):
         y.backward(dy[rows])
         results[kind] = {"y": y.detach(), "dx": xs.grad, "dweights": ws.grad,
                          **{k: getattr(module, k).grad for k in ops.LORA_NAMES}}
+    base, lora, x, ids, w, dy = problem("tails", world)  # base weights trained as well
+    mine = slice(rank * per, (rank + 1) * per)
+    module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0, train_base=True)
+    with torch.no_grad():
+        for k in ops.LORA_NAMES:
+            getattr(module, k).copy_(getattr(lora, k)[mine])
+    module(x[rows], ids[rows].contiguous(), w[rows]).backward(dy[rows])
+    results["base"] = {k: getattr(module, k).grad for k in ops.BASE_NAMES + ops.LORA_NAMES}
     results["faults"] = faults(rank, world, per, rows)
     torch.save(results, os.path.join(out_dir, "{}.pt".format(rank)))
     dist.destroy_process_group()
@@ -147,7 +155,7 @@ def layer_worker(rank, world, port, out_dir):
         per = cfg.experts // world
         mine = slice(rank * per, (rank + 1) * per)
         module = ExpertParallelMoELayer(cfg, *(p[k][mine].contiguous() for k in ops.BASE_NAMES), p["router_w"],
-                                        p["router_b"], p["router_bias"])
+                                        p["router_b"], p["router_bias"], train_base=True)
         with torch.no_grad():
             for k in ops.LORA_NAMES:
                 getattr(module.experts, k).copy_(p[k][mine])
@@ -159,7 +167,7 @@ def layer_worker(rank, world, port, out_dir):
             y.backward(dy[rows])
             runs.append({"y": y.detach(), "dx": xs.grad, "router_w": module.router_w.grad,
                          "router_b": module.router_b.grad,
-                         **{k: getattr(module.experts, k).grad for k in ops.LORA_NAMES}})
+                         **{k: getattr(module.experts, k).grad for k in ops.LORA_NAMES + ops.BASE_NAMES}})
         results[router, one_rank] = runs
     bad_x = x[rows].clone()
     if rank == world - 1:
@@ -252,6 +260,13 @@ def test_bitwise_equal_to_one_process(world):
         if kind == "one_rank":  # the other ranks' experts are idle: their gradients exactly 0
             assert all(torch.all(ranks[r][kind][k] == 0) for r in range(world - 1) for k in ops.LORA_NAMES)
         assert sum(len(r[kind]["y"]) for r in ranks) == T
+    base, lora, x, ids, w, dy = problem("tails", world)
+    packed = ops.PackedExperts(*base)
+    _, saved = ops.experts_forward_train(packed, x, ids, w, lora)
+    g = ops.experts_backward(saved, dy, ops.BASE_NAMES + ops.LORA_NAMES)
+    for k in ops.BASE_NAMES + ops.LORA_NAMES:  # autograd stores a base weight's gradient in its dtype, bf16
+        assert torch.equal(torch.cat([r["base"][k] for r in ranks]), g[k].to(base[0].dtype if k in ops.BASE_NAMES
+                                                                                   else g[k].dtype)), k
     faults = [dict((name, (kind, what)) for name, kind, what in r["faults"]) for r in ranks]
     assert len({f["config"] for f in faults}) == 1  # the same error on every rank
     assert faults[0]["config"][0] == "InvalidArgument" and "alpha" in faults[0]["config"][1]
@@ -286,7 +301,7 @@ def test_layer_bitwise_equal_to_one_process_router_grads_within_bound(world):
         packed = ops.PackedExperts(*(p[k] for k in ops.BASE_NAMES))
         lora = ops.Lora(*(p[k] for k in ops.LORA_NAMES), alpha=cfg.lora_alpha)
         y, saved = ops.layer_forward(cfg, packed, p["router_w"], p["router_b"], x, p["router_bias"], lora)
-        want = ("dx", "router_w", "router_b") + ops.LORA_NAMES
+        want = ("dx", "router_w", "router_b") + ops.LORA_NAMES + ops.BASE_NAMES
         g = ops.layer_backward(saved, dy, want, dx_dtype=torch.bfloat16)
         bounds = ops.layer_bounds(saved, dy, ("router_w", "router_b"))
         idx, _ = ops.layer_routing(saved)
@@ -295,13 +310,13 @@ def test_layer_bitwise_equal_to_one_process_router_grads_within_bound(world):
         _, _, g64, _ = layer64(cfg, kernel, x, dy, idx)
         case = (router, one_rank)
         if one_rank:  # the other ranks' experts idle: exactly 0
-            assert all(torch.all(r[case][0][k] == 0) for r in ranks[:-1] for k in ops.LORA_NAMES), case
+            assert all(torch.all(r[case][0][k] == 0) for r in ranks[:-1] for k in ops.LORA_NAMES + ops.BASE_NAMES), case
         for run in range(2):
             cat = lambda name: torch.cat([r[case][run][name] for r in ranks])
             assert torch.equal(cat("y"), y), case
             assert torch.equal(cat("dx"), g["dx"]), case
-            for k in ops.LORA_NAMES:
-                assert torch.equal(cat(k), g[k]), (case, k)
+            for k in ops.LORA_NAMES + ops.BASE_NAMES:  # base: autograd keeps the weights' dtype, bf16
+                assert torch.equal(cat(k), g[k].to(cat(k).dtype)), (case, k)
             for k in ("router_w", "router_b"):
                 first = ranks[0][case][0][k]
                 assert bool(first.abs().sum() > 0), (case, k)

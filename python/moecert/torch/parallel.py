@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..errors import Error, InvalidArgument
 from . import ops
-from .ops import LORA_NAMES
+from .ops import BASE_NAMES, LORA_NAMES
 
 
 def _collective(fn, *args, **kwargs):
@@ -110,12 +110,14 @@ def _experts_forward(module, x, expert_ids, weights, factors):
 
 
 def _experts_backward(module, state, dy):
-    """(dx [T, H] fp32, dL/dweights [T, K], the local experts' six LoRA gradients or Nones)."""
+    """(dx [T, H] fp32, dL/dweights [T, K], the local experts' six LoRA and three base-weight
+    gradients, Nones where not trained)."""
     routes, saved, has_lora = state
     g = module.group
     dy = dy.to(torch.float32).contiguous()
     dy_in = routes.there(dy[routes.tokens], g)
-    want = {"dx", "dweights"} | (set(LORA_NAMES) if has_lora else set())
+    want = {"dx", "dweights"} | (set(LORA_NAMES) if has_lora else set()) | \
+        (set(BASE_NAMES) if module.train_base else set())
     grads = _on_every_rank(lambda: ops.experts_backward(saved, dy_in.contiguous(), want), g, "experts.backward")
     module.packed.experts_pool.give(saved)
     dx = routes.combine(routes.back(grads["dx"], g), dy.shape[1])
@@ -123,12 +125,13 @@ def _experts_backward(module, state, dy):
     dweights = torch.zeros(routes.T * routes.K, dtype=torch.float32)
     dweights[routes.slots] = dw_rows
     lora_grads = tuple(grads.get(n) for n in LORA_NAMES) if has_lora else (None,) * 6
-    return dx, dweights.reshape(routes.T, routes.K), lora_grads
+    return dx, dweights.reshape(routes.T, routes.K), lora_grads + tuple(grads.get(n) for n in BASE_NAMES)
 
 
 class _ExpertParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, a_gate, b_gate, a_up, b_up, a_down, b_down, expert_ids, module):
+    def forward(ctx, x, weights, a_gate, b_gate, a_up, b_up, a_down, b_down, w_gate, w_up, w_down, expert_ids,
+                module):
         _on_every_rank(lambda: module.check_inputs(x, expert_ids, weights), module.group, "inputs")
         y, ctx.state = _experts_forward(module, x, expert_ids, weights, (a_gate, b_gate, a_up, b_up, a_down, b_down))
         ctx.module = module
@@ -136,8 +139,8 @@ class _ExpertParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dweights, lora_grads = _experts_backward(ctx.module, ctx.state, dy)
-        return (dx, dweights) + lora_grads + (None, None)
+        dx, dweights, expert_grads = _experts_backward(ctx.module, ctx.state, dy)
+        return (dx, dweights) + expert_grads + (None, None)
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -147,11 +150,14 @@ class ExpertParallelMoE(torch.nn.Module):
     their base weights w_gate, w_up [E/P, I, H], w_down [E/P, H, I] bf16 (packed once) and,
     with rank > 0, LoRA factors of its experts as fp32 parameters (b_* from 0). forward(x [T, H]
     bf16, expert_ids [T, K] global ids, weights [T, K] fp32) -> y [T, H] fp32 for this rank's
-    tokens; autograd gives dx, dL/dweights and the local experts' LoRA gradients. Every rank
-    calls forward and backward together (collectives)."""
+    tokens; autograd gives dx, dL/dweights and the local experts' LoRA gradients, and with
+    train_base the base weights' (then parameters of this module: call repack() after an
+    optimizer step changed them; a forward on stale packs raises). Every rank calls forward and
+    backward together (collectives)."""
 
-    def __init__(self, num_experts, w_gate, w_up, w_down, rank=0, alpha=None, group=None):
+    def __init__(self, num_experts, w_gate, w_up, w_down, rank=0, alpha=None, group=None, train_base=False):
         super().__init__()
+        self.train_base = bool(train_base)
         self.group = group
         self.world, self.rank_id = dist.get_world_size(group), dist.get_rank(group)
         if num_experts % self.world:
@@ -161,6 +167,9 @@ class ExpertParallelMoE(torch.nn.Module):
         if w_gate.shape[0] != self.per_rank:
             raise InvalidArgument("w_gate: {} experts, this rank owns {}".format(w_gate.shape[0], self.per_rank))
         self.first = self.rank_id * self.per_rank
+        if self.train_base:
+            w_gate, w_up, w_down = (torch.nn.Parameter(w.detach().clone()) for w in (w_gate, w_up, w_down))
+            self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
         self.packed = ops.PackedExperts(w_gate, w_up, w_down)
         E, I, H = w_gate.shape
         self.hidden, self.alpha = H, float(alpha if alpha is not None else 2 * rank)
@@ -197,9 +206,20 @@ class ExpertParallelMoE(torch.nn.Module):
             raise InvalidArgument("expert_ids[{}, {}] = {}: expected -1 <= id < {}".format(
                 t, j, int(expert_ids[t, j]), self.num_experts))
 
+    def repack(self):
+        """Packs the base weights again (train_base, after an optimizer step changed them)."""
+        self.packed = ops.PackedExperts(self.w_gate, self.w_up, self.w_down)
+
+    def factors(self):
+        """The LoRA factors and the trained base weights as autograd inputs (None: absent)."""
+        lora = tuple(getattr(self, n) for n in LORA_NAMES) if self.lora_rank else (None,) * 6
+        base = tuple(getattr(self, n) for n in BASE_NAMES) if self.train_base else (None,) * 3
+        if self.train_base:
+            self.packed.check_sources(*base)
+        return lora + base
+
     def forward(self, x, expert_ids, weights):
-        factors = tuple(getattr(self, n) for n in LORA_NAMES) if self.lora_rank else (None,) * 6
-        return _ExpertParallel.apply(x, weights, *factors, expert_ids, self)
+        return _ExpertParallel.apply(x, weights, *self.factors(), expert_ids, self)
 
 
 def _route(cfg, z, bias):
@@ -238,7 +258,8 @@ def _sum_over_ranks(t, group, world):
 
 class _ExpertParallelLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, router_w, router_b, a_gate, b_gate, a_up, b_up, a_down, b_down, module):
+    def forward(ctx, x, router_w, router_b, a_gate, b_gate, a_up, b_up, a_down, b_down, w_gate, w_up, w_down,
+                module):
         cfg, g = module.config, module.group
         z = _on_every_rank(lambda: module.logits(x, router_w, router_b), g, "layer.router_linear")
         idx, w = _on_every_rank(lambda: _route(cfg, z, module.router_bias), g, "router")
@@ -252,13 +273,13 @@ class _ExpertParallelLayer(torch.autograd.Function):
     def backward(ctx, dy):
         m = ctx.module
         x, router_w = ctx.saved_tensors
-        dx, dweights, lora_grads = _experts_backward(m.experts, ctx.state, dy)
+        dx, dweights, expert_grads = _experts_backward(m.experts, ctx.state, dy)
         dz = _on_every_rank(lambda: _route_backward(m.config, ctx.z, ctx.idx, dweights), m.group, "router backward")
         grads = _on_every_rank(lambda: ops.router_linear_backward(x, router_w, dz, dx=dx), m.group,
                                "layer.router_linear backward")
         R, H = router_w.shape
         both = _sum_over_ranks(torch.cat([grads["router_w"].reshape(-1), grads["router_b"]]), m.group, m.world)
-        return (dx, both[:R * H].view(R, H), both[R * H:]) + lora_grads + (None,)
+        return (dx, both[:R * H].view(R, H), both[R * H:]) + expert_grads + (None,)
 
 
 class ExpertParallelMoELayer(torch.nn.Module):
@@ -270,15 +291,18 @@ class ExpertParallelMoELayer(torch.nn.Module):
     (`self.experts.a_gate` ..., fp32, b_* from 0). The router parameters router_w [R, H], router_b
     [R] fp32 (and router_bias [E] for sigmoid_topk) are data-parallel: every rank holds the same
     (checked at construction) and routes its own tokens; their gradients are the sum over the
-    ranks' tokens, added in rank order, the same bits on every rank. forward(x [T, H] bf16) -> y
-    [T, H] fp32 for this rank's tokens; every rank calls forward and backward together."""
+    ranks' tokens, added in rank order, the same bits on every rank. train_base: the base weights
+    are trained too (`self.experts.w_gate` ...; `self.experts.repack()` after a step). forward(x
+    [T, H] bf16) -> y [T, H] fp32 for this rank's tokens; every rank calls forward and backward
+    together."""
 
-    def __init__(self, config, w_gate, w_up, w_down, router_w, router_b, router_bias=None, group=None):
+    def __init__(self, config, w_gate, w_up, w_down, router_w, router_b, router_bias=None, group=None,
+                 train_base=False):
         super().__init__()
         config.struct()  # validates
         self.config, self.group = config, group
         self.experts = ExpertParallelMoE(config.experts, w_gate, w_up, w_down, rank=config.lora_rank,
-                                         alpha=config.lora_alpha, group=group)
+                                         alpha=config.lora_alpha, group=group, train_base=train_base)
         self.world = self.experts.world
         R, H = config.router_outputs(), config.hidden
         ops.check(router_w, "router_w", ops.F32, (R, H))
@@ -320,5 +344,4 @@ class ExpertParallelMoELayer(torch.nn.Module):
         return ops.router_linear_forward(x, router_w.detach(), router_b.detach())
 
     def forward(self, x):
-        factors = tuple(getattr(self.experts, n) for n in LORA_NAMES) if self.config.lora_rank else (None,) * 6
-        return _ExpertParallelLayer.apply(x, self.router_w, self.router_b, *factors, self)
+        return _ExpertParallelLayer.apply(x, self.router_w, self.router_b, *self.experts.factors(), self)
