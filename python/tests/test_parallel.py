@@ -169,6 +169,13 @@ def layer_worker(rank, world, port, out_dir):
                          "router_b": module.router_b.grad,
                          **{k: getattr(module.experts, k).grad for k in ops.LORA_NAMES + ops.BASE_NAMES}})
         results[router, one_rank] = runs
+        # An optimizer step on every parameter (the base weights repacked), then a second step.
+        torch.optim.SGD(module.parameters(), lr=0.05).step()
+        module.experts.repack()
+        module.zero_grad(set_to_none=True)
+        module(x[rows]).backward(dy[rows])
+        results[router, one_rank, "stepped"] = {"router_w": module.router_w.detach().clone(),
+                                                "grad": module.router_w.grad}
     bad_x = x[rows].clone()
     if rank == world - 1:
         bad_x[1, 2] = float("nan")
@@ -322,6 +329,9 @@ def test_layer_bitwise_equal_to_one_process_router_grads_within_bound(world):
                 assert bool(first.abs().sum() > 0), (case, k)
                 assert all(torch.equal(r[case][run][k], first) for r in ranks), (case, k, "ranks or runs differ")
                 within("{} {} over {} ranks".format(case, k, world), first, g64[k], bounds[k])
+        stepped = [r[router, one_rank, "stepped"] for r in ranks]  # the replicas stay equal
+        assert all(torch.equal(t["router_w"], stepped[0]["router_w"]) and torch.equal(t["grad"], stepped[0]["grad"])
+                   for t in stepped), case
     assert ranks[-1]["nan"] == ("ContractViolation", "layer.router_linear.finite"), ranks[-1]["nan"]
     assert all(r["nan"][0] == "Error" and "another rank" in r["nan"][1] for r in ranks[:-1])
     mismatch = [r["mismatch"] for r in ranks]
