@@ -2,8 +2,12 @@
 #pragma once
 
 #include <fmt/format.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_reduce.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <string>
 
 #include "contracts/engine.hpp"
@@ -18,20 +22,53 @@ constexpr bool bf16_in_range(bf16 x) {
   return (x.bits & 0x7fffu) == 0 || (e >= 127 - 60 && e <= 127 + 60);
 }
 
-/// Fails `clause` at the first element of `m` for which ok(value) is false,
-/// naming it `name[i, j]`. Returns whether all passed.
+/// The least i < n for which ok(i) is false (n if none): indices in blocks
+/// on the op's threads when there are many (`work` estimates the elements
+/// ok reads per index), the least failing one kept, so the answer is the
+/// sequential scan's.
+template <class Ok>
+std::size_t first_failing(std::size_t n, std::size_t work, Ok ok) {
+  auto scan_range = [&](std::size_t i0, std::size_t i1) {
+    for (std::size_t i = i0; i < i1; ++i)
+      if (!ok(i)) return i;
+    return n;
+  };
+  constexpr std::size_t kParallelElements = std::size_t{1} << 16;
+  if (n < 2 || n * work < kParallelElements) return scan_range(0, n);
+  const std::size_t grain =
+      std::max<std::size_t>(1, kParallelElements / std::max<std::size_t>(1, work));
+  return oneapi::tbb::parallel_reduce(
+      oneapi::tbb::blocked_range<std::size_t>(0, n, grain), n,
+      [&](const oneapi::tbb::blocked_range<std::size_t>& r, std::size_t found) {
+        return r.begin() >= found ? found : std::min(found, scan_range(r.begin(), r.end()));
+      },
+      [](std::size_t a, std::size_t b) { return std::min(a, b); });
+}
+
+/// The first row of m holding an element for which ok(value) is false
+/// (m.rows if none).
+template <class T, class Pred>
+std::size_t first_failing_row(MatView<const T> m, Pred ok) {
+  return first_failing(m.rows, m.cols, [&](std::size_t i) {
+    for (std::size_t j = 0; j < m.cols; ++j)
+      if (!ok(m(i, j))) return false;
+    return true;
+  });
+}
+
+/// Fails `clause` at the first element of `m` (row-major) for which
+/// ok(value) is false, naming it `name[i, j]`. Returns whether all passed.
 template <class T, class Pred>
 bool scan(Checker& c, const ClauseInfo& clause, std::string_view name, MatView<const T> m, Pred ok,
           std::string_view expected) {
-  for (std::size_t i = 0; i < m.rows; ++i)
-    for (std::size_t j = 0; j < m.cols; ++j)
-      if (!ok(m(i, j))) {
-        c.fail(clause, fmt::format("{}[{}, {}]", name, i, j),
-               fmt::format("{}={}", name, static_cast<double>(static_cast<float>(m(i, j)))),
-               std::string(expected));
-        return false;
-      }
-  return true;
+  const std::size_t i = first_failing_row(m, ok);
+  if (i == m.rows) return true;
+  std::size_t j = 0;
+  while (ok(m(i, j))) ++j;
+  c.fail(clause, fmt::format("{}[{}, {}]", name, i, j),
+         fmt::format("{}={}", name, static_cast<double>(static_cast<float>(m(i, j)))),
+         std::string(expected));
+  return false;
 }
 
 template <class T>

@@ -153,7 +153,9 @@ void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, 
 }
 
 void lora_padding(detail::Checker& c, const ClauseInfo& clause, const experts::PackedLora& l) {
-  for (std::size_t e = 0; e < l.experts.size(); ++e) {
+  // Each expert's packed factors; the first expert with a nonzero padding
+  // element is found on the op's threads, then named.
+  auto check_expert = [&](std::size_t e, auto&& bad) {
     const auto& p = l.experts[e];
     const std::pair<const char*, const gemm::PackedWeights*> all[] = {
         {"a_gu", &p.a_gu},   {"b_gu", &p.b_gu},   {"a_d", &p.a_d},       {"b_d", &p.b_d},
@@ -162,13 +164,20 @@ void lora_padding(detail::Checker& c, const ClauseInfo& clause, const experts::P
       if (!w->data()) continue;
       for (std::size_t n = 0; n < w->np(); ++n)
         for (std::size_t kk = n < w->n() ? w->k() : 0; kk < w->kp(); ++kk)
-          if (w->at(n, kk).bits & 0x7fff) {
-            c.fail(clause, fmt::format("expert {} {} ({}, {})", e, name, n, kk),
-                   fmt::format("{}", w->at(n, kk).to_float()), "0 (rank padding)");
-            return;
-          }
+          if (w->at(n, kk).bits & 0x7fff) return bad(e, name, n, kk, w->at(n, kk));
     }
-  }
+    return true;
+  };
+  const auto quiet = [](std::size_t, const char*, std::size_t, std::size_t, bf16) { return false; };
+  const std::size_t work = l.experts.empty() ? 0 : l.experts[0].a_gu.size() * 8;
+  const std::size_t e = detail::first_failing(
+      l.experts.size(), work, [&](std::size_t i) { return check_expert(i, quiet); });
+  if (e < l.experts.size())
+    check_expert(e, [&](std::size_t ex, const char* name, std::size_t n, std::size_t kk, bf16 v) {
+      c.fail(clause, fmt::format("expert {} {} ({}, {})", ex, name, n, kk),
+             fmt::format("{}", v.to_float()), "0 (rank padding)");
+      return false;
+    });
 }
 
 std::array<Named, kWeightGrads> grad_shapes(std::size_t E, std::size_t H, std::size_t I,
@@ -207,22 +216,33 @@ void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const expe
   for (std::size_t i = 0; i < T * K; ++i)
     if (s.idx[i] < -1 || s.idx[i] >= static_cast<std::int64_t>(gr.experts))
       return fail("router.idx", i / K, i % K, s.idx[i]);
-  for (std::size_t row = 0; row < gr.rows(); ++row) {
-    if (gr.row_slot[row] < 0) continue;
+  // Each grouped row's saved values; the first row holding a non-finite one
+  // is found on the op's threads, then named.
+  auto check_row = [&](std::size_t row, auto&& bad) {
+    if (gr.row_slot[row] < 0) return true;
     for (std::size_t i = 0; i < I; ++i) {
       const std::size_t at = 2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel;
       for (const std::size_t col : {at, at + gemm::kPanel})
         if (!std::isfinite(st.c1[row * st.ldc1 + col]))
-          return fail("experts.c1", row, col, st.c1[row * st.ldc1 + col]);
+          return bad("experts.c1", row, col, st.c1[row * st.ldc1 + col]);
       if (!std::isfinite(st.h_at(row, i).to_float()))
-        return fail("experts.h", row, i, st.h_at(row, i).to_float());
+        return bad("experts.h", row, i, st.h_at(row, i).to_float());
     }
     for (std::size_t kk = 0; kk < 2 * r; ++kk)
       if (!std::isfinite(st.xa[row * 2 * r + kk]))
-        return fail("lora.xa", row, kk, st.xa[row * 2 * r + kk]);
+        return bad("lora.xa", row, kk, st.xa[row * 2 * r + kk]);
     for (std::size_t kk = 0; kk < r; ++kk)
-      if (!std::isfinite(st.ha[row * r + kk])) return fail("lora.ha", row, kk, st.ha[row * r + kk]);
-  }
+      if (!std::isfinite(st.ha[row * r + kk])) return bad("lora.ha", row, kk, st.ha[row * r + kk]);
+    return true;
+  };
+  const auto quiet = [](const char*, std::size_t, std::size_t, double) { return false; };
+  const std::size_t row = detail::first_failing(gr.rows(), 3 * I + 3 * r,
+                                                [&](std::size_t i) { return check_row(i, quiet); });
+  if (row < gr.rows())
+    check_row(row, [&](const char* buffer, std::size_t rw, std::size_t col, double v) {
+      fail(buffer, rw, col, v);
+      return false;
+    });
 }
 
 void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
