@@ -15,6 +15,12 @@
 
 namespace moecert::detail {
 
+/// Whether m is rows x cols with a row stride that holds a row.
+template <class T>
+bool has_shape(MatView<T> m, std::size_t rows, std::size_t cols) {
+  return m.rows == rows && m.cols == cols && m.stride >= cols;
+}
+
 /// bf16 value usable by the GEMM bounds: 0, or 2^-60 <= |x| <= 2^60 (so no
 /// product of two such values underflows or overflows; proofs/bounds.md §0).
 constexpr bool bf16_in_range(bf16 x) {

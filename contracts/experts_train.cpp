@@ -16,11 +16,6 @@ using bounds::Tracked;
 
 namespace {
 
-template <class T>
-bool is(MatView<T> m, std::size_t rows, std::size_t cols) {
-  return m.rows == rows && m.cols == cols && m.stride >= cols;
-}
-
 ByteRange packed_bytes(const gemm::PackedWeights& p) {
   return {reinterpret_cast<std::uintptr_t>(p.data()),
           reinterpret_cast<std::uintptr_t>(p.data() + p.size())};
@@ -126,7 +121,7 @@ std::string lora_shape_error(const experts::Lora& l, std::size_t E, std::size_t 
   for (std::size_t i = 0; i < 6; ++i) {
     const auto sh = lora_shapes(E, H, I, l.rank)[i];
     const auto v = lora_views(l)[i];
-    if (!is(v, sh.rows, sh.cols))
+    if (!detail::has_shape(v, sh.rows, sh.cols))
       return fmt::format("lora.{} {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
                          sh.cols);
   }
@@ -373,13 +368,13 @@ void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts&
   const std::size_t T = x.rows, K = idx.cols, E = w.experts(), H = w.hidden(), I = w.inter();
   MOECERT_CONTRACT(c, k::kFwdShape) {
     std::string bad;
-    if (!is(x, T, H) || T > static_cast<std::size_t>(kMaxTokens))
+    if (!detail::has_shape(x, T, H) || T > static_cast<std::size_t>(kMaxTokens))
       bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!is(idx, T, K) || K < 1 || K > std::min<std::size_t>(E, kMaxTopk))
+    else if (!detail::has_shape(idx, T, K) || K < 1 || K > std::min<std::size_t>(E, kMaxTopk))
       bad = fmt::format("idx {}x{}", idx.rows, idx.cols);
-    else if (!is(weights, T, K))
+    else if (!detail::has_shape(weights, T, K))
       bad = fmt::format("weights {}x{}", weights.rows, weights.cols);
-    else if (!is(y, T, H))
+    else if (!detail::has_shape(y, T, H))
       bad = fmt::format("y {}x{}", y.rows, y.cols);
     else if (lora.rank > static_cast<std::size_t>(kMaxRank))
       bad = fmt::format("r={}", lora.rank);
@@ -451,23 +446,23 @@ void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
   MOECERT_CONTRACT(c, k::kBwdShape) {
     const std::size_t K = s.topk;
     std::string bad;
-    if (!is(x, T, H))
+    if (!detail::has_shape(x, T, H))
       bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!is(dy, T, H))
+    else if (!detail::has_shape(dy, T, H))
       bad = fmt::format("dy {}x{}", dy.rows, dy.cols);
-    else if (!g.dx.empty() && !is(g.dx, T, H))
+    else if (!g.dx.empty() && !detail::has_shape(g.dx, T, H))
       bad = fmt::format("dx {}x{}", g.dx.rows, g.dx.cols);
-    else if (!g.dweights.empty() && !is(g.dweights, T, K))
+    else if (!g.dweights.empty() && !detail::has_shape(g.dweights, T, K))
       bad = fmt::format("dweights {}x{}", g.dweights.rows, g.dweights.cols);
-    else if (!g.m_a.empty() && !is(g.m_a, T, E))
+    else if (!g.m_a.empty() && !detail::has_shape(g.m_a, T, E))
       bad = fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
-    else if (!g.m_g.empty() && !is(g.m_g, T, E))
+    else if (!g.m_g.empty() && !detail::has_shape(g.m_g, T, E))
       bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
     else
       for (std::size_t i = 0; i < kWeightGrads; ++i) {
         const auto v = weight_grads(g)[i];
         const auto sh = grad_shapes(E, H, I, lora.rank)[i];
-        if (!v.empty() && !is(v, sh.rows, sh.cols)) {
+        if (!v.empty() && !detail::has_shape(v, sh.rows, sh.cols)) {
           bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
                             sh.cols);
           break;

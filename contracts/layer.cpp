@@ -36,11 +36,6 @@ Dims dims(const MoeConfig& cfg) {
           static_cast<std::size_t>(cfg.lora_rank), router_outs(cfg)};
 }
 
-template <class T>
-bool is(MatView<T> m, std::size_t rows, std::size_t cols) {
-  return m.rows == rows && m.cols == cols && m.stride >= cols;
-}
-
 bool wants_base(const layer::Gradients& g) {
   return !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty();
 }
@@ -126,14 +121,14 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
   const Dims d = dims(cfg);
   MOECERT_CONTRACT(c, k::kFwdShape) {
     std::string bad;
-    if (!is(x, x.rows, d.H) || x.rows > static_cast<std::size_t>(cfg.max_tokens))
+    if (!detail::has_shape(x, x.rows, d.H) || x.rows > static_cast<std::size_t>(cfg.max_tokens))
       bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!is(y, x.rows, d.H))
+    else if (!detail::has_shape(y, x.rows, d.H))
       bad = fmt::format("y {}x{}", y.rows, y.cols);
     else if (!w.experts || w.experts->experts() != d.E || w.experts->hidden() != d.H ||
              w.experts->inter() != d.I)
       bad = "packed experts of another shape";
-    else if (!is(w.router_w, d.R, d.H))
+    else if (!detail::has_shape(w.router_w, d.R, d.H))
       bad = fmt::format("router_w {}x{}", w.router_w.rows, w.router_w.cols);
     else if (w.router_b.size != d.R)
       bad = fmt::format("router_b {}", w.router_b.size);
@@ -223,25 +218,25 @@ void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::W
   MOECERT_CONTRACT(c, k::kBwdShape) {
     std::string bad;
     const std::size_t T = x.rows;
-    if (!is(x, T, d.H))
+    if (!detail::has_shape(x, T, d.H))
       bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!is(dy, T, d.H))
+    else if (!detail::has_shape(dy, T, d.H))
       bad = fmt::format("dy {}x{}", dy.rows, dy.cols);
-    else if (!g.dx.empty() && !is(g.dx, T, d.H))
+    else if (!g.dx.empty() && !detail::has_shape(g.dx, T, d.H))
       bad = fmt::format("dx {}x{}", g.dx.rows, g.dx.cols);
-    else if (!g.router_w.empty() && !is(g.router_w, d.R, d.H))
+    else if (!g.router_w.empty() && !detail::has_shape(g.router_w, d.R, d.H))
       bad = fmt::format("router_w grad {}x{}", g.router_w.rows, g.router_w.cols);
     else if (!g.router_b.empty() && g.router_b.size != d.R)
       bad = fmt::format("router_b grad {}", g.router_b.size);
-    else if (!g.m_a.empty() && !is(g.m_a, T, d.E))
+    else if (!g.m_a.empty() && !detail::has_shape(g.m_a, T, d.E))
       bad = fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
-    else if (!g.m_g.empty() && !is(g.m_g, T, d.E))
+    else if (!g.m_g.empty() && !detail::has_shape(g.m_g, T, d.E))
       bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
     else
       for (std::size_t i = 0; i < kWeightGrads; ++i) {
         const auto v = weight_grads(layer::expert_gradients(g))[i];
         const auto sh = grad_shapes(d.E, d.H, d.I, d.r)[i];
-        if (!v.empty() && !is(v, sh.rows, sh.cols)) {
+        if (!v.empty() && !detail::has_shape(v, sh.rows, sh.cols)) {
           bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
                             sh.cols);
           break;

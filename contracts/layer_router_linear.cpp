@@ -19,11 +19,6 @@ using bounds::Tracked;
 
 namespace {
 
-template <class T>
-bool is(MatView<T> m, std::size_t rows, std::size_t cols) {
-  return m.rows == rows && m.cols == cols && m.stride >= cols;
-}
-
 MatView<const float> row_of(View<const float> v) { return {v.data, 1, v.size, v.size}; }
 
 bool inputs_finite(detail::Checker& c, MatView<const bf16> x, MatView<const float> w) {
@@ -54,7 +49,7 @@ void router_linear_forward_pre(detail::Checker& c, MatView<const bf16> x, MatVie
                                View<const float> b, MatView<float> z) {
   const std::size_t T = x.rows, H = x.cols, R = w.rows;
   MOECERT_CONTRACT(c, k::kRlShape) {
-    if (!is(w, R, H) || b.size != R || !is(z, T, R))
+    if (!detail::has_shape(w, R, H) || b.size != R || !detail::has_shape(z, T, R))
       c.fail(k::kRlShape, "",
              fmt::format("x {}x{}, router_w {}x{}, router_b {}, z {}x{}", T, H, w.rows, w.cols,
                          b.size, z.rows, z.cols),
@@ -99,8 +94,9 @@ void router_linear_backward_pre(detail::Checker& c, MatView<const bf16> x, MatVi
                                 MatView<const float> dz, const layer::RouterLinearGrads& g) {
   const std::size_t T = x.rows, H = x.cols, R = w.rows;
   MOECERT_CONTRACT(c, k::kRlShape) {
-    const bool ok = is(w, R, H) && is(dz, T, R) && (g.dx.empty() || is(g.dx, T, H)) &&
-                    (g.router_w.empty() || is(g.router_w, R, H)) &&
+    const bool ok = detail::has_shape(w, R, H) && detail::has_shape(dz, T, R) &&
+                    (g.dx.empty() || detail::has_shape(g.dx, T, H)) &&
+                    (g.router_w.empty() || detail::has_shape(g.router_w, R, H)) &&
                     (g.router_b.empty() || g.router_b.size == R);
     if (!ok)
       c.fail(k::kRlShape, "",
