@@ -56,6 +56,10 @@ class PackedWeights {
   /// pair interleaves two rows of wt (the layout of pack(W) bit for bit).
   /// The gemm.pack clauses, on wt's elements.
   static PackedWeights pack_transposed(MatView<const bf16> wt, PackedWeights&& storage);
+  /// pack_transposed() without the gemm.pack clauses, as pack_operand() is
+  /// pack() without them: for an operand whose elements the calling op's own
+  /// clauses have judged.
+  static PackedWeights pack_transposed_operand(MatView<const bf16> wt, PackedWeights&& storage);
 
   std::size_t n() const { return n_; }    // logical columns (rows of W; 2x for a fused pair)
   std::size_t k() const { return k_; }    // logical depth

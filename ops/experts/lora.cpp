@@ -42,7 +42,11 @@ PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidd
   out.experts = std::move(
       previous.experts);  // storage: each pack below reuses its buffer if the size matches
   out.experts.resize(experts);
-  // gemm.pack's clauses per matrix, at the caller's settings on every thread.
+  // Packed as operands, without gemm.pack's per-matrix clauses: every factor
+  // element is judged by the calling op's lora_finite clause before this runs
+  // and the packs' rank padding by its lora_padding after, per call; the
+  // packing code is the one gemm.pack's roundtrip holds for the expert
+  // weights.
   oneapi::tbb::parallel_for(
       std::size_t{0}, out.experts.size(), moecert::detail::task([&](std::size_t e) {
         auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };
@@ -62,15 +66,15 @@ PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidd
         // A_d[e] and B_d[e] are row blocks of the stacked factors: packed in place.
         const MatView<const bf16> a_d(l.a_down.row(e * r), r, I, l.a_down.stride),
             b_d(l.b_down.row(e * H), H, r, l.b_down.stride);
-        p.a_gu = gemm::PackedWeights::pack(agu.view(), {}, std::move(p.a_gu));
-        p.b_gu = gemm::PackedWeights::pack(bg0, bu0, std::move(p.b_gu));
-        p.a_d = gemm::PackedWeights::pack(a_d, {}, std::move(p.a_d));
+        p.a_gu = gemm::PackedWeights::pack_operand(agu.view(), {}, std::move(p.a_gu));
+        p.b_gu = gemm::PackedWeights::pack_operand(bg0, bu0, std::move(p.b_gu));
+        p.a_d = gemm::PackedWeights::pack_operand(a_d, {}, std::move(p.a_d));
 #ifdef MOECERT_MUTANT_LORA_PADDING_GARBAGE
-        p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
+        p.b_d = gemm::PackedWeights::pack_operand(b_d, {}, std::move(p.b_d));
         if (p.b_d.kp() > r)  // mutant (docs/MUTANTS.md): rank padding (column 0, k = r) not zero
           p.b_d.mutable_data_for_testing()[(r / 2) * 2 * gemm::kPanel + r % 2] = bf16(0.5f);
 #else
-        p.b_d = gemm::PackedWeights::pack(b_d, {}, std::move(p.b_d));
+        p.b_d = gemm::PackedWeights::pack_operand(b_d, {}, std::move(p.b_d));
 #endif
         if (!backward) {
           for (auto* t : {&p.b_d_t, &p.a_d_t, &p.b_gu_t, &p.a_gu_t}) *t = gemm::PackedWeights{};
@@ -79,10 +83,10 @@ PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidd
         // The backward's orientations are transposes of the same matrices:
         // B_d^T, A_d^T, blockdiag(B_g, B_u)^T = [[B_g^T 0] [0 B_u^T]] and
         // [A_g; A_u]^T = [A_g^T | A_u^T], packed straight from them.
-        p.b_d_t = gemm::PackedWeights::pack_transposed(b_d, std::move(p.b_d_t));
-        p.a_d_t = gemm::PackedWeights::pack_transposed(a_d, std::move(p.a_d_t));
-        p.b_gu_t = gemm::PackedWeights::pack_transposed(bgu.view(), std::move(p.b_gu_t));
-        p.a_gu_t = gemm::PackedWeights::pack_transposed(agu.view(), std::move(p.a_gu_t));
+        p.b_d_t = gemm::PackedWeights::pack_transposed_operand(b_d, std::move(p.b_d_t));
+        p.a_d_t = gemm::PackedWeights::pack_transposed_operand(a_d, std::move(p.a_d_t));
+        p.b_gu_t = gemm::PackedWeights::pack_transposed_operand(bgu.view(), std::move(p.b_gu_t));
+        p.a_gu_t = gemm::PackedWeights::pack_transposed_operand(agu.view(), std::move(p.a_gu_t));
       }));
   return out;
 }

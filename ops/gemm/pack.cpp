@@ -106,11 +106,17 @@ PackedWeights PackedWeights::pack_transposed(MatView<const bf16> wt, PackedWeigh
   detail::Checker c{"gemm.pack"};
   contracts::gemm_pack_pre(c, wt, {});
   if (c.stop()) return {};
+  PackedWeights out = pack_transposed_operand(wt, std::move(storage));
+  contracts::gemm_pack_transposed_post(c, wt, out);
+  return out;
+}
+
+PackedWeights PackedWeights::pack_transposed_operand(MatView<const bf16> wt,
+                                                     PackedWeights&& storage) {
   PackedWeights out = sized(wt.cols, wt.rows, false, std::move(storage));
   for (std::size_t p = 0; p < out.np_ / kPanel; ++p)
     pack_panel_transposed(wt, p, out.kp_, out.data_.get() + p * out.kp_ * kPanel);
   out.checksum_ = out.compute_checksum();
-  contracts::gemm_pack_transposed_post(c, wt, out);
   return out;
 }
 
