@@ -814,6 +814,7 @@ TEST_CASE("layer.router_linear: clauses", "[layer][router_linear][contracts]") {
     const MatView<const float> w{p.wr.data(), p.R, p.H};
     fwd({z.data(), p.T, p.R});
     const auto ref = contracts::router_logits_reference(p.X(), w, {p.b.data(), p.R});
+    // Two bounds away from the reference (1e-30 more: outside it even where the bound is 0).
     z[2 * p.R + 3] = static_cast<float>(ref[2 * p.R + 3].v + 2 * ref[2 * p.R + 3].e + 1e-30);
     auto v = test::expect_violation(
         [&] {
