@@ -2,11 +2,15 @@
 #include "contracts/workspace.hpp"
 
 #include "contracts/clauses.hpp"
-#include "ops/workspace/planner.hpp"
+#include "moecert/workspace.hpp"
 
 namespace moecert::contracts {
 
 namespace k = clauses::workspace;
+
+// The alignment every plan offset keeps (include/moecert/workspace.hpp), as
+// the judge states it, not taken from the planner it judges.
+constexpr std::uint64_t kPlanAlign = 64;
 
 void plan_pre(detail::Checker& c, const MoeConfig& cfg, std::int64_t tokens) {
   MOECERT_CONTRACT(c, k::kTokensRange) {
@@ -47,7 +51,7 @@ void plan_post(detail::Checker& c, const workspace::Plan& p, bool overflow,
     std::vector<std::uint64_t> offsets;
     for (const auto& b : p.buffers) {
       offsets.push_back(b.offset);
-      if (b.offset % workspace::kAlign != 0 || b.offset + b.bytes > p.total_bytes) {
+      if (b.offset % kPlanAlign != 0 || b.offset + b.bytes > p.total_bytes) {
         c.fail(k::kDisjoint, b.name, fmt::format("[{}, {})", b.offset, b.offset + b.bytes),
                fmt::format("64-byte aligned, inside [0, {})", p.total_bytes));
         return;
