@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstddef>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "contracts/engine.hpp"
 #include "moecert/types.hpp"
@@ -19,6 +21,27 @@ namespace moecert::detail {
 template <class T>
 bool has_shape(MatView<T> m, std::size_t rows, std::size_t cols) {
   return m.rows == rows && m.cols == cols && m.stride >= cols;
+}
+
+/// Fails `clause` at the first output (in order) that shares a byte with a
+/// later output or with any input, naming the pair; empty outputs are skipped.
+inline void no_overlap(Checker& c, const ClauseInfo& clause,
+                       const std::vector<std::pair<std::string, ByteRange>>& outs,
+                       const std::vector<std::pair<std::string, ByteRange>>& ins) {
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    if (outs[i].second.empty()) continue;
+    for (std::size_t j = i + 1; j < outs.size(); ++j)
+      if (overlaps(outs[i].second, outs[j].second)) {
+        c.fail(clause, fmt::format("{} and {}", outs[i].first, outs[j].first), "overlapping",
+               "disjoint");
+        return;
+      }
+    for (const auto& [name, r] : ins)
+      if (overlaps(outs[i].second, r)) {
+        c.fail(clause, fmt::format("{} and {}", outs[i].first, name), "overlapping", "disjoint");
+        return;
+      }
+  }
 }
 
 /// bf16 value usable by the GEMM bounds: 0, or 2^-60 <= |x| <= 2^60 (so no

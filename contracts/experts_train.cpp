@@ -21,26 +21,6 @@ ByteRange packed_bytes(const gemm::PackedWeights& p) {
           reinterpret_cast<std::uintptr_t>(p.data() + p.size())};
 }
 
-// Fails `clause` if any of `outs` overlaps another or any of `ins`.
-void no_overlap(detail::Checker& c, const ClauseInfo& clause,
-                const std::vector<std::pair<std::string, ByteRange>>& outs,
-                const std::vector<std::pair<std::string, ByteRange>>& ins) {
-  for (std::size_t i = 0; i < outs.size(); ++i) {
-    if (outs[i].second.empty()) continue;
-    for (std::size_t j = i + 1; j < outs.size(); ++j)
-      if (overlaps(outs[i].second, outs[j].second)) {
-        c.fail(clause, fmt::format("{} and {}", outs[i].first, outs[j].first), "overlapping",
-               "disjoint");
-        return;
-      }
-    for (const auto& [name, r] : ins)
-      if (overlaps(outs[i].second, r)) {
-        c.fail(clause, fmt::format("{} and {}", outs[i].first, name), "overlapping", "disjoint");
-        return;
-      }
-  }
-}
-
 // The inputs an output of the op must not share a byte with.
 std::vector<std::pair<std::string, ByteRange>> input_ranges(const experts::PackedExperts& w,
                                                             const experts::Lora& lora,
@@ -405,7 +385,7 @@ void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts&
     auto in = input_ranges(w, lora, x);
     in.emplace_back("idx", idx.bytes());
     in.emplace_back("weights", weights.bytes());
-    no_overlap(c, k::kFwdNoAlias, {{"y", y.bytes()}}, in);
+    detail::no_overlap(c, k::kFwdNoAlias, {{"y", y.bytes()}}, in);
   }
 }
 
@@ -485,7 +465,7 @@ void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
     auto in = input_ranges(w, lora, x);
     in.emplace_back("dy", dy.bytes());
     in.emplace_back("saved workspace", s.arena.bytes());
-    no_overlap(c, k::kBwdNoAlias, outs, in);
+    detail::no_overlap(c, k::kBwdNoAlias, outs, in);
   }
 }
 

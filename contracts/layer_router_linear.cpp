@@ -29,20 +29,6 @@ bool inputs_finite(detail::Checker& c, MatView<const bf16> x, MatView<const floa
          detail::scan_finite(c, k::kRlFinite, "router_w", w);
 }
 
-// Fails no_alias at the first pair of overlapping ranges, outputs first.
-void disjoint(detail::Checker& c, const std::vector<std::pair<std::string, ByteRange>>& out,
-              const std::vector<std::pair<std::string, ByteRange>>& in) {
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    for (std::size_t j = i + 1; j < out.size(); ++j)
-      if (overlaps(out[i].second, out[j].second))
-        return c.fail(k::kRlNoAlias, out[i].first + " and " + out[j].first, "overlapping",
-                      "disjoint");
-    for (const auto& [name, r] : in)
-      if (overlaps(out[i].second, r))
-        return c.fail(k::kRlNoAlias, out[i].first + " and " + name, "overlapping", "disjoint");
-  }
-}
-
 }  // namespace
 
 void router_linear_forward_pre(detail::Checker& c, MatView<const bf16> x, MatView<const float> w,
@@ -60,8 +46,8 @@ void router_linear_forward_pre(detail::Checker& c, MatView<const bf16> x, MatVie
     inputs_finite(c, x, w) && detail::scan_finite(c, k::kRlFinite, "router_b", row_of(b));
   }
   MOECERT_CONTRACT(c, k::kRlNoAlias) {
-    disjoint(c, {{"z", z.bytes()}},
-             {{"x", x.bytes()}, {"router_w", w.bytes()}, {"router_b", b.bytes()}});
+    detail::no_overlap(c, k::kRlNoAlias, {{"z", z.bytes()}},
+                       {{"x", x.bytes()}, {"router_w", w.bytes()}, {"router_b", b.bytes()}});
   }
 }
 
@@ -117,7 +103,8 @@ void router_linear_backward_pre(detail::Checker& c, MatView<const bf16> x, MatVi
     if (!g.dx.empty()) out.emplace_back("dx", g.dx.bytes());
     if (!g.router_w.empty()) out.emplace_back("router_w grad", g.router_w.bytes());
     if (!g.router_b.empty()) out.emplace_back("router_b grad", g.router_b.bytes());
-    disjoint(c, out, {{"x", x.bytes()}, {"router_w", w.bytes()}, {"dz", dz.bytes()}});
+    detail::no_overlap(c, k::kRlNoAlias, out,
+                       {{"x", x.bytes()}, {"router_w", w.bytes()}, {"dz", dz.bytes()}});
   }
 }
 

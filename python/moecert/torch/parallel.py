@@ -42,6 +42,14 @@ def _agree(ok, group):
     return bool(flag.item())
 
 
+def _extremes(values, group):
+    """(the least, the greatest) of each element of `values` (int64) over the group's ranks."""
+    low, high = values.clone(), values.clone()
+    _collective(dist.all_reduce, low, op=dist.ReduceOp.MIN, group=group)
+    _collective(dist.all_reduce, high, op=dist.ReduceOp.MAX, group=group)
+    return low, high
+
+
 def _on_every_rank(step, group, what):
     """Runs step() on this rank, then agrees with the others before any rank goes on to a
     collective: a failure on one rank raises on every rank (the failing rank its own exception,
@@ -185,9 +193,7 @@ class ExpertParallelMoE(torch.nn.Module):
         its own block of experts, or every rank raises the same error before any exchange."""
         mine = torch.tensor([self.num_experts, self.hidden, inter, self.lora_rank, int(self.alpha * 2 ** 20),
                              self.world], dtype=torch.int64)
-        low, high = mine.clone(), mine.clone()
-        _collective(dist.all_reduce, low, op=dist.ReduceOp.MIN, group=self.group)
-        _collective(dist.all_reduce, high, op=dist.ReduceOp.MAX, group=self.group)
+        low, high = _extremes(mine, self.group)
         if not torch.equal(low, high):
             names = ("num_experts", "hidden", "inter", "rank", "alpha * 2^20", "group size")
             diff = ["{} {}..{}".format(n, int(a), int(b)) for n, a, b in zip(names, low, high) if a != b]
@@ -326,9 +332,7 @@ class ExpertParallelMoELayer(torch.nn.Module):
         params = [self.router_w, self.router_b] + ([self.router_bias] if self.router_bias is not None else [])
         bits = torch.cat([p.detach().reshape(-1).view(torch.int32).to(torch.int64) for p in params])
         mine = torch.cat([fields, bits])
-        low, high = mine.clone(), mine.clone()
-        _collective(dist.all_reduce, low, op=dist.ReduceOp.MIN, group=self.group)
-        _collective(dist.all_reduce, high, op=dist.ReduceOp.MAX, group=self.group)
+        low, high = _extremes(mine, self.group)
         names = ("router", "topk", "renormalize", "groups", "topk_group", "scaling * 2^20")
         diff = ["{} {}..{}".format(n, int(a), int(b)) for n, a, b in zip(names, low, high) if a != b]
         if not torch.equal(low[len(names):], high[len(names):]):
