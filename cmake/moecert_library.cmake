@@ -92,11 +92,6 @@ function(moecert_add_library name)
   target_include_directories(${name} PRIVATE ${PROJECT_BINARY_DIR}/generated)
   add_dependencies(${name} moecert_git_commit)
   # Boost is header-only and used privately: not part of the installed interface.
-  if(MOECERT_MUTANT)
-    # A seeded bug (docs/MUTANTS.md), for measuring what the contracts catch.
-    string(TOUPPER "${MOECERT_MUTANT}" _mutant)
-    target_compile_definitions(${name} PRIVATE MOECERT_MUTANT_${_mutant})
-  endif()
   target_link_libraries(${name} PUBLIC fmt::fmt TBB::tbb PRIVATE $<BUILD_INTERFACE:Boost::headers>)
   if(MOECERT_SANITIZE)
     # A sanitized static library needs the runtime in whatever links it.

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Seeded-bug measurement (docs/MUTANTS.md): builds each mutant
-# (-DMOECERT_MUTANT=<name>), then runs, in this order, the smoke conformance
-# suite, the test suite (ctest) and each fuzzer for FUZZ_SECONDS; prints
-# killed/total and, per mutant, what caught it first.
+# Seeded-bug measurement (docs/MUTANTS.md): applies each mutant's patch
+# (tests/mutants/<name>.patch) to a scratch copy of the tree, builds it, then
+# runs, in this order, the smoke conformance suite, the test suite (ctest) and
+# each fuzzer for FUZZ_SECONDS; prints killed/total and, per mutant, what
+# caught it first. The working tree itself is never modified.
 #
 #   scripts/mutants.sh [--quick] [--fuzz-seconds N] [--jobs N] [NAME...]
+#   scripts/mutants.sh --check     every patch applies to the tree as it is
 #
 # --quick stops at the first catcher (building only what the next step
 # needs), and skips the fuzzers and the z3 proof tests. Results:
@@ -12,19 +14,31 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-quick=0 fuzz_seconds=30 jobs=$(nproc) names=()
+check=0 quick=0 fuzz_seconds=30 jobs=$(nproc) names=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
+    --check) check=1 ;;
     --fuzz-seconds) fuzz_seconds=$2; shift ;;
     --jobs) jobs=$2; shift ;;
     *) names+=("$1") ;;
   esac
   shift
 done
-# The catalogue: every MOECERT_MUTANT_<NAME> in the sources.
+# The catalogue: every patch under tests/mutants.
 if [ ${#names[@]} -eq 0 ]; then
-  mapfile -t names < <(grep -rhoE 'MOECERT_MUTANT_[A-Z0-9_]+' ops contracts include | sort -u | sed 's/MOECERT_MUTANT_//' | tr 'A-Z' 'a-z')
+  mapfile -t names < <(ls tests/mutants/*.patch | xargs -n1 basename | sed 's/\.patch$//')
+fi
+for name in "${names[@]}"; do
+  [ -f "tests/mutants/$name.patch" ] || { echo "no mutant $name (tests/mutants/$name.patch)"; exit 2; }
+done
+if [ $check -eq 1 ]; then
+  bad=0
+  for name in "${names[@]}"; do
+    patch -p1 --dry-run -s -f < "tests/mutants/$name.patch" > /dev/null || { echo "mutant $name: patch does not apply"; bad=1; }
+  done
+  [ $bad -eq 0 ] && echo "mutants: all ${#names[@]} patches apply"
+  exit $bad
 fi
 fuzzers=(bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer)
 out=build/mutants
@@ -36,19 +50,36 @@ killed=0
 # First clause id in a log ("... precondition <id> failed ...").
 clause_in() { grep -oE '(precondition|postcondition|invariant) [a-z0-9_]+\.[a-z0-9_]+\.[a-z0-9_]+' "$1" | head -1 | awk '{print $2}'; }
 
-# One build tree for every mutant: only the library carries the definition,
-# so a switch recompiles the library and relinks, nothing else.
-dir=$out/tree
+# The scratch copy of the tracked files (and untracked ones git does not
+# ignore). A file is copied only when its bytes differ, so its time stamp
+# moves only then and one build tree serves every mutant: a switch recompiles
+# the files the two patches touch, nothing else.
+src=$out/src
+sync_tree() {
+  git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+    [ -f "$f" ] || continue
+    if ! cmp -s "$f" "$src/$f"; then mkdir -p "$src/$(dirname "$f")" && cp "$f" "$src/$f"; fi
+  done
+}
+dir=$PWD/$out/tree
+fuzz_dir=$PWD/$out/fuzz-tree
 for name in "${names[@]}"; do
   log=$out/$name
   echo "== $name"
+  sync_tree
+  if ! patch -d "$src" -p1 -s < "tests/mutants/$name.patch" > "$log.patch.log" 2>&1; then
+    echo "   patch does not apply (see $log.patch.log)"
+    printf '%s\tpatch-failed\t-\t-\n' "$name" >> "$results"
+    continue
+  fi
   catchers=()
   target=()
   [ $quick -eq 1 ] && target=(--target moecert_cli)  # the conformance run first; the rest only if needed
-  if ! { cmake --preset debug -B "$dir" -DMOECERT_MUTANT="$name" -DMOECERT_BUILD_FUZZERS=ON > "$log.configure.log" 2>&1 &&
+  if ! { (cd "$src" && cmake --preset debug -B "$dir" -DMOECERT_BUILD_FUZZERS=ON) > "$log.configure.log" 2>&1 &&
          cmake --build "$dir" -j "$jobs" "${target[@]}" > "$log.build.log" 2>&1; }; then
     echo "   build failed (see $log.build.log)"
     printf '%s\tbuild-failed\t-\t-\n' "$name" >> "$results"
+    patch -d "$src" -p1 -R -s < "tests/mutants/$name.patch"
     continue
   fi
   # 1. Smoke conformance (contracts at the cases' levels).
@@ -78,17 +109,18 @@ for name in "${names[@]}"; do
         catchers+=("$f:${c:-crash}")
         continue
       fi
-      if cmake --preset fuzz -B "$out/fuzz-tree" -DMOECERT_MUTANT="$name" > /dev/null 2>&1 &&
-         cmake --build "$out/fuzz-tree" -j "$jobs" --target "$f" > /dev/null 2>&1; then
-        mkdir -p "$out/fuzz-tree/corpus/$name/$f"
-        if ! MOECERT_FUZZ_THREADS=1 "$out/fuzz-tree/fuzz/$f" -max_total_time="$fuzz_seconds" -seed=1 \
-             -artifact_prefix="$out/fuzz-tree/$name-$f-" "$out/fuzz-tree/corpus/$name/$f" "fuzz/corpus/$f" > "$log.$f.fuzz.log" 2>&1; then
+      if (cd "$src" && cmake --preset fuzz -B "$fuzz_dir") > /dev/null 2>&1 &&
+         cmake --build "$fuzz_dir" -j "$jobs" --target "$f" > /dev/null 2>&1; then
+        mkdir -p "$fuzz_dir/corpus/$name/$f"
+        if ! MOECERT_FUZZ_THREADS=1 "$fuzz_dir/fuzz/$f" -max_total_time="$fuzz_seconds" -seed=1 \
+             -artifact_prefix="$fuzz_dir/$name-$f-" "$fuzz_dir/corpus/$name/$f" "fuzz/corpus/$f" > "$log.$f.fuzz.log" 2>&1; then
           c=$(clause_in "$log.$f.fuzz.log")
           catchers+=("$f:${c:-crash}")
         fi
       fi
     done
   fi
+  patch -d "$src" -p1 -R -s < "tests/mutants/$name.patch"
   if [ ${#catchers[@]} -gt 0 ]; then
     killed=$((killed + 1))
     echo "   killed; first: ${catchers[0]}"

@@ -87,10 +87,6 @@ void expert_sums(const gemm::KernelInfo& kernel, const Grouping& gr, std::size_t
         const std::size_t e = task / blocks, n0 = task % blocks * kCols,
                           n1 = std::min(n_cols, n0 + kCols);
         std::vector<float> acc(rs * (n1 - n0), 0.0f);
-#ifdef MOECERT_MUTANT_EMPTY_EXPERT_GRAD_UNINIT
-        if (!gr.count[e])
-          return;  // mutant (docs/MUTANTS.md): idle experts' gradients left unwritten
-#endif
         gemm::row_sums(kernel, gr.begin[e], gr.count[e], rs, s + gr.begin[e] * lds, lds,
                        row_scale ? row_scale + gr.begin[e] : nullptr, v_bf16, row_at, chunk, shift,
                        n0, n1, acc.data(), n1 - n0);
@@ -147,12 +143,7 @@ void dweights_rows(const Ctx& c, const float* dh, const float* dyb, MatView<floa
                 double(
                     bf16(c.sc * st.ha[q * c.r + k]).to_float());  // lb_d, as the forward rounded it
           const auto slot = static_cast<std::size_t>(c.gr.row_slot[q]);
-#ifdef MOECERT_MUTANT_DW_WRONG_SLOT
-          dw(slot / c.K, (slot % c.K + 1) % c.K) =
-              static_cast<float>(acc[l]);  // mutant (docs/MUTANTS.md): dL/dw lands on the next slot
-#else
           dw(slot / c.K, slot % c.K) = static_cast<float>(acc[l]);
-#endif
         }
       }));
 }
@@ -209,9 +200,7 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
       });
   }
   if (!dw.empty()) {
-#ifndef MOECERT_MUTANT_DWEIGHTS_TAIL_UNWRITTEN  // mutant (docs/MUTANTS.md): -1 slots keep the caller's bytes
     detail::fill_zero(dw);
-#endif
     dweights_rows(c, d.dh, d.dyb, dw);
   }
   if (expert_path && c.r) {
@@ -311,11 +300,7 @@ void dx_rows(const Ctx& c, const bf16* dgu, const float* dgb, float* dxr) {
   for_each_tile(tiles(c.gr, c.H, c.mb, nb_dx), [&](const Tile& tl) {
     const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
     gemm::BlockOptions bo;  // the LoRA product into the same blocks
-#ifdef MOECERT_MUTANT_DX_MISSING_LORA
-    (void)qgu;  // mutant (docs/MUTANTS.md): dx misses the LoRA term
-#else
     if (c.r) bo.a2 = qgu + gemm::a_offset(c.layout, ldq, r0, 0), bo.w2 = &c.s.lora.experts[tl.e].a_gu_t;
-#endif
     gemm::gemm_block(c.kernel, dgu + gemm::a_offset(c.layout, ldg, r0, 0), tl.m1 - tl.m0,
                      c.pe.gate_up_t(tl.e), tl.n0, tl.n1, c.H, dxr + r0 * c.H, c.H, bo);
   });
@@ -382,13 +367,7 @@ void base_grads(const Ctx& c, MatView<const bf16> x, MatView<const float> dy, co
             for (std::size_t h = 0; h < c.H; ++h) right[h * m + q] = xt[h];
           } else {
             const float wt = c.weight_of(row), *d = dy.row(c.token_of(row));
-#ifdef MOECERT_MUTANT_BASE_DOWN_GRAD_UNWEIGHTED
-            for (std::size_t h = 0; h < c.H; ++h)
-              left[h * m + q] =
-                  bf16((void(wt), d[h]));  // mutant (docs/MUTANTS.md): routing weight left out
-#else
             for (std::size_t h = 0; h < c.H; ++h) left[h * m + q] = bf16(wt * d[h]);
-#endif
             for (std::size_t i = 0; i < c.I; ++i) right[i * m + q] = st.h_at(row, i);
           }
         }

@@ -153,13 +153,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
         if (col >= inter) continue;
         for (std::size_t i = i0; i < i1; ++i) {
           const float* c = cb + (i * ldc + (n - col0));
-#ifdef MOECERT_MUTANT_SWIGLU_GATE_UP_SWAPPED
-          kernel.swiglu(
-              c + gemm::kPanel, c, h_at(r0 + i, col),
-              std::min(gemm::kPanel, inter - col));  // mutant (docs/MUTANTS.md): silu(u) g
-#else
           kernel.swiglu(c, c + gemm::kPanel, h_at(r0 + i, col), std::min(gemm::kPanel, inter - col));
-#endif
         }
       }
     };
@@ -215,12 +209,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
         for (std::size_t j = 0; j < k; ++j) {
           const std::int64_t row = g.slot_row[t * k + j];
           if (row < 0) continue;
-#ifdef MOECERT_MUTANT_COMBINE_OTHER_SLOT_WEIGHT
-          const float wt =
-              weights(t, (j + 1) % k);  // mutant (docs/MUTANTS.md): another slot's weight
-#else
           const float wt = weights(t, j);
-#endif
           const float* o = st.o + static_cast<std::size_t>(row) * st.ldo;
           for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
         }

@@ -23,13 +23,7 @@ Grouping group_by_expert(MatView<const std::int32_t> idx, std::size_t experts, s
     for (std::size_t j = 0; j < idx.cols; ++j) {
       const std::int32_t e = idx(t, j);
       if (e < 0) continue;
-#ifdef MOECERT_MUTANT_GROUPING_DROPS_ROW
-      if (e == 0 && next[0] + 1 == g.begin[0] + g.count[0] && g.count[0] > 1)
-        continue;  // mutant (docs/MUTANTS.md): the last row of expert 0 dropped
       const std::size_t row = next[static_cast<std::size_t>(e)]++;
-#else
-      const std::size_t row = next[static_cast<std::size_t>(e)]++;
-#endif
       const std::size_t slot = t * idx.cols + j;
       g.row_slot[row] = static_cast<std::int32_t>(slot);
       g.slot_row[slot] = static_cast<std::int64_t>(row);

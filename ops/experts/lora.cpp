@@ -32,12 +32,7 @@ PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidd
   PackedLora out;
   out.rank = l.rank;
   if (out.rank == 0) return out;
-#ifdef MOECERT_MUTANT_LORA_SCALE_INVERTED
-  out.scale = static_cast<float>(static_cast<double>(l.rank) /
-                                 l.alpha);  // mutant (docs/MUTANTS.md): r / alpha
-#else
   out.scale = static_cast<float>(l.alpha / static_cast<double>(l.rank));
-#endif
   const std::size_t r = out.rank, H = hidden, I = inter;
   out.experts = std::move(
       previous.experts);  // storage: each pack below reuses its buffer if the size matches
@@ -69,13 +64,7 @@ PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidd
         p.a_gu = gemm::PackedWeights::pack_operand(agu.view(), {}, std::move(p.a_gu));
         p.b_gu = gemm::PackedWeights::pack_operand(bg0, bu0, std::move(p.b_gu));
         p.a_d = gemm::PackedWeights::pack_operand(a_d, {}, std::move(p.a_d));
-#ifdef MOECERT_MUTANT_LORA_PADDING_GARBAGE
         p.b_d = gemm::PackedWeights::pack_operand(b_d, {}, std::move(p.b_d));
-        if (p.b_d.kp() > r)  // mutant (docs/MUTANTS.md): rank padding (column 0, k = r) not zero
-          p.b_d.mutable_data_for_testing()[(r / 2) * 2 * gemm::kPanel + r % 2] = bf16(0.5f);
-#else
-        p.b_d = gemm::PackedWeights::pack_operand(b_d, {}, std::move(p.b_d));
-#endif
         if (!backward) {
           for (auto* t : {&p.b_d_t, &p.a_d_t, &p.b_gu_t, &p.a_gu_t}) *t = gemm::PackedWeights{};
           return;

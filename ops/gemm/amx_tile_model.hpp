@@ -64,17 +64,6 @@ inline void dpbf16ps(int tc, int ta, int tb) {
     const auto* a = reinterpret_cast<const bf16*>(s.tile[ta] + m * 64);
     auto* c = reinterpret_cast<float*>(s.tile[tc] + m * 64);
     for (int n = 0; n < n_cols; ++n) {
-#ifdef MOECERT_MUTANT_TILE_MODEL_SEQUENTIAL
-      // mutant (docs/MUTANTS.md): the intrinsics guide's order, pair by pair into C
-      float acc = ftz(c[n]);
-      for (int kk = 0; kk < k_pairs; ++kk) {
-        const auto* b = reinterpret_cast<const bf16*>(s.tile[tb] + kk * 64) + 2 * n;
-        acc = ftz(std::fma(ftz(a[2 * kk].to_float()), ftz(b[0].to_float()), acc));
-        acc = ftz(std::fma(ftz(a[2 * kk + 1].to_float()), ftz(b[1].to_float()), acc));
-      }
-      c[n] = acc;
-      continue;
-#endif
       float even = 0, odd = 0;
       for (int kk = 0; kk < k_pairs; ++kk) {
         const auto* b = reinterpret_cast<const bf16*>(s.tile[tb] + kk * 64) + 2 * n;

@@ -83,12 +83,7 @@ void rank_block(const RankSumArgs& p, std::size_t k0, std::size_t j0) {
   for (int k = 0; k < KR; ++k)
     for (int c = 0; c < R; ++c)
       acc[k][c] = _mm512_maskz_loadu_ps(mask[c], p.acc + (k0 + k) * p.ldacc + j0 + 16 * c);
-#ifdef MOECERT_MUTANT_RANK_SUMS_LAST_ROW_DROPPED
-  for (std::size_t q = 0; q + 1 < p.m;
-       ++q) {  // mutant (docs/MUTANTS.md): the last row left out of every sum
-#else
   for (std::size_t q = 0; q < p.m; ++q) {
-#endif
     if (q + kAhead <
         p.m) {  // this block's columns of a later row (rows are often scattered, one page each)
       constexpr std::size_t kBytes = Bf16 ? sizeof(bf16) : sizeof(float);
@@ -248,13 +243,8 @@ void swiglu_backward_avx512(const float* g, const float* u, const float* dh, flo
     const __m512 dhv = _mm512_mul_ps(wv, _mm512_loadu_ps(dh + i));
     const __m512 s = sigmoid_neg_exp(gv);
     const __m512 silu = _mm512_mul_ps(gv, s);
-#ifdef MOECERT_MUTANT_SILU_DERIVATIVE_WRONG
-    const __m512 dsilu =
-        _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(gv, s)));  // mutant (docs/MUTANTS.md)
-#else
     const __m512 dsilu =
         _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(gv, _mm512_sub_ps(one, s))));
-#endif
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dg + i),
                         to_bf16(_mm512_mul_ps(_mm512_mul_ps(dhv, uv), dsilu)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(du + i), to_bf16(_mm512_mul_ps(dhv, silu)));

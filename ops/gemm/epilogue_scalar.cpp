@@ -45,12 +45,7 @@ void dot16_scalar(const float* const* x, std::size_t nx, const float* w, std::si
 }
 
 void rank_sums_scalar(const RankSumArgs& p) {
-#ifdef MOECERT_MUTANT_RANK_SUMS_LAST_ROW_DROPPED
-  for (std::size_t q = 0; q + 1 < p.m;
-       ++q) {  // mutant (docs/MUTANTS.md): the last row left out of every sum
-#else
   for (std::size_t q = 0; q < p.m; ++q) {
-#endif
     const auto* vb = static_cast<const bf16*>(p.v[q]);
     const auto* vf = static_cast<const float*>(p.v[q]);
     for (std::size_t k = 0; k < p.r; ++k) {

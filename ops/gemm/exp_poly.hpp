@@ -47,11 +47,7 @@ inline void swiglu_backward(float g, float u, float dh, float w, float& dg, floa
   const float dhv = w * dh;
   const float s = 1.0f / (1.0f + exp(-g));
   const float silu = g * s;
-#ifdef MOECERT_MUTANT_SILU_DERIVATIVE_WRONG
-  const float dsilu = s * (1.0f + g * s);  // mutant (docs/MUTANTS.md): wrong silu derivative
-#else
   const float dsilu = s * (1.0f + g * (1.0f - s));
-#endif
   dg = (dhv * u) * dsilu;
   du = dhv * silu;
 }

@@ -64,13 +64,7 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp(),
                     lda = a_stride(kernel.a_layout, kp);
   const std::size_t kp2 = opt.w2 ? opt.w2->kp() : 0, lda2 = a_stride(kernel.a_layout, kp2);
-#ifdef MOECERT_MUTANT_SHARED_EDGE_TILE_RACE
-  alignas(64) static float
-      edge[32 *
-           32];  // mutant (docs/MUTANTS.md): one scratch block shared by every thread (a data race)
-#else
   alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
-#endif
   kernel.thread_begin();
   // Assumptions: a holds round_up(m, mr) rows of kp elements in the kernel's
   // layout; w has np >=
@@ -149,15 +143,8 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
             const bool short_block = mm < mr && kernel.ukernel_edge;
             args.rows = mm;
             (short_block ? kernel.ukernel_edge : kernel.ukernel)(args);
-#ifdef MOECERT_MUTANT_TILE_TAIL_OFF_BY_ONE
-            for (std::size_t i = 0; i < mm; ++i)
-              std::memcpy(
-                  cblk + i * ldc, blk + i * nr,
-                  (nn - 1) * sizeof(float));  // mutant (docs/MUTANTS.md): tail column dropped
-#else
             for (std::size_t i = 0; i < mm; ++i)
               std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
-#endif
           }
           if (opt.epilogue && last) {
             if (kernel.side_steps)

@@ -13,11 +13,7 @@ namespace {
 
 std::size_t round_up(std::size_t x, std::size_t m) { return (x + m - 1) / m * m; }
 
-#ifdef MOECERT_MUTANT_VNNI_PAIR_SWAPPED
-constexpr std::size_t lo = 1, hi = 0;  // mutant (docs/MUTANTS.md): pair order swapped
-#else
 constexpr std::size_t lo = 0, hi = 1;  // a VNNI pair: k even, then k + 1
-#endif
 
 // Writes the panel of W's columns [16 p, 16 p + 16) into dst (kp * 16
 // elements): for each k pair, the 16 columns' pairs as one 64-byte run, so

@@ -93,11 +93,7 @@ inline void ukernel_rows(const UkernelArgs& p) {
       Tiles::template load<3>(c3, ldc_bytes);
     }
   } else {
-#ifdef MOECERT_MUTANT_C_TILE_NOT_ZEROED
-    (void)0;  // mutant (docs/MUTANTS.md): C tile 0 not zeroed: it keeps the last block's sums
-#else
     Tiles::template zero<0>();
-#endif
     Tiles::template zero<1>();
     if constexpr (two) {
       Tiles::template zero<2>();

@@ -63,13 +63,7 @@ constexpr auto kRun = by_rows(std::make_integer_sequence<int, kMr>{});
 void ukernel_avx512_bf16_8x32(const UkernelArgs& p) { kRun[p.accumulate][kMr - 1](p); }
 
 void ukernel_avx512_bf16_edge(const UkernelArgs& p) {
-#ifdef MOECERT_MUTANT_EDGE_ROWS_SHORT
-  if (p.rows > 1)
-    kRun[p.accumulate][p.rows - 2](
-        p);  // mutant (docs/MUTANTS.md): the block's last row not computed
-#else
   kRun[p.accumulate][p.rows - 1](p);
-#endif
 }
 
 }  // namespace moecert::gemm

@@ -50,11 +50,7 @@ void run(const UkernelArgs& p, std::size_t rows) {
 void ukernel_scalar_8x32(const UkernelArgs& p) { run(p, kMr); }
 
 void ukernel_scalar_edge(const UkernelArgs& p) {
-#ifdef MOECERT_MUTANT_EDGE_ROWS_SHORT
-  run(p, p.rows - 1);  // mutant (docs/MUTANTS.md): the block's last row not computed
-#else
   run(p, p.rows);
-#endif
 }
 
 }  // namespace moecert::gemm

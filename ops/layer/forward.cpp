@@ -88,14 +88,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   const auto E = static_cast<std::size_t>(cfg.experts), H = static_cast<std::size_t>(cfg.hidden);
   const auto I = static_cast<std::size_t>(cfg.inter);
   const experts::Lora lora = cfg.lora_rank ? w.lora : experts::Lora{};
-#ifdef MOECERT_MUTANT_STALE_LORA_PACK
-  if (s.lora.experts.empty())
-    s.lora = experts::PackedLora::pack(
-        lora, E, H, I,
-        opt.training);  // mutant (docs/MUTANTS.md): packed once, stale after an update
-#else
   s.lora = experts::PackedLora::pack(lora, E, H, I, opt.training, std::move(s.lora));
-#endif
   MOECERT_CONTRACT(chk, clauses::layer::kFwdLoraPadding) {
     contracts::lora_padding(chk, clauses::layer::kFwdLoraPadding, s.lora);
   }

@@ -75,10 +75,6 @@ void forward_impl(MatView<const float> sx, MatView<const float> sy, ByteRange in
             wt[j] = sx(t, it[j] / static_cast<std::int32_t>(n)) +
                     sy(t, it[j] % static_cast<std::int32_t>(n));
           detail::key_weights(mode, wt, k);
-#ifdef MOECERT_MUTANT_PK_WEIGHTS_ROTATED
-          std::rotate(wt, wt + 1,
-                      wt + k);  // mutant (docs/MUTANTS.md): slot j gets slot j+1's weight
-#endif
         }
       }));
   contracts::product_key_post(c, sx, sy, mode, idx, w);
@@ -113,10 +109,6 @@ void product_key_backward(MatView<const float> sx, MatView<const float> sy,
         std::fill(dsx.row(t), dsx.row(t) + n, 0.0f);
         std::fill(dsy.row(t), dsy.row(t) + n, 0.0f);
         std::size_t valid = detail::valid_slots(it, k);  // -1 slots (only at the tail) add nothing
-#ifdef MOECERT_MUTANT_PK_MINUS1_UNMASKED
-        valid =
-            k;  // mutant (docs/MUTANTS.md): -1 slots not masked, decoded as ix = 0, iy = -1 (FIELD_NOTES 1)
-#endif
         if (valid == 0) return;
         std::vector<float> ws(valid), ds(valid);
         const auto ni = static_cast<std::int32_t>(n);

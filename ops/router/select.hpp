@@ -31,15 +31,9 @@ inline std::size_t valid_slots(const std::int32_t* idx, std::size_t k) {
 }
 
 /// Score descending, then index ascending.
-#ifdef MOECERT_MUTANT_TIE_BREAK_REVERSED
-inline bool outranks(float sa, std::int32_t a, float sb, std::int32_t b) {
-  return sa > sb || (sa == sb && a > b);
-}  // mutant (docs/MUTANTS.md): ties to the higher index
-#else
 inline bool outranks(float sa, std::int32_t a, float sb, std::int32_t b) {
   return sa > sb || (sa == sb && a < b);
 }
-#endif
 
 /// sigma(z) in fp32 as every router kernel computes it (proofs/bounds.md §4).
 inline float sigmoid(float z) { return 1.0f / (1.0f + gemm::exp_poly::exp(-z)); }

@@ -75,15 +75,8 @@ void forward_impl(MatView<const float> z, ByteRange z_bytes, View<const float> b
           detail::sigmoid_select_row(z.row(t), bias.data, e, p, k, it, s, sel, ids);
           float sum = 0;  // slot order
           for (std::size_t j = 0; j < k && it[j] >= 0; ++j) sum += s[it[j]];
-#ifdef MOECERT_MUTANT_SIGMOID_BIAS_IN_WEIGHTS
-          for (std::size_t j = 0; j < k; ++j)
-            wt[j] = it[j] >= 0
-                        ? ((s[it[j]] + 0.5f * bias[it[j]]) / sum) * p.scaling
-                        : 0.0f;  // mutant (docs/MUTANTS.md): selection bias leaks into the weights
-#else
           for (std::size_t j = 0; j < k; ++j)
             wt[j] = it[j] >= 0 ? (s[it[j]] / sum) * p.scaling : 0.0f;
-#endif
         }
       }));
   contracts::sigmoid_topk_post(c, z, bias, p, idx, w);

@@ -24,11 +24,7 @@ void forward_row(const float* z, std::size_t e, std::size_t k, bool renormalize,
   if (renormalize) {          // softmax over the selected logits, summed in slot order
     float sum = 0;
     for (std::size_t j = 0; j < k; ++j) sum += w[j] = exp(z[idx[j]] - m);
-#ifdef MOECERT_MUTANT_SOFTMAX_NOT_RENORMALIZED
-    (void)sum;  // mutant (docs/MUTANTS.md): weights left unnormalised
-#else
     for (std::size_t j = 0; j < k; ++j) w[j] = w[j] / sum;
-#endif
   } else {  // p over all E, summed in index order
     float sum = 0;
     for (std::size_t i = 0; i < e; ++i) sum += exp(z[i] - m);
@@ -89,14 +85,7 @@ void softmax_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
           float sum = 0, dot = 0;
           for (std::size_t j = 0; j < valid; ++j) sum += wv[j] = exp(zt[it[j]] - m);
           for (std::size_t j = 0; j < valid; ++j) dot += (wv[j] = wv[j] / sum) * gt[j];
-#ifdef MOECERT_MUTANT_ROUTER_GRAD_UNMASKED
-          for (std::size_t i = 0; i < e; ++i)
-            dt[i] = -(exp(zt[i] - m) / sum) *
-                    dot;  // mutant (docs/MUTANTS.md): gradient not masked to the top-k
           for (std::size_t j = 0; j < valid; ++j) dt[it[j]] = wv[j] * (gt[j] - dot);
-#else
-          for (std::size_t j = 0; j < valid; ++j) dt[it[j]] = wv[j] * (gt[j] - dot);
-#endif
         } else {  // p over all E; dz_j = p_j (g^_j - sum_S p g) everywhere
           for (std::size_t i = 0; i < e; ++i) m = std::max(m, zt[i]);
           float sum = 0, dot = 0;

@@ -28,15 +28,7 @@ void Arena::bind(const Plan& p, detail::Checker& c) {
   current_ = -1;
   offsets_.clear();
   for (const auto& b : plan_.buffers) offsets_.push_back(b.offset);
-#ifdef MOECERT_MUTANT_ARENA_ALIAS_COLIVE
   for (const auto& [a, b] : test_aliases_) apply_alias(a, b);
-  if (plan_.find("bwd.dy"))
-    apply_alias(
-        "experts.c1",
-        "bwd.dy");  // mutant (docs/MUTANTS.md): two co-live buffers share memory (FIELD_NOTES 3)
-#else
-  for (const auto& [a, b] : test_aliases_) apply_alias(a, b);
-#endif
   std::memset(block_.get(), kGuardByte, kGuard);
   MOECERT_CONTRACT(c, k::kArenaDisjoint) {
     if (auto o = contracts::first_co_live_overlap(plan_, offsets_.data()))

@@ -78,12 +78,7 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
   const N T = d.tokens, K = d.topk, E = d.experts, H = d.hidden, I = d.inter, r = d.rank;
   const N TK = T * K;
   // Padded grouped rows: each expert with a token pads to MR; empty ones take none.
-#ifdef MOECERT_MUTANT_SIZE_TIMES_K
-  const N R = (TK + min_of(E, TK) * N(kMaxMr - 1)) *
-              K;  // mutant (docs/MUTANTS.md): rows sized max_len x top_k (FIELD_NOTES 4)
-#else
   const N R = TK + min_of(E, TK) * N(kMaxMr - 1);
-#endif
   // Packed A of depth k (bf16): rows of round_up(k, 32) + 32 elements (the
   // larger of the two ALayouts, ops/gemm/loops.hpp).
   auto packed_a = [&](const N& k) { return R * (round_up(k, kKStep) + N(kARowPad)) * N(2); };
