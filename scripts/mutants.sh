@@ -61,8 +61,8 @@ sync_tree() {
     if ! cmp -s "$f" "$src/$f"; then mkdir -p "$src/$(dirname "$f")" && cp "$f" "$src/$f"; fi
   done
 }
-dir=$PWD/$out/tree
-fuzz_dir=$PWD/$out/fuzz-tree
+dir=$PWD/$out/src-build
+fuzz_dir=$PWD/$out/src-fuzz-build
 for name in "${names[@]}"; do
   log=$out/$name
   echo "== $name"
