@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <optional>
 #include <regex>
 
 #include "bench/onednn_peer.hpp"
@@ -95,37 +96,32 @@ void print_result(const bench::Result& r) {
              r.paired_speedup > 0 ? fmt::format("{:.2f}x", r.paired_speedup) : "-", r.note);
 }
 
-}  // namespace
+struct BenchArgs {
+  std::vector<std::string> cases, contracts;
+  std::optional<std::string> json, isa;
+  int threads = default_threads(), reps = 5;
+  bool list = false;
+};
 
-int run_bench(int argc, char** argv) {
-  Args args(argc, argv, {"case", "json", "isa", "threads", "reps", "contracts"}, {"list"});
-  const auto cases = bench::all_cases();
-  if (args.flag("list")) {
-    for (const auto& c : cases) fmt::print("{}\n", c.name);
-    return 0;
-  }
+bench::Options options(const BenchArgs& a) {
   bench::Options opt;
-  opt.threads = static_cast<int>(args.get_int("threads", default_threads()));
-  opt.reps = static_cast<int>(args.get_int("reps", 5));
-  if (opt.threads < 1 || opt.reps < 1)
-    throw std::invalid_argument("--threads and --reps: expected N >= 1");
-  opt.contracts = contract_levels(args.all("contracts"));
+  opt.threads = a.threads;
+  opt.reps = a.reps;
+  opt.contracts = contract_levels(a.contracts);
   opt.isa = default_isa();
-  if (auto name = args.get("isa")) {
-    const auto isa = parse_isa(*name);
+  if (a.isa) {
+    const auto isa = parse_isa(*a.isa);
     if (!isa)
       throw std::invalid_argument(fmt::format(
-          "--isa {}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", *name));
+          "--isa {}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", *a.isa));
     if (!isa_usable(*isa))
-      throw std::invalid_argument(fmt::format("--isa {}: not usable on this machine", *name));
+      throw std::invalid_argument(fmt::format("--isa {}: not usable on this machine", *a.isa));
     opt.isa = *isa;
   }
-  const auto patterns = args.all("case");
-  oneapi::tbb::global_control limit(oneapi::tbb::global_control::max_allowed_parallelism,
-                                    static_cast<std::size_t>(opt.threads));
-  bench::OnednnExperts::set_threads(opt.threads);
+  return opt;
+}
 
-  boost::json::array results;
+void print_header(const bench::Options& opt) {
   if (opt.contracts.empty())
     fmt::print("{:<44} {:>6} {:>11} {:>9} {:>11} {:>9} {:>8} {:>7}\n", "case", "isa", "median ms",
                "TFLOP/s", "peer ms", "TFLOP/s", "speedup", "paired");
@@ -134,29 +130,47 @@ int run_bench(int argc, char** argv) {
         "{:<44} {:>6} moecert at off, then at each level (median; overhead: median of paired "
         "ratios - 1)\n",
         "case", "isa");
-  for (const auto& c : cases) {
-    bool selected = patterns.empty();
-    for (const auto& p : patterns) selected |= c.name.find(p) != std::string::npos;
-    if (!selected) continue;
-    bench::Result r;
-    if (c.bytes_needed > available_bytes() * 9 / 10) {
-      r.name = c.name;
-      r.op = c.op;
-      r.shape = c.shape;
-      r.threads = opt.threads;
-      r.skipped = fmt::format("needs about {:.1f} GiB, {:.1f} GiB available",
-                              c.bytes_needed / 1073741824.0, available_bytes() / 1073741824.0);
-      fmt::print("{:<44} skipped: {}\n", c.name, r.skipped);
-    } else {
-      r = c.run(opt);
-      if (!opt.contracts.empty())
-        r.peer.clear(), r.note = "--contracts: moecert at off and at each level; no peer run";
-      print_result(r);
-    }
-    std::fflush(stdout);
-    results.push_back(to_json(r));
+}
+
+bench::Result run_case(const bench::Case& c, const bench::Options& opt) {
+  bench::Result r;
+  if (c.bytes_needed > available_bytes() * 9 / 10) {
+    r.name = c.name;
+    r.op = c.op;
+    r.shape = c.shape;
+    r.threads = opt.threads;
+    r.skipped = fmt::format("needs about {:.1f} GiB, {:.1f} GiB available",
+                            c.bytes_needed / 1073741824.0, available_bytes() / 1073741824.0);
+    fmt::print("{:<44} skipped: {}\n", c.name, r.skipped);
+  } else {
+    r = c.run(opt);
+    if (!opt.contracts.empty())
+      r.peer.clear(), r.note = "--contracts: moecert at off and at each level; no peer run";
+    print_result(r);
   }
-  if (auto path = args.get("json")) {
+  std::fflush(stdout);
+  return r;
+}
+
+int run_bench(const BenchArgs& a) {
+  const auto cases = bench::all_cases();
+  if (a.list) {
+    for (const auto& c : cases) fmt::print("{}\n", c.name);
+    return 0;
+  }
+  const bench::Options opt = options(a);
+  oneapi::tbb::global_control limit(oneapi::tbb::global_control::max_allowed_parallelism,
+                                    static_cast<std::size_t>(opt.threads));
+  bench::OnednnExperts::set_threads(opt.threads);
+
+  boost::json::array results;
+  print_header(opt);
+  for (const auto& c : cases) {
+    bool selected = a.cases.empty();
+    for (const auto& p : a.cases) selected |= c.name.find(p) != std::string::npos;
+    if (selected) results.push_back(to_json(run_case(c, opt)));
+  }
+  if (const auto& path = a.json) {
     auto env = to_json(environment(opt.threads, std::string(isa_name(opt.isa))));
     env["versions"].as_object()["onednn"] = bench::OnednnExperts::version();
     boost::json::object doc{
@@ -164,6 +178,26 @@ int run_bench(int argc, char** argv) {
     std::ofstream(*path) << boost::json::serialize(doc) << "\n";
   }
   return 0;
+}
+
+}  // namespace
+
+void add_bench(CLI::App& app, Command& run) {
+  auto* sub = app.add_subcommand("bench", "time cases against peers measured in the same run");
+  auto a = std::make_shared<BenchArgs>();
+  sub->add_option("--case", a->cases, "cases whose name contains one of these (default: all)");
+  sub->add_option("--json", a->json, "also write the results (schema moecert-bench/1) here");
+  sub->add_option("--isa", a->isa, "scalar, avx512_bf16, amx_bf16 or amx_emu (default: best)");
+  sub->add_option("--threads", a->threads, "oneTBB threads")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--reps", a->reps, "timed repetitions per case and side")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--contracts", a->contracts,
+                  "check, audit or full: time moecert at off and at each level, alternating");
+  sub->add_flag("--list", a->list, "print the case names and stop");
+  sub->callback([a, &run] { run = [a] { return run_bench(*a); }; });
 }
 
 }  // namespace moecert::tools

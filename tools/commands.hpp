@@ -1,13 +1,18 @@
-// The moecert subcommands; each takes the arguments after its name.
+// The moecert subcommands. Each `add_*` registers its subcommand, options and
+// help with the program's CLI11 app; when that subcommand is parsed, its
+// callback stores in `run` the command itself, which returns the exit status.
 #pragma once
 
-#include "tools/cli.hpp"
+#include <CLI/CLI.hpp>
+#include <functional>
 
 namespace moecert::tools {
 
-int run_info(int argc, char** argv);
-int run_conform(int argc, char** argv);
-int run_bench(int argc, char** argv);
-int run_plan(int argc, char** argv);
+using Command = std::function<int()>;
+
+void add_info(CLI::App& app, Command& run);
+void add_conform(CLI::App& app, Command& run);
+void add_bench(CLI::App& app, Command& run);
+void add_plan(CLI::App& app, Command& run);
 
 }  // namespace moecert::tools

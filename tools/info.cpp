@@ -8,11 +8,12 @@
 
 namespace moecert::tools {
 
-int run_info(int argc, char** argv) {
-  Args args(argc, argv, {}, {"json"});
+namespace {
+
+int run_info(bool json) {
   const CpuInfo& cpu = cpu_info();
   const Environment env = environment(default_threads(), "");
-  if (args.flag("json")) {
+  if (json) {
     fmt::print("{}\n", boost::json::serialize(to_json(env)));
     return 0;
   }
@@ -37,6 +38,16 @@ int run_info(int argc, char** argv) {
   fmt::print("versions:   fmt {}, oneTBB {}, Boost {}\n", env.fmt_version, env.tbb_version,
              env.boost_version);
   return 0;
+}
+
+}  // namespace
+
+void add_info(CLI::App& app, Command& run) {
+  auto* sub =
+      app.add_subcommand("info", "CPU, ISA levels detected and usable, build, contracts, versions");
+  auto json = std::make_shared<bool>(false);
+  sub->add_flag("--json", *json, "one JSON object (the report's environment)");
+  sub->callback([json, &run] { run = [json] { return run_info(*json); }; });
 }
 
 }  // namespace moecert::tools

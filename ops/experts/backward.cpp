@@ -300,7 +300,8 @@ void dx_rows(const Ctx& c, const bf16* dgu, const float* dgb, float* dxr) {
   for_each_tile(tiles(c.gr, c.H, c.mb, nb_dx), [&](const Tile& tl) {
     const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
     gemm::BlockOptions bo;  // the LoRA product into the same blocks
-    if (c.r) bo.a2 = qgu + gemm::a_offset(c.layout, ldq, r0, 0), bo.w2 = &c.s.lora.experts[tl.e].a_gu_t;
+    if (c.r)
+      bo.a2 = qgu + gemm::a_offset(c.layout, ldq, r0, 0), bo.w2 = &c.s.lora.experts[tl.e].a_gu_t;
     gemm::gemm_block(c.kernel, dgu + gemm::a_offset(c.layout, ldg, r0, 0), tl.m1 - tl.m0,
                      c.pe.gate_up_t(tl.e), tl.n0, tl.n1, c.H, dxr + r0 * c.H, c.H, bo);
   });

@@ -153,7 +153,8 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
         if (col >= inter) continue;
         for (std::size_t i = i0; i < i1; ++i) {
           const float* c = cb + (i * ldc + (n - col0));
-          kernel.swiglu(c, c + gemm::kPanel, h_at(r0 + i, col), std::min(gemm::kPanel, inter - col));
+          kernel.swiglu(c, c + gemm::kPanel, h_at(r0 + i, col),
+                        std::min(gemm::kPanel, inter - col));
         }
       }
     };

@@ -62,8 +62,6 @@ constexpr auto kRun = by_rows(std::make_integer_sequence<int, kMr>{});
 
 void ukernel_avx512_bf16_8x32(const UkernelArgs& p) { kRun[p.accumulate][kMr - 1](p); }
 
-void ukernel_avx512_bf16_edge(const UkernelArgs& p) {
-  kRun[p.accumulate][p.rows - 1](p);
-}
+void ukernel_avx512_bf16_edge(const UkernelArgs& p) { kRun[p.accumulate][p.rows - 1](p); }
 
 }  // namespace moecert::gemm

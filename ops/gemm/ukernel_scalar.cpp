@@ -49,8 +49,6 @@ void run(const UkernelArgs& p, std::size_t rows) {
 
 void ukernel_scalar_8x32(const UkernelArgs& p) { run(p, kMr); }
 
-void ukernel_scalar_edge(const UkernelArgs& p) {
-  run(p, p.rows);
-}
+void ukernel_scalar_edge(const UkernelArgs& p) { run(p, p.rows); }
 
 }  // namespace moecert::gemm

@@ -63,20 +63,19 @@ void forward_impl(MatView<const float> sx, MatView<const float> sy, ByteRange in
   contracts::product_key_pre(c, sx, sy, in_x, in_y, mode, idx, w);
   if (c.stop()) return;
   const std::size_t n = sx.cols, k = idx.cols;
-  oneapi::tbb::parallel_for(
-      oneapi::tbb::blocked_range<std::size_t>(0, sx.rows, 16),
-      moecert::detail::task([&](const auto& r) {
-        std::vector<std::int32_t> ids;
-        for (std::size_t t = r.begin(); t < r.end(); ++t) {
-          std::int32_t* it = idx.row(t);
-          float* wt = w.row(t);
-          detail::product_key_select_row(sx.row(t), sy.row(t), n, k, it, ids);
-          for (std::size_t j = 0; j < k; ++j)
-            wt[j] = sx(t, it[j] / static_cast<std::int32_t>(n)) +
-                    sy(t, it[j] % static_cast<std::int32_t>(n));
-          detail::key_weights(mode, wt, k);
-        }
-      }));
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, sx.rows, 16),
+                            moecert::detail::task([&](const auto& r) {
+                              std::vector<std::int32_t> ids;
+                              for (std::size_t t = r.begin(); t < r.end(); ++t) {
+                                std::int32_t* it = idx.row(t);
+                                float* wt = w.row(t);
+                                detail::product_key_select_row(sx.row(t), sy.row(t), n, k, it, ids);
+                                for (std::size_t j = 0; j < k; ++j)
+                                  wt[j] = sx(t, it[j] / static_cast<std::int32_t>(n)) +
+                                          sy(t, it[j] % static_cast<std::int32_t>(n));
+                                detail::key_weights(mode, wt, k);
+                              }
+                            }));
   contracts::product_key_post(c, sx, sy, mode, idx, w);
 }
 

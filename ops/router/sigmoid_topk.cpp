@@ -64,21 +64,21 @@ void forward_impl(MatView<const float> z, ByteRange z_bytes, View<const float> b
   contracts::sigmoid_topk_pre(c, z, z_bytes, bias, p, idx, w);
   if (c.stop()) return;
   const std::size_t e = z.cols, k = idx.cols;
-  oneapi::tbb::parallel_for(
-      oneapi::tbb::blocked_range<std::size_t>(0, z.rows, 16),
-      moecert::detail::task([&](const auto& r) {
-        std::vector<float> s, sel;
-        std::vector<std::int32_t> ids;
-        for (std::size_t t = r.begin(); t < r.end(); ++t) {
-          std::int32_t* it = idx.row(t);
-          float* wt = w.row(t);
-          detail::sigmoid_select_row(z.row(t), bias.data, e, p, k, it, s, sel, ids);
-          float sum = 0;  // slot order
-          for (std::size_t j = 0; j < k && it[j] >= 0; ++j) sum += s[it[j]];
-          for (std::size_t j = 0; j < k; ++j)
-            wt[j] = it[j] >= 0 ? (s[it[j]] / sum) * p.scaling : 0.0f;
-        }
-      }));
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, z.rows, 16),
+                            moecert::detail::task([&](const auto& r) {
+                              std::vector<float> s, sel;
+                              std::vector<std::int32_t> ids;
+                              for (std::size_t t = r.begin(); t < r.end(); ++t) {
+                                std::int32_t* it = idx.row(t);
+                                float* wt = w.row(t);
+                                detail::sigmoid_select_row(z.row(t), bias.data, e, p, k, it, s, sel,
+                                                           ids);
+                                float sum = 0;  // slot order
+                                for (std::size_t j = 0; j < k && it[j] >= 0; ++j) sum += s[it[j]];
+                                for (std::size_t j = 0; j < k; ++j)
+                                  wt[j] = it[j] >= 0 ? (s[it[j]] / sum) * p.scaling : 0.0f;
+                              }
+                            }));
   contracts::sigmoid_topk_post(c, z, bias, p, idx, w);
 }
 

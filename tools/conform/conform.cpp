@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "moecert/moecert.hpp"
@@ -17,11 +18,18 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+struct ConformArgs {
+  std::string suite = "default", out = "build/report";
+  std::vector<std::string> isas;
+  int threads = default_threads();
+  std::uint64_t seed = 20261122;
+  std::optional<std::string> guard_pages;
+};
+
 Suite parse_suite(const std::string& s) {
   if (s == "smoke") return Suite::smoke;
-  if (s == "default") return Suite::def;
   if (s == "full") return Suite::full;
-  throw std::invalid_argument(fmt::format("--suite {}: expected smoke, default or full", s));
+  return Suite::def;  // the option admits smoke, default and full
 }
 
 std::map<std::string, std::uint64_t> checked_counts() {
@@ -102,27 +110,24 @@ Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx,
   return report;
 }
 
-int run_conform(int argc, char** argv) {
-  Args args(argc, argv, {"suite", "out", "isa", "threads", "seed", "guard-pages"});
-  const std::string suite_name = args.get_or("suite", "default");
+namespace {
+
+int run_conform(const ConformArgs& a) {
+  const std::string& suite_name = a.suite;
   const Suite suite = parse_suite(suite_name);
-  const std::string out = args.get_or("out", "build/report");
-  const int threads = static_cast<int>(args.get_int("threads", default_threads()));
-  if (threads < 1) throw std::invalid_argument("--threads: expected N >= 1");
-  if (const auto guard =
-          args.get("guard-pages")) {  // from here on: the cases' inputs, outputs and scratch
+  const std::string& out = a.out;
+  const int threads = a.threads;
+  if (const auto& guard = a.guard_pages) {  // from here on: the cases' inputs, outputs and scratch
     GuardPages mode;
-    if (!parse_guard_pages(guard->c_str(), mode))
-      throw std::invalid_argument(
-          fmt::format("--guard-pages {}: expected off, end or start", *guard));
+    parse_guard_pages(guard->c_str(), mode);  // one of the names the option admits
     set_guard_pages(mode);
   }
 
   RunContext ctx;
   ctx.threads = threads;
-  ctx.seed = static_cast<std::uint64_t>(args.get_int("seed", 20261122));
+  ctx.seed = a.seed;
   std::string isa_used;
-  for (const auto& name : args.all("isa")) {
+  for (const auto& name : a.isas) {
     const auto isa = parse_isa(name);
     if (!isa)
       throw std::invalid_argument(fmt::format(
@@ -154,6 +159,28 @@ int run_conform(int argc, char** argv) {
     if (c.result.verdict == Verdict::fail)
       fmt::print("conform: FAIL {}: {}\n", c.def.id(), c.result.detail);
   return report.failed() ? 1 : 0;
+}
+
+}  // namespace
+
+void add_conform(CLI::App& app, Command& run) {
+  auto* sub = app.add_subcommand("conform", "run a conformance suite and write the report");
+  auto a = std::make_shared<ConformArgs>();
+  sub->add_option("--suite", a->suite, "which cases")
+      ->check(CLI::IsMember({"smoke", "default", "full"}))
+      ->capture_default_str();
+  sub->add_option("--out", a->out, "report folder (report.json, .md, .html, junit.xml)")
+      ->capture_default_str();
+  sub->add_option("--isa", a->isas,
+                  "scalar, avx512_bf16, amx_bf16, amx_emu (default: all; unusable ones skip)");
+  sub->add_option("--threads", a->threads, "oneTBB threads")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--seed", a->seed, "data seed")->capture_default_str();
+  sub->add_option("--guard-pages", a->guard_pages,
+                  "inaccessible pages after (end) or before (start) every case allocation")
+      ->check(CLI::IsMember({"off", "end", "start"}));
+  sub->callback([a, &run] { run = [a] { return run_conform(*a); }; });
 }
 
 }  // namespace moecert::tools
