@@ -187,13 +187,13 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   d.dyb = c.r ? arena.get<float>("lora.dyb", c.rows * c.r) : nullptr;
   const std::size_t kr2 = round_up(c.r, gemm::kKStep);
   if (need_dh) {
-    for_each_tile(tiles(c.gr, c.I, c.mb, gemm::item_cols(kph)), [&](const Tile& tl) {
+    for_each_tile(tiles(c.gr.count, c.I, c.mb, gemm::item_cols(kph)), [&](const Tile& tl) {
       const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
       gemm::gemm_block(c.kernel, dy_row(r0), tl.m1 - tl.m0, w.down_t(tl.e), tl.n0, tl.n1, c.I,
                        d.dh + r0 * ldd, ldd);
     });
     if (c.r)
-      for_each_tile(tiles(c.gr, c.r, c.mb, 256), [&](const Tile& tl) {
+      for_each_tile(tiles(c.gr.count, c.r, c.mb, 256), [&](const Tile& tl) {
         const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
         gemm::gemm_block(c.kernel, dy_row(r0), tl.m1 - tl.m0, s.lora.experts[tl.e].b_d_t, tl.n0,
                          tl.n1, c.r, d.dyb + r0 * c.r, c.r);
@@ -212,7 +212,7 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
                                     c.gr.count[e], c.gr.begin[e + 1] - c.gr.begin[e], c.r, kr2,
                                     c.sc, qd + gemm::a_offset(c.layout, ldq, c.gr.begin[e], 0));
                               }));
-    for_each_tile(tiles(c.gr, c.I, c.mb, 256), [&](const Tile& tl) {
+    for_each_tile(tiles(c.gr.count, c.I, c.mb, 256), [&](const Tile& tl) {
       const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
       gemm::gemm_block(c.kernel, qd + gemm::a_offset(c.layout, ldq, r0, 0), tl.m1 - tl.m0,
                        s.lora.experts[tl.e].a_d_t, tl.n0, tl.n1, c.I, d.dh + r0 * ldd, ldd,
@@ -255,7 +255,7 @@ void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
         }
       }));
   if (c.r)
-    for_each_tile(tiles(c.gr, 2 * c.r, c.mb, 256), [&](const Tile& tl) {
+    for_each_tile(tiles(c.gr.count, 2 * c.r, c.mb, 256), [&](const Tile& tl) {
       const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
       gemm::gemm_block(c.kernel, at(r0, 0), tl.m1 - tl.m0, c.s.lora.experts[tl.e].b_gu_t, tl.n0,
                        tl.n1, 2 * c.r, dgb + r0 * 2 * c.r, 2 * c.r);
@@ -297,7 +297,7 @@ void dx_rows(const Ctx& c, const bf16* dgu, const float* dgb, float* dxr) {
   // Items of 128 columns (gemm::item_cols, K = 2I): with 256, B (1.4 MiB
   // at I = 1408) would not stay in L2 under the AMX loops' row blocks.
   const std::size_t nb_dx = gemm::item_cols(c.kp2i());
-  for_each_tile(tiles(c.gr, c.H, c.mb, nb_dx), [&](const Tile& tl) {
+  for_each_tile(tiles(c.gr.count, c.H, c.mb, nb_dx), [&](const Tile& tl) {
     const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
     gemm::BlockOptions bo;  // the LoRA product into the same blocks
     if (c.r)

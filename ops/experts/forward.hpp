@@ -3,17 +3,19 @@
 // the backward to reuse.
 #pragma once
 
-#include <oneapi/tbb/parallel_for.h>
-
 #include <cstddef>
 
 #include "moecert/experts.hpp"
-#include "ops/core/task.hpp"
+#include "ops/core/tiles.hpp"
 #include "ops/experts/grouping.hpp"
 #include "ops/gemm/ukernel.hpp"
 #include "ops/workspace/arena.hpp"
 
 namespace moecert::experts {
+
+using moecert::detail::for_each_tile;
+using moecert::detail::Tile;
+using moecert::detail::tiles;
 
 struct ForwardState {
   Grouping grouping;
@@ -34,30 +36,6 @@ struct ForwardState {
 };
 
 struct PackedLora;
-
-// Work item: rows [m0, m1) of one expert's group, columns [n0, n1).
-struct Tile {
-  std::size_t e, m0, m1, n0, n1;
-};
-
-// Tiles of every expert's rows x n columns; no two share an output element.
-inline std::vector<Tile> tiles(const Grouping& g, std::size_t n, std::size_t mb, std::size_t nb) {
-  std::vector<Tile> out;
-  for (std::size_t e = 0; e < g.experts; ++e)
-    for (std::size_t m0 = 0; m0 < g.count[e]; m0 += mb)
-      for (std::size_t n0 = 0; n0 < n; n0 += nb)
-        out.push_back({e, m0, std::min(g.count[e], m0 + mb), n0, std::min(n, n0 + nb)});
-  return out;
-}
-
-template <class F>
-void for_each_tile(const std::vector<Tile>& ts, F f) {
-  oneapi::tbb::parallel_for(
-      oneapi::tbb::blocked_range<std::size_t>(0, ts.size(), 1),
-      moecert::detail::task([&](const oneapi::tbb::blocked_range<std::size_t>& r) {
-        for (std::size_t i = r.begin(); i < r.end(); ++i) f(ts[i]);
-      }));
-}
 
 /// The forward on a bound arena (steps f_gather .. f_combine): the body of
 /// experts::forward and of the layer's forward. `lora` may be null. Without
