@@ -58,12 +58,62 @@ void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld,
   }
 }
 
+namespace {
+
+// Loop 3's kernel arguments for the column block at n0 of the K block
+// [k0, k0 + kc): B's sub-panel and, in the last K block, the second
+// product's panel (whole K) as well.
+UkernelArgs column_block_args(const KernelInfo& kernel, const PackedWeights& w,
+                              const BlockOptions& opt, std::size_t n0, std::size_t k0,
+                              std::size_t kc, bool last) {
+  const std::size_t kp = w.kp();
+  UkernelArgs args{};
+  args.lda = a_stride(kernel.a_layout, kp);
+  args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
+  args.panel_stride = kp * kPanel;
+  args.kp = kc;
+  args.accumulate = opt.accumulate || k0 > 0;
+  if (opt.w2 && last) {  // the second product, in the same kernel call
+    const std::size_t kp2 = opt.w2->kp();
+    args.lda2 = a_stride(kernel.a_layout, kp2);
+    args.b2 = opt.w2->data() + (n0 / kPanel) * kp2 * kPanel;
+    args.panel_stride2 = kp2 * kPanel;
+    args.kp2 = kp2;
+  }
+  return args;
+}
+
+// An mm x nn block smaller than MR x NR: computed in the scratch block
+// `edge` (MR x NR, row stride NR), C's valid part copied in (when
+// accumulating; the rest zero, since a kernel may read all of it) and out.
+// Fewer rows than MR run the kernel's edge variant, if it has one.
+void edge_block(const KernelInfo& kernel, UkernelArgs& args, float* cblk, std::size_t ldc,
+                std::size_t mm, std::size_t nn, float* edge) {
+  const std::size_t mr = kernel.mr, nr = kernel.nr;
+  float* blk = edge + 0;
+  if (args.accumulate) {
+    for (std::size_t i = 0; i < mm; ++i) {
+      std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
+      std::fill(blk + i * nr + nn, blk + (i + 1) * nr, 0.0f);
+    }
+    std::fill(blk + mm * nr, blk + mr * nr, 0.0f);
+  }
+  args.c = blk;
+  args.ldc = nr;
+  const bool short_block = mm < mr && kernel.ukernel_edge;
+  args.rows = mm;
+  (short_block ? kernel.ukernel_edge : kernel.ukernel)(args);
+  for (std::size_t i = 0; i < mm; ++i)
+    std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
+}
+
+}  // namespace
+
 void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const PackedWeights& w,
                 std::size_t n_begin, std::size_t n_end, std::size_t n_valid, float* c,
                 std::size_t ldc, const BlockOptions& opt) {
   const std::size_t mr = kernel.mr, nr = kernel.nr, kp = w.kp(),
                     lda = a_stride(kernel.a_layout, kp);
-  const std::size_t kp2 = opt.w2 ? opt.w2->kp() : 0, lda2 = a_stride(kernel.a_layout, kp2);
   alignas(64) float edge[32 * 32];  // MR x NR scratch for partial blocks (MR, NR <= 32)
   kernel.thread_begin();
   // Assumptions: a holds round_up(m, mr) rows of kp elements in the kernel's
@@ -101,18 +151,7 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
       for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
         const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
         if (nn == 0) break;
-        UkernelArgs args{};
-        args.lda = lda;
-        args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
-        args.panel_stride = kp * kPanel;
-        args.kp = kc;
-        args.accumulate = opt.accumulate || k0 > 0;
-        if (opt.w2 && last) {  // the second product, in the same kernel call
-          args.lda2 = lda2;
-          args.b2 = opt.w2->data() + (n0 / kPanel) * kp2 * kPanel;
-          args.panel_stride2 = kp2 * kPanel;
-          args.kp2 = kp2;
-        }
+        UkernelArgs args = column_block_args(kernel, w, opt, n0, k0, kc, last);
         // Loop 4: MR-tall row blocks, one microkernel call each.
         for (std::size_t m0 = mc0; m0 < std::min(m, mc0 + mc); m0 += mr) {
           const std::size_t mm = std::min(mr, m - m0);
@@ -122,29 +161,14 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
           args.side = in_call.rows ? +epilogue_row : nullptr;
           args.side_ctx = &in_call;
           args.side_n = in_call.rows;
-          if (args.kp2) args.a2 = opt.a2 + a_offset(kernel.a_layout, lda2, m0, 0);
+          if (args.kp2) args.a2 = opt.a2 + a_offset(kernel.a_layout, args.lda2, m0, 0);
           float* const cblk = c + (m0 * ldc + (n0 - opt.c_col0));  // C's element (m0, n0)
           if (mm == mr && nn == nr) {                              // full block: straight into C
             args.c = cblk;
             args.ldc = ldc;
             kernel.ukernel(args);
-          } else {  // edge: through a scratch block, C's valid part copied in and out
-            float* blk = edge + 0;
-            if (args.accumulate) {  // the rest of the block zero: a kernel may read all of it
-              for (std::size_t i = 0; i < mm; ++i) {
-                std::memcpy(blk + i * nr, cblk + i * ldc, nn * sizeof(float));
-                std::fill(blk + i * nr + nn, blk + (i + 1) * nr, 0.0f);
-              }
-              std::fill(blk + mm * nr, blk + mr * nr, 0.0f);
-            }
-            args.c = blk;
-            args.ldc = nr;
-            // Fewer rows than MR: the kernel's edge variant, if it has one.
-            const bool short_block = mm < mr && kernel.ukernel_edge;
-            args.rows = mm;
-            (short_block ? kernel.ukernel_edge : kernel.ukernel)(args);
-            for (std::size_t i = 0; i < mm; ++i)
-              std::memcpy(cblk + i * ldc, blk + i * nr, nn * sizeof(float));
+          } else {
+            edge_block(kernel, args, cblk, ldc, mm, nn, edge);
           }
           if (opt.epilogue && last) {
             if (kernel.side_steps)
