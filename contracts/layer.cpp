@@ -6,6 +6,9 @@
 
 #include <array>
 #include <cmath>
+#include <optional>
+#include <string>
+#include <utility>
 
 #include "contracts/bounds/experts.hpp"
 #include "contracts/bounds/router.hpp"
@@ -197,88 +200,95 @@ void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::W
   }
 }
 
+namespace {
+
+// layer.backward.state: what is wrong with the saved forward and what was
+// expected, or nothing.
+std::optional<std::pair<std::string, std::string>> saved_state_error(const MoeConfig& cfg,
+                                                                     MatView<const bf16> x,
+                                                                     const layer::Weights& w,
+                                                                     const layer::Saved::Impl& s) {
+  if (!s.valid) return {{"no forward saved", "a training forward first"}};
+  if (!s.training) return {{"forward ran with training = false", "a training forward"}};
+  if (!same_config(s.cfg, cfg))
+    return {{"saved by a forward of another config", "the same config"}};
+  if (s.tokens != x.rows)
+    return {{fmt::format("saved T={}, x has {}", s.tokens, x.rows), "the same T"}};
+  if (!w.experts || !w.experts->has_backward())
+    return {{"experts packed without backward", "pack(..., backward = true)"}};
+  return std::nullopt;
+}
+
+// layer.backward.shape: the first argument whose shape is not the config's,
+// or "".
+std::string backward_shape_error(const Dims& d, MatView<const bf16> x, MatView<const float> dy,
+                                 const layer::Gradients& g) {
+  const std::size_t T = x.rows;
+  if (!detail::has_shape(x, T, d.H)) return fmt::format("x {}x{}", x.rows, x.cols);
+  if (!detail::has_shape(dy, T, d.H)) return fmt::format("dy {}x{}", dy.rows, dy.cols);
+  if (!g.dx.empty() && !detail::has_shape(g.dx, T, d.H))
+    return fmt::format("dx {}x{}", g.dx.rows, g.dx.cols);
+  if (!g.router_w.empty() && !detail::has_shape(g.router_w, d.R, d.H))
+    return fmt::format("router_w grad {}x{}", g.router_w.rows, g.router_w.cols);
+  if (!g.router_b.empty() && g.router_b.size != d.R)
+    return fmt::format("router_b grad {}", g.router_b.size);
+  if (!g.m_a.empty() && !detail::has_shape(g.m_a, T, d.E))
+    return fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
+  if (!g.m_g.empty() && !detail::has_shape(g.m_g, T, d.E))
+    return fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
+  for (std::size_t i = 0; i < kWeightGrads; ++i) {
+    const auto v = weight_grads(layer::expert_gradients(g))[i];
+    const auto sh = grad_shapes(d.E, d.H, d.I, d.r)[i];
+    if (!v.empty() && !detail::has_shape(v, sh.rows, sh.cols))
+      return fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
+                         sh.cols);
+  }
+  return "";
+}
+
+// layer.backward.no_alias: the outputs pairwise, and each against every
+// input (the saved workspace included).
+void backward_no_alias(detail::Checker& c, const Dims& d, const layer::Weights& w,
+                       MatView<const bf16> x, MatView<const float> dy, const layer::Saved::Impl& s,
+                       const layer::Gradients& g) {
+  std::vector<std::pair<std::string, ByteRange>> outs{{"dx", g.dx.bytes()},
+                                                      {"router_w grad", g.router_w.bytes()},
+                                                      {"router_b grad", g.router_b.bytes()},
+                                                      {"m_a", g.m_a.bytes()},
+                                                      {"m_g", g.m_g.bytes()}};
+  for (std::size_t i = 0; i < kWeightGrads; ++i)
+    outs.emplace_back(fmt::format("{} grad", grad_shapes(d.E, d.H, d.I, d.r)[i].name),
+                      weight_grads(layer::expert_gradients(g))[i].bytes());
+  std::vector<std::pair<std::string, ByteRange>> ins{{"x", x.bytes()},
+                                                     {"dy", dy.bytes()},
+                                                     {"router_w", w.router_w.bytes()},
+                                                     {"router_b", w.router_b.bytes()},
+                                                     {"saved workspace", s.arena.bytes()}};
+  for (std::size_t i = 0; i < 6 && d.r; ++i)
+    ins.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name),
+                     lora_views(w.lora)[i].bytes());
+  detail::no_overlap(c, k::kBwdNoAlias, outs, ins);
+}
+
+}  // namespace
+
 void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                         MatView<const bf16> x, MatView<const float> dy, const layer::Saved& saved,
                         const layer::Gradients& g) {
   const Dims d = dims(cfg);
   const auto& s = saved.impl();
   MOECERT_CONTRACT(c, k::kBwdState) {
-    if (!s.valid)
-      c.fail(k::kBwdState, "", "no forward saved", "a training forward first");
-    else if (!s.training)
-      c.fail(k::kBwdState, "", "forward ran with training = false", "a training forward");
-    else if (!same_config(s.cfg, cfg))
-      c.fail(k::kBwdState, "", "saved by a forward of another config", "the same config");
-    else if (s.tokens != x.rows)
-      c.fail(k::kBwdState, "", fmt::format("saved T={}, x has {}", s.tokens, x.rows), "the same T");
-    else if (!w.experts || !w.experts->has_backward())
-      c.fail(k::kBwdState, "", "experts packed without backward", "pack(..., backward = true)");
+    if (const auto bad = saved_state_error(cfg, x, w, s))
+      c.fail(k::kBwdState, "", bad->first, bad->second);
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kBwdShape) {
-    std::string bad;
-    const std::size_t T = x.rows;
-    if (!detail::has_shape(x, T, d.H))
-      bad = fmt::format("x {}x{}", x.rows, x.cols);
-    else if (!detail::has_shape(dy, T, d.H))
-      bad = fmt::format("dy {}x{}", dy.rows, dy.cols);
-    else if (!g.dx.empty() && !detail::has_shape(g.dx, T, d.H))
-      bad = fmt::format("dx {}x{}", g.dx.rows, g.dx.cols);
-    else if (!g.router_w.empty() && !detail::has_shape(g.router_w, d.R, d.H))
-      bad = fmt::format("router_w grad {}x{}", g.router_w.rows, g.router_w.cols);
-    else if (!g.router_b.empty() && g.router_b.size != d.R)
-      bad = fmt::format("router_b grad {}", g.router_b.size);
-    else if (!g.m_a.empty() && !detail::has_shape(g.m_a, T, d.E))
-      bad = fmt::format("m_a {}x{}", g.m_a.rows, g.m_a.cols);
-    else if (!g.m_g.empty() && !detail::has_shape(g.m_g, T, d.E))
-      bad = fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
-    else
-      for (std::size_t i = 0; i < kWeightGrads; ++i) {
-        const auto v = weight_grads(layer::expert_gradients(g))[i];
-        const auto sh = grad_shapes(d.E, d.H, d.I, d.r)[i];
-        if (!v.empty() && !detail::has_shape(v, sh.rows, sh.cols)) {
-          bad = fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
-                            sh.cols);
-          break;
-        }
-      }
-    if (!bad.empty()) c.fail(k::kBwdShape, "", bad, "the config's shapes");
+    if (const std::string bad = backward_shape_error(d, x, dy, g); !bad.empty())
+      c.fail(k::kBwdShape, "", bad, "the config's shapes");
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kBwdDyFinite) { detail::scan_finite(c, k::kBwdDyFinite, "dy", dy); }
-  MOECERT_CONTRACT(c, k::kBwdNoAlias) {
-    std::vector<std::pair<std::string, ByteRange>> outs{{"dx", g.dx.bytes()},
-                                                        {"router_w grad", g.router_w.bytes()},
-                                                        {"router_b grad", g.router_b.bytes()},
-                                                        {"m_a", g.m_a.bytes()},
-                                                        {"m_g", g.m_g.bytes()}};
-    for (std::size_t i = 0; i < kWeightGrads; ++i)
-      outs.emplace_back(fmt::format("{} grad", grad_shapes(d.E, d.H, d.I, d.r)[i].name),
-                        weight_grads(layer::expert_gradients(g))[i].bytes());
-    std::vector<std::pair<std::string, ByteRange>> ins{{"x", x.bytes()},
-                                                       {"dy", dy.bytes()},
-                                                       {"router_w", w.router_w.bytes()},
-                                                       {"router_b", w.router_b.bytes()},
-                                                       {"saved workspace", s.arena.bytes()}};
-    for (std::size_t i = 0; i < 6 && d.r; ++i)
-      ins.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name),
-                       lora_views(w.lora)[i].bytes());
-    for (std::size_t i = 0; i < outs.size(); ++i) {
-      if (outs[i].second.empty()) continue;
-      for (std::size_t j = i + 1; j < outs.size(); ++j)
-        if (overlaps(outs[i].second, outs[j].second)) {
-          c.fail(k::kBwdNoAlias, fmt::format("{} and {}", outs[i].first, outs[j].first),
-                 "overlapping", "disjoint");
-          return;
-        }
-      for (const auto& [name, r] : ins)
-        if (overlaps(outs[i].second, r)) {
-          c.fail(k::kBwdNoAlias, fmt::format("{} and {}", outs[i].first, name), "overlapping",
-                 "disjoint");
-          return;
-        }
-    }
-  }
+  MOECERT_CONTRACT(c, k::kBwdNoAlias) { backward_no_alias(c, d, w, x, dy, s, g); }
 }
 
 void layer_backward_saved(detail::Checker& c, const MoeConfig& cfg, MatView<const bf16>,

@@ -71,7 +71,9 @@ PairForward<S> pair_forward(const ExpertView<S>& w, const S* x, const S& s) {
         n1);
     f.u[i] = kdot<S>(
         H + 2 * r, a,
-        [&](std::size_t q) { return q < H ? w.wu(i, q) : (q - H >= r ? w.bu(i, q - H - r) : S(0)); },
+        [&](std::size_t q) {
+          return q < H ? w.wu(i, q) : (q - H >= r ? w.bu(i, q - H - r) : S(0));
+        },
         n1);
     f.sg[i] = sig(f.g[i]);
     f.silu[i] = r32(f.g[i] * f.sg[i]);
@@ -159,7 +161,9 @@ void pair_expert_backward(const ExpertView<S>& w, const S& wt, const S& s, const
   for (std::size_t m = 0; m < H; ++m)
     b.dxr[m] = kdot<S>(
         2 * I + 2 * r,
-        [&](std::size_t q) { return q < I ? b.dg[q] : q < 2 * I ? b.du[q - I] : b.qgu[q - 2 * I]; },
+        [&](std::size_t q) { return q < I       ? b.dg[q]
+                                    : q < 2 * I ? b.du[q - I]
+                                                : b.qgu[q - 2 * I]; },
         [&](std::size_t q) {
           return q < I           ? w.wg(q, m)
                  : q < 2 * I     ? w.wu(q - I, m)
@@ -289,8 +293,8 @@ class GradSums {
   bool base_;
   LayerResult<S>& out_;
   std::vector<std::size_t> rows_of_;
-  std::vector<double> mag_ag, mag_bg, mag_au, mag_bu, mag_ad, mag_bd, mag_wg, mag_wu, mag_wd,
-      fl_wg, fl_wu, fl_wd;
+  std::vector<double> mag_ag, mag_bg, mag_au, mag_bu, mag_ad, mag_bd, mag_wg, mag_wu, mag_wd, fl_wg,
+      fl_wu, fl_wd;
 };
 
 }  // namespace layer_detail
