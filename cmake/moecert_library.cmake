@@ -15,7 +15,7 @@ set(MOECERT_SOURCES
   contracts/gemm.cpp
   contracts/experts.cpp
   contracts/experts_train.cpp
-  contracts/router.cpp
+  contracts/router/softmax_topk.cpp contracts/router/sigmoid_topk.cpp contracts/router/product_key.cpp
   ops/router/softmax_topk.cpp
   ops/router/sigmoid_topk.cpp
   ops/router/product_key.cpp

@@ -24,7 +24,7 @@ namespace moecert::router {
 /// exact p); weights p_j, or p renormalised over the K selected (a softmax
 /// of the selected logits) when `renormalize`. z [T x E] fp32 or bf16.
 ///
-/// Clauses (contracts/router.cpp):
+/// Clauses (contracts/router/softmax_topk.cpp):
 ///   router.softmax_topk.shape        pre   shape    z T x E; idx, w T x K; 1 <= K <= E
 ///   router.softmax_topk.scores_finite pre  finite   every z finite
 ///   router.softmax_topk.no_alias     pre   alias    idx, w share no byte with z or each other
@@ -49,7 +49,7 @@ void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatV
 /// an unselected j gets dz_j = -p_j sum_S p g, which is 0 only if that sum
 /// is 0. -1 slots contribute nothing.
 ///
-/// Clauses:
+/// Clauses (contracts/router/softmax_topk_backward.cpp):
 ///   router.softmax_topk_backward.shape     pre   shape    z, dz T x E; idx, g T x K
 ///   router.softmax_topk_backward.idx_valid pre   index    0 <= idx < E or -1 only at the tail; unique
 ///   router.softmax_topk_backward.g_finite  pre   finite   every g finite, |g| <= 2^126 (g - sum_S w g
@@ -76,7 +76,7 @@ struct SigmoidTopkParams {
 /// largest group score are kept (group score desc, group index asc); the K
 /// best experts of kept groups by selection score; w_j = c s_j / sum_S s.
 ///
-/// Clauses:
+/// Clauses (contracts/router/sigmoid_topk.cpp):
 ///   router.sigmoid_topk.shape         pre   shape    z T x E; bias E; idx, w T x K; 1 <= K <= E;
 ///                                                  G >= 1 divides E; 1 <= topk_group <= G; c finite > 0
 ///   router.sigmoid_topk.scores_finite pre   finite   every bias finite; every z finite and >= -87
@@ -100,7 +100,7 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
 /// computed as c ((g_i - D)(s_i / sum_S s))(1 - s_i) (no intermediate overflows); 0 elsewhere.
 /// dz [T x E] written entirely.
 ///
-/// Clauses:
+/// Clauses (contracts/router/sigmoid_topk_backward.cpp):
 ///   router.sigmoid_topk_backward.shape     pre   shape    z, dz T x E; idx, g T x K
 ///   router.sigmoid_topk_backward.idx_valid pre   index    0 <= idx < E or -1 only at the tail; unique
 ///   router.sigmoid_topk_backward.g_finite  pre   finite   every g finite, |g| <= 2^126; every z finite
@@ -128,7 +128,7 @@ enum class KeyWeights : std::uint8_t {
 /// candidate sums; proofs/router.md §2 proves this equals brute force over
 /// all n*n experts. Weights from the fp32 scores per `mode`.
 ///
-/// Clauses:
+/// Clauses (contracts/router/product_key.cpp):
 ///   router.product_key.shape         pre   shape    sx, sy T x n; idx, w T x K; 1 <= K <= n*n
 ///   router.product_key.scores_finite pre   finite   every sx, sy finite with |s| <= 2^126 (sums stay
 ///                                                  finite); exp weights: max sx + max sy <= 88
@@ -149,7 +149,7 @@ void product_key_forward(MatView<const bf16> sx, MatView<const bf16> sy, KeyWeig
 /// dsy[t,iy] += ds_j in slot order (no atomics). Slots with idx = -1 add
 /// nothing. dsx, dsy [T x n] written entirely.
 ///
-/// Clauses:
+/// Clauses (contracts/router/product_key_backward.cpp):
 ///   router.product_key_backward.shape       pre   shape    sx, sy, dsx, dsy T x n; idx, g T x K
 ///   router.product_key_backward.idx_in_range pre  index    -1 <= idx < n*n, -1 only at the tail; unique
 ///   router.product_key_backward.g_finite    pre   finite   every g finite, |g| <= 2^126; sx, sy finite

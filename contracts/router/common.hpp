@@ -1,0 +1,233 @@
+// What the router clauses share (contracts/router/*.cpp): shapes, aliasing,
+// index rows, the total order and top-k property, weight ranges, and every
+// value of a row against its binary64 reference.
+#pragma once
+
+#include <cmath>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "contracts/bounds/basic.hpp"
+#include "contracts/bounds/router.hpp"
+#include "contracts/checks.hpp"
+#include "contracts/clauses.hpp"
+#include "contracts/order.hpp"
+#include "contracts/router.hpp"
+
+namespace moecert::contracts::router_detail {
+
+namespace k = clauses::router;
+using order::ranks_before;
+
+inline std::string shape_of(const char* name, std::size_t r, std::size_t c) {
+  return fmt::format("{} {}x{}", name, r, c);
+}
+
+// Fails `clause` unless all byte ranges are pairwise disjoint.
+inline void disjoint(detail::Checker& c, const ClauseInfo& clause,
+                     std::initializer_list<std::pair<const char*, ByteRange>> rs) {
+  std::vector<std::pair<const char*, ByteRange>> v(rs);
+  for (std::size_t a = 0; a < v.size(); ++a)
+    for (std::size_t b = a + 1; b < v.size(); ++b)
+      if (overlaps(v[a].second, v[b].second)) {
+        c.fail(clause, "",
+               fmt::format("{} {} overlaps {} {}", v[a].first, detail::format_range(v[a].second),
+                           v[b].first, detail::format_range(v[b].second)),
+               "disjoint");
+        return;
+      }
+}
+
+// Index clauses on rows of idx: each entry in [0, e) or -1; -1 only at the
+// tail (and not at all unless `allow_empty`); no expert twice. One clause
+// may cover both (backward preconditions) or two (forward postconditions).
+inline void index_rows(detail::Checker& c, const ClauseInfo& valid, const ClauseInfo& unique,
+                       MatView<const std::int32_t> idx, std::size_t e, bool allow_empty,
+                       bool check_valid, bool check_unique) {
+  std::vector<char> seen(e, 0);
+  for (std::size_t t = 0; t < idx.rows; ++t) {
+    bool tail = false;
+    for (std::size_t j = 0; j < idx.cols; ++j) {
+      const std::int32_t x = idx(t, j);
+      const bool bad = x < -1 || x >= static_cast<std::int64_t>(e) || (x == -1 && !allow_empty) ||
+                       (tail && x != -1);
+      if (check_valid && bad) {
+        c.fail(valid, fmt::format("t={} j={}", t, j), fmt::format("idx={}", x),
+               tail          ? "-1 (after a -1 slot)"
+               : allow_empty ? fmt::format("-1 <= idx < {}", e)
+                             : fmt::format("0 <= idx < {}", e));
+        return;
+      }
+      if (bad) return;  // unique is meaningless on invalid indices
+      tail = tail || x == -1;
+      if (x >= 0 && check_unique && seen[static_cast<std::size_t>(x)]) {
+        c.fail(unique, fmt::format("t={} j={}", t, j), fmt::format("idx={} selected twice", x),
+               "distinct experts");
+        return;
+      }
+      if (x >= 0) seen[static_cast<std::size_t>(x)] = 1;
+    }
+    for (std::size_t j = 0; j < idx.cols; ++j)
+      if (idx(t, j) >= 0) seen[static_cast<std::size_t>(idx(t, j))] = 0;
+  }
+}
+
+inline std::size_t valid_slots(MatView<const std::int32_t> idx, std::size_t t) {
+  return order::filled_slots(idx.row(t), idx.cols);
+}
+
+// sorted and top-k property for a router whose eligible experts of row t
+// are given by `eligible(t, i)` and ranked by `score(t, i)` (desc, index asc).
+template <class Score, class Eligible>
+void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* topk,
+                MatView<const std::int32_t> idx, std::size_t e, Score score, Eligible eligible) {
+  std::vector<char> chosen(e, 0);
+  for (std::size_t t = 0; t < idx.rows; ++t) {
+    const std::size_t valid = valid_slots(idx, t);
+    for (std::size_t j = 1; j < valid; ++j) {
+      const std::int32_t a = idx(t, j - 1), b = idx(t, j);
+      if (!ranks_before(score(t, a), a, score(t, b), b)) {
+        c.fail(sorted, fmt::format("t={} j={}", t, j),
+               fmt::format("slot {} expert {} score {} before expert {} score {}", j - 1, a,
+                           score(t, a), b, score(t, b)),
+               "score descending, then index ascending");
+        return;
+      }
+    }
+    if (!topk || valid == 0) continue;
+    for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
+    const std::int32_t kth = idx(t, valid - 1);
+    for (std::size_t i = 0; i < e; ++i) {
+      const auto ii = static_cast<std::int32_t>(i);
+      const bool beats = eligible(t, i) && !chosen[i] &&
+                         (valid < idx.cols || ranks_before(score(t, ii), ii, score(t, kth), kth));
+      if (beats) {
+        c.fail(
+            *topk, fmt::format("t={}", t),
+            valid < idx.cols
+                ? fmt::format("eligible expert {} left out while slot {} is -1", i, valid)
+                : fmt::format("unselected expert {} score {} outranks the K-th, expert {} score {}",
+                              i, score(t, ii), kth, score(t, kth)),
+            "no eligible unselected expert outranks the K-th");
+        return;
+      }
+    }
+    for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
+  }
+}
+
+// Weights of a row: each within [0, hi]; their sum within [lo_sum, hi_sum].
+inline void weight_rows(detail::Checker& c, const ClauseInfo& clause,
+                        MatView<const std::int32_t> idx, MatView<const float> w, double hi,
+                        double lo_sum, double hi_sum) {
+  for (std::size_t t = 0; t < w.rows; ++t) {
+    double sum = 0;
+    for (std::size_t j = 0; j < w.cols; ++j) {
+      const float v = w(t, j);
+      if (!(v >= 0 && v <= hi) || (idx(t, j) < 0 && v != 0)) {
+        c.fail(clause, fmt::format("t={} j={}", t, j), fmt::format("w={} (idx {})", v, idx(t, j)),
+               idx(t, j) < 0 ? "0 at a -1 slot" : fmt::format("0 <= w <= {}", hi));
+        return;
+      }
+      sum += v;
+    }
+    if (!(sum >= lo_sum && sum <= hi_sum)) {
+      c.fail(clause, fmt::format("t={}", t), fmt::format("sum w = {:.9g}", sum),
+             fmt::format("in [{:.9g}, {:.9g}]", lo_sum, hi_sum));
+      return;
+    }
+  }
+}
+
+// Every value of each row within its bound of the binary64 reference, plus
+// that reference's own rounding: row(t) gives the row's reference values and
+// bounds (the bounds::*_row helpers), value(t, i) the kernel's and name(i) its
+// label; `section` is the bound's place in proofs/router.md. finite_only
+// leaves non-finite values to the finite clauses (gradients that overflow).
+// Rows with an index out of range are skipped (the index clauses report them).
+template <class Row, class Value, class Name>
+void within_reference(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx,
+                      std::size_t experts, std::size_t cols, bool finite_only, const char* section,
+                      Row row, Value value, Name name) {
+  for (std::size_t t = 0; t < idx.rows; ++t) {
+    bool in_range = true;
+    for (std::size_t j = 0; j < idx.cols; ++j)
+      in_range = in_range && idx(t, j) >= -1 && idx(t, j) < static_cast<std::int64_t>(experts);
+    if (!in_range) continue;
+    const auto [ref, bound] = row(t);
+    for (std::size_t i = 0; i < cols; ++i) {
+      const double got = value(t, i);
+      if ((finite_only && !std::isfinite(got)) ||
+          std::fabs(got - ref[i]) <= bound[i] + bounds::gamma(64, bounds::kU64) * std::fabs(ref[i]))
+        continue;
+      c.fail(clause, fmt::format("t={} {}", t, name(i)),
+             fmt::format("{}={:.9g} ref={:.17g}", name(i), got, ref[i]),
+             fmt::format("|{} - ref| <= {:.3g} (proofs/router.md {})", name(i), bound[i], section));
+      return;
+    }
+  }
+}
+
+// Every weight within §3 of its own slot's reference (a weight written to
+// another slot passes weights_range, not this).
+template <class Row>
+void weights_within(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx,
+                    std::size_t experts, MatView<const float> w, Row row) {
+  within_reference(
+      c, clause, idx, experts, idx.cols, false, "§3", row,
+      [&](std::size_t t, std::size_t j) { return w(t, j); },
+      [](std::size_t j) { return fmt::format("w[{}]", j); });
+}
+
+// Every finite gradient of a row within §4 of the reference given g.
+template <class Row, class Value, class Name>
+void grads_within(detail::Checker& c, const ClauseInfo& clause, MatView<const std::int32_t> idx,
+                  std::size_t experts, std::size_t cols, Row row, Value value, Name name) {
+  within_reference(c, clause, idx, experts, cols, true, "§4", row, value, name);
+}
+
+// sigma(z) is a normal float for z >= -87 (e^-87 > 2^-126); below, it
+// underflows, and a row of such logits has no weights (0 / 0; router_fuzzer).
+inline bool sigmoid_logit_ok(float z) { return std::isfinite(z) && z >= -87.0f; }
+
+// Finite and |v| <= 2^126: a sum or difference of two such values stays
+// below the fp32 maximum. Product-key scores (sx + sy) and the backwards'
+// gradients (g - sum_S w g with w summing to at most 1; proofs/router.md §4
+// assumes no overflow, router_fuzzer finding 7).
+inline bool within_2p126(float v) { return std::isfinite(v) && std::fabs(v) <= 0x1p126f; }
+inline constexpr std::string_view kGradExpected = "finite, |g| <= 2^126";
+
+// The preconditions the dense router backwards share: shapes, slot indices,
+// finite g and acceptable z, dz disjoint from every input. (Clauses as
+// template arguments keep MOECERT_CONTRACT's compile-time cap.)
+template <const ClauseInfo& kShape, const ClauseInfo& kIdx, const ClauseInfo& kFinite,
+          const ClauseInfo& kAlias, class ZOk>
+void dense_backward_pre(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
+                        MatView<const float> g, MatView<float> dz, ZOk z_ok,
+                        std::string_view z_expected) {
+  MOECERT_CONTRACT(c, kShape) {
+    if (idx.rows != z.rows || g.rows != z.rows || g.cols != idx.cols || dz.rows != z.rows ||
+        dz.cols != z.cols || idx.cols < 1)
+      c.fail(kShape, "",
+             fmt::format("{}, {}, {}, {}", shape_of("z", z.rows, z.cols),
+                         shape_of("idx", idx.rows, idx.cols), shape_of("g", g.rows, g.cols),
+                         shape_of("dz", dz.rows, dz.cols)),
+             "z, dz T x E; idx, g T x K");
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, kIdx) { index_rows(c, kIdx, kIdx, idx, z.cols, true, true, true); }
+  MOECERT_CONTRACT(c, kFinite) {
+    detail::scan(c, kFinite, "g", g, within_2p126, kGradExpected) &&
+        detail::scan(c, kFinite, "z", z, z_ok, z_expected);
+  }
+  MOECERT_CONTRACT(c, kAlias) {
+    for (const auto& in : {std::pair<const char*, ByteRange>{"z", z.bytes()},
+                           {"idx", idx.bytes()},
+                           {"g", g.bytes()}})
+      disjoint(c, kAlias, {{"dz", dz.bytes()}, in});
+  }
+}
+
+}  // namespace moecert::contracts::router_detail

@@ -1,0 +1,174 @@
+// Clauses of router.product_key, forward and backward (include/moecert/router.hpp).
+#include "contracts/router/common.hpp"
+
+namespace moecert::contracts {
+
+using namespace router_detail;
+
+void product_key_pre(detail::Checker& c, MatView<const float> sx, MatView<const float> sy,
+                     ByteRange in_x, ByteRange in_y, router::KeyWeights mode,
+                     MatView<std::int32_t> idx, MatView<float> w) {
+  MOECERT_CONTRACT(c, k::kPkShape) {
+    if (sy.rows != sx.rows || sy.cols != sx.cols || idx.rows != sx.rows || w.rows != sx.rows ||
+        w.cols != idx.cols || idx.cols < 1 || idx.cols > sx.cols * sx.cols ||
+        sx.cols * sx.cols > (std::size_t{1} << 31))
+      c.fail(k::kPkShape, "",
+             fmt::format("{}, {}, {}, {}", shape_of("sx", sx.rows, sx.cols),
+                         shape_of("sy", sy.rows, sy.cols), shape_of("idx", idx.rows, idx.cols),
+                         shape_of("w", w.rows, w.cols)),
+             fmt::format("sy {0}x{1}; idx, w {0}xK with 1 <= K <= {1}^2", sx.rows, sx.cols));
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kPkFinite) {
+    // Finite, and small enough that every fp32 sum sx + sy is finite (and,
+    // for exp weights, that exp(sx + sy) is).
+    if (detail::scan(c, k::kPkFinite, "sx", sx, within_2p126, "finite, |s| <= 2^126") &&
+        detail::scan(c, k::kPkFinite, "sy", sy, within_2p126, "finite, |s| <= 2^126") &&
+        mode == router::KeyWeights::exp)
+      for (std::size_t t = 0; t < sx.rows; ++t) {
+        float mx = -INFINITY, my = -INFINITY;
+        for (std::size_t i = 0; i < sx.cols; ++i)
+          mx = std::max(mx, sx(t, i)), my = std::max(my, sy(t, i));
+        if (!(double(mx) + my <= 88.0)) {
+          c.fail(k::kPkFinite, fmt::format("t={}", t),
+                 fmt::format("max sx + max sy = {}", double(mx) + my),
+                 "<= 88 for exp weights (exp stays finite)");
+          return;
+        }
+      }
+  }
+  MOECERT_CONTRACT(c, k::kPkNoAlias) {
+    disjoint(c, k::kPkNoAlias, {{"idx", idx.bytes()}, {"w", w.bytes()}, {"sx", in_x}});
+    disjoint(c, k::kPkNoAlias, {{"idx", idx.bytes()}, {"w", w.bytes()}, {"sy", in_y}});
+  }
+}
+
+void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const float> sy,
+                      router::KeyWeights mode, MatView<const std::int32_t> idx,
+                      MatView<const float> w) {
+  const std::size_t n = sx.cols, e = n * n;
+  MOECERT_CONTRACT(c, k::kPkIdxValid) {
+    index_rows(c, k::kPkIdxValid, k::kPkIdxUnique, idx, e, false, true, false);
+  }
+  MOECERT_CONTRACT(c, k::kPkIdxUnique) {
+    index_rows(c, k::kPkIdxValid, k::kPkIdxUnique, idx, e, false, false, true);
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kPkSorted) {
+    // The total order on the exact sum (then the expert index).
+    for (std::size_t t = 0; t < idx.rows; ++t)
+      for (std::size_t j = 1; j < idx.cols; ++j) {
+        const std::int32_t a = idx(t, j - 1), b = idx(t, j), ni = static_cast<std::int32_t>(n);
+        const int cmp = order::compare(order::pair_sum(sx(t, a / ni), sy(t, a % ni)),
+                                       order::pair_sum(sx(t, b / ni), sy(t, b % ni)));
+        if (!(cmp > 0 || (cmp == 0 && a < b))) {
+          c.fail(k::kPkSorted, fmt::format("t={} j={}", t, j),
+                 fmt::format("expert {} before expert {}", a, b),
+                 "exact score descending, then index ascending");
+          return;
+        }
+      }
+  }
+  MOECERT_CONTRACT(c, k::kPkWeights) {
+    if (mode == router::KeyWeights::softmax) {
+      double shift = 0;
+      for (std::size_t t = 0; t < idx.rows; ++t) {
+        const std::int32_t ni = static_cast<std::int32_t>(n);
+        const double top = double(sx(t, idx(t, 0) / ni)) + sy(t, idx(t, 0) % ni);
+        for (std::size_t j = 0; j < idx.cols; ++j)
+          shift = std::max(shift, top - (double(sx(t, idx(t, j) / ni)) + sy(t, idx(t, j) % ni)));
+      }
+      const double eps = bounds::softmax_rel(idx.cols, shift) + 2 * idx.cols * bounds::kMinNormal32;
+      weight_rows(c, k::kPkWeights, idx, w, 1 + eps, 1 - eps, 1 + eps);
+    } else {
+      detail::scan_finite(c, k::kPkWeights, "w", w);
+    }
+  }
+  MOECERT_CONTRACT(c, k::kPkWithin) {
+    weights_within(c, k::kPkWithin, idx, n * n, w, [&](std::size_t t) {
+      return bounds::product_key_weights_row(sx.row(t), sy.row(t), n, idx.row(t), idx.cols, mode);
+    });
+  }
+}
+
+void product_key_backward_pre(detail::Checker& c, MatView<const float> sx, MatView<const float> sy,
+                              MatView<const std::int32_t> idx, MatView<const float> g,
+                              MatView<float> dsx, MatView<float> dsy) {
+  MOECERT_CONTRACT(c, k::kPkbShape) {
+    const std::size_t t = sx.rows, n = sx.cols;
+    if (sy.rows != t || sy.cols != n || dsx.rows != t || dsx.cols != n || dsy.rows != t ||
+        dsy.cols != n || idx.rows != t || g.rows != t || g.cols != idx.cols || idx.cols < 1)
+      c.fail(k::kPkbShape, "",
+             fmt::format("{}, {}, {}, {}, {}, {}", shape_of("sx", t, n),
+                         shape_of("sy", sy.rows, sy.cols), shape_of("idx", idx.rows, idx.cols),
+                         shape_of("g", g.rows, g.cols), shape_of("dsx", dsx.rows, dsx.cols),
+                         shape_of("dsy", dsy.rows, dsy.cols)),
+             "sx, sy, dsx, dsy T x n; idx, g T x K");
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kPkbIdx) {
+    index_rows(c, k::kPkbIdx, k::kPkbIdx, idx, sx.cols * sx.cols, true, true, true);
+  }
+  MOECERT_CONTRACT(c, k::kPkbFinite) {
+    detail::scan(c, k::kPkbFinite, "g", g, within_2p126, kGradExpected) &&
+        detail::scan_finite(c, k::kPkbFinite, "sx", sx) &&
+        detail::scan_finite(c, k::kPkbFinite, "sy", sy);
+  }
+  MOECERT_CONTRACT(c, k::kPkbNoAlias) {
+    for (const auto& in : {std::pair<const char*, ByteRange>{"sx", sx.bytes()},
+                           {"sy", sy.bytes()},
+                           {"idx", idx.bytes()},
+                           {"g", g.bytes()}})
+      disjoint(c, k::kPkbNoAlias, {{"dsx", dsx.bytes()}, {"dsy", dsy.bytes()}, in});
+  }
+}
+
+void product_key_backward_post(detail::Checker& c, MatView<const float> sx, MatView<const float> sy,
+                               MatView<const std::int32_t> idx, MatView<const float> g,
+                               router::KeyWeights mode, MatView<const float> dsx,
+                               MatView<const float> dsy) {
+  MOECERT_CONTRACT(c, k::kPkbUnused) {
+    const std::size_t n = dsx.cols;
+    std::vector<char> ux(n), uy(n);
+    for (std::size_t t = 0; t < idx.rows; ++t) {
+      std::fill(ux.begin(), ux.end(), 0);
+      std::fill(uy.begin(), uy.end(), 0);
+      for (std::size_t j = 0; j < valid_slots(idx, t); ++j) {
+        ux[static_cast<std::size_t>(idx(t, j)) / n] = 1;
+        uy[static_cast<std::size_t>(idx(t, j)) % n] = 1;
+      }
+      for (std::size_t i = 0; i < n; ++i)
+        if ((!ux[i] && dsx(t, i) != 0.0f) || (!uy[i] && dsy(t, i) != 0.0f)) {
+          c.fail(k::kPkbUnused, fmt::format("t={} i={}", t, i),
+                 fmt::format("{}={} but no valid slot selects it",
+                             !ux[i] && dsx(t, i) != 0.0f ? "dsx" : "dsy",
+                             !ux[i] && dsx(t, i) != 0.0f ? dsx(t, i) : dsy(t, i)),
+                 "exactly 0");
+          return;
+        }
+    }
+  }
+  MOECERT_CONTRACT(c, k::kPkbGradFinite) {
+    detail::scan_finite(c, k::kPkbGradFinite, "dsx", dsx) &&
+        detail::scan_finite(c, k::kPkbGradFinite, "dsy", dsy);
+  }
+  MOECERT_CONTRACT(c, k::kPkbWithin) {
+    const std::size_t n = sx.cols;
+    grads_within(
+        c, k::kPkbWithin, idx, n * n, 2 * n,
+        [&](std::size_t t) {
+          std::vector<double> rx, ry;
+          ref::product_key_grad<double>(sx.row(t), sy.row(t), n, idx.row(t), g.row(t), idx.cols,
+                                        mode, rx, ry);
+          rx.insert(rx.end(), ry.begin(), ry.end());
+          return std::pair(rx, bounds::product_key_grad_row(sx.row(t), sy.row(t), n, idx.row(t),
+                                                            g.row(t), idx.cols, mode));
+        },
+        [&](std::size_t t, std::size_t i) { return i < n ? dsx(t, i) : dsy(t, i - n); },
+        [n](std::size_t i) {
+          return i < n ? fmt::format("dsx[{}]", i) : fmt::format("dsy[{}]", i - n);
+        });
+  }
+}
+
+}  // namespace moecert::contracts

@@ -1,0 +1,129 @@
+// Clauses of router.softmax_topk, forward and backward (include/moecert/router.hpp).
+#include "contracts/router/common.hpp"
+
+namespace moecert::contracts {
+
+using namespace router_detail;
+
+void softmax_topk_pre(detail::Checker& c, MatView<const float> z, ByteRange z_bytes,
+                      MatView<std::int32_t> idx, MatView<float> w) {
+  MOECERT_CONTRACT(c, k::kSmShape) {
+    if (idx.rows != z.rows || w.rows != z.rows || w.cols != idx.cols || idx.cols < 1 ||
+        idx.cols > z.cols)
+      c.fail(k::kSmShape, "",
+             fmt::format("{}, {}, {}", shape_of("z", z.rows, z.cols),
+                         shape_of("idx", idx.rows, idx.cols), shape_of("w", w.rows, w.cols)),
+             fmt::format("idx and w {}xK with 1 <= K <= {}", z.rows, z.cols));
+  }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kSmFinite) { detail::scan_finite(c, k::kSmFinite, "z", z); }
+  MOECERT_CONTRACT(c, k::kSmNoAlias) {
+    disjoint(c, k::kSmNoAlias, {{"idx", idx.bytes()}, {"w", w.bytes()}, {"z", z_bytes}});
+  }
+}
+
+void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const std::int32_t> idx,
+                       MatView<const float> w, bool renormalize) {
+  const std::size_t e = z.cols, kk = idx.cols;
+  MOECERT_CONTRACT(c, k::kSmIdxValid) {
+    index_rows(c, k::kSmIdxValid, k::kSmIdxUnique, idx, e, false, true, false);
+  }
+  MOECERT_CONTRACT(c, k::kSmIdxUnique) {
+    index_rows(c, k::kSmIdxValid, k::kSmIdxUnique, idx, e, false, false, true);
+  }
+  if (c.stop()) return;
+  auto score = [&](std::size_t t, std::int32_t i) { return z(t, static_cast<std::size_t>(i)); };
+  MOECERT_CONTRACT(c, k::kSmSorted) {
+    order_rows(c, k::kSmSorted, nullptr, idx, e, score, [](auto, auto) { return true; });
+  }
+  MOECERT_CONTRACT(c, k::kSmTopk) {
+    order_rows(c, k::kSmSorted, &k::kSmTopk, idx, e, score, [](auto, auto) { return true; });
+  }
+  MOECERT_CONTRACT(c, k::kSmWeights) {
+    // Renormalised: a softmax over the K selected, so the sum is 1 within
+    // §6's relative bound (shift <= the largest |z_j - z_max| over the row).
+    double shift = 0;
+    for (std::size_t t = 0; t < z.rows; ++t)
+      for (std::size_t i = 0; i < e; ++i)
+        shift = std::max(shift, double(z(t, idx(t, 0))) - z(t, i));
+    const double eps =
+        bounds::softmax_rel(renormalize ? kk : e, shift) + 2 * kk * bounds::kMinNormal32;
+    weight_rows(c, k::kSmWeights, idx, w, 1 + eps, renormalize ? 1 - eps : 0, 1 + eps);
+  }
+  MOECERT_CONTRACT(c, k::kSmWithin) {
+    weights_within(c, k::kSmWithin, idx, e, w, [&](std::size_t t) {
+      return bounds::softmax_topk_weights_row(z.row(t), e, idx.row(t), kk, renormalize);
+    });
+  }
+}
+
+void softmax_topk_backward_pre(detail::Checker& c, MatView<const float> z,
+                               MatView<const std::int32_t> idx, MatView<const float> g,
+                               MatView<float> dz) {
+  dense_backward_pre<k::kSmbShape, k::kSmbIdx, k::kSmbFinite, k::kSmbNoAlias>(
+      c, z, idx, g, dz, [](float v) { return std::isfinite(v); }, "finite");
+}
+
+void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
+                                MatView<const std::int32_t> idx, MatView<const float> g,
+                                MatView<const float> dz, bool renormalize) {
+  MOECERT_CONTRACT(c, k::kSmbUnselected) {
+    std::vector<char> chosen(z.cols, 0);
+    for (std::size_t t = 0; t < z.rows; ++t) {
+      const std::size_t valid = valid_slots(idx, t);
+      for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
+      // Not renormalised: every unselected dz_j = -p_j sum_S p g shares the
+      // sign of -sum_S p g; the sum is recomputed in double from the row's
+      // softmax (its sign is the one that matters; a sum within rounding of
+      // 0 lets either sign pass).
+      double dot = 0, tol = 0;
+      if (!renormalize && valid > 0) {
+        double m = z(t, 0), sum = 0, shift = 0;
+        for (std::size_t i = 0; i < z.cols; ++i) m = std::max(m, double(z(t, i)));
+        for (std::size_t i = 0; i < z.cols; ++i) {
+          sum += std::exp(z(t, i) - m);
+          shift = std::max(shift, m - z(t, i));
+        }
+        for (std::size_t j = 0; j < valid; ++j) {
+          const double p = std::exp(z(t, idx(t, j)) - m) / sum;
+          dot += p * g(t, j);
+          tol += p * std::fabs(g(t, j));
+        }
+        // The kernel's fp32 sum_S p g is within (§6 eps + gamma_K)(1 + eps)
+        // sum_S p |g| of this one; within that of 0 either sign may come out.
+        const double eps = bounds::softmax_rel(z.cols, shift);
+        tol = 2 * (eps + bounds::gamma(static_cast<double>(valid))) * (1 + eps) * tol +
+              valid * bounds::kMinNormal32;
+      }
+      for (std::size_t i = 0; i < z.cols; ++i) {
+        if (chosen[i]) continue;
+        const float d = dz(t, i);
+        const bool ok =
+            renormalize ? d == 0.0f : (std::fabs(dot) <= tol || d == 0.0f || (d < 0) == (dot > 0));
+        if (!ok) {
+          c.fail(k::kSmbUnselected, fmt::format("t={} expert {}", t, i), fmt::format("dz={}", d),
+                 renormalize ? "exactly 0 for an unselected expert"
+                             : fmt::format("sign of -sum_S p g = {:.6g}", -dot));
+          return;
+        }
+      }
+      for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
+    }
+  }
+  MOECERT_CONTRACT(c, k::kSmbWithin) {
+    const std::size_t e = z.cols;
+    grads_within(
+        c, k::kSmbWithin, idx, e, e,
+        [&](std::size_t t) {
+          const auto r = ref::softmax_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), idx.cols,
+                                                        renormalize);
+          return std::pair(std::vector<double>(r.begin(), r.end()),
+                           bounds::softmax_topk_grad_row(z.row(t), e, idx.row(t), g.row(t),
+                                                         idx.cols, renormalize));
+        },
+        [&](std::size_t t, std::size_t i) { return dz(t, i); },
+        [](std::size_t i) { return fmt::format("dz[{}]", i); });
+  }
+}
+
+}  // namespace moecert::contracts
