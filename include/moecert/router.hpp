@@ -49,7 +49,7 @@ void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatV
 /// an unselected j gets dz_j = -p_j sum_S p g, which is 0 only if that sum
 /// is 0. -1 slots contribute nothing.
 ///
-/// Clauses (contracts/router/softmax_topk_backward.cpp):
+/// Clauses (contracts/router/softmax_topk.cpp):
 ///   router.softmax_topk_backward.shape     pre   shape    z, dz T x E; idx, g T x K
 ///   router.softmax_topk_backward.idx_valid pre   index    0 <= idx < E or -1 only at the tail; unique
 ///   router.softmax_topk_backward.g_finite  pre   finite   every g finite, |g| <= 2^126 (g - sum_S w g
@@ -100,7 +100,7 @@ void sigmoid_topk_forward(MatView<const bf16> z, View<const float> bias, const S
 /// computed as c ((g_i - D)(s_i / sum_S s))(1 - s_i) (no intermediate overflows); 0 elsewhere.
 /// dz [T x E] written entirely.
 ///
-/// Clauses (contracts/router/sigmoid_topk_backward.cpp):
+/// Clauses (contracts/router/sigmoid_topk.cpp):
 ///   router.sigmoid_topk_backward.shape     pre   shape    z, dz T x E; idx, g T x K
 ///   router.sigmoid_topk_backward.idx_valid pre   index    0 <= idx < E or -1 only at the tail; unique
 ///   router.sigmoid_topk_backward.g_finite  pre   finite   every g finite, |g| <= 2^126; every z finite
@@ -149,7 +149,7 @@ void product_key_forward(MatView<const bf16> sx, MatView<const bf16> sy, KeyWeig
 /// dsy[t,iy] += ds_j in slot order (no atomics). Slots with idx = -1 add
 /// nothing. dsx, dsy [T x n] written entirely.
 ///
-/// Clauses (contracts/router/product_key_backward.cpp):
+/// Clauses (contracts/router/product_key.cpp):
 ///   router.product_key_backward.shape       pre   shape    sx, sy, dsx, dsy T x n; idx, g T x K
 ///   router.product_key_backward.idx_in_range pre  index    -1 <= idx < n*n, -1 only at the tail; unique
 ///   router.product_key_backward.g_finite    pre   finite   every g finite, |g| <= 2^126; sx, sy finite
