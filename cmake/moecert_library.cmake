@@ -14,6 +14,7 @@ set(MOECERT_SOURCES
   ops/core/guard.cpp
   contracts/gemm.cpp
   contracts/experts.cpp
+  contracts/reference/experts.cpp
   contracts/experts_train.cpp
   contracts/router/softmax_topk.cpp contracts/router/sigmoid_topk.cpp contracts/router/product_key.cpp
   ops/router/softmax_topk.cpp
@@ -29,6 +30,7 @@ set(MOECERT_SOURCES
   ops/layer/router_linear.cpp
   ops/layer/backward.cpp
   contracts/layer.cpp
+  contracts/bounds/layer.cpp
   contracts/layer_router_linear.cpp
   ops/workspace/plan.cpp
   ops/workspace/arena.cpp

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "contracts/engine.hpp"
+#include "contracts/reference/experts.hpp"
 #include "moecert/experts.hpp"
 #include "ops/experts/forward.hpp"
 
@@ -16,14 +17,5 @@ void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                           MatView<const bf16> x, MatView<const std::int32_t> idx,
                           MatView<const float> weights, MatView<const float> y,
                           const experts::ForwardState& st);
-
-/// Reference and bound of every y element (the full-level comparison, also
-/// used by tests and the conformance suite).
-struct ExpertsReference {
-  std::vector<double> y, bound;  // [T x H]
-};
-ExpertsReference experts_forward_reference(const experts::PackedExperts& w, MatView<const bf16> x,
-                                           MatView<const std::int32_t> idx,
-                                           MatView<const float> weights);
 
 }  // namespace moecert::contracts

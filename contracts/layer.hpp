@@ -1,7 +1,7 @@
-// Clauses of layer.forward and layer.backward (include/moecert/layer.hpp),
-// and the reference with its bounds for a kernel run.
+// Clauses of layer.forward and layer.backward (include/moecert/layer.hpp).
 #pragma once
 
+#include "contracts/bounds/layer.hpp"
 #include "contracts/engine.hpp"
 #include "contracts/reference/layer.hpp"
 #include "moecert/layer.hpp"
@@ -23,20 +23,5 @@ void layer_backward_saved(detail::Checker& c, const MoeConfig& cfg, MatView<cons
 void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                          MatView<const bf16> x, MatView<const float> dy, const layer::Saved& saved,
                          const layer::Gradients& g, const layer::BackwardOptions& opt);
-
-/// The layer's inputs as reference data of scalar S (routing, logits and
-/// weights from `saved`: the kernel's), dy optional.
-template <class S>
-ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                             const float* dy, const layer::Saved::Impl& saved);
-
-/// The reference forward (and backward with dy) with every element's bound
-/// of the kernel's error (proofs/layer.md), conditioned on the kernel's
-/// routing; `dw_kernel` (the kernel's dL/dw) enters the router backward's
-/// rounding bound.
-ref::LayerResult<bounds::Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w,
-                                               MatView<const bf16> x, const float* dy,
-                                               const layer::Saved::Impl& saved, ref::Paths paths,
-                                               const float* dw_kernel);
 
 }  // namespace moecert::contracts

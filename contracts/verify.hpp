@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "contracts/bounds/basic.hpp"
+#include "contracts/bounds/gemm.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/reference/basic.hpp"
 #include "moecert/types.hpp"
@@ -124,11 +125,9 @@ compare::Bounded check_rows_gemm_nt(std::size_t k, AAt a, std::size_t n, BAt b,
           flushed += p;
       }
       const double exact = ref::to_double(ref::dot<ref::DoubleDouble>(row.data(), col.data(), k));
-      double e = bounds::dot(k, sum_abs, flushed);
-      if (c_is_bf16) e = bounds::bf16_store(std::fabs(exact), e);
       got.push_back(c(i, j));
       want.push_back(exact);
-      bound.push_back(e);
+      bound.push_back(bounds::gemm_element(k, sum_abs, flushed, std::fabs(exact), c_is_bf16));
     }
   }
   return compare::bounded(got, want, bound);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "contracts/reference/basic.hpp"
+#include "contracts/reference/gemm.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;

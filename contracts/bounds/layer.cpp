@@ -1,0 +1,76 @@
+// The layer's bounded reference (contracts/bounds/layer.hpp): the layer
+// reference over bounds::Tracked on the kernel's routing, plus the router
+// backward kernel's own rounding of dz (proofs/router.md §4).
+#include "contracts/bounds/layer.hpp"
+
+#include "contracts/bounds/router.hpp"
+#include "contracts/experts_train.hpp"
+#include "ops/workspace/arena.hpp"
+
+namespace moecert::contracts {
+
+using bounds::Tracked;
+
+namespace {
+
+// The router backward kernel's own rounding, given the g it was fed
+// (proofs/router.md §4), per element of the row's dz.
+std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const float* z,
+                                    const std::int32_t* ir, std::size_t v, const float* g) {
+  if (v == 0) return std::vector<double>(d.R, 0.0);
+  switch (d.kind) {
+    case RouterKind::sigmoid_topk:
+      return bounds::sigmoid_topk_grad_row(z, d.R, ir, g, v, d.scaling);
+    case RouterKind::softmax_topk:
+      return bounds::softmax_topk_grad_row(z, d.R, ir, g, v, d.renormalize);
+    case RouterKind::product_key:
+      break;
+  }
+  const std::size_t n = d.R / 2;
+  return bounds::product_key_grad_row(z, z + n, n, ir, g, v, router::KeyWeights::softmax);
+}
+
+}  // namespace
+
+template <class S>
+ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
+                             const float* dy, const layer::Saved::Impl& s) {
+  const auto H = static_cast<std::size_t>(cfg.hidden),
+             R = static_cast<std::size_t>(workspace::router_outputs(cfg));
+  auto d = experts_data<S>(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{}, x, dy, s);
+  d.router = true, d.R = R;
+  d.kind = cfg.router, d.renormalize = cfg.renormalize,
+  d.scaling = static_cast<double>(static_cast<float>(cfg.scaling));
+  d.wr.resize(R * H);
+  for (std::size_t e = 0; e < R; ++e)
+    for (std::size_t h = 0; h < H; ++h) d.wr[e * H + h] = S(double(w.router_w(e, h)));
+  d.b.resize(R);
+  for (std::size_t e = 0; e < R; ++e) d.b[e] = S(double(w.router_b[e]));
+  d.z_given.resize(d.T * d.R);
+  for (std::size_t i = 0; i < d.T * d.R; ++i) d.z_given[i] = S(double(s.logits[i]));
+  return d;
+}
+
+template ref::LayerData<double> layer_data<double>(const MoeConfig&, const layer::Weights&,
+                                                   MatView<const bf16>, const float*,
+                                                   const layer::Saved::Impl&);
+template ref::LayerData<Tracked> layer_data<Tracked>(const MoeConfig&, const layer::Weights&,
+                                                     MatView<const bf16>, const float*,
+                                                     const layer::Saved::Impl&);
+
+ref::LayerResult<Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w,
+                                       MatView<const bf16> x, const float* dy,
+                                       const layer::Saved::Impl& s, ref::Paths paths,
+                                       const float* dw_kernel) {
+  const auto d = layer_data<Tracked>(cfg, w, x, dy, s);
+  return ref::layer_reference(
+      d, dy != nullptr, paths, [&](std::size_t t, std::vector<Tracked>& dz) {
+        if (!dw_kernel) return;
+        const std::int32_t* ir = s.idx + t * d.K;
+        const auto extra = router_rounding(d, s.logits + t * d.R, ir, ref::valid_prefix(ir, d.K),
+                                           dw_kernel + t * d.K);
+        for (std::size_t i = 0; i < d.R; ++i) dz[i].e += extra[i];
+      });
+}
+
+}  // namespace moecert::contracts
