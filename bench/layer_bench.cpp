@@ -15,6 +15,7 @@
 #include "bench/onednn_layer_peer.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
+#include "tests/fixture/layer_problem.hpp"
 
 namespace moecert::bench {
 namespace {
@@ -22,70 +23,54 @@ namespace {
 // Recorded PyTorch eager times (ms) at 16 threads: {T, forward, backward}.
 constexpr double kPytorch[][3] = {{1024, 238, 383}, {4096, 318, 678}};
 
-struct LayerData {
-  MoeConfig cfg;
-  std::vector<bf16> x, wg, wu, wd, ag, bg, au, bu, ad, bd;
-  std::vector<float> wr, b, dy;
-  experts::PackedExperts packed;
-  layer::Weights weights() const {
-    return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), nullptr,
-                                   layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(),
-                                                        bu.data(), ad.data(), bd.data()));
-  }
-  /// The eager oneDNN peer of this layer, on the same arrays.
-  EagerLayerSpec peer_spec() const {
-    auto u = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-    return {.experts = u(cfg.experts),
-            .hidden = u(cfg.hidden),
-            .inter = u(cfg.inter),
-            .topk = u(cfg.topk),
-            .rank = u(cfg.lora_rank),
-            .scale = float(cfg.lora_alpha / double(cfg.lora_rank)),
-            .w_gate = wg.data(),
-            .w_up = wu.data(),
-            .w_down = wd.data(),
-            .a_gate = ag.data(),
-            .b_gate = bg.data(),
-            .a_up = au.data(),
-            .b_up = bu.data(),
-            .a_down = ad.data(),
-            .b_down = bd.data(),
-            .router_w = wr.data(),
-            .router_b = b.data()};
-  }
-};
+using LayerData = fixture::LayerProblem;
 
+/// The eager oneDNN peer of this layer, on the same arrays.
+EagerLayerSpec peer_spec(const LayerData& d) {
+  return {.experts = d.E,
+          .hidden = d.H,
+          .inter = d.I,
+          .topk = d.K,
+          .rank = d.r,
+          .scale = float(d.cfg.lora_alpha / double(d.cfg.lora_rank)),
+          .w_gate = d.wg.data(),
+          .w_up = d.wu.data(),
+          .w_down = d.wd.data(),
+          .a_gate = d.lora[0].data(),
+          .b_gate = d.lora[1].data(),
+          .a_up = d.lora[2].data(),
+          .b_up = d.lora[3].data(),
+          .a_down = d.lora[4].data(),
+          .b_down = d.lora[5].data(),
+          .router_w = d.wr.data(),
+          .router_b = d.b.data()};
+}
+
+// Uniform values (fill_uniform, fast at these sizes): x by 1.7, the weights
+// and LoRA A factors by 1.7/sqrt(fan-in), the LoRA B factors by 0.1; W_r
+// N(0, 1/H), b 0, dy N(0, 1).
 LayerData make(const Shape& s) {
-  LayerData d;
-  d.cfg = {.experts = static_cast<std::int64_t>(s.e),
-           .hidden = static_cast<std::int64_t>(s.h),
-           .inter = static_cast<std::int64_t>(s.i),
-           .topk = static_cast<std::int64_t>(s.k),
-           .lora_rank = static_cast<std::int64_t>(s.r),
-           .lora_alpha = 16.0,
-           .max_tokens = static_cast<std::int64_t>(s.t)};
-  auto mk = [](std::vector<bf16>& v, std::size_t n, std::uint64_t seed, float scale) {
-    v.resize(n);
-    fill_uniform(v, seed, scale);
-  };
+  auto i64 = [](std::size_t v) { return static_cast<std::int64_t>(v); };
+  LayerData d = LayerData::shaped({.experts = i64(s.e),
+                                   .hidden = i64(s.h),
+                                   .inter = i64(s.i),
+                                   .topk = i64(s.k),
+                                   .lora_rank = i64(s.r),
+                                   .lora_alpha = 16.0,
+                                   .max_tokens = i64(s.t)},
+                                  s.t);
+  d.bias.clear();  // softmax_topk: no selection bias
   const float sh = 1.7f / std::sqrt(float(s.h)), si = 1.7f / std::sqrt(float(s.i));
-  mk(d.x, s.t * s.h, 11, 1.7f);
-  mk(d.wg, s.e * s.i * s.h, 12, sh), mk(d.wu, s.e * s.i * s.h, 13, sh),
-      mk(d.wd, s.e * s.h * s.i, 14, si);
-  mk(d.ag, s.e * s.r * s.h, 15, sh), mk(d.au, s.e * s.r * s.h, 16, sh),
-      mk(d.ad, s.e * s.r * s.i, 17, si);
-  mk(d.bg, s.e * s.i * s.r, 18, 0.1f), mk(d.bu, s.e * s.i * s.r, 19, 0.1f),
-      mk(d.bd, s.e * s.h * s.r, 20, 0.1f);
+  fill_uniform(d.x, 11, 1.7f);
+  fill_uniform(d.wg, 12, sh), fill_uniform(d.wu, 13, sh), fill_uniform(d.wd, 14, si);
+  fill_uniform(d.lora[0], 15, sh), fill_uniform(d.lora[2], 16, sh), fill_uniform(d.lora[4], 17, si);
+  fill_uniform(d.lora[1], 18, 0.1f), fill_uniform(d.lora[3], 19, 0.1f),
+      fill_uniform(d.lora[5], 20, 0.1f);
   std::mt19937_64 rng(21);
   std::normal_distribution<float> nd(0, 1);
-  d.wr.resize(s.e * s.h);
   for (auto& v : d.wr) v = nd(rng) / std::sqrt(float(s.h));
-  d.b.assign(s.e, 0.0f);
-  d.dy.resize(s.t * s.h);
   for (auto& v : d.dy) v = nd(rng);
-  d.packed = experts::PackedExperts::pack(s.e, {d.wg.data(), s.e * s.i, s.h},
-                                          {d.wu.data(), s.e * s.i, s.h},
-                                          {d.wd.data(), s.e * s.h, s.i}, true);
+  d.pack();
   return d;
 }
 
@@ -121,7 +106,7 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   auto fwd = [&] { layer::forward(d.cfg, w, x, {y.data(), s.t, s.h}, saved, {.isa = opt.isa}); };
 
   // The eager peer on the same data, with its own outputs.
-  OnednnEagerLayer peer(d.peer_spec());
+  OnednnEagerLayer peer(peer_spec(d));
   std::vector<float> py(y.size()), pdx(dx.size()), pdwr(dwr.size()), pdb(db.size()),
       pag(gag.size()), pau(gau.size()), pbg(gbg.size()), pbu(gbu.size()), pad(gad.size()),
       pbd(gbd.size());
@@ -185,7 +170,8 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
     if (rel > worst) worst = rel, worst_name = pr.name;
   }
   r.note = fmt::format(
-      "peer: the layer run eagerly on oneDNN ({}); largest |ours - peer| / max |peer|: {:.2g} ({})",
+      "peer: the layer run eagerly on oneDNN ({}); largest |ours - peer| / max |peer|: {:.2g} "
+      "({})",
       peer.matmul_impls(), worst, worst_name);
   if (r.recorded_peer_ms > 0)
     r.note += fmt::format(
@@ -217,8 +203,9 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
       std::swap(perm[j], perm[j + rng() % (s.e - j)]);
       idx[t * s.k + j] = perm[j], w[t * s.k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
     }
-  const auto lora = experts::Lora::stacked(d.cfg, d.ag.data(), d.bg.data(), d.au.data(),
-                                           d.bu.data(), d.ad.data(), d.bd.data());
+  const auto lora =
+      experts::Lora::stacked(d.cfg, d.lora[0].data(), d.lora[1].data(), d.lora[2].data(),
+                             d.lora[3].data(), d.lora[4].data(), d.lora[5].data());
   const MatView<const bf16> x(d.x.data(), s.t, s.h);
   const MatView<const std::int32_t> iv(idx.data(), s.t, s.k);
   const MatView<const float> wv(w.data(), s.t, s.k), dyv(d.dy.data(), s.t, s.h);
@@ -236,7 +223,7 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
     experts::forward_train(d.packed, lora, x, iv, wv, {y.data(), s.t, s.h}, saved,
                            {.isa = opt.isa});
   };
-  OnednnEagerLayer peer(d.peer_spec());
+  OnednnEagerLayer peer(peer_spec(d));
   std::vector<float> py(y.size()), pdx(dx.size()), pdw(dw.size()), pg[6];
   for (int i = 0; i < 6; ++i) pg[i].resize(sizes[i]);
   const EagerLayerGrads pgr{.dx = pdx.data(),

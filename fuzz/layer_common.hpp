@@ -11,24 +11,15 @@
 #include "fuzz/decode.hpp"
 #include "moecert/layer.hpp"
 #include "ops/workspace/arena.hpp"
+#include "tests/fixture/layer_problem.hpp"
 
 namespace moecert::fuzz {
 
-struct LayerInput {
-  MoeConfig cfg;
-  std::size_t T = 0, E = 0, H = 0, I = 0, K = 0, r = 0, R = 0;
-  std::vector<bf16> x, wg, wu, wd, lora[6];
-  std::vector<float> wr, b, bias, dy;
-  experts::PackedExperts packed;
+// The problem (fixture::LayerProblem, filled from the bytes) and what the
+// decoder knows of its values.
+struct LayerInput : fixture::LayerProblem {
   bool packed_ok = true;  // the base weights passed gemm.pack's clauses
   bool lora_ok = true, x_ok = true, scale_ok = true, dy_ok = true;
-
-  layer::Weights weights() const {
-    return layer::Weights::stacked(
-        cfg, packed, wr.data(), b.data(), bias.data(),
-        layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
-                             lora[4].data(), lora[5].data()));
-  }
 };
 
 inline bool ok_bf16(bf16 v) { return v.is_finite() && detail::bf16_in_range(v); }

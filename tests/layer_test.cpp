@@ -23,71 +23,18 @@
 #include "ops/layer/state.hpp"
 #include "ops/workspace/arena.hpp"
 #include "test_util.hpp"
+#include "tests/fixture/layer_problem.hpp"
 
 using namespace moecert;
 using ref::Hp;
 
 namespace {
 
-struct Problem {
-  MoeConfig cfg;
-  std::size_t T, E, H, I, K, r, R;
-  std::vector<bf16> x, wg, wu, wd, ag, bg, au, bu, ad, bd;
-  std::vector<float> wr, b, bias, dy;
-  experts::PackedExperts packed;
-  layer::Weights weights() const {
-    return layer::Weights::stacked(cfg, packed, wr.data(), b.data(), bias.data(),
-                                   layer::Lora::stacked(cfg, ag.data(), bg.data(), au.data(),
-                                                        bu.data(), ad.data(), bd.data()));
-  }
-  MatView<const bf16> X() const { return {x.data(), T, H}; }
-  MatView<const float> DY() const { return {dy.data(), T, H}; }
-};
+using Problem = fixture::LayerProblem;
 
 Problem make(RouterKind kind, std::size_t E, std::size_t H, std::size_t I, std::size_t K,
              std::size_t r, std::size_t T, std::uint64_t seed = 1) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0, 1);
-  Problem p;
-  p.cfg = {.experts = static_cast<std::int64_t>(E),
-           .hidden = static_cast<std::int64_t>(H),
-           .inter = static_cast<std::int64_t>(I),
-           .topk = static_cast<std::int64_t>(K),
-           .lora_rank = static_cast<std::int64_t>(r),
-           .lora_alpha = 2.0 * double(r),
-           .router = kind,
-           .groups = kind == RouterKind::sigmoid_topk ? 2 : 1,
-           .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1,
-           .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0,
-           .max_tokens = static_cast<std::int64_t>(T)};
-  p.T = T, p.E = E, p.H = H, p.I = I, p.K = K, p.r = r;
-  p.R = static_cast<std::size_t>(workspace::router_outputs(p.cfg));
-  auto fill = [&](std::vector<bf16>& v, std::size_t n, float scale) {
-    v.resize(n);
-    for (auto& q : v) q = bf16(nd(rng) * scale);
-  };
-  fill(p.x, T * H, 1);
-  fill(p.wg, E * I * H, 1 / std::sqrt(float(H)));
-  fill(p.wu, E * I * H, 1 / std::sqrt(float(H)));
-  fill(p.wd, E * H * I, 1 / std::sqrt(float(I)));
-  fill(p.ag, E * r * H, 1 / std::sqrt(float(H)));
-  fill(p.au, E * r * H, 1 / std::sqrt(float(H)));
-  fill(p.ad, E * r * I, 1 / std::sqrt(float(I)));
-  fill(p.bg, E * I * r, 0.3f);
-  fill(p.bu, E * I * r, 0.3f);
-  fill(p.bd, E * H * r, 0.3f);
-  p.wr.resize(p.R * H);
-  for (auto& q : p.wr) q = nd(rng) / std::sqrt(float(H));
-  p.b.resize(p.R);
-  for (auto& q : p.b) q = 0.1f * nd(rng);
-  p.bias.resize(E);
-  for (auto& q : p.bias) q = 0.05f * nd(rng);
-  p.dy.resize(T * H);
-  for (auto& q : p.dy) q = nd(rng);
-  p.packed = experts::PackedExperts::pack(E, MatView<const bf16>(p.wg.data(), E * I, H),
-                                          MatView<const bf16>(p.wu.data(), E * I, H),
-                                          MatView<const bf16>(p.wd.data(), E * H, I), true);
-  return p;
+  return fixture::random_layer(fixture::layer_config(kind, E, H, I, K, r, T), T, seed);
 }
 
 struct Grads {
@@ -492,7 +439,7 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
   }
   SECTION("lora_finite") {
     Problem& q = p;
-    q.bd[3] = bf16(INFINITY);
+    q.lora[5][3] = bf16(INFINITY);
     auto v = test::expect_violation([&] { fwd(q, y); }, "layer.forward.lora_finite", Level::check);
     CHECK(v.location == "lora.b_down[0, 3]");
     CHECK(y == before);

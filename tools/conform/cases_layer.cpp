@@ -12,24 +12,13 @@
 #include "moecert/layer.hpp"
 #include "moecert/workspace.hpp"
 #include "ops/workspace/arena.hpp"
+#include "tests/fixture/layer_problem.hpp"
 #include "tools/conform/case.hpp"
 
 namespace moecert::tools {
 namespace {
 
-struct Layer {
-  MoeConfig cfg;
-  std::size_t T, E, H, I, K, r, R;
-  std::vector<bf16> x, wg, wu, wd, lora[6];
-  std::vector<float> wr, b, bias, dy;
-  experts::PackedExperts packed;
-  layer::Weights weights() const {
-    return layer::Weights::stacked(
-        cfg, packed, wr.data(), b.data(), bias.data(),
-        layer::Lora::stacked(cfg, lora[0].data(), lora[1].data(), lora[2].data(), lora[3].data(),
-                             lora[4].data(), lora[5].data()));
-  }
-};
+using Layer = fixture::LayerProblem;
 
 struct Dims {
   std::size_t E, H, I, K, r, T;
@@ -37,44 +26,10 @@ struct Dims {
 constexpr Dims kSmall{8, 40, 24, 3, 4, 13}, kRealistic{16, 512, 384, 4, 8, 64};
 
 Layer make(RouterKind kind, std::uint64_t seed, Dims d) {
-  Layer l;
-  l.E = kind == RouterKind::product_key ? (d.E == 8 ? 9 : 16) : d.E, l.H = d.H, l.I = d.I,
-  l.K = d.K, l.r = d.r, l.T = d.T;
-  auto i64 = [](std::size_t v) { return static_cast<std::int64_t>(v); };
-  l.cfg = {.experts = i64(l.E),
-           .hidden = i64(l.H),
-           .inter = i64(l.I),
-           .topk = i64(l.K),
-           .lora_rank = i64(l.r),
-           .lora_alpha = 2.0 * double(l.r),
-           .router = kind,
-           .groups = kind == RouterKind::sigmoid_topk ? 2 : 1,
-           .topk_group = kind == RouterKind::sigmoid_topk ? 2 : 1,
-           .scaling = kind == RouterKind::sigmoid_topk ? 2.5 : 1.0,
-           .max_tokens = i64(l.T)};
-  l.R = static_cast<std::size_t>(workspace::router_outputs(l.cfg));
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0, 1);
-  auto fill = [&](std::vector<bf16>& v, std::size_t n, float s) {
-    v.resize(n);
-    for (auto& q : v) q = bf16(nd(rng) * s);
-  };
-  const float sh = 1 / std::sqrt(float(l.H)), si = 1 / std::sqrt(float(l.I));
-  fill(l.x, l.T * l.H, 1), fill(l.wg, l.E * l.I * l.H, sh), fill(l.wu, l.E * l.I * l.H, sh),
-      fill(l.wd, l.E * l.H * l.I, si);
-  const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H,
-                                l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
-  for (int i = 0; i < 6; ++i) fill(l.lora[i], sizes[i], i % 2 ? 0.3f : (i == 4 ? si : sh));
-  l.wr.resize(l.R * l.H), l.b.resize(l.R), l.bias.resize(l.E), l.dy.resize(l.T * l.H);
-  for (auto& q : l.wr) q = nd(rng) * sh;
-  for (auto& q : l.b) q = nd(rng) * 0.1f;
-  l.b[l.R / 2 - 1] =
-      -50;  // an output no token selects: idle experts (their LoRA gradients must be 0)
-  for (auto& q : l.bias) q = nd(rng) * 0.05f;
-  for (auto& q : l.dy) q = nd(rng);
-  l.packed = experts::PackedExperts::pack(l.E, {l.wg.data(), l.E * l.I, l.H},
-                                          {l.wu.data(), l.E * l.I, l.H},
-                                          {l.wd.data(), l.E * l.H, l.I}, true);
+  const std::size_t E = kind == RouterKind::product_key ? (d.E == 8 ? 9 : 16) : d.E;
+  Layer l =
+      fixture::random_layer(fixture::layer_config(kind, E, d.H, d.I, d.K, d.r, d.T), d.T, seed);
+  l.b[l.R / 2 - 1] = -50;  // an output no token selects: idle experts (their LoRA gradients: 0)
   return l;
 }
 
@@ -89,10 +44,7 @@ std::vector<float> steps(Layer& l, Isa isa, bool base) {
         for (std::size_t i = 0; i < f.size(); i += 3) f[i] = bf16(f[i].to_float() * 0.75f + 0.01f);
     // Fresh output buffers hold NaN, as a caller's might: every element must be written.
     std::vector<float> y(l.T * l.H, NAN), dx(l.T * l.H, NAN), g[6];
-    const std::size_t sizes[6] = {l.E * l.r * l.H, l.E * l.I * l.r, l.E * l.r * l.H,
-                                  l.E * l.I * l.r, l.E * l.r * l.I, l.E * l.H * l.r};
-    const std::size_t cols[6] = {l.H, l.r, l.H, l.r, l.I, l.r};
-    for (int i = 0; i < 6; ++i) g[i].assign(sizes[i], NAN);
+    for (int i = 0; i < 6; ++i) g[i].assign(l.lora_size(i), NAN);
     std::vector<float> gwr(l.R * l.H, NAN), gb(l.R, NAN), ma(l.T * l.E, NAN), mg(l.T * l.E, NAN);
     layer::Gradients gr;
     gr.m_a = {ma.data(), l.T, l.E}, gr.m_g = {mg.data(), l.T, l.E};
@@ -100,7 +52,7 @@ std::vector<float> steps(Layer& l, Isa isa, bool base) {
     gr.router_w = {gwr.data(), l.R, l.H};
     gr.router_b = {gb.data(), l.R};
     MatView<float>* lv[6] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up, &gr.a_down, &gr.b_down};
-    for (int i = 0; i < 6; ++i) *lv[i] = {g[i].data(), sizes[i] / cols[i], cols[i]};
+    for (int i = 0; i < 6; ++i) *lv[i] = {g[i].data(), l.E * l.lora_rows(i), l.lora_cols(i)};
     std::vector<float> gw[3];  // base weights, where the case asks for them
     if (base) {
       for (auto& v : gw) v.assign(l.E * l.I * l.H, NAN);
