@@ -103,6 +103,8 @@ void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                           MatView<const float> weights, MatView<const float> y,
                           const experts::ForwardState& st) {
   MOECERT_CONTRACT(c, k::kYFinite) { detail::scan_finite(c, k::kYFinite, "y", y); }
+  // x and W in range, no overflow; Freivalds probes of both GEMMs of every
+  // expert, never failing within bounds::dot; proofs/bounds.md §9.
   MOECERT_CONTRACT(c, k::kProbe) {
     const auto& g = st.grouping;
     for (std::size_t e = 0; e < g.experts; ++e) {
@@ -134,6 +136,8 @@ void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
         }
     }
   }
+  // x, W and the weights exact; every y within the chained expert bound
+  // (bounds::expert_row, bounds::combine); proofs/bounds.md §10.
   MOECERT_CONTRACT(c, k::kWithinBound) {
     const auto ref = experts_forward_reference(w, x, idx, weights);
     std::vector<float> got(y.rows * y.cols);

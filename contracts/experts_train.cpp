@@ -393,6 +393,8 @@ void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts
                                 const experts::Lora& lora, MatView<const bf16> x,
                                 MatView<const float> y, const experts::TrainState& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
+  // Inputs exact, no overflow; every y within layer_reference over Tracked with
+  // the caller's weights; proofs/experts.md §1.
   MOECERT_CONTRACT(c, k::kFwdWithin) {
     // The layer's expert part with the routing weights given (proofs/experts.md §1).
     const auto ref = ref::layer_reference(experts_data<Tracked>(w, lora, x, nullptr, s), false);
@@ -487,6 +489,8 @@ void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
   }
   MOECERT_CONTRACT(c, k::kBwdEmptyZero) { empty_expert_zero(c, k::kBwdEmptyZero, s, g); }
   MOECERT_CONTRACT(c, k::kBwdDwMasked) { dweights_masked(c, k::kBwdDwMasked, s, g.dweights); }
+  // Inputs and dy exact, no overflow; every gradient within layer_reference over
+  // Tracked (dweights, dx, LoRA, base); proofs/experts.md §2.
   MOECERT_CONTRACT(c, k::kBwdWithin) {
     static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
     const bool expert = experts::wants_expert_path(g);

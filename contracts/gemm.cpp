@@ -105,6 +105,9 @@ void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::Pac
                       MatView<const float> out) {
   MOECERT_CONTRACT(c, k::kCFinite) { detail::scan_finite(c, k::kCFinite, "c", out); }
   auto b_at = [&](std::size_t j, std::size_t kk) { return w.at(j, kk); };
+  // A, W in range (gemm.*.range), no overflow; a Freivalds probe per row and
+  // column block against verify's threshold (bounds::dot + the probe's binary64
+  // rounding); never fails within bounds; proofs/bounds.md §9.
   MOECERT_CONTRACT(c, k::kProbe) {
     const auto r = verify::probe_gemm_nt(a.rows, a.cols, a, w.n(), b_at, out);
     if (!r.pass)
@@ -112,6 +115,8 @@ void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::Pac
              fmt::format("residual {:.6g}", r.residual),
              fmt::format("<= {:.6g} (proofs/bounds.md §9)", r.threshold));
   }
+  // The same assumptions; every element against the double-double reference
+  // within bounds::gemm_element (any order, flushed inputs apart); proofs/bounds.md §1.
   MOECERT_CONTRACT(c, k::kWithinBound) {
     std::vector<std::size_t> rows(a.rows);
     for (std::size_t i = 0; i < a.rows; ++i) rows[i] = i;

@@ -128,6 +128,8 @@ void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::W
                         MatView<const bf16> x, MatView<const float> y,
                         const layer::Saved::Impl& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
+  // Conditioned on the kernel's routing; inputs exact, no overflow; every z and y
+  // within layer_bounds (Tracked through the kernel's rounding points); proofs/layer.md §1-2.
   MOECERT_CONTRACT(c, k::kFwdWithin) {
     const Dims d = dims(cfg);
     // z: an fp32 sum of H + 1 terms (proofs/bounds.md §1).
@@ -270,6 +272,8 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
   MOECERT_CONTRACT(c, k::kBwdRouterMasked) {
     if (dw) dweights_masked(c, k::kBwdRouterMasked, s, MatView<const float>(dw, x.rows, d.K, d.K));
   }
+  // Conditioned on the kernel's routing and dL/dw; every gradient within
+  // layer_bounds (expert path, router path, base weights); proofs/layer.md §3-4.
   MOECERT_CONTRACT(c, k::kBwdWithin) {
     static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
     const auto ref =

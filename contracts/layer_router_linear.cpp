@@ -70,6 +70,8 @@ std::vector<Tracked> router_logits_reference(MatView<const bf16> x, MatView<cons
 void router_linear_forward_post(detail::Checker& c, MatView<const bf16> x, MatView<const float> w,
                                 View<const float> b, MatView<const float> z) {
   MOECERT_CONTRACT(c, k::kRlOutFinite) { detail::scan_finite(c, k::kRlOutFinite, "z", z); }
+  // Inputs exact (bf16 x, fp32 W_r, b), no overflow; z: fp32 sums of H + 1 terms,
+  // bounds::dot via Tracked; proofs/bounds.md §1.
   MOECERT_CONTRACT(c, k::kRlWithin) {
     within(c, k::kRlWithin, "z", z.cols, values(z), router_logits_reference(x, w, b),
            "proofs/bounds.md §1");
@@ -127,6 +129,8 @@ void router_linear_backward_post(detail::Checker& c, MatView<const bf16> x, MatV
         (g.router_b.empty() ||
          detail::scan_finite(c, k::kRlOutFinite, "router_b grad", row_of(g.router_b)));
   }
+  // dz taken as exact; dW_r, db: fp32 sums over T, dx: the caller's value plus R
+  // products; bounds::dot via Tracked for any summation order; proofs/layer.md §4.
   MOECERT_CONTRACT(c, k::kRlWithin) {
     constexpr const char* kProof = "proofs/layer.md §4";
     // dx: the caller's value plus a sum of R products, R + 1 terms in all.

@@ -69,6 +69,8 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
         }
       }
   }
+  // Softmax weights: range and sum within §6 over the selected scores
+  // (bounds::softmax_rel); exp and raw weights: finite; proofs/router.md §3.
   MOECERT_CONTRACT(c, k::kPkWeights) {
     if (mode == router::KeyWeights::softmax) {
       double shift = 0;
@@ -84,6 +86,8 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
       detail::scan_finite(c, k::kPkWeights, "w", w);
     }
   }
+  // sx, sy exact, |s| <= 2^126; every weight within bounds::product_key_weights_row
+  // of its own slot's binary64 reference; proofs/router.md §3.
   MOECERT_CONTRACT(c, k::kPkWithin) {
     weights_within(c, k::kPkWithin, idx, n * n, w, [&](std::size_t t) {
       return bounds::product_key_weights_row(sx.row(t), sy.row(t), n, idx.row(t), idx.cols, mode);
@@ -152,6 +156,8 @@ void product_key_backward_post(detail::Checker& c, MatView<const float> sx, MatV
     detail::scan_finite(c, k::kPkbGradFinite, "dsx", dsx) &&
         detail::scan_finite(c, k::kPkbGradFinite, "dsy", dsy);
   }
+  // Scores and g exact, |g| <= 2^126; every finite dsx, dsy within
+  // bounds::product_key_grad_row of the binary64 reference; proofs/router.md §4.
   MOECERT_CONTRACT(c, k::kPkbWithin) {
     const std::size_t n = sx.cols;
     grads_within(

@@ -93,6 +93,7 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
         }
     order_rows(c, k::kSgSorted, &k::kSgTopk, idx, e, sel, eligible);
   }
+  // Range and sum of each row's weights (bounds::renormalized_rel); proofs/router.md §3.
   MOECERT_CONTRACT(c, k::kSgWeights) {
     // w = c s_j / sum_S s: §7 with eps = gamma_{c+2} (sigma, §4) and one
     // multiplication by c; the sum is c unless rows hold -1 slots only.
@@ -103,6 +104,8 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
     weight_rows(c, k::kSgWeights, idx, w, p.scaling * (1 + rel) + eta, 0,
                 p.scaling * (1 + rel) + idx.cols * eta);
   }
+  // z exact, sigma within §4; every weight within bounds::sigmoid_topk_weights_row
+  // of its own slot's binary64 reference; proofs/router.md §3.
   MOECERT_CONTRACT(c, k::kSgWithin) {
     weights_within(c, k::kSgWithin, idx, z.cols, w, [&](std::size_t t) {
       return bounds::sigmoid_topk_weights_row(z.row(t), idx.row(t), idx.cols, p.scaling);
@@ -137,6 +140,8 @@ void sigmoid_topk_backward_post(detail::Checker& c, MatView<const float> z,
   MOECERT_CONTRACT(c, k::kSgbDzFinite) {
     detail::scan_finite(c, k::kSgbDzFinite, "dz", MatView<const float>(dz));
   }
+  // z and g exact, |g| <= 2^126; every finite dz within
+  // bounds::sigmoid_topk_grad_row of the binary64 reference; proofs/router.md §4.
   MOECERT_CONTRACT(c, k::kSgbWithin) {
     const std::size_t e = z.cols;
     grads_within(

@@ -39,6 +39,7 @@ void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const
   MOECERT_CONTRACT(c, k::kSmTopk) {
     order_rows(c, k::kSmSorted, &k::kSmTopk, idx, e, score, [](auto, auto) { return true; });
   }
+  // Range and sum of each row's weights (bounds::softmax_rel); proofs/bounds.md §6.
   MOECERT_CONTRACT(c, k::kSmWeights) {
     // Renormalised: a softmax over the K selected, so the sum is 1 within
     // §6's relative bound (shift <= the largest |z_j - z_max| over the row).
@@ -50,6 +51,8 @@ void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const
         bounds::softmax_rel(renormalize ? kk : e, shift) + 2 * kk * bounds::kMinNormal32;
     weight_rows(c, k::kSmWeights, idx, w, 1 + eps, renormalize ? 1 - eps : 0, 1 + eps);
   }
+  // z exact; every weight within bounds::softmax_topk_weights_row of its own
+  // slot's binary64 reference; proofs/router.md §3.
   MOECERT_CONTRACT(c, k::kSmWithin) {
     weights_within(c, k::kSmWithin, idx, e, w, [&](std::size_t t) {
       return bounds::softmax_topk_weights_row(z.row(t), e, idx.row(t), kk, renormalize);
@@ -110,6 +113,8 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
       for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
     }
   }
+  // z and g exact, |g| <= 2^126; every finite dz within
+  // bounds::softmax_topk_grad_row of the binary64 reference; proofs/router.md §4.
   MOECERT_CONTRACT(c, k::kSmbWithin) {
     const std::size_t e = z.cols;
     grads_within(
