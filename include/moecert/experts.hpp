@@ -69,8 +69,7 @@ class Workspace {
 
 struct ForwardOptions {
   /// Kernel; default: default_isa() at every batch size (AMX's 16-row edge
-  /// block beats the AVX-512 kernel even below one routed row per expert:
-  /// docs/PERFORMANCE.md).
+  /// block beats the AVX-512 kernel even below one routed row per expert).
   std::optional<Isa> isa;
   /// Reused scratch; null: a temporary one for this call.
   Workspace* workspace = nullptr;

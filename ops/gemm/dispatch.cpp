@@ -174,21 +174,20 @@ void no_hook() {}
 
 const KernelInfo& kernel_info(Isa isa) {
   // The kernel table: each kernel registered once, with its block sizes.
-  // K block of the AMX loops: all of K. Blocks of 128 to 1024 measured
-  // slower on the AMX machine, with panels outside and with rows outside,
-  // prefetching across calls or not (512: 8-22%, 128: 31-75%;
-  // docs/PERFORMANCE.md): each call's fixed cost (C's tiles stored
-  // and reloaded, the tile pipeline drained) outweighs A kept in L1.
+  // K block of the AMX loops (in elements): all of K. Every block of 128 to
+  // 1024 ran slower on AMX hardware, with panels or rows outside, with
+  // prefetching across calls or not: each call's fixed cost (C's tiles
+  // stored and reloaded, the tile pipeline drained) outweighs A kept in L1.
   constexpr std::size_t kAmxKc = 0;
   // With all of K per call, the AMX loops take one 32-row block of A (128
   // KiB at K = 2048) past every column panel of the item before the next,
   // where the item's B fits kItemBBytes: A and B then stay in L2, where
   // column panels outside cycle up to 512 rows of A (2 MiB) through L2 once
-  // per panel. Measured on the AMX machine (docs/PERFORMANCE.md):
-  // gate/up GEMM at T = 4096 5% faster, the backward's dx GEMM (in 128-column
-  // items, gemm::item_cols) 12-15%; the AVX-512 kernel, whose 8-row A block
-  // fits L1 either way, 2-4% slower here, so it keeps the panels outside.
-  constexpr std::size_t kAmxMc = 32;
+  // per panel. On AMX hardware this order is faster for the gate/up GEMM and
+  // the backward's dx GEMM (128-column items, gemm::item_cols); the AVX-512
+  // kernel, whose 8-row A block fits L1 either way, is not, so it keeps the
+  // panels outside.
+  constexpr std::size_t kAmxMc = 32;  // in rows
   // The vector element-wise kernels wherever AVX-512 runs (AMX machines have
   // it); the emulator takes them too where it can, and the results never
   // differ.

@@ -27,11 +27,10 @@ inline std::size_t a_size(ALayout l, std::size_t m_padded, std::size_t kp) {
 inline constexpr std::size_t kItemBBytes = std::size_t{1} << 20;
 /// Columns per GEMM work item over depth kp: 128 where the item's B then
 /// fits kItemBBytes (K up to 4096), else 256 (B stays in L3 either way, and
-/// wider items read A less often). Measured on the AMX machine, phase by
-/// phase, rows outside (docs/PERFORMANCE.md): against 256
-/// columns, the dx GEMM (K = 2I, 1.4 MiB of B at 256) 3-6% faster, the down
-/// and dh GEMMs 0-8%, gate/up even at T = 4096 and 4-7% faster at T = 1024
-/// (twice the items for 16 threads).
+/// wider items read A less often). On AMX hardware, rows outside, 128
+/// columns are faster than 256 for the dx GEMM (K = 2I, 1.4 MiB of B at
+/// 256), the down and dh GEMMs, and for gate/up at T = 1024 (twice the items
+/// for 16 threads); even for gate/up at T = 4096.
 inline std::size_t item_cols(std::size_t kp) {
   return 128 * kp * sizeof(bf16) <= kItemBBytes ? 128 : 256;
 }

@@ -117,7 +117,7 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
   add("experts.a", packed_a(H), f_gather, f_gate_up);
   add("lora.lb_gu", packed_a(r * N(2)), f_gather, f_gate_up);
   add("lora.lb_d", packed_a(r), f_down, f_down);
-  // Backward scratch (largest first: see docs/PERFORMANCE.md, memory).
+  // Backward scratch, largest first.
   add("bwd.dx_rows", R * H * N(4), b_dx, b_scatter);
   add("bwd.dy", packed_a(H), b_gather, b_dh);
   add("bwd.dh", R * round_up(I, kKStep) * N(4), b_dh, b_swiglu);
