@@ -246,6 +246,9 @@ inline constexpr ClauseInfo kSmWithin =
 inline constexpr ClauseInfo kSgWithin =
     post("router.sigmoid_topk.within_bound", Group::numeric,
          "every w within §3 of its slot's reference", Level::full);
+inline constexpr ClauseInfo kPkTopk =
+    post("router.product_key.topk_property", Group::index,
+         "no unselected expert outranks the K-th (brute force over n^2)", Level::audit);
 inline constexpr ClauseInfo kPkWithin =
     post("router.product_key.within_bound", Group::numeric,
          "every w within §3 of its slot's reference", Level::full);
@@ -259,14 +262,14 @@ inline constexpr ClauseInfo kPkbWithin =
     post("router.product_key_backward.within_bound", Group::numeric,
          "every finite dsx, dsy within §4.3 of the reference", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kSmShape,    kSmFinite,      kSmNoAlias,     kSmIdxValid, kSmIdxUnique,   kSmSorted,
-    kSmTopk,     kSmWeights,     kSmWithin,      kSmbShape,   kSmbIdx,        kSmbFinite,
-    kSmbNoAlias, kSmbUnselected, kSmbWithin,     kSgShape,    kSgFinite,      kSgNoAlias,
-    kSgIdxValid, kSgIdxUnique,   kSgSorted,      kSgTopk,     kSgWeights,     kSgWithin,
-    kSgbShape,   kSgbIdx,        kSgbFinite,     kSgbNoAlias, kSgbUnselected, kSgbDzFinite,
-    kSgbWithin,  kPkShape,       kPkFinite,      kPkNoAlias,  kPkIdxValid,    kPkIdxUnique,
-    kPkSorted,   kPkWeights,     kPkWithin,      kPkbShape,   kPkbIdx,        kPkbFinite,
-    kPkbNoAlias, kPkbUnused,     kPkbGradFinite, kPkbWithin};
+    kSmShape,    kSmFinite,      kSmNoAlias, kSmIdxValid,    kSmIdxUnique,   kSmSorted,
+    kSmTopk,     kSmWeights,     kSmWithin,  kSmbShape,      kSmbIdx,        kSmbFinite,
+    kSmbNoAlias, kSmbUnselected, kSmbWithin, kSgShape,       kSgFinite,      kSgNoAlias,
+    kSgIdxValid, kSgIdxUnique,   kSgSorted,  kSgTopk,        kSgWeights,     kSgWithin,
+    kSgbShape,   kSgbIdx,        kSgbFinite, kSgbNoAlias,    kSgbUnselected, kSgbDzFinite,
+    kSgbWithin,  kPkShape,       kPkFinite,  kPkNoAlias,     kPkIdxValid,    kPkIdxUnique,
+    kPkSorted,   kPkTopk,        kPkWeights, kPkWithin,      kPkbShape,      kPkbIdx,
+    kPkbFinite,  kPkbNoAlias,    kPkbUnused, kPkbGradFinite, kPkbWithin};
 }  // namespace router
 
 namespace workspace {

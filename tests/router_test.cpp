@@ -977,6 +977,17 @@ TEST_CASE("router.product_key: clauses", "[router][product_key][index]") {
   bad = idx;
   std::swap(bad[0], bad[2]);
   test::expect_violation([&] { post(bad, w); }, "router.product_key.sorted");
+  bad = idx;  // a valid, sorted, but not top-k selection: row 0's worst expert in its last slot
+  {
+    std::int32_t worst = 0;
+    for (std::int32_t i = 0; i < std::int32_t(n * n); ++i)
+      if (double(sx[i / n]) + sy[i % n] < double(sx[worst / n]) + sy[worst % n]) worst = i;
+    bad[k - 1] = worst;
+  }
+  {
+    ContractScope audit{Level::audit, Semantic::enforce};
+    test::expect_violation([&] { post(bad, w); }, "router.product_key.topk_property");
+  }
   auto wb = w;
   wb[1] = -0.1f;
   test::expect_violation([&] { post(idx, wb); }, "router.product_key.weights_range");

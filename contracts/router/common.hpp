@@ -13,6 +13,7 @@
 #include "contracts/bounds/router.hpp"
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
+#include "contracts/judge.hpp"
 #include "contracts/order.hpp"
 #include "contracts/router.hpp"
 
@@ -78,6 +79,14 @@ inline std::size_t valid_slots(MatView<const std::int32_t> idx, std::size_t t) {
   return order::filled_slots(idx.row(t), idx.cols);
 }
 
+// Every index of row t in [-1, e): rows that are not are the index clauses'
+// to report (under observe the order clauses still run, and skip them).
+inline bool row_in_range(MatView<const std::int32_t> idx, std::size_t t, std::size_t e) {
+  for (std::size_t j = 0; j < idx.cols; ++j)
+    if (idx(t, j) < -1 || idx(t, j) >= static_cast<std::int64_t>(e)) return false;
+  return true;
+}
+
 // sorted and top-k property for a router whose eligible experts of row t
 // are given by `eligible(t, i)` and ranked by `score(t, i)` (desc, index asc).
 template <class Score, class Eligible>
@@ -85,10 +94,12 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
                 MatView<const std::int32_t> idx, std::size_t e, Score score, Eligible eligible) {
   std::vector<char> chosen(e, 0);
   for (std::size_t t = 0; t < idx.rows; ++t) {
+    if (!row_in_range(idx, t, e)) continue;
     const std::size_t valid = valid_slots(idx, t);
     for (std::size_t j = 1; j < valid; ++j) {
       const std::int32_t a = idx(t, j - 1), b = idx(t, j);
-      if (!ranks_before(score(t, a), a, score(t, b), b)) {
+      if (!ranks_before(score(t, a), a, score(t, b), b) &&
+          !(score(t, a) == score(t, b) && judge::allow_tie(t, a, b, score(t, a)))) {
         c.fail(sorted, fmt::format("t={} j={}", t, j),
                fmt::format("slot {} expert {} score {} before expert {} score {}", j - 1, a,
                            score(t, a), b, score(t, b)),
@@ -101,8 +112,11 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
     const std::int32_t kth = idx(t, valid - 1);
     for (std::size_t i = 0; i < e; ++i) {
       const auto ii = static_cast<std::int32_t>(i);
-      const bool beats = eligible(t, i) && !chosen[i] &&
-                         (valid < idx.cols || ranks_before(score(t, ii), ii, score(t, kth), kth));
+      const bool beats =
+          eligible(t, i) && !chosen[i] &&
+          (valid < idx.cols ||
+           (ranks_before(score(t, ii), ii, score(t, kth), kth) &&
+            !(score(t, ii) == score(t, kth) && judge::allow_tie(t, kth, ii, score(t, kth)))));
       if (beats) {
         c.fail(
             *topk, fmt::format("t={}", t),
@@ -122,6 +136,12 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
 inline void weight_rows(detail::Checker& c, const ClauseInfo& clause,
                         MatView<const std::int32_t> idx, MatView<const float> w, double hi,
                         double lo_sum, double hi_sum) {
+  // Stored in a narrower type (judge::stored; 0 for fp32): each weight
+  // within its rounding of the range, the sum within the K roundings.
+  hi += judge::stored(hi, 0);
+  const double slack = judge::stored(hi_sum, 0) + double(w.cols) * judge::current().output_tiny;
+  if (lo_sum > 0) lo_sum -= slack;
+  hi_sum += slack;
   for (std::size_t t = 0; t < w.rows; ++t) {
     double sum = 0;
     for (std::size_t j = 0; j < w.cols; ++j) {
@@ -159,12 +179,13 @@ void within_reference(detail::Checker& c, const ClauseInfo& clause, MatView<cons
     const auto [ref, bound] = row(t);
     for (std::size_t i = 0; i < cols; ++i) {
       const double got = value(t, i);
+      const double e = judge::stored(std::fabs(ref[i]), bound[i]);
       if ((finite_only && !std::isfinite(got)) ||
-          std::fabs(got - ref[i]) <= bound[i] + bounds::gamma(64, bounds::kU64) * std::fabs(ref[i]))
+          std::fabs(got - ref[i]) <= e + bounds::gamma(64, bounds::kU64) * std::fabs(ref[i]))
         continue;
       c.fail(clause, fmt::format("t={} {}", t, name(i)),
              fmt::format("{}={:.9g} ref={:.17g}", name(i), got, ref[i]),
-             fmt::format("|{} - ref| <= {:.3g} (proofs/router.md {})", name(i), bound[i], section));
+             fmt::format("|{} - ref| <= {:.3g} (proofs/router.md {})", name(i), e, section));
       return;
     }
   }

@@ -54,20 +54,49 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
     index_rows(c, k::kPkIdxValid, k::kPkIdxUnique, idx, e, false, false, true);
   }
   if (c.stop()) return;
+  // The exact score sx[ix] + sy[iy] of expert i of row t.
+  const auto ni = static_cast<std::int32_t>(n);
+  auto score = [&](std::size_t t, std::int32_t i) {
+    return order::pair_sum(sx(t, i / ni), sy(t, i % ni));
+  };
   MOECERT_CONTRACT(c, k::kPkSorted) {
     // The total order on the exact sum (then the expert index).
     for (std::size_t t = 0; t < idx.rows; ++t)
-      for (std::size_t j = 1; j < idx.cols; ++j) {
-        const std::int32_t a = idx(t, j - 1), b = idx(t, j), ni = static_cast<std::int32_t>(n);
-        const int cmp = order::compare(order::pair_sum(sx(t, a / ni), sy(t, a % ni)),
-                                       order::pair_sum(sx(t, b / ni), sy(t, b % ni)));
-        if (!(cmp > 0 || (cmp == 0 && a < b))) {
+      for (std::size_t j = 1; row_in_range(idx, t, e) && j < valid_slots(idx, t); ++j) {
+        const std::int32_t a = idx(t, j - 1), b = idx(t, j);
+        const int cmp = order::compare(score(t, a), score(t, b));
+        if (!(cmp > 0 || (cmp == 0 && a < b)) &&
+            !(cmp == 0 && judge::allow_tie(t, a, b, score(t, a).hi))) {
           c.fail(k::kPkSorted, fmt::format("t={} j={}", t, j),
                  fmt::format("expert {} before expert {}", a, b),
                  "exact score descending, then index ascending");
           return;
         }
       }
+  }
+  MOECERT_CONTRACT(c, k::kPkTopk) {
+    // No unselected expert's exact score outranks the K-th's (brute force
+    // over the n^2 experts; proofs/router.md §2).
+    std::vector<char> chosen(e, 0);
+    for (std::size_t t = 0; t < idx.rows; ++t) {
+      const std::size_t valid = valid_slots(idx, t);
+      if (!row_in_range(idx, t, e) || valid == 0) continue;
+      for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
+      const std::int32_t kth = idx(t, valid - 1);
+      for (std::size_t i = 0; i < e; ++i) {
+        const auto ii = static_cast<std::int32_t>(i);
+        const int cmp = order::compare(score(t, ii), score(t, kth));
+        if (chosen[i] || cmp < 0 || (cmp == 0 && ii > kth)) continue;
+        if (cmp == 0 && judge::allow_tie(t, kth, ii, score(t, kth).hi)) continue;
+        c.fail(k::kPkTopk, fmt::format("t={}", t),
+               fmt::format("unselected expert {} score {:.9g} outranks the K-th, expert {} "
+                           "score {:.9g}",
+                           i, score(t, ii).hi, kth, score(t, kth).hi),
+               "no unselected expert outranks the K-th");
+        return;
+      }
+      for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
+    }
   }
   // Softmax weights: range and sum within §6 over the selected scores
   // (bounds::softmax_rel); exp and raw weights: finite; proofs/router.md §3.

@@ -136,6 +136,8 @@ enum class KeyWeights : std::uint8_t {
 ///   router.product_key.idx_valid     post  index    0 <= idx < n*n
 ///   router.product_key.idx_unique    post  index    no expert twice in a row
 ///   router.product_key.sorted        post  index    slots follow the total order
+///   router.product_key.topk_property post  index    no unselected expert outranks the K-th
+///                                                 (audit: brute force over the n^2 experts)
 ///   router.product_key.weights_range post  numeric  finite; softmax: 0 <= w <= 1, sum 1 within §7
 ///   router.product_key.within_bound  post  numeric  (full) every w within proofs/router.md §3 of its
 ///                                                  own slot's binary64 reference (every mode)
