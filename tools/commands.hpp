@@ -14,5 +14,6 @@ void add_info(CLI::App& app, Command& run);
 void add_conform(CLI::App& app, Command& run);
 void add_bench(CLI::App& app, Command& run);
 void add_plan(CLI::App& app, Command& run);
+void add_check(CLI::App& app, Command& run);
 
 }  // namespace moecert::tools

@@ -1,4 +1,4 @@
-// moecert: the command-line program (info, conform, bench, plan).
+// moecert: the command-line program (info, conform, bench, plan, check).
 #include <fmt/format.h>
 
 #include <exception>
@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   moecert::tools::add_conform(app, run);
   moecert::tools::add_bench(app, run);
   moecert::tools::add_plan(app, run);
+  moecert::tools::add_check(app, run);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

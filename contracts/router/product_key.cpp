@@ -60,43 +60,47 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
     return order::pair_sum(sx(t, i / ni), sy(t, i % ni));
   };
   MOECERT_CONTRACT(c, k::kPkSorted) {
-    // The total order on the exact sum (then the expert index).
-    for (std::size_t t = 0; t < idx.rows; ++t)
-      for (std::size_t j = 1; row_in_range(idx, t, e) && j < valid_slots(idx, t); ++j) {
-        const std::int32_t a = idx(t, j - 1), b = idx(t, j);
-        const int cmp = order::compare(score(t, a), score(t, b));
-        if (!(cmp > 0 || (cmp == 0 && a < b)) &&
-            !(cmp == 0 && judge::allow_tie(t, a, b, score(t, a).hi))) {
-          c.fail(k::kPkSorted, fmt::format("t={} j={}", t, j),
-                 fmt::format("expert {} before expert {}", a, b),
-                 "exact score descending, then index ascending");
-          return;
+    [&] {  // a failure ends this clause, not the others (observe goes on)
+      // The total order on the exact sum (then the expert index).
+      for (std::size_t t = 0; t < idx.rows; ++t)
+        for (std::size_t j = 1; row_in_range(idx, t, e) && j < valid_slots(idx, t); ++j) {
+          const std::int32_t a = idx(t, j - 1), b = idx(t, j);
+          const int cmp = order::compare(score(t, a), score(t, b));
+          if (!(cmp > 0 || (cmp == 0 && a < b)) &&
+              !(cmp == 0 && judge::allow_tie(t, a, b, score(t, a).hi))) {
+            c.fail(k::kPkSorted, fmt::format("t={} j={}", t, j),
+                   fmt::format("expert {} before expert {}", a, b),
+                   "exact score descending, then index ascending");
+            return;
+          }
         }
-      }
+    }();
   }
   MOECERT_CONTRACT(c, k::kPkTopk) {
-    // No unselected expert's exact score outranks the K-th's (brute force
-    // over the n^2 experts; proofs/router.md §2).
-    std::vector<char> chosen(e, 0);
-    for (std::size_t t = 0; t < idx.rows; ++t) {
-      const std::size_t valid = valid_slots(idx, t);
-      if (!row_in_range(idx, t, e) || valid == 0) continue;
-      for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
-      const std::int32_t kth = idx(t, valid - 1);
-      for (std::size_t i = 0; i < e; ++i) {
-        const auto ii = static_cast<std::int32_t>(i);
-        const int cmp = order::compare(score(t, ii), score(t, kth));
-        if (chosen[i] || cmp < 0 || (cmp == 0 && ii > kth)) continue;
-        if (cmp == 0 && judge::allow_tie(t, kth, ii, score(t, kth).hi)) continue;
-        c.fail(k::kPkTopk, fmt::format("t={}", t),
-               fmt::format("unselected expert {} score {:.9g} outranks the K-th, expert {} "
-                           "score {:.9g}",
-                           i, score(t, ii).hi, kth, score(t, kth).hi),
-               "no unselected expert outranks the K-th");
-        return;
+    [&] {  // a failure ends this clause, not the others (observe goes on)
+      // No unselected expert's exact score outranks the K-th's (brute force
+      // over the n^2 experts; proofs/router.md §2).
+      std::vector<char> chosen(e, 0);
+      for (std::size_t t = 0; t < idx.rows; ++t) {
+        const std::size_t valid = valid_slots(idx, t);
+        if (!row_in_range(idx, t, e) || valid == 0) continue;
+        for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
+        const std::int32_t kth = idx(t, valid - 1);
+        for (std::size_t i = 0; i < e; ++i) {
+          const auto ii = static_cast<std::int32_t>(i);
+          const int cmp = order::compare(score(t, ii), score(t, kth));
+          if (chosen[i] || cmp < 0 || (cmp == 0 && ii > kth)) continue;
+          if (cmp == 0 && judge::allow_tie(t, kth, ii, score(t, kth).hi)) continue;
+          c.fail(k::kPkTopk, fmt::format("t={}", t),
+                 fmt::format("unselected expert {} score {:.9g} outranks the K-th, expert {} "
+                             "score {:.9g}",
+                             i, score(t, ii).hi, kth, score(t, kth).hi),
+                 "no unselected expert outranks the K-th");
+          return;
+        }
+        for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
       }
-      for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
-    }
+    }();
   }
   // Softmax weights: range and sum within §6 over the selected scores
   // (bounds::softmax_rel); exp and raw weights: finite; proofs/router.md §3.
@@ -161,25 +165,27 @@ void product_key_backward_post(detail::Checker& c, MatView<const float> sx, MatV
                                router::KeyWeights mode, MatView<const float> dsx,
                                MatView<const float> dsy) {
   MOECERT_CONTRACT(c, k::kPkbUnused) {
-    const std::size_t n = dsx.cols;
-    std::vector<char> ux(n), uy(n);
-    for (std::size_t t = 0; t < idx.rows; ++t) {
-      std::fill(ux.begin(), ux.end(), 0);
-      std::fill(uy.begin(), uy.end(), 0);
-      for (std::size_t j = 0; j < valid_slots(idx, t); ++j) {
-        ux[static_cast<std::size_t>(idx(t, j)) / n] = 1;
-        uy[static_cast<std::size_t>(idx(t, j)) % n] = 1;
-      }
-      for (std::size_t i = 0; i < n; ++i)
-        if ((!ux[i] && dsx(t, i) != 0.0f) || (!uy[i] && dsy(t, i) != 0.0f)) {
-          c.fail(k::kPkbUnused, fmt::format("t={} i={}", t, i),
-                 fmt::format("{}={} but no valid slot selects it",
-                             !ux[i] && dsx(t, i) != 0.0f ? "dsx" : "dsy",
-                             !ux[i] && dsx(t, i) != 0.0f ? dsx(t, i) : dsy(t, i)),
-                 "exactly 0");
-          return;
+    [&] {  // a failure ends this clause, not the others (observe goes on)
+      const std::size_t n = dsx.cols;
+      std::vector<char> ux(n), uy(n);
+      for (std::size_t t = 0; t < idx.rows; ++t) {
+        std::fill(ux.begin(), ux.end(), 0);
+        std::fill(uy.begin(), uy.end(), 0);
+        for (std::size_t j = 0; j < valid_slots(idx, t); ++j) {
+          ux[static_cast<std::size_t>(idx(t, j)) / n] = 1;
+          uy[static_cast<std::size_t>(idx(t, j)) % n] = 1;
         }
-    }
+        for (std::size_t i = 0; i < n; ++i)
+          if ((!ux[i] && dsx(t, i) != 0.0f) || (!uy[i] && dsy(t, i) != 0.0f)) {
+            c.fail(k::kPkbUnused, fmt::format("t={} i={}", t, i),
+                   fmt::format("{}={} but no valid slot selects it",
+                               !ux[i] && dsx(t, i) != 0.0f ? "dsx" : "dsy",
+                               !ux[i] && dsx(t, i) != 0.0f ? dsx(t, i) : dsy(t, i)),
+                   "exactly 0");
+            return;
+          }
+      }
+    }();
   }
   MOECERT_CONTRACT(c, k::kPkbGradFinite) {
     detail::scan_finite(c, k::kPkbGradFinite, "dsx", dsx) &&

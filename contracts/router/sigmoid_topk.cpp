@@ -54,44 +54,48 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
     order_rows(c, k::kSgSorted, nullptr, idx, e, sel, [](auto, auto) { return true; });
   }
   MOECERT_CONTRACT(c, k::kSgTopk) {
-    // Kept groups by definition: group score = sum of the top two selection
-    // scores; the topk_group best groups (score desc, index asc).
-    std::vector<char> kept(p.groups);
-    std::vector<float> gs(p.groups);
-    std::vector<std::int32_t> order(p.groups);
-    std::size_t t_now = SIZE_MAX;  // the row kept[] describes
-    auto eligible = [&](std::size_t t, std::size_t i) {
-      if (t != t_now) {
-        t_now = t;
-        for (std::size_t q = 0; q < p.groups; ++q) {
-          float a = -INFINITY, b = -INFINITY;
-          for (std::size_t i2 = q * size; i2 < (q + 1) * size; ++i2) {
-            const float v = sel(t, static_cast<std::int32_t>(i2));
-            if (v > a)
-              b = a, a = v;
-            else if (v > b)
-              b = v;
+    [&] {  // a failure ends this clause, not the others (observe goes on)
+      // Kept groups by definition: group score = sum of the top two selection
+      // scores; the topk_group best groups (score desc, index asc).
+      std::vector<char> kept(p.groups);
+      std::vector<float> gs(p.groups);
+      std::vector<std::int32_t> order(p.groups);
+      std::size_t t_now = SIZE_MAX;  // the row kept[] describes
+      auto eligible = [&](std::size_t t, std::size_t i) {
+        if (t != t_now) {
+          t_now = t;
+          for (std::size_t q = 0; q < p.groups; ++q) {
+            float a = -INFINITY, b = -INFINITY;
+            for (std::size_t i2 = q * size; i2 < (q + 1) * size; ++i2) {
+              const float v = sel(t, static_cast<std::int32_t>(i2));
+              if (v > a)
+                b = a, a = v;
+              else if (v > b)
+                b = v;
+            }
+            gs[q] = size >= 2 ? a + b : a;
+            order[q] = static_cast<std::int32_t>(q);
           }
-          gs[q] = size >= 2 ? a + b : a;
-          order[q] = static_cast<std::int32_t>(q);
+          std::sort(order.begin(), order.end(), [&](std::int32_t x, std::int32_t y) {
+            return ranks_before(gs[x], x, gs[y], y);
+          });
+          std::fill(kept.begin(), kept.end(), 0);
+          for (std::size_t q = 0; q < p.topk_group; ++q)
+            kept[static_cast<std::size_t>(order[q])] = 1;
         }
-        std::sort(order.begin(), order.end(),
-                  [&](std::int32_t x, std::int32_t y) { return ranks_before(gs[x], x, gs[y], y); });
-        std::fill(kept.begin(), kept.end(), 0);
-        for (std::size_t q = 0; q < p.topk_group; ++q) kept[static_cast<std::size_t>(order[q])] = 1;
-      }
-      return kept[i / size] != 0;
-    };
-    for (std::size_t t = 0; t < idx.rows && !c.stop(); ++t)
-      for (std::size_t j = 0; j < valid_slots(idx, t); ++j)
-        if (!eligible(t, static_cast<std::size_t>(idx(t, j)))) {
-          c.fail(k::kSgTopk, fmt::format("t={} j={}", t, j),
-                 fmt::format("expert {} of group {} not kept", idx(t, j),
-                             idx(t, j) / static_cast<std::int32_t>(size)),
-                 fmt::format("experts of the {} best groups", p.topk_group));
-          return;
-        }
-    order_rows(c, k::kSgSorted, &k::kSgTopk, idx, e, sel, eligible);
+        return kept[i / size] != 0;
+      };
+      for (std::size_t t = 0; t < idx.rows && !c.stop(); ++t)
+        for (std::size_t j = 0; j < valid_slots(idx, t); ++j)
+          if (!eligible(t, static_cast<std::size_t>(idx(t, j)))) {
+            c.fail(k::kSgTopk, fmt::format("t={} j={}", t, j),
+                   fmt::format("expert {} of group {} not kept", idx(t, j),
+                               idx(t, j) / static_cast<std::int32_t>(size)),
+                   fmt::format("experts of the {} best groups", p.topk_group));
+            return;
+          }
+      order_rows(c, k::kSgSorted, &k::kSgTopk, idx, e, sel, eligible);
+    }();
   }
   // Range and sum of each row's weights (bounds::renormalized_rel); proofs/router.md §3.
   MOECERT_CONTRACT(c, k::kSgWeights) {
@@ -124,18 +128,20 @@ void sigmoid_topk_backward_post(detail::Checker& c, MatView<const float> z,
                                 MatView<const std::int32_t> idx, MatView<const float> g,
                                 const router::SigmoidTopkParams& p, MatView<const float> dz) {
   MOECERT_CONTRACT(c, k::kSgbUnselected) {
-    std::vector<char> chosen(dz.cols, 0);
-    for (std::size_t t = 0; t < dz.rows; ++t) {
-      const std::size_t valid = valid_slots(idx, t);
-      for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
-      for (std::size_t i = 0; i < dz.cols; ++i)
-        if (!chosen[i] && dz(t, i) != 0.0f) {
-          c.fail(k::kSgbUnselected, fmt::format("t={} expert {}", t, i),
-                 fmt::format("dz={}", dz(t, i)), "exactly 0");
-          return;
-        }
-      for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
-    }
+    [&] {  // a failure ends this clause, not the others (observe goes on)
+      std::vector<char> chosen(dz.cols, 0);
+      for (std::size_t t = 0; t < dz.rows; ++t) {
+        const std::size_t valid = valid_slots(idx, t);
+        for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
+        for (std::size_t i = 0; i < dz.cols; ++i)
+          if (!chosen[i] && dz(t, i) != 0.0f) {
+            c.fail(k::kSgbUnselected, fmt::format("t={} expert {}", t, i),
+                   fmt::format("dz={}", dz(t, i)), "exactly 0");
+            return;
+          }
+        for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
+      }
+    }();
   }
   MOECERT_CONTRACT(c, k::kSgbDzFinite) {
     detail::scan_finite(c, k::kSgbDzFinite, "dz", MatView<const float>(dz));

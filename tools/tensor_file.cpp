@@ -1,0 +1,147 @@
+// Reading safetensors files (tools/tensor_file.hpp).
+#include "tools/tensor_file.hpp"
+
+#include <fmt/format.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "moecert/types.hpp"
+
+namespace moecert::tools {
+namespace {
+
+std::size_t dtype_bytes(const std::string& d) {
+  static const std::map<std::string, std::size_t> sizes{
+      {"F64", 8}, {"F32", 4}, {"F16", 2},  {"BF16", 2}, {"I64", 8}, {"I32", 4}, {"I16", 2},
+      {"I8", 1},  {"U8", 1},  {"BOOL", 1}, {"U16", 2},  {"U32", 4}, {"U64", 8}};
+  const auto it = sizes.find(d);
+  return it == sizes.end() ? 0 : it->second;
+}
+
+template <class T>
+T load(const std::uint8_t* p) {
+  static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// IEEE binary16 to binary32, exact (the compiler's _Float16).
+float half_to_float(std::uint16_t h) { return static_cast<float>(std::bit_cast<_Float16>(h)); }
+
+Tensor parse_entry(const std::string& path, const std::string& name, const nlohmann::json& e,
+                   const std::vector<std::uint8_t>& data) {
+  Tensor t;
+  t.dtype = e.at("dtype").get<std::string>();
+  t.shape = e.at("shape").get<std::vector<std::int64_t>>();
+  const auto off = e.at("data_offsets").get<std::vector<std::uint64_t>>();
+  const std::size_t width = dtype_bytes(t.dtype);
+  if (width == 0)
+    throw std::runtime_error(fmt::format("{}: {}: unknown dtype {}", path, name, t.dtype));
+  for (auto d : t.shape)
+    if (d < 0) throw std::runtime_error(fmt::format("{}: {}: negative dimension", path, name));
+  if (off.size() != 2 || off[0] > off[1] || off[1] > data.size())
+    throw std::runtime_error(fmt::format("{}: {}: data_offsets outside the file's {} data bytes",
+                                         path, name, data.size()));
+  if (off[1] - off[0] != t.elements() * width)
+    throw std::runtime_error(fmt::format("{}: {}: {} bytes for {} elements of {}", path, name,
+                                         off[1] - off[0], t.elements(), t.dtype));
+  t.bytes.assign(data.begin() + static_cast<std::ptrdiff_t>(off[0]),
+                 data.begin() + static_cast<std::ptrdiff_t>(off[1]));
+  return t;
+}
+
+}  // namespace
+
+std::size_t Tensor::elements() const {
+  std::size_t n = 1;
+  for (auto d : shape) n *= static_cast<std::size_t>(d);
+  return n;
+}
+
+std::size_t Tensor::cols() const {
+  std::size_t n = 1;
+  for (std::size_t i = 1; i < shape.size(); ++i) n *= static_cast<std::size_t>(shape[i]);
+  return n;
+}
+
+std::map<std::string, Tensor> read_safetensors(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error(fmt::format("{}: cannot open", path));
+  std::vector<std::uint8_t> all((std::istreambuf_iterator<char>(f)), {});
+  if (all.size() < 8) throw std::runtime_error(fmt::format("{}: shorter than a header", path));
+  const auto n = load<std::uint64_t>(all.data());
+  if (n > all.size() - 8)
+    throw std::runtime_error(
+        fmt::format("{}: header of {} bytes in a {}-byte file", path, n, all.size()));
+  nlohmann::json header;
+  try {
+    header =
+        nlohmann::json::parse(all.begin() + 8, all.begin() + 8 + static_cast<std::ptrdiff_t>(n));
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(fmt::format("{}: header is not JSON: {}", path, e.what()));
+  }
+  const std::vector<std::uint8_t> data(all.begin() + 8 + static_cast<std::ptrdiff_t>(n), all.end());
+  std::map<std::string, Tensor> out;
+  try {
+    for (const auto& [name, e] : header.items())
+      if (name != "__metadata__") out.emplace(name, parse_entry(path, name, e, data));
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(fmt::format("{}: malformed header entry: {}", path, e.what()));
+  }
+  return out;
+}
+
+std::vector<float> to_f32(const Tensor& t, const std::string& name) {
+  std::vector<float> v(t.elements());
+  const std::uint8_t* p = t.bytes.data();
+  if (t.dtype == "F32")
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = load<float>(p + 4 * i);
+  else if (t.dtype == "BF16")
+    for (std::size_t i = 0; i < v.size(); ++i)
+      v[i] = bf16::from_bits(load<std::uint16_t>(p + 2 * i)).to_float();
+  else if (t.dtype == "F16")
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = half_to_float(load<std::uint16_t>(p + 2 * i));
+  else if (t.dtype == "F64")
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(load<double>(p + 8 * i));
+  else
+    throw std::invalid_argument(
+        fmt::format("tensor {}: dtype {}, expected F32, BF16, F16 or F64", name, t.dtype));
+  return v;
+}
+
+std::vector<std::int32_t> to_i32(const Tensor& t, const std::string& name) {
+  std::vector<std::int32_t> v(t.elements());
+  const std::uint8_t* p = t.bytes.data();
+  auto narrow = [&](std::int64_t x, std::size_t i) {
+    if (x < std::numeric_limits<std::int32_t>::min() ||
+        x > std::numeric_limits<std::int32_t>::max())
+      throw std::invalid_argument(
+          fmt::format("tensor {}: element {} = {} outside int32", name, i, x));
+    return static_cast<std::int32_t>(x);
+  };
+  if (t.dtype == "I32")
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = load<std::int32_t>(p + 4 * i);
+  else if (t.dtype == "I64")
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = narrow(load<std::int64_t>(p + 8 * i), i);
+  else if (t.dtype == "I16")
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = load<std::int16_t>(p + 2 * i);
+  else
+    throw std::invalid_argument(
+        fmt::format("tensor {}: dtype {}, expected I32, I64 or I16", name, t.dtype));
+  return v;
+}
+
+Storage storage_of(const Tensor& t) {
+  if (t.dtype == "BF16") return {0x1p-8, 0x1p-134};
+  if (t.dtype == "F16") return {0x1p-11, 0x1p-25};
+  return {};
+}
+
+}  // namespace moecert::tools

@@ -1,0 +1,44 @@
+// Tensors from a safetensors file (https://huggingface.co/docs/safetensors:
+// an 8-byte little-endian header length, a JSON header naming each tensor's
+// dtype, shape and byte range, then the data), for `moecert check`. The
+// header is parsed with nlohmann/json; every range is checked against the
+// file before any byte is read.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace moecert::tools {
+
+struct Tensor {
+  std::string dtype;                // safetensors name: F64, F32, F16, BF16, I64, I32, ...
+  std::vector<std::int64_t> shape;  // row-major
+  std::vector<std::uint8_t> bytes;  // little-endian, as stored
+  std::size_t elements() const;
+  std::size_t rows() const { return shape.empty() ? 1 : static_cast<std::size_t>(shape[0]); }
+  /// Elements per row: the product of all dimensions but the first.
+  std::size_t cols() const;
+};
+
+/// All tensors of a safetensors file by name; std::runtime_error naming
+/// the file and what is wrong when it is not one.
+std::map<std::string, Tensor> read_safetensors(const std::string& path);
+
+/// The values as fp32: F32 as stored, BF16 and F16 widened exactly, F64
+/// rounded to nearest. Other dtypes: std::invalid_argument.
+std::vector<float> to_f32(const Tensor& t, const std::string& name);
+
+/// The values as int32: I32 as stored, I64 and I16 if every value fits.
+std::vector<std::int32_t> to_i32(const Tensor& t, const std::string& name);
+
+/// Unit roundoff of the dtype's storage (0 for F32 and F64) and half its
+/// least positive denormal: what storing a value in it adds to an error.
+struct Storage {
+  double unit = 0, tiny = 0;
+};
+Storage storage_of(const Tensor& t);
+
+}  // namespace moecert::tools
