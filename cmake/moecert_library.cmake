@@ -17,6 +17,7 @@ set(MOECERT_SOURCES
   contracts/reference/experts.cpp
   contracts/experts_train.cpp
   contracts/router/softmax_topk.cpp contracts/router/sigmoid_topk.cpp contracts/router/product_key.cpp
+  contracts/judge_router.cpp
   ops/router/softmax_topk.cpp
   ops/router/sigmoid_topk.cpp
   ops/router/product_key.cpp
@@ -94,7 +95,8 @@ function(moecert_add_library name)
   target_include_directories(${name} PRIVATE ${PROJECT_BINARY_DIR}/generated)
   add_dependencies(${name} moecert_git_commit)
   # Boost is header-only and used privately: not part of the installed interface.
-  target_link_libraries(${name} PUBLIC fmt::fmt TBB::tbb PRIVATE $<BUILD_INTERFACE:Boost::headers>)
+  target_link_libraries(${name} PUBLIC fmt::fmt TBB::tbb PRIVATE $<BUILD_INTERFACE:Boost::headers>
+                        $<BUILD_INTERFACE:nlohmann_json::nlohmann_json>)
   if(MOECERT_SANITIZE)
     # A sanitized static library needs the runtime in whatever links it.
     target_link_options(${name} INTERFACE -fsanitize=address,undefined)
