@@ -1,6 +1,7 @@
 /* The C ABI from a C program: version, settings, the experts op forward and
- * backward, a router, the layer, a contract violation (status, record,
- * outputs untouched) and a rejected descriptor. Exit status 0: all passed. */
+ * backward, a router and the judge on its outputs, the layer, a contract
+ * violation (status, record, outputs untouched) and a rejected descriptor.
+ * Exit status 0: all passed. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -123,6 +124,22 @@ static void router(void) {
   const double exact[2 * 2] = {1 / (1 + exp(-1.0)), 1 / (1 + exp(1.0)), 1 / (1 + exp(-3.5)),
                                1 / (1 + exp(3.5))};
   for (int i = 0; i < 4; ++i) EXPECT(fabs(sw[i] - exact[i]) <= bound[i]);
+  /* The judge on the same outputs: they pass; with the slots of row 0
+   * swapped, router.softmax_topk.sorted fails (the verdict names it). */
+  moecert_named_tensor in[1] = {{"z", tz, 0}}, out[2] = {{"idx", ts, 0}, {"w", tsw, 0}};
+  const char* params[1] = {"renormalize=true"};
+  char* verdict = NULL;
+  OK(moecert_check("router.softmax_topk.forward", in, 1, out, 2, params, 1, &verdict));
+  EXPECT(verdict && strstr(verdict, "\"verdict\":\"pass\"") != NULL);
+  moecert_free_string(verdict);
+  const int32_t first = sel[0];
+  sel[0] = sel[1], sel[1] = first;
+  OK(moecert_check("router.softmax_topk.forward", in, 1, out, 2, params, 1, &verdict));
+  EXPECT(verdict && strstr(verdict, "\"verdict\":\"fail\"") != NULL &&
+         strstr(verdict, "router.softmax_topk.sorted") != NULL);
+  moecert_free_string(verdict);
+  EXPECT(moecert_check("router.nope", in, 1, out, 2, params, 1, &verdict) ==
+         MOECERT_INVALID_ARGUMENT);
 }
 
 static void layer(void) {

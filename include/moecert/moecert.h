@@ -284,6 +284,29 @@ moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_t
                                      const moecert_tensor* idx, const moecert_tensor* g,
                                      const moecert_tensor* w_bound, const moecert_tensor* dz_bound);
 
+/* ---- The judge (docs/JUDGE.md) ---- */
+
+/* A tensor by name for moecert_check. stored_as: 0 the values are as their
+ * dtype holds them; 1 they were stored in bf16, 2 in IEEE fp16 (and widened
+ * by the caller): that storage's rounding enters the bounds. */
+typedef struct moecert_named_tensor {
+  const char* name;
+  moecert_tensor tensor; /* 2-D: f32, bf16 or f64 values; i32 indices */
+  int32_t stored_as;
+} moecert_named_tensor;
+
+/* Judges another implementation's outputs of op ("router.softmax_topk.forward",
+ * ".backward", "router.product_key.forward", ".backward") for the given
+ * inputs with moecert's clauses at level full, tie-aware; params are
+ * "name=value" strings (renormalize, weights). On MOECERT_OK, *verdict_json
+ * is the verdict (schema moecert-check/1), passed or failed, to be freed with
+ * moecert_free_string; an unknown op, a missing tensor or a bad parameter is
+ * MOECERT_INVALID_ARGUMENT. */
+moecert_status moecert_check(const char* op, const moecert_named_tensor* inputs, size_t n_inputs,
+                             const moecert_named_tensor* outputs, size_t n_outputs,
+                             const char* const* params, size_t n_params, char** verdict_json);
+void moecert_free_string(char* s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -6,7 +6,8 @@ this package sits in.
 """
 import ctypes
 import os
-from ctypes import POINTER, Structure, c_char_p, c_double, c_float, c_int32, c_int64, c_uint32, c_uint64, c_void_p
+from ctypes import (POINTER, Structure, c_char_p, c_double, c_float, c_int32, c_int64, c_size_t, c_uint32, c_uint64,
+                    c_void_p)
 
 from .errors import raise_for
 
@@ -61,6 +62,10 @@ class Error(Structure):
         ("line", c_int32)]
 
 
+class NamedTensor(Structure):
+    _fields_ = [("name", c_char_p), ("tensor", Tensor), ("stored_as", c_int32)]
+
+
 T = POINTER(Tensor)
 H = c_void_p  # an opaque handle
 OUT_H = POINTER(c_void_p)
@@ -112,6 +117,9 @@ _PROTOTYPES = {
     "moecert_experts_bounds": ([H, POINTER(Lora), T, T, H, T, POINTER(ExpertsGrads)], c_int32),
     "moecert_layer_bounds": ([POINTER(Config), POINTER(LayerWeights), T, T, H, T, POINTER(LayerGrads)], c_int32),
     "moecert_router_bounds": ([c_int32, c_double, T, T, T, T, T], c_int32),
+    "moecert_check": ([c_char_p, POINTER(NamedTensor), c_size_t, POINTER(NamedTensor), c_size_t, POINTER(c_char_p),
+                       c_size_t, POINTER(c_void_p)], c_int32),
+    "moecert_free_string": ([c_void_p], None),
 }
 
 

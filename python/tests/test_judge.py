@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples", "judge"))
 import routers  # noqa: E402
 
 CLI = os.environ.get("MOECERT_CLI")
-pytestmark = pytest.mark.skipif(not CLI, reason="MOECERT_CLI (the moecert program) not set")
+needs_cli = pytest.mark.skipif(not CLI, reason="MOECERT_CLI (the moecert program) not set")
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def failed(report):
     return [c["id"] for c in report["clauses"] if c["verdict"] == "fail"]
 
 
+@needs_cli
 def test_correct_product_key_forward_passes(cases):
     r = check(cases, "product_key_forward", "router.product_key.forward")
     assert r["verdict"] == "pass" and r["ties"] == []
@@ -53,6 +54,7 @@ def test_correct_product_key_forward_passes(cases):
             "router.product_key.within_bound"} <= evaluated
 
 
+@needs_cli
 def test_tie_order_passes_and_names_the_ties(cases):
     r = check(cases, "product_key_forward_ties", "router.product_key.forward")
     assert r["verdict"] == "pass"
@@ -60,12 +62,14 @@ def test_tie_order_passes_and_names_the_ties(cases):
     assert all(t["chosen"] > t["other"] for t in r["ties"])  # the reverse of the declared order
 
 
+@needs_cli
 def test_minus1_decoding_fails_on_unused_zero(cases):
     r = check(cases, "product_key_backward_minus1", "router.product_key.backward")
     assert "router.product_key_backward.unused_zero" in failed(r)
     assert check(cases, "product_key_backward", "router.product_key.backward")["verdict"] == "pass"
 
 
+@needs_cli
 def test_unmasked_softmax_backward_fails_on_unselected_grad(cases):
     r = check(cases, "softmax_topk_backward_unmasked", "router.softmax_topk.backward")
     assert failed(r)[0] == "router.softmax_topk_backward.unselected_grad"
@@ -78,6 +82,7 @@ def test_unmasked_softmax_backward_fails_on_unselected_grad(cases):
     assert r["verdict"] == "pass"
 
 
+@needs_cli
 def test_outputs_stored_in_bf16_are_judged_with_their_rounding(tmp_path):
     sx, sy = torch.randn(4, 3), torch.randn(4, 3)
     idx, w = routers.product_key_forward(sx, sy, 2)
@@ -90,9 +95,71 @@ def test_outputs_stored_in_bf16_are_judged_with_their_rounding(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@needs_cli
 def test_a_missing_tensor_is_named(cases, tmp_path):
     routers.save(str(tmp_path / "o.safetensors"), idx=torch.zeros(2, 2, dtype=torch.int32))
     r = subprocess.run([CLI, "check", "router.product_key.forward", "--inputs",
                         str(cases / "product_key_forward" / "inputs.safetensors"), "--outputs",
                         str(tmp_path / "o.safetensors")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no tensor 'w'" in r.stderr
+
+
+# ---- the same judge from Python (moecert.check, the C ABI's moecert_check): no files, no CLI ----
+
+def _cases_in_memory():
+    gen = torch.Generator().manual_seed(7)
+    t, n, k = 6, 4, 3
+    sx, sy = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
+    tx, ty = (torch.randint(0, 3, (t, n), generator=gen) / 4.0 for _ in range(2))
+    g = torch.randn(t, k, generator=gen)
+    bidx = torch.tensor([[5, 6, -1], [9, -1, -1], [13, 10, 5], [6, 14, -1], [10, 9, -1], [5, -1, -1]])
+    z = torch.randn(t, 12, generator=gen)
+    return sx, sy, tx, ty, g, bidx, z, k
+
+
+def test_python_check_gives_the_same_verdicts():
+    import moecert.check as check
+    sx, sy, tx, ty, g, bidx, z, k = _cases_in_memory()
+    assert check.product_key_forward(sx, sy, *routers.product_key_forward(sx, sy, k)).passed
+    v = check.product_key_forward(tx, ty, *routers.product_key_forward_ties(tx, ty, k))
+    assert v.passed and v.ties and all(t["chosen"] > t["other"] for t in v.ties)
+    assert check.product_key_backward(sx, sy, bidx, g, *routers.product_key_backward(sx, sy, bidx, g)).passed
+    v = check.product_key_backward(sx, sy, bidx, g, *routers.product_key_backward_minus1(sx, sy, bidx, g))
+    assert not v.passed and "router.product_key_backward.unused_zero" in v.failed
+    zidx, _ = routers.softmax_topk_forward(z, k)
+    assert check.softmax_topk_backward(z, zidx, g, routers.softmax_topk_backward(z, zidx, g)).passed
+    v = check.softmax_topk_backward(z, zidx, g, routers.softmax_topk_backward_unmasked(z, zidx, g))
+    assert v.failed[0] == "router.softmax_topk_backward.unselected_grad"
+    fail = next(c for c in v.clauses if c["verdict"] == "fail")
+    assert fail["observed"].startswith("dz=") and fail["expected"]
+
+
+def test_python_check_numpy_and_bf16_outputs(tmp_path):
+    import moecert.check as check
+    sx, sy, *_ = _cases_in_memory()
+    idx, w = routers.product_key_forward(sx, sy, 2)
+    assert check.product_key_forward(sx.numpy(), sy.numpy(), idx.numpy(), w.numpy()).passed
+    v = check.product_key_forward(sx, sy, idx, w.bfloat16())  # judged with bf16's rounding
+    assert v.passed
+    v.write(str(tmp_path / "r"))
+    assert json.load(open(tmp_path / "r" / "report.json"))["verdict"] == "pass"
+    assert "router.product_key.topk_property" in (tmp_path / "r" / "report.md").read_text()
+    # A weight moved to another slot: within_bound names it.
+    w2 = w.clone()
+    w2[0] = w2[0].flip(0)
+    assert "router.product_key.within_bound" in check.product_key_forward(sx, sy, idx, w2).failed
+
+
+def test_python_check_refuses_bad_arguments():
+    import moecert
+    import moecert.check as check
+    sx, sy, *_ = _cases_in_memory()
+    idx, w = routers.product_key_forward(sx, sy, 2)
+    with pytest.raises(moecert.InvalidArgument, match="no tensor 'w'"):
+        check.judge("router.product_key.forward", {"sx": sx, "sy": sy}, {"idx": idx})
+    with pytest.raises(moecert.InvalidArgument, match="not an op"):
+        check.judge("router.nope.forward", {"sx": sx}, {"idx": idx, "w": w})
+    with pytest.raises(moecert.InvalidArgument, match="weights=cubic"):
+        check.product_key_forward(sx, sy, idx, w, weights="cubic")
+    with pytest.raises(moecert.InvalidArgument, match="expected integer indices"):
+        check.product_key_forward(sx, sy, idx.float(), w)

@@ -1,0 +1,127 @@
+"""Judge another implementation's router outputs with moecert's clauses (docs/JUDGE.md).
+
+    import moecert.check as check
+    v = check.product_key_backward(sx, sy, idx, g, dsx, dsy)   # torch tensors or numpy arrays
+    v.passed, v.failed, v.ties, v.clauses
+    v.write("report-dir")                                     # report.json and report.md
+
+The same judge as `moecert check` (the C ABI's moecert_check): every clause of the op at level
+full, ties in any order (each named in `ties`), outputs stored in bf16 or fp16 judged with that
+rounding. Indices may be int64 (torch.topk's) and are narrowed to int32; -1 marks an empty slot.
+"""
+import ctypes
+import json
+import os
+
+import numpy as np
+
+from . import _abi
+from .errors import InvalidArgument
+
+__all__ = ["Verdict", "softmax_topk_forward", "softmax_topk_backward", "product_key_forward",
+           "product_key_backward"]
+
+
+class Verdict:
+    """The judge's verdict: `passed`, `clauses` (id, verdict pass|fail|not evaluated, and for a
+    failure its location, observed, expected and message), `ties` (t, chosen, other, score) and
+    `failed` (the ids of the failed clauses)."""
+
+    def __init__(self, report):
+        self.report = report
+        self.op = report["op"]
+        self.passed = report["verdict"] == "pass"
+        self.clauses = report["clauses"]
+        self.ties = report["ties"]
+        self.failed = [c["id"] for c in self.clauses if c["verdict"] == "fail"]
+
+    def __bool__(self):
+        return self.passed
+
+    def __repr__(self):
+        return "Verdict({}: {}{})".format(self.op, "pass" if self.passed else "fail",
+                                         "; failed " + ", ".join(self.failed) if self.failed else "")
+
+    def write(self, folder):
+        """report.json (schema moecert-check/1) and report.md in `folder`."""
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "report.json"), "w") as f:
+            json.dump(self.report, f)
+        lines = ["# moecert.check: {} - {}".format(self.op, "pass" if self.passed else "FAIL"), "",
+                 "| clause | verdict | first failure |", "|---|---|---|"]
+        lines += ["| `{}` | {} | {} |".format(c["id"], c["verdict"], c.get("message", "")) for c in self.clauses]
+        lines += ["", "Ties the implementation ordered its own way (allowed): {}".format(len(self.ties))]
+        lines += ["- t={t}: expert {chosen} before expert {other}, both score {score}".format(**t) for t in self.ties]
+        with open(os.path.join(folder, "report.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def _array(x, name, index):
+    """(a contiguous 2-D numpy array the ABI reads, stored_as) for a torch tensor or array."""
+    stored = 0
+    if hasattr(x, "detach"):  # a torch tensor
+        import torch
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            x, stored = x.float(), 1
+        elif x.dtype == torch.float16:
+            x, stored = x.float(), 2
+        x = x.numpy()
+    a = np.asarray(x)
+    if a.ndim != 2:
+        raise InvalidArgument("{}: {} dimensions, expected 2".format(name, a.ndim))
+    if index:
+        if a.dtype.kind not in "iu":
+            raise InvalidArgument("{}: dtype {}, expected integer indices".format(name, a.dtype))
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise InvalidArgument("{}: an index outside int32".format(name))
+        return np.ascontiguousarray(a, dtype=np.int32), 0
+    if a.dtype == np.float16:
+        a, stored = a.astype(np.float32), 2
+    if a.dtype not in (np.float32, np.float64):
+        raise InvalidArgument("{}: dtype {}, expected float values".format(name, a.dtype))
+    return np.ascontiguousarray(a), stored
+
+
+def _named(tensors, keep):
+    out = (_abi.NamedTensor * len(tensors))()
+    for i, (name, x) in enumerate(tensors.items()):
+        a, stored = _array(x, name, name == "idx")
+        keep.append(a)
+        dtype = {np.dtype(np.float32): _abi.F32, np.dtype(np.float64): _abi.F64,
+                 np.dtype(np.int32): _abi.I32}[a.dtype]
+        out[i] = _abi.NamedTensor(name.encode(), _abi.Tensor(a.ctypes.data if a.size else None, dtype, 2,
+                                                             a.shape, (a.shape[1], 1)), stored)
+    return out
+
+
+def judge(op, inputs, outputs, **params):
+    """The verdict on `outputs` of op for `inputs` (dicts of name -> tensor; names: docs/JUDGE.md)."""
+    keep = []
+    ins, outs = _named(inputs, keep), _named(outputs, keep)
+    ps = [("{}={}".format(k, str(v).lower() if isinstance(v, bool) else v)).encode() for k, v in params.items()]
+    c_params = (ctypes.c_char_p * max(len(ps), 1))(*ps)
+    result = ctypes.c_void_p()
+    _abi.call("moecert_check", op.encode(), ins, len(inputs), outs, len(outputs), c_params, len(ps),
+              ctypes.byref(result))
+    try:
+        return Verdict(json.loads(ctypes.string_at(result.value).decode()))
+    finally:
+        _abi.lib.moecert_free_string(result)
+
+
+def softmax_topk_forward(z, idx, w, renormalize=True):
+    return judge("router.softmax_topk.forward", {"z": z}, {"idx": idx, "w": w}, renormalize=renormalize)
+
+
+def softmax_topk_backward(z, idx, g, dz, renormalize=True):
+    return judge("router.softmax_topk.backward", {"z": z, "idx": idx, "g": g}, {"dz": dz}, renormalize=renormalize)
+
+
+def product_key_forward(sx, sy, idx, w, weights="softmax"):
+    return judge("router.product_key.forward", {"sx": sx, "sy": sy}, {"idx": idx, "w": w}, weights=weights)
+
+
+def product_key_backward(sx, sy, idx, g, dsx, dsy, weights="softmax"):
+    return judge("router.product_key.backward", {"sx": sx, "sy": sy, "idx": idx, "g": g}, {"dsx": dsx, "dsy": dsy},
+                 weights=weights)
