@@ -12,6 +12,7 @@
 
 #include "contracts/judge_router.hpp"
 #include "tools/commands.hpp"
+#include "tools/conform/report.hpp"
 #include "tools/tensor_file.hpp"
 
 namespace moecert::tools {
@@ -74,7 +75,7 @@ void write_reports(const judge::Verdict& v, const CheckArgs& a) {
     junit += fmt::format("<testcase classname=\"{}\" name=\"{}\">{}</testcase>", v.op, c.info.id,
                          !c.evaluated ? "<skipped/>"
                          : c.passed   ? ""
-                                      : "<failure/>");
+                                      : fmt::format("<failure message=\"{}\"/>", escape_xml(why)));
     failures += !c.passed;
   }
   md += fmt::format("\nTies the implementation ordered its own way (allowed): {}\n", v.ties.size());
@@ -87,8 +88,8 @@ void write_reports(const judge::Verdict& v, const CheckArgs& a) {
       "tests=\"{}\" failures=\"{}\">{}</testsuite>\n",
       v.op, v.clauses.size(), failures, junit);
   std::ofstream(fs::path(a.out) / "report.html")
-      << "<!doctype html><meta charset=\"utf-8\"><title>moecert check</title><pre>" << md
-      << "</pre>\n";
+      << "<!doctype html><meta charset=\"utf-8\"><title>moecert check</title><pre>"
+      << escape_xml(md) << "</pre>\n";
 }
 
 int run_check(const CheckArgs& a) {

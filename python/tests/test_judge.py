@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -37,6 +38,8 @@ def check(cases, case, op, *params):
         report = json.load(f)
     for name in ("report.md", "report.html", "junit.xml"):
         assert (d / "report" / name).stat().st_size > 0
+    suite = ElementTree.parse(d / "report" / "junit.xml").getroot()  # well-formed, one case per clause
+    assert int(suite.get("failures")) == sum(c["verdict"] == "fail" for c in report["clauses"])
     assert report["verdict"] == ("pass" if r.returncode == 0 else "fail")
     return report
 

@@ -11,7 +11,6 @@
 #include <stdexcept>
 
 namespace moecert::tools {
-namespace {
 
 std::string escape_xml(std::string_view s) {
   std::string out;
@@ -38,6 +37,8 @@ std::string escape_xml(std::string_view s) {
   }
   return out;
 }
+
+namespace {
 
 std::string escape_md(std::string_view s) {
   std::string out;

@@ -41,4 +41,7 @@ Report run_cases(const std::vector<CaseDef>& defs, const RunContext& ctx,
 boost::json::object to_json(const Report& r);
 void write_report(const Report& r, const std::filesystem::path& dir);
 
+/// s with &, <, >, " and ' as XML entities (for junit.xml and report.html).
+std::string escape_xml(std::string_view s);
+
 }  // namespace moecert::tools
