@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <functional>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -14,10 +15,11 @@
 namespace moecert::contracts::judge {
 namespace {
 
-// The violations of the judgement in progress (a handler is a plain
-// function; one judgement at a time per process).
+// The violations of the judgement in progress on this thread (a handler is
+// a plain function and process-wide: judgements take turns, see
+// judge_router).
 std::vector<Violation>& collected() {
-  static std::vector<Violation> v;
+  thread_local std::vector<Violation> v;
   return v;
 }
 void collect(const Violation& v) { collected().push_back(v); }
@@ -150,6 +152,11 @@ Verdict judge_router(const std::string& op, const Tensors& in, const Tensors& ou
   Verdict v{op, {}, {}};
   Options options = options_for(out);
   options.ties = &v.ties;
+  // One judgement at a time: the handler and the clause counts are the
+  // process's (a violation another thread meets meanwhile is recorded in
+  // that thread's list, not printed, and still raised under enforce).
+  static std::mutex turn;
+  const std::lock_guard<std::mutex> lock(turn);
   std::map<std::string, std::uint64_t> before;
   for (const auto& cc : clause_counts()) before[cc.id] = cc.checked;
   collected().clear();

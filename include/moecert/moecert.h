@@ -301,7 +301,9 @@ typedef struct moecert_named_tensor {
  * "name=value" strings (renormalize, weights). On MOECERT_OK, *verdict_json
  * is the verdict (schema moecert-check/1), passed or failed, to be freed with
  * moecert_free_string; an unknown op, a missing tensor or a bad parameter is
- * MOECERT_INVALID_ARGUMENT. */
+ * MOECERT_INVALID_ARGUMENT. Judgements take turns (the violation handler is
+ * the process's); meanwhile a violation of another thread's op is raised as
+ * usual but not printed under observe. */
 moecert_status moecert_check(const char* op, const moecert_named_tensor* inputs, size_t n_inputs,
                              const moecert_named_tensor* outputs, size_t n_outputs,
                              const char* const* params, size_t n_params, char** verdict_json);
