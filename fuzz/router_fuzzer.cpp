@@ -100,8 +100,14 @@ struct Case {
   std::vector<float> z, g, w;
   std::vector<std::int32_t> idx;
   bool scores_ok, k_ok;
-  MatView<std::int32_t> iv() { return {idx.data(), t, k}; }
-  MatView<float> wv() { return {w.data(), t, k}; }
+  MatView<std::int32_t> iv;  // views of idx and w
+  MatView<float> wv;
+  // The forward's outputs, whose bytes a rejected call must leave as they were.
+  std::pair<const void*, std::size_t> outs[2];
+
+  void softmax_topk(fuzz::Decoder& d);
+  void sigmoid_topk(fuzz::Decoder& d);
+  void product_key(fuzz::Decoder& d);
 };
 
 Case decode_case(fuzz::Decoder& d, int kind) {
@@ -117,22 +123,14 @@ Case decode_case(fuzz::Decoder& d, int kind) {
   c.idx.assign(c.t * std::max<std::size_t>(c.k, 1), 0x5a5a5a5a);
   c.w.assign(c.idx.size(), 7.0f);
   c.scores_ok = all_finite(c.z), c.k_ok = c.k >= 1 && c.k <= c.e;
+  c.iv = {c.idx.data(), c.t, c.k}, c.wv = {c.w.data(), c.t, c.k};
+  c.outs[0] = {c.idx.data(), c.idx.size() * 4}, c.outs[1] = {c.w.data(), c.w.size() * 4};
   return c;
 }
 
 // softmax_topk forward, then the backward on its selection or on fuzzed
 // indices.
-void softmax_topk(fuzz::Decoder& d, Case& c) {
-  const std::size_t t = c.t, e = c.e, k = c.k;
-  const auto& z = c.z;
-  const auto& g = c.g;
-  const auto& idx = c.idx;
-  const auto& w = c.w;
-  auto iv = c.iv();
-  auto wv = c.wv();
-  const bool scores_ok = c.scores_ok, k_ok = c.k_ok;
-  const std::pair<const void*, std::size_t> outs[] = {{idx.data(), idx.size() * 4},
-                                                      {w.data(), w.size() * 4}};
+void Case::softmax_topk(fuzz::Decoder& d) {
   const bool renorm = d.flag();
   MatView<const float> zv(z.data(), t, e);
   expect(
@@ -169,17 +167,7 @@ void softmax_topk(fuzz::Decoder& d, Case& c) {
 
 // sigmoid_topk forward (fuzzed groups, scaling and bias), then the backward
 // on its selection.
-void sigmoid_topk(fuzz::Decoder& d, Case& c) {
-  const std::size_t t = c.t, e = c.e, k = c.k;
-  const auto& z = c.z;
-  const auto& g = c.g;
-  const auto& idx = c.idx;
-  const auto& w = c.w;
-  auto iv = c.iv();
-  auto wv = c.wv();
-  const bool scores_ok = c.scores_ok, k_ok = c.k_ok;
-  const std::pair<const void*, std::size_t> outs[] = {{idx.data(), idx.size() * 4},
-                                                      {w.data(), w.size() * 4}};
+void Case::sigmoid_topk(fuzz::Decoder& d) {
   const router::SigmoidTopkParams p{d.range(1, 6), d.range(1, 6), d.flag() ? 1.0f : d.value_f32()};
   std::vector<float> bias(d.flag() ? e : d.range(0, 30));
   for (auto& b : bias) b = d.value_f32() * 0.01f;
@@ -223,17 +211,7 @@ void sigmoid_topk(fuzz::Decoder& d, Case& c) {
 
 // product_key forward (three weight modes), then the backward on its
 // selection or on fuzzed indices.
-void product_key(fuzz::Decoder& d, Case& c) {
-  const std::size_t t = c.t, n = c.n, e = c.e, k = c.k;
-  const auto& z = c.z;
-  const auto& g = c.g;
-  const auto& idx = c.idx;
-  const auto& w = c.w;
-  auto iv = c.iv();
-  auto wv = c.wv();
-  const bool scores_ok = c.scores_ok, k_ok = c.k_ok;
-  const std::pair<const void*, std::size_t> outs[] = {{idx.data(), idx.size() * 4},
-                                                      {w.data(), w.size() * 4}};
+void Case::product_key(fuzz::Decoder& d) {
   MatView<const float> xv(z.data(), t, n, 2 * n), yv(z.data() + n, t, n, 2 * n);
   const auto mode = static_cast<router::KeyWeights>(d.u8() % 3);
   bool small = true;  // the clause's range: every sum, and for exp weights its exp, stays finite
@@ -291,10 +269,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const int kind = d.u8() % 3;
   Case c = decode_case(d, kind);
   if (kind == 0)
-    softmax_topk(d, c);
+    c.softmax_topk(d);
   else if (kind == 1)
-    sigmoid_topk(d, c);
+    c.sigmoid_topk(d);
   else
-    product_key(d, c);
+    c.product_key(d);
   return 0;
 }
