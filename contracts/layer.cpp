@@ -50,6 +50,14 @@ bool same_config(const MoeConfig& a, const MoeConfig& b) {
          a.scaling == b.scaling;
 }
 
+// The LoRA factors (when r > 0) as named inputs of a no_alias clause.
+void add_lora_inputs(std::vector<std::pair<std::string, ByteRange>>& in, const Dims& d,
+                     const layer::Weights& w) {
+  for (std::size_t i = 0; i < 6 && d.r; ++i)
+    in.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name),
+                    lora_views(w.lora)[i].bytes());
+}
+
 // Compares got(i, j) with the bounded reference (proofs/layer.md).
 template <class Get>
 bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name, std::size_t rows,
@@ -108,19 +116,12 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
   }
   MOECERT_CONTRACT(c, k::kFwdScale) { lora_scale(c, k::kFwdScale, d.r, cfg.lora_alpha); }
   MOECERT_CONTRACT(c, k::kFwdNoAlias) {
-    const ByteRange out = y.bytes();
     std::vector<std::pair<std::string, ByteRange>> in{{"x", x.bytes()},
                                                       {"router_w", w.router_w.bytes()},
                                                       {"router_b", w.router_b.bytes()},
                                                       {"router_bias", w.router_bias.bytes()}};
-    for (std::size_t i = 0; i < 6 && d.r; ++i)
-      in.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name),
-                      lora_views(w.lora)[i].bytes());
-    for (const auto& [name, r] : in)
-      if (overlaps(out, r)) {
-        c.fail(k::kFwdNoAlias, fmt::format("y and {}", name), "overlapping", "disjoint");
-        break;
-      }
+    add_lora_inputs(in, d, w);
+    detail::no_overlap(c, k::kFwdNoAlias, {{"y", y.bytes()}}, in);
   }
 }
 
@@ -209,9 +210,7 @@ void backward_no_alias(detail::Checker& c, const Dims& d, const layer::Weights& 
                                                      {"router_w", w.router_w.bytes()},
                                                      {"router_b", w.router_b.bytes()},
                                                      {"saved workspace", s.arena.bytes()}};
-  for (std::size_t i = 0; i < 6 && d.r; ++i)
-    ins.emplace_back(fmt::format("lora.{}", lora_shapes(d.E, d.H, d.I, d.r)[i].name),
-                     lora_views(w.lora)[i].bytes());
+  add_lora_inputs(ins, d, w);
   detail::no_overlap(c, k::kBwdNoAlias, outs, ins);
 }
 

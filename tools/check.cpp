@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <set>
 
 #include "contracts/judge_router.hpp"
 #include "tools/commands.hpp"
