@@ -27,6 +27,7 @@ set(MOECERT_SOURCES
   ops/experts/forward.cpp
   ops/experts/lora.cpp
   ops/experts/train.cpp
+  ops/experts/saved_view.cpp
   ops/layer/forward.cpp
   ops/layer/router_linear.cpp
   ops/layer/backward.cpp

@@ -65,7 +65,7 @@ void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, Ma
 }
 
 void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx,
-                              const experts::Grouping& g) {
+                              const GroupingView& g) {
   MOECERT_CONTRACT(c, k::kPermutation) {
     // Every valid slot maps to a row of its own expert's group that maps back
     // to it; the histogram sums to the number of valid slots.
@@ -101,7 +101,7 @@ void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> id
 void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                           MatView<const bf16> x, MatView<const std::int32_t> idx,
                           MatView<const float> weights, MatView<const float> y,
-                          const experts::ForwardState& st) {
+                          const ExpertRows& st) {
   MOECERT_CONTRACT(c, k::kYFinite) { detail::scan_finite(c, k::kYFinite, "y", y); }
   // x and W in range, no overflow; Freivalds probes of both GEMMs of every
   // expert, never failing within bounds::dot; proofs/bounds.md §9.
@@ -122,7 +122,7 @@ void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
           gu.n(), [&](std::size_t j, std::size_t kk) { return gu.at(j, kk); },
           MatView<const float>(st.c1 + r0 * st.ldc1, m, gu.n(), st.ldc1));
       const auto p2 = verify::probe_gemm_nt(
-          m, w.inter(), [&](std::size_t i, std::size_t kk) { return st.h_at(r0 + i, kk); },
+          m, w.inter(), [&](std::size_t i, std::size_t kk) { return st.h.at(r0 + i, kk); },
           w.hidden(), [&](std::size_t j, std::size_t kk) { return dn.at(j, kk); },
           MatView<const float>(st.o + r0 * st.ldo, m, w.hidden(), st.ldo));
       for (const auto* p : {&p1, &p2})

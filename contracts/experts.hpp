@@ -3,8 +3,8 @@
 
 #include "contracts/engine.hpp"
 #include "contracts/reference/experts.hpp"
+#include "contracts/saved.hpp"
 #include "moecert/experts.hpp"
-#include "ops/experts/forward.hpp"
 
 namespace moecert::contracts {
 
@@ -12,10 +12,10 @@ void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, Ma
                          MatView<const std::int32_t> idx, MatView<const float> weights,
                          MatView<float> y);
 void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx,
-                              const experts::Grouping& g);
+                              const GroupingView& g);
 void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                           MatView<const bf16> x, MatView<const std::int32_t> idx,
                           MatView<const float> weights, MatView<const float> y,
-                          const experts::ForwardState& st);
+                          const ExpertRows& st);
 
 }  // namespace moecert::contracts

@@ -40,6 +40,14 @@ std::vector<std::pair<std::string, ByteRange>> input_ranges(const experts::Packe
   return in;
 }
 
+// Whether any output of the expert path is requested.
+bool wants_expert_path(const experts::Gradients& g) {
+  for (const auto& v : {g.dx, g.a_gate, g.b_gate, g.a_up, g.b_up, g.a_down, g.b_down, g.w_gate,
+                        g.w_up, g.w_down, g.m_a, g.m_g})
+    if (!v.empty()) return true;
+  return false;
+}
+
 }  // namespace
 
 // ---- shared clause bodies ----------------------------------------------------
@@ -127,29 +135,25 @@ void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, 
   }
 }
 
-void lora_padding(detail::Checker& c, const ClauseInfo& clause, const experts::PackedLora& l) {
-  // Each expert's packed factors; the first expert with a nonzero padding
-  // element is found on the op's threads, then named.
-  auto check_expert = [&](std::size_t e, auto&& bad) {
-    const auto& p = l.experts[e];
-    const std::pair<const char*, const gemm::PackedWeights*> all[] = {
-        {"a_gu", &p.a_gu},   {"b_gu", &p.b_gu},   {"a_d", &p.a_d},       {"b_d", &p.b_d},
-        {"b_d_t", &p.b_d_t}, {"a_d_t", &p.a_d_t}, {"b_gu_t", &p.b_gu_t}, {"a_gu_t", &p.a_gu_t}};
-    for (const auto& [name, w] : all) {
-      if (!w->data()) continue;
-      for (std::size_t n = 0; n < w->np(); ++n)
-        for (std::size_t kk = n < w->n() ? w->k() : 0; kk < w->kp(); ++kk)
-          if (w->at(n, kk).bits & 0x7fff) return bad(e, name, n, kk, w->at(n, kk));
-    }
+void lora_padding(detail::Checker& c, const ClauseInfo& clause,
+                  std::span<const PackedFactor> factors) {
+  // Each factor's padding; the first factor with a nonzero padding element
+  // is found on the op's threads, then named.
+  auto check_factor = [&](std::size_t i, auto&& bad) {
+    const gemm::PackedWeights& w = *factors[i].packed;
+    if (!w.data()) return true;
+    for (std::size_t n = 0; n < w.np(); ++n)
+      for (std::size_t kk = n < w.n() ? w.k() : 0; kk < w.kp(); ++kk)
+        if (w.at(n, kk).bits & 0x7fff) return bad(factors[i], n, kk, w.at(n, kk));
     return true;
   };
-  const auto quiet = [](std::size_t, const char*, std::size_t, std::size_t, bf16) { return false; };
-  const std::size_t work = l.experts.empty() ? 0 : l.experts[0].a_gu.size() * 8;
-  const std::size_t e = detail::first_failing(
-      l.experts.size(), work, [&](std::size_t i) { return check_expert(i, quiet); });
-  if (e < l.experts.size())
-    check_expert(e, [&](std::size_t ex, const char* name, std::size_t n, std::size_t kk, bf16 v) {
-      c.fail(clause, fmt::format("expert {} {} ({}, {})", ex, name, n, kk),
+  const auto quiet = [](const PackedFactor&, std::size_t, std::size_t, bf16) { return false; };
+  const std::size_t work = factors.empty() ? 0 : factors[0].packed->size();
+  const std::size_t i = detail::first_failing(
+      factors.size(), work, [&](std::size_t f) { return check_factor(f, quiet); });
+  if (i < factors.size())
+    check_factor(i, [&](const PackedFactor& f, std::size_t n, std::size_t kk, bf16 v) {
+      c.fail(clause, fmt::format("expert {} {} ({}, {})", f.expert, f.name, n, kk),
              fmt::format("{}", v.to_float()), "0 (rank padding)");
       return false;
     });
@@ -173,11 +177,11 @@ std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& 
   return {g.a_gate, g.b_gate, g.a_up, g.b_up, g.a_down, g.b_down, g.w_gate, g.w_up, g.w_down};
 }
 
-void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                         std::size_t I, const float* logits, std::size_t R) {
   // The saved state the backward reads, at the elements it reads (a NaN
   // here: read before write, or a co-live buffer overwrote it).
-  const auto& st = s.st;
+  const auto& st = s.rows;
   const auto& gr = st.grouping;
   const std::size_t T = s.tokens, K = s.topk, r = st.rank;
   auto fail = [&](const char* buffer, std::size_t row, std::size_t col, double v) {
@@ -196,12 +200,13 @@ void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const expe
   auto check_row = [&](std::size_t row, auto&& bad) {
     if (gr.row_slot[row] < 0) return true;
     for (std::size_t i = 0; i < I; ++i) {
-      const std::size_t at = 2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel;
-      for (const std::size_t col : {at, at + gemm::kPanel})
+      const std::size_t at = 2 * gemm::PackedWeights::kPanel * (i / gemm::PackedWeights::kPanel) +
+                             i % gemm::PackedWeights::kPanel;
+      for (const std::size_t col : {at, at + gemm::PackedWeights::kPanel})
         if (!std::isfinite(st.c1[row * st.ldc1 + col]))
           return bad("experts.c1", row, col, st.c1[row * st.ldc1 + col]);
-      if (!std::isfinite(st.h_at(row, i).to_float()))
-        return bad("experts.h", row, i, st.h_at(row, i).to_float());
+      if (!std::isfinite(st.h.at(row, i).to_float()))
+        return bad("experts.h", row, i, st.h.at(row, i).to_float());
     }
     for (std::size_t kk = 0; kk < 2 * r; ++kk)
       if (!std::isfinite(st.xa[row * 2 * r + kk]))
@@ -220,9 +225,9 @@ void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const expe
     });
 }
 
-void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                        const experts::Gradients& g) {
-  const auto& gr = s.st.grouping;
+  const auto& gr = s.rows.grouping;
   const std::size_t E = gr.experts;
   const auto names = grad_shapes(0, 0, 0, 0);
   for (std::size_t e = 0; e < E; ++e) {
@@ -257,7 +262,7 @@ void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const exper
   }
 }
 
-void dweights_masked(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+void dweights_masked(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                      MatView<const float> dw) {
   for (std::size_t t = 0; t < dw.rows; ++t)
     for (std::size_t j = 0; j < dw.cols; ++j)
@@ -293,8 +298,7 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
 
 template <class S>
 ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::Lora& lora,
-                               MatView<const bf16> x, const float* dy,
-                               const experts::TrainState& s) {
+                               MatView<const bf16> x, const float* dy, const TrainSaved& s) {
   ref::LayerData<S> d;
   d.T = x.rows, d.H = w.hidden(), d.I = w.inter(), d.E = w.experts(), d.K = s.topk, d.r = lora.rank,
   d.R = 0;
@@ -334,10 +338,10 @@ ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::L
 
 template ref::LayerData<double> experts_data<double>(const experts::PackedExperts&,
                                                      const experts::Lora&, MatView<const bf16>,
-                                                     const float*, const experts::TrainState&);
+                                                     const float*, const TrainSaved&);
 template ref::LayerData<Tracked> experts_data<Tracked>(const experts::PackedExperts&,
                                                        const experts::Lora&, MatView<const bf16>,
-                                                       const float*, const experts::TrainState&);
+                                                       const float*, const TrainSaved&);
 
 // ---- experts.forward_train -----------------------------------------------------
 
@@ -391,7 +395,7 @@ void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts&
 
 void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                                 const experts::Lora& lora, MatView<const bf16> x,
-                                MatView<const float> y, const experts::TrainState& s) {
+                                MatView<const float> y, const TrainSaved& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
   // Inputs exact, no overflow; every y within layer_reference over Tracked with
   // the caller's weights; proofs/experts.md §1.
@@ -406,7 +410,7 @@ void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts
 
 void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
                           const experts::Lora& lora, MatView<const bf16> x, MatView<const float> dy,
-                          const experts::Saved::Impl& s, const experts::Gradients& g) {
+                          const TrainSaved& s, const experts::Gradients& g) {
   const std::size_t T = x.rows, E = w.experts(), H = w.hidden(), I = w.inter();
   MOECERT_CONTRACT(c, k::kBwdState) {
     if (!s.valid)
@@ -466,14 +470,14 @@ void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
       outs.emplace_back(fmt::format("{} grad", names[i].name), weight_grads(g)[i].bytes());
     auto in = input_ranges(w, lora, x);
     in.emplace_back("dy", dy.bytes());
-    in.emplace_back("saved workspace", s.arena.bytes());
+    in.emplace_back("saved workspace", s.workspace);
     detail::no_overlap(c, k::kBwdNoAlias, outs, in);
   }
 }
 
 void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
                            const experts::Lora& lora, MatView<const bf16> x,
-                           MatView<const float> dy, const experts::TrainState& s,
+                           MatView<const float> dy, const TrainSaved& s,
                            const experts::Gradients& g) {
   const std::size_t E = w.experts(), H = w.hidden(), I = w.inter();
   const auto names = grad_shapes(E, H, I, lora.rank);
@@ -493,7 +497,7 @@ void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
   // Tracked (dweights, dx, LoRA, base); proofs/experts.md §2.
   MOECERT_CONTRACT(c, k::kBwdWithin) {
     static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
-    const bool expert = experts::wants_expert_path(g);
+    const bool expert = wants_expert_path(g);
     const bool base = !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty();
     const auto ref =
         ref::layer_reference(experts_data<Tracked>(w, lora, x, dy.data ? dy.data : &no_tokens, s),

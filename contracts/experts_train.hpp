@@ -10,8 +10,8 @@
 #include "contracts/bounds/tracked.hpp"
 #include "contracts/engine.hpp"
 #include "contracts/reference/layer.hpp"
+#include "contracts/saved.hpp"
 #include "moecert/experts.hpp"
-#include "ops/experts/train.hpp"
 
 namespace moecert::contracts {
 
@@ -21,13 +21,13 @@ void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts&
                                MatView<float> y);
 void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                                 const experts::Lora& lora, MatView<const bf16> x,
-                                MatView<const float> y, const experts::TrainState& s);
+                                MatView<const float> y, const TrainSaved& s);
 void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
                           const experts::Lora& lora, MatView<const bf16> x, MatView<const float> dy,
-                          const experts::Saved::Impl& s, const experts::Gradients& g);
+                          const TrainSaved& s, const experts::Gradients& g);
 void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
                            const experts::Lora& lora, MatView<const bf16> x,
-                           MatView<const float> dy, const experts::TrainState& s,
+                           MatView<const float> dy, const TrainSaved& s,
                            const experts::Gradients& g);
 
 // ---- shared with the layer -------------------------------------------------
@@ -59,7 +59,8 @@ void lora_finite(detail::Checker& c, const ClauseInfo& clause, const experts::Lo
 /// s = float(alpha / r) finite and in [2^-60, 2^60] (r > 0).
 void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, double alpha);
 /// The packed LoRA factors' rank padding is zero.
-void lora_padding(detail::Checker& c, const ClauseInfo& clause, const experts::PackedLora& l);
+void lora_padding(detail::Checker& c, const ClauseInfo& clause,
+                  std::span<const PackedFactor> factors);
 
 /// The weight gradients of the expert path (LoRA's six, then the base
 /// weights' three) with the shapes they must have.
@@ -71,14 +72,14 @@ std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& 
 /// The saved state the backward reads is finite (idx in range) at the
 /// elements it reads, for experts of intermediate size I (logits: the
 /// layer's router logits [T x R], or null).
-void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                         std::size_t I, const float* logits, std::size_t R);
 /// An idle expert's weight gradients are exactly 0, and M_A, M_G are 0
 /// wherever token t is not routed to e.
-void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                        const experts::Gradients& g);
 /// dL/dw exactly 0 at -1 slots.
-void dweights_masked(detail::Checker& c, const ClauseInfo& clause, const experts::TrainState& s,
+void dweights_masked(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                      MatView<const float> dw);
 
 /// The elements of m, row by row.
@@ -93,7 +94,6 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
 /// from the saved state: the kernel's copies), dy optional.
 template <class S>
 ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::Lora& lora,
-                               MatView<const bf16> x, const float* dy,
-                               const experts::TrainState& s);
+                               MatView<const bf16> x, const float* dy, const TrainSaved& s);
 
 }  // namespace moecert::contracts

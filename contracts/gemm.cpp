@@ -4,7 +4,6 @@
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/verify.hpp"
-#include "ops/gemm/ukernel.hpp"
 
 namespace moecert::contracts {
 
@@ -36,9 +35,11 @@ void gemm_pack_post(detail::Checker& c, MatView<const bf16> w, MatView<const bf1
     // Column n of the packed W is row n of w (or, interleaved by 16-column
     // panel, of w and second).
     for (std::size_t n = 0; n < out.n(); ++n) {
-      const std::size_t panel = n / gemm::kPanel, lane = n % gemm::kPanel;
+      const std::size_t panel = n / gemm::PackedWeights::kPanel,
+                        lane = n % gemm::PackedWeights::kPanel;
       const MatView<const bf16>& src = out.interleaved() && panel % 2 ? second : w;
-      const std::size_t row = out.interleaved() ? (panel / 2) * gemm::kPanel + lane : n;
+      const std::size_t row =
+          out.interleaved() ? (panel / 2) * gemm::PackedWeights::kPanel + lane : n;
       if (row >= src.rows) continue;  // padding of an interleaved panel
       for (std::size_t kk = 0; kk < w.cols; ++kk)
         if (out.at(n, kk).bits != src(row, kk).bits) {

@@ -4,6 +4,7 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <optional>
@@ -17,7 +18,6 @@
 #include "contracts/compare.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer_router_linear.hpp"
-#include "ops/workspace/arena.hpp"
 
 namespace moecert::contracts {
 
@@ -26,17 +26,29 @@ using bounds::Tracked;
 
 namespace {
 
-std::size_t router_outs(const MoeConfig& cfg) {
-  return static_cast<std::size_t>(workspace::router_outputs(cfg));
-}
-
 struct Dims {
   std::size_t E, H, I, K, r, R;
 };
 Dims dims(const MoeConfig& cfg) {
   return {static_cast<std::size_t>(cfg.experts),   static_cast<std::size_t>(cfg.hidden),
           static_cast<std::size_t>(cfg.inter),     static_cast<std::size_t>(cfg.topk),
-          static_cast<std::size_t>(cfg.lora_rank), router_outs(cfg)};
+          static_cast<std::size_t>(cfg.lora_rank), router_width(cfg)};
+}
+
+// The layer's gradients that its experts op forms (all but the router's).
+experts::Gradients expert_gradients(const layer::Gradients& g) {
+  return {.dx = g.dx,
+          .a_gate = g.a_gate,
+          .b_gate = g.b_gate,
+          .a_up = g.a_up,
+          .b_up = g.b_up,
+          .a_down = g.a_down,
+          .b_down = g.b_down,
+          .w_gate = g.w_gate,
+          .w_up = g.w_up,
+          .w_down = g.w_down,
+          .m_a = g.m_a,
+          .m_g = g.m_g};
 }
 
 bool wants_base(const layer::Gradients& g) {
@@ -69,6 +81,13 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
 }
 
 }  // namespace
+
+std::size_t router_width(const MoeConfig& cfg) {
+  const auto e = static_cast<std::size_t>(std::max<std::int64_t>(cfg.experts, 0));
+  if (cfg.router != RouterKind::product_key) return e;
+  const auto n = static_cast<std::size_t>(std::llround(std::sqrt(static_cast<double>(e))));
+  return 2 * n;
+}
 
 void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                        MatView<const bf16> x, MatView<float> y) {
@@ -126,8 +145,7 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
 }
 
 void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
-                        MatView<const bf16> x, MatView<const float> y,
-                        const layer::Saved::Impl& s) {
+                        MatView<const bf16> x, MatView<const float> y, const LayerSaved& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
   // Conditioned on the kernel's routing; inputs exact, no overflow; every z and y
   // within layer_bounds (Tracked through the kernel's rounding points); proofs/layer.md §1-2.
@@ -153,13 +171,13 @@ namespace {
 std::optional<std::pair<std::string, std::string>> saved_state_error(const MoeConfig& cfg,
                                                                      MatView<const bf16> x,
                                                                      const layer::Weights& w,
-                                                                     const layer::Saved::Impl& s) {
-  if (!s.valid) return {{"no forward saved", "a training forward first"}};
-  if (!s.training) return {{"forward ran with training = false", "a training forward"}};
+                                                                     const LayerSaved& s) {
+  if (!s.train.valid) return {{"no forward saved", "a training forward first"}};
+  if (!s.train.training) return {{"forward ran with training = false", "a training forward"}};
   if (!same_config(s.cfg, cfg))
     return {{"saved by a forward of another config", "the same config"}};
-  if (s.tokens != x.rows)
-    return {{fmt::format("saved T={}, x has {}", s.tokens, x.rows), "the same T"}};
+  if (s.train.tokens != x.rows)
+    return {{fmt::format("saved T={}, x has {}", s.train.tokens, x.rows), "the same T"}};
   if (!w.experts || !w.experts->has_backward())
     return {{"experts packed without backward", "pack(..., backward = true)"}};
   return std::nullopt;
@@ -183,7 +201,7 @@ std::string backward_shape_error(const Dims& d, MatView<const bf16> x, MatView<c
   if (!g.m_g.empty() && !detail::has_shape(g.m_g, T, d.E))
     return fmt::format("m_g {}x{}", g.m_g.rows, g.m_g.cols);
   for (std::size_t i = 0; i < kWeightGrads; ++i) {
-    const auto v = weight_grads(layer::expert_gradients(g))[i];
+    const auto v = weight_grads(expert_gradients(g))[i];
     const auto sh = grad_shapes(d.E, d.H, d.I, d.r)[i];
     if (!v.empty() && !detail::has_shape(v, sh.rows, sh.cols))
       return fmt::format("{} grad {}x{}, expected {}x{}", sh.name, v.rows, v.cols, sh.rows,
@@ -195,7 +213,7 @@ std::string backward_shape_error(const Dims& d, MatView<const bf16> x, MatView<c
 // layer.backward.no_alias: the outputs pairwise, and each against every
 // input (the saved workspace included).
 void backward_no_alias(detail::Checker& c, const Dims& d, const layer::Weights& w,
-                       MatView<const bf16> x, MatView<const float> dy, const layer::Saved::Impl& s,
+                       MatView<const bf16> x, MatView<const float> dy, const LayerSaved& s,
                        const layer::Gradients& g) {
   std::vector<std::pair<std::string, ByteRange>> outs{{"dx", g.dx.bytes()},
                                                       {"router_w grad", g.router_w.bytes()},
@@ -204,12 +222,12 @@ void backward_no_alias(detail::Checker& c, const Dims& d, const layer::Weights& 
                                                       {"m_g", g.m_g.bytes()}};
   for (std::size_t i = 0; i < kWeightGrads; ++i)
     outs.emplace_back(fmt::format("{} grad", grad_shapes(d.E, d.H, d.I, d.r)[i].name),
-                      weight_grads(layer::expert_gradients(g))[i].bytes());
+                      weight_grads(expert_gradients(g))[i].bytes());
   std::vector<std::pair<std::string, ByteRange>> ins{{"x", x.bytes()},
                                                      {"dy", dy.bytes()},
                                                      {"router_w", w.router_w.bytes()},
                                                      {"router_b", w.router_b.bytes()},
-                                                     {"saved workspace", s.arena.bytes()}};
+                                                     {"saved workspace", s.train.workspace}};
   add_lora_inputs(ins, d, w);
   detail::no_overlap(c, k::kBwdNoAlias, outs, ins);
 }
@@ -217,10 +235,10 @@ void backward_no_alias(detail::Checker& c, const Dims& d, const layer::Weights& 
 }  // namespace
 
 void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
-                        MatView<const bf16> x, MatView<const float> dy, const layer::Saved& saved,
+                        MatView<const bf16> x, MatView<const float> dy, const LayerSaved& saved,
                         const layer::Gradients& g) {
   const Dims d = dims(cfg);
-  const auto& s = saved.impl();
+  const auto& s = saved;
   MOECERT_CONTRACT(c, k::kBwdState) {
     if (const auto bad = saved_state_error(cfg, x, w, s))
       c.fail(k::kBwdState, "", bad->first, bad->second);
@@ -236,22 +254,21 @@ void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::W
 }
 
 void layer_backward_saved(detail::Checker& c, const MoeConfig& cfg, MatView<const bf16>,
-                          const layer::Saved& saved) {
+                          const LayerSaved& saved) {
   const Dims d = dims(cfg);
   MOECERT_CONTRACT(c, k::kBwdSavedFinite) {
-    train_saved_finite(c, k::kBwdSavedFinite, saved.impl(), d.I, saved.impl().logits, d.R);
+    train_saved_finite(c, k::kBwdSavedFinite, saved.train, d.I, saved.logits, d.R);
   }
 }
 
 void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
-                         MatView<const bf16> x, MatView<const float> dy, const layer::Saved& saved,
+                         MatView<const bf16> x, MatView<const float> dy, const LayerSaved& saved,
                          const layer::Gradients& g, const layer::BackwardOptions& opt) {
   const Dims d = dims(cfg);
-  const auto& s = saved.impl();
-  const float* dw =
-      s.arena.plan().find("router.dw") ? s.arena.get<float>("router.dw", x.rows * d.K) : nullptr;
+  const auto& s = saved;
+  const float* dw = s.router_dw;
   const auto names = grad_shapes(d.E, d.H, d.I, d.r);
-  const auto wg = weight_grads(layer::expert_gradients(g));
+  const auto wg = weight_grads(expert_gradients(g));
   MOECERT_CONTRACT(c, k::kBwdGradFinite) {
     bool ok = detail::scan_finite(c, k::kBwdGradFinite, "dx", MatView<const float>(g.dx)) &&
               detail::scan_finite(c, k::kBwdGradFinite, "router_w grad",
@@ -266,10 +283,11 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
                                MatView<const float>(wg[i]));
   }
   MOECERT_CONTRACT(c, k::kBwdEmptyZero) {
-    empty_expert_zero(c, k::kBwdEmptyZero, s, layer::expert_gradients(g));
+    empty_expert_zero(c, k::kBwdEmptyZero, s.train, expert_gradients(g));
   }
   MOECERT_CONTRACT(c, k::kBwdRouterMasked) {
-    if (dw) dweights_masked(c, k::kBwdRouterMasked, s, MatView<const float>(dw, x.rows, d.K, d.K));
+    if (dw)
+      dweights_masked(c, k::kBwdRouterMasked, s.train, MatView<const float>(dw, x.rows, d.K, d.K));
   }
   // Conditioned on the kernel's routing and dL/dw; every gradient within
   // layer_bounds (expert path, router path, base weights); proofs/layer.md §3-4.

@@ -17,6 +17,7 @@
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
+#include "ops/experts/forward.hpp"
 #include "ops/experts/lora.hpp"
 #include "ops/gemm/ukernel.hpp"
 #include "test_util.hpp"
@@ -240,13 +241,13 @@ TEST_CASE("experts.forward: permutation invariant catches a lost row",
   {
     detail::Checker c{"experts.forward"};
     ContractScope s{Level::check, Semantic::enforce};
-    CHECK_NOTHROW(contracts::experts_forward_grouping(c, p.Idx(), g));
+    CHECK_NOTHROW(contracts::experts_forward_grouping(c, p.Idx(), experts::grouping_view(g)));
   }
   g.row_slot[g.slot_row[3]] = -1;  // a missing row in the counting sort
   test::expect_violation(
       [&] {
         detail::Checker c{"experts.forward"};
-        contracts::experts_forward_grouping(c, p.Idx(), g);
+        contracts::experts_forward_grouping(c, p.Idx(), experts::grouping_view(g));
       },
       "experts.forward.permutation");
 }
@@ -325,7 +326,8 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
   auto post = [&] {
     detail::Checker c{"experts.forward"};
     contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(),
-                                    MatView<const float>(y.data(), p.t, p.h), st);
+                                    MatView<const float>(y.data(), p.t, p.h),
+                                    experts::rows_view(st));
   };
   {
     ContractScope s{Level::full, Semantic::enforce};
@@ -348,7 +350,8 @@ TEST_CASE("experts.forward: within_bound catches a wrong output", "[experts][for
       [&] {
         detail::Checker c{"experts.forward"};
         contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(),
-                                        MatView<const float>(y.data(), p.t, p.h), st);
+                                        MatView<const float>(y.data(), p.t, p.h),
+                                        experts::rows_view(st));
       },
       "experts.forward.within_bound", Level::full);
   CHECK(v.location == "t=1 h=5");

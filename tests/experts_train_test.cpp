@@ -315,7 +315,8 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
         [&] {
           detail::Checker c{"experts.forward_train"};
           MOECERT_CONTRACT(c, clauses::experts_train::kFwdLoraPadding) {
-            contracts::lora_padding(c, clauses::experts_train::kFwdLoraPadding, l);
+            contracts::lora_padding(c, clauses::experts_train::kFwdLoraPadding,
+                                    experts::packed_factors(l));
           }
         },
         "experts.forward_train.lora_padding", Level::check);
@@ -328,7 +329,7 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   auto post = [&] {
     detail::Checker c{"experts.forward_train"};
     contracts::experts_train_forward_post(c, p.packed, p.lora_view(), p.X(), {y.data(), p.T, p.H},
-                                          saved.impl());
+                                          experts::saved_view(saved.impl()));
   };
   SECTION("y_finite") {
     y[5] = NAN;
@@ -424,7 +425,8 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients",
   experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, g);
   auto post = [&] {
     detail::Checker c{"experts.backward"};
-    contracts::experts_backward_post(c, p.packed, p.lora_view(), p.X(), p.DY(), saved.impl(), g);
+    contracts::experts_backward_post(c, p.packed, p.lora_view(), p.X(), p.DY(),
+                                     experts::saved_view(saved.impl()), g);
   };
   SECTION("grad_finite") {
     o.g[1][3] = INFINITY;
@@ -455,8 +457,8 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients",
     test::expect_violation(
         [&] {
           detail::Checker c{"experts.backward"};
-          contracts::experts_backward_post(c, q.packed, q.lora_view(), q.X(), q.DY(), s2.impl(),
-                                           g2);
+          contracts::experts_backward_post(c, q.packed, q.lora_view(), q.X(), q.DY(),
+                                           experts::saved_view(s2.impl()), g2);
         },
         "experts.backward.dweights_masked", Level::check);
   }

@@ -270,7 +270,8 @@ namespace {
 // reference's own logits and weights.
 ref::LayerData<Hp> hp_data(const Problem& p, const layer::Saved& saved) {
   const auto w = p.weights();
-  const auto dd = contracts::layer_data<double>(p.cfg, w, p.X(), p.dy.data(), saved.impl());
+  const auto dd =
+      contracts::layer_data<double>(p.cfg, w, p.X(), p.dy.data(), layer::saved_view(saved));
   ref::LayerData<Hp> d;
   d.T = dd.T, d.H = dd.H, d.I = dd.I, d.E = dd.E, d.K = dd.K, d.r = dd.r, d.R = dd.R;
   d.kind = dd.kind, d.renormalize = dd.renormalize, d.scaling = dd.scaling, d.scale = dd.scale;
@@ -369,9 +370,10 @@ TEST_CASE("layer: per-token statistics equal a one-token-at-a-time reference bac
     const Problem p = make(RouterKind::softmax_topk, 6, 24, 16, 2, r, 9, 5);
     Run k = run(p, Isa::scalar);
     const auto w = p.weights();
-    const auto bound =
-        contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), k.saved.impl(), {}, nullptr);
-    const auto all = contracts::layer_data<double>(p.cfg, w, p.X(), p.dy.data(), k.saved.impl());
+    const auto bound = contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(),
+                                               layer::saved_view(k.saved), {}, nullptr);
+    const auto all =
+        contracts::layer_data<double>(p.cfg, w, p.X(), p.dy.data(), layer::saved_view(k.saved));
     for (std::size_t t = 0; t < p.T; ++t) {
       // The token alone, with the kernel's routing.
       ref::LayerData<Hp> d = hp_data(p, k.saved);
@@ -469,7 +471,7 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
         [&] {
           detail::Checker c{"layer.forward"};
           MOECERT_CONTRACT(c, clauses::layer::kFwdLoraPadding) {
-            contracts::lora_padding(c, clauses::layer::kFwdLoraPadding, l);
+            contracts::lora_padding(c, clauses::layer::kFwdLoraPadding, experts::packed_factors(l));
           }
         },
         "layer.forward.lora_padding", Level::check);
@@ -490,14 +492,14 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     ContractScope s{Level::full, Semantic::enforce};
     fwd(p, y);
     // Two bounds away from the reference.
-    const auto ref =
-        contracts::layer_bounds(p.cfg, p.weights(), p.X(), nullptr, saved.impl(), {}, nullptr);
+    const auto ref = contracts::layer_bounds(p.cfg, p.weights(), p.X(), nullptr,
+                                             layer::saved_view(saved), {}, nullptr);
     y[3 * p.H + 1] = static_cast<float>(ref.y[3 * p.H + 1].v + 2 * ref.y[3 * p.H + 1].e);
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.forward"};
           contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H},
-                                        saved.impl());
+                                        layer::saved_view(saved));
         },
         "layer.forward.within_bound", Level::full);
     CHECK(v.location == "y[3, 1]");
@@ -584,7 +586,8 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.backward"};
-          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), saved, gv, {});
+          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), gv,
+                                         {});
         },
         "layer.backward.empty_expert_zero", Level::check);
     CHECK(v.location.rfind(fmt::format("expert {} a_gate grad", idle), 0) == 0);
@@ -593,7 +596,8 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
     v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.backward"};
-          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), saved, gv, {});
+          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), gv,
+                                         {});
         },
         "layer.backward.empty_expert_zero", Level::check);
     CHECK(v.location == fmt::format("expert {} w_up grad ({}, 3)", idle, idle * p.I + 2));
@@ -608,27 +612,30 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
     test::expect_violation(
         [&] {
           detail::Checker c{"layer.backward"};
-          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), saved, gv, {});
+          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), gv,
+                                         {});
         },
         "layer.backward.router_masked", Level::check);
   }
   SECTION("within_bound") {
     ContractScope s{Level::full, Semantic::enforce};
     bwd(saved, p.DY());
-    const auto ref = contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), saved.impl(), {},
-                                             saved.impl().arena.get<float>("router.dw", p.T * p.K));
+    const auto ref =
+        contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), layer::saved_view(saved), {},
+                                saved.impl().arena.get<float>("router.dw", p.T * p.K));
     g.bd[5] = static_cast<float>(ref.dbd[5].v - 2 * ref.dbd[5].e);
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.backward"};
-          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), saved, gv, {});
+          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), gv,
+                                         {});
         },
         "layer.backward.within_bound", Level::full);
     CHECK(v.location == "b_down grad[1, 1]");  // element 5 of a 4-column matrix
     g.bd[5] = static_cast<float>(ref.dbd[5].v);
-    const auto base =
-        contracts::layer_bounds(p.cfg, w, p.X(), p.dy.data(), saved.impl(), {.base = true},
-                                saved.impl().arena.get<float>("router.dw", p.T * p.K));
+    const auto base = contracts::layer_bounds(
+        p.cfg, w, p.X(), p.dy.data(), layer::saved_view(saved), {.base = true},
+        saved.impl().arena.get<float>("router.dw", p.T * p.K));
     std::size_t at = 0;  // the element whose bound is tightest relative to its value
     for (std::size_t i = 1; i < base.dwg.size(); ++i)
       if (base.dwg[i].e * std::fabs(base.dwg[at].v) < base.dwg[at].e * std::fabs(base.dwg[i].v))
@@ -639,7 +646,8 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
     v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.backward"};
-          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), saved, gv, {});
+          contracts::layer_backward_post(c, p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), gv,
+                                         {});
         },
         "layer.backward.within_bound", Level::full);
     CHECK(v.location == fmt::format("w_gate grad[{}, {}]", at / p.H, at % p.H));

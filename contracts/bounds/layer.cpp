@@ -5,7 +5,6 @@
 
 #include "contracts/bounds/router.hpp"
 #include "contracts/experts_train.hpp"
-#include "ops/workspace/arena.hpp"
 
 namespace moecert::contracts {
 
@@ -34,10 +33,9 @@ std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const floa
 
 template <class S>
 ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                             const float* dy, const layer::Saved::Impl& s) {
-  const auto H = static_cast<std::size_t>(cfg.hidden),
-             R = static_cast<std::size_t>(workspace::router_outputs(cfg));
-  auto d = experts_data<S>(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{}, x, dy, s);
+                             const float* dy, const LayerSaved& s) {
+  const auto H = static_cast<std::size_t>(cfg.hidden), R = router_width(cfg);
+  auto d = experts_data<S>(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{}, x, dy, s.train);
   d.router = true, d.R = R;
   d.kind = cfg.router, d.renormalize = cfg.renormalize,
   d.scaling = static_cast<double>(static_cast<float>(cfg.scaling));
@@ -53,20 +51,19 @@ ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatV
 
 template ref::LayerData<double> layer_data<double>(const MoeConfig&, const layer::Weights&,
                                                    MatView<const bf16>, const float*,
-                                                   const layer::Saved::Impl&);
+                                                   const LayerSaved&);
 template ref::LayerData<Tracked> layer_data<Tracked>(const MoeConfig&, const layer::Weights&,
                                                      MatView<const bf16>, const float*,
-                                                     const layer::Saved::Impl&);
+                                                     const LayerSaved&);
 
 ref::LayerResult<Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w,
-                                       MatView<const bf16> x, const float* dy,
-                                       const layer::Saved::Impl& s, ref::Paths paths,
-                                       const float* dw_kernel) {
+                                       MatView<const bf16> x, const float* dy, const LayerSaved& s,
+                                       ref::Paths paths, const float* dw_kernel) {
   const auto d = layer_data<Tracked>(cfg, w, x, dy, s);
   return ref::layer_reference(
       d, dy != nullptr, paths, [&](std::size_t t, std::vector<Tracked>& dz) {
         if (!dw_kernel) return;
-        const std::int32_t* ir = s.idx + t * d.K;
+        const std::int32_t* ir = s.train.idx + t * d.K;
         const auto extra = router_rounding(d, s.logits + t * d.R, ir, ref::valid_prefix(ir, d.K),
                                            dw_kernel + t * d.K);
         for (std::size_t i = 0; i < d.R; ++i) dz[i].e += extra[i];

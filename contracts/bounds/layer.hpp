@@ -5,8 +5,8 @@
 
 #include "contracts/bounds/tracked.hpp"
 #include "contracts/reference/layer.hpp"
+#include "contracts/saved.hpp"
 #include "moecert/layer.hpp"
-#include "ops/layer/state.hpp"
 
 namespace moecert::contracts {
 
@@ -14,7 +14,7 @@ namespace moecert::contracts {
 /// weights from `saved`: the kernel's), dy optional.
 template <class S>
 ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                             const float* dy, const layer::Saved::Impl& saved);
+                             const float* dy, const LayerSaved& saved);
 
 /// The reference forward (and backward with dy) with every element's bound
 /// of the kernel's error (proofs/layer.md), conditioned on the kernel's
@@ -22,7 +22,7 @@ ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatV
 /// rounding bound.
 ref::LayerResult<bounds::Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w,
                                                MatView<const bf16> x, const float* dy,
-                                               const layer::Saved::Impl& saved, ref::Paths paths,
+                                               const LayerSaved& saved, ref::Paths paths,
                                                const float* dw_kernel);
 
 }  // namespace moecert::contracts

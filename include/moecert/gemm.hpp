@@ -37,6 +37,9 @@ namespace gemm {
 ///                                      (audit level, verified by the ops that read them)
 class PackedWeights {
  public:
+  /// Columns per packed panel (the interleaving unit of a fused pair).
+  static constexpr std::size_t kPanel = 16;
+
   PackedWeights() = default;
 
   /// Packs W. With `second`, packs two matrices of equal shape interleaved by

@@ -155,7 +155,8 @@ moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lo
     const moecert_experts_grads none{};
     const auto& g = grads ? *grads : none;
     const auto l = h.lora.again(lora);
-    const auto d = contracts::experts_data<Tracked>(p, l, xv, dyv.data, s.impl());
+    const auto d =
+        contracts::experts_data<Tracked>(p, l, xv, dyv.data, experts::saved_view(s.impl()));
     const auto r = ref::layer_reference(d, dyv.data != nullptr, paths_of(g, &g.dweights));
     const std::size_t T = d.T, H = d.H, I = d.I, E = d.E, K = d.K;
     put(y, r.y, T, H, "y bound");
@@ -185,7 +186,7 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
     paths.router = any({&g.dx, &g.router_w, &g.router_b});  // dx: both paths summed
     const float* dw =
         dyv.data && paths.router ? s.impl().arena.get<float>("router.dw", T * K) : nullptr;
-    const auto r = contracts::layer_bounds(c, lw, xv, dyv.data, s.impl(), paths, dw);
+    const auto r = contracts::layer_bounds(c, lw, xv, dyv.data, layer::saved_view(s), paths, dw);
     const std::size_t H = lw.experts->hidden(), I = lw.experts->inter(), E = lw.experts->experts(),
                       R = lw.router_w.rows;
     put(y, r.y, T, H, "y bound");

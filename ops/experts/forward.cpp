@@ -49,7 +49,7 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   ws.arena.leave(chk);
   stats.routed_rows = ws.state.grouping.routed;
   stats.padded_rows = ws.state.grouping.rows();
-  contracts::experts_forward_post(chk, w, x, idx, weights, y, ws.state);
+  contracts::experts_forward_post(chk, w, x, idx, weights, y, rows_view(ws.state));
   return stats;
 }
 
@@ -223,7 +223,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   // 1. Group the routed slots by expert (stable counting sort).
   st.grouping = group_by_expert(idx, w.experts(), kernel.mr);
   const Grouping& g = st.grouping;
-  contracts::experts_forward_grouping(chk, idx, g);
+  contracts::experts_forward_grouping(chk, idx, grouping_view(g));
   const std::size_t rank = lora ? lora->rank : 0, rows = g.rows();
   Steps s{.w = w,
           .lora = lora,

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 
+#include "contracts/saved.hpp"
 #include "moecert/experts.hpp"
 #include "ops/core/tiles.hpp"
 #include "ops/experts/grouping.hpp"
@@ -45,6 +46,11 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
                   const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st,
                   bool keep_c1 = true);
+
+/// The grouping and the saved rows as the contracts read them
+/// (ops/experts/saved_view.cpp).
+contracts::GroupingView grouping_view(const Grouping& g);
+contracts::ExpertRows rows_view(const ForwardState& st);
 
 struct Workspace::Impl {
   ForwardState state;

@@ -47,7 +47,7 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
   if (plan.buffers.empty()) return;  // a plan clause failed under observe
   s.lora = PackedLora::pack(lora, s.experts, s.hidden, s.inter, opt.training, std::move(s.lora));
   MOECERT_CONTRACT(chk, clauses::experts_train::kFwdLoraPadding) {
-    contracts::lora_padding(chk, clauses::experts_train::kFwdLoraPadding, s.lora);
+    contracts::lora_padding(chk, clauses::experts_train::kFwdLoraPadding, packed_factors(s.lora));
   }
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
@@ -61,27 +61,27 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
   s.isa = opt.isa.value_or(default_isa());
   train_forward_steps(w, s, x, y, opt.training);
   s.arena.leave(chk);
-  contracts::experts_train_forward_post(chk, w, lora, x, y, s);
+  contracts::experts_train_forward_post(chk, w, lora, x, y, saved_view(s));
 }
 
 void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
               MatView<const float> dy, Saved& saved, const Gradients& grads) {
   const moecert::detail::FpDefaults fp;
   detail::Checker chk{"experts.backward"};
-  contracts::experts_backward_pre(chk, w, lora, x, dy, saved.impl(), grads);
+  contracts::experts_backward_pre(chk, w, lora, x, dy, saved_view(saved.impl()), grads);
   if (chk.stop()) return;
   Saved::Impl& s = saved.impl();
   s.arena.enter(workspace::b_gather, chk);
   MOECERT_CONTRACT(chk, clauses::experts_train::kBwdSavedFinite) {
-    contracts::train_saved_finite(chk, clauses::experts_train::kBwdSavedFinite, s, w.inter(),
-                                  nullptr, 0);
+    contracts::train_saved_finite(chk, clauses::experts_train::kBwdSavedFinite, saved_view(s),
+                                  w.inter(), nullptr, 0);
   }
   if (chk.stop()) return;
   const bool expert_path = wants_expert_path(grads);
   const DyRows d = backward_dh(w, s, dy, expert_path, grads.dweights, chk);
   backward_expert(w, s, x, dy, d, grads, expert_path, chk);
   s.arena.leave(chk);
-  contracts::experts_backward_post(chk, w, lora, x, dy, s, grads);
+  contracts::experts_backward_post(chk, w, lora, x, dy, saved_view(s), grads);
 }
 
 }  // namespace moecert::experts

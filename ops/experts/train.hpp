@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "moecert/experts.hpp"
 #include "ops/experts/forward.hpp"
@@ -62,5 +63,10 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
 
 /// True when any output of the expert path is requested.
 bool wants_expert_path(const Gradients& g);
+
+/// The state as the contracts read it (ops/experts/saved_view.cpp).
+contracts::TrainSaved saved_view(const TrainState& s);
+contracts::TrainSaved saved_view(const Saved::Impl& s);
+std::vector<contracts::PackedFactor> packed_factors(const PackedLora& l);
 
 }  // namespace moecert::experts

@@ -14,12 +14,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "moecert/gemm.hpp"
 #include "moecert/types.hpp"
 
 namespace moecert::gemm {
 
-inline constexpr std::size_t kPanel = 16;  // columns per packed B panel
-inline constexpr std::size_t kKStep = 32;  // K padding (one AMX tile of bf16)
+inline constexpr std::size_t kPanel = PackedWeights::kPanel;  // columns per packed B panel
+inline constexpr std::size_t kKStep = 32;                     // K padding (one AMX tile of bf16)
 inline constexpr std::size_t kTileRows = 16;
 
 enum class ALayout : std::uint8_t { rows, tiles };

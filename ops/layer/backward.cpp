@@ -53,7 +53,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
               const BackwardOptions& opt) {
   const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker chk{"layer.backward"};
-  contracts::layer_backward_pre(chk, cfg, w, x, dy, saved, grads);
+  contracts::layer_backward_pre(chk, cfg, w, x, dy, saved_view(saved), grads);
   if (chk.stop()) return;
   Saved::Impl& s = saved.impl();
   const std::size_t T = x.rows, K = static_cast<std::size_t>(cfg.topk);
@@ -63,7 +63,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
 
   // 1. The experts op's first part: dy rows, dh; router path: dL/dw.
   arena.enter(workspace::b_gather, chk);
-  contracts::layer_backward_saved(chk, cfg, x, saved);
+  contracts::layer_backward_saved(chk, cfg, x, saved_view(saved));
   if (chk.stop()) return;
   const MatView<float> dw(arena.get<float>("router.dw", T * K), T, K, K);
   const auto d = experts::backward_dh(*w.experts, s, dy, opt.expert_path,
@@ -93,7 +93,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
       std::fill(grads.router_b.data, grads.router_b.data + grads.router_b.size, 0.0f);
   }
   arena.leave(chk);
-  contracts::layer_backward_post(chk, cfg, w, x, dy, saved, grads, opt);
+  contracts::layer_backward_post(chk, cfg, w, x, dy, saved_view(saved), grads, opt);
 }
 
 }  // namespace moecert::layer

@@ -90,7 +90,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   const experts::Lora lora = cfg.lora_rank ? w.lora : experts::Lora{};
   s.lora = experts::PackedLora::pack(lora, E, H, I, opt.training, std::move(s.lora));
   MOECERT_CONTRACT(chk, clauses::layer::kFwdLoraPadding) {
-    contracts::lora_padding(chk, clauses::layer::kFwdLoraPadding, s.lora);
+    contracts::lora_padding(chk, clauses::layer::kFwdLoraPadding, experts::packed_factors(s.lora));
   }
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
@@ -104,7 +104,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
              MatView<float>(s.weights, t_count, k, k));
   experts::train_forward_steps(*w.experts, s, x, y, opt.training);
   s.arena.leave(chk);
-  contracts::layer_forward_post(chk, cfg, w, x, y, s);
+  contracts::layer_forward_post(chk, cfg, w, x, y, saved_view(s));
 }
 
 }  // namespace moecert::layer

@@ -2,6 +2,7 @@
 // (arena, grouping, packed LoRA, idx and weights) and the router's logits.
 #pragma once
 
+#include "contracts/saved.hpp"
 #include "moecert/layer.hpp"
 #include "ops/experts/train.hpp"
 
@@ -11,6 +12,21 @@ struct Saved::Impl : experts::TrainState {
   MoeConfig cfg;
   float* logits = nullptr;  // router.logits [T x R]
 };
+
+/// The saved state as the contracts read it: the experts op's, the config,
+/// the logits, and dL/dw where a backward formed it.
+inline contracts::LayerSaved saved_view(const Saved::Impl& s) {
+  contracts::LayerSaved v{.train = experts::saved_view(s), .cfg = s.cfg, .logits = s.logits};
+  v.train.experts = static_cast<std::size_t>(s.cfg.experts);
+  v.train.hidden = static_cast<std::size_t>(s.cfg.hidden);
+  v.train.inter = static_cast<std::size_t>(s.cfg.inter);
+  v.train.rank = static_cast<std::size_t>(s.cfg.lora_rank);
+  v.train.alpha = s.cfg.lora_alpha;
+  if (s.valid && s.arena.plan().find("router.dw"))
+    v.router_dw = s.arena.get<float>("router.dw", s.tokens * s.topk);
+  return v;
+}
+inline contracts::LayerSaved saved_view(const Saved& s) { return saved_view(s.impl()); }
 
 /// The layer's gradients that the experts op computes (its expert path;
 /// dL/dw stays in the layer's arena).

@@ -1,0 +1,65 @@
+// The experts op's state as its contracts read it (contracts/saved.hpp):
+// plain views of the grouping, the saved rows and the packed LoRA factors.
+#include "contracts/saved.hpp"
+#include "ops/experts/train.hpp"
+
+namespace moecert::experts {
+
+contracts::GroupingView grouping_view(const Grouping& g) {
+  return {.experts = g.experts,
+          .routed = g.routed,
+          .count = g.count,
+          .begin = g.begin,
+          .row_slot = g.row_slot,
+          .slot_row = g.slot_row};
+}
+
+contracts::ExpertRows rows_view(const ForwardState& st) {
+  const bool tiles = st.layout == gemm::ALayout::tiles;
+  return {.grouping = grouping_view(st.grouping),
+          .c1 = st.c1,
+          .ldc1 = st.ldc1,
+          .h = {.data = st.h,
+                .ld = st.ldh,
+                .tile_rows = tiles ? gemm::kTileRows : 0,
+                .k_step = tiles ? gemm::kKStep : 0},
+          .o = st.o,
+          .ldo = st.ldo,
+          .rank = st.rank,
+          .xa = st.xa,
+          .ha = st.ha};
+}
+
+contracts::TrainSaved saved_view(const TrainState& s) {
+  return {.valid = s.valid,
+          .training = s.training,
+          .tokens = s.tokens,
+          .topk = s.topk,
+          .experts = s.st.grouping.experts,
+          .rank = s.lora.rank,
+          .idx = s.idx,
+          .weights = s.weights,
+          .rows = rows_view(s.st),
+          .workspace = s.arena.bytes()};
+}
+
+contracts::TrainSaved saved_view(const Saved::Impl& s) {
+  contracts::TrainSaved v = saved_view(static_cast<const TrainState&>(s));
+  v.experts = s.experts, v.hidden = s.hidden, v.inter = s.inter, v.rank = s.rank;
+  v.alpha = s.alpha;
+  return v;
+}
+
+std::vector<contracts::PackedFactor> packed_factors(const PackedLora& l) {
+  std::vector<contracts::PackedFactor> out;
+  for (std::size_t e = 0; e < l.experts.size(); ++e) {
+    const auto& p = l.experts[e];
+    const std::pair<const char*, const gemm::PackedWeights*> all[] = {
+        {"a_gu", &p.a_gu},   {"b_gu", &p.b_gu},   {"a_d", &p.a_d},       {"b_d", &p.b_d},
+        {"b_d_t", &p.b_d_t}, {"a_d_t", &p.a_d_t}, {"b_gu_t", &p.b_gu_t}, {"a_gu_t", &p.a_gu_t}};
+    for (const auto& [name, w] : all) out.push_back({e, name, w});
+  }
+  return out;
+}
+
+}  // namespace moecert::experts
