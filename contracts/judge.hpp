@@ -11,13 +11,15 @@
 
 namespace moecert::contracts::judge {
 
-/// Two experts of row t with exactly equal scores whose order the
+/// Two experts of row t with equal scores (or, `near`, scores within the
+/// implementation's own rounding of each other) whose order the
 /// implementation chose: a before b (or a selected and b not) where the
 /// declared order puts b first.
 struct Tie {
   std::size_t t;
   std::int32_t a, b;
   double score;
+  bool near = false;
 };
 
 struct Options {
@@ -51,6 +53,14 @@ inline bool allow_tie(std::size_t t, std::int32_t a, std::int32_t b, double scor
   if (!o.ties_any_order) return false;
   if (o.ties) o.ties->push_back({t, a, b, score});
   return true;
+}
+
+/// Records a choice between a and b of row t whose scores are within the
+/// implementation's own rounding of each other, where it differs from the
+/// exact order (always allowed; recorded only when judging).
+inline void record_near_tie(std::size_t t, std::int32_t a, std::int32_t b, double score) {
+  Options& o = current();
+  if (o.ties) o.ties->push_back({t, a, b, score, true});
 }
 
 /// Bound e on a value with exact magnitude ref_abs, widened by the

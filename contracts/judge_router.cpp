@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -57,6 +58,42 @@ bool flag_param(const Params& m, const std::string& name, bool def) {
   throw std::invalid_argument(fmt::format("{}={}: expected true or false", name, it->second));
 }
 
+double number_param(const Params& m, const std::string& name, double def) {
+  const auto it = m.find(name);
+  if (it == m.end()) return def;
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(it->second, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != it->second.size())
+    throw std::invalid_argument(fmt::format("{}={}: expected a number", name, it->second));
+  return v;
+}
+
+std::size_t count_param(const Params& m, const std::string& name, std::size_t def) {
+  const double v = number_param(m, name, static_cast<double>(def));
+  if (!(v >= 1 && v <= 1e9 && v == std::floor(v)))
+    throw std::invalid_argument(fmt::format("{}={}: expected a count >= 1", name, v));
+  return static_cast<std::size_t>(v);
+}
+
+router::SigmoidTopkParams sigmoid_params(const Params& m) {
+  return {count_param(m, "groups", 1), count_param(m, "topk_group", 1),
+          static_cast<float>(number_param(m, "scaling", 1.0))};
+}
+
+// A 1-D tensor (any shape with one row or one column) as a vector view.
+View<const float> vector_of(const Tensors& f, const char* side, const std::string& name) {
+  const auto m = values(f, side, name);
+  if (m.rows != 1 && m.cols != 1)
+    throw std::invalid_argument(
+        fmt::format("{}: tensor '{}' is {}x{}, expected one dimension", side, name, m.rows, m.cols));
+  return {m.data, m.rows * m.cols};
+}
+
 router::KeyWeights key_weights(const Params& m) {
   const auto it = m.find("weights");
   if (it == m.end() || it->second == "softmax") return router::KeyWeights::softmax;
@@ -84,6 +121,24 @@ void softmax_backward(detail::Checker& c, const Tensors& in, const Tensors& out,
   const auto idx = indices(in, "inputs", "idx");
   softmax_topk_backward_pre(c, z, idx, g, writable(dz));
   if (!c.stop()) softmax_topk_backward_post(c, z, idx, g, dz, renorm);
+}
+
+void sigmoid_forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
+  const auto params = sigmoid_params(p);
+  const auto z = values(in, "inputs", "z"), w = values(out, "outputs", "w");
+  const auto bias = vector_of(in, "inputs", "bias");
+  const auto idx = indices(out, "outputs", "idx");
+  sigmoid_topk_pre(c, z, z.bytes(), bias, params, writable(idx), writable(w));
+  if (!c.stop()) sigmoid_topk_post(c, z, bias, params, idx, w);
+}
+
+void sigmoid_backward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
+  const auto params = sigmoid_params(p);
+  const auto z = values(in, "inputs", "z"), g = values(in, "inputs", "g");
+  const auto dz = values(out, "outputs", "dz");
+  const auto idx = indices(in, "inputs", "idx");
+  sigmoid_topk_backward_pre(c, z, idx, g, writable(dz));
+  if (!c.stop()) sigmoid_topk_backward_post(c, z, idx, g, params, dz);
 }
 
 void product_key_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
@@ -116,6 +171,8 @@ const std::map<std::string, OpEntry>& ops() {
   static const std::map<std::string, OpEntry> m{
       {"router.softmax_topk.forward", {softmax_forward, {"router.softmax_topk."}}},
       {"router.softmax_topk.backward", {softmax_backward, {"router.softmax_topk_backward."}}},
+      {"router.sigmoid_topk.forward", {sigmoid_forward, {"router.sigmoid_topk."}}},
+      {"router.sigmoid_topk.backward", {sigmoid_backward, {"router.sigmoid_topk_backward."}}},
       {"router.product_key.forward", {product_key_forward, {"router.product_key."}}},
       {"router.product_key.backward", {product_key_backward, {"router.product_key_backward."}}}};
   return m;
@@ -206,7 +263,11 @@ std::string verdict_json(const Verdict& v, const Params& about) {
     clauses.push_back(std::move(o));
   }
   for (const auto& t : v.ties)
-    ties.push_back({{"t", t.t}, {"chosen", t.a}, {"other", t.b}, {"score", t.score}});
+    ties.push_back({{"t", t.t},
+                    {"chosen", t.a},
+                    {"other", t.b},
+                    {"score", t.score},
+                    {"kind", t.near ? "near" : "exact"}});
   nlohmann::json j{{"schema", "moecert-check/1"},
                    {"op", v.op},
                    {"verdict", v.passed() ? "pass" : "fail"},

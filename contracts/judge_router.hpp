@@ -39,11 +39,11 @@ struct ClauseResult {
 struct Verdict {
   std::string op;
   std::vector<ClauseResult> clauses;  // every clause of the op, in the registry's order
-  std::vector<Tie> ties;              // exact ties the implementation ordered its own way
+  std::vector<Tie> ties;              // (near) ties the implementation ordered its own way
   bool passed() const;
 };
 
-/// The ops judged: router.{softmax_topk,product_key}.{forward,backward}.
+/// The ops judged: router.{softmax_topk,sigmoid_topk,product_key}.{forward,backward}.
 std::vector<std::string> router_ops();
 
 /// Judges op's outputs `out` for inputs `in` (tensor names and params:

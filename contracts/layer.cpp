@@ -38,6 +38,7 @@ Dims dims(const MoeConfig& cfg) {
 // The layer's gradients that its experts op forms (all but the router's).
 experts::Gradients expert_gradients(const layer::Gradients& g) {
   return {.dx = g.dx,
+          .dweights = {},
           .a_gate = g.a_gate,
           .b_gate = g.b_gate,
           .a_up = g.a_up,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "contracts/compare.hpp"
+#include "contracts/judge.hpp"
 #include "contracts/reference/router.hpp"
 #include "contracts/router.hpp"
 #include "moecert/router.hpp"
@@ -1094,4 +1095,44 @@ TEST_CASE("router: bf16 scores give the results of their exact fp32 values", "[r
       KeyWeights::exp, MatView<std::int32_t>(i2.data(), t, k), MatView<float>(w2.data(), t, k));
   CHECK(i1 == i2);
   CHECK(w1 == w2);
+}
+
+TEST_CASE("router.sigmoid_topk.forward: the order is judged on exact scores within fp32 rounding",
+          "[router][sigmoid_topk][order]") {
+  // One row of four experts, one group, K = 2: experts 0 and 1 lead, the
+  // others far behind. Returns the op's selection and the clauses' verdict
+  // on it with slots 0 and 1 swapped (weights with them).
+  const std::size_t e = 4, k = 2;
+  const router::SigmoidTopkParams p{1, 1, 1.0f};
+  const std::vector<float> bias(e, 0.0f);
+  auto swapped_passes = [&](float z0, float z1, std::vector<contracts::judge::Tie>* ties) {
+    const std::vector<float> z{z0, z1, -3.0f, -4.0f};
+    std::vector<std::int32_t> idx(k);
+    std::vector<float> w(k);
+    router::sigmoid_topk_forward(MatView<const float>(z.data(), 1, e), {bias.data(), e}, p,
+                                 MatView<std::int32_t>(idx.data(), 1, k),
+                                 MatView<float>(w.data(), 1, k));
+    std::swap(idx[0], idx[1]), std::swap(w[0], w[1]);
+    const contracts::judge::Scope judging{{.ties_any_order = false, .ties = ties}};
+    detail::Checker c{"router.sigmoid_topk.forward"};
+    contracts::sigmoid_topk_post(c, MatView<const float>(z.data(), 1, e), {bias.data(), e}, p,
+                                 MatView<const std::int32_t>(idx.data(), 1, k),
+                                 MatView<const float>(w.data(), 1, k));
+  };
+  const ContractScope full{Level::full, Semantic::enforce};
+  // sigma of two adjacent floats: exact scores apart by ~1e-8, within the
+  // fp32 scores' rounding (~1e-7): either order is an fp32 implementation's.
+  std::vector<contracts::judge::Tie> ties;
+  CHECK_NOTHROW(swapped_passes(0.5f, std::nextafter(0.5f, 1.0f), &ties));
+  CHECK_NOTHROW(swapped_passes(std::nextafter(0.5f, 1.0f), 0.5f, &ties));
+  REQUIRE(ties.size() == 1);  // the choice against the exact order (the second), named
+  CHECK(ties[0].near);
+  CHECK(ties[0].a == 1);  // placed before expert 0, whose exact score is higher
+  CHECK(ties[0].b == 0);
+  // Equal inputs: equal fp32 scores in any implementation; index order.
+  test::expect_violation([&] { swapped_passes(0.5f, 0.5f, nullptr); },
+                         "router.sigmoid_topk.sorted");
+  // Scores far apart.
+  test::expect_violation([&] { swapped_passes(0.5f, 0.75f, nullptr); },
+                         "router.sigmoid_topk.sorted");
 }

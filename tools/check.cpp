@@ -79,8 +79,11 @@ void write_reports(const judge::Verdict& v, const CheckArgs& a) {
   }
   md += fmt::format("\nTies the implementation ordered its own way (allowed): {}\n", v.ties.size());
   for (const auto& t : v.ties)
-    md += fmt::format("- t={}: expert {} before expert {}, both score {:.9g}\n", t.t, t.a, t.b,
-                      t.score);
+    md += t.near ? fmt::format("- t={}: expert {} before expert {} (score {:.9g}), within the fp32 "
+                               "scores' rounding of each other\n",
+                               t.t, t.a, t.b, t.score)
+                 : fmt::format("- t={}: expert {} before expert {}, both score {:.9g}\n", t.t, t.a,
+                               t.b, t.score);
   std::ofstream(fs::path(a.out) / "report.md") << md;
   std::ofstream(fs::path(a.out) / "junit.xml") << fmt::format(
       "<?xml version=\"1.0\" encoding=\"UTF-8\"?><testsuite name=\"moecert check {}\" "

@@ -39,6 +39,24 @@ inline WeightsRow softmax_topk_weights_row(const float* z, std::size_t e, const 
   return {std::move(w), std::move(out)};
 }
 
+/// §1a: the fp32 selection score fl(sigma_hat(z) + b) of sigmoid_topk
+/// against the exact sigma(z) + b (sigma within bounds.md §4, one rounded
+/// addition; a sum below the normal range is exact).
+constexpr double sigmoid_selection(double sigma_exact, double bias) {
+  const double es = sigmoid(sigma_exact);
+  const double s = sigma_exact + bias;
+  return es + kU32 * ((s < 0 ? -s : s) + es);
+}
+
+/// §1a: a group's fp32 score, the sum of its two best selection scores
+/// (one if the group has one expert), each within `d_max` of exact, from
+/// the exact group score g: the best-two sum moves by at most 2 d_max, then
+/// one rounded addition.
+constexpr double sigmoid_group_score(double g, double d_max, std::size_t size) {
+  const double moved = (size >= 2 ? 2 : 1) * d_max;
+  return moved + (size >= 2 ? kU32 * ((g < 0 ? -g : g) + moved) : 0);
+}
+
 /// §3 for the weights of one sigmoid_topk row (scaling c): w = c s / S with
 /// s from §4 of bounds.md (relative gamma_{kExpUlps+2}; the scores_finite
 /// clause keeps z >= -87, so s stays normal), §7 with one extra

@@ -87,19 +87,46 @@ inline bool row_in_range(MatView<const std::int32_t> idx, std::size_t t, std::si
   return true;
 }
 
+// How expert a of a row ranks against expert b under the declared order:
+// before or after it, exactly tied (equal scores: the order is by index, or
+// any under judge::Options::ties_any_order), or within the bound of the
+// implementation's own score rounding of each other (either order is right).
+enum class Rank { before, after, tie, near };
+
+// Whether a at a place before b is legal; with `record`, the judge's list
+// names each tie and near tie it allows.
+inline bool may_precede(Rank r, std::size_t t, std::int32_t a, std::int32_t b, double score,
+                        bool record = true) {
+  switch (r) {
+    case Rank::before:
+      return true;
+    case Rank::after:
+      return false;
+    case Rank::tie:
+      return judge::current().ties_any_order && (!record || judge::allow_tie(t, a, b, score));
+    case Rank::near:
+      if (record) judge::record_near_tie(t, a, b, score);
+      return true;
+  }
+  return false;
+}
+
 // sorted and top-k property for a router whose eligible experts of row t
-// are given by `eligible(t, i)` and ranked by `score(t, i)` (desc, index asc).
-template <class Score, class Eligible>
-void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* topk,
-                MatView<const std::int32_t> idx, std::size_t e, Score score, Eligible eligible) {
+// are given by `eligible(t, i)`, ranked by `rank(t, a, b)`; `score(t, i)`
+// names a score in messages and ties.
+template <class Ranking, class Score, class Eligible>
+void order_rows_by(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* topk,
+                   MatView<const std::int32_t> idx, std::size_t e, Ranking rank, Score score,
+                   Eligible eligible) {
   std::vector<char> chosen(e, 0);
   for (std::size_t t = 0; t < idx.rows; ++t) {
     if (!row_in_range(idx, t, e)) continue;
     const std::size_t valid = valid_slots(idx, t);
+    // (The top-k pass checks the order again, without naming its ties a
+    // second time.)
     for (std::size_t j = 1; j < valid; ++j) {
       const std::int32_t a = idx(t, j - 1), b = idx(t, j);
-      if (!ranks_before(score(t, a), a, score(t, b), b) &&
-          !(score(t, a) == score(t, b) && judge::allow_tie(t, a, b, score(t, a)))) {
+      if (!may_precede(rank(t, a, b), t, a, b, score(t, a), topk == nullptr)) {
         c.fail(sorted, fmt::format("t={} j={}", t, j),
                fmt::format("slot {} expert {} score {} before expert {} score {}", j - 1, a,
                            score(t, a), b, score(t, b)),
@@ -112,11 +139,9 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
     const std::int32_t kth = idx(t, valid - 1);
     for (std::size_t i = 0; i < e; ++i) {
       const auto ii = static_cast<std::int32_t>(i);
-      const bool beats =
-          eligible(t, i) && !chosen[i] &&
-          (valid < idx.cols ||
-           (ranks_before(score(t, ii), ii, score(t, kth), kth) &&
-            !(score(t, ii) == score(t, kth) && judge::allow_tie(t, kth, ii, score(t, kth)))));
+      const bool beats = eligible(t, i) && !chosen[i] &&
+                         (valid < idx.cols || !may_precede(rank(t, kth, ii), t, kth, ii,
+                                                           score(t, kth)));
       if (beats) {
         c.fail(
             *topk, fmt::format("t={}", t),
@@ -130,6 +155,19 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
     }
     for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
   }
+}
+
+// order_rows_by for scores the implementation takes as given (exact): a
+// tie only where they are equal.
+template <class Score, class Eligible>
+void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* topk,
+                MatView<const std::int32_t> idx, std::size_t e, Score score, Eligible eligible) {
+  auto rank = [&](std::size_t t, std::int32_t a, std::int32_t b) {
+    const auto sa = score(t, a), sb = score(t, b);
+    if (sa == sb) return a < b ? Rank::before : Rank::tie;
+    return ranks_before(sa, a, sb, b) ? Rank::before : Rank::after;
+  };
+  order_rows_by(c, sorted, topk, idx, e, rank, score, eligible);
 }
 
 // Weights of a row: each within [0, hi]; their sum within [lo_sum, hi_sum].

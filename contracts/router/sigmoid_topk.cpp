@@ -1,10 +1,100 @@
 // Clauses of router.sigmoid_topk, forward and backward (include/moecert/router.hpp).
+#include "contracts/bounds/experts.hpp"
 #include "contracts/router/common.hpp"
-#include "ops/router/select.hpp"  // router::detail::sigmoid: the selection scores as declared
 
 namespace moecert::contracts {
 
 using namespace router_detail;
+
+namespace {
+
+// One row's selection judged from its exact scores (proofs/router.md §1a):
+// expert i's exact selection score sigma(z_i) + b_i and the bound on an fp32
+// implementation's, each group's exact score (its best two) and bound.
+class SigmoidRanking {
+ public:
+  SigmoidRanking(MatView<const float> z, View<const float> bias, std::size_t groups,
+                 std::size_t topk_group)
+      : z_(z), bias_(bias), groups_(groups), topk_group_(topk_group) {}
+
+  double score(std::size_t t, std::int32_t i) { return row(t).s[static_cast<std::size_t>(i)]; }
+
+  Rank rank(std::size_t t, std::int32_t a, std::int32_t b) {
+    const auto ua = static_cast<std::size_t>(a), ub = static_cast<std::size_t>(b);
+    // Equal inputs give equal fp32 scores in any implementation: an exact tie.
+    if (z_(t, ua) == z_(t, ub) && bias_[ua] == bias_[ub]) return a < b ? Rank::before : Rank::tie;
+    const Row& r = row(t);
+    return compare(r.s[ua], r.d[ua], r.s[ub], r.d[ub], a < b);
+  }
+
+  /// Whether expert i's group may be among the kept (fewer than topk_group
+  /// groups surely better) / surely is (fewer than topk_group others may be
+  /// as good).
+  bool may_be_kept(std::size_t t, std::size_t i) { return better(t, i / size(), false) < topk_group_; }
+  bool surely_kept(std::size_t t, std::size_t i) { return better(t, i / size(), true) < topk_group_; }
+
+ private:
+  struct Row {
+    std::vector<double> s, d, gs, gd;
+  };
+
+  std::size_t size() const { return z_.cols / groups_; }
+
+  // a's score sa (bound da) against b's: apart by more than both bounds, or
+  // within them (either order is an fp32 implementation's).
+  static Rank compare(double sa, double da, double sb, double db, bool a_first) {
+    const double apart = (da + db) * bounds::kReferenceSlack;  // and binary64's own rounding
+    if (sa - sb > apart) return Rank::before;
+    if (sb - sa > apart) return Rank::after;
+    if (sa == sb) return a_first ? Rank::before : Rank::tie;
+    return (sa > sb) ? Rank::before : Rank::near;
+  }
+
+  // Groups other than q that surely rank before it (or, `or_may`, may).
+  std::size_t better(std::size_t t, std::size_t q, bool or_may) {
+    const Row& r = row(t);
+    std::size_t n = 0;
+    for (std::size_t o = 0; o < groups_; ++o) {
+      if (o == q) continue;
+      const Rank k = compare(r.gs[o], r.gd[o], r.gs[q], r.gd[q], o < q);
+      n += k == Rank::before || (or_may && k != Rank::after);
+    }
+    return n;
+  }
+
+  const Row& row(std::size_t t) {
+    if (t == t_now_) return row_;
+    t_now_ = t;
+    const std::size_t e = z_.cols, n = size();
+    row_.s.resize(e), row_.d.resize(e), row_.gs.assign(groups_, 0), row_.gd.assign(groups_, 0);
+    for (std::size_t i = 0; i < e; ++i) {
+      const double sigma = ref::sigmoid(double(z_(t, i)));
+      row_.s[i] = sigma + bias_[i];
+      row_.d[i] = bounds::sigmoid_selection(sigma, bias_[i]);
+    }
+    for (std::size_t q = 0; q < groups_; ++q) {
+      double a = -INFINITY, b = -INFINITY, d_max = 0;
+      for (std::size_t i = q * n; i < (q + 1) * n; ++i) {
+        d_max = std::max(d_max, row_.d[i]);
+        if (row_.s[i] > a)
+          b = a, a = row_.s[i];
+        else if (row_.s[i] > b)
+          b = row_.s[i];
+      }
+      row_.gs[q] = n >= 2 ? a + b : a;
+      row_.gd[q] = bounds::sigmoid_group_score(row_.gs[q], d_max, n);
+    }
+    return row_;
+  }
+
+  MatView<const float> z_;
+  View<const float> bias_;
+  std::size_t groups_, topk_group_;
+  std::size_t t_now_ = SIZE_MAX;
+  Row row_;
+};
+
+}  // namespace
 
 void sigmoid_topk_pre(detail::Checker& c, MatView<const float> z, ByteRange z_bytes,
                       View<const float> bias, const router::SigmoidTopkParams& p,
@@ -45,56 +135,30 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
     index_rows(c, k::kSgIdxValid, k::kSgIdxUnique, idx, e, true, false, true);
   }
   if (c.stop()) return;
-  // Selection scores s + bias, as the kernels compute them (select.hpp).
-  auto sel = [&](std::size_t t, std::int32_t i) {
-    return router::detail::sigmoid(z(t, static_cast<std::size_t>(i))) +
-           bias[static_cast<std::size_t>(i)];
-  };
+  // z and bias exact, sigma within bounds.md §4: an fp32 implementation's
+  // order agrees with the exact one except within the bounds of each
+  // score's rounding; proofs/router.md §1a.
+  SigmoidRanking ranking(z, bias, p.groups, p.topk_group);
+  auto rank = [&](std::size_t t, std::int32_t a, std::int32_t b) { return ranking.rank(t, a, b); };
+  auto score = [&](std::size_t t, std::int32_t i) { return ranking.score(t, i); };
   MOECERT_CONTRACT(c, k::kSgSorted) {
-    order_rows(c, k::kSgSorted, nullptr, idx, e, sel, [](auto, auto) { return true; });
+    order_rows_by(c, k::kSgSorted, nullptr, idx, e, rank, score, [](auto, auto) { return true; });
   }
   MOECERT_CONTRACT(c, k::kSgTopk) {
     [&] {  // a failure ends this clause, not the others (observe goes on)
       // Kept groups by definition: group score = sum of the top two selection
       // scores; the topk_group best groups (score desc, index asc).
-      std::vector<char> kept(p.groups);
-      std::vector<float> gs(p.groups);
-      std::vector<std::int32_t> order(p.groups);
-      std::size_t t_now = SIZE_MAX;  // the row kept[] describes
-      auto eligible = [&](std::size_t t, std::size_t i) {
-        if (t != t_now) {
-          t_now = t;
-          for (std::size_t q = 0; q < p.groups; ++q) {
-            float a = -INFINITY, b = -INFINITY;
-            for (std::size_t i2 = q * size; i2 < (q + 1) * size; ++i2) {
-              const float v = sel(t, static_cast<std::int32_t>(i2));
-              if (v > a)
-                b = a, a = v;
-              else if (v > b)
-                b = v;
-            }
-            gs[q] = size >= 2 ? a + b : a;
-            order[q] = static_cast<std::int32_t>(q);
-          }
-          std::sort(order.begin(), order.end(), [&](std::int32_t x, std::int32_t y) {
-            return ranks_before(gs[x], x, gs[y], y);
-          });
-          std::fill(kept.begin(), kept.end(), 0);
-          for (std::size_t q = 0; q < p.topk_group; ++q)
-            kept[static_cast<std::size_t>(order[q])] = 1;
-        }
-        return kept[i / size] != 0;
-      };
       for (std::size_t t = 0; t < idx.rows && !c.stop(); ++t)
         for (std::size_t j = 0; j < valid_slots(idx, t); ++j)
-          if (!eligible(t, static_cast<std::size_t>(idx(t, j)))) {
+          if (!ranking.may_be_kept(t, static_cast<std::size_t>(idx(t, j)))) {
             c.fail(k::kSgTopk, fmt::format("t={} j={}", t, j),
-                   fmt::format("expert {} of group {} not kept", idx(t, j),
-                               idx(t, j) / static_cast<std::int32_t>(size)),
+                   fmt::format("expert {} of group {}, which {} groups outrank", idx(t, j),
+                               idx(t, j) / static_cast<std::int32_t>(size), p.topk_group),
                    fmt::format("experts of the {} best groups", p.topk_group));
             return;
           }
-      order_rows(c, k::kSgSorted, &k::kSgTopk, idx, e, sel, eligible);
+      order_rows_by(c, k::kSgSorted, &k::kSgTopk, idx, e, rank, score,
+                    [&](std::size_t t, std::size_t i) { return ranking.surely_kept(t, i); });
     }();
   }
   // Range and sum of each row's weights (bounds::renormalized_rel); proofs/router.md §3.

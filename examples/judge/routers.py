@@ -9,6 +9,9 @@
     softmax_topk_backward_unmasked  renormalised softmax top-k backward that forgets the mask
                                  (FIELD_NOTES 5): unselected experts get -p * sum(w g)
     softmax_topk_forward, softmax_topk_backward   correct
+    sigmoid_topk_forward         correct: DeepSeek-V3 group-limited routing in fp32 with
+                                 torch.topk (its own order among equal scores)
+    sigmoid_topk_forward_bias_in_weights   weights from sigma(z) + bias instead of sigma(z)
 
 `save(path, **tensors)` writes a safetensors file with nothing but json and torch (the format:
 an 8-byte little-endian header length, a JSON header, the raw bytes).
@@ -109,6 +112,21 @@ def softmax_topk_backward_unmasked(z, idx, g):
     p = torch.softmax(z.double(), 1)
     gfull = torch.zeros_like(p).scatter(1, idx, g.double())
     return (p * (gfull - (p * gfull).sum(1, keepdim=True))).float()
+
+
+def sigmoid_topk_forward(z, bias, k, groups, topk_group, scaling=1.0, bias_in_weights=False):
+    """Selection by sigma(z) + bias within the topk_group groups whose two best such scores sum
+    highest; weights c s_j / sum s over the selected (bias steers the selection only)."""
+    s = torch.sigmoid(z)
+    sel = s + bias
+    t, e = z.shape
+    group_scores = sel.view(t, groups, e // groups).topk(min(2, e // groups), dim=2).values.sum(2)
+    kept = group_scores.topk(topk_group, dim=1).indices
+    mask = torch.zeros(t, groups, dtype=torch.bool).scatter(1, kept, True)
+    masked = sel.masked_fill(~mask.repeat_interleave(e // groups, dim=1), float("-inf"))
+    idx = masked.topk(k, dim=1).indices
+    chosen = torch.gather(sel if bias_in_weights else s, 1, idx)
+    return idx, (chosen / chosen.sum(1, keepdim=True) * scaling).float()
 
 
 def write_cases(out):

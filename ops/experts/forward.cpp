@@ -70,7 +70,7 @@ struct Steps {
   std::size_t mb;                // rows per work item (a multiple of MR)
   bf16* lb_gu = nullptr;         // bf16(s xa) in the kernel's A layout
   bf16* lb_d = nullptr;          // bf16(s ha) in the kernel's A layout
-  std::vector<Tile> row_blocks;  // up to mb rows of one expert, one column
+  std::vector<Tile> row_blocks = {};  // up to mb rows of one expert, one column
 
   gemm::ALayout layout() const { return kernel.a_layout; }
   // First element of padded row r in the packed A and h buffers (r is a

@@ -18,14 +18,14 @@ import numpy as np
 from . import _abi
 from .errors import InvalidArgument
 
-__all__ = ["Verdict", "softmax_topk_forward", "softmax_topk_backward", "product_key_forward",
-           "product_key_backward"]
+__all__ = ["Verdict", "softmax_topk_forward", "softmax_topk_backward", "sigmoid_topk_forward",
+           "sigmoid_topk_backward", "product_key_forward", "product_key_backward"]
 
 
 class Verdict:
     """The judge's verdict: `passed`, `clauses` (id, verdict pass|fail|not evaluated, and for a
-    failure its location, observed, expected and message), `ties` (t, chosen, other, score) and
-    `failed` (the ids of the failed clauses)."""
+    failure its location, observed, expected and message), `ties` (t, chosen, other, score,
+    kind: exact or near) and `failed` (the ids of the failed clauses)."""
 
     def __init__(self, report):
         self.report = report
@@ -51,7 +51,10 @@ class Verdict:
                  "| clause | verdict | first failure |", "|---|---|---|"]
         lines += ["| `{}` | {} | {} |".format(c["id"], c["verdict"], c.get("message", "")) for c in self.clauses]
         lines += ["", "Ties the implementation ordered its own way (allowed): {}".format(len(self.ties))]
-        lines += ["- t={t}: expert {chosen} before expert {other}, both score {score}".format(**t) for t in self.ties]
+        lines += ["- t={t}: expert {chosen} before expert {other}, ".format(**t) +
+                  ("both score {score}" if t["kind"] == "exact" else
+                   "within the fp32 scores' rounding of each other (score {score})").format(**t)
+                  for t in self.ties]
         with open(os.path.join(folder, "report.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
 
@@ -68,6 +71,8 @@ def _array(x, name, index):
             x, stored = x.float(), 2
         x = x.numpy()
     a = np.asarray(x)
+    if a.ndim == 1:  # a vector (the sigmoid router's bias) as one row
+        a = a.reshape(1, -1)
     if a.ndim != 2:
         raise InvalidArgument("{}: {} dimensions, expected 2".format(name, a.ndim))
     if index:
@@ -116,6 +121,15 @@ def softmax_topk_forward(z, idx, w, renormalize=True):
 
 def softmax_topk_backward(z, idx, g, dz, renormalize=True):
     return judge("router.softmax_topk.backward", {"z": z, "idx": idx, "g": g}, {"dz": dz}, renormalize=renormalize)
+
+
+def sigmoid_topk_forward(z, bias, idx, w, groups=1, topk_group=1, scaling=1.0):
+    return judge("router.sigmoid_topk.forward", {"z": z, "bias": bias}, {"idx": idx, "w": w}, groups=groups,
+                 topk_group=topk_group, scaling=scaling)
+
+
+def sigmoid_topk_backward(z, idx, g, dz, scaling=1.0):
+    return judge("router.sigmoid_topk.backward", {"z": z, "idx": idx, "g": g}, {"dz": dz}, scaling=scaling)
 
 
 def product_key_forward(sx, sy, idx, w, weights="softmax"):

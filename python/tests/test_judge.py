@@ -137,6 +137,42 @@ def test_python_check_gives_the_same_verdicts():
     assert fail["observed"].startswith("dz=") and fail["expected"]
 
 
+def _sigmoid_case(near_ties):
+    """16 tokens, 8 experts in 4 groups, 2 groups kept, K = 3; with near_ties, each group holds
+    two adjacent floats and equal biases: exact scores closer than fp32 sigma resolves."""
+    gen = torch.Generator().manual_seed(11)
+    z = torch.randn(16, 8, generator=gen)
+    bias = torch.randn(8, generator=gen) / 8
+    if near_ties:
+        z[:, 1::2] = torch.nextafter(z[:, 0::2], torch.full_like(z[:, 0::2], -9.0))
+        bias[1::2] = bias[0::2]
+    return z, bias
+
+
+@pytest.mark.parametrize("near_ties", [False, True])
+def test_python_check_judges_a_torch_sigmoid_router(near_ties):
+    import moecert.check as check
+    z, bias = _sigmoid_case(near_ties)
+    idx, w = routers.sigmoid_topk_forward(z, bias, 3, groups=4, topk_group=2, scaling=2.5)
+    v = check.sigmoid_topk_forward(z, bias, idx, w, groups=4, topk_group=2, scaling=2.5)
+    assert v.passed, v.failed
+    assert all(t["kind"] == "near" for t in v.ties)  # inputs are distinct: no exact ties
+    assert bool(v.ties) == near_ties  # torch's order within a near tie, named where not the exact one
+    # Reversing every row's first two slots puts experts out of order beyond any rounding
+    # (unless they are near ties, which are then named).
+    swapped = idx.clone()
+    swapped[:, [0, 1]] = swapped[:, [1, 0]]
+    w2 = w.clone()
+    w2[:, [0, 1]] = w2[:, [1, 0]]
+    v = check.sigmoid_topk_forward(z, bias, swapped, w2, groups=4, topk_group=2, scaling=2.5)
+    assert "router.sigmoid_topk.sorted" in v.failed
+    # The bias in the weights: within_bound names it.
+    idx, w = routers.sigmoid_topk_forward(z, bias, 3, groups=4, topk_group=2, scaling=2.5,
+                                          bias_in_weights=True)
+    v = check.sigmoid_topk_forward(z, bias, idx, w, groups=4, topk_group=2, scaling=2.5)
+    assert "router.sigmoid_topk.within_bound" in v.failed
+
+
 def test_python_check_numpy_and_bf16_outputs(tmp_path):
     import moecert.check as check
     sx, sy, *_ = _cases_in_memory()
