@@ -158,12 +158,12 @@ def test_python_check_judges_a_torch_sigmoid_router(near_ties):
     assert v.passed, v.failed
     assert all(t["kind"] == "near" for t in v.ties)  # inputs are distinct: no exact ties
     assert bool(v.ties) == near_ties  # torch's order within a near tie, named where not the exact one
-    # Reversing every row's first two slots puts experts out of order beyond any rounding
-    # (unless they are near ties, which are then named).
+    # Exchanging every row's first and last slots puts experts out of order beyond any rounding
+    # (with near ties, slots 0 and 1 hold one; slot 2 another group's best).
     swapped = idx.clone()
-    swapped[:, [0, 1]] = swapped[:, [1, 0]]
+    swapped[:, [0, 2]] = swapped[:, [2, 0]]
     w2 = w.clone()
-    w2[:, [0, 1]] = w2[:, [1, 0]]
+    w2[:, [0, 2]] = w2[:, [2, 0]]
     v = check.sigmoid_topk_forward(z, bias, swapped, w2, groups=4, topk_group=2, scaling=2.5)
     assert "router.sigmoid_topk.sorted" in v.failed
     # The bias in the weights: within_bound names it.
