@@ -142,6 +142,8 @@ def write_cases(out):
     bidx = torch.tensor([[5, 6, -1], [9, -1, -1], [13, 10, 5], [6, 14, -1], [10, 9, -1], [5, -1, -1]])
     z = torch.randn(t, e, generator=gen)
     zidx, _ = softmax_topk_forward(z, k)
+    sz, sbias = torch.randn(t, 8, generator=gen), torch.randn(8, generator=gen) / 8
+    sig = dict(groups=4, topk_group=2, scaling=2.5)
     cases = {
         "product_key_forward": (dict(sx=sx, sy=sy), dict(zip(("idx", "w"), product_key_forward(sx, sy, k)))),
         "product_key_forward_ties": (dict(sx=tied_x, sy=tied_y),
@@ -153,6 +155,11 @@ def write_cases(out):
         "softmax_topk_backward": (dict(z=z, idx=zidx, g=g), dict(dz=softmax_topk_backward(z, zidx, g))),
         "softmax_topk_backward_unmasked": (dict(z=z, idx=zidx, g=g),
                                            dict(dz=softmax_topk_backward_unmasked(z, zidx, g))),
+        "sigmoid_topk_forward": (dict(z=sz, bias=sbias),
+                                 dict(zip(("idx", "w"), sigmoid_topk_forward(sz, sbias, k, **sig)))),
+        "sigmoid_topk_forward_bias_in_weights": (
+            dict(z=sz, bias=sbias),
+            dict(zip(("idx", "w"), sigmoid_topk_forward(sz, sbias, k, bias_in_weights=True, **sig)))),
     }
     for name, (inputs, outputs) in cases.items():
         os.makedirs(os.path.join(out, name), exist_ok=True)

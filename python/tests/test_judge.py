@@ -86,6 +86,14 @@ def test_unmasked_softmax_backward_fails_on_unselected_grad(cases):
 
 
 @needs_cli
+def test_sigmoid_router_bias_in_weights_fails_within_bound(cases):
+    params = ("groups=4", "topk_group=2", "scaling=2.5")
+    assert check(cases, "sigmoid_topk_forward", "router.sigmoid_topk.forward", *params)["verdict"] == "pass"
+    r = check(cases, "sigmoid_topk_forward_bias_in_weights", "router.sigmoid_topk.forward", *params)
+    assert "router.sigmoid_topk.within_bound" in failed(r)
+
+
+@needs_cli
 def test_outputs_stored_in_bf16_are_judged_with_their_rounding(tmp_path):
     sx, sy = torch.randn(4, 3), torch.randn(4, 3)
     idx, w = routers.product_key_forward(sx, sy, 2)
