@@ -89,8 +89,8 @@ router::SigmoidTopkParams sigmoid_params(const Params& m) {
 View<const float> vector_of(const Tensors& f, const char* side, const std::string& name) {
   const auto m = values(f, side, name);
   if (m.rows != 1 && m.cols != 1)
-    throw std::invalid_argument(
-        fmt::format("{}: tensor '{}' is {}x{}, expected one dimension", side, name, m.rows, m.cols));
+    throw std::invalid_argument(fmt::format("{}: tensor '{}' is {}x{}, expected one dimension",
+                                            side, name, m.rows, m.cols));
   return {m.data, m.rows * m.cols};
 }
 

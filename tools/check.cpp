@@ -79,9 +79,10 @@ void write_reports(const judge::Verdict& v, const CheckArgs& a) {
   }
   md += fmt::format("\nTies the implementation ordered its own way (allowed): {}\n", v.ties.size());
   for (const auto& t : v.ties)
-    md += t.near ? fmt::format("- t={}: expert {} before expert {} (score {:.9g}), within the fp32 "
-                               "scores' rounding of each other\n",
-                               t.t, t.a, t.b, t.score)
+    md += t.near ? fmt::format(
+                       "- t={}: expert {} before expert {} (score {:.9g}), within the fp32 "
+                       "scores' rounding of each other\n",
+                       t.t, t.a, t.b, t.score)
                  : fmt::format("- t={}: expert {} before expert {}, both score {:.9g}\n", t.t, t.a,
                                t.b, t.score);
   std::ofstream(fs::path(a.out) / "report.md") << md;

@@ -139,9 +139,9 @@ void order_rows_by(detail::Checker& c, const ClauseInfo& sorted, const ClauseInf
     const std::int32_t kth = idx(t, valid - 1);
     for (std::size_t i = 0; i < e; ++i) {
       const auto ii = static_cast<std::int32_t>(i);
-      const bool beats = eligible(t, i) && !chosen[i] &&
-                         (valid < idx.cols || !may_precede(rank(t, kth, ii), t, kth, ii,
-                                                           score(t, kth)));
+      const bool beats =
+          eligible(t, i) && !chosen[i] &&
+          (valid < idx.cols || !may_precede(rank(t, kth, ii), t, kth, ii, score(t, kth)));
       if (beats) {
         c.fail(
             *topk, fmt::format("t={}", t),

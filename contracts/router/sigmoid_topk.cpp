@@ -30,8 +30,12 @@ class SigmoidRanking {
   /// Whether expert i's group may be among the kept (fewer than topk_group
   /// groups surely better) / surely is (fewer than topk_group others may be
   /// as good).
-  bool may_be_kept(std::size_t t, std::size_t i) { return better(t, i / size(), false) < topk_group_; }
-  bool surely_kept(std::size_t t, std::size_t i) { return better(t, i / size(), true) < topk_group_; }
+  bool may_be_kept(std::size_t t, std::size_t i) {
+    return better(t, i / size(), false) < topk_group_;
+  }
+  bool surely_kept(std::size_t t, std::size_t i) {
+    return better(t, i / size(), true) < topk_group_;
+  }
 
  private:
   struct Row {

@@ -65,11 +65,11 @@ struct Steps {
   ForwardState& st;
   const Grouping& g;
   std::size_t k, hidden, inter, rank;
-  std::size_t kp1, kp2;          // K of the gate/up and the down GEMM (padded)
-  std::size_t kr1, kr2;          // K of the LoRA second products (2r and r, padded)
-  std::size_t mb;                // rows per work item (a multiple of MR)
-  bf16* lb_gu = nullptr;         // bf16(s xa) in the kernel's A layout
-  bf16* lb_d = nullptr;          // bf16(s ha) in the kernel's A layout
+  std::size_t kp1, kp2;               // K of the gate/up and the down GEMM (padded)
+  std::size_t kr1, kr2;               // K of the LoRA second products (2r and r, padded)
+  std::size_t mb;                     // rows per work item (a multiple of MR)
+  bf16* lb_gu = nullptr;              // bf16(s xa) in the kernel's A layout
+  bf16* lb_d = nullptr;               // bf16(s ha) in the kernel's A layout
   std::vector<Tile> row_blocks = {};  // up to mb rows of one expert, one column
 
   gemm::ALayout layout() const { return kernel.a_layout; }
