@@ -17,7 +17,8 @@ set(MOECERT_SOURCES
   contracts/reference/experts.cpp
   contracts/experts_train.cpp
   contracts/router/softmax_topk.cpp contracts/router/sigmoid_topk.cpp contracts/router/product_key.cpp
-  contracts/judge_router.cpp
+  contracts/judge_ops.cpp contracts/judge_router.cpp contracts/judge_experts.cpp
+  contracts/reference/experts_model.cpp
   ops/router/softmax_topk.cpp
   ops/router/sigmoid_topk.cpp
   ops/router/product_key.cpp

@@ -10,7 +10,10 @@
 #include <random>
 #include <vector>
 
+#include "contracts/bounds/experts.hpp"
 #include "contracts/clauses.hpp"
+#include "contracts/compare.hpp"
+#include "contracts/reference/experts_model.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "ops/experts/train.hpp"
@@ -159,6 +162,52 @@ TEST_CASE("experts.backward: every output within its derived bound, every ISA an
           for (std::size_t j = 0; j < p.K; ++j)
             if (p.idx[t * p.K + j] < 0) CHECK(o.dw[t * p.K + j] == 0.0f);
       }
+}
+
+TEST_CASE(
+    "experts.forward_train: the judge's model of a mixed-precision implementation bounds the "
+    "kernel "
+    "on every ISA; the fp32 model does not",
+    "[experts][train][judge]") {
+  for (Isa isa : kernel_isas())
+    for (std::size_t r : {std::size_t{0}, std::size_t{4}}) {
+      INFO(isa_name(isa) << " r=" << r);
+      const Problem p = make(8, 40, 24, 3, r, 13, Routing::tail);
+      const Out o = run(p, isa);
+      // The inputs as another implementation would hand them to the judge.
+      auto widen = [](const std::vector<bf16>& v) {
+        std::vector<float> f(v.size());
+        for (std::size_t i = 0; i < v.size(); ++i) f[i] = v[i].to_float();
+        return f;
+      };
+      const std::vector<float> x = widen(p.x), wg = widen(p.wg), wu = widen(p.wu), wd = widen(p.wd);
+      std::vector<float> lora[6];
+      for (int i = 0; i < 6; ++i) lora[i] = widen(p.lora[i]);
+      const auto shapes = contracts::lora_shapes(p.E, p.H, p.I, p.r);
+      contracts::ExpertsTensors t{.E = p.E,
+                                  .H = p.H,
+                                  .I = p.I,
+                                  .r = p.r,
+                                  .alpha = p.alpha,
+                                  .x = {x.data(), p.T, p.H},
+                                  .idx = p.Idx(),
+                                  .weights = p.W(),
+                                  .w_gate = {wg.data(), p.E * p.I, p.H},
+                                  .w_up = {wu.data(), p.E * p.I, p.H},
+                                  .w_down = {wd.data(), p.E * p.H, p.I}};
+      MatView<const float>* lv[] = {&t.a_gate, &t.b_gate, &t.a_up, &t.b_up, &t.a_down, &t.b_down};
+      for (int i = 0; i < 6; ++i) *lv[i] = {lora[i].data(), shapes[i].rows, shapes[i].cols};
+      auto utilisation = [&](const bounds::Precision& prec) {
+        const auto ref = contracts::experts_model_forward(t, prec);
+        std::vector<double> v(ref.size()), b(ref.size());
+        for (std::size_t i = 0; i < ref.size(); ++i)
+          v[i] = ref[i].v, b[i] = bounds::kReferenceSlack * ref[i].e;
+        return compare::bounded(o.y, v, b).max_utilization;
+      };
+      CHECK(utilisation(bounds::kMixed) <= 1);
+      CHECK(utilisation(bounds::kBf16) <= utilisation(bounds::kMixed));  // a wider family
+      CHECK(utilisation(bounds::kFp32) > 1);  // h is rounded to bf16: not an fp32 computation
+    }
 }
 
 TEST_CASE(

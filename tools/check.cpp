@@ -9,7 +9,7 @@
 #include <fstream>
 #include <map>
 
-#include "contracts/judge_router.hpp"
+#include "contracts/judge_ops.hpp"
 #include "tools/commands.hpp"
 #include "tools/conform/report.hpp"
 #include "tools/tensor_file.hpp"
@@ -21,7 +21,7 @@ using Files = std::map<std::string, Tensor>;
 namespace judge = contracts::judge;
 
 struct CheckArgs {
-  std::string op, inputs, outputs, precision = "fp32", out = "build/check";
+  std::string op, inputs, outputs, precision, out = "build/check";
   std::vector<std::string> params;
 };
 
@@ -41,8 +41,11 @@ judge::Params parse_params(const std::vector<std::string>& ps) {
 judge::Tensors tensors(const Files& f) {
   judge::Tensors out;
   for (const auto& [name, t] : f) {
+    // Rows of the last dimension (a stacked [E, I, H] weight is E*I rows of
+    // H); a vector is one column.
     judge::Tensor j;
-    j.rows = t.rows(), j.cols = t.cols();
+    j.cols = t.shape.size() >= 2 ? static_cast<std::size_t>(t.shape.back()) : 1;
+    j.rows = j.cols ? t.elements() / j.cols : 0;
     if (t.dtype[0] == 'I')
       j.i = to_i32(t, name);
     else
@@ -96,18 +99,14 @@ void write_reports(const judge::Verdict& v, const CheckArgs& a) {
 }
 
 int run_check(const CheckArgs& a) {
-  const auto ops = judge::router_ops();
+  const auto ops = judge::judged_ops();
   if (std::find(ops.begin(), ops.end(), a.op) == ops.end())
     throw std::invalid_argument(
         fmt::format("{}: not an op check judges ({})", a.op, fmt::join(ops, ", ")));
-  if (a.precision != "fp32")
-    throw std::invalid_argument(fmt::format(
-        "--precision {}: the routers' arithmetic is declared fp32 (outputs may be stored in bf16 "
-        "or fp16: the file's dtype says so)",
-        a.precision));
   const Files in = read_safetensors(a.inputs), out = read_safetensors(a.outputs);
-  const judge::Verdict v =
-      judge::judge_router(a.op, tensors(in), tensors(out), parse_params(a.params));
+  judge::Params params = parse_params(a.params);
+  if (!a.precision.empty()) params["precision"] = a.precision;
+  const judge::Verdict v = judge::judge_op(a.op, tensors(in), tensors(out), params);
   write_reports(v, a);
   fmt::print(
       "check {}: {} ({} clauses evaluated, {} failed; {} ties in the implementation's "
@@ -126,12 +125,17 @@ int run_check(const CheckArgs& a) {
 void add_check(CLI::App& app, Command& run) {
   auto* sub = app.add_subcommand("check", "judge another implementation's outputs (safetensors)");
   auto a = std::make_shared<CheckArgs>();
-  sub->add_option("op", a->op, "router.{softmax_topk,product_key}.{forward,backward}")->required();
+  sub->add_option("op", a->op,
+                  "router.{softmax_topk,sigmoid_topk,product_key}.{forward,backward}, "
+                  "experts.forward, experts.forward_train")
+      ->required();
   sub->add_option("--inputs", a->inputs, "the op's inputs (safetensors)")->required();
   sub->add_option("--outputs", a->outputs, "the implementation's outputs (safetensors)")
       ->required();
-  sub->add_option("--param", a->params, "op parameter NAME=VALUE (renormalize, weights)");
-  sub->add_option("--precision", a->precision, "declared arithmetic")->capture_default_str();
+  sub->add_option("--param", a->params, "op parameter NAME=VALUE (docs/JUDGE.md)");
+  sub->add_option("--precision", a->precision,
+                  "declared arithmetic: fp32 (routers, the default there), or for the experts "
+                  "op fp32, mixed or bf16");
   sub->add_option("--out", a->out, "report folder")->capture_default_str();
   sub->callback([a, &run] { run = [a] { return run_check(*a); }; });
 }

@@ -1,10 +1,10 @@
-// The C ABI of the judge (contracts/judge_router.hpp).
+// The C ABI of the judge (contracts/judge_ops.hpp).
 #include <fmt/format.h>
 
 #include <cstdlib>
 #include <cstring>
 
-#include "contracts/judge_router.hpp"
+#include "contracts/judge_ops.hpp"
 #include "moecert/moecert.h"
 #include "ops/capi/abi.hpp"
 
@@ -82,7 +82,7 @@ moecert_status moecert_check(const char* op, const moecert_named_tensor* inputs,
     }
     judge::Verdict v;
     try {
-      v = judge::judge_router(op, tensors_of(inputs, n_inputs), tensors_of(outputs, n_outputs), ps);
+      v = judge::judge_op(op, tensors_of(inputs, n_inputs), tensors_of(outputs, n_outputs), ps);
     } catch (const std::invalid_argument& e) {
       throw capi::InvalidArgument(e.what());
     }

@@ -19,7 +19,7 @@ from . import _abi
 from .errors import InvalidArgument
 
 __all__ = ["Verdict", "softmax_topk_forward", "softmax_topk_backward", "sigmoid_topk_forward",
-           "sigmoid_topk_backward", "product_key_forward", "product_key_backward"]
+           "sigmoid_topk_backward", "product_key_forward", "product_key_backward", "experts_forward"]
 
 
 class Verdict:
@@ -73,6 +73,8 @@ def _array(x, name, index):
     a = np.asarray(x)
     if a.ndim == 1:  # a vector (the sigmoid router's bias) as one row
         a = a.reshape(1, -1)
+    elif a.ndim > 2:  # stacked weights [E, I, H]: E*I rows of H
+        a = a.reshape(-1, a.shape[-1])
     if a.ndim != 2:
         raise InvalidArgument("{}: {} dimensions, expected 2".format(name, a.ndim))
     if index:
@@ -130,6 +132,18 @@ def sigmoid_topk_forward(z, bias, idx, w, groups=1, topk_group=1, scaling=1.0):
 
 def sigmoid_topk_backward(z, idx, g, dz, scaling=1.0):
     return judge("router.sigmoid_topk.backward", {"z": z, "idx": idx, "g": g}, {"dz": dz}, scaling=scaling)
+
+
+def experts_forward(x, idx, weights, w_gate, w_up, w_down, y, precision, lora=None, alpha=None):
+    """experts.forward (or, with `lora` {a_gate, b_gate, a_up, b_up, a_down, b_down} and alpha,
+    experts.forward_train); precision: fp32, mixed or bf16 (docs/JUDGE.md)."""
+    inputs = {"x": x, "idx": idx, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    params = {"precision": precision}
+    if lora is not None:
+        inputs.update(lora)
+        params["alpha"] = alpha
+    op = "experts.forward_train" if lora is not None else "experts.forward"
+    return judge(op, inputs, {"y": y}, **params)
 
 
 def product_key_forward(sx, sy, idx, w, weights="softmax"):

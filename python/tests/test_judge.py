@@ -13,6 +13,7 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "examples", "judge"))
+import experts  # noqa: E402
 import routers  # noqa: E402
 
 CLI = os.environ.get("MOECERT_CLI")
@@ -210,3 +211,45 @@ def test_python_check_refuses_bad_arguments():
         check.product_key_forward(sx, sy, idx, w, weights="cubic")
     with pytest.raises(moecert.InvalidArgument, match="expected integer indices"):
         check.product_key_forward(sx, sy, idx.float(), w)
+
+
+# ---- the experts op: the declared precision's model (proofs/experts.md §4) ----
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_torch_experts_judged_under_their_declared_precision(with_lora):
+    import moecert.check as check
+    inputs, lora = experts.random_case()
+    lora, alpha = (lora, 8.0) if with_lora else (None, None)
+    for dtype, precision in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        y = experts.experts_forward(**inputs, lora=lora, alpha=alpha, dtype=dtype)
+        v = check.experts_forward(**inputs, y=y, precision=precision, lora=lora, alpha=alpha)
+        assert v.passed, (precision, v.failed, [c.get("message") for c in v.clauses if c["verdict"] == "fail"])
+        within = next(c for c in v.clauses if c["id"].endswith(".within_bound"))
+        assert within["verdict"] == "pass"
+    # PyTorch's bf16 rounding after every op is not an fp32 implementation's.
+    y16 = experts.experts_forward(**inputs, lora=lora, alpha=alpha, dtype=torch.bfloat16)
+    v = check.experts_forward(**inputs, y=y16, precision="fp32", lora=lora, alpha=alpha)
+    assert [f for f in v.failed if f.endswith(".within_bound")]
+    # silu on u instead of g: within_bound names it, in any declaration.
+    bad = experts.experts_forward_swapped(**inputs, lora=lora, alpha=alpha, dtype=torch.float32)
+    v = check.experts_forward(**inputs, y=bad, precision="bf16", lora=lora, alpha=alpha)
+    assert [f for f in v.failed if f.endswith(".within_bound")]
+
+
+def test_experts_judge_refuses_what_it_cannot_model():
+    import moecert
+    import moecert.check as check
+    inputs, lora = experts.random_case()
+    y = experts.experts_forward(**inputs, dtype=torch.float32)
+    with pytest.raises(moecert.InvalidArgument, match="precision"):
+        check.judge("experts.forward", inputs, {"y": y})
+    with pytest.raises(moecert.InvalidArgument, match="precision=fp16"):
+        check.experts_forward(**inputs, y=y, precision="fp16")
+    with pytest.raises(moecert.InvalidArgument, match="alpha"):
+        check.judge("experts.forward_train", dict(inputs, **lora), {"y": y}, precision="fp32")
+    with pytest.raises(moecert.InvalidArgument, match="forward_train"):
+        check.judge("experts.forward", dict(inputs, **lora), {"y": y}, precision="fp32")
+    bad = dict(inputs, idx=inputs["idx"].clone())
+    bad["idx"][0, 0] = 99
+    v = check.experts_forward(**bad, y=y, precision="fp32")
+    assert v.failed == ["experts.forward.idx_in_range"]

@@ -1,7 +1,9 @@
-// The routers' clauses applied to another implementation's tensors
-// (`moecert check`, moecert_check, moecert.check): each clause of the op at
-// level full under observe, so every clause reports, tie-aware, with the
-// outputs' storage rounding in the bounds (contracts/judge.hpp).
+// An op's clauses applied to another implementation's tensors (`moecert
+// check`, moecert_check, moecert.check): each clause of the op at level full
+// under observe, so every clause reports, tie-aware, with the outputs'
+// storage rounding in the bounds (contracts/judge.hpp). The ops: the
+// routers (contracts/judge_router.cpp) and the experts op
+// (contracts/judge_experts.cpp).
 #pragma once
 
 #include <cstddef>
@@ -43,14 +45,15 @@ struct Verdict {
   bool passed() const;
 };
 
-/// The ops judged: router.{softmax_topk,sigmoid_topk,product_key}.{forward,backward}.
-std::vector<std::string> router_ops();
+/// The ops judged: router.{softmax_topk,sigmoid_topk,product_key}.{forward,backward},
+/// experts.forward, experts.forward_train.
+std::vector<std::string> judged_ops();
 
 /// Judges op's outputs `out` for inputs `in` (tensor names and params:
 /// docs/JUDGE.md). std::invalid_argument for an unknown op, a missing
 /// tensor or a bad parameter.
-Verdict judge_router(const std::string& op, const Tensors& in, const Tensors& out,
-                     const Params& params);
+Verdict judge_op(const std::string& op, const Tensors& in, const Tensors& out,
+                 const Params& params);
 
 /// The verdict as JSON (schema moecert-check/1), with `about` (e.g. the
 /// files judged) as extra string fields.

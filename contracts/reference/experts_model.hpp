@@ -1,0 +1,38 @@
+// The experts op as the judge models another implementation of it: the
+// exact maths in binary64 with every rounding point the declared precision
+// allows marked (bounds::Precision), from plain tensors. Covers the
+// implementations of proofs/experts.md §4 (LoRA fused into the base GEMM or
+// added after it, the scale applied before or after B, any summation order).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "contracts/bounds/precision.hpp"
+#include "moecert/types.hpp"
+
+namespace moecert::contracts {
+
+/// The experts op's inputs as another implementation hands them over:
+/// every matrix row-major fp32 (values as given). Base weights stacked by
+/// expert: w_gate, w_up [E*I x H], w_down [E*H x I]; LoRA (rank r > 0) as
+/// in experts::Lora: a_gate, a_up [E*r x H], b_gate, b_up [E*I x r],
+/// a_down [E*r x I], b_down [E*H x r], scale alpha / r.
+struct ExpertsTensors {
+  std::size_t E = 0, H = 0, I = 0, r = 0;
+  double alpha = 0;
+  MatView<const float> x = {};  // [T x H]
+  MatView<const std::int32_t> idx = {};
+  MatView<const float> weights = {};  // [T x K]
+  MatView<const float> w_gate = {}, w_up = {}, w_down = {};
+  MatView<const float> a_gate = {}, b_gate = {}, a_up = {}, b_up = {}, a_down = {}, b_down = {};
+};
+
+/// y [T x H] of the model: exact value and bound of every element
+/// (before the output's own storage rounding).
+std::vector<bounds::Tracked> experts_model_forward(const ExpertsTensors& in,
+                                                   const bounds::Precision& p);
+
+}  // namespace moecert::contracts

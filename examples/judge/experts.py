@@ -1,0 +1,59 @@
+"""Small PyTorch implementations of the experts op (SwiGLU experts with LoRA, the caller's
+routing) for `moecert check` to judge.
+
+    experts_forward(..., dtype)      correct: per expert, g = x W_g^T + s (x A_g^T) B_g^T, u likewise,
+                                     h = silu(g) u, o = h W_d^T + s (h A_d^T) B_d^T, y = sum_j w_j o_j;
+                                     every op in `dtype` (bfloat16: PyTorch eager's rounding after each)
+    experts_forward_swapped          the bug of silu applied to u instead of g
+
+Weights are stacked by expert as moecert takes them: w_gate, w_up [E, I, H], w_down [E, H, I]; LoRA
+a_gate, a_up [E, r, H], b_gate, b_up [E, I, r], a_down [E, r, I], b_down [E, H, r], scale alpha / r.
+"""
+import torch
+
+
+def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None,
+                    dtype=torch.bfloat16, swapped=False):
+    T, H = x.shape
+    E = w_gate.shape[0]
+    x = x.to(dtype)
+    y = torch.zeros(T, H, dtype=dtype)
+    s = alpha / lora["a_gate"].shape[1] if lora else 0.0
+    for e in range(E):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        g = xe @ w_gate[e].to(dtype).T
+        u = xe @ w_up[e].to(dtype).T
+        if lora:
+            g = g + ((xe @ lora["a_gate"][e].to(dtype).T) @ lora["b_gate"][e].to(dtype).T) * s
+            u = u + ((xe @ lora["a_up"][e].to(dtype).T) @ lora["b_up"][e].to(dtype).T) * s
+        if swapped:
+            g, u = u, g
+        h = torch.nn.functional.silu(g) * u
+        o = h @ w_down[e].to(dtype).T
+        if lora:
+            o = o + ((h @ lora["a_down"][e].to(dtype).T) @ lora["b_down"][e].to(dtype).T) * s
+        y.index_add_(0, tok, weights[tok, slot].to(dtype)[:, None] * o)
+    return y
+
+
+def experts_forward_swapped(*args, **kwargs):
+    return experts_forward(*args, swapped=True, **kwargs)
+
+
+def random_case(T=12, E=6, H=40, I=24, K=2, r=4, seed=5):
+    """Inputs in bf16 (x, weights, LoRA), routing with -1 tails, fp32 routing weights."""
+    gen = torch.Generator().manual_seed(seed)
+    bf = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).bfloat16()  # noqa: E731
+    x = bf(T, H)
+    w_gate, w_up = bf(E, I, H, scale=H ** -0.5), bf(E, I, H, scale=H ** -0.5)
+    w_down = bf(E, H, I, scale=I ** -0.5)
+    lora = {"a_gate": bf(E, r, H, scale=H ** -0.5), "b_gate": bf(E, I, r, scale=0.3),
+            "a_up": bf(E, r, H, scale=H ** -0.5), "b_up": bf(E, I, r, scale=0.3),
+            "a_down": bf(E, r, I, scale=I ** -0.5), "b_down": bf(E, H, r, scale=0.3)}
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
+    idx[::3, K - 1] = -1
+    weights = torch.rand(T, K, generator=gen) * (idx >= 0)
+    return dict(x=x, idx=idx, weights=weights, w_gate=w_gate, w_up=w_up, w_down=w_down), lora
