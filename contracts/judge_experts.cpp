@@ -1,6 +1,7 @@
 // The experts op's clauses on another implementation's tensors: shapes,
-// routing, finiteness and range of every input, and y against the judge's
-// model of the declared precision (contracts/reference/experts_model.hpp).
+// routing, finiteness and range of every input, and y (forward) or dx and
+// dL/dw (backward) against the judge's model of the declared precision
+// (contracts/reference/experts_model.hpp).
 #include <string>
 
 #include "contracts/bounds/experts.hpp"
@@ -14,7 +15,7 @@
 namespace moecert::contracts::judge {
 namespace {
 
-namespace k = clauses::experts_train;
+namespace kt = clauses::experts_train;
 namespace kf = clauses::experts;
 using bounds::Tracked;
 
@@ -28,9 +29,9 @@ struct ForwardClauses {
 };
 constexpr ForwardClauses kForward{kf::kShape,   kf::kIdxInRange, kf::kIdxUnique,  kf::kWeightFinite,
                                   kf::kXFinite, kf::kYFinite,    kf::kWithinBound};
-constexpr ForwardClauses kForwardTrain{k::kFwdShape,        k::kFwdIdxInRange, k::kFwdIdxUnique,
-                                       k::kFwdWeightFinite, k::kFwdXFinite,    k::kFwdYFinite,
-                                       k::kFwdWithin};
+constexpr ForwardClauses kForwardTrain{kt::kFwdShape,        kt::kFwdIdxInRange, kt::kFwdIdxUnique,
+                                       kt::kFwdWeightFinite, kt::kFwdXFinite,    kt::kFwdYFinite,
+                                       kt::kFwdWithin};
 
 bounds::Precision precision_of(const Params& p) {
   const auto it = p.find("precision");
@@ -68,10 +69,10 @@ ExpertsTensors read_inputs(const Tensors& in, const Params& p, bool lora_allowed
 
 // The first input or output whose shape is not the one E, H, I, r, T, K
 // imply, or "".
-std::string shape_error(const ExpertsTensors& t, MatView<const float> y) {
+std::string shape_error(const ExpertsTensors& t, const char* y_name, MatView<const float> y) {
   const std::size_t T = t.x.rows, K = t.idx.cols, E = t.E, H = t.H, I = t.I, r = t.r;
   const std::pair<const char*, MatView<const float>> base[] = {{"weights", t.weights},
-                                                               {"y", y},
+                                                               {y_name, y},
                                                                {"w_gate", t.w_gate},
                                                                {"w_up", t.w_up},
                                                                {"w_down", t.w_down}};
@@ -104,23 +105,59 @@ bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* n
   return detail::scan(c, clause, name, m, in_range, "finite, 0 or 2^-60 <= |v| <= 2^60");
 }
 
-// y against the model: |y - ref| <= its bound, widened by y's storage.
-void y_within(detail::Checker& c, const ClauseInfo& clause, MatView<const float> y,
-              const std::vector<Tracked>& ref, const bounds::Precision& p) {
-  std::vector<float> got(y.rows * y.cols);
+// An output against the model: |v - ref| <= its bound, widened by the
+// output's storage; false when it failed.
+bool within(detail::Checker& c, const ClauseInfo& clause, const char* name, MatView<const float> m,
+            const std::vector<Tracked>& ref, const bounds::Precision& p) {
+  std::vector<float> got(m.rows * m.cols);
   std::vector<double> v(got.size()), b(got.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
-    got[i] = y(i / y.cols, i % y.cols);
+    got[i] = m(i / m.cols, i % m.cols);
     v[i] = ref[i].v;
     b[i] = bounds::kReferenceSlack * stored(std::fabs(ref[i].v), ref[i].e);
   }
   const auto cmp = compare::bounded(got, v, b);
-  if (!cmp.pass())
-    c.fail(clause, fmt::format("y[{}, {}]", cmp.worst / y.cols, cmp.worst % y.cols),
-           fmt::format("y={:.9g} ref={:.17g} (utilisation {:.3g})", cmp.worst_got, cmp.worst_ref,
-                       cmp.max_utilization),
-           fmt::format("|y - ref| <= {:.6g} (precision {}, proofs/experts.md §4)", cmp.worst_bound,
-                       p.name));
+  if (cmp.pass()) return true;
+  c.fail(clause, fmt::format("{}[{}, {}]", name, cmp.worst / m.cols, cmp.worst % m.cols),
+         fmt::format("{}={:.9g} ref={:.17g} (utilisation {:.3g})", name, cmp.worst_got,
+                     cmp.worst_ref, cmp.max_utilization),
+         fmt::format("|{} - ref| <= {:.6g} (precision {}, proofs/experts.md §4)", name,
+                     cmp.worst_bound, p.name));
+  return false;
+}
+
+// The inputs' clauses after the shapes: routing, and every input finite
+// and in range (x by the op's clause, the base weights by gemm.pack's, the
+// LoRA factors by forward_train's).
+template <const ForwardClauses& k, bool lora>
+void input_clauses(detail::Checker& c, const ExpertsTensors& t) {
+  MOECERT_CONTRACT(c, k.idx_in_range) { routing_in_range(c, k.idx_in_range, t.idx, t.E); }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k.idx_unique) { routing_unique(c, k.idx_unique, t.idx); }
+  MOECERT_CONTRACT(c, k.weight_finite) { routing_weights(c, k.weight_finite, t.idx, t.weights); }
+  MOECERT_CONTRACT(c, k.x_finite) { finite_in_range(c, k.x_finite, "x", t.x); }
+  const std::pair<const char*, MatView<const float>> base[] = {
+      {"w_gate", t.w_gate}, {"w_up", t.w_up}, {"w_down", t.w_down}};
+  MOECERT_CONTRACT(c, clauses::gemm::kPackWFinite) {
+    for (const auto& [name, m] : base)
+      if (!detail::scan_finite(c, clauses::gemm::kPackWFinite, name, m)) break;
+  }
+  MOECERT_CONTRACT(c, clauses::gemm::kPackWRange) {
+    for (const auto& [name, m] : base)
+      if (!detail::scan(
+              c, clauses::gemm::kPackWRange, name, m,
+              [](float v) { return !std::isfinite(v) || in_range(v); },
+              "0 or 2^-60 <= |w| <= 2^60"))
+        break;
+  }
+  if constexpr (lora) {
+    MOECERT_CONTRACT(c, kt::kFwdLoraFinite) {
+      const MatView<const float> f[] = {t.a_gate, t.b_gate, t.a_up, t.b_up, t.a_down, t.b_down};
+      for (std::size_t i = 0; i < 6 && t.r; ++i)
+        if (!finite_in_range(c, kt::kFwdLoraFinite, kLoraNames[i], f[i])) break;
+    }
+    MOECERT_CONTRACT(c, kt::kFwdScale) { lora_scale(c, kt::kFwdScale, t.r, t.alpha); }
+  }
 }
 
 template <const ForwardClauses& k, bool lora>
@@ -129,43 +166,71 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   const ExpertsTensors t = read_inputs(in, params, lora);
   const auto y = values(out, "outputs", "y");
   MOECERT_CONTRACT(c, k.shape) {
-    if (const std::string bad = shape_error(t, y); !bad.empty())
+    if (const std::string bad = shape_error(t, "y", y); !bad.empty())
       c.fail(k.shape, "", bad,
              fmt::format("the shapes of E={} H={} I={} r={} (docs/JUDGE.md)", t.E, t.H, t.I, t.r));
   }
   if (c.stop()) return;
-  MOECERT_CONTRACT(c, k.idx_in_range) { routing_in_range(c, k.idx_in_range, t.idx, t.E); }
-  if (c.stop()) return;
-  MOECERT_CONTRACT(c, k.idx_unique) { routing_unique(c, k.idx_unique, t.idx); }
-  MOECERT_CONTRACT(c, k.weight_finite) { routing_weights(c, k.weight_finite, t.idx, t.weights); }
-  MOECERT_CONTRACT(c, k.x_finite) { finite_in_range(c, k.x_finite, "x", t.x); }
-  MOECERT_CONTRACT(c, clauses::gemm::kPackWFinite) {
-    for (const auto& [name, m] :
-         {std::pair{"w_gate", t.w_gate}, std::pair{"w_up", t.w_up}, std::pair{"w_down", t.w_down}})
-      if (!detail::scan_finite(c, clauses::gemm::kPackWFinite, name, m)) break;
-  }
-  MOECERT_CONTRACT(c, clauses::gemm::kPackWRange) {
-    for (const auto& [name, m] :
-         {std::pair{"w_gate", t.w_gate}, std::pair{"w_up", t.w_up}, std::pair{"w_down", t.w_down}})
-      if (!detail::scan(
-              c, clauses::gemm::kPackWRange, name, m,
-              [](float v) { return !std::isfinite(v) || in_range(v); },
-              "0 or 2^-60 <= |w| <= 2^60"))
-        break;
-  }
-  if constexpr (lora) {
-    MOECERT_CONTRACT(c, k::kFwdLoraFinite) {
-      const MatView<const float> f[] = {t.a_gate, t.b_gate, t.a_up, t.b_up, t.a_down, t.b_down};
-      for (std::size_t i = 0; i < 6 && t.r; ++i)
-        if (!finite_in_range(c, k::kFwdLoraFinite, kLoraNames[i], f[i])) break;
-    }
-    MOECERT_CONTRACT(c, k::kFwdScale) { lora_scale(c, k::kFwdScale, t.r, t.alpha); }
-  }
+  input_clauses<k, lora>(c, t);
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k.y_finite) { detail::scan_finite(c, k.y_finite, "y", y); }
   // Inputs in range, no overflow; every y within the model's bound for the
   // declared precision; proofs/experts.md §4.
-  MOECERT_CONTRACT(c, k.within) { y_within(c, k.within, y, experts_model_forward(t, p), p); }
+  MOECERT_CONTRACT(c, k.within) { within(c, k.within, "y", y, experts_model_forward(t, p), p); }
+}
+
+// The outputs given (dx, dweights: at least one) with their shapes.
+struct BackwardOutputs {
+  MatView<const float> dx, dweights;
+};
+BackwardOutputs backward_outputs(const Tensors& out) {
+  BackwardOutputs o;
+  if (has(out, "dx")) o.dx = values(out, "outputs", "dx");
+  if (has(out, "dweights")) o.dweights = values(out, "outputs", "dweights");
+  if (!o.dx.data && !o.dweights.data && !has(out, "dx") && !has(out, "dweights"))
+    throw std::invalid_argument("outputs: no tensor 'dx' or 'dweights'");
+  return o;
+}
+
+void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& params) {
+  const bounds::Precision p = precision_of(params);
+  const ExpertsTensors t = read_inputs(in, params, true);
+  const auto dy = values(in, "inputs", "dy");
+  const BackwardOutputs o = backward_outputs(out);
+  const std::size_t T = t.x.rows, K = t.idx.cols;
+  MOECERT_CONTRACT(c, kt::kBwdShape) {
+    std::string bad = shape_error(t, "dy", dy);
+    if (bad.empty() && o.dx.data && (o.dx.rows != T || o.dx.cols != t.H))
+      bad = fmt::format("dx {}x{}", o.dx.rows, o.dx.cols);
+    if (bad.empty() && o.dweights.data && (o.dweights.rows != T || o.dweights.cols != K))
+      bad = fmt::format("dweights {}x{}", o.dweights.rows, o.dweights.cols);
+    if (!bad.empty())
+      c.fail(kt::kBwdShape, "", bad,
+             fmt::format("the shapes of E={} H={} I={} r={}, T={} K={} (docs/JUDGE.md)", t.E, t.H,
+                         t.I, t.r, T, K));
+  }
+  if (c.stop()) return;
+  input_clauses<kForwardTrain, true>(c, t);
+  MOECERT_CONTRACT(c, kt::kBwdDyFinite) { finite_in_range(c, kt::kBwdDyFinite, "dy", dy); }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, kt::kBwdGradFinite) {
+    (!o.dx.data || detail::scan_finite(c, kt::kBwdGradFinite, "dx", o.dx)) &&
+        (!o.dweights.data || detail::scan_finite(c, kt::kBwdGradFinite, "dweights", o.dweights));
+  }
+  MOECERT_CONTRACT(c, kt::kBwdDwMasked) {
+    if (o.dweights.data) {
+      TrainSaved routing;
+      routing.tokens = T, routing.topk = K, routing.idx = t.idx.data;
+      dweights_masked(c, kt::kBwdDwMasked, routing, o.dweights);
+    }
+  }
+  // Inputs and dy in range, no overflow; dx and dL/dw within the model's
+  // bounds for the declared precision; proofs/experts.md §5.
+  MOECERT_CONTRACT(c, kt::kBwdWithin) {
+    const auto ref = experts_model_backward(t, dy, p);
+    (!o.dweights.data || within(c, kt::kBwdWithin, "dweights", o.dweights, ref.dweights, p)) &&
+        (!o.dx.data || within(c, kt::kBwdWithin, "dx", o.dx, ref.dx, p));
+  }
 }
 
 }  // namespace
@@ -176,7 +241,13 @@ std::map<std::string, OpEntry> experts_entries() {
        {forward<kForward, false>, {"experts.forward.", "gemm.pack.w_finite", "gemm.pack.w_range"}}},
       {"experts.forward_train",
        {forward<kForwardTrain, true>,
-        {"experts.forward_train.", "gemm.pack.w_finite", "gemm.pack.w_range"}}}};
+        {"experts.forward_train.", "gemm.pack.w_finite", "gemm.pack.w_range"}}},
+      {"experts.backward",
+       {backward,
+        {"experts.backward.", "experts.forward_train.idx_in_range",
+         "experts.forward_train.idx_unique", "experts.forward_train.weight_finite",
+         "experts.forward_train.x_finite", "experts.forward_train.lora_finite",
+         "experts.forward_train.scale_finite", "gemm.pack.w_finite", "gemm.pack.w_range"}}}};
 }
 
 }  // namespace moecert::contracts::judge

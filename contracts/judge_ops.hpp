@@ -46,7 +46,7 @@ struct Verdict {
 };
 
 /// The ops judged: router.{softmax_topk,sigmoid_topk,product_key}.{forward,backward},
-/// experts.forward, experts.forward_train.
+/// experts.{forward,forward_train,backward}.
 std::vector<std::string> judged_ops();
 
 /// Judges op's outputs `out` for inputs `in` (tensor names and params:

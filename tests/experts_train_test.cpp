@@ -207,6 +207,15 @@ TEST_CASE(
       CHECK(utilisation(bounds::kMixed) <= 1);
       CHECK(utilisation(bounds::kBf16) <= utilisation(bounds::kMixed));  // a wider family
       CHECK(utilisation(bounds::kFp32) > 1);  // h is rounded to bf16: not an fp32 computation
+      // The backward's dx and dL/dw (§5).
+      const auto back = contracts::experts_model_backward(t, p.DY(), bounds::kMixed);
+      for (const auto& [got, ref] :
+           {std::pair{&o.dx, &back.dx}, std::pair{&o.dw, &back.dweights}}) {
+        std::vector<double> v(ref->size()), b(ref->size());
+        for (std::size_t i = 0; i < ref->size(); ++i)
+          v[i] = (*ref)[i].v, b[i] = bounds::kReferenceSlack * (*ref)[i].e;
+        CHECK(compare::bounded(*got, v, b).max_utilization <= 1);
+      }
     }
 }
 

@@ -127,7 +127,7 @@ void add_check(CLI::App& app, Command& run) {
   auto a = std::make_shared<CheckArgs>();
   sub->add_option("op", a->op,
                   "router.{softmax_topk,sigmoid_topk,product_key}.{forward,backward}, "
-                  "experts.forward, experts.forward_train")
+                  "experts.{forward,forward_train,backward}")
       ->required();
   sub->add_option("--inputs", a->inputs, "the op's inputs (safetensors)")->required();
   sub->add_option("--outputs", a->outputs, "the implementation's outputs (safetensors)")

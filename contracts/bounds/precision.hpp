@@ -60,6 +60,17 @@ Tracked dot_stored(std::size_t count, A a, B b, std::size_t n_terms, const Preci
   return mid(ref::kdot<Tracked>(count, a, b, n_terms), p);
 }
 
+/// An fp32-accumulated sum of n_terms elementwise products that may each
+/// be stored first (a reduction of a stored product tensor), then stored.
+template <class A, class B>
+Tracked dot_products_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p) {
+  Tracked d = ref::kdot<Tracked>(count, a, b, n_terms);
+  double mag = 0;
+  for (std::size_t i = 0; i < count; ++i) mag += a(i).mag() * b(i).mag();
+  d.e += p.mid_unit * mag + static_cast<double>(count) * kMinNormal32;
+  return mid(d, p);
+}
+
 /// A sum of n terms each a product rounded to the intermediate format, in
 /// that format, in any order: gamma_n at mid_unit over sum |terms|, plus
 /// the flush of each product and each sum.

@@ -39,9 +39,13 @@ Tracked gemm_out(std::size_t k_base, A a, WB wb, std::size_t k_lora, AL al, WL w
   return bounds::mid(base + bounds::dot_stored(k_lora, al, wl, n, p), p);
 }
 
-// o = expert e's output for one token row x (H inputs, as read).
-std::vector<Tracked> expert_output(const Expert& w, const std::vector<Tracked>& x,
-                                   const Tracked& s) {
+// One routed pair's forward as the model keeps it for the backward.
+struct PairForward {
+  std::vector<Tracked> g, u, sg, silu, h, o;
+};
+
+// Expert e's forward for one token row x (H inputs, as read).
+PairForward pair_forward(const Expert& w, const std::vector<Tracked>& x, const Tracked& s) {
   const ExpertsTensors& in = w.in;
   const Precision& p = w.p;
   const std::size_t H = in.H, I = in.I, r = in.r;
@@ -57,60 +61,144 @@ std::vector<Tracked> expert_output(const Expert& w, const std::vector<Tracked>& 
     lb[k] = bounds::operand(bounds::mid(s * xa, p), p);
   }
   const std::size_t n1 = kpad(H) + (r ? kpad(2 * r) : 0);
-  std::vector<Tracked> h(I);
+  PairForward f{std::vector<Tracked>(I), std::vector<Tracked>(I), std::vector<Tracked>(I),
+                std::vector<Tracked>(I), std::vector<Tracked>(I), std::vector<Tracked>(H)};
   for (std::size_t i = 0; i < I; ++i) {
     auto xq = [&](std::size_t q) { return x[q]; };
-    const Tracked g = gemm_out(
+    f.g[i] = gemm_out(
         H, xq, [&](std::size_t q) { return w.at(in.w_gate, I, i, q); }, r,
         [&](std::size_t q) { return lb[q]; },
         [&](std::size_t q) { return w.at(in.b_gate, I, i, q); }, n1, p);
-    const Tracked u = gemm_out(
+    f.u[i] = gemm_out(
         H, xq, [&](std::size_t q) { return w.at(in.w_up, I, i, q); }, r,
         [&](std::size_t q) { return lb[r + q]; },
         [&](std::size_t q) { return w.at(in.b_up, I, i, q); }, n1, p);
     // silu(g) in fp32 (sigma with exp within 2 ulps), stored; times u, stored.
-    const Tracked silu = bounds::mid(bounds::r32(g * bounds::sig(g)), p);
-    h[i] = bounds::operand(bounds::mid(silu * u, p), p);
+    f.sg[i] = bounds::sig(f.g[i]);
+    f.silu[i] = bounds::mid(bounds::r32(f.g[i] * f.sg[i]), p);
+    f.h[i] = bounds::operand(bounds::mid(f.silu[i] * f.u[i], p), p);
   }
   std::vector<Tracked> lbd(r);
   for (std::size_t k = 0; k < r; ++k) {
     const Tracked ha = bounds::dot_stored(
-        I, [&](std::size_t q) { return h[q]; },
+        I, [&](std::size_t q) { return f.h[q]; },
         [&](std::size_t q) { return w.at(in.a_down, r, k, q); }, kpad(I), p);
     lbd[k] = bounds::operand(bounds::mid(s * ha, p), p);
   }
   const std::size_t n2 = kpad(I) + (r ? kpad(r) : 0);
-  std::vector<Tracked> o(H);
   for (std::size_t m = 0; m < H; ++m)
-    o[m] = gemm_out(
-        I, [&](std::size_t q) { return h[q]; },
+    f.o[m] = gemm_out(
+        I, [&](std::size_t q) { return f.h[q]; },
         [&](std::size_t q) { return w.at(in.w_down, H, m, q); }, r,
         [&](std::size_t q) { return lbd[q]; },
         [&](std::size_t q) { return w.at(in.b_down, H, m, q); }, n2, p);
-  return o;
+  return f;
+}
+
+// The expert path of one pair: this pair's share of dx from do = wt dy
+// (dy as read), proofs/experts.md §5.
+std::vector<Tracked> pair_dx(const Expert& w, const PairForward& f, const std::vector<Tracked>& dy,
+                             const Tracked& wt, const Tracked& s) {
+  const ExpertsTensors& in = w.in;
+  const Precision& p = w.p;
+  const std::size_t H = in.H, I = in.I, r = in.r;
+  std::vector<Tracked> d(H);  // do = wt dy, as the GEMMs read it
+  for (std::size_t m = 0; m < H; ++m) d[m] = bounds::operand(bounds::mid(wt * dy[m], p), p);
+  // q_d = s (do B_d): the scale applied to do before B_d and the result
+  // stored again, so either order is covered.
+  std::vector<Tracked> qd(r);
+  for (std::size_t k = 0; k < r; ++k)
+    qd[k] = bounds::operand(
+        bounds::mid(
+            bounds::dot_stored(
+                H, [&](std::size_t q) { return bounds::operand(bounds::mid(s * d[q], p), p); },
+                [&](std::size_t q) { return w.at(in.b_down, H, q, k); }, kpad(H), p),
+            p),
+        p);
+  const std::size_t nh = kpad(H) + (r ? kpad(r) : 0);
+  std::vector<Tracked> dg(I), du(I);
+  for (std::size_t i = 0; i < I; ++i) {
+    const Tracked dh = gemm_out(
+        H, [&](std::size_t q) { return d[q]; },
+        [&](std::size_t q) { return w.at(in.w_down, H, q, i); }, r,
+        [&](std::size_t q) { return qd[q]; },
+        [&](std::size_t q) { return w.at(in.a_down, r, q, i); }, nh, p);
+    // silu'(g) = sigma (1 + g (1 - sigma)) in fp32.
+    const Tracked sg = f.sg[i], one{1, 0};
+    const Tracked dsilu =
+        bounds::r32(sg * bounds::r32(one + bounds::r32(f.g[i] * bounds::r32(one - sg))));
+    dg[i] = bounds::operand(bounds::mid(bounds::r32(bounds::mid(dh * f.u[i], p) * dsilu), p), p);
+    du[i] = bounds::operand(bounds::mid(dh * f.silu[i], p), p);
+  }
+  // q_g = s (dg B_g), q_u = s (du B_u): the scale applied to dg before B
+  // and the result stored again, so either order is covered.
+  std::vector<Tracked> qgu(2 * r);
+  for (std::size_t k = 0; k < 2 * r; ++k) {
+    const auto& v = k < r ? dg : du;
+    const Tracked dgb = bounds::dot_stored(
+        I, [&](std::size_t q) { return bounds::operand(bounds::mid(s * v[q], p), p); },
+        [&](std::size_t q) {
+          return k < r ? w.at(in.b_gate, I, q, k) : w.at(in.b_up, I, q, k - r);
+        },
+        kpad(2 * I), p);
+    qgu[k] = bounds::operand(bounds::mid(dgb, p), p);
+  }
+  // dx row = dg W_g + du W_u + q_g A_g + q_u A_u: four stored sums over the
+  // fused length, added in any order.
+  const std::size_t nx = kpad(2 * I) + (r ? kpad(2 * r) : 0);
+  std::vector<Tracked> dxr(H);
+  for (std::size_t m = 0; m < H; ++m) {
+    const Tracked terms[] = {bounds::dot_stored(
+                                 I, [&](std::size_t q) { return dg[q]; },
+                                 [&](std::size_t q) { return w.at(in.w_gate, I, q, m); }, nx, p),
+                             bounds::dot_stored(
+                                 I, [&](std::size_t q) { return du[q]; },
+                                 [&](std::size_t q) { return w.at(in.w_up, I, q, m); }, nx, p),
+                             bounds::dot_stored(
+                                 r, [&](std::size_t q) { return qgu[q]; },
+                                 [&](std::size_t q) { return w.at(in.a_gate, r, q, m); }, nx, p),
+                             bounds::dot_stored(
+                                 r, [&](std::size_t q) { return qgu[r + q]; },
+                                 [&](std::size_t q) { return w.at(in.a_up, r, q, m); }, nx, p)};
+    Tracked sum{0, 0};
+    double mag = 0;
+    for (const Tracked& t : terms) sum += t, mag += t.mag();
+    dxr[m] = bounds::sum_stored(sum, mag, r ? 4 : 2, p);
+  }
+  return dxr;
+}
+
+// One token's rows x and dy as the implementation reads them.
+std::vector<Tracked> row_in(MatView<const float> m, std::size_t t, const Precision& p) {
+  std::vector<Tracked> v(m.cols);
+  for (std::size_t q = 0; q < m.cols; ++q) v[q] = bounds::input(m(t, q), p);
+  return v;
+}
+
+// s = alpha / r as the implementation holds it: in fp32 at best.
+Tracked scale_of(const ExpertsTensors& in) {
+  const double s = in.r ? in.alpha / static_cast<double>(in.r) : 0.0;
+  return {s, bounds::kU32 * std::fabs(s)};
 }
 
 }  // namespace
 
 std::vector<Tracked> experts_model_forward(const ExpertsTensors& in, const Precision& p) {
   const std::size_t T = in.x.rows, K = in.idx.cols, H = in.H;
-  // s = alpha / r as the implementation holds it: in fp32 at best.
-  const double s_exact = in.r ? in.alpha / static_cast<double>(in.r) : 0.0;
-  const Tracked s{s_exact, bounds::kU32 * std::fabs(s_exact)};
+  const Tracked s = scale_of(in);
   std::vector<Tracked> y(T * H);
   oneapi::tbb::parallel_for(
       std::size_t{0}, T, detail::TbbBody([&](std::size_t t) {
-        std::vector<Tracked> x(H);
-        for (std::size_t q = 0; q < H; ++q) x[q] = bounds::input(in.x(t, q), p);
+        const std::vector<Tracked> x = row_in(in.x, t, p);
         std::vector<Tracked> sum(H, Tracked{0, 0});
         std::vector<double> sum_abs(H, 0.0);
         for (std::size_t j = 0; j < K; ++j) {
           const std::int32_t e = in.idx(t, j);
           if (e < 0) continue;
-          const auto o = expert_output({in, static_cast<std::size_t>(e), p}, x, s);
-          const Tracked wt{in.weights(t, j), 0};
+          const auto f = pair_forward({in, static_cast<std::size_t>(e), p}, x, s);
+          const Tracked wt = bounds::input(in.weights(t, j), p);
           for (std::size_t m = 0; m < H; ++m) {
-            const Tracked term = wt * o[m];
+            const Tracked term = wt * f.o[m];
             sum[m] += term;
             sum_abs[m] += term.mag();
           }
@@ -120,6 +208,39 @@ std::vector<Tracked> experts_model_forward(const ExpertsTensors& in, const Preci
           y[t * H + m] = bounds::sum_stored(sum[m], sum_abs[m], K, p);
       }));
   return y;
+}
+
+ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const float> dy,
+                                       const Precision& p) {
+  const std::size_t T = in.x.rows, K = in.idx.cols, H = in.H;
+  const Tracked s = scale_of(in);
+  ExpertsBackward b{std::vector<Tracked>(T * H), std::vector<Tracked>(T * K, Tracked{0, 0})};
+  oneapi::tbb::parallel_for(std::size_t{0}, T, detail::TbbBody([&](std::size_t t) {
+                              const std::vector<Tracked> x = row_in(in.x, t, p);
+                              // dy as the GEMMs read it (bf16 operands: rounded).
+                              std::vector<Tracked> dyr = row_in(dy, t, p);
+                              for (auto& v : dyr) v = bounds::operand(v, p);
+                              std::vector<Tracked> sum(H, Tracked{0, 0});
+                              std::vector<double> sum_abs(H, 0.0);
+                              for (std::size_t j = 0; j < K; ++j) {
+                                const std::int32_t e = in.idx(t, j);
+                                if (e < 0) continue;  // dL/dw exactly 0 there
+                                const Expert w{in, static_cast<std::size_t>(e), p};
+                                const auto f = pair_forward(w, x, s);
+                                // dL/dw = <dy, o>: products stored, an fp32 sum, stored.
+                                b.dweights[t * K + j] = bounds::dot_products_stored(
+                                    H, [&](std::size_t m) { return dyr[m]; },
+                                    [&](std::size_t m) { return f.o[m]; }, H, p);
+                                const auto dxr =
+                                    pair_dx(w, f, dyr, bounds::input(in.weights(t, j), p), s);
+                                for (std::size_t m = 0; m < H; ++m)
+                                  sum[m] += dxr[m], sum_abs[m] += dxr[m].mag();
+                              }
+                              // dx = the slots' rows summed in the intermediate format.
+                              for (std::size_t m = 0; m < H; ++m)
+                                b.dx[t * H + m] = bounds::sum_stored(sum[m], sum_abs[m], K, p);
+                            }));
+  return b;
 }
 
 }  // namespace moecert::contracts

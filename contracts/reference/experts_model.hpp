@@ -35,4 +35,12 @@ struct ExpertsTensors {
 std::vector<bounds::Tracked> experts_model_forward(const ExpertsTensors& in,
                                                    const bounds::Precision& p);
 
+/// dx [T x H] and dL/dw [T x K] of the model for dy [T x H] (each before
+/// its storage rounding; dL/dw is 0 at -1 slots).
+struct ExpertsBackward {
+  std::vector<bounds::Tracked> dx, dweights;
+};
+ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const float> dy,
+                                       const bounds::Precision& p);
+
 }  // namespace moecert::contracts

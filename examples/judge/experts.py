@@ -5,6 +5,8 @@ routing) for `moecert check` to judge.
                                      h = silu(g) u, o = h W_d^T + s (h A_d^T) B_d^T, y = sum_j w_j o_j;
                                      every op in `dtype` (bfloat16: PyTorch eager's rounding after each)
     experts_forward_swapped          the bug of silu applied to u instead of g
+    experts_backward(..., dtype)     dx and dL/dw of experts_forward by autograd
+    experts_backward_no_lora_dx      the LoRA path left out of dx (x detached where it meets A)
 
 Weights are stacked by expert as moecert takes them: w_gate, w_up [E, I, H], w_down [E, H, I]; LoRA
 a_gate, a_up [E, r, H], b_gate, b_up [E, I, r], a_down [E, r, I], b_down [E, H, r], scale alpha / r.
@@ -13,10 +15,10 @@ import torch
 
 
 def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None,
-                    dtype=torch.bfloat16, swapped=False):
+                    dtype=torch.bfloat16, swapped=False, lora_dx=True):
     T, H = x.shape
     E = w_gate.shape[0]
-    x = x.to(dtype)
+    x = x.to(dtype)  # (the same tensor when already of dtype: autograd reaches the caller's)
     y = torch.zeros(T, H, dtype=dtype)
     s = alpha / lora["a_gate"].shape[1] if lora else 0.0
     for e in range(E):
@@ -24,11 +26,12 @@ def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None
         if tok.numel() == 0:
             continue
         xe = x[tok]
+        xl = xe if lora_dx else xe.detach()
         g = xe @ w_gate[e].to(dtype).T
         u = xe @ w_up[e].to(dtype).T
         if lora:
-            g = g + ((xe @ lora["a_gate"][e].to(dtype).T) @ lora["b_gate"][e].to(dtype).T) * s
-            u = u + ((xe @ lora["a_up"][e].to(dtype).T) @ lora["b_up"][e].to(dtype).T) * s
+            g = g + ((xl @ lora["a_gate"][e].to(dtype).T) @ lora["b_gate"][e].to(dtype).T) * s
+            u = u + ((xl @ lora["a_up"][e].to(dtype).T) @ lora["b_up"][e].to(dtype).T) * s
         if swapped:
             g, u = u, g
         h = torch.nn.functional.silu(g) * u
@@ -41,6 +44,20 @@ def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None
 
 def experts_forward_swapped(*args, **kwargs):
     return experts_forward(*args, swapped=True, **kwargs)
+
+
+def experts_backward(x, idx, weights, w_gate, w_up, w_down, dy, lora=None, alpha=None,
+                     dtype=torch.bfloat16, lora_dx=True):
+    """(dx, dweights) of experts_forward for dy, by autograd in `dtype`."""
+    x = x.detach().to(dtype).requires_grad_()
+    weights = weights.detach().clone().requires_grad_()
+    y = experts_forward(x, idx, weights, w_gate, w_up, w_down, lora, alpha, dtype, lora_dx=lora_dx)
+    y.backward(dy.to(dtype))
+    return x.grad, weights.grad
+
+
+def experts_backward_no_lora_dx(*args, **kwargs):
+    return experts_backward(*args, lora_dx=False, **kwargs)
 
 
 def random_case(T=12, E=6, H=40, I=24, K=2, r=4, seed=5):

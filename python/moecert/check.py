@@ -19,7 +19,8 @@ from . import _abi
 from .errors import InvalidArgument
 
 __all__ = ["Verdict", "softmax_topk_forward", "softmax_topk_backward", "sigmoid_topk_forward",
-           "sigmoid_topk_backward", "product_key_forward", "product_key_backward", "experts_forward"]
+           "sigmoid_topk_backward", "product_key_forward", "product_key_backward", "experts_forward",
+           "experts_backward"]
 
 
 class Verdict:
@@ -144,6 +145,19 @@ def experts_forward(x, idx, weights, w_gate, w_up, w_down, y, precision, lora=No
         params["alpha"] = alpha
     op = "experts.forward_train" if lora is not None else "experts.forward"
     return judge(op, inputs, {"y": y}, **params)
+
+
+def experts_backward(x, idx, weights, w_gate, w_up, w_down, dy, precision, dx=None, dweights=None,
+                     lora=None, alpha=None):
+    """experts.backward: dx and/or dweights (dL/dw) for dy, LoRA optional as in experts_forward."""
+    inputs = {"x": x, "idx": idx, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down,
+              "dy": dy}
+    params = {"precision": precision}
+    if lora is not None:
+        inputs.update(lora)
+        params["alpha"] = alpha
+    outputs = {name: v for name, v in (("dx", dx), ("dweights", dweights)) if v is not None}
+    return judge("experts.backward", inputs, outputs, **params)
 
 
 def product_key_forward(sx, sy, idx, w, weights="softmax"):

@@ -236,6 +236,32 @@ def test_torch_experts_judged_under_their_declared_precision(with_lora):
     assert [f for f in v.failed if f.endswith(".within_bound")]
 
 
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_torch_experts_backward_judged(with_lora):
+    import moecert.check as check
+    inputs, lora = experts.random_case()
+    lora, alpha = (lora, 8.0) if with_lora else (None, None)
+    dy = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(3))
+    for dtype, precision in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        dx, dw = experts.experts_backward(**inputs, dy=dy, lora=lora, alpha=alpha, dtype=dtype)
+        v = check.experts_backward(**inputs, dy=dy, dx=dx, dweights=dw, precision=precision, lora=lora,
+                                   alpha=alpha)
+        assert v.passed, (precision, [c.get("message") for c in v.clauses if c["verdict"] == "fail"])
+        assert next(c for c in v.clauses if c["id"] == "experts.backward.within_bound")["verdict"] == "pass"
+    if with_lora:  # dx without the LoRA path: within_bound names dx
+        dx, dw = experts.experts_backward_no_lora_dx(**inputs, dy=dy, lora=lora, alpha=alpha,
+                                                     dtype=torch.float32)
+        v = check.experts_backward(**inputs, dy=dy, dx=dx, precision="fp32", lora=lora, alpha=alpha)
+        fail = next(c for c in v.clauses if c["verdict"] == "fail")
+        assert fail["id"] == "experts.backward.within_bound" and fail["location"].startswith("dx[")
+    # A gradient at a -1 slot: dweights_masked names it.
+    dx, dw = experts.experts_backward(**inputs, dy=dy, lora=lora, alpha=alpha, dtype=torch.float32)
+    t, j = (inputs["idx"] < 0).nonzero()[0].tolist()
+    dw[t, j] = 0.5
+    v = check.experts_backward(**inputs, dy=dy, dweights=dw, precision="fp32", lora=lora, alpha=alpha)
+    assert "experts.backward.dweights_masked" in v.failed
+
+
 def test_experts_judge_refuses_what_it_cannot_model():
     import moecert
     import moecert.check as check
