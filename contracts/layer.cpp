@@ -9,6 +9,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "contracts/bounds/experts.hpp"
@@ -306,6 +307,12 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
             [&](std::size_t t, std::size_t j) { return dw[t * d.K + j]; }, ref.dw))
       return;
     if (!g.dx.empty() && !within(c, k::kBwdWithin, "dx", x.rows, d.H, mat(g.dx), ref.dx)) return;
+    // M_A, M_G: formed by the expert path (else written 0, which empty_expert_zero judges).
+    for (const auto& [name, m, r] :
+         {std::tuple{"m_a", g.m_a, &ref.m_a}, std::tuple{"m_g", g.m_g, &ref.m_g}})
+      if (!m.empty() && r->size() == m.rows * m.cols &&
+          !within(c, k::kBwdWithin, name, m.rows, m.cols, mat(m), *r))
+        return;
     if (!g.router_w.empty() &&
         !within(c, k::kBwdWithin, "router_w grad", d.R, d.H, mat(g.router_w), ref.dwr))
       return;

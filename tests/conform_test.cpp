@@ -130,9 +130,19 @@ void validate_report(const json::value& doc) {
                  {"seconds", T::num},
                  {"clauses_checked", T::strs},
                  {"clauses_fired", T::strs},
-                 {"utilization_histogram", T::array}},
+                 {"utilization_histogram", T::array},
+                 {"outputs", T::array}},
                 "case");
     CHECK(c.at("utilization_histogram").as_array().size() == 9);
+    for (const auto& out : c.at("outputs").as_array())
+      expect_keys(out.as_object(),
+                  {{"name", T::str},
+                   {"count", T::integer},
+                   {"exceeded", T::integer},
+                   {"max_abs_err", T::num_or_null},
+                   {"max_rel_err", T::num_or_null},
+                   {"max_bound_utilization", T::num_or_null}},
+                  "output");
     const std::string v(c.at("verdict").as_string());
     CHECK((v == "pass" || v == "fail" || v == "skip"));
     passed += v == "pass";

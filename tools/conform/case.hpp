@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "contracts/bounds/tracked.hpp"
 #include "contracts/compare.hpp"
 #include "moecert/contracts.hpp"
 #include "moecert/types.hpp"
@@ -22,6 +23,14 @@ struct RunContext {
   std::vector<Isa> isas;  // the ISAs this run covers (--isa, else every usable one)
 };
 
+/// One output of a case against its bounded reference: elements compared,
+/// beyond their bound, and the worst errors and utilisation.
+struct OutputError {
+  std::string name;
+  std::size_t count = 0, exceeded = 0;
+  double max_abs_err = 0, max_rel_err = 0, max_utilization = 0;
+};
+
 struct CaseResult {
   Verdict verdict = Verdict::pass;
   std::string detail;  // why it failed or was skipped; a short note otherwise
@@ -33,6 +42,7 @@ struct CaseResult {
   std::string digest;  // FNV-1a 64 of the outputs' bits, hex (compares runs, builds, machines)
   std::vector<std::string> clauses_fired;   // clause ids whose violation the case provoked
   compare::UtilizationHistogram histogram;  // of every compared element
+  std::vector<OutputError> outputs;         // per output, where the case compares each
 
   /// A result that is only a verdict and its reason (a skip).
   static CaseResult only(Verdict v, std::string why) {
@@ -87,5 +97,12 @@ std::string digest_of(const std::vector<float>& v);
 
 /// Fails the case with `detail` unless `ok`; returns ok.
 bool expect(CaseResult& r, bool ok, const std::string& detail);
+
+/// Compares output `name` with its bounded reference (values and bounds,
+/// the reference's own rounding covered by bounds::kReferenceSlack): a row
+/// of r.outputs, folded into the case's maxima and histogram; fails the case
+/// when an element is beyond its bound.
+void compare_output(CaseResult& r, std::string name, const std::vector<float>& got,
+                    const std::vector<bounds::Tracked>& ref);
 
 }  // namespace moecert::tools

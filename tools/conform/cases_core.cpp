@@ -2,11 +2,13 @@
 // validation (every clause provoked), contract semantics, ISA dispatch.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <functional>
 #include <random>
 
+#include "contracts/bounds/experts.hpp"
 #include "contracts/clauses.hpp"
 #include "moecert/moecert.hpp"
 #include "tools/conform/case.hpp"
@@ -19,6 +21,35 @@ bool expect(CaseResult& r, bool ok, const std::string& detail) {
     r.detail = detail;
   }
   return ok;
+}
+
+void compare_output(CaseResult& r, std::string name, const std::vector<float>& got,
+                    const std::vector<bounds::Tracked>& ref) {
+  std::vector<double> v(ref.size()), b(ref.size());
+  for (std::size_t i = 0; i < ref.size(); ++i)
+    v[i] = ref[i].v, b[i] = bounds::kReferenceSlack * ref[i].e;
+  OutputError o{std::move(name)};
+  if (got.size() != ref.size()) {
+    expect(r, false, fmt::format("{}: {} elements, reference {}", o.name, got.size(), ref.size()));
+    r.outputs.push_back(std::move(o));
+    return;
+  }
+  const auto cmp = compare::bounded(got, v, b);
+  o.count = cmp.count, o.exceeded = cmp.exceeded;
+  o.max_abs_err = cmp.max_abs_err, o.max_rel_err = cmp.max_rel_err;
+  o.max_utilization = cmp.max_utilization;
+  r.histogram.merge(cmp.histogram);
+  r.max_abs_err = std::max(r.max_abs_err, cmp.max_abs_err);
+  r.max_rel_err = std::max(r.max_rel_err, cmp.max_rel_err);
+  if (cmp.count && !(cmp.max_utilization <= r.max_bound_utilization)) {
+    r.max_bound_utilization = cmp.max_utilization;
+    r.worst = fmt::format("{}[{}]: got {:.9g}, ref {:.17g}, bound {:.3g}", o.name, cmp.worst,
+                          cmp.worst_got, cmp.worst_ref, cmp.worst_bound);
+  }
+  expect(r, cmp.pass(),
+         fmt::format("{} of {} {} elements beyond their bound; worst {}", cmp.exceeded, cmp.count,
+                     o.name, r.worst));
+  r.outputs.push_back(std::move(o));
 }
 
 std::string digest_of(const std::vector<float>& v) {

@@ -9,8 +9,10 @@
 #include <cstring>
 #include <random>
 
+#include "contracts/experts_train.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
+#include "ops/experts/train.hpp"
 #include "tools/conform/case.hpp"
 
 namespace moecert::tools {
@@ -82,8 +84,9 @@ Problem make(Dims d, Routing routing, std::uint64_t seed) {
 }
 
 // Forward, then a backward asking for every output (fresh buffers hold
-// NaN, as a caller's might); the outputs in one vector.
-std::vector<float> forward_backward(const Problem& p, Isa isa) {
+// NaN, as a caller's might); the outputs in one vector. With `r`, each
+// output against its bounded reference (proofs/experts.md), one row each.
+std::vector<float> forward_backward(const Problem& p, Isa isa, CaseResult* r = nullptr) {
   const Dims& d = p.d;
   std::vector<float> y(d.T * d.H, NAN), dx(d.T * d.H, NAN), dw(d.T * d.K, NAN), ma(d.T * d.E, NAN),
       mg(d.T * d.E, NAN);
@@ -103,6 +106,22 @@ std::vector<float> forward_backward(const Problem& p, Isa isa) {
                          {p.w.data(), d.T, d.K}, {y.data(), d.T, d.H}, saved, {.isa = isa});
   experts::backward(p.packed, p.lora_view(), {p.x.data(), d.T, d.H}, {p.dy.data(), d.T, d.H}, saved,
                     gr);
+  if (r) {
+    const auto data =
+        contracts::experts_data<bounds::Tracked>(p.packed, p.lora_view(), {p.x.data(), d.T, d.H},
+                                                 p.dy.data(), experts::saved_view(saved.impl()));
+    const auto ref = ref::layer_reference(data, true, {.base = true});
+    const std::pair<const char*, const std::vector<bounds::Tracked>*> refs[] = {
+        {"a_gate grad", &ref.dag}, {"b_gate grad", &ref.dbg}, {"a_up grad", &ref.dau},
+        {"b_up grad", &ref.dbu},   {"a_down grad", &ref.dad}, {"b_down grad", &ref.dbd},
+        {"w_gate grad", &ref.dwg}, {"w_up grad", &ref.dwu},   {"w_down grad", &ref.dwd}};
+    compare_output(*r, "y", y, ref.y);
+    compare_output(*r, "dx", dx, ref.dx);
+    compare_output(*r, "dweights", dw, ref.dw);
+    compare_output(*r, "m_a", ma, ref.m_a);
+    compare_output(*r, "m_g", mg, ref.m_g);
+    for (int i = 0; i < 9; ++i) compare_output(*r, refs[i].first, g[i], *refs[i].second);
+  }
   std::vector<float> out;
   for (const auto* o : {&y, &dx, &dw, &ma, &mg}) out.insert(out.end(), o->begin(), o->end());
   for (const auto& o : g) out.insert(out.end(), o.begin(), o.end());
@@ -114,7 +133,7 @@ CaseResult train_case(Routing routing, Isa isa, Dims dims, const RunContext& ctx
     return CaseResult::only(Verdict::skip, fmt::format("{} not usable on this CPU", isa_name(isa)));
   CaseResult r;
   const Problem p = make(dims, routing, ctx.seed + 11);
-  const auto many = forward_backward(p, isa);
+  const auto many = forward_backward(p, isa, &r);
   std::vector<float> one;
   {
     oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, 1);
@@ -126,7 +145,7 @@ CaseResult train_case(Routing routing, Isa isa, Dims dims, const RunContext& ctx
   if (r.verdict != Verdict::pass) return r;
   r.detail =
       "y, dx, dweights, LoRA and base-weight gradients, M_A, M_G within proofs/experts.md (level "
-      "full)";
+      "full; per output below)";
   if (isa == Isa::amx_bf16) {
     const auto emu = forward_backward(p, Isa::amx_emu);
     const bool exact = std::memcmp(emu.data(), many.data(), many.size() * sizeof(float)) == 0;

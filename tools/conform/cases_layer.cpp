@@ -8,9 +8,11 @@
 #include <cstring>
 #include <random>
 
+#include "contracts/bounds/layer.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "moecert/workspace.hpp"
+#include "ops/layer/state.hpp"
 #include "ops/workspace/arena.hpp"
 #include "tests/fixture/layer_problem.hpp"
 #include "tools/conform/case.hpp"
@@ -35,7 +37,9 @@ Layer make(RouterKind kind, std::uint64_t seed, Dims d) {
 
 // Two training steps: forward + backward, an update of every LoRA factor,
 // forward + backward again on the same saved state; contracts at full.
-std::vector<float> steps(Layer& l, Isa isa, bool base) {
+// With `r`, every output of the last step against its bounded reference
+// (contracts::layer_bounds on the kernel's routing), one row each.
+std::vector<float> steps(Layer& l, Isa isa, bool base, CaseResult* r = nullptr) {
   std::vector<float> out;
   layer::Saved saved;
   for (int step = 0; step < 2; ++step) {
@@ -62,6 +66,33 @@ std::vector<float> steps(Layer& l, Isa isa, bool base) {
     const auto w = l.weights();
     layer::forward(l.cfg, w, {l.x.data(), l.T, l.H}, {y.data(), l.T, l.H}, saved, {.isa = isa});
     layer::backward(l.cfg, w, {l.x.data(), l.T, l.H}, {l.dy.data(), l.T, l.H}, saved, gr);
+    if (r && step == 1) {
+      const auto view = layer::saved_view(saved);
+      const auto ref = contracts::layer_bounds(l.cfg, w, {l.x.data(), l.T, l.H}, l.dy.data(), view,
+                                               {.base = base}, view.router_dw);
+      const std::pair<const char*,
+                      std::pair<std::vector<float>*, const std::vector<bounds::Tracked>*>>
+          named[] = {{"y", {&y, &ref.y}},
+                     {"dx", {&dx, &ref.dx}},
+                     {"router_w grad", {&gwr, &ref.dwr}},
+                     {"router_b grad", {&gb, &ref.db}},
+                     {"m_a", {&ma, &ref.m_a}},
+                     {"m_g", {&mg, &ref.m_g}},
+                     {"a_gate grad", {&g[0], &ref.dag}},
+                     {"b_gate grad", {&g[1], &ref.dbg}},
+                     {"a_up grad", {&g[2], &ref.dau}},
+                     {"b_up grad", {&g[3], &ref.dbu}},
+                     {"a_down grad", {&g[4], &ref.dad}},
+                     {"b_down grad", {&g[5], &ref.dbd}},
+                     {"w_gate grad", {&gw[0], &ref.dwg}},
+                     {"w_up grad", {&gw[1], &ref.dwu}},
+                     {"w_down grad", {&gw[2], &ref.dwd}}};
+      for (const auto& [name, pair] : named)
+        if (!pair.first->empty()) compare_output(*r, name, *pair.first, *pair.second);
+      // dL/dw: the router path's input, left in the saved state.
+      std::vector<float> dw(view.router_dw, view.router_dw + l.T * l.K);
+      compare_output(*r, "dL/dw", dw, ref.dw);
+    }
     for (auto* v : {&y, &dx, &gwr, &gb, &ma, &mg}) out.insert(out.end(), v->begin(), v->end());
     for (auto& v : g) out.insert(out.end(), v.begin(), v.end());
     for (auto& v : gw) out.insert(out.end(), v.begin(), v.end());
@@ -79,7 +110,7 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
     return r;
   }
   Layer a = make(kind, ctx.seed + 3, dims);
-  const auto many = steps(a, isa, base);
+  const auto many = steps(a, isa, base, &r);
   Layer b = make(kind, ctx.seed + 3, dims);
   std::vector<float> one;
   {
@@ -91,8 +122,9 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
   expect(r, r.deterministic, "results differ between 1 and N threads");
   if (r.verdict == Verdict::pass) {
     r.detail = fmt::format(
-        "2 training steps; y, dx, router, LoRA{} gradients within proofs/layer.md (level full)",
-        base ? " and base-weight" : "");
+        "2 training steps; y, dx, dL/dw, router, LoRA{} gradients, M_A, M_G within proofs/layer.md "
+        "(level full; per output below)",
+        base ? ", base-weight" : "");
     if (isa ==
         Isa::amx_bf16) {  // every output of both steps, LoRA products fused in the kernel included
       Layer c = make(kind, ctx.seed + 3, dims);

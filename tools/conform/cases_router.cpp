@@ -24,11 +24,34 @@ struct Shape {
   Suite suite;
 };
 
-std::vector<float> scores(std::mt19937_64& rng, std::size_t n, bool ties) {
+// normal: N(0, 2); ties: five values, so exact ties are common; extreme:
+// the range the preconditions allow, far outside exp's (differences beyond
+// the underflow shift, magnitudes up to 1e30), no lower than `lowest`.
+enum class Data { normal, ties, extreme };
+constexpr const char* kDataNames[] = {"normal", "ties", "extreme"};
+
+std::vector<float> scores(std::mt19937_64& rng, std::size_t n, Data d, float lowest = -INFINITY) {
   std::normal_distribution<float> nd(0, 2);
+  std::uniform_real_distribution<float> decade(0, 30);
   const float few[] = {-1.0f, -0.25f, 0.0f, 0.5f, 1.0f};
   std::vector<float> v(n);
-  for (auto& x : v) x = ties ? few[rng() % 5] : nd(rng);
+  for (auto& x : v) {
+    switch (d) {
+      case Data::normal:
+        x = nd(rng);
+        break;
+      case Data::ties:
+        x = few[rng() % 5];
+        break;
+      case Data::extreme: {
+        const float big = std::pow(10.0f, decade(rng));  // 1 .. 1e30
+        const std::uint64_t kind = rng() % 4;
+        x = kind == 0 ? nd(rng) : kind == 1 ? big : kind == 2 ? -big : nd(rng) * 100;
+        x = std::max(x, lowest);
+        break;
+      }
+    }
+  }
   return v;
 }
 
@@ -65,10 +88,10 @@ auto threads(int n, F f) {
   return f();
 }
 
-CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward,
+CaseResult softmax_case(const Shape& s, Data data, bool renorm, bool backward,
                         const RunContext& ctx) {
   std::mt19937_64 rng(ctx.seed ^ (s.t * 31 + s.e));
-  const auto z = scores(rng, s.t * s.e, ties), g = scores(rng, s.t * s.k, false);
+  const auto z = scores(rng, s.t * s.e, data), g = scores(rng, s.t * s.k, Data::normal);
   MatView<const float> zv(z.data(), s.t, s.e);
   auto fwd = [&] {
     std::pair<std::vector<std::int32_t>, std::vector<float>> out{
@@ -130,11 +153,11 @@ CaseResult softmax_case(const Shape& s, bool ties, bool renorm, bool backward,
   return tl.r;
 }
 
-CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunContext& ctx) {
+CaseResult product_key_case(const Shape& s, Data data, bool backward, const RunContext& ctx) {
   const std::size_t n = static_cast<std::size_t>(std::lround(std::sqrt(double(s.e))));
   std::mt19937_64 rng(ctx.seed ^ (s.t * 37 + n));
-  const auto sx = scores(rng, s.t * n, ties), sy = scores(rng, s.t * n, ties),
-             g = scores(rng, s.t * s.k, false);
+  const auto sx = scores(rng, s.t * n, data), sy = scores(rng, s.t * n, data),
+             g = scores(rng, s.t * s.k, Data::normal);
   MatView<const float> xv(sx.data(), s.t, n), yv(sy.data(), s.t, n);
   auto fwd = [&] {
     std::pair<std::vector<std::int32_t>, std::vector<float>> out{
@@ -203,13 +226,14 @@ CaseResult product_key_case(const Shape& s, bool ties, bool backward, const RunC
   return tl.r;
 }
 
-CaseResult sigmoid_case(const Shape& s, bool ties, bool backward, std::size_t topk_group,
+CaseResult sigmoid_case(const Shape& s, Data data, bool backward, std::size_t topk_group,
                         const RunContext& ctx) {
   std::mt19937_64 rng(ctx.seed ^ (s.t * 41 + s.e));
   const router::SigmoidTopkParams p{8, topk_group, 2.5f};
   const std::size_t size = s.e / p.groups;
-  const auto z = scores(rng, s.t * s.e, ties), g = scores(rng, s.t * s.k, false);
-  std::vector<float> bias = scores(rng, s.e, false);
+  // sigma(z) normal: z >= -87 (router.sigmoid_topk.scores_finite).
+  const auto z = scores(rng, s.t * s.e, data, -87.0f), g = scores(rng, s.t * s.k, Data::normal);
+  std::vector<float> bias = scores(rng, s.e, Data::normal);
   for (auto& b : bias) b *= 0.05f;
   MatView<const float> zv(z.data(), s.t, s.e);
   auto fwd = [&] {
@@ -293,9 +317,10 @@ void add_router_cases(std::vector<CaseDef>& out) {
                           {"odd", 37, 64, 9, Suite::smoke},
                           {"realistic", 256, 4096, 16, Suite::def}};
   for (const auto& s : shapes)
-    for (bool ties : {false, true}) {
+    for (Data dc : {Data::normal, Data::ties, Data::extreme}) {
+      if (dc == Data::extreme && s.suite != Suite::smoke) continue;
       const std::string shape = fmt::format("{}:T{}_E{}_K{}", s.cls, s.t, s.e, s.k);
-      const char* data = ties ? "ties" : "normal";
+      const char* data = kDataNames[static_cast<int>(dc)];
       const Level level = s.suite == Suite::smoke ? Level::full : Level::check;
       for (bool renorm : {true, false})
         for (bool bwd : {false, true})
@@ -303,7 +328,7 @@ void add_router_cases(std::vector<CaseDef>& out) {
               {bwd ? "router.softmax_topk.backward" : "router.softmax_topk.forward",
                renorm ? "renormalized" : "dense", "any", shape,
                bwd ? std::string(data) + ",minus1_slots" : data, s.suite, level,
-               [=](const RunContext& ctx) { return softmax_case(s, ties, renorm, bwd, ctx); }});
+               [=](const RunContext& ctx) { return softmax_case(s, dc, renorm, bwd, ctx); }});
       for (bool bwd : {false, true})
         for (std::size_t kept :
              {4u, 1u}) {  // kept = 1 with 8 groups: fewer than K eligible when K > E/8
@@ -312,13 +337,13 @@ void add_router_cases(std::vector<CaseDef>& out) {
               {bwd ? "router.sigmoid_topk.backward" : "router.sigmoid_topk.forward",
                fmt::format("G8_keep{}", kept), "any", shape,
                kept == 1 ? std::string(data) + ",minus1_slots" : data, s.suite, level,
-               [=](const RunContext& ctx) { return sigmoid_case(s, ties, bwd, kept, ctx); }});
+               [=](const RunContext& ctx) { return sigmoid_case(s, dc, bwd, kept, ctx); }});
         }
       for (bool bwd : {false, true})
         out.push_back({bwd ? "router.product_key.backward" : "router.product_key.forward", "raw",
                        "any", shape, bwd ? std::string(data) + ",minus1_slots" : data, s.suite,
                        level,
-                       [=](const RunContext& ctx) { return product_key_case(s, ties, bwd, ctx); }});
+                       [=](const RunContext& ctx) { return product_key_case(s, dc, bwd, ctx); }});
     }
 }
 

@@ -59,6 +59,89 @@ void write_file(const std::filesystem::path& p, const std::string& text) {
   if (!f) throw std::runtime_error(fmt::format("cannot write {}", p.string()));
 }
 
+// The outputs of the cases that compare each one: error and utilisation
+// per output (y, dx, each gradient, M_A, M_G).
+std::string per_output_md(const Report& r) {
+  std::string s =
+      "\n## Outputs\n\n| case | output | elements | beyond bound | max abs err | max "
+      "rel err | max bound util |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |\n";
+  bool any = false;
+  for (const auto& c : r.cases)
+    for (const auto& o : c.result.outputs) {
+      any = true;
+      s += fmt::format("| `{}` | {} | {} | {} | {:.3g} | {:.3g} | {:.3g} |\n", c.def.id(), o.name,
+                       o.count, o.exceeded, o.max_abs_err, o.max_rel_err, o.max_utilization);
+    }
+  return any ? s : "";
+}
+
+// Per op and ISA: cases, failures and the worst bound utilisation.
+struct Cell {
+  int cases = 0, failed = 0, skipped = 0;
+  double worst = 0;
+};
+std::map<std::string, std::map<std::string, Cell>> matrix(const Report& r) {
+  std::map<std::string, std::map<std::string, Cell>> m;
+  for (const auto& c : r.cases) {
+    Cell& cell = m[c.def.op][c.def.isa];
+    ++cell.cases;
+    cell.failed += c.result.verdict == Verdict::fail;
+    cell.skipped += c.result.verdict == Verdict::skip;
+    if (std::isfinite(c.result.max_bound_utilization))
+      cell.worst = std::max(cell.worst, c.result.max_bound_utilization);
+    else
+      cell.worst = INFINITY;
+  }
+  return m;
+}
+
+std::string matrix_html(const Report& r) {
+  const auto m = matrix(r);
+  std::vector<std::string> isas;
+  for (const auto& [op, row] : m)
+    for (const auto& [isa, cell] : row)
+      if (std::find(isas.begin(), isas.end(), isa) == isas.end()) isas.push_back(isa);
+  std::sort(isas.begin(), isas.end());
+  std::string s = "<table><tr><th>op</th>";
+  for (const auto& isa : isas) s += "<th>" + escape_xml(isa) + "</th>";
+  s += "</tr>";
+  for (const auto& [op, row] : m) {
+    s += "<tr><td>" + escape_xml(op) + "</td>";
+    for (const auto& isa : isas) {
+      const auto it = row.find(isa);
+      if (it == row.end()) {
+        s += "<td></td>";
+        continue;
+      }
+      const Cell& c = it->second;
+      const char* cls = c.failed ? "fail" : c.skipped == c.cases ? "skip" : "pass";
+      s +=
+          fmt::format(R"(<td class="{}">{} case{}{}{}{}</td>)", cls, c.cases,
+                      c.cases == 1 ? "" : "s", c.failed ? fmt::format(", {} failed", c.failed) : "",
+                      c.skipped ? fmt::format(", {} skipped", c.skipped) : "",
+                      c.worst > 0 ? fmt::format("; util {:.3g}", c.worst) : "");
+    }
+    s += "</tr>";
+  }
+  return s + "</table>";
+}
+
+std::string per_output_html(const Report& r) {
+  std::string s =
+      "<table><tr><th>case</th><th>output</th><th>elements</th><th>beyond bound</th><th>max abs "
+      "err</th><th>max rel err</th><th>max bound util</th></tr>";
+  bool any = false;
+  for (const auto& c : r.cases)
+    for (const auto& o : c.result.outputs) {
+      any = true;
+      s += fmt::format(
+          R"(<tr><td>{}</td><td>{}</td><td>{}</td><td class="{}">{}</td><td>{:.3g}</td><td>{:.3g}</td><td>{:.3g}</td></tr>)",
+          escape_xml(c.def.id()), escape_xml(o.name), o.count, o.exceeded ? "fail" : "pass",
+          o.exceeded, o.max_abs_err, o.max_rel_err, o.max_utilization);
+    }
+  return any ? s + "</table>" : "<p>No case in this run compares its outputs one by one.</p>";
+}
+
 std::string md(const Report& r) {
   std::string s;
   s += fmt::format("# moecert conformance report ({} suite)\n\n", r.suite);
@@ -101,6 +184,7 @@ std::string md(const Report& r) {
                     level_name(d.level), x.max_abs_err, x.max_rel_err, x.max_bound_utilization,
                     x.deterministic ? "yes" : "NO", escape_md(x.detail));
   }
+  s += per_output_md(r);
   s += "\n## Clause coverage\n\n| clause | kind | group | level | checked | violation tested |\n| "
        "--- | --- | --- | --- | ---: | --- |\n";
   for (const auto& c : r.clauses)
@@ -185,6 +269,7 @@ td,th{border:1px solid #ccc;padding:2px 6px}.pass{color:#173}.fail{color:#b00;fo
       "<p>{} &middot; ISA used {} &middot; {} threads &middot; {} {} &middot; commit {}</p>",
       escape_xml(r.env.cpu_model), escape_xml(r.env.isa_used), r.env.threads,
       escape_xml(r.env.compiler), escape_xml(r.env.build_type), escape_xml(r.env.git_commit));
+  s += "<h2>Ops by ISA: cases, failures, worst bound utilisation</h2>" + matrix_html(r);
   s += "<h2>Bound utilisation (worst element per case)</h2>" + utilization_svg(r);
   s += "<h2>Error histograms: elements by |err| / bound, per op and ISA (log-scaled bars)</h2>" +
        histogram_svgs(r);
@@ -198,7 +283,8 @@ td,th{border:1px solid #ccc;padding:2px 6px}.pass{color:#173}.fail{color:#b00;fo
         c.result.max_bound_utilization, c.result.deterministic ? "yes" : "NO",
         escape_xml(c.result.detail));
   }
-  s += "</table><h2>Clauses</h2><table><tr><th>clause</th><th>kind</th><th>group</th><th>checked</"
+  s += "</table><h2>Outputs: error and bound utilisation of each</h2>" + per_output_html(r);
+  s += "<h2>Clauses</h2><table><tr><th>clause</th><th>kind</th><th>group</th><th>checked</"
        "th><th>violation tested</th></tr>";
   for (const auto& c : r.clauses)
     s += fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", c.info.id,
@@ -259,6 +345,26 @@ int Report::clauses_exercised() const {
       std::count_if(clauses.begin(), clauses.end(), [](auto& c) { return c.checked > 0; }));
 }
 
+namespace {
+
+boost::json::array outputs_json(const CaseResult& x) {
+  namespace json = boost::json;
+  auto finite = [](double v) -> json::value {
+    return std::isfinite(v) ? json::value(v) : json::value(nullptr);
+  };
+  json::array out;
+  for (const auto& o : x.outputs)
+    out.push_back(json::object{{"name", o.name},
+                               {"count", o.count},
+                               {"exceeded", o.exceeded},
+                               {"max_abs_err", finite(o.max_abs_err)},
+                               {"max_rel_err", finite(o.max_rel_err)},
+                               {"max_bound_utilization", finite(o.max_utilization)}});
+  return out;
+}
+
+}  // namespace
+
 boost::json::object to_json(const Report& r) {
   namespace json = boost::json;
   json::array cases;
@@ -287,7 +393,8 @@ boost::json::object to_json(const Report& r) {
         {"clauses_checked", json::array(c.clauses_checked.begin(), c.clauses_checked.end())},
         {"clauses_fired", json::array(x.clauses_fired.begin(), x.clauses_fired.end())},
         {"utilization_histogram",
-         json::array(std::begin(x.histogram.count), std::end(x.histogram.count))}});
+         json::array(std::begin(x.histogram.count), std::end(x.histogram.count))},
+        {"outputs", outputs_json(x)}});
   }
   json::array clauses;
   for (const auto& c : r.clauses)
