@@ -104,9 +104,12 @@ inline constexpr ClauseInfo kProbe = post("experts.forward.probe", Group::numeri
                                           "probes of both GEMMs within bound", Level::audit);
 inline constexpr ClauseInfo kWithinBound =
     post("experts.forward.within_bound", Group::numeric, "|y - ref| <= chained bound", Level::full);
-inline constexpr ClauseInfo kAll[] = {kShape,   kIdxInRange, kIdxUnique,  kWeightFinite,
-                                      kXFinite, kXRange,     kNoAlias,    kPermutation,
-                                      kYFinite, kProbe,      kWithinBound};
+inline constexpr ClauseInfo kRounding =
+    post("experts.forward.rounding_unbiased", Group::numeric,
+         "y's errors not biased toward or away from zero", Level::full);
+inline constexpr ClauseInfo kAll[] = {kShape,   kIdxInRange, kIdxUnique,   kWeightFinite,
+                                      kXFinite, kXRange,     kNoAlias,     kPermutation,
+                                      kYFinite, kProbe,      kWithinBound, kRounding};
 }  // namespace experts
 
 namespace experts_train {
@@ -133,6 +136,9 @@ inline constexpr ClauseInfo kFwdYFinite =
     post("experts.forward_train.y_finite", Group::finite, "every y finite");
 inline constexpr ClauseInfo kFwdWithin =
     post("experts.forward_train.within_bound", Group::numeric, "y within bound", Level::full);
+inline constexpr ClauseInfo kFwdRounding =
+    post("experts.forward_train.rounding_unbiased", Group::numeric,
+         "y's errors not biased toward or away from zero", Level::full);
 inline constexpr ClauseInfo kBwdState = pre("experts.backward.state", Group::shape,
                                             "saved holds a training forward of these shapes and T");
 inline constexpr ClauseInfo kBwdShape =
@@ -151,11 +157,14 @@ inline constexpr ClauseInfo kBwdDwMasked =
     post("experts.backward.dweights_masked", Group::numeric, "dweights 0 at -1 slots");
 inline constexpr ClauseInfo kBwdWithin =
     post("experts.backward.within_bound", Group::numeric, "outputs within bound", Level::full);
+inline constexpr ClauseInfo kBwdRounding =
+    post("experts.backward.rounding_unbiased", Group::numeric,
+         "dx's and dweights' errors not biased toward or away from zero", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,       kFwdIdxInRange, kFwdIdxUnique, kFwdWeightFinite, kFwdXFinite,
-    kFwdLoraFinite,  kFwdScale,      kFwdNoAlias,   kFwdLoraPadding,  kFwdYFinite,
-    kFwdWithin,      kBwdState,      kBwdShape,     kBwdDyFinite,     kBwdNoAlias,
-    kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero, kBwdDwMasked,     kBwdWithin};
+    kFwdShape,    kFwdIdxInRange, kFwdIdxUnique,   kFwdWeightFinite, kFwdXFinite,    kFwdLoraFinite,
+    kFwdScale,    kFwdNoAlias,    kFwdLoraPadding, kFwdYFinite,      kFwdWithin,     kBwdState,
+    kBwdShape,    kBwdDyFinite,   kBwdNoAlias,     kBwdSavedFinite,  kBwdGradFinite, kBwdEmptyZero,
+    kBwdDwMasked, kBwdWithin,     kFwdRounding,    kBwdRounding};
 }  // namespace experts_train
 
 namespace router {

@@ -24,6 +24,18 @@ void UtilizationHistogram::add(double u) {
   ++count[bin];
 }
 
+RoundingAudit rounding_audit(std::span<const float> got, std::span<const double> ref) {
+  RoundingAudit a;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double err = double(got[i]) - ref[i];
+    if (err == 0 || ref[i] == 0 || !std::isfinite(err)) continue;
+    ++a.audited;
+    a.toward_zero += (err < 0) == (ref[i] > 0);
+  }
+  a.eps = a.audited ? std::sqrt(std::log(2 / RoundingAudit::kAlpha) / (2 * double(a.audited))) : 1;
+  return a;
+}
+
 Bounded bounded(std::span<const float> got, std::span<const double> ref,
                 std::span<const double> bound) {
   Bounded b;

@@ -2,6 +2,7 @@
 // |err| / bound), ULP distance, and the tie-aware top-k comparison.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -41,6 +42,25 @@ struct Bounded {
 /// A non-finite got[i] never passes.
 Bounded bounded(std::span<const float> got, std::span<const double> ref,
                 std::span<const double> bound);
+
+/// The rounding audit (proofs/bounds.md §11): the signs of the errors of n
+/// results, adjusted by the sign of the reference (negative: toward zero).
+/// Round-to-nearest errors are as often toward zero as away from it;
+/// truncation's are always toward zero. With N elements whose error and
+/// reference are nonzero, k of them toward zero, the audit flags a bias when
+/// |k/N - 1/2| > eps = sqrt(ln(2/alpha) / (2N)) (Hoeffding: a false alarm
+/// with probability <= alpha under the model of independent, symmetric
+/// rounding errors). Below kMinAudited elements it never flags.
+struct RoundingAudit {
+  static constexpr std::size_t kMinAudited = 64;
+  static constexpr double kAlpha = 0x1p-30;  // false-alarm probability
+  std::size_t audited = 0, toward_zero = 0;
+  double eps = 0;  // the threshold on |k/N - 1/2|
+  bool biased() const {
+    return audited >= kMinAudited && std::abs(double(toward_zero) / double(audited) - 0.5) > eps;
+  }
+};
+RoundingAudit rounding_audit(std::span<const float> got, std::span<const double> ref);
 
 /// Distance in units in the last place: the number of floats strictly
 /// between a and b, plus one (0 when equal; +0 and -0 are equal). NaN: max.

@@ -3,6 +3,7 @@
 #include "contracts/experts_train.hpp"
 
 #include <cmath>
+#include <optional>
 
 #include "contracts/bounds/experts.hpp"
 #include "contracts/checks.hpp"
@@ -157,6 +158,23 @@ void lora_padding(detail::Checker& c, const ClauseInfo& clause,
              fmt::format("{}", v.to_float()), "0 (rank padding)");
       return false;
     });
+}
+
+std::vector<double> exact(const std::vector<Tracked>& ref) {
+  std::vector<double> v(ref.size());
+  for (std::size_t i = 0; i < ref.size(); ++i) v[i] = ref[i].v;
+  return v;
+}
+
+bool rounding_unbiased(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
+                       std::span<const float> got, std::span<const double> ref) {
+  const auto a = compare::rounding_audit(got, ref);
+  if (!a.biased()) return true;
+  c.fail(clause, std::string(name),
+         fmt::format("{} of {} errors toward zero ({:.3f})", a.toward_zero, a.audited,
+                     double(a.toward_zero) / double(a.audited)),
+         fmt::format("|fraction - 1/2| <= {:.3f} (round to nearest; proofs/bounds.md §11)", a.eps));
+  return false;
 }
 
 std::array<Named, kWeightGrads> grad_shapes(std::size_t E, std::size_t H, std::size_t I,
@@ -397,12 +415,21 @@ void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts
                                 const experts::Lora& lora, MatView<const bf16> x,
                                 MatView<const float> y, const TrainSaved& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
+  // The layer's expert part with the routing weights given (proofs/experts.md
+  // §1), formed once for both numeric clauses that read it.
+  std::optional<ref::LayerResult<Tracked>> ref;
+  auto reference = [&]() -> const ref::LayerResult<Tracked>& {
+    if (!ref) ref = ref::layer_reference(experts_data<Tracked>(w, lora, x, nullptr, s), false);
+    return *ref;
+  };
   // Inputs exact, no overflow; every y within layer_reference over Tracked with
   // the caller's weights; proofs/experts.md §1.
   MOECERT_CONTRACT(c, k::kFwdWithin) {
-    // The layer's expert part with the routing weights given (proofs/experts.md §1).
-    const auto ref = ref::layer_reference(experts_data<Tracked>(w, lora, x, nullptr, s), false);
-    within(c, k::kFwdWithin, "y", y.cols, values(y), ref.y, "proofs/experts.md §1");
+    within(c, k::kFwdWithin, "y", y.cols, values(y), reference().y, "proofs/experts.md §1");
+  }
+  // Round to nearest everywhere: errors without a sign bias; proofs/bounds.md §11.
+  MOECERT_CONTRACT(c, k::kFwdRounding) {
+    rounding_unbiased(c, k::kFwdRounding, "y", values(y), exact(reference().y));
   }
 }
 
@@ -493,33 +520,50 @@ void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
   }
   MOECERT_CONTRACT(c, k::kBwdEmptyZero) { empty_expert_zero(c, k::kBwdEmptyZero, s, g); }
   MOECERT_CONTRACT(c, k::kBwdDwMasked) { dweights_masked(c, k::kBwdDwMasked, s, g.dweights); }
-  // Inputs and dy exact, no overflow; every gradient within layer_reference over
-  // Tracked (dweights, dx, LoRA, base); proofs/experts.md §2.
-  MOECERT_CONTRACT(c, k::kBwdWithin) {
+  // The reference backward, formed once for both numeric clauses that read it.
+  std::optional<ref::LayerResult<Tracked>> ref;
+  auto reference = [&]() -> const ref::LayerResult<Tracked>& {
     static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
     const bool expert = wants_expert_path(g);
     const bool base = !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty();
-    const auto ref =
-        ref::layer_reference(experts_data<Tracked>(w, lora, x, dy.data ? dy.data : &no_tokens, s),
-                             true, {expert, !g.dweights.empty(), expert && base});
-    const char* proof = "proofs/experts.md §2";
-    if (!g.dweights.empty() &&
-        !within(c, k::kBwdWithin, "dweights", s.topk, values(g.dweights), ref.dw, proof))
-      return;
-    if (!g.dx.empty() && !within(c, k::kBwdWithin, "dx", H, values(g.dx), ref.dx, proof)) return;
-    if (!g.m_a.empty() && !within(c, k::kBwdWithin, "m_a", E, values(g.m_a), ref.m_a, proof))
-      return;
-    if (!g.m_g.empty() && !within(c, k::kBwdWithin, "m_g", E, values(g.m_g), ref.m_g, proof))
-      return;
-    const std::vector<Tracked>* refs[] = {&ref.dag, &ref.dbg, &ref.dau, &ref.dbu, &ref.dad,
-                                          &ref.dbd, &ref.dwg, &ref.dwu, &ref.dwd};
-    for (std::size_t i = 0; i < kWeightGrads; ++i) {
-      const auto v = weight_grads(g)[i];
-      if (v.empty() || v.rows == 0) continue;
-      if (!within(c, k::kBwdWithin, fmt::format("{} grad", names[i].name), v.cols, values(v),
-                  *refs[i], proof))
+    if (!ref)
+      ref =
+          ref::layer_reference(experts_data<Tracked>(w, lora, x, dy.data ? dy.data : &no_tokens, s),
+                               true, {expert, !g.dweights.empty(), expert && base});
+    return *ref;
+  };
+  // Inputs and dy exact, no overflow; every gradient within layer_reference over
+  // Tracked (dweights, dx, LoRA, base); proofs/experts.md §2.
+  MOECERT_CONTRACT(c, k::kBwdWithin) {
+    [&] {  // a failure ends this clause, not the others (observe goes on)
+      const auto& r = reference();
+      const char* proof = "proofs/experts.md §2";
+      if (!g.dweights.empty() &&
+          !within(c, k::kBwdWithin, "dweights", s.topk, values(g.dweights), r.dw, proof))
         return;
-    }
+      if (!g.dx.empty() && !within(c, k::kBwdWithin, "dx", H, values(g.dx), r.dx, proof)) return;
+      if (!g.m_a.empty() && !within(c, k::kBwdWithin, "m_a", E, values(g.m_a), r.m_a, proof))
+        return;
+      if (!g.m_g.empty() && !within(c, k::kBwdWithin, "m_g", E, values(g.m_g), r.m_g, proof))
+        return;
+      const std::vector<Tracked>* refs[] = {&r.dag, &r.dbg, &r.dau, &r.dbu, &r.dad,
+                                            &r.dbd, &r.dwg, &r.dwu, &r.dwd};
+      for (std::size_t i = 0; i < kWeightGrads; ++i) {
+        const auto v = weight_grads(g)[i];
+        if (v.empty() || v.rows == 0) continue;
+        if (!within(c, k::kBwdWithin, fmt::format("{} grad", names[i].name), v.cols, values(v),
+                    *refs[i], proof))
+          return;
+      }
+    }();
+  }
+  // Round to nearest everywhere: dx and dweights without a sign bias;
+  // proofs/bounds.md §11.
+  MOECERT_CONTRACT(c, k::kBwdRounding) {
+    (g.dweights.empty() || rounding_unbiased(c, k::kBwdRounding, "dweights", values(g.dweights),
+                                             exact(reference().dw))) &&
+        (g.dx.empty() ||
+         rounding_unbiased(c, k::kBwdRounding, "dx", values(g.dx), exact(reference().dx)));
   }
 }
 

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <array>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "contracts/bounds/tracked.hpp"
@@ -61,6 +63,13 @@ void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, 
 /// The packed LoRA factors' rank padding is zero.
 void lora_padding(detail::Checker& c, const ClauseInfo& clause,
                   std::span<const PackedFactor> factors);
+
+/// The exact values of a Tracked reference.
+std::vector<double> exact(const std::vector<bounds::Tracked>& ref);
+/// The rounding audit of an output against its exact reference values
+/// (compare::rounding_audit, proofs/bounds.md §11); false when it failed.
+bool rounding_unbiased(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
+                       std::span<const float> got, std::span<const double> ref);
 
 /// The weight gradients of the expert path (LoRA's six, then the base
 /// weights' three) with the shapes they must have.

@@ -25,13 +25,14 @@ constexpr const char* kLoraNames[] = {"a_gate", "b_gate", "a_up", "b_up", "a_dow
 // experts.forward_train.
 struct ForwardClauses {
   const ClauseInfo &shape, &idx_in_range, &idx_unique, &weight_finite, &x_finite, &y_finite,
-      &within;
+      &within, &rounding;
 };
-constexpr ForwardClauses kForward{kf::kShape,   kf::kIdxInRange, kf::kIdxUnique,  kf::kWeightFinite,
-                                  kf::kXFinite, kf::kYFinite,    kf::kWithinBound};
+constexpr ForwardClauses kForward{kf::kShape,        kf::kIdxInRange, kf::kIdxUnique,
+                                  kf::kWeightFinite, kf::kXFinite,    kf::kYFinite,
+                                  kf::kWithinBound,  kf::kRounding};
 constexpr ForwardClauses kForwardTrain{kt::kFwdShape,        kt::kFwdIdxInRange, kt::kFwdIdxUnique,
                                        kt::kFwdWeightFinite, kt::kFwdXFinite,    kt::kFwdYFinite,
-                                       kt::kFwdWithin};
+                                       kt::kFwdWithin,       kt::kFwdRounding};
 
 bounds::Precision precision_of(const Params& p) {
   const auto it = p.find("precision");
@@ -105,6 +106,12 @@ bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* n
   return detail::scan(c, clause, name, m, in_range, "finite, 0 or 2^-60 <= |v| <= 2^60");
 }
 
+std::vector<float> flat(MatView<const float> m) {
+  std::vector<float> v(m.rows * m.cols);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = m(i / m.cols, i % m.cols);
+  return v;
+}
+
 // An output against the model: |v - ref| <= its bound, widened by the
 // output's storage; false when it failed.
 bool within(detail::Checker& c, const ClauseInfo& clause, const char* name, MatView<const float> m,
@@ -176,7 +183,10 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   MOECERT_CONTRACT(c, k.y_finite) { detail::scan_finite(c, k.y_finite, "y", y); }
   // Inputs in range, no overflow; every y within the model's bound for the
   // declared precision; proofs/experts.md §4.
-  MOECERT_CONTRACT(c, k.within) { within(c, k.within, "y", y, experts_model_forward(t, p), p); }
+  const auto ref = experts_model_forward(t, p);
+  MOECERT_CONTRACT(c, k.within) { within(c, k.within, "y", y, ref, p); }
+  // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
+  MOECERT_CONTRACT(c, k.rounding) { rounding_unbiased(c, k.rounding, "y", flat(y), exact(ref)); }
 }
 
 // The outputs given (dx, dweights: at least one) with their shapes.
@@ -226,10 +236,16 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
   }
   // Inputs and dy in range, no overflow; dx and dL/dw within the model's
   // bounds for the declared precision; proofs/experts.md §5.
+  const auto ref = experts_model_backward(t, dy, p);
   MOECERT_CONTRACT(c, kt::kBwdWithin) {
-    const auto ref = experts_model_backward(t, dy, p);
     (!o.dweights.data || within(c, kt::kBwdWithin, "dweights", o.dweights, ref.dweights, p)) &&
         (!o.dx.data || within(c, kt::kBwdWithin, "dx", o.dx, ref.dx, p));
+  }
+  // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
+  MOECERT_CONTRACT(c, kt::kBwdRounding) {
+    (!o.dweights.data ||
+     rounding_unbiased(c, kt::kBwdRounding, "dweights", flat(o.dweights), exact(ref.dweights))) &&
+        (!o.dx.data || rounding_unbiased(c, kt::kBwdRounding, "dx", flat(o.dx), exact(ref.dx)));
   }
 }
 

@@ -1,8 +1,12 @@
 // Comparison: bound utilisation, ULP distance, tie-aware top-k.
 #include "contracts/compare.hpp"
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <random>
+#include <span>
 #include <vector>
 
 #include "test_util.hpp"
@@ -92,4 +96,27 @@ TEST_CASE("compare: tie-aware top-k and -1 tail slots", "[compare][index]") {
   CHECK(cmp(same).ok);
   CHECK_FALSE(cmp(filled).ok);
   CHECK_FALSE(cmp(hole).ok);
+}
+
+TEST_CASE("compare.rounding_audit: truncation is flagged, round to nearest is not",
+          "[compare][audit]") {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> nd(0, 1);
+  std::vector<double> ref(2000);
+  for (auto& v : ref) v = nd(rng);
+  std::vector<float> nearest(ref.size()), truncated(ref.size());
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    nearest[i] = bf16(static_cast<float>(ref[i])).to_float();  // round to nearest even
+    const auto bits = std::bit_cast<std::uint32_t>(static_cast<float>(ref[i])) & 0xffff0000u;
+    truncated[i] = std::bit_cast<float>(bits);  // toward zero
+  }
+  const auto a = compare::rounding_audit(nearest, ref);
+  CHECK(a.audited > 1900);
+  CHECK_FALSE(a.biased());
+  const auto b = compare::rounding_audit(truncated, ref);
+  CHECK(b.toward_zero == b.audited);
+  CHECK(b.biased());
+  // Too few elements: never flagged.
+  const auto c = compare::rounding_audit(std::span(truncated).first(40), std::span(ref).first(40));
+  CHECK_FALSE(c.biased());
 }

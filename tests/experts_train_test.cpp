@@ -471,6 +471,48 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
   }
 }
 
+TEST_CASE(
+    "experts.forward_train, experts.backward: rounding_unbiased catches errors all toward "
+    "zero within the bound",
+    "[experts][train][clauses]") {
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
+  Out o;
+  o.y.assign(p.T * p.H, NAN);
+  experts::Saved saved;
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
+                         saved);
+  const auto g = o.views(p);
+  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, g);
+  const auto ref = ref::layer_reference(
+      contracts::experts_data<bounds::Tracked>(p.packed, p.lora_view(), p.X(), p.dy.data(),
+                                               experts::saved_view(saved.impl())),
+      true, {.base = true});
+  // Half the bound toward zero on every element: within_bound holds, the signs do not.
+  auto toward_zero = [](std::vector<float>& v, const std::vector<bounds::Tracked>& r) {
+    for (std::size_t i = 0; i < v.size(); ++i)
+      v[i] = static_cast<float>(r[i].v - std::copysign(0.5 * r[i].e, r[i].v));
+  };
+  toward_zero(o.y, ref.y);
+  auto v = test::expect_violation(
+      [&] {
+        detail::Checker c{"experts.forward_train"};
+        contracts::experts_train_forward_post(c, p.packed, p.lora_view(), p.X(),
+                                              {o.y.data(), p.T, p.H},
+                                              experts::saved_view(saved.impl()));
+      },
+      "experts.forward_train.rounding_unbiased", Level::full);
+  CHECK(v.location == "y");
+  toward_zero(o.dx, ref.dx);
+  v = test::expect_violation(
+      [&] {
+        detail::Checker c{"experts.backward"};
+        contracts::experts_backward_post(c, p.packed, p.lora_view(), p.X(), p.DY(),
+                                         experts::saved_view(saved.impl()), g);
+      },
+      "experts.backward.rounding_unbiased", Level::full);
+  CHECK(v.location == "dx");
+}
+
 TEST_CASE("experts.backward: the result clauses fire on wrong gradients",
           "[experts][train][clauses]") {
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::idle);

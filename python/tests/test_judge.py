@@ -262,6 +262,18 @@ def test_torch_experts_backward_judged(with_lora):
     assert "experts.backward.dweights_masked" in v.failed
 
 
+def test_truncation_to_bf16_is_caught_by_the_rounding_audit():
+    import moecert.check as check
+    inputs, lora = experts.random_case(T=48)
+    y = experts.experts_forward(**inputs, lora=lora, alpha=8.0, dtype=torch.float32)
+    truncated = (y.view(torch.int32) & -65536).view(torch.float32)  # fp32 -> bf16 by >> 16
+    nearest = y.bfloat16().float()
+    v = check.experts_forward(**inputs, y=nearest, precision="bf16", lora=lora, alpha=8.0)
+    assert v.passed, v.failed
+    v = check.experts_forward(**inputs, y=truncated, precision="bf16", lora=lora, alpha=8.0)
+    assert v.failed == ["experts.forward_train.rounding_unbiased"]  # within its bound, biased
+
+
 def test_experts_judge_refuses_what_it_cannot_model():
     import moecert
     import moecert.check as check
