@@ -107,20 +107,4 @@ Difference difference(const std::vector<float>& ours, const std::vector<float>& 
   return d;
 }
 
-void fill_uniform(std::vector<bf16>& v, std::uint64_t seed, float scale) {
-  constexpr std::size_t kBlock = 1 << 16;
-  oneapi::tbb::parallel_for(std::size_t{0}, (v.size() + kBlock - 1) / kBlock, [&](std::size_t b) {
-    std::uint64_t s = seed ^ (0x9e3779b97f4a7c15ull * (b + 1));
-    for (std::size_t i = b * kBlock; i < std::min(v.size(), (b + 1) * kBlock); ++i) {
-      s += 0x9e3779b97f4a7c15ull;  // splitmix64
-      std::uint64_t z = s;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      z ^= z >> 31;
-      const float u = static_cast<float>(z >> 40) * 0x1p-24f;  // [0, 1)
-      v[i] = bf16((2 * u - 1) * scale);
-    }
-  });
-}
-
 }  // namespace moecert::bench

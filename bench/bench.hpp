@@ -11,6 +11,7 @@
 
 #include "moecert/contracts.hpp"
 #include "moecert/types.hpp"
+#include "tests/fixture/layer_problem.hpp"
 
 namespace moecert::bench {
 
@@ -82,8 +83,6 @@ struct Difference {
 };
 Difference difference(const std::vector<float>& ours, const std::vector<float>& peer);
 
-/// Fills v with deterministic pseudo-random bf16 uniform in [-scale, scale),
-/// in parallel (each block from its own counter-based stream).
-void fill_uniform(std::vector<bf16>& v, std::uint64_t seed, float scale);
+using fixture::fill_uniform;  // (tests/fixture/layer_problem.hpp)
 
 }  // namespace moecert::bench
