@@ -120,6 +120,17 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// forward_train, then a backward asking for every output, into o; saved
+// keeps the state. The gradients' views into o.
+experts::Gradients train_step(const Problem& p, Out& o, experts::Saved& saved) {
+  o.y.assign(p.T * p.H, NAN);
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
+                         saved);
+  const auto g = o.views(p);
+  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, g);
+  return g;
+}
+
 Out run(const Problem& p, std::optional<Isa> isa = {}) {
   Out o;
   o.y.assign(p.T * p.H, NAN);
@@ -477,12 +488,8 @@ TEST_CASE(
     "[experts][train][clauses]") {
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
   Out o;
-  o.y.assign(p.T * p.H, NAN);
   experts::Saved saved;
-  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
-                         saved);
-  const auto g = o.views(p);
-  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, g);
+  const auto g = train_step(p, o, saved);
   const auto ref = ref::layer_reference(
       contracts::experts_data<bounds::Tracked>(p.packed, p.lora_view(), p.X(), p.dy.data(),
                                                experts::saved_view(saved.impl())),
@@ -517,12 +524,8 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients",
           "[experts][train][clauses]") {
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::idle);
   Out o;
-  o.y.assign(p.T * p.H, NAN);
   experts::Saved saved;
-  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
-                         saved);
-  const auto g = o.views(p);
-  experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, g);
+  const auto g = train_step(p, o, saved);
   auto post = [&] {
     detail::Checker c{"experts.backward"};
     contracts::experts_backward_post(c, p.packed, p.lora_view(), p.X(), p.DY(),

@@ -1120,8 +1120,9 @@ TEST_CASE("router.sigmoid_topk.forward: the order is judged on exact scores with
                                  MatView<const float>(w.data(), 1, k));
   };
   const ContractScope full{Level::full, Semantic::enforce};
-  // sigma of two adjacent floats: exact scores apart by ~1e-8, within the
-  // fp32 scores' rounding (~1e-7): either order is an fp32 implementation's.
+  // sigma of two adjacent floats: exact scores closer than the bounds on
+  // their fp32 values (bounds::sigmoid_selection): either order is an fp32
+  // implementation's.
   std::vector<contracts::judge::Tie> ties;
   CHECK_NOTHROW(swapped_passes(0.5f, std::nextafter(0.5f, 1.0f), &ties));
   CHECK_NOTHROW(swapped_passes(std::nextafter(0.5f, 1.0f), 0.5f, &ties));

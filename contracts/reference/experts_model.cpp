@@ -95,15 +95,16 @@ PairForward pair_forward(const Expert& w, const std::vector<Tracked>& x, const T
   return f;
 }
 
-// The expert path of one pair: this pair's share of dx from do = wt dy
-// (dy as read), proofs/experts.md §5.
-std::vector<Tracked> pair_dx(const Expert& w, const PairForward& f, const std::vector<Tracked>& dy,
-                             const Tracked& wt, const Tracked& s) {
+// dg, du of one pair from do (as read): dh = do W_d + q_d A_d, then the
+// SwiGLU backward, each stored as the next GEMMs read it.
+struct PairDgu {
+  std::vector<Tracked> dg, du;
+};
+PairDgu pair_dgu(const Expert& w, const PairForward& f, const std::vector<Tracked>& d,
+                 const Tracked& s) {
   const ExpertsTensors& in = w.in;
   const Precision& p = w.p;
   const std::size_t H = in.H, I = in.I, r = in.r;
-  std::vector<Tracked> d(H);  // do = wt dy, as the GEMMs read it
-  for (std::size_t m = 0; m < H; ++m) d[m] = bounds::operand(bounds::mid(wt * dy[m], p), p);
   // q_d = s (do B_d): the scale applied to do before B_d and the result
   // stored again, so either order is covered.
   std::vector<Tracked> qd(r);
@@ -116,7 +117,7 @@ std::vector<Tracked> pair_dx(const Expert& w, const PairForward& f, const std::v
             p),
         p);
   const std::size_t nh = kpad(H) + (r ? kpad(r) : 0);
-  std::vector<Tracked> dg(I), du(I);
+  PairDgu o{std::vector<Tracked>(I), std::vector<Tracked>(I)};
   for (std::size_t i = 0; i < I; ++i) {
     const Tracked dh = gemm_out(
         H, [&](std::size_t q) { return d[q]; },
@@ -127,9 +128,22 @@ std::vector<Tracked> pair_dx(const Expert& w, const PairForward& f, const std::v
     const Tracked sg = f.sg[i], one{1, 0};
     const Tracked dsilu =
         bounds::r32(sg * bounds::r32(one + bounds::r32(f.g[i] * bounds::r32(one - sg))));
-    dg[i] = bounds::operand(bounds::mid(bounds::r32(bounds::mid(dh * f.u[i], p) * dsilu), p), p);
-    du[i] = bounds::operand(bounds::mid(dh * f.silu[i], p), p);
+    o.dg[i] = bounds::operand(bounds::mid(bounds::r32(bounds::mid(dh * f.u[i], p) * dsilu), p), p);
+    o.du[i] = bounds::operand(bounds::mid(dh * f.silu[i], p), p);
   }
+  return o;
+}
+
+// The expert path of one pair: this pair's share of dx from do = wt dy
+// (dy as read), proofs/experts.md §5.
+std::vector<Tracked> pair_dx(const Expert& w, const PairForward& f, const std::vector<Tracked>& dy,
+                             const Tracked& wt, const Tracked& s) {
+  const ExpertsTensors& in = w.in;
+  const Precision& p = w.p;
+  const std::size_t H = in.H, I = in.I, r = in.r;
+  std::vector<Tracked> d(H);  // do = wt dy, as the GEMMs read it
+  for (std::size_t m = 0; m < H; ++m) d[m] = bounds::operand(bounds::mid(wt * dy[m], p), p);
+  const auto [dg, du] = pair_dgu(w, f, d, s);
   // q_g = s (dg B_g), q_u = s (du B_u): the scale applied to dg before B
   // and the result stored again, so either order is covered.
   std::vector<Tracked> qgu(2 * r);
