@@ -22,8 +22,8 @@ namespace moecert::contracts::judge {
 /// when narrower than fp32 (2^-8 and 2^-134 for bf16, 2^-11 and 2^-25 for
 /// fp16; 0 otherwise).
 struct Tensor {
-  std::vector<float> f;
-  std::vector<std::int32_t> i;
+  std::vector<float> f = {};
+  std::vector<std::int32_t> i = {};
   std::size_t rows = 0, cols = 0;
   double unit = 0, tiny = 0;
 };

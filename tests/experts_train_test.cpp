@@ -13,6 +13,7 @@
 #include "contracts/bounds/experts.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/compare.hpp"
+#include "contracts/judge_ops.hpp"
 #include "contracts/reference/experts_model.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
@@ -482,42 +483,66 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
   }
 }
 
-TEST_CASE(
-    "experts.forward_train, experts.backward: rounding_unbiased catches errors all toward "
-    "zero within the bound",
-    "[experts][train][clauses]") {
-  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
-  Out o;
-  experts::Saved saved;
-  const auto g = train_step(p, o, saved);
-  const auto ref = ref::layer_reference(
-      contracts::experts_data<bounds::Tracked>(p.packed, p.lora_view(), p.X(), p.dy.data(),
-                                               experts::saved_view(saved.impl())),
-      true, {.base = true});
-  // Half the bound toward zero on every element: within_bound holds, the signs do not.
-  auto toward_zero = [](std::vector<float>& v, const std::vector<bounds::Tracked>& r) {
-    for (std::size_t i = 0; i < v.size(); ++i)
-      v[i] = static_cast<float>(r[i].v - std::copysign(0.5 * r[i].e, r[i].v));
+// The problem's tensors as another implementation hands them to the judge.
+contracts::judge::Tensors judge_inputs(const Problem& p) {
+  namespace jg = contracts::judge;
+  auto values = [](const std::vector<bf16>& v, std::size_t rows, std::size_t cols) {
+    jg::Tensor t{.rows = rows, .cols = cols};
+    for (const bf16 b : v) t.f.push_back(b.to_float());
+    return t;
   };
-  toward_zero(o.y, ref.y);
-  auto v = test::expect_violation(
-      [&] {
-        detail::Checker c{"experts.forward_train"};
-        contracts::experts_train_forward_post(c, p.packed, p.lora_view(), p.X(),
-                                              {o.y.data(), p.T, p.H},
-                                              experts::saved_view(saved.impl()));
-      },
-      "experts.forward_train.rounding_unbiased", Level::full);
-  CHECK(v.location == "y");
-  toward_zero(o.dx, ref.dx);
-  v = test::expect_violation(
-      [&] {
-        detail::Checker c{"experts.backward"};
-        contracts::experts_backward_post(c, p.packed, p.lora_view(), p.X(), p.DY(),
-                                         experts::saved_view(saved.impl()), g);
-      },
-      "experts.backward.rounding_unbiased", Level::full);
-  CHECK(v.location == "dx");
+  jg::Tensors in{{"x", values(p.x, p.T, p.H)},
+                 {"w_gate", values(p.wg, p.E * p.I, p.H)},
+                 {"w_up", values(p.wu, p.E * p.I, p.H)},
+                 {"w_down", values(p.wd, p.E * p.H, p.I)},
+                 {"weights", {.f = p.w, .rows = p.T, .cols = p.K}},
+                 {"idx", {.i = p.idx, .rows = p.T, .cols = p.K}},
+                 {"dy", {.f = p.dy, .rows = p.T, .cols = p.H}}};
+  const auto shapes = contracts::lora_shapes(p.E, p.H, p.I, p.r);
+  for (int i = 0; i < 6 && p.r; ++i)
+    in[shapes[i].name] = values(p.lora[i], shapes[i].rows, shapes[i].cols);
+  return in;
+}
+
+TEST_CASE(
+    "experts.forward, forward_train, backward: the judge's rounding audit catches errors all "
+    "toward zero",
+    "[experts][train][judge]") {
+  for (std::size_t r : {std::size_t{0}, std::size_t{4}}) {
+    const Problem p = make(8, 40, 24, 3, r, 13, Routing::normal);
+    Out o;
+    experts::Saved saved;
+    train_step(p, o, saved);
+    const auto ref = ref::layer_reference(
+        contracts::experts_data<bounds::Tracked>(p.packed, p.lora_view(), p.X(), p.dy.data(),
+                                                 experts::saved_view(saved.impl())),
+        true, {.base = true});
+    // Half moecert's own bound toward zero on every element.
+    auto toward_zero = [](const std::vector<bounds::Tracked>& e, std::size_t rows) {
+      contracts::judge::Tensor t{.rows = rows, .cols = e.size() / rows};
+      for (const auto& v : e)
+        t.f.push_back(static_cast<float>(v.v - std::copysign(0.5 * v.e, v.v)));
+      return t;
+    };
+    const contracts::judge::Params params{{"precision", "mixed"},
+                                          {"alpha", fmt::format("{}", p.alpha)}};
+    const std::string fwd = r ? "experts.forward_train" : "experts.forward";
+    auto failed = [](const contracts::judge::Verdict& v, std::string_view id) {
+      for (const auto& c : v.clauses)
+        if (c.info.id == id) return !c.passed;
+      return false;
+    };
+    const auto in = judge_inputs(p);
+    auto v = contracts::judge::judge_op(fwd, in, {{"y", toward_zero(ref.y, p.T)}}, params);
+    CHECK(failed(
+        v, r ? "experts.forward_train.rounding_unbiased" : "experts.forward.rounding_unbiased"));
+    // The kernel's own y: unbiased.
+    v = contracts::judge::judge_op(fwd, in, {{"y", {.f = o.y, .rows = p.T, .cols = p.H}}}, params);
+    CHECK(v.passed());
+    v = contracts::judge::judge_op("experts.backward", in, {{"dx", toward_zero(ref.dx, p.T)}},
+                                   params);
+    CHECK(failed(v, "experts.backward.rounding_unbiased"));
+  }
 }
 
 TEST_CASE("experts.backward: the result clauses fire on wrong gradients",

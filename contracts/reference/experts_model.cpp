@@ -143,7 +143,10 @@ std::vector<Tracked> pair_dx(const Expert& w, const PairForward& f, const std::v
   const std::size_t H = in.H, I = in.I, r = in.r;
   std::vector<Tracked> d(H);  // do = wt dy, as the GEMMs read it
   for (std::size_t m = 0; m < H; ++m) d[m] = bounds::operand(bounds::mid(wt * dy[m], p), p);
-  const auto [dg, du] = pair_dgu(w, f, d, s);
+  // (Named members, not a structured binding: clang 14 cannot capture one.)
+  const PairDgu dgu = pair_dgu(w, f, d, s);
+  const std::vector<Tracked>& dg = dgu.dg;
+  const std::vector<Tracked>& du = dgu.du;
   // q_g = s (dg B_g), q_u = s (du B_u): the scale applied to dg before B
   // and the result stored again, so either order is covered.
   std::vector<Tracked> qgu(2 * r);

@@ -101,8 +101,10 @@ bool expect(CaseResult& r, bool ok, const std::string& detail);
 /// Compares output `name` with its bounded reference (values and bounds,
 /// the reference's own rounding covered by bounds::kReferenceSlack): a row
 /// of r.outputs, folded into the case's maxima and histogram; fails the case
-/// when an element is beyond its bound.
+/// when an element is beyond its bound, and, with `audit`, when its errors
+/// lean toward or away from zero (compare::rounding_audit, proofs/bounds.md
+/// §11: for outputs linear in the rounding errors, on random data).
 void compare_output(CaseResult& r, std::string name, const std::vector<float>& got,
-                    const std::vector<bounds::Tracked>& ref);
+                    const std::vector<bounds::Tracked>& ref, bool audit = false);
 
 }  // namespace moecert::tools

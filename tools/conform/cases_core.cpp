@@ -24,7 +24,7 @@ bool expect(CaseResult& r, bool ok, const std::string& detail) {
 }
 
 void compare_output(CaseResult& r, std::string name, const std::vector<float>& got,
-                    const std::vector<bounds::Tracked>& ref) {
+                    const std::vector<bounds::Tracked>& ref, bool audit) {
   std::vector<double> v(ref.size()), b(ref.size());
   for (std::size_t i = 0; i < ref.size(); ++i)
     v[i] = ref[i].v, b[i] = bounds::kReferenceSlack * ref[i].e;
@@ -49,6 +49,13 @@ void compare_output(CaseResult& r, std::string name, const std::vector<float>& g
   expect(r, cmp.pass(),
          fmt::format("{} of {} {} elements beyond their bound; worst {}", cmp.exceeded, cmp.count,
                      o.name, r.worst));
+  if (audit) {
+    const auto a = compare::rounding_audit(got, v);
+    expect(r, !a.biased(),
+           fmt::format("{}: {} of {} errors toward zero, beyond |fraction - 1/2| <= {:.3f} "
+                       "(proofs/bounds.md §11)",
+                       o.name, a.toward_zero, a.audited, a.eps));
+  }
   r.outputs.push_back(std::move(o));
 }
 

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "contracts/experts_train.hpp"
+#include "contracts/judge_ops.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
 #include "ops/experts/train.hpp"
@@ -83,6 +84,41 @@ Problem make(Dims d, Routing routing, std::uint64_t seed) {
   return p;
 }
 
+// The problem and moecert's outputs as another implementation's tensors,
+// judged by `moecert check`'s judge under the declared precision `mixed`
+// (every clause of experts.forward_train and experts.backward it applies,
+// the rounding audit included): fails the case on any failed clause.
+void judged_as_foreign(CaseResult& r, const Problem& p, const std::vector<float>& y,
+                       const std::vector<float>& dx, const std::vector<float>& dw) {
+  namespace jg = contracts::judge;
+  const Dims& d = p.d;
+  auto values = [](const std::vector<bf16>& v, std::size_t rows) {
+    jg::Tensor t{.rows = rows, .cols = v.size() / rows};
+    for (const bf16 b : v) t.f.push_back(b.to_float());
+    return t;
+  };
+  jg::Tensors in{{"x", values(p.x, d.T)},
+                 {"w_gate", values(p.wg, d.E * d.I)},
+                 {"w_up", values(p.wu, d.E * d.I)},
+                 {"w_down", values(p.wd, d.E * d.H)},
+                 {"weights", {.f = p.w, .rows = d.T, .cols = d.K}},
+                 {"idx", {.i = p.idx, .rows = d.T, .cols = d.K}},
+                 {"dy", {.f = p.dy, .rows = d.T, .cols = d.H}}};
+  const auto shapes = contracts::lora_shapes(d.E, d.H, d.I, d.r);
+  for (int i = 0; i < 6; ++i) in[shapes[i].name] = values(p.lora[i], shapes[i].rows);
+  const jg::Params params{{"precision", "mixed"}, {"alpha", fmt::format("{}", 2.0 * double(d.r))}};
+  const jg::Verdict verdicts[] = {jg::judge_op("experts.forward_train", in,
+                                               {{"y", {.f = y, .rows = d.T, .cols = d.H}}}, params),
+                                  jg::judge_op("experts.backward", in,
+                                               {{"dx", {.f = dx, .rows = d.T, .cols = d.H}},
+                                                {"dweights", {.f = dw, .rows = d.T, .cols = d.K}}},
+                                               params)};
+  for (const auto& v : verdicts)
+    for (const auto& c : v.clauses)
+      if (!c.passed)
+        expect(r, false, "judged as another implementation: " + c.violations.front().one_line());
+}
+
 // Forward, then a backward asking for every output (fresh buffers hold
 // NaN, as a caller's might); the outputs in one vector. With `r`, each
 // output against its bounded reference (proofs/experts.md), one row each.
@@ -115,12 +151,13 @@ std::vector<float> forward_backward(const Problem& p, Isa isa, CaseResult* r = n
         {"a_gate grad", &ref.dag}, {"b_gate grad", &ref.dbg}, {"a_up grad", &ref.dau},
         {"b_up grad", &ref.dbu},   {"a_down grad", &ref.dad}, {"b_down grad", &ref.dbd},
         {"w_gate grad", &ref.dwg}, {"w_up grad", &ref.dwu},   {"w_down grad", &ref.dwd}};
-    compare_output(*r, "y", y, ref.y);
-    compare_output(*r, "dx", dx, ref.dx);
-    compare_output(*r, "dweights", dw, ref.dw);
+    compare_output(*r, "y", y, ref.y, true);
+    compare_output(*r, "dx", dx, ref.dx, true);
+    compare_output(*r, "dweights", dw, ref.dw, true);
     compare_output(*r, "m_a", ma, ref.m_a);
     compare_output(*r, "m_g", mg, ref.m_g);
     for (int i = 0; i < 9; ++i) compare_output(*r, refs[i].first, g[i], *refs[i].second);
+    judged_as_foreign(*r, p, y, dx, dw);
   }
   std::vector<float> out;
   for (const auto* o : {&y, &dx, &dw, &ma, &mg}) out.insert(out.end(), o->begin(), o->end());
@@ -145,7 +182,7 @@ CaseResult train_case(Routing routing, Isa isa, Dims dims, const RunContext& ctx
   if (r.verdict != Verdict::pass) return r;
   r.detail =
       "y, dx, dweights, LoRA and base-weight gradients, M_A, M_G within proofs/experts.md (level "
-      "full; per output below)";
+      "full; per output below); judged from tensors as a mixed-precision implementation";
   if (isa == Isa::amx_bf16) {
     const auto emu = forward_backward(p, Isa::amx_emu);
     const bool exact = std::memcmp(emu.data(), many.data(), many.size() * sizeof(float)) == 0;
