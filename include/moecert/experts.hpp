@@ -105,8 +105,10 @@ struct ForwardStats {
 ///   experts.forward.within_bound   post  numeric  every y element within the chained bound of the
 ///                                                 reference (full)
 ///   experts.forward.rounding_unbiased post numeric y's errors as often toward zero as away from it
-///                                                 within Hoeffding's threshold (full; a false alarm
-///                                                 with probability <= 2^-30, proofs/bounds.md §11)
+///                                                 within Hoeffding's threshold (a false alarm with
+///                                                 probability <= 2^-30 on random data,
+///                                                 proofs/bounds.md §11); applied by the judge
+///                                                 (`moecert check`) and conformance, not per call
 /// and gemm.pack.checksum (audit) on every expert's packed weights.
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y,
@@ -196,7 +198,8 @@ struct TrainOptions {
 ///   experts.forward_train.y_finite       post  finite   every y element finite
 ///   experts.forward_train.within_bound   post  numeric  every y element within its bound of the
 ///                                                       reference (full)
-///   experts.forward_train.rounding_unbiased post numeric y's errors unbiased (full; proofs/bounds.md §11)
+///   experts.forward_train.rounding_unbiased post numeric y's errors unbiased (judge and
+///                                                       conformance; proofs/bounds.md §11)
 /// and experts.forward.permutation (the grouping it shares with experts::forward) and the
 /// workspace.* clauses of its arena.
 void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
@@ -241,8 +244,8 @@ struct Gradients {
 ///   experts.backward.dweights_masked   post  numeric  dweights exactly 0 at -1 slots (FIELD_NOTES 1, 5)
 ///   experts.backward.within_bound      post  numeric  every requested output within its derived bound of
 ///                                                     the reference backward (full)
-///   experts.backward.rounding_unbiased post  numeric  dx's and dweights' errors unbiased (full;
-///                                                     proofs/bounds.md §11)
+///   experts.backward.rounding_unbiased post  numeric  dx's and dweights' errors unbiased (judge and
+///                                                     conformance; proofs/bounds.md §11)
 void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
               MatView<const float> dy, Saved& saved, const Gradients& grads);
 
