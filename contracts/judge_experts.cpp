@@ -106,20 +106,13 @@ bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* n
   return detail::scan(c, clause, name, m, in_range, "finite, 0 or 2^-60 <= |v| <= 2^60");
 }
 
-std::vector<float> flat(MatView<const float> m) {
-  std::vector<float> v(m.rows * m.cols);
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] = m(i / m.cols, i % m.cols);
-  return v;
-}
-
 // An output against the model: |v - ref| <= its bound, widened by the
 // output's storage; false when it failed.
 bool within(detail::Checker& c, const ClauseInfo& clause, const char* name, MatView<const float> m,
             const std::vector<Tracked>& ref, const bounds::Precision& p) {
-  std::vector<float> got(m.rows * m.cols);
+  const std::vector<float> got = contracts::values(m);
   std::vector<double> v(got.size()), b(got.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
-    got[i] = m(i / m.cols, i % m.cols);
     v[i] = ref[i].v;
     b[i] = bounds::kReferenceSlack * stored(std::fabs(ref[i].v), ref[i].e);
   }
@@ -186,7 +179,9 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   const auto ref = experts_model_forward(t, p);
   MOECERT_CONTRACT(c, k.within) { within(c, k.within, "y", y, ref, p); }
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
-  MOECERT_CONTRACT(c, k.rounding) { rounding_unbiased(c, k.rounding, "y", flat(y), exact(ref)); }
+  MOECERT_CONTRACT(c, k.rounding) {
+    rounding_unbiased(c, k.rounding, "y", contracts::values(y), exact(ref));
+  }
 }
 
 // The outputs given (dx, dweights: at least one) with their shapes.
@@ -243,9 +238,10 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
   }
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
   MOECERT_CONTRACT(c, kt::kBwdRounding) {
-    (!o.dweights.data ||
-     rounding_unbiased(c, kt::kBwdRounding, "dweights", flat(o.dweights), exact(ref.dweights))) &&
-        (!o.dx.data || rounding_unbiased(c, kt::kBwdRounding, "dx", flat(o.dx), exact(ref.dx)));
+    (!o.dweights.data || rounding_unbiased(c, kt::kBwdRounding, "dweights",
+                                           contracts::values(o.dweights), exact(ref.dweights))) &&
+        (!o.dx.data ||
+         rounding_unbiased(c, kt::kBwdRounding, "dx", contracts::values(o.dx), exact(ref.dx)));
   }
 }
 
