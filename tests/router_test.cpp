@@ -1137,3 +1137,39 @@ TEST_CASE("router.sigmoid_topk.forward: the order is judged on exact scores with
   test::expect_violation([&] { swapped_passes(0.5f, 0.75f, nullptr); },
                          "router.sigmoid_topk.sorted");
 }
+
+TEST_CASE("router.sigmoid_topk.forward: groups within fp32 rounding of each other may be kept",
+          "[router][sigmoid_topk][order]") {
+  // Three groups of one expert, two kept, K = 2: expert 0 leads, experts 1
+  // and 2 compete for the second kept group. Returns whether the clauses
+  // pass the selection {0, second}.
+  const std::size_t e = 3, k = 2;
+  const router::SigmoidTopkParams p{3, 2, 1.0f};
+  const std::vector<float> bias(e, 0.0f);
+  auto selection_passes = [&](float z1, float z2, std::int32_t second) {
+    const std::vector<float> z{2.0f, z1, z2};
+    const std::vector<std::int32_t> idx{0, second};
+    std::vector<float> w(k);
+    const auto [wr, b] = bounds::sigmoid_topk_weights_row(z.data(), idx.data(), k, p.scaling);
+    for (std::size_t j = 0; j < k; ++j) w[j] = static_cast<float>(wr[j]);
+    const contracts::judge::Scope judging{{.ties_any_order = false}};
+    detail::Checker c{"router.sigmoid_topk.forward"};
+    contracts::sigmoid_topk_post(c, MatView<const float>(z.data(), 1, e), {bias.data(), e}, p,
+                                 MatView<const std::int32_t>(idx.data(), 1, k),
+                                 MatView<const float>(w.data(), 1, k));
+  };
+  const ContractScope full{Level::full, Semantic::enforce};
+  const float above = std::nextafter(0.5f, 1.0f);
+  // Group 2's exact score is higher, by less than the bounds on both groups'
+  // fp32 scores: either group is an fp32 implementation's (found by
+  // router_fuzzer: group 1 had been counted as surely outranked).
+  CHECK_NOTHROW(selection_passes(0.5f, above, 2));
+  CHECK_NOTHROW(selection_passes(0.5f, above, 1));
+  // Identical groups: equal fp32 scores in any implementation; index order.
+  CHECK_NOTHROW(selection_passes(0.5f, 0.5f, 1));
+  test::expect_violation([&] { selection_passes(0.5f, 0.5f, 2); },
+                         "router.sigmoid_topk.topk_property");
+  // Group 1 clearly behind.
+  test::expect_violation([&] { selection_passes(0.0f, 0.5f, 1); },
+                         "router.sigmoid_topk.topk_property");
+}

@@ -24,7 +24,9 @@ class SigmoidRanking {
     // Equal inputs give equal fp32 scores in any implementation: an exact tie.
     if (z_(t, ua) == z_(t, ub) && bias_[ua] == bias_[ub]) return a < b ? Rank::before : Rank::tie;
     const Row& r = row(t);
-    return compare(r.s[ua], r.d[ua], r.s[ub], r.d[ub], a < b);
+    const Rank k = compare(r.s[ua], r.d[ua], r.s[ub], r.d[ub]);
+    // Within the bounds, the exact order needs no near tie named.
+    return k == Rank::near && r.s[ua] > r.s[ub] ? Rank::before : k;
   }
 
   /// Whether expert i's group may be among the kept (fewer than topk_group
@@ -45,25 +47,42 @@ class SigmoidRanking {
   std::size_t size() const { return z_.cols / groups_; }
 
   // a's score sa (bound da) against b's: apart by more than both bounds, or
-  // within them (either order is an fp32 implementation's).
-  static Rank compare(double sa, double da, double sb, double db, bool a_first) {
+  // within them (near: either order is an fp32 implementation's, equal
+  // exact scores included, as their fp32 scores may differ).
+  static Rank compare(double sa, double da, double sb, double db) {
     const double apart = (da + db) * bounds::kReferenceSlack;  // and binary64's own rounding
     if (sa - sb > apart) return Rank::before;
     if (sb - sa > apart) return Rank::after;
-    if (sa == sb) return a_first ? Rank::before : Rank::tie;
-    return (sa > sb) ? Rank::before : Rank::near;
+    return Rank::near;
   }
 
   // Groups other than q that surely rank before it (or, `or_may`, may).
+  // Groups of identical inputs have equal fp32 scores in any implementation:
+  // an exact tie, ordered by index unless ties_any_order.
   std::size_t better(std::size_t t, std::size_t q, bool or_may) {
     const Row& r = row(t);
+    const bool by_index = !judge::current().ties_any_order;
     std::size_t n = 0;
     for (std::size_t o = 0; o < groups_; ++o) {
       if (o == q) continue;
-      const Rank k = compare(r.gs[o], r.gd[o], r.gs[q], r.gd[q], o < q);
-      n += k == Rank::before || (or_may && k != Rank::after);
+      const bool surely = identical_groups(t, o, q)
+                              ? by_index && o < q
+                              : compare(r.gs[o], r.gd[o], r.gs[q], r.gd[q]) == Rank::before;
+      const bool may = identical_groups(t, o, q)
+                           ? !by_index || o < q
+                           : compare(r.gs[o], r.gd[o], r.gs[q], r.gd[q]) != Rank::after;
+      n += or_may ? may : surely;
     }
     return n;
+  }
+
+  // Whether groups o and q hold the same (z, bias) pairs in the same order.
+  bool identical_groups(std::size_t t, std::size_t o, std::size_t q) const {
+    const std::size_t n = size();
+    for (std::size_t i = 0; i < n; ++i)
+      if (z_(t, o * n + i) != z_(t, q * n + i) || bias_[o * n + i] != bias_[q * n + i])
+        return false;
+    return true;
   }
 
   const Row& row(std::size_t t) {
