@@ -18,6 +18,7 @@ set(MOECERT_SOURCES
   contracts/experts_train.cpp
   contracts/router/softmax_topk.cpp contracts/router/sigmoid_topk.cpp contracts/router/product_key.cpp
   contracts/judge_ops.cpp contracts/judge_router.cpp contracts/judge_experts.cpp
+  contracts/judge_layer.cpp
   contracts/reference/experts_model.cpp
   ops/router/softmax_topk.cpp
   ops/router/sigmoid_topk.cpp

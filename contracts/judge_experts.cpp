@@ -2,6 +2,8 @@
 // routing, finiteness and range of every input, and y (forward) or dx and
 // dL/dw (backward) against the judge's model of the declared precision
 // (contracts/reference/experts_model.hpp).
+#include "contracts/judge_experts.hpp"
+
 #include <string>
 
 #include "contracts/bounds/experts.hpp"
@@ -9,8 +11,6 @@
 #include "contracts/clauses.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/experts_train.hpp"
-#include "contracts/judge_tensors.hpp"
-#include "contracts/reference/experts_model.hpp"
 
 namespace moecert::contracts::judge {
 namespace {
@@ -19,6 +19,8 @@ namespace kt = clauses::experts_train;
 namespace kf = clauses::experts;
 using bounds::Tracked;
 
+constexpr const char* kForwardProof = "proofs/experts.md §4";
+constexpr const char* kBackwardProof = "proofs/experts.md §5";
 constexpr const char* kLoraNames[] = {"a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down"};
 
 // The clause ids of the two forward ops: experts.forward (no LoRA) and
@@ -34,6 +36,14 @@ constexpr ForwardClauses kForwardTrain{kt::kFwdShape,        kt::kFwdIdxInRange,
                                        kt::kFwdWeightFinite, kt::kFwdXFinite,    kt::kFwdYFinite,
                                        kt::kFwdWithin,       kt::kFwdRounding};
 
+// Finite, and 0 or within [2^-60, 2^60] (the bounds' range, proofs/bounds.md §0).
+bool in_range(float v) {
+  const float a = std::fabs(v);
+  return a == 0 || (a >= 0x1p-60f && a <= 0x1p60f);
+}
+
+}  // namespace
+
 bounds::Precision precision_of(const Params& p) {
   const auto it = p.find("precision");
   if (it == p.end())
@@ -44,13 +54,9 @@ bounds::Precision precision_of(const Params& p) {
       fmt::format("precision={}: expected fp32, mixed or bf16 for the experts op", it->second));
 }
 
-// The tensors by name, their dimensions read off the weights: H from x,
-// I from w_down, E = rows(w_gate) / I, r = rows(a_gate) / E.
-ExpertsTensors read_inputs(const Tensors& in, const Params& p, bool lora_allowed) {
+ExpertsTensors experts_tensors(const Tensors& in, const Params& p, bool lora_allowed) {
   ExpertsTensors t;
   t.x = values(in, "inputs", "x");
-  t.idx = indices(in, "inputs", "idx");
-  t.weights = values(in, "inputs", "weights");
   t.w_gate = values(in, "inputs", "w_gate");
   t.w_up = values(in, "inputs", "w_up");
   t.w_down = values(in, "inputs", "w_down");
@@ -68,9 +74,8 @@ ExpertsTensors read_inputs(const Tensors& in, const Params& p, bool lora_allowed
   return t;
 }
 
-// The first input or output whose shape is not the one E, H, I, r, T, K
-// imply, or "".
-std::string shape_error(const ExpertsTensors& t, const char* y_name, MatView<const float> y) {
+std::string experts_shape_error(const ExpertsTensors& t, const char* y_name,
+                                MatView<const float> y) {
   const std::size_t T = t.x.rows, K = t.idx.cols, E = t.E, H = t.H, I = t.I, r = t.r;
   const std::pair<const char*, MatView<const float>> base[] = {{"weights", t.weights},
                                                                {y_name, y},
@@ -94,22 +99,14 @@ std::string shape_error(const ExpertsTensors& t, const char* y_name, MatView<con
   return "";
 }
 
-// Finite, and 0 or within [2^-60, 2^60] (the bounds' range, proofs/bounds.md §0).
-bool in_range(float v) {
-  const float a = std::fabs(v);
-  return a == 0 || (a >= 0x1p-60f && a <= 0x1p60f);
-}
-
-// Every value finite and 0 or within [2^-60, 2^60] (the bounds' range).
 bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* name,
                      MatView<const float> m) {
   return detail::scan(c, clause, name, m, in_range, "finite, 0 or 2^-60 <= |v| <= 2^60");
 }
 
-// An output against the model: |v - ref| <= its bound, widened by the
-// output's storage; false when it failed.
-bool within(detail::Checker& c, const ClauseInfo& clause, const char* name, MatView<const float> m,
-            const std::vector<Tracked>& ref, const bounds::Precision& p) {
+bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                  MatView<const float> m, const std::vector<Tracked>& ref,
+                  const bounds::Precision& p, const char* proof) {
   const std::vector<float> got = contracts::values(m);
   std::vector<double> v(got.size()), b(got.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
@@ -118,24 +115,15 @@ bool within(detail::Checker& c, const ClauseInfo& clause, const char* name, MatV
   }
   const auto cmp = compare::bounded(got, v, b);
   if (cmp.pass()) return true;
-  c.fail(clause, fmt::format("{}[{}, {}]", name, cmp.worst / m.cols, cmp.worst % m.cols),
-         fmt::format("{}={:.9g} ref={:.17g} (utilisation {:.3g})", name, cmp.worst_got,
-                     cmp.worst_ref, cmp.max_utilization),
-         fmt::format("|{} - ref| <= {:.6g} (precision {}, proofs/experts.md §4)", name,
-                     cmp.worst_bound, p.name));
+  c.fail(
+      clause, fmt::format("{}[{}, {}]", name, cmp.worst / m.cols, cmp.worst % m.cols),
+      fmt::format("{}={:.9g} ref={:.17g} (utilisation {:.3g})", name, cmp.worst_got, cmp.worst_ref,
+                  cmp.max_utilization),
+      fmt::format("|{} - ref| <= {:.6g} (precision {}, {})", name, cmp.worst_bound, p.name, proof));
   return false;
 }
 
-// The inputs' clauses after the shapes: routing, and every input finite
-// and in range (x by the op's clause, the base weights by gemm.pack's, the
-// LoRA factors by forward_train's).
-template <const ForwardClauses& k, bool lora>
-void input_clauses(detail::Checker& c, const ExpertsTensors& t) {
-  MOECERT_CONTRACT(c, k.idx_in_range) { routing_in_range(c, k.idx_in_range, t.idx, t.E); }
-  if (c.stop()) return;
-  MOECERT_CONTRACT(c, k.idx_unique) { routing_unique(c, k.idx_unique, t.idx); }
-  MOECERT_CONTRACT(c, k.weight_finite) { routing_weights(c, k.weight_finite, t.idx, t.weights); }
-  MOECERT_CONTRACT(c, k.x_finite) { finite_in_range(c, k.x_finite, "x", t.x); }
+void base_weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
   const std::pair<const char*, MatView<const float>> base[] = {
       {"w_gate", t.w_gate}, {"w_up", t.w_up}, {"w_down", t.w_down}};
   MOECERT_CONTRACT(c, clauses::gemm::kPackWFinite) {
@@ -150,14 +138,36 @@ void input_clauses(detail::Checker& c, const ExpertsTensors& t) {
               "0 or 2^-60 <= |w| <= 2^60"))
         break;
   }
-  if constexpr (lora) {
-    MOECERT_CONTRACT(c, kt::kFwdLoraFinite) {
-      const MatView<const float> f[] = {t.a_gate, t.b_gate, t.a_up, t.b_up, t.a_down, t.b_down};
-      for (std::size_t i = 0; i < 6 && t.r; ++i)
-        if (!finite_in_range(c, kt::kFwdLoraFinite, kLoraNames[i], f[i])) break;
-    }
-    MOECERT_CONTRACT(c, kt::kFwdScale) { lora_scale(c, kt::kFwdScale, t.r, t.alpha); }
-  }
+}
+
+bool lora_in_range(detail::Checker& c, const ClauseInfo& clause, const ExpertsTensors& t) {
+  const MatView<const float> f[] = {t.a_gate, t.b_gate, t.a_up, t.b_up, t.a_down, t.b_down};
+  for (std::size_t i = 0; i < 6; ++i)
+    if (!finite_in_range(c, clause, kLoraNames[i], f[i])) return false;
+  return true;
+}
+
+namespace {
+
+// The experts op's inputs: the tensors by name, idx and weights among them.
+ExpertsTensors read_inputs(const Tensors& in, const Params& p, bool lora_allowed) {
+  ExpertsTensors t = experts_tensors(in, p, lora_allowed);
+  t.idx = indices(in, "inputs", "idx");
+  t.weights = values(in, "inputs", "weights");
+  return t;
+}
+
+// The inputs' clauses after the shapes: routing, and every input finite
+// and in range (x by the op's clause, the base weights by gemm.pack's, the
+// LoRA factors by forward_train's).
+template <const ForwardClauses& k>
+void input_clauses(detail::Checker& c, const ExpertsTensors& t) {
+  MOECERT_CONTRACT(c, k.idx_in_range) { routing_in_range(c, k.idx_in_range, t.idx, t.E); }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k.idx_unique) { routing_unique(c, k.idx_unique, t.idx); }
+  MOECERT_CONTRACT(c, k.weight_finite) { routing_weights(c, k.weight_finite, t.idx, t.weights); }
+  MOECERT_CONTRACT(c, k.x_finite) { finite_in_range(c, k.x_finite, "x", t.x); }
+  weight_clauses<kt::kFwdLoraFinite, kt::kFwdScale>(c, t);  // LoRA only where given
 }
 
 template <const ForwardClauses& k, bool lora>
@@ -166,18 +176,18 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   const ExpertsTensors t = read_inputs(in, params, lora);
   const auto y = values(out, "outputs", "y");
   MOECERT_CONTRACT(c, k.shape) {
-    if (const std::string bad = shape_error(t, "y", y); !bad.empty())
+    if (const std::string bad = experts_shape_error(t, "y", y); !bad.empty())
       c.fail(k.shape, "", bad,
              fmt::format("the shapes of E={} H={} I={} r={} (docs/JUDGE.md)", t.E, t.H, t.I, t.r));
   }
   if (c.stop()) return;
-  input_clauses<k, lora>(c, t);
+  input_clauses<k>(c, t);
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k.y_finite) { detail::scan_finite(c, k.y_finite, "y", y); }
   // Inputs in range, no overflow; every y within the model's bound for the
   // declared precision; proofs/experts.md §4.
   const auto ref = experts_model_forward(t, p);
-  MOECERT_CONTRACT(c, k.within) { within(c, k.within, "y", y, ref, p); }
+  MOECERT_CONTRACT(c, k.within) { within_model(c, k.within, "y", y, ref, p, kForwardProof); }
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
   MOECERT_CONTRACT(c, k.rounding) {
     rounding_unbiased(c, k.rounding, "y", contracts::values(y), exact(ref));
@@ -204,7 +214,7 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
   const BackwardOutputs o = backward_outputs(out);
   const std::size_t T = t.x.rows, K = t.idx.cols;
   MOECERT_CONTRACT(c, kt::kBwdShape) {
-    std::string bad = shape_error(t, "dy", dy);
+    std::string bad = experts_shape_error(t, "dy", dy);
     if (bad.empty() && o.dx.data && (o.dx.rows != T || o.dx.cols != t.H))
       bad = fmt::format("dx {}x{}", o.dx.rows, o.dx.cols);
     if (bad.empty() && o.dweights.data && (o.dweights.rows != T || o.dweights.cols != K))
@@ -215,7 +225,7 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
                          t.I, t.r, T, K));
   }
   if (c.stop()) return;
-  input_clauses<kForwardTrain, true>(c, t);
+  input_clauses<kForwardTrain>(c, t);
   MOECERT_CONTRACT(c, kt::kBwdDyFinite) { finite_in_range(c, kt::kBwdDyFinite, "dy", dy); }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, kt::kBwdGradFinite) {
@@ -233,8 +243,9 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
   // bounds for the declared precision; proofs/experts.md §5.
   const auto ref = experts_model_backward(t, dy, p);
   MOECERT_CONTRACT(c, kt::kBwdWithin) {
-    (!o.dweights.data || within(c, kt::kBwdWithin, "dweights", o.dweights, ref.dweights, p)) &&
-        (!o.dx.data || within(c, kt::kBwdWithin, "dx", o.dx, ref.dx, p));
+    (!o.dweights.data ||
+     within_model(c, kt::kBwdWithin, "dweights", o.dweights, ref.dweights, p, kBackwardProof)) &&
+        (!o.dx.data || within_model(c, kt::kBwdWithin, "dx", o.dx, ref.dx, p, kBackwardProof));
   }
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
   MOECERT_CONTRACT(c, kt::kBwdRounding) {

@@ -23,6 +23,7 @@ const std::map<std::string, OpEntry>& ops() {
   static const std::map<std::string, OpEntry> m = [] {
     auto all = router_entries();
     all.merge(experts_entries());
+    all.merge(layer_entries());
     return all;
   }();
   return m;
@@ -82,10 +83,13 @@ Verdict judge_op(const std::string& op, const Tensors& in, const Tensors& out,
   }
   std::map<std::string, std::uint64_t> after;
   for (const auto& cc : clause_counts()) after[cc.id] = cc.checked;
+  std::vector<std::string> families = entry.families;
+  if (entry.families_for)
+    for (auto& f : entry.families_for(params)) families.push_back(std::move(f));
   for (const auto& info : all_clauses()) {
     const std::string id(info.id);
     bool ours = false;
-    for (const auto& f : entry.families) ours = ours || id.rfind(f, 0) == 0;
+    for (const auto& f : families) ours = ours || id.rfind(f, 0) == 0;
     if (!ours) continue;
     ClauseResult r{info, after[id] != before[id], true, {}};
     for (const auto& viol : collected())

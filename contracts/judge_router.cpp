@@ -17,19 +17,6 @@ void require_fp32(const Params& m) {
         it->second));
 }
 
-router::SigmoidTopkParams sigmoid_params(const Params& m) {
-  return {count_param(m, "groups", 1), count_param(m, "topk_group", 1),
-          static_cast<float>(number_param(m, "scaling", 1.0))};
-}
-
-router::KeyWeights key_weights(const Params& m) {
-  const auto it = m.find("weights");
-  if (it == m.end() || it->second == "softmax") return router::KeyWeights::softmax;
-  if (it->second == "exp") return router::KeyWeights::exp;
-  if (it->second == "raw") return router::KeyWeights::raw;
-  throw std::invalid_argument(fmt::format("weights={}: expected softmax, exp or raw", it->second));
-}
-
 void softmax_forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
   require_fp32(p);
   const bool renorm = flag_param(p, "renormalize", true);

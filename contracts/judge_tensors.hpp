@@ -13,6 +13,7 @@
 
 #include "contracts/engine.hpp"
 #include "contracts/judge_ops.hpp"
+#include "moecert/router.hpp"
 
 namespace moecert::contracts::judge {
 
@@ -20,13 +21,16 @@ namespace moecert::contracts::judge {
 using Run = std::function<void(detail::Checker& c, const Tensors& in, const Tensors& out,
                                const Params& params)>;
 
-/// A judged op: its runner and the clause id prefixes its verdict lists.
+/// A judged op: its runner and the clause id prefixes its verdict lists
+/// (and those that depend on its params, e.g. the layer's router).
 struct OpEntry {
   Run run;
   std::vector<std::string> families;
+  std::vector<std::string> (*families_for)(const Params&) = nullptr;
 };
 std::map<std::string, OpEntry> router_entries();
 std::map<std::string, OpEntry> experts_entries();
+std::map<std::string, OpEntry> layer_entries();
 
 inline bool has(const Tensors& f, const std::string& name) { return f.count(name) != 0; }
 
@@ -96,6 +100,21 @@ inline std::size_t count_param(const Params& m, const std::string& name, std::si
   if (!(v >= 1 && v <= 1e9 && v == std::floor(v)))
     throw std::invalid_argument(fmt::format("{}={}: expected a count >= 1", name, v));
   return static_cast<std::size_t>(v);
+}
+
+/// sigmoid_topk's params: groups (1), topk_group (1), scaling (1).
+inline router::SigmoidTopkParams sigmoid_params(const Params& m) {
+  return {count_param(m, "groups", 1), count_param(m, "topk_group", 1),
+          static_cast<float>(number_param(m, "scaling", 1.0))};
+}
+
+/// product_key's weights: softmax (default), exp or raw.
+inline router::KeyWeights key_weights(const Params& m) {
+  const auto it = m.find("weights");
+  if (it == m.end() || it->second == "softmax") return router::KeyWeights::softmax;
+  if (it->second == "exp") return router::KeyWeights::exp;
+  if (it->second == "raw") return router::KeyWeights::raw;
+  throw std::invalid_argument(fmt::format("weights={}: expected softmax, exp or raw", it->second));
 }
 
 }  // namespace moecert::contracts::judge

@@ -127,7 +127,7 @@ void add_check(CLI::App& app, Command& run) {
   auto a = std::make_shared<CheckArgs>();
   sub->add_option("op", a->op,
                   "router.{softmax_topk,sigmoid_topk,product_key}.{forward,backward}, "
-                  "experts.{forward,forward_train,backward}")
+                  "experts.{forward,forward_train,backward}, layer.{forward,backward}")
       ->required();
   sub->add_option("--inputs", a->inputs, "the op's inputs (safetensors)")->required();
   sub->add_option("--outputs", a->outputs, "the implementation's outputs (safetensors)")
@@ -135,7 +135,7 @@ void add_check(CLI::App& app, Command& run) {
   sub->add_option("--param", a->params, "op parameter NAME=VALUE (docs/JUDGE.md)");
   sub->add_option("--precision", a->precision,
                   "declared arithmetic: fp32 (routers, the default there), or for the experts "
-                  "op fp32, mixed or bf16");
+                  "op and the layer fp32, mixed or bf16");
   sub->add_option("--out", a->out, "report folder")->capture_default_str();
   sub->callback([a, &run] { run = [a] { return run_check(*a); }; });
 }

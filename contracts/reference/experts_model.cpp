@@ -231,7 +231,8 @@ ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const f
                                        const Precision& p) {
   const std::size_t T = in.x.rows, K = in.idx.cols, H = in.H;
   const Tracked s = scale_of(in);
-  ExpertsBackward b{std::vector<Tracked>(T * H), std::vector<Tracked>(T * K, Tracked{0, 0})};
+  ExpertsBackward b{std::vector<Tracked>(T * H), std::vector<Tracked>(T * K, Tracked{0, 0}),
+                    std::vector<Tracked>(T * H), std::vector<double>(T * H)};
   oneapi::tbb::parallel_for(std::size_t{0}, T, detail::TbbBody([&](std::size_t t) {
                               const std::vector<Tracked> x = row_in(in.x, t, p);
                               // dy as the GEMMs read it (bf16 operands: rounded).
@@ -254,8 +255,11 @@ ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const f
                                   sum[m] += dxr[m], sum_abs[m] += dxr[m].mag();
                               }
                               // dx = the slots' rows summed in the intermediate format.
-                              for (std::size_t m = 0; m < H; ++m)
+                              for (std::size_t m = 0; m < H; ++m) {
                                 b.dx[t * H + m] = bounds::sum_stored(sum[m], sum_abs[m], K, p);
+                                b.dx_rows[t * H + m] = sum[m];
+                                b.dx_rows_abs[t * H + m] = sum_abs[m];
+                              }
                             }));
   return b;
 }

@@ -36,9 +36,13 @@ std::vector<bounds::Tracked> experts_model_forward(const ExpertsTensors& in,
                                                    const bounds::Precision& p);
 
 /// dx [T x H] and dL/dw [T x K] of the model for dy [T x H] (each before
-/// its storage rounding; dL/dw is 0 at -1 slots).
+/// its storage rounding; dL/dw is 0 at -1 slots). dx_rows and dx_rows_abs:
+/// per dx element, the exact sum of the slots' rows (their errors
+/// propagated) and the sum of their magnitudes, for a caller that adds
+/// more rows to that sum (the layer's router linear).
 struct ExpertsBackward {
-  std::vector<bounds::Tracked> dx, dweights;
+  std::vector<bounds::Tracked> dx, dweights, dx_rows;
+  std::vector<double> dx_rows_abs;
 };
 ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const float> dy,
                                        const bounds::Precision& p);

@@ -295,10 +295,12 @@ typedef struct moecert_named_tensor {
   int32_t stored_as;
 } moecert_named_tensor;
 
-/* Judges another implementation's outputs of op ("router.softmax_topk.forward",
- * ".backward", "router.product_key.forward", ".backward") for the given
+/* Judges another implementation's outputs of op (the routers'
+ * "router.softmax_topk.forward", ".backward" and the like, "experts.forward",
+ * "experts.forward_train", "experts.backward", "layer.forward",
+ * "layer.backward"; tensor names and params: docs/JUDGE.md) for the given
  * inputs with moecert's clauses at level full, tie-aware; params are
- * "name=value" strings (renormalize, weights). On MOECERT_OK, *verdict_json
+ * "name=value" strings (precision, renormalize, weights, router, ...). On MOECERT_OK, *verdict_json
  * is the verdict (schema moecert-check/1), passed or failed, to be freed with
  * moecert_free_string; an unknown op, a missing tensor or a bad parameter is
  * MOECERT_INVALID_ARGUMENT. Judgements take turns (the violation handler is

@@ -1,0 +1,53 @@
+// The experts op's judge pieces the layer's judge composes
+// (contracts/judge_experts.cpp, contracts/judge_layer.cpp).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "contracts/bounds/precision.hpp"
+#include "contracts/experts_train.hpp"
+#include "contracts/judge_tensors.hpp"
+#include "contracts/reference/experts_model.hpp"
+
+namespace moecert::contracts::judge {
+
+/// The declared arithmetic (param `precision`: fp32, mixed or bf16).
+bounds::Precision precision_of(const Params& p);
+
+/// x and the experts' weights by name, LoRA (a_*, b_* and param alpha)
+/// when given and `lora_allowed`; idx and weights are left to the caller.
+/// E = rows(w_gate) / I, r = rows(a_gate) / E.
+ExpertsTensors experts_tensors(const Tensors& in, const Params& p, bool lora_allowed);
+
+/// The first of idx, weights, y (named `y_name`), the weights and the LoRA
+/// factors whose shape is not the one E, H, I, r, T, K imply, or "".
+std::string experts_shape_error(const ExpertsTensors& t, const char* y_name,
+                                MatView<const float> y);
+
+/// Every value finite and 0 or within [2^-60, 2^60] (the bounds' range).
+bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                     MatView<const float> m);
+
+/// The base weights by gemm.pack.w_finite and w_range.
+void base_weight_clauses(detail::Checker& c, const ExpertsTensors& t);
+/// Every LoRA factor finite and in range; false when one failed.
+bool lora_in_range(detail::Checker& c, const ClauseInfo& clause, const ExpertsTensors& t);
+
+/// The base weights' clauses; with LoRA, its factors by `lora_finite` and
+/// its scale by `scale`.
+template <const ClauseInfo& lora_finite, const ClauseInfo& scale>
+void weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
+  base_weight_clauses(c, t);
+  if (t.r == 0) return;
+  MOECERT_CONTRACT(c, lora_finite) { lora_in_range(c, lora_finite, t); }
+  MOECERT_CONTRACT(c, scale) { lora_scale(c, scale, t.r, t.alpha); }
+}
+
+/// An output against the model: |v - ref| <= its bound, widened by the
+/// output's storage; false when it failed.
+bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                  MatView<const float> m, const std::vector<bounds::Tracked>& ref,
+                  const bounds::Precision& p, const char* proof);
+
+}  // namespace moecert::contracts::judge

@@ -1,0 +1,257 @@
+// The layer judged from tensors (contracts/judge_layer.cpp): moecert's own
+// layer, handed over as another implementation would hand its tensors, lies
+// within the `mixed` model on every ISA and router; each stage's error is
+// named by that stage's clause.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "contracts/experts_train.hpp"
+#include "contracts/judge_ops.hpp"
+#include "moecert/experts.hpp"
+#include "moecert/isa.hpp"
+#include "moecert/layer.hpp"
+#include "moecert/router.hpp"
+#include "test_util.hpp"
+#include "tests/fixture/layer_problem.hpp"
+
+using namespace moecert;
+namespace jg = contracts::judge;
+
+namespace {
+
+using Problem = fixture::LayerProblem;
+
+jg::Tensor values(const std::vector<float>& v, std::size_t rows) {
+  return {.f = v, .rows = rows, .cols = v.size() / rows};
+}
+jg::Tensor values(const std::vector<bf16>& v, std::size_t rows, std::size_t cols) {
+  jg::Tensor t{.rows = rows, .cols = cols};
+  for (const bf16 b : v) t.f.push_back(b.to_float());
+  return t;
+}
+
+// One layer step as another implementation's tensors: the inputs, the
+// forward's z, idx, weights and y, the backward's dx, dL/dw, dz and the
+// router linear's gradients.
+struct Step {
+  jg::Tensors in, forward_out, backward_out;
+  jg::Params params;
+};
+
+// dL/dw of the layer's routing (the experts op on it) and the router
+// backward's dz from it: the layer's own intermediates, which its API keeps
+// inside.
+void intermediates(const Problem& p, Isa isa, const std::vector<std::int32_t>& idx,
+                   const std::vector<float>& w, const float* z, std::vector<float>& dw,
+                   std::vector<float>& dz) {
+  std::vector<float> y(p.T * p.H);
+  experts::Saved saved;
+  const MatView<const std::int32_t> iv{idx.data(), p.T, p.K};
+  experts::forward_train(p.packed, p.lora_views(), p.X(), iv, {w.data(), p.T, p.K},
+                         {y.data(), p.T, p.H}, saved, {.isa = isa});
+  dw.assign(p.T * p.K, NAN), dz.assign(p.T * p.R, NAN);
+  experts::Gradients grads;
+  grads.dweights = {dw.data(), p.T, p.K};
+  experts::backward(p.packed, p.lora_views(), p.X(), p.DY(), saved, grads);
+  const MatView<const float> zv{z, p.T, p.R}, g{dw.data(), p.T, p.K};
+  switch (p.cfg.router) {
+    case RouterKind::softmax_topk:
+      router::softmax_topk_backward(zv, iv, g, {dz.data(), p.T, p.R}, p.cfg.renormalize);
+      break;
+    case RouterKind::sigmoid_topk:
+      router::sigmoid_topk_backward(
+          zv, iv, g,
+          {std::size_t(p.cfg.groups), std::size_t(p.cfg.topk_group), float(p.cfg.scaling)},
+          {dz.data(), p.T, p.R});
+      break;
+    case RouterKind::product_key: {
+      const std::size_t n = p.R / 2;
+      std::vector<float> dsx(p.T * n), dsy(p.T * n);
+      router::product_key_backward({z, p.T, n, p.R}, {z + n, p.T, n, p.R}, iv, g,
+                                   router::KeyWeights::softmax, {dsx.data(), p.T, n},
+                                   {dsy.data(), p.T, n});
+      for (std::size_t t = 0; t < p.T; ++t)
+        for (std::size_t j = 0; j < n; ++j)
+          dz[t * p.R + j] = dsx[t * n + j], dz[t * p.R + n + j] = dsy[t * n + j];
+      break;
+    }
+  }
+}
+
+Step layer_step(const Problem& p, Isa isa) {
+  Step s;
+  std::vector<float> y(p.T * p.H, NAN);
+  const auto w = p.weights();
+  layer::Saved saved;
+  layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved, {.isa = isa});
+  const auto iv = saved.idx();
+  const auto wv = saved.weights();
+  const std::vector<std::int32_t> idx(iv.data, iv.data + p.T * p.K);
+  const std::vector<float> weights(wv.data, wv.data + p.T * p.K);
+  std::vector<float> z(p.T * p.R, NAN), dx(p.T * p.H, NAN), dwr(p.R * p.H, NAN), db(p.R, NAN);
+  layer::router_linear_forward(p.X(), {p.wr.data(), p.R, p.H}, {p.b.data(), p.R},
+                               {z.data(), p.T, p.R}, isa);
+  layer::Gradients g;
+  g.dx = {dx.data(), p.T, p.H}, g.router_w = {dwr.data(), p.R, p.H}, g.router_b = {db.data(), p.R};
+  layer::backward(p.cfg, w, p.X(), p.DY(), saved, g);
+  std::vector<float> dw, dz;
+  intermediates(p, isa, idx, weights, z.data(), dw, dz);
+
+  s.in = {{"x", values(p.x, p.T, p.H)},           {"w_gate", values(p.wg, p.E * p.I, p.H)},
+          {"w_up", values(p.wu, p.E * p.I, p.H)}, {"w_down", values(p.wd, p.E * p.H, p.I)},
+          {"router_w", values(p.wr, p.R)},        {"router_b", values(p.b, 1)}};
+  if (p.cfg.router == RouterKind::sigmoid_topk) s.in["router_bias"] = values(p.bias, 1);
+  const auto shapes = contracts::lora_shapes(p.E, p.H, p.I, p.r);
+  for (int i = 0; i < 6 && p.r; ++i)
+    s.in[shapes[i].name] = values(p.lora[i], shapes[i].rows, shapes[i].cols);
+  s.forward_out = {{"z", values(z, p.T)},
+                   {"idx", {.i = idx, .rows = p.T, .cols = p.K}},
+                   {"weights", values(weights, p.T)},
+                   {"y", values(y, p.T)}};
+  s.backward_out = {{"dx", values(dx, p.T)},
+                    {"dweights", values(dw, p.T)},
+                    {"dz", values(dz, p.T)},
+                    {"router_w_grad", values(dwr, p.R)},
+                    {"router_b_grad", values(db, 1)}};
+  s.params = {{"precision", "mixed"},
+              {"router", std::string(router_kind_name(p.cfg.router))},
+              {"alpha", fmt::format("{}", p.cfg.lora_alpha)},
+              {"groups", fmt::format("{}", p.cfg.groups)},
+              {"topk_group", fmt::format("{}", p.cfg.topk_group)},
+              {"scaling", fmt::format("{}", p.cfg.scaling)}};
+  return s;
+}
+
+// The backward's inputs: the forward's plus its z, idx, weights and dy.
+jg::Tensors backward_inputs(const Step& s, const Problem& p) {
+  jg::Tensors in = s.in;
+  for (const char* name : {"z", "idx", "weights"}) in[name] = s.forward_out.at(name);
+  in["dy"] = values(p.dy, p.T);
+  return in;
+}
+
+// The clauses that failed, sorted.
+std::vector<std::string> failures(const jg::Verdict& v) {
+  std::vector<std::string> ids;
+  for (const auto& c : v.clauses)
+    if (!c.passed) ids.emplace_back(c.info.id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+bool has(const std::vector<std::string>& ids, std::string_view id) {
+  return std::find(ids.begin(), ids.end(), id) != ids.end();
+}
+
+bool evaluated(const jg::Verdict& v, std::string_view id) {
+  for (const auto& c : v.clauses)
+    if (c.info.id == id) return c.evaluated;
+  return false;
+}
+
+const RouterKind kKinds[] = {RouterKind::softmax_topk, RouterKind::sigmoid_topk,
+                             RouterKind::product_key};
+
+}  // namespace
+
+TEST_CASE("layer.forward, layer.backward: moecert's layer judged from tensors passes as `mixed`",
+          "[layer][judge]") {
+  std::vector<Isa> isas = usable_isas();
+  isas.push_back(Isa::amx_emu);
+  for (RouterKind kind : kKinds)
+    for (Isa isa : isas) {
+      INFO(router_kind_name(kind) << " " << isa_name(isa));
+      const Problem p = fixture::random_layer(
+          fixture::layer_config(kind, kind == RouterKind::product_key ? 9 : 8, 40, 24, 3, 4, 21),
+          21, 5);
+      const Step s = layer_step(p, isa);
+      const auto fwd = jg::judge_op("layer.forward", s.in, s.forward_out, s.params);
+      CHECK(failures(fwd).empty());
+      const std::string router(router_kind_name(kind));
+      for (const std::string& id : std::vector<std::string>{
+               "layer.router_linear.within_bound", "router." + router + ".within_bound",
+               "layer.forward.within_bound", "gemm.pack.w_range", "layer.forward.lora_finite"})
+        CHECK(evaluated(fwd, id));
+      const auto bwd =
+          jg::judge_op("layer.backward", backward_inputs(s, p), s.backward_out, s.params);
+      CHECK(failures(bwd).empty());
+      for (const std::string& id :
+           std::vector<std::string>{"router." + router + "_backward.within_bound",
+                                    "layer.backward.within_bound", "layer.backward.router_masked"})
+        CHECK(evaluated(bwd, id));
+    }
+}
+
+TEST_CASE("layer.forward, layer.backward: each stage's error is named by its clause",
+          "[layer][judge]") {
+  const Problem p = fixture::random_layer(
+      fixture::layer_config(RouterKind::softmax_topk, 8, 40, 24, 3, 4, 21), 21, 5);
+  const Step s = layer_step(p, Isa::scalar);
+  using Ids = std::vector<std::string>;
+  auto forward_with = [&](const char* name, std::size_t i, auto change) {
+    jg::Tensors out = s.forward_out;
+    auto& t = out.at(name);
+    change(t, i);
+    return failures(jg::judge_op("layer.forward", s.in, out, s.params));
+  };
+  // Off by 20 (values up to about 15, bounds up to about 1 under `mixed`).
+  auto off = [](jg::Tensor& t, std::size_t i) { t.f[i] += 20; };
+  // An unselected expert's logit lowered (the same selection and weights):
+  // the router linear alone.
+  const auto& idx = s.forward_out.at("idx").i;
+  std::size_t unselected = 0;  // in row 0
+  while (std::count(idx.begin(), idx.begin() + 3, std::int32_t(unselected))) ++unselected;
+  CHECK(forward_with("z", unselected, [](jg::Tensor& t, std::size_t i) { t.f[i] -= 20; }) ==
+        Ids{"layer.router_linear.within_bound"});
+  // Raised instead: the router's selection on that z is wrong too.
+  CHECK(forward_with("z", unselected, off) ==
+        Ids{"layer.router_linear.within_bound", "router.softmax_topk.topk_property"});
+  // Two selected experts swapped: the router's order on the implementation's z.
+  CHECK(has(
+      forward_with("idx", 3, [](jg::Tensor& t, std::size_t i) { std::swap(t.i[i], t.i[i + 1]); }),
+      "router.softmax_topk.sorted"));
+  CHECK(forward_with("y", 50, off) == Ids{"layer.forward.within_bound"});
+  CHECK(has(forward_with("y", 50, [](jg::Tensor& t, std::size_t i) { t.f[i] = NAN; }),
+            "layer.forward.y_finite"));
+
+  const jg::Tensors in = backward_inputs(s, p);
+  auto backward_with = [&](const char* name, std::size_t i, auto change) {
+    jg::Tensors out = s.backward_out;
+    change(out.at(name), i);
+    return failures(jg::judge_op("layer.backward", in, out, s.params));
+  };
+  // dL/dw off: the model's dL/dw, and dz against the router backward of it.
+  CHECK(backward_with("dweights", 4, off) ==
+        Ids{"layer.backward.within_bound", "router.softmax_topk_backward.within_bound"});
+  CHECK(backward_with("dx", 33, off) == Ids{"layer.backward.within_bound"});
+  CHECK(backward_with("router_w_grad", 33, off) == Ids{"layer.backward.within_bound"});
+  CHECK(backward_with("router_b_grad", 3, off) == Ids{"layer.backward.within_bound"});
+  // A gradient at an unselected expert (FIELD_NOTES 5): the router's mask.
+  const auto masked =
+      backward_with("dz", unselected, [](jg::Tensor& t, std::size_t i) { t.f[i] = 1e-3f; });
+  CHECK(has(masked, "router.softmax_topk_backward.unselected_grad"));
+}
+
+TEST_CASE("layer.forward, layer.backward: the judge refuses what it cannot read",
+          "[layer][judge]") {
+  const Problem p = fixture::random_layer(
+      fixture::layer_config(RouterKind::sigmoid_topk, 8, 40, 24, 3, 4, 21), 21, 5);
+  const Step s = layer_step(p, Isa::scalar);
+  jg::Params no_router = s.params;
+  no_router.erase("router");
+  CHECK_THROWS_WITH(jg::judge_op("layer.forward", s.in, s.forward_out, no_router),
+                    Catch::Contains("router: name the layer's router"));
+  jg::Tensors out = s.forward_out;
+  out.erase("z");
+  CHECK_THROWS_WITH(jg::judge_op("layer.forward", s.in, out, s.params),
+                    Catch::Contains("no tensor 'z'"));
+  // router_w of another width: the layer's shape clause.
+  jg::Tensors in = s.in;
+  in["router_w"].rows -= 1, in["router_w"].f.resize(in["router_w"].rows * p.H);
+  const auto v = jg::judge_op("layer.forward", in, s.forward_out, s.params);
+  CHECK(failures(v) == std::vector<std::string>{"layer.forward.shape"});
+}
