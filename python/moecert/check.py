@@ -20,7 +20,7 @@ from .errors import InvalidArgument
 
 __all__ = ["Verdict", "softmax_topk_forward", "softmax_topk_backward", "sigmoid_topk_forward",
            "sigmoid_topk_backward", "product_key_forward", "product_key_backward", "experts_forward",
-           "experts_backward"]
+           "experts_backward", "layer_forward", "layer_backward"]
 
 
 class Verdict:
@@ -167,3 +167,45 @@ def product_key_forward(sx, sy, idx, w, weights="softmax"):
 def product_key_backward(sx, sy, idx, g, dsx, dsy, weights="softmax"):
     return judge("router.product_key.backward", {"sx": sx, "sy": sy, "idx": idx, "g": g}, {"dsx": dsx, "dsy": dsy},
                  weights=weights)
+
+
+def _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora):
+    inputs = {"x": x, "router_w": router_w, "router_b": router_b, "w_gate": w_gate, "w_up": w_up,
+              "w_down": w_down}
+    if router_bias is not None:
+        inputs["router_bias"] = router_bias
+    if lora is not None:
+        inputs.update(lora)
+    return inputs
+
+
+def layer_forward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights, y, precision, router,
+                  router_bias=None, lora=None, alpha=None, **router_params):
+    """layer.forward judged stage by stage on the implementation's own intermediates: its logits z
+    against x W_r^T + b, its selection idx and weights by the router's clauses on that z, y by the
+    experts model on that selection. router: softmax_topk (renormalize), sigmoid_topk (router_bias;
+    groups, topk_group, scaling) or product_key (weights); precision: fp32, mixed or bf16."""
+    params = dict(router_params, precision=precision, router=router)
+    if lora is not None:
+        params["alpha"] = alpha
+    return judge("layer.forward", _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora),
+                 {"z": z, "idx": idx, "weights": weights, "y": y}, **params)
+
+
+def layer_backward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights, dy, dx, dweights, dz,
+                   precision, router, router_w_grad=None, router_b_grad=None, router_bias=None, lora=None,
+                   alpha=None, **router_params):
+    """layer.backward for dy, with the forward's z, idx and weights: dweights (dL/dw) by the experts
+    model, dz by the router backward's clauses on that dL/dw, dx (and router_w_grad, router_b_grad
+    when given) by the experts model's dx plus the router linear's sums of that dz."""
+    params = dict(router_params, precision=precision, router=router)
+    if lora is not None:
+        params["alpha"] = alpha
+    inputs = _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora)
+    inputs.update(z=z, idx=idx, weights=weights, dy=dy)
+    outputs = {"dx": dx, "dweights": dweights, "dz": dz}
+    if router_w_grad is not None:
+        outputs["router_w_grad"] = router_w_grad
+    if router_b_grad is not None:
+        outputs["router_b_grad"] = router_b_grad
+    return judge("layer.backward", inputs, outputs, **params)

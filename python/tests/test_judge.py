@@ -14,6 +14,7 @@ import torch
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "examples", "judge"))
 import experts  # noqa: E402
+import layer  # noqa: E402
 import routers  # noqa: E402
 
 CLI = os.environ.get("MOECERT_CLI")
@@ -291,3 +292,67 @@ def test_experts_judge_refuses_what_it_cannot_model():
     bad["idx"][0, 0] = 99
     v = check.experts_forward(**bad, y=y, precision="fp32")
     assert v.failed == ["experts.forward.idx_in_range"]
+
+
+# ---- the layer: stage by stage on the implementation's intermediates (proofs/layer.md §7) ----
+
+def _messages(v):
+    return [c.get("message") for c in v.clauses if c["verdict"] == "fail"]
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.bfloat16, "bf16"), (torch.float32, "fp32")])
+def test_torch_layer_judged_stage_by_stage(dtype, precision):
+    import moecert.check as check
+    case = layer.random_case()
+    inputs, fwd, bwd_in, bwd_out = layer.layer_step(case, dtype)
+    params = dict(precision=precision, router="softmax_topk", alpha=case["alpha"])
+    v = check.judge("layer.forward", inputs, fwd, **params)
+    assert v.passed, _messages(v)
+    judged = {c["id"] for c in v.clauses if c["verdict"] == "pass"}
+    assert {"layer.router_linear.within_bound", "router.softmax_topk.within_bound",
+            "router.softmax_topk.topk_property", "layer.forward.within_bound"} <= judged
+    v = check.judge("layer.backward", bwd_in, bwd_out, **params)
+    assert v.passed, _messages(v)
+    judged = {c["id"] for c in v.clauses if c["verdict"] == "pass"}
+    assert {"router.softmax_topk_backward.within_bound", "router.softmax_topk_backward.unselected_grad",
+            "layer.backward.within_bound", "layer.backward.router_masked"} <= judged
+
+
+def test_torch_layer_bugs_fail_on_their_stage():
+    import moecert.check as check
+    case = layer.random_case()
+    kw = dict(precision="fp32", router="softmax_topk", lora={k: case["lora"][k] for k in case["lora"]},
+              alpha=case["alpha"])
+    # The router bias left out of z: the router linear (the router and the experts are right on that z).
+    inputs, fwd, _, _ = layer.layer_step(case, torch.float32, bias=False)
+    base = {k: inputs[k] for k in ("x", "router_w", "router_b", "w_gate", "w_up", "w_down")}
+    v = check.layer_forward(**base, **fwd, **kw)
+    assert v.failed == ["layer.router_linear.within_bound"]
+    # dx without the router's path: dx alone.
+    _, _, bwd_in, bwd_out = layer.layer_step(case, torch.float32, router_dx=False)
+    fwd_named = {k: bwd_in[k] for k in ("z", "idx", "weights", "dy")}
+    v = check.layer_backward(**base, **fwd_named, **bwd_out, **kw)
+    assert v.failed == ["layer.backward.within_bound"]
+    fail = next(c for c in v.clauses if c["verdict"] == "fail")
+    assert fail["location"].startswith("dx[")
+    # The softmax over all experts, then renormalised: dz at unselected experts is not 0 (FIELD_NOTES 5).
+    _, _, bwd_in, bwd_out = layer.layer_step(case, torch.float32, softmax_all=True)
+    fwd_named = {k: bwd_in[k] for k in ("z", "idx", "weights", "dy")}
+    v = check.layer_backward(**base, **fwd_named, **bwd_out, **kw)
+    assert "router.softmax_topk_backward.unselected_grad" in v.failed
+
+
+@needs_cli
+def test_cli_judges_the_layer(tmp_path):
+    case = layer.random_case()
+    inputs, fwd, bwd_in, bwd_out = layer.layer_step(case, torch.bfloat16)
+    params = ("precision=bf16", "router=softmax_topk", "alpha={}".format(case["alpha"]))
+    for name, ins, outs in (("forward", inputs, fwd), ("backward", bwd_in, bwd_out)):
+        (tmp_path / name).mkdir()
+        routers.save(str(tmp_path / name / "inputs.safetensors"), **ins)
+        routers.save(str(tmp_path / name / "outputs.safetensors"), **outs)
+        report = check(tmp_path, name, "layer." + name, *params)
+        assert report["verdict"] == "pass", failed(report)
+    # A y off by far more than its bound.
+    routers.save(str(tmp_path / "forward" / "outputs.safetensors"), **dict(fwd, y=fwd["y"] + 1))
+    assert failed(check(tmp_path, "forward", "layer.forward", *params)) == ["layer.forward.within_bound"]
