@@ -4,6 +4,7 @@
 // (contracts/reference/experts_model.hpp).
 #include "contracts/judge_experts.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "contracts/bounds/experts.hpp"
@@ -147,6 +148,69 @@ bool lora_in_range(detail::Checker& c, const ClauseInfo& clause, const ExpertsTe
   return true;
 }
 
+WeightGrads weight_grad_outputs(const Tensors& out) {
+  WeightGrads g{};
+  const auto names = grad_shapes(0, 0, 0, 0);
+  for (std::size_t i = 0; i < kWeightGrads; ++i)
+    if (const std::string name = fmt::format("{}_grad", names[i].name); has(out, name))
+      g[i] = values(out, "outputs", name);
+  return g;
+}
+
+bool any_weight_grad(const WeightGrads& g) {
+  return std::any_of(g.begin(), g.end(), [](const auto& m) { return m.data != nullptr; });
+}
+
+std::string weight_grads_shape_error(const ExpertsTensors& t, const WeightGrads& g) {
+  const auto want = grad_shapes(t.E, t.H, t.I, t.r);
+  for (std::size_t i = 0; i < kWeightGrads; ++i) {
+    if (!g[i].data) continue;
+    if (i < 6 && t.r == 0) return fmt::format("{}_grad given without LoRA factors", want[i].name);
+    if (g[i].rows != want[i].rows || g[i].cols != want[i].cols)
+      return fmt::format("{}_grad {}x{}, expected {}x{}", want[i].name, g[i].rows, g[i].cols,
+                         want[i].rows, want[i].cols);
+  }
+  return "";
+}
+
+bool weight_grads_finite(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g) {
+  const auto names = grad_shapes(0, 0, 0, 0);
+  for (std::size_t i = 0; i < kWeightGrads; ++i)
+    if (g[i].data && !detail::scan_finite(c, clause, fmt::format("{}_grad", names[i].name), g[i]))
+      return false;
+  return true;
+}
+
+void weight_grads_idle_zero(detail::Checker& c, const ClauseInfo& clause, const ExpertsTensors& t,
+                            const WeightGrads& g) {
+  std::vector<std::size_t> count(t.E, 0);
+  for (std::size_t q = 0; q < t.idx.rows; ++q)
+    for (std::size_t j = 0; j < t.idx.cols; ++j)
+      if (t.idx(q, j) >= 0 && static_cast<std::size_t>(t.idx(q, j)) < t.E)
+        ++count[static_cast<std::size_t>(t.idx(q, j))];
+  TrainSaved s;
+  s.tokens = t.idx.rows, s.topk = t.idx.cols, s.idx = t.idx.data;
+  s.rows.grouping.experts = t.E, s.rows.grouping.count = count;
+  experts::Gradients views;
+  MatView<float>* all[] = {&views.a_gate, &views.b_gate, &views.a_up, &views.b_up,  &views.a_down,
+                           &views.b_down, &views.w_gate, &views.w_up, &views.w_down};
+  for (std::size_t i = 0; i < kWeightGrads; ++i)
+    if (g[i].data) *all[i] = writable(g[i]);
+  empty_expert_zero(c, clause, s, views);
+}
+
+bool weight_grads_within(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g,
+                         const ExpertsBackward& model, const bounds::Precision& p,
+                         const char* proof) {
+  const auto names = grad_shapes(0, 0, 0, 0);
+  for (std::size_t i = 0; i < kWeightGrads; ++i) {
+    const std::string name = fmt::format("{}_grad", names[i].name);
+    if (g[i].data && !within_model(c, clause, name.c_str(), g[i], model.weight_grads[i], p, proof))
+      return false;
+  }
+  return true;
+}
+
 namespace {
 
 // The experts op's inputs: the tensors by name, idx and weights among them.
@@ -197,13 +261,15 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
 // The outputs given (dx, dweights: at least one) with their shapes.
 struct BackwardOutputs {
   MatView<const float> dx, dweights;
+  WeightGrads weights;
 };
 BackwardOutputs backward_outputs(const Tensors& out) {
   BackwardOutputs o;
   if (has(out, "dx")) o.dx = values(out, "outputs", "dx");
   if (has(out, "dweights")) o.dweights = values(out, "outputs", "dweights");
-  if (!o.dx.data && !o.dweights.data && !has(out, "dx") && !has(out, "dweights"))
-    throw std::invalid_argument("outputs: no tensor 'dx' or 'dweights'");
+  o.weights = weight_grad_outputs(out);
+  if (!o.dx.data && !o.dweights.data && !any_weight_grad(o.weights))
+    throw std::invalid_argument("outputs: no tensor 'dx', 'dweights' or '<weight>_grad'");
   return o;
 }
 
@@ -219,6 +285,7 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
       bad = fmt::format("dx {}x{}", o.dx.rows, o.dx.cols);
     if (bad.empty() && o.dweights.data && (o.dweights.rows != T || o.dweights.cols != K))
       bad = fmt::format("dweights {}x{}", o.dweights.rows, o.dweights.cols);
+    if (bad.empty()) bad = weight_grads_shape_error(t, o.weights);
     if (!bad.empty())
       c.fail(kt::kBwdShape, "", bad,
              fmt::format("the shapes of E={} H={} I={} r={}, T={} K={} (docs/JUDGE.md)", t.E, t.H,
@@ -230,7 +297,11 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
   if (c.stop()) return;
   MOECERT_CONTRACT(c, kt::kBwdGradFinite) {
     (!o.dx.data || detail::scan_finite(c, kt::kBwdGradFinite, "dx", o.dx)) &&
-        (!o.dweights.data || detail::scan_finite(c, kt::kBwdGradFinite, "dweights", o.dweights));
+        (!o.dweights.data || detail::scan_finite(c, kt::kBwdGradFinite, "dweights", o.dweights)) &&
+        weight_grads_finite(c, kt::kBwdGradFinite, o.weights);
+  }
+  MOECERT_CONTRACT(c, kt::kBwdEmptyZero) {
+    weight_grads_idle_zero(c, kt::kBwdEmptyZero, t, o.weights);
   }
   MOECERT_CONTRACT(c, kt::kBwdDwMasked) {
     if (o.dweights.data) {
@@ -241,11 +312,12 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
   }
   // Inputs and dy in range, no overflow; dx and dL/dw within the model's
   // bounds for the declared precision; proofs/experts.md §5.
-  const auto ref = experts_model_backward(t, dy, p);
+  const auto ref = experts_model_backward(t, dy, p, any_weight_grad(o.weights));
   MOECERT_CONTRACT(c, kt::kBwdWithin) {
     (!o.dweights.data ||
      within_model(c, kt::kBwdWithin, "dweights", o.dweights, ref.dweights, p, kBackwardProof)) &&
-        (!o.dx.data || within_model(c, kt::kBwdWithin, "dx", o.dx, ref.dx, p, kBackwardProof));
+        (!o.dx.data || within_model(c, kt::kBwdWithin, "dx", o.dx, ref.dx, p, kBackwardProof)) &&
+        weight_grads_within(c, kt::kBwdWithin, o.weights, ref, p, kBackwardProof);
   }
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
   MOECERT_CONTRACT(c, kt::kBwdRounding) {

@@ -2,6 +2,7 @@
 // (contracts/judge_experts.cpp, contracts/judge_layer.cpp).
 #pragma once
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -49,5 +50,26 @@ void weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
 bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name,
                   MatView<const float> m, const std::vector<bounds::Tracked>& ref,
                   const bounds::Precision& p, const char* proof);
+
+/// The weight gradients among the outputs (`a_gate_grad`, `b_gate_grad`,
+/// `a_up_grad`, `b_up_grad`, `a_down_grad`, `b_down_grad`, `w_gate_grad`,
+/// `w_up_grad`, `w_down_grad`: grad_shapes' order); a null view where one
+/// is not given.
+using WeightGrads = std::array<MatView<const float>, kWeightGrads>;
+WeightGrads weight_grad_outputs(const Tensors& out);
+bool any_weight_grad(const WeightGrads& g);
+
+/// The first weight gradient given whose shape is not its weight's, or "".
+std::string weight_grads_shape_error(const ExpertsTensors& t, const WeightGrads& g);
+
+/// Every weight gradient given finite; false when one failed.
+bool weight_grads_finite(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g);
+/// An expert without tokens has every weight gradient given exactly 0.
+void weight_grads_idle_zero(detail::Checker& c, const ClauseInfo& clause, const ExpertsTensors& t,
+                            const WeightGrads& g);
+/// Every weight gradient given within the model's bound; false when one failed.
+bool weight_grads_within(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g,
+                         const ExpertsBackward& model, const bounds::Precision& p,
+                         const char* proof);
 
 }  // namespace moecert::contracts::judge

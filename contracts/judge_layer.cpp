@@ -193,14 +193,16 @@ void layer_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
 }
 
 // The backward's outputs: dx, dweights (dL/dw) and dz, and the router
-// linear's weight gradients when given.
+// linear's and the experts' weight gradients when given.
 struct LayerGrads {
   MatView<const float> dx, dweights, dz, router_w, router_b;
+  WeightGrads experts;
 };
 
 LayerGrads layer_grads(const Tensors& out) {
   LayerGrads g{values(out, "outputs", "dx"), values(out, "outputs", "dweights"),
                values(out, "outputs", "dz")};
+  g.experts = weight_grad_outputs(out);
   if (has(out, "router_w_grad")) g.router_w = values(out, "outputs", "router_w_grad");
   if (has(out, "router_b_grad")) {
     const auto b = vector_of(out, "outputs", "router_b_grad");
@@ -317,6 +319,7 @@ void layer_backward(detail::Checker& c, const Tensors& in, const Tensors& out,
   MOECERT_CONTRACT(c, kl::kBwdShape) {
     std::string bad = layer_shape_error(t, "dy", dy);
     if (bad.empty()) bad = grads_shape_error(t, g);
+    if (bad.empty()) bad = weight_grads_shape_error(t.ex, g.experts);
     if (!bad.empty())
       c.fail(kl::kBwdShape, "", bad,
              fmt::format("the shapes of E={} H={} I={} r={} (docs/JUDGE.md)", t.ex.E, t.ex.H,
@@ -333,8 +336,13 @@ void layer_backward(detail::Checker& c, const Tensors& in, const Tensors& out,
                                                                 {"dz", g.dz},
                                                                 {"router_w_grad", g.router_w},
                                                                 {"router_b_grad", g.router_b}};
+    bool ok = true;
     for (const auto& [name, m] : all)
-      if (m.data && !detail::scan_finite(c, kl::kBwdGradFinite, name, m)) break;
+      if (ok && m.data) ok = detail::scan_finite(c, kl::kBwdGradFinite, name, m);
+    if (ok) weight_grads_finite(c, kl::kBwdGradFinite, g.experts);
+  }
+  MOECERT_CONTRACT(c, kl::kBwdEmptyZero) {
+    weight_grads_idle_zero(c, kl::kBwdEmptyZero, t.ex, g.experts);
   }
   MOECERT_CONTRACT(c, kl::kBwdRouterMasked) {
     TrainSaved routing;
@@ -347,13 +355,14 @@ void layer_backward(detail::Checker& c, const Tensors& in, const Tensors& out,
   // The gradients against the model: dL/dw and the experts' dx from the
   // experts model, dx and the router linear's from the implementation's dz.
   MOECERT_CONTRACT(c, kl::kBwdWithin) {
-    const auto ex = experts_model_backward(t.ex, dy, p);
+    const auto ex = experts_model_backward(t.ex, dy, p, any_weight_grad(g.experts));
     within_model(c, kl::kBwdWithin, "dweights", g.dweights, ex.dweights, p, kProof) &&
         within_model(c, kl::kBwdWithin, "dx", g.dx, dx_model(t, ex, g.dz, p), p, kProof) &&
         (!g.router_w.data || within_model(c, kl::kBwdWithin, "router_w_grad", g.router_w,
                                           router_w_grad_model(t, g.dz, p), p, kProof)) &&
         (!g.router_b.data || within_model(c, kl::kBwdWithin, "router_b_grad", g.router_b,
-                                          router_b_grad_model(g.dz, p), p, kProof));
+                                          router_b_grad_model(g.dz, p), p, kProof)) &&
+        weight_grads_within(c, kl::kBwdWithin, g.experts, ex, p, kProof);
   }
 }
 
@@ -372,9 +381,11 @@ std::map<std::string, OpEntry> layer_entries() {
       "layer.forward.y_finite",         "layer.forward.within_bound",
       "layer.router_linear.out_finite", "layer.router_linear.within_bound"};
   std::vector<std::string> bwd = {
-      "layer.forward.x_finite",     "layer.forward.lora_finite",    "layer.forward.scale_finite",
-      "layer.backward.shape",       "layer.backward.saved_finite",  "layer.backward.dy_finite",
-      "layer.backward.grad_finite", "layer.backward.router_masked", "layer.backward.within_bound"};
+      "layer.forward.x_finite",      "layer.forward.lora_finite",
+      "layer.forward.scale_finite",  "layer.backward.shape",
+      "layer.backward.saved_finite", "layer.backward.dy_finite",
+      "layer.backward.grad_finite",  "layer.backward.router_masked",
+      "layer.backward.within_bound", "layer.backward.empty_expert_zero"};
   fwd.insert(fwd.end(), weights.begin(), weights.end());
   bwd.insert(bwd.end(), weights.begin(), weights.end());
   return {{"layer.forward", {layer_forward, fwd, forward_router}},

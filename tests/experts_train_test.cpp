@@ -219,10 +219,14 @@ TEST_CASE(
       CHECK(utilisation(bounds::kMixed) <= 1);
       CHECK(utilisation(bounds::kBf16) <= utilisation(bounds::kMixed));  // a wider family
       CHECK(utilisation(bounds::kFp32) > 1);  // h is rounded to bf16: not an fp32 computation
-      // The backward's dx and dL/dw (§5).
-      const auto back = contracts::experts_model_backward(t, p.DY(), bounds::kMixed);
-      for (const auto& [got, ref] :
-           {std::pair{&o.dx, &back.dx}, std::pair{&o.dw, &back.dweights}}) {
+      // The backward's dx, dL/dw (§5) and every weight gradient (§6).
+      const auto back = contracts::experts_model_backward(t, p.DY(), bounds::kMixed, true);
+      std::vector<std::pair<const std::vector<float>*, const std::vector<bounds::Tracked>*>> outs{
+          {&o.dx, &back.dx}, {&o.dw, &back.dweights}};
+      for (int i = 0; i < 6 && p.r; ++i) outs.emplace_back(&o.g[i], &back.weight_grads[i]);
+      for (int i = 0; i < 3; ++i) outs.emplace_back(&o.base[i], &back.weight_grads[6 + i]);
+      for (const auto& [got, ref] : outs) {
+        REQUIRE(got->size() == ref->size());
         std::vector<double> v(ref->size()), b(ref->size());
         for (std::size_t i = 0; i < ref->size(); ++i)
           v[i] = (*ref)[i].v, b[i] = bounds::kReferenceSlack * (*ref)[i].e;
@@ -543,6 +547,49 @@ TEST_CASE(
                                    params);
     CHECK(failed(v, "experts.backward.rounding_unbiased"));
   }
+}
+
+TEST_CASE(
+    "experts.backward: the judge reads weight gradients; an idle expert's, a wrong one and a "
+    "missing LoRA are named",
+    "[experts][train][judge]") {
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::idle);
+  Out o;
+  experts::Saved saved;
+  train_step(p, o, saved);
+  const auto names = contracts::grad_shapes(p.E, p.H, p.I, p.r);
+  contracts::judge::Tensors out;
+  for (int i = 0; i < 9; ++i)
+    out[fmt::format("{}_grad", names[i].name)] = {
+        .f = i < 6 ? o.g[i] : o.base[i - 6], .rows = names[i].rows, .cols = names[i].cols};
+  const contracts::judge::Params params{{"precision", "mixed"},
+                                        {"alpha", fmt::format("{}", p.alpha)}};
+  const auto in = judge_inputs(p);
+  auto failures = [&](const contracts::judge::Tensors& outputs) {
+    std::vector<std::string> ids;
+    for (const auto& c :
+         contracts::judge::judge_op("experts.backward", in, outputs, params).clauses)
+      if (!c.passed) ids.emplace_back(c.info.id);
+    return ids;
+  };
+  CHECK(failures(out).empty());
+  // The idle expert (Routing::idle: expert E - 1) with a nonzero gradient.
+  auto idle = out;
+  idle["b_up_grad"].f.back() = 1e-30f;
+  CHECK(failures(idle) == std::vector<std::string>{"experts.backward.empty_expert_zero",
+                                                   "experts.backward.within_bound"});
+  // Off by far more than the bounds (values about 3; the LoRA factors' bounds,
+  // through three sums of bf16 operands, about 1).
+  auto wrong = out;
+  wrong["w_down_grad"].f[5] += 100;
+  CHECK(failures(wrong) == std::vector<std::string>{"experts.backward.within_bound"});
+  auto lora_wrong = out;
+  lora_wrong["a_gate_grad"].f[5] += 100;
+  CHECK(failures(lora_wrong) == std::vector<std::string>{"experts.backward.within_bound"});
+
+  auto shape = out;
+  shape["a_up_grad"].rows -= 1, shape["a_up_grad"].f.resize(shape["a_up_grad"].rows * p.H);
+  CHECK(failures(shape) == std::vector<std::string>{"experts.backward.shape"});
 }
 
 TEST_CASE("experts.backward: the result clauses fire on wrong gradients",

@@ -97,6 +97,15 @@ Step layer_step(const Problem& p, Isa isa) {
                                {z.data(), p.T, p.R}, isa);
   layer::Gradients g;
   g.dx = {dx.data(), p.T, p.H}, g.router_w = {dwr.data(), p.R, p.H}, g.router_b = {db.data(), p.R};
+  // The experts' weight gradients, LoRA's and the base weights'.
+  const auto shapes = contracts::grad_shapes(p.E, p.H, p.I, p.r);
+  std::vector<float> weight_grads[9];
+  MatView<float>* views[] = {&g.a_gate, &g.b_gate, &g.a_up, &g.b_up,  &g.a_down,
+                             &g.b_down, &g.w_gate, &g.w_up, &g.w_down};
+  for (int i = 0; i < 9; ++i) {
+    weight_grads[i].assign(shapes[i].rows * shapes[i].cols, NAN);
+    *views[i] = {weight_grads[i].data(), shapes[i].rows, shapes[i].cols};
+  }
   layer::backward(p.cfg, w, p.X(), p.DY(), saved, g);
   std::vector<float> dw, dz;
   intermediates(p, isa, idx, weights, z.data(), dw, dz);
@@ -105,7 +114,6 @@ Step layer_step(const Problem& p, Isa isa) {
           {"w_up", values(p.wu, p.E * p.I, p.H)}, {"w_down", values(p.wd, p.E * p.H, p.I)},
           {"router_w", values(p.wr, p.R)},        {"router_b", values(p.b, 1)}};
   if (p.cfg.router == RouterKind::sigmoid_topk) s.in["router_bias"] = values(p.bias, 1);
-  const auto shapes = contracts::lora_shapes(p.E, p.H, p.I, p.r);
   for (int i = 0; i < 6 && p.r; ++i)
     s.in[shapes[i].name] = values(p.lora[i], shapes[i].rows, shapes[i].cols);
   s.forward_out = {{"z", values(z, p.T)},
@@ -117,6 +125,9 @@ Step layer_step(const Problem& p, Isa isa) {
                     {"dz", values(dz, p.T)},
                     {"router_w_grad", values(dwr, p.R)},
                     {"router_b_grad", values(db, 1)}};
+  for (int i = 0; i < 9; ++i)
+    s.backward_out[fmt::format("{}_grad", shapes[i].name)] =
+        values(weight_grads[i], shapes[i].rows);
   s.params = {{"precision", "mixed"},
               {"router", std::string(router_kind_name(p.cfg.router))},
               {"alpha", fmt::format("{}", p.cfg.lora_alpha)},
@@ -230,6 +241,9 @@ TEST_CASE("layer.forward, layer.backward: each stage's error is named by its cla
   CHECK(backward_with("dx", 33, off) == Ids{"layer.backward.within_bound"});
   CHECK(backward_with("router_w_grad", 33, off) == Ids{"layer.backward.within_bound"});
   CHECK(backward_with("router_b_grad", 3, off) == Ids{"layer.backward.within_bound"});
+  auto far_off = [](jg::Tensor& t, std::size_t i) { t.f[i] += 100; };
+  CHECK(backward_with("b_down_grad", 7, far_off) == Ids{"layer.backward.within_bound"});
+  CHECK(backward_with("w_gate_grad", 7, far_off) == Ids{"layer.backward.within_bound"});
   // A gradient at an unselected expert (FIELD_NOTES 5): the router's mask.
   const auto masked =
       backward_with("dz", unselected, [](jg::Tensor& t, std::size_t i) { t.f[i] = 1e-3f; });

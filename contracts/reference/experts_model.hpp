@@ -39,12 +39,16 @@ std::vector<bounds::Tracked> experts_model_forward(const ExpertsTensors& in,
 /// its storage rounding; dL/dw is 0 at -1 slots). dx_rows and dx_rows_abs:
 /// per dx element, the exact sum of the slots' rows (their errors
 /// propagated) and the sum of their magnitudes, for a caller that adds
-/// more rows to that sum (the layer's router linear).
+/// more rows to that sum (the layer's router linear). With weight_grads,
+/// the nine weight gradients in contracts::grad_shapes' order (the six
+/// LoRA factors', empty without LoRA, then w_gate, w_up, w_down), each
+/// stacked by expert; exactly 0 for an expert without tokens.
 struct ExpertsBackward {
   std::vector<bounds::Tracked> dx, dweights, dx_rows;
   std::vector<double> dx_rows_abs;
+  std::array<std::vector<bounds::Tracked>, 9> weight_grads;
 };
 ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const float> dy,
-                                       const bounds::Precision& p);
+                                       const bounds::Precision& p, bool weight_grads = false);
 
 }  // namespace moecert::contracts

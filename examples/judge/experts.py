@@ -5,7 +5,8 @@ routing) for `moecert check` to judge.
                                      h = silu(g) u, o = h W_d^T + s (h A_d^T) B_d^T, y = sum_j w_j o_j;
                                      every op in `dtype` (bfloat16: PyTorch eager's rounding after each)
     experts_forward_swapped          the bug of silu applied to u instead of g
-    experts_backward(..., dtype)     dx and dL/dw of experts_forward by autograd
+    experts_backward(..., dtype)     dx and dL/dw of experts_forward by autograd (and, asked, the
+                                     LoRA factors' and base weights' gradients)
     experts_backward_no_lora_dx      the LoRA path left out of dx (x detached where it meets A)
 
 Weights are stacked by expert as moecert takes them: w_gate, w_up [E, I, H], w_down [E, H, I]; LoRA
@@ -47,13 +48,21 @@ def experts_forward_swapped(*args, **kwargs):
 
 
 def experts_backward(x, idx, weights, w_gate, w_up, w_down, dy, lora=None, alpha=None,
-                     dtype=torch.bfloat16, lora_dx=True):
-    """(dx, dweights) of experts_forward for dy, by autograd in `dtype`."""
+                     dtype=torch.bfloat16, lora_dx=True, weight_grads=False):
+    """(dx, dweights) of experts_forward for dy, by autograd in `dtype`; with weight_grads also
+    {name: gradient} of the LoRA factors and the base weights (a_gate, ..., w_down)."""
     x = x.detach().to(dtype).requires_grad_()
     weights = weights.detach().clone().requires_grad_()
-    y = experts_forward(x, idx, weights, w_gate, w_up, w_down, lora, alpha, dtype, lora_dx=lora_dx)
+    leaves = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down, **(lora or {})}
+    if weight_grads:
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+    base = [leaves[k] for k in ("w_gate", "w_up", "w_down")]
+    lora = {k: leaves[k] for k in lora} if lora else None
+    y = experts_forward(x, idx, weights, *base, lora, alpha, dtype, lora_dx=lora_dx)
     y.backward(dy.to(dtype))
-    return x.grad, weights.grad
+    if not weight_grads:
+        return x.grad, weights.grad
+    return x.grad, weights.grad, {k: v.grad for k, v in leaves.items()}
 
 
 def experts_backward_no_lora_dx(*args, **kwargs):

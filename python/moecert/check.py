@@ -148,8 +148,9 @@ def experts_forward(x, idx, weights, w_gate, w_up, w_down, y, precision, lora=No
 
 
 def experts_backward(x, idx, weights, w_gate, w_up, w_down, dy, precision, dx=None, dweights=None,
-                     lora=None, alpha=None):
-    """experts.backward: dx and/or dweights (dL/dw) for dy, LoRA optional as in experts_forward."""
+                     lora=None, alpha=None, weight_grads=None):
+    """experts.backward: dx, dweights (dL/dw) and weight_grads ({a_gate, ..., w_down: gradient}), any
+    of them, for dy; LoRA optional as in experts_forward."""
     inputs = {"x": x, "idx": idx, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down,
               "dy": dy}
     params = {"precision": precision}
@@ -157,6 +158,7 @@ def experts_backward(x, idx, weights, w_gate, w_up, w_down, dy, precision, dx=No
         inputs.update(lora)
         params["alpha"] = alpha
     outputs = {name: v for name, v in (("dx", dx), ("dweights", dweights)) if v is not None}
+    outputs.update({name + "_grad": v for name, v in (weight_grads or {}).items()})
     return judge("experts.backward", inputs, outputs, **params)
 
 
@@ -194,10 +196,11 @@ def layer_forward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights, 
 
 def layer_backward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights, dy, dx, dweights, dz,
                    precision, router, router_w_grad=None, router_b_grad=None, router_bias=None, lora=None,
-                   alpha=None, **router_params):
-    """layer.backward for dy, with the forward's z, idx and weights: dweights (dL/dw) by the experts
-    model, dz by the router backward's clauses on that dL/dw, dx (and router_w_grad, router_b_grad
-    when given) by the experts model's dx plus the router linear's sums of that dz."""
+                   alpha=None, weight_grads=None, **router_params):
+    """layer.backward for dy, with the forward's z, idx and weights: dweights (dL/dw) and
+    weight_grads ({a_gate, ..., w_down: gradient}) by the experts model, dz by the router backward's
+    clauses on that dL/dw, dx (and router_w_grad, router_b_grad when given) by the experts model's dx
+    plus the router linear's sums of that dz."""
     params = dict(router_params, precision=precision, router=router)
     if lora is not None:
         params["alpha"] = alpha
@@ -208,4 +211,5 @@ def layer_backward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights,
         outputs["router_w_grad"] = router_w_grad
     if router_b_grad is not None:
         outputs["router_b_grad"] = router_b_grad
+    outputs.update({name + "_grad": v for name, v in (weight_grads or {}).items()})
     return judge("layer.backward", inputs, outputs, **params)

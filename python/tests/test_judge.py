@@ -263,6 +263,23 @@ def test_torch_experts_backward_judged(with_lora):
     assert "experts.backward.dweights_masked" in v.failed
 
 
+def test_torch_experts_weight_gradients_judged():
+    import moecert.check as check
+    inputs, lora = experts.random_case()
+    dy = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(3))
+    for dtype, precision in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        dx, dw, grads = experts.experts_backward(**inputs, dy=dy, lora=lora, alpha=8.0, dtype=dtype,
+                                                 weight_grads=True)
+        v = check.experts_backward(**inputs, dy=dy, dx=dx, weight_grads=grads, precision=precision,
+                                   lora=lora, alpha=8.0)
+        assert v.passed, (precision, _messages(v))
+    # B_gate's gradient without the LoRA scale s = alpha / r = 2: within_bound names it.
+    bad = dict(grads, b_gate=grads["b_gate"] / 2)
+    v = check.experts_backward(**inputs, dy=dy, weight_grads=bad, precision="fp32", lora=lora, alpha=8.0)
+    fail = next(c for c in v.clauses if c["verdict"] == "fail")
+    assert v.failed == ["experts.backward.within_bound"] and fail["location"].startswith("b_gate_grad[")
+
+
 def test_truncation_to_bf16_is_caught_by_the_rounding_audit():
     import moecert.check as check
     inputs, lora = experts.random_case(T=48)
