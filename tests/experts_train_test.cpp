@@ -528,8 +528,7 @@ TEST_CASE(
         t.f.push_back(static_cast<float>(v.v - std::copysign(0.5 * v.e, v.v)));
       return t;
     };
-    const contracts::judge::Params params{{"precision", "mixed"},
-                                          {"alpha", fmt::format("{}", p.alpha)}};
+    contracts::judge::Params params{{"precision", "mixed"}, {"alpha", fmt::format("{}", p.alpha)}};
     const std::string fwd = r ? "experts.forward_train" : "experts.forward";
     auto failed = [](const contracts::judge::Verdict& v, std::string_view id) {
       for (const auto& c : v.clauses)
@@ -546,6 +545,12 @@ TEST_CASE(
     v = contracts::judge::judge_op("experts.backward", in, {{"dx", toward_zero(ref.dx, p.T)}},
                                    params);
     CHECK(failed(v, "experts.backward.rounding_unbiased"));
+    // audit=false (data the audit's model does not fit): not evaluated.
+    auto no_audit = params;
+    no_audit["audit"] = "false";
+    v = contracts::judge::judge_op(fwd, in, {{"y", toward_zero(ref.y, p.T)}}, no_audit);
+    for (const auto& c : v.clauses)
+      if (std::string_view(c.info.id).ends_with("rounding_unbiased")) CHECK_FALSE(c.evaluated);
   }
 }
 

@@ -15,8 +15,9 @@
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "moecert/router.hpp"
+#include "ops/layer/state.hpp"
 #include "test_util.hpp"
-#include "tests/fixture/layer_problem.hpp"
+#include "tests/fixture/layer_judged.hpp"
 
 using namespace moecert;
 namespace jg = contracts::judge;
@@ -25,79 +26,20 @@ namespace {
 
 using Problem = fixture::LayerProblem;
 
-jg::Tensor values(const std::vector<float>& v, std::size_t rows) {
-  return {.f = v, .rows = rows, .cols = v.size() / rows};
-}
-jg::Tensor values(const std::vector<bf16>& v, std::size_t rows, std::size_t cols) {
-  jg::Tensor t{.rows = rows, .cols = cols};
-  for (const bf16 b : v) t.f.push_back(b.to_float());
-  return t;
-}
-
-// One layer step as another implementation's tensors: the inputs, the
-// forward's z, idx, weights and y, the backward's dx, dL/dw, dz and the
-// router linear's gradients.
+// One layer step as another implementation's tensors (the fixture's
+// layer_inputs, judged_step), every gradient asked for.
 struct Step {
   jg::Tensors in, forward_out, backward_out;
   jg::Params params;
 };
 
-// dL/dw of the layer's routing (the experts op on it) and the router
-// backward's dz from it: the layer's own intermediates, which its API keeps
-// inside.
-void intermediates(const Problem& p, Isa isa, const std::vector<std::int32_t>& idx,
-                   const std::vector<float>& w, const float* z, std::vector<float>& dw,
-                   std::vector<float>& dz) {
-  std::vector<float> y(p.T * p.H);
-  experts::Saved saved;
-  const MatView<const std::int32_t> iv{idx.data(), p.T, p.K};
-  experts::forward_train(p.packed, p.lora_views(), p.X(), iv, {w.data(), p.T, p.K},
-                         {y.data(), p.T, p.H}, saved, {.isa = isa});
-  dw.assign(p.T * p.K, NAN), dz.assign(p.T * p.R, NAN);
-  experts::Gradients grads;
-  grads.dweights = {dw.data(), p.T, p.K};
-  experts::backward(p.packed, p.lora_views(), p.X(), p.DY(), saved, grads);
-  const MatView<const float> zv{z, p.T, p.R}, g{dw.data(), p.T, p.K};
-  switch (p.cfg.router) {
-    case RouterKind::softmax_topk:
-      router::softmax_topk_backward(zv, iv, g, {dz.data(), p.T, p.R}, p.cfg.renormalize);
-      break;
-    case RouterKind::sigmoid_topk:
-      router::sigmoid_topk_backward(
-          zv, iv, g,
-          {std::size_t(p.cfg.groups), std::size_t(p.cfg.topk_group), float(p.cfg.scaling)},
-          {dz.data(), p.T, p.R});
-      break;
-    case RouterKind::product_key: {
-      const std::size_t n = p.R / 2;
-      std::vector<float> dsx(p.T * n), dsy(p.T * n);
-      router::product_key_backward({z, p.T, n, p.R}, {z + n, p.T, n, p.R}, iv, g,
-                                   router::KeyWeights::softmax, {dsx.data(), p.T, n},
-                                   {dsy.data(), p.T, n});
-      for (std::size_t t = 0; t < p.T; ++t)
-        for (std::size_t j = 0; j < n; ++j)
-          dz[t * p.R + j] = dsx[t * n + j], dz[t * p.R + n + j] = dsy[t * n + j];
-      break;
-    }
-  }
-}
-
 Step layer_step(const Problem& p, Isa isa) {
-  Step s;
-  std::vector<float> y(p.T * p.H, NAN);
+  std::vector<float> y(p.T * p.H, NAN), dx(p.T * p.H, NAN), dwr(p.R * p.H, NAN), db(p.R, NAN);
   const auto w = p.weights();
   layer::Saved saved;
   layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved, {.isa = isa});
-  const auto iv = saved.idx();
-  const auto wv = saved.weights();
-  const std::vector<std::int32_t> idx(iv.data, iv.data + p.T * p.K);
-  const std::vector<float> weights(wv.data, wv.data + p.T * p.K);
-  std::vector<float> z(p.T * p.R, NAN), dx(p.T * p.H, NAN), dwr(p.R * p.H, NAN), db(p.R, NAN);
-  layer::router_linear_forward(p.X(), {p.wr.data(), p.R, p.H}, {p.b.data(), p.R},
-                               {z.data(), p.T, p.R}, isa);
   layer::Gradients g;
   g.dx = {dx.data(), p.T, p.H}, g.router_w = {dwr.data(), p.R, p.H}, g.router_b = {db.data(), p.R};
-  // The experts' weight gradients, LoRA's and the base weights'.
   const auto shapes = contracts::grad_shapes(p.E, p.H, p.I, p.r);
   std::vector<float> weight_grads[9];
   MatView<float>* views[] = {&g.a_gate, &g.b_gate, &g.a_up, &g.b_up,  &g.a_down,
@@ -107,41 +49,23 @@ Step layer_step(const Problem& p, Isa isa) {
     *views[i] = {weight_grads[i].data(), shapes[i].rows, shapes[i].cols};
   }
   layer::backward(p.cfg, w, p.X(), p.DY(), saved, g);
-  std::vector<float> dw, dz;
-  intermediates(p, isa, idx, weights, z.data(), dw, dz);
-
-  s.in = {{"x", values(p.x, p.T, p.H)},           {"w_gate", values(p.wg, p.E * p.I, p.H)},
-          {"w_up", values(p.wu, p.E * p.I, p.H)}, {"w_down", values(p.wd, p.E * p.H, p.I)},
-          {"router_w", values(p.wr, p.R)},        {"router_b", values(p.b, 1)}};
-  if (p.cfg.router == RouterKind::sigmoid_topk) s.in["router_bias"] = values(p.bias, 1);
-  for (int i = 0; i < 6 && p.r; ++i)
-    s.in[shapes[i].name] = values(p.lora[i], shapes[i].rows, shapes[i].cols);
-  s.forward_out = {{"z", values(z, p.T)},
-                   {"idx", {.i = idx, .rows = p.T, .cols = p.K}},
-                   {"weights", values(weights, p.T)},
-                   {"y", values(y, p.T)}};
-  s.backward_out = {{"dx", values(dx, p.T)},
-                    {"dweights", values(dw, p.T)},
-                    {"dz", values(dz, p.T)},
-                    {"router_w_grad", values(dwr, p.R)},
-                    {"router_b_grad", values(db, 1)}};
-  for (int i = 0; i < 9; ++i)
-    s.backward_out[fmt::format("{}_grad", shapes[i].name)] =
-        values(weight_grads[i], shapes[i].rows);
-  s.params = {{"precision", "mixed"},
-              {"router", std::string(router_kind_name(p.cfg.router))},
-              {"alpha", fmt::format("{}", p.cfg.lora_alpha)},
-              {"groups", fmt::format("{}", p.cfg.groups)},
-              {"topk_group", fmt::format("{}", p.cfg.topk_group)},
-              {"scaling", fmt::format("{}", p.cfg.scaling)}};
-  return s;
+  const auto view = layer::saved_view(saved);
+  const auto iv = saved.idx();
+  const auto wv = saved.weights();
+  const std::vector<std::int32_t> idx(iv.data, iv.data + p.T * p.K);
+  const std::vector<float> weights(wv.data, wv.data + p.T * p.K);
+  const std::vector<float> dw(view.router_dw, view.router_dw + p.T * p.K);
+  const auto judged =
+      fixture::judged_step(p, view.logits, idx, weights, y, dx, dw, dwr, db, weight_grads);
+  return {fixture::layer_inputs(p), judged.forward_out, judged.backward_out,
+          fixture::layer_params(p)};
 }
 
 // The backward's inputs: the forward's plus its z, idx, weights and dy.
 jg::Tensors backward_inputs(const Step& s, const Problem& p) {
   jg::Tensors in = s.in;
   for (const char* name : {"z", "idx", "weights"}) in[name] = s.forward_out.at(name);
-  in["dy"] = values(p.dy, p.T);
+  in["dy"] = fixture::tensor(p.dy, p.T);
   return in;
 }
 

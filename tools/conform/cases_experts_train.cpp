@@ -28,7 +28,8 @@ constexpr const char* kRoutingNames[] = {"normal", "minus1_tail", "one_expert", 
 struct Dims {
   std::size_t E, H, I, K, r, T;
 };
-constexpr Dims kSmall{8, 40, 24, 3, 4, 13}, kRealistic{16, 512, 384, 4, 8, 64};
+constexpr Dims kSmall{8, 40, 24, 3, 4, 13}, kOneToken{8, 40, 24, 3, 4, 1},
+    kRealistic{16, 512, 384, 4, 8, 64};
 
 struct Problem {
   Dims d;
@@ -60,14 +61,20 @@ void route(Problem& p, Routing routing, std::mt19937_64& rng) {
   }
 }
 
-Problem make(Dims d, Routing routing, std::uint64_t seed) {
+// wide: every input and weight element (and dy) scaled by 2^U(-8, 8):
+// exponents spread along the whole GEMM chain. The chain multiplies them
+// (x W, then silu(g) u, then h W_d, and the backward's products of those),
+// so wider spreads overflow fp32 legitimately (y_finite).
+Problem make(Dims d, Routing routing, std::uint64_t seed, bool wide = false) {
   Problem p;
   p.d = d;
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0, 1);
+  std::uniform_int_distribution<int> ex(-8, 8);
+  auto spread = [&](float v) { return wide ? std::ldexp(v, ex(rng)) : v; };
   auto fill = [&](std::vector<bf16>& v, std::size_t n, float s) {
     v.resize(n);
-    for (auto& q : v) q = bf16(nd(rng) * s);
+    for (auto& q : v) q = bf16(spread(nd(rng) * s));
   };
   const float sh = 1 / std::sqrt(float(d.H)), si = 1 / std::sqrt(float(d.I));
   fill(p.x, d.T * d.H, 1), fill(p.wg, d.E * d.I * d.H, sh), fill(p.wu, d.E * d.I * d.H, sh),
@@ -77,7 +84,7 @@ Problem make(Dims d, Routing routing, std::uint64_t seed) {
   for (int i = 0; i < 6; ++i) fill(p.lora[i], sizes[i], i % 2 ? 0.3f : (i == 4 ? si : sh));
   route(p, routing, rng);
   p.dy.resize(d.T * d.H);
-  for (auto& q : p.dy) q = nd(rng);
+  for (auto& q : p.dy) q = spread(nd(rng));
   p.packed = experts::PackedExperts::pack(d.E, {p.wg.data(), d.E * d.I, d.H},
                                           {p.wu.data(), d.E * d.I, d.H},
                                           {p.wd.data(), d.E * d.H, d.I}, true);
@@ -87,9 +94,10 @@ Problem make(Dims d, Routing routing, std::uint64_t seed) {
 // The problem and moecert's outputs as another implementation's tensors,
 // judged by `moecert check`'s judge under the declared precision `mixed`
 // (every clause of experts.forward_train and experts.backward it applies,
-// the rounding audit included): fails the case on any failed clause.
+// with `audit` the rounding audit): fails the case on any failed clause.
 void judged_as_foreign(CaseResult& r, const Problem& p, const std::vector<float>& y,
-                       const std::vector<float>& dx, const std::vector<float>& dw) {
+                       const std::vector<float>& dx, const std::vector<float>& dw,
+                       const std::vector<float> (&weight_grads)[9], bool audit) {
   namespace jg = contracts::judge;
   const Dims& d = p.d;
   auto values = [](const std::vector<bf16>& v, std::size_t rows) {
@@ -106,13 +114,18 @@ void judged_as_foreign(CaseResult& r, const Problem& p, const std::vector<float>
                  {"dy", {.f = p.dy, .rows = d.T, .cols = d.H}}};
   const auto shapes = contracts::lora_shapes(d.E, d.H, d.I, d.r);
   for (int i = 0; i < 6; ++i) in[shapes[i].name] = values(p.lora[i], shapes[i].rows);
-  const jg::Params params{{"precision", "mixed"}, {"alpha", fmt::format("{}", 2.0 * double(d.r))}};
+  const jg::Params params{{"precision", "mixed"},
+                          {"alpha", fmt::format("{}", 2.0 * double(d.r))},
+                          {"audit", audit ? "true" : "false"}};
+  jg::Tensors grads{{"dx", {.f = dx, .rows = d.T, .cols = d.H}},
+                    {"dweights", {.f = dw, .rows = d.T, .cols = d.K}}};
+  const auto names = contracts::grad_shapes(d.E, d.H, d.I, d.r);
+  for (int i = 0; i < 9; ++i)
+    grads[fmt::format("{}_grad", names[i].name)] = {
+        .f = weight_grads[i], .rows = names[i].rows, .cols = names[i].cols};
   const jg::Verdict verdicts[] = {jg::judge_op("experts.forward_train", in,
                                                {{"y", {.f = y, .rows = d.T, .cols = d.H}}}, params),
-                                  jg::judge_op("experts.backward", in,
-                                               {{"dx", {.f = dx, .rows = d.T, .cols = d.H}},
-                                                {"dweights", {.f = dw, .rows = d.T, .cols = d.K}}},
-                                               params)};
+                                  jg::judge_op("experts.backward", in, grads, params)};
   for (const auto& v : verdicts)
     for (const auto& c : v.clauses)
       if (!c.passed)
@@ -122,7 +135,8 @@ void judged_as_foreign(CaseResult& r, const Problem& p, const std::vector<float>
 // Forward, then a backward asking for every output (fresh buffers hold
 // NaN, as a caller's might); the outputs in one vector. With `r`, each
 // output against its bounded reference (proofs/experts.md), one row each.
-std::vector<float> forward_backward(const Problem& p, Isa isa, CaseResult* r = nullptr) {
+std::vector<float> forward_backward(const Problem& p, Isa isa, CaseResult* r = nullptr,
+                                    bool audit = true) {
   const Dims& d = p.d;
   std::vector<float> y(d.T * d.H, NAN), dx(d.T * d.H, NAN), dw(d.T * d.K, NAN), ma(d.T * d.E, NAN),
       mg(d.T * d.E, NAN);
@@ -151,13 +165,13 @@ std::vector<float> forward_backward(const Problem& p, Isa isa, CaseResult* r = n
         {"a_gate grad", &ref.dag}, {"b_gate grad", &ref.dbg}, {"a_up grad", &ref.dau},
         {"b_up grad", &ref.dbu},   {"a_down grad", &ref.dad}, {"b_down grad", &ref.dbd},
         {"w_gate grad", &ref.dwg}, {"w_up grad", &ref.dwu},   {"w_down grad", &ref.dwd}};
-    compare_output(*r, "y", y, ref.y, true);
-    compare_output(*r, "dx", dx, ref.dx, true);
-    compare_output(*r, "dweights", dw, ref.dw, true);
+    compare_output(*r, "y", y, ref.y, audit);
+    compare_output(*r, "dx", dx, ref.dx, audit);
+    compare_output(*r, "dweights", dw, ref.dw, audit);
     compare_output(*r, "m_a", ma, ref.m_a);
     compare_output(*r, "m_g", mg, ref.m_g);
     for (int i = 0; i < 9; ++i) compare_output(*r, refs[i].first, g[i], *refs[i].second);
-    judged_as_foreign(*r, p, y, dx, dw);
+    judged_as_foreign(*r, p, y, dx, dw, g, audit);
   }
   std::vector<float> out;
   for (const auto* o : {&y, &dx, &dw, &ma, &mg}) out.insert(out.end(), o->begin(), o->end());
@@ -165,12 +179,15 @@ std::vector<float> forward_backward(const Problem& p, Isa isa, CaseResult* r = n
   return out;
 }
 
-CaseResult train_case(Routing routing, Isa isa, Dims dims, const RunContext& ctx) {
+CaseResult train_case(Routing routing, Isa isa, Dims dims, const RunContext& ctx,
+                      bool wide = false) {
   if (!isa_usable(isa))
     return CaseResult::only(Verdict::skip, fmt::format("{} not usable on this CPU", isa_name(isa)));
   CaseResult r;
-  const Problem p = make(dims, routing, ctx.seed + 11);
-  const auto many = forward_backward(p, isa, &r);
+  const Problem p = make(dims, routing, ctx.seed + 11, wide);
+  // Wide exponents: one operand dominates a row, whose errors are then not
+  // independent (the audit's model): the bounds only.
+  const auto many = forward_backward(p, isa, &r, !wide);
   std::vector<float> one;
   {
     oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, 1);
@@ -202,6 +219,18 @@ void add_experts_train_cases(std::vector<CaseDef>& out, const std::vector<Isa>& 
                      Suite::smoke, Level::full, [routing, isa](const RunContext& ctx) {
                        return train_case(routing, isa, kSmall, ctx);
                      }});
+  for (Isa isa : isas) {
+    out.push_back({"experts.forward_backward_train", "caller_routing", std::string(isa_name(isa)),
+                   "small:E8_H40_I24_K3_r4_T13", "wide_exponent", Suite::smoke, Level::full,
+                   [isa](const RunContext& ctx) {
+                     return train_case(Routing::normal, isa, kSmall, ctx, true);
+                   }});
+    out.push_back({"experts.forward_backward_train", "caller_routing", std::string(isa_name(isa)),
+                   "one_token:E8_H40_I24_K3_r4_T1", "normal", Suite::smoke, Level::full,
+                   [isa](const RunContext& ctx) {
+                     return train_case(Routing::normal, isa, kOneToken, ctx);
+                   }});
+  }
   for (Isa isa : isas)
     out.push_back(
         {"experts.forward_backward_train", "caller_routing", std::string(isa_name(isa)),

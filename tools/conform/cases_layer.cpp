@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <type_traits>
 
 #include "contracts/bounds/layer.hpp"
 #include "contracts/reference/experts_model.hpp"
@@ -15,7 +16,7 @@
 #include "moecert/workspace.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/arena.hpp"
-#include "tests/fixture/layer_problem.hpp"
+#include "tests/fixture/layer_judged.hpp"
 #include "tools/conform/case.hpp"
 
 namespace moecert::tools {
@@ -26,21 +27,72 @@ using Layer = fixture::LayerProblem;
 struct Dims {
   std::size_t E, H, I, K, r, T;
 };
-constexpr Dims kSmall{8, 40, 24, 3, 4, 13}, kRealistic{16, 512, 384, 4, 8, 64};
+constexpr Dims kSmall{8, 40, 24, 3, 4, 13}, kOneToken{8, 40, 24, 3, 4, 1},
+    kRealistic{16, 512, 384, 4, 8, 64};
 
-Layer make(RouterKind kind, std::uint64_t seed, Dims d) {
+// The data classes beside normal: x, the experts' weights, LoRA and dy
+// scaled by 2^U(-8, 8) (exponents spread along the GEMM chain; wider ones
+// overflow it legitimately); every token routed to expert 0.
+enum class Data { normal, wide, hot_expert };
+constexpr const char* kDataNames[] = {"normal", "wide_exponent", "all_on_one_expert"};
+
+Layer make(RouterKind kind, std::uint64_t seed, Dims d, Data data = Data::normal) {
   const std::size_t E = kind == RouterKind::product_key ? (d.E == 8 ? 9 : 16) : d.E;
   Layer l =
       fixture::random_layer(fixture::layer_config(kind, E, d.H, d.I, d.K, d.r, d.T), d.T, seed);
   l.b[l.R / 2 - 1] = -50;  // an output no token selects: idle experts (their LoRA gradients: 0)
+  if (data == Data::wide) {
+    std::mt19937_64 rng(seed + 1);
+    std::uniform_int_distribution<int> ex(-8, 8);
+    auto spread = [&](auto& v) {
+      for (auto& q : v) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(q)>, bf16>)
+          q = bf16(std::ldexp(q.to_float(), ex(rng)));
+        else
+          q = std::ldexp(q, ex(rng));
+      }
+    };
+    spread(l.x), spread(l.wg), spread(l.wu), spread(l.wd), spread(l.dy);
+    for (auto& f : l.lora) spread(f);
+    l.pack();
+  }
+  if (data == Data::hot_expert) {  // expert 0 outranks every other for every token
+    if (kind == RouterKind::sigmoid_topk) l.bias[0] = 10;
+    l.b[0] = 50;
+    if (kind == RouterKind::product_key) l.b[l.R / 2] = 50;
+  }
   return l;
+}
+
+// The step's tensors judged by `moecert check`'s judge as another
+// implementation's under the declared precision `mixed` (stage by stage,
+// every clause of layer.forward and layer.backward it applies): fails the
+// case on any failed clause.
+void judged_as_foreign(CaseResult& r, const Layer& l, const layer::Saved& saved, const float* z,
+                       const std::vector<float>& y, const std::vector<float>& dx,
+                       const std::vector<float>& dw, const std::vector<float>& gwr,
+                       const std::vector<float>& gb, const std::vector<float> (&weight_grads)[9]) {
+  const auto iv = saved.idx();
+  const auto wv = saved.weights();
+  const std::vector<std::int32_t> idx(iv.data, iv.data + l.T * l.K);
+  const std::vector<float> weights(wv.data, wv.data + l.T * l.K);
+  const auto s = fixture::judged_step(l, z, idx, weights, y, dx, dw, gwr, gb, weight_grads);
+  const auto params = fixture::layer_params(l);
+  namespace jg = contracts::judge;
+  const jg::Verdict verdicts[] = {
+      jg::judge_op("layer.forward", fixture::layer_inputs(l), s.forward_out, params),
+      jg::judge_op("layer.backward", s.backward_in, s.backward_out, params)};
+  for (const auto& v : verdicts)
+    for (const auto& c : v.clauses)
+      if (!c.passed)
+        expect(r, false, "judged as another implementation: " + c.violations.front().one_line());
 }
 
 // Two training steps: forward + backward, an update of every LoRA factor,
 // forward + backward again on the same saved state; contracts at full.
 // With `r`, every output of the last step against its bounded reference
 // (contracts::layer_bounds on the kernel's routing), one row each.
-std::vector<float> steps(Layer& l, Isa isa, bool base, CaseResult* r = nullptr) {
+std::vector<float> steps(Layer& l, Isa isa, bool base, CaseResult* r = nullptr, bool audit = true) {
   std::vector<float> out;
   layer::Saved saved;
   for (int step = 0; step < 2; ++step) {
@@ -91,10 +143,13 @@ std::vector<float> steps(Layer& l, Isa isa, bool base, CaseResult* r = nullptr) 
       for (const auto& [name, pair] : named)
         if (!pair.first->empty())
           compare_output(*r, name, *pair.first, *pair.second,
-                         pair.first == &y || pair.first == &dx);  // the rounding audit on y, dx
+                         audit && (pair.first == &y || pair.first == &dx));  // audit y, dx
       // dL/dw: the router path's input, left in the saved state.
       std::vector<float> dw(view.router_dw, view.router_dw + l.T * l.K);
-      compare_output(*r, "dL/dw", dw, ref.dw, true);
+      compare_output(*r, "dL/dw", dw, ref.dw, audit);
+      const std::vector<float> weight_grads[9] = {g[0], g[1],  g[2],  g[3], g[4],
+                                                  g[5], gw[0], gw[1], gw[2]};
+      judged_as_foreign(*r, l, saved, view.logits, y, dx, dw, gwr, gb, weight_grads);
     }
     for (auto* v : {&y, &dx, &gwr, &gb, &ma, &mg}) out.insert(out.end(), v->begin(), v->end());
     for (auto& v : g) out.insert(out.end(), v.begin(), v.end());
@@ -105,16 +160,19 @@ std::vector<float> steps(Layer& l, Isa isa, bool base, CaseResult* r = nullptr) 
 
 // base: also the base weights' gradients (the small cases: their bounded
 // reference costs E I H per routed pair).
-CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunContext& ctx) {
+CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunContext& ctx,
+                      Data data = Data::normal) {
   CaseResult r;
   if (!isa_usable(isa)) {
     r.verdict = Verdict::skip;
     r.detail = fmt::format("{} not usable on this CPU", isa_name(isa));
     return r;
   }
-  Layer a = make(kind, ctx.seed + 3, dims);
-  const auto many = steps(a, isa, base, &r);
-  Layer b = make(kind, ctx.seed + 3, dims);
+  Layer a = make(kind, ctx.seed + 3, dims, data);
+  // Wide exponents: one operand dominates a row, whose errors are then not
+  // independent (the rounding audit's model): the bounds only.
+  const auto many = steps(a, isa, base, &r, data != Data::wide);
+  Layer b = make(kind, ctx.seed + 3, dims, data);
   std::vector<float> one;
   {
     oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism, 1);
@@ -126,11 +184,11 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
   if (r.verdict == Verdict::pass) {
     r.detail = fmt::format(
         "2 training steps; y, dx, dL/dw, router, LoRA{} gradients, M_A, M_G within proofs/layer.md "
-        "(level full; per output below)",
+        "(level full; per output below); judged from tensors as a mixed-precision implementation",
         base ? ", base-weight" : "");
     if (isa ==
         Isa::amx_bf16) {  // every output of both steps, LoRA products fused in the kernel included
-      Layer c = make(kind, ctx.seed + 3, dims);
+      Layer c = make(kind, ctx.seed + 3, dims, data);
       const auto emu = steps(c, Isa::amx_emu, base);
       const bool exact = emu.size() == many.size() &&
                          std::memcmp(emu.data(), many.data(), many.size() * sizeof(float)) == 0;
@@ -323,6 +381,30 @@ void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
                      Suite::smoke, Level::full, [kind, isa](const RunContext& ctx) {
                        return layer_case(kind, isa, kSmall, true, ctx);
                      }});
+  // One token; every token on one expert; (softmax_topk: the sigmoid's
+  // logits must stay >= -87) exponents spread over 2^-8 .. 2^8.
+  for (RouterKind kind :
+       {RouterKind::softmax_topk, RouterKind::sigmoid_topk, RouterKind::product_key})
+    for (Isa isa : isas) {
+      out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)),
+                     std::string(isa_name(isa)), "one_token:E8_H40_I24_K3_r4_T1", "normal",
+                     Suite::smoke, Level::full, [kind, isa](const RunContext& ctx) {
+                       return layer_case(kind, isa, kOneToken, true, ctx);
+                     }});
+      out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)),
+                     std::string(isa_name(isa)), "small:E8_H40_I24_K3_r4_T13",
+                     kDataNames[int(Data::hot_expert)], Suite::smoke, Level::full,
+                     [kind, isa](const RunContext& ctx) {
+                       return layer_case(kind, isa, kSmall, true, ctx, Data::hot_expert);
+                     }});
+    }
+  for (Isa isa : isas)
+    out.push_back({"layer.forward_backward", "softmax_topk", std::string(isa_name(isa)),
+                   "small:E8_H40_I24_K3_r4_T13", kDataNames[int(Data::wide)], Suite::smoke,
+                   Level::full, [isa](const RunContext& ctx) {
+                     return layer_case(RouterKind::softmax_topk, isa, kSmall, true, ctx,
+                                       Data::wide);
+                   }});
   for (RouterKind kind : {RouterKind::softmax_topk, RouterKind::product_key})
     for (Isa isa : isas)
       out.push_back(
