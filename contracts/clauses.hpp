@@ -107,9 +107,12 @@ inline constexpr ClauseInfo kWithinBound =
 inline constexpr ClauseInfo kRounding =
     post("experts.forward.rounding_unbiased", Group::numeric,
          "y's errors not biased toward or away from zero", Level::full);
-inline constexpr ClauseInfo kAll[] = {kShape,   kIdxInRange, kIdxUnique,   kWeightFinite,
-                                      kXFinite, kXRange,     kNoAlias,     kPermutation,
-                                      kYFinite, kProbe,      kWithinBound, kRounding};
+inline constexpr ClauseInfo kSpread =
+    post("experts.forward.spread_explained", Group::numeric,
+         "y within the declared precision's probabilistic bound", Level::full);
+inline constexpr ClauseInfo kAll[] = {
+    kShape,       kIdxInRange, kIdxUnique, kWeightFinite, kXFinite,  kXRange, kNoAlias,
+    kPermutation, kYFinite,    kProbe,     kWithinBound,  kRounding, kSpread};
 }  // namespace experts
 
 namespace experts_train {
@@ -160,11 +163,17 @@ inline constexpr ClauseInfo kBwdWithin =
 inline constexpr ClauseInfo kBwdRounding =
     post("experts.backward.rounding_unbiased", Group::numeric,
          "dx's and dweights' errors not biased toward or away from zero", Level::full);
+inline constexpr ClauseInfo kFwdSpread =
+    post("experts.forward_train.spread_explained", Group::numeric,
+         "y within the declared precision's probabilistic bound", Level::full);
+inline constexpr ClauseInfo kBwdSpread =
+    post("experts.backward.spread_explained", Group::numeric,
+         "outputs within the declared precision's probabilistic bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
     kFwdShape,    kFwdIdxInRange, kFwdIdxUnique,   kFwdWeightFinite, kFwdXFinite,    kFwdLoraFinite,
     kFwdScale,    kFwdNoAlias,    kFwdLoraPadding, kFwdYFinite,      kFwdWithin,     kBwdState,
     kBwdShape,    kBwdDyFinite,   kBwdNoAlias,     kBwdSavedFinite,  kBwdGradFinite, kBwdEmptyZero,
-    kBwdDwMasked, kBwdWithin,     kFwdRounding,    kBwdRounding};
+    kBwdDwMasked, kBwdWithin,     kFwdRounding,    kBwdRounding,     kFwdSpread,     kBwdSpread};
 }  // namespace experts_train
 
 namespace router {

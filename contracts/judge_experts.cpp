@@ -28,14 +28,15 @@ constexpr const char* kLoraNames[] = {"a_gate", "b_gate", "a_up", "b_up", "a_dow
 // experts.forward_train.
 struct ForwardClauses {
   const ClauseInfo &shape, &idx_in_range, &idx_unique, &weight_finite, &x_finite, &y_finite,
-      &within, &rounding;
+      &within, &rounding, &spread;
 };
 constexpr ForwardClauses kForward{kf::kShape,        kf::kIdxInRange, kf::kIdxUnique,
                                   kf::kWeightFinite, kf::kXFinite,    kf::kYFinite,
-                                  kf::kWithinBound,  kf::kRounding};
+                                  kf::kWithinBound,  kf::kRounding,   kf::kSpread};
 constexpr ForwardClauses kForwardTrain{kt::kFwdShape,        kt::kFwdIdxInRange, kt::kFwdIdxUnique,
                                        kt::kFwdWeightFinite, kt::kFwdXFinite,    kt::kFwdYFinite,
-                                       kt::kFwdWithin,       kt::kFwdRounding};
+                                       kt::kFwdWithin,       kt::kFwdRounding,   kt::kFwdSpread};
+constexpr const char* kSpreadProof = "probabilistic, proofs/bounds.md §12";
 
 // Finite, and 0 or within [2^-60, 2^60] (the bounds' range, proofs/bounds.md §0).
 bool in_range(float v) {
@@ -257,10 +258,15 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   const auto ref = experts_model_forward(t, p);
   MOECERT_CONTRACT(c, k.within) { within_model(c, k.within, "y", y, ref, p, kForwardProof); }
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
-  if (audit_asked(params)) {
-    MOECERT_CONTRACT(c, k.rounding) {
-      rounding_unbiased(c, k.rounding, "y", contracts::values(y), exact(ref));
-    }
+  if (!audit_asked(params)) return;
+  MOECERT_CONTRACT(c, k.rounding) {
+    rounding_unbiased(c, k.rounding, "y", contracts::values(y), exact(ref));
+  }
+  // Independent mean-zero rounding errors: every y within the probabilistic
+  // bound of the declared precision (proofs/bounds.md §12).
+  MOECERT_CONTRACT(c, k.spread) {
+    within_model(c, k.spread, "y", y, experts_model_forward(t, bounds::probable(p)), p,
+                 kSpreadProof);
   }
 }
 
@@ -327,6 +333,16 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
   }
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
   if (!audit_asked(params)) return;
+  // Independent mean-zero rounding errors: every output within the
+  // probabilistic bound of the declared precision (proofs/bounds.md §12).
+  MOECERT_CONTRACT(c, kt::kBwdSpread) {
+    const auto probable =
+        experts_model_backward(t, dy, bounds::probable(p), any_weight_grad(o.weights));
+    (!o.dweights.data ||
+     within_model(c, kt::kBwdSpread, "dweights", o.dweights, probable.dweights, p, kSpreadProof)) &&
+        (!o.dx.data || within_model(c, kt::kBwdSpread, "dx", o.dx, probable.dx, p, kSpreadProof)) &&
+        weight_grads_within(c, kt::kBwdSpread, o.weights, probable, p, kSpreadProof);
+  }
   MOECERT_CONTRACT(c, kt::kBwdRounding) {
     (!o.dweights.data || rounding_unbiased(c, kt::kBwdRounding, "dweights",
                                            contracts::values(o.dweights), exact(ref.dweights))) &&

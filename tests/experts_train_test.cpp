@@ -13,6 +13,7 @@
 #include "contracts/bounds/experts.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/compare.hpp"
+#include "contracts/judge_experts.hpp"
 #include "contracts/judge_ops.hpp"
 #include "contracts/reference/experts_model.hpp"
 #include "moecert/isa.hpp"
@@ -555,6 +556,54 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "experts.forward, forward_train, backward: spread_explained fails an output between the "
+    "probabilistic and the worst-case bound",
+    "[experts][train][judge]") {
+  // Declared fp32, H = 2048: the accumulations' probabilistic bound
+  // (10 sqrt(n) u) is a fifth of the worst case (n u); one element moved
+  // between the two.
+  for (std::size_t r : {std::size_t{0}, std::size_t{4}}) {
+    const Problem p = make(4, 2048, 24, 2, r, 6, Routing::normal);
+    contracts::judge::Tensors in = judge_inputs(p);
+    const contracts::judge::Params params{{"precision", "fp32"},
+                                          {"alpha", fmt::format("{}", p.alpha)}};
+    contracts::ExpertsTensors t = contracts::judge::experts_tensors(in, params, true);
+    t.idx = p.Idx(), t.weights = p.W();
+    // The exact values, one element moved to the middle of its two bounds.
+    auto between = [](const std::vector<bounds::Tracked>& worst,
+                      const std::vector<bounds::Tracked>& probable, std::size_t rows) {
+      contracts::judge::Tensor o{.rows = rows, .cols = worst.size() / rows};
+      std::size_t pick = 0;
+      for (std::size_t i = 0; i < worst.size(); ++i) {
+        o.f.push_back(static_cast<float>(worst[i].v));
+        if (probable[i].e / worst[i].e < probable[pick].e / worst[pick].e) pick = i;
+      }
+      REQUIRE(probable[pick].e < 0.5 * worst[pick].e);
+      o.f[pick] = static_cast<float>(worst[pick].v + 0.5 * (worst[pick].e + probable[pick].e));
+      return o;
+    };
+    const auto y =
+        between(contracts::experts_model_forward(t, bounds::kFp32),
+                contracts::experts_model_forward(t, bounds::probable(bounds::kFp32)), p.T);
+    const std::string fwd = r ? "experts.forward_train" : "experts.forward";
+    auto failed = [](const contracts::judge::Verdict& v) {
+      std::vector<std::string> ids;
+      for (const auto& c : v.clauses)
+        if (!c.passed) ids.emplace_back(c.info.id);
+      return ids;
+    };
+    CHECK(failed(contracts::judge::judge_op(fwd, in, {{"y", y}}, params)) ==
+          std::vector<std::string>{fwd + ".spread_explained"});
+    const auto worst = contracts::experts_model_backward(t, p.DY(), bounds::kFp32);
+    const auto probable =
+        contracts::experts_model_backward(t, p.DY(), bounds::probable(bounds::kFp32));
+    CHECK(failed(contracts::judge::judge_op(
+              "experts.backward", in, {{"dx", between(worst.dx, probable.dx, p.T)}}, params)) ==
+          std::vector<std::string>{"experts.backward.spread_explained"});
+  }
+}
+
+TEST_CASE(
     "experts.backward: the judge reads weight gradients; an idle expert's, a wrong one and a "
     "missing LoRA are named",
     "[experts][train][judge]") {
@@ -581,16 +630,18 @@ TEST_CASE(
   // The idle expert (Routing::idle: expert E - 1) with a nonzero gradient.
   auto idle = out;
   idle["b_up_grad"].f.back() = 1e-30f;
-  CHECK(failures(idle) == std::vector<std::string>{"experts.backward.empty_expert_zero",
-                                                   "experts.backward.within_bound"});
+  using Ids = std::vector<std::string>;
+  const Ids beyond_bounds{"experts.backward.within_bound", "experts.backward.spread_explained"};
+  CHECK(failures(idle) ==
+        Ids{"experts.backward.empty_expert_zero", beyond_bounds[0], beyond_bounds[1]});
   // Off by far more than the bounds (values about 3; the LoRA factors' bounds,
   // through three sums of bf16 operands, about 1).
   auto wrong = out;
   wrong["w_down_grad"].f[5] += 100;
-  CHECK(failures(wrong) == std::vector<std::string>{"experts.backward.within_bound"});
+  CHECK(failures(wrong) == beyond_bounds);
   auto lora_wrong = out;
   lora_wrong["a_gate_grad"].f[5] += 100;
-  CHECK(failures(lora_wrong) == std::vector<std::string>{"experts.backward.within_bound"});
+  CHECK(failures(lora_wrong) == beyond_bounds);
 
   auto shape = out;
   shape["a_up_grad"].rows -= 1, shape["a_up_grad"].f.resize(shape["a_up_grad"].rows * p.H);

@@ -5,6 +5,7 @@ routing) for `moecert check` to judge.
                                      h = silu(g) u, o = h W_d^T + s (h A_d^T) B_d^T, y = sum_j w_j o_j;
                                      every op in `dtype` (bfloat16: PyTorch eager's rounding after each)
     experts_forward_swapped          the bug of silu applied to u instead of g
+    experts_forward(..., h_bf16=True)  h stored in bf16 in an otherwise float32 implementation
     experts_backward(..., dtype)     dx and dL/dw of experts_forward by autograd (and, asked, the
                                      LoRA factors' and base weights' gradients)
     experts_backward_no_lora_dx      the LoRA path left out of dx (x detached where it meets A)
@@ -16,7 +17,7 @@ import torch
 
 
 def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None,
-                    dtype=torch.bfloat16, swapped=False, lora_dx=True):
+                    dtype=torch.bfloat16, swapped=False, lora_dx=True, h_bf16=False):
     T, H = x.shape
     E = w_gate.shape[0]
     x = x.to(dtype)  # (the same tensor when already of dtype: autograd reaches the caller's)
@@ -36,6 +37,8 @@ def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None
         if swapped:
             g, u = u, g
         h = torch.nn.functional.silu(g) * u
+        if h_bf16:
+            h = h.bfloat16().to(dtype)
         o = h @ w_down[e].to(dtype).T
         if lora:
             o = o + ((h @ lora["a_down"][e].to(dtype).T) @ lora["b_down"][e].to(dtype).T) * s

@@ -109,6 +109,11 @@ struct ForwardStats {
 ///                                                 probability <= 2^-30 on random data,
 ///                                                 proofs/bounds.md §11); applied by the judge
 ///                                                 (`moecert check`) and conformance, not per call
+///   experts.forward.spread_explained post numeric every y element within the declared
+///                                                 precision's probabilistic bound (accumulations
+///                                                 at lambda sqrt(n) u; a false alarm with
+///                                                 probability <= 2^-31 on random data,
+///                                                 proofs/bounds.md §12); the judge and conformance
 /// and gemm.pack.checksum (audit) on every expert's packed weights.
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y,
@@ -200,6 +205,8 @@ struct TrainOptions {
 ///                                                       reference (full)
 ///   experts.forward_train.rounding_unbiased post numeric y's errors unbiased (judge and
 ///                                                       conformance; proofs/bounds.md §11)
+///   experts.forward_train.spread_explained post numeric y within the probabilistic bound
+///                                                       (judge and conformance; proofs/bounds.md §12)
 /// and experts.forward.permutation (the grouping it shares with experts::forward) and the
 /// workspace.* clauses of its arena.
 void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
@@ -246,6 +253,9 @@ struct Gradients {
 ///                                                     the reference backward (full)
 ///   experts.backward.rounding_unbiased post  numeric  dx's and dweights' errors unbiased (judge and
 ///                                                     conformance; proofs/bounds.md §11)
+///   experts.backward.spread_explained  post  numeric  every output given within the probabilistic
+///                                                     bound (judge and conformance; proofs/bounds.md
+///                                                     §12)
 void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
               MatView<const float> dy, Saved& saved, const Gradients& grads);
 

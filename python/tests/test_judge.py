@@ -277,7 +277,22 @@ def test_torch_experts_weight_gradients_judged():
     bad = dict(grads, b_gate=grads["b_gate"] / 2)
     v = check.experts_backward(**inputs, dy=dy, weight_grads=bad, precision="fp32", lora=lora, alpha=8.0)
     fail = next(c for c in v.clauses if c["verdict"] == "fail")
-    assert v.failed == ["experts.backward.within_bound"] and fail["location"].startswith("b_gate_grad[")
+    assert v.failed == ["experts.backward.within_bound", "experts.backward.spread_explained"]
+    assert fail["location"].startswith("b_gate_grad[")
+
+
+def test_an_intermediate_rounded_to_bf16_is_caught_by_the_spread():
+    """h stored in bf16 in a float32 implementation declared fp32: at I = 4096 the fp32 worst-case
+    bound (n u over 4096 terms) still holds it, the probabilistic one (10 sqrt(n) u) does not."""
+    import moecert.check as check
+    inputs, _ = experts.random_case(T=8, E=2, H=64, I=4096, K=1)
+    y = experts.experts_forward(**inputs, dtype=torch.float32)
+    assert check.experts_forward(**inputs, y=y, precision="fp32").passed
+    y = experts.experts_forward(**inputs, dtype=torch.float32, h_bf16=True)
+    v = check.experts_forward(**inputs, y=y, precision="fp32")
+    assert v.failed == ["experts.forward.spread_explained"], _messages(v)
+    # Declared mixed (bf16 GEMM operands), the same outputs are explained.
+    assert check.experts_forward(**inputs, y=y, precision="mixed").passed
 
 
 def test_truncation_to_bf16_is_caught_by_the_rounding_audit():
