@@ -43,7 +43,7 @@ std::vector<std::string> router_families(const Params& p, const char* suffix) {
 // forward's intermediates z, idx, weights (outputs of a forward, inputs of
 // a backward).
 struct LayerTensors {
-  RouterKind kind;
+  RouterKind kind = RouterKind::softmax_topk;
   ExpertsTensors ex;
   MatView<const float> router_w, z;
   View<const float> router_b, router_bias;
@@ -51,7 +51,8 @@ struct LayerTensors {
 
 LayerTensors read_layer(const Tensors& in, const Tensors& routed, const char* side,
                         const Params& p) {
-  LayerTensors t{router_of(p), experts_tensors(in, p, true)};
+  LayerTensors t;
+  t.kind = router_of(p), t.ex = experts_tensors(in, p, true);
   t.router_w = values(in, "inputs", "router_w");
   t.router_b = vector_of(in, "inputs", "router_b");
   if (t.kind == RouterKind::sigmoid_topk) t.router_bias = vector_of(in, "inputs", "router_bias");
@@ -200,8 +201,9 @@ struct LayerGrads {
 };
 
 LayerGrads layer_grads(const Tensors& out) {
-  LayerGrads g{values(out, "outputs", "dx"), values(out, "outputs", "dweights"),
-               values(out, "outputs", "dz")};
+  LayerGrads g;
+  g.dx = values(out, "outputs", "dx"), g.dweights = values(out, "outputs", "dweights"),
+  g.dz = values(out, "outputs", "dz");
   g.experts = weight_grad_outputs(out);
   if (has(out, "router_w_grad")) g.router_w = values(out, "outputs", "router_w_grad");
   if (has(out, "router_b_grad")) {

@@ -62,9 +62,14 @@ PairForward pair_forward(const Expert& w, const std::vector<Tracked>& x, const T
     lb[k] = bounds::operand(bounds::mid(s * xa, p), p);
   }
   const std::size_t n1 = kpad(H) + (r ? kpad(2 * r) : 0);
-  PairForward f{std::vector<Tracked>(I), std::vector<Tracked>(I), std::vector<Tracked>(I),
-                std::vector<Tracked>(I), std::vector<Tracked>(I), std::vector<Tracked>(H)};
-  f.lb = lb;
+  PairForward f{std::vector<Tracked>(I),
+                std::vector<Tracked>(I),
+                std::vector<Tracked>(I),
+                std::vector<Tracked>(I),
+                std::vector<Tracked>(I),
+                std::vector<Tracked>(H),
+                lb,
+                {}};
   for (std::size_t i = 0; i < I; ++i) {
     auto xq = [&](std::size_t q) { return x[q]; };
     f.g[i] = gemm_out(
