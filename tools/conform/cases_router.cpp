@@ -313,7 +313,8 @@ CaseResult sigmoid_case(const Shape& s, Data data, bool backward, std::size_t to
 }  // namespace
 
 void add_router_cases(std::vector<CaseDef>& out) {
-  const Shape shapes[] = {{"tiny", 2, 16, 1, Suite::smoke},
+  const Shape shapes[] = {{"one_token", 1, 16, 3, Suite::smoke},
+                          {"tiny", 2, 16, 1, Suite::smoke},
                           {"odd", 37, 64, 9, Suite::smoke},
                           {"realistic", 256, 4096, 16, Suite::def}};
   for (const auto& s : shapes)
