@@ -88,10 +88,79 @@ void judged_as_foreign(CaseResult& r, const Layer& l, const layer::Saved& saved,
         expect(r, false, "judged as another implementation: " + c.violations.front().one_line());
 }
 
+// One step's outputs: fresh buffers hold NaN, as a caller's might, so
+// every element must be written; the base weights' gradients where asked.
+struct StepOutputs {
+  std::vector<float> y, dx, gwr, gb, ma, mg;
+  std::vector<float> g[9];  // LoRA's six, then the base weights' three (empty if not asked)
+  layer::Gradients views;
+  StepOutputs(const Layer& l, bool base)
+      : y(l.T * l.H, NAN),
+        dx(l.T * l.H, NAN),
+        gwr(l.R * l.H, NAN),
+        gb(l.R, NAN),
+        ma(l.T * l.E, NAN),
+        mg(l.T * l.E, NAN) {
+    views.m_a = {ma.data(), l.T, l.E}, views.m_g = {mg.data(), l.T, l.E};
+    views.dx = {dx.data(), l.T, l.H};
+    views.router_w = {gwr.data(), l.R, l.H};
+    views.router_b = {gb.data(), l.R};
+    MatView<float>* v[9] = {&views.a_gate, &views.b_gate, &views.a_up, &views.b_up,  &views.a_down,
+                            &views.b_down, &views.w_gate, &views.w_up, &views.w_down};
+    for (int i = 0; i < 6; ++i) {
+      g[i].assign(l.lora_size(i), NAN);
+      *v[i] = {g[i].data(), l.E * l.lora_rows(i), l.lora_cols(i)};
+    }
+    const std::size_t base_rows[3] = {l.E * l.I, l.E * l.I, l.E * l.H};
+    for (int i = 0; i < 3 && base; ++i) {
+      g[6 + i].assign(l.E * l.I * l.H, NAN);
+      *v[6 + i] = {g[6 + i].data(), base_rows[i], l.E * l.I * l.H / base_rows[i]};
+    }
+  }
+  void append_to(std::vector<float>& out) const {
+    for (const auto* v : {&y, &dx, &gwr, &gb, &ma, &mg})
+      out.insert(out.end(), v->begin(), v->end());
+    for (const auto& v : g) out.insert(out.end(), v.begin(), v.end());
+  }
+};
+
+// Every output of the step against its bounded reference
+// (contracts::layer_bounds on the kernel's routing), one row each; the
+// rounding audit on y, dx and dL/dw with `audit`; then judged from tensors.
+void judge_step(CaseResult& r, const Layer& l, const layer::Weights& w, layer::Saved& saved,
+                StepOutputs& o, bool base, bool audit) {
+  const auto view = layer::saved_view(saved);
+  const auto ref = contracts::layer_bounds(l.cfg, w, {l.x.data(), l.T, l.H}, l.dy.data(), view,
+                                           {.base = base}, view.router_dw);
+  const std::pair<const char*, std::pair<std::vector<float>*, const std::vector<bounds::Tracked>*>>
+      named[] = {{"y", {&o.y, &ref.y}},
+                 {"dx", {&o.dx, &ref.dx}},
+                 {"router_w grad", {&o.gwr, &ref.dwr}},
+                 {"router_b grad", {&o.gb, &ref.db}},
+                 {"m_a", {&o.ma, &ref.m_a}},
+                 {"m_g", {&o.mg, &ref.m_g}},
+                 {"a_gate grad", {&o.g[0], &ref.dag}},
+                 {"b_gate grad", {&o.g[1], &ref.dbg}},
+                 {"a_up grad", {&o.g[2], &ref.dau}},
+                 {"b_up grad", {&o.g[3], &ref.dbu}},
+                 {"a_down grad", {&o.g[4], &ref.dad}},
+                 {"b_down grad", {&o.g[5], &ref.dbd}},
+                 {"w_gate grad", {&o.g[6], &ref.dwg}},
+                 {"w_up grad", {&o.g[7], &ref.dwu}},
+                 {"w_down grad", {&o.g[8], &ref.dwd}}};
+  for (const auto& [name, pair] : named)
+    if (!pair.first->empty())
+      compare_output(r, name, *pair.first, *pair.second,
+                     audit && (pair.first == &o.y || pair.first == &o.dx));
+  // dL/dw: the router path's input, left in the saved state.
+  const std::vector<float> dw(view.router_dw, view.router_dw + l.T * l.K);
+  compare_output(r, "dL/dw", dw, ref.dw, audit);
+  judged_as_foreign(r, l, saved, view.logits, o.y, o.dx, dw, o.gwr, o.gb, o.g);
+}
+
 // Two training steps: forward + backward, an update of every LoRA factor,
 // forward + backward again on the same saved state; contracts at full.
-// With `r`, every output of the last step against its bounded reference
-// (contracts::layer_bounds on the kernel's routing), one row each.
+// With `r`, every output of the last step judged (judge_step).
 std::vector<float> steps(Layer& l, Isa isa, bool base, CaseResult* r = nullptr, bool audit = true) {
   std::vector<float> out;
   layer::Saved saved;
@@ -99,61 +168,12 @@ std::vector<float> steps(Layer& l, Isa isa, bool base, CaseResult* r = nullptr, 
     if (step)
       for (auto& f : l.lora)
         for (std::size_t i = 0; i < f.size(); i += 3) f[i] = bf16(f[i].to_float() * 0.75f + 0.01f);
-    // Fresh output buffers hold NaN, as a caller's might: every element must be written.
-    std::vector<float> y(l.T * l.H, NAN), dx(l.T * l.H, NAN), g[6];
-    for (int i = 0; i < 6; ++i) g[i].assign(l.lora_size(i), NAN);
-    std::vector<float> gwr(l.R * l.H, NAN), gb(l.R, NAN), ma(l.T * l.E, NAN), mg(l.T * l.E, NAN);
-    layer::Gradients gr;
-    gr.m_a = {ma.data(), l.T, l.E}, gr.m_g = {mg.data(), l.T, l.E};
-    gr.dx = {dx.data(), l.T, l.H};
-    gr.router_w = {gwr.data(), l.R, l.H};
-    gr.router_b = {gb.data(), l.R};
-    MatView<float>* lv[6] = {&gr.a_gate, &gr.b_gate, &gr.a_up, &gr.b_up, &gr.a_down, &gr.b_down};
-    for (int i = 0; i < 6; ++i) *lv[i] = {g[i].data(), l.E * l.lora_rows(i), l.lora_cols(i)};
-    std::vector<float> gw[3];  // base weights, where the case asks for them
-    if (base) {
-      for (auto& v : gw) v.assign(l.E * l.I * l.H, NAN);
-      gr.w_gate = {gw[0].data(), l.E * l.I, l.H}, gr.w_up = {gw[1].data(), l.E * l.I, l.H},
-      gr.w_down = {gw[2].data(), l.E * l.H, l.I};
-    }
+    StepOutputs o(l, base);
     const auto w = l.weights();
-    layer::forward(l.cfg, w, {l.x.data(), l.T, l.H}, {y.data(), l.T, l.H}, saved, {.isa = isa});
-    layer::backward(l.cfg, w, {l.x.data(), l.T, l.H}, {l.dy.data(), l.T, l.H}, saved, gr);
-    if (r && step == 1) {
-      const auto view = layer::saved_view(saved);
-      const auto ref = contracts::layer_bounds(l.cfg, w, {l.x.data(), l.T, l.H}, l.dy.data(), view,
-                                               {.base = base}, view.router_dw);
-      const std::pair<const char*,
-                      std::pair<std::vector<float>*, const std::vector<bounds::Tracked>*>>
-          named[] = {{"y", {&y, &ref.y}},
-                     {"dx", {&dx, &ref.dx}},
-                     {"router_w grad", {&gwr, &ref.dwr}},
-                     {"router_b grad", {&gb, &ref.db}},
-                     {"m_a", {&ma, &ref.m_a}},
-                     {"m_g", {&mg, &ref.m_g}},
-                     {"a_gate grad", {&g[0], &ref.dag}},
-                     {"b_gate grad", {&g[1], &ref.dbg}},
-                     {"a_up grad", {&g[2], &ref.dau}},
-                     {"b_up grad", {&g[3], &ref.dbu}},
-                     {"a_down grad", {&g[4], &ref.dad}},
-                     {"b_down grad", {&g[5], &ref.dbd}},
-                     {"w_gate grad", {&gw[0], &ref.dwg}},
-                     {"w_up grad", {&gw[1], &ref.dwu}},
-                     {"w_down grad", {&gw[2], &ref.dwd}}};
-      for (const auto& [name, pair] : named)
-        if (!pair.first->empty())
-          compare_output(*r, name, *pair.first, *pair.second,
-                         audit && (pair.first == &y || pair.first == &dx));  // audit y, dx
-      // dL/dw: the router path's input, left in the saved state.
-      std::vector<float> dw(view.router_dw, view.router_dw + l.T * l.K);
-      compare_output(*r, "dL/dw", dw, ref.dw, audit);
-      const std::vector<float> weight_grads[9] = {g[0], g[1],  g[2],  g[3], g[4],
-                                                  g[5], gw[0], gw[1], gw[2]};
-      judged_as_foreign(*r, l, saved, view.logits, y, dx, dw, gwr, gb, weight_grads);
-    }
-    for (auto* v : {&y, &dx, &gwr, &gb, &ma, &mg}) out.insert(out.end(), v->begin(), v->end());
-    for (auto& v : g) out.insert(out.end(), v.begin(), v.end());
-    for (auto& v : gw) out.insert(out.end(), v.begin(), v.end());
+    layer::forward(l.cfg, w, {l.x.data(), l.T, l.H}, {o.y.data(), l.T, l.H}, saved, {.isa = isa});
+    layer::backward(l.cfg, w, {l.x.data(), l.T, l.H}, {l.dy.data(), l.T, l.H}, saved, o.views);
+    if (r && step == 1) judge_step(*r, l, w, saved, o, base, audit);
+    o.append_to(out);
   }
   return out;
 }
