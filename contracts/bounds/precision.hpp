@@ -83,17 +83,9 @@ inline Tracked input(float v, const Precision& p) {
 /// errors, the accumulation's, the flushes.
 template <class A, class B>
 Tracked dot_accumulated(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p) {
-  double v = 0, prop = 0, mag = 0, flushed = 0;
-  for (std::size_t i = 0; i < count; ++i) {
-    const Tracked x = a(i), y = b(i);
-    v += x.v * y.v;
-    prop += propagate_safe(x.e, std::fabs(y.v), std::fabs(x.v), y.e);
-    const double m = x.mag() == 0 || y.mag() == 0 ? 0.0 : x.mag() * y.mag();
-    mag += m;
-    if (ref::may_flush(x) || ref::may_flush(y)) flushed += m;
-  }
+  const ref::DotTerms d = ref::dot_terms(count, a, b);
   const double n = static_cast<double>(n_terms);
-  return {v, prop + accumulated(n, kU32, p) * mag + 3 * n * kMinNormal32 + flushed};
+  return {d.v, d.propagated + accumulated(n, kU32, p) * d.mag + 3 * n * kMinNormal32 + d.flushed};
 }
 
 /// An fp32-accumulated sum of n_terms products, stored as an intermediate.

@@ -88,6 +88,28 @@ inline bool may_flush(const bounds::Tracked& a) {
   return a.mag() > 0 && std::fabs(a.v) - a.e < bounds::kMinNormal32;
 }
 
+/// The parts of the bound on a sum of products a(i) * b(i), i < count, of
+/// Tracked operands: the exact sum, the operands' errors propagated, the
+/// sum of |a_i b_i| (as the kernel may hold them) and that part of it whose
+/// inputs may be flushed.
+struct DotTerms {
+  double v = 0, propagated = 0, mag = 0, flushed = 0;
+};
+template <class A, class B>
+DotTerms dot_terms(std::size_t count, A a, B b) {
+  using bounds::Tracked;
+  DotTerms d;
+  for (std::size_t i = 0; i < count; ++i) {
+    const Tracked x = a(i), y = b(i);
+    d.v += x.v * y.v;
+    d.propagated += bounds::propagate_safe(x.e, std::fabs(y.v), std::fabs(x.v), y.e);
+    const double m = x.mag() == 0 || y.mag() == 0 ? 0.0 : x.mag() * y.mag();
+    d.mag += m;
+    if (may_flush(x) || may_flush(y)) d.flushed += m;
+  }
+  return d;
+}
+
 /// An fp32 sum of the products a(i) * b(i), i < count (any order, §1),
 /// n_terms terms counted for gamma (zero padding included). With S =
 /// Tracked: the propagated errors plus bounds::dot, inputs that may be
@@ -95,17 +117,8 @@ inline bool may_flush(const bounds::Tracked& a) {
 template <class S, class A, class B>
 S kdot(std::size_t count, A a, B b, std::size_t n_terms) {
   if constexpr (std::is_same_v<S, bounds::Tracked>) {
-    using namespace bounds;
-    double v = 0, prop = 0, mag = 0, flushed = 0;
-    for (std::size_t i = 0; i < count; ++i) {
-      const Tracked x = a(i), y = b(i);
-      v += x.v * y.v;
-      prop += propagate_safe(x.e, std::fabs(y.v), std::fabs(x.v), y.e);
-      const double m = x.mag() == 0 || y.mag() == 0 ? 0.0 : x.mag() * y.mag();
-      mag += m;
-      if (may_flush(x) || may_flush(y)) flushed += m;
-    }
-    return {v, prop + bounds::dot(n_terms, mag, flushed)};
+    const DotTerms d = dot_terms(count, a, b);
+    return {d.v, d.propagated + bounds::dot(n_terms, d.mag, d.flushed)};
   } else {
     S s = 0;
     for (std::size_t i = 0; i < count; ++i) s += S(a(i)) * S(b(i));
