@@ -1,4 +1,5 @@
-"""Judge another implementation's router outputs with moecert's clauses (docs/JUDGE.md).
+"""Judge another implementation's router, experts or layer outputs with moecert's clauses
+(docs/JUDGE.md).
 
     import moecert.check as check
     v = check.product_key_backward(sx, sy, idx, g, dsx, dsy)   # torch tensors or numpy arrays
