@@ -630,7 +630,7 @@ TEST_CASE(
   CHECK(failures(out).empty());
   // The idle expert (Routing::idle: expert E - 1) with a nonzero gradient.
   auto idle = out;
-  idle["b_up_grad"].f.back() = 1e-30f;
+  idle["b_up_grad"].f.back() = 1e-30f;  // any nonzero value: the clause asks for exactly 0
   using Ids = std::vector<std::string>;
   const Ids beyond_bounds{"experts.backward.within_bound", "experts.backward.spread_explained"};
   CHECK(failures(idle) ==
