@@ -5,16 +5,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "contracts/experts_train.hpp"
 #include "contracts/judge_ops.hpp"
-#include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
-#include "moecert/router.hpp"
 #include "ops/layer/state.hpp"
 #include "test_util.hpp"
 #include "tests/fixture/layer_judged.hpp"
@@ -29,7 +26,7 @@ using Problem = fixture::LayerProblem;
 // One layer step as another implementation's tensors (the fixture's
 // layer_inputs, judged_step), every gradient asked for.
 struct Step {
-  jg::Tensors in, forward_out, backward_out;
+  jg::Tensors in, forward_out, backward_in, backward_out;
   jg::Params params;
 };
 
@@ -57,16 +54,8 @@ Step layer_step(const Problem& p, Isa isa) {
   const std::vector<float> dw(view.router_dw, view.router_dw + p.T * p.K);
   const auto judged =
       fixture::judged_step(p, view.logits, idx, weights, y, dx, dw, dwr, db, weight_grads);
-  return {fixture::layer_inputs(p), judged.forward_out, judged.backward_out,
+  return {fixture::layer_inputs(p), judged.forward_out, judged.backward_in, judged.backward_out,
           fixture::layer_params(p)};
-}
-
-// The backward's inputs: the forward's plus its z, idx, weights and dy.
-jg::Tensors backward_inputs(const Step& s, const Problem& p) {
-  jg::Tensors in = s.in;
-  for (const char* name : {"z", "idx", "weights"}) in[name] = s.forward_out.at(name);
-  in["dy"] = fixture::tensor(p.dy, p.T);
-  return in;
 }
 
 // The clauses that failed, sorted.
@@ -111,8 +100,7 @@ TEST_CASE("layer.forward, layer.backward: moecert's layer judged from tensors pa
                "layer.router_linear.within_bound", "router." + router + ".within_bound",
                "layer.forward.within_bound", "gemm.pack.w_range", "layer.forward.lora_finite"})
         CHECK(evaluated(fwd, id));
-      const auto bwd =
-          jg::judge_op("layer.backward", backward_inputs(s, p), s.backward_out, s.params);
+      const auto bwd = jg::judge_op("layer.backward", s.backward_in, s.backward_out, s.params);
       CHECK(failures(bwd).empty());
       for (const std::string& id :
            std::vector<std::string>{"router." + router + "_backward.within_bound",
@@ -153,7 +141,7 @@ TEST_CASE("layer.forward, layer.backward: each stage's error is named by its cla
   CHECK(has(forward_with("y", 50, [](jg::Tensor& t, std::size_t i) { t.f[i] = NAN; }),
             "layer.forward.y_finite"));
 
-  const jg::Tensors in = backward_inputs(s, p);
+  const jg::Tensors& in = s.backward_in;
   auto backward_with = [&](const char* name, std::size_t i, auto change) {
     jg::Tensors out = s.backward_out;
     change(out.at(name), i);
