@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 
 namespace moecert::bench {
 
@@ -41,12 +42,29 @@ double settled_ms(const std::function<void()>& h) {
   return elapsed_ms(h);
 }
 
-// moecert at off and at each requested level, in alternation.
+// The clauses' times per op call from seconds summed over `calls` calls,
+// costliest first.
+std::vector<ClauseTime> per_call(const std::map<std::string, double>& seconds, std::size_t calls) {
+  std::vector<ClauseTime> out;
+  for (const auto& [id, s] : seconds) out.push_back({id, 1e3 * s / static_cast<double>(calls)});
+  std::sort(out.begin(), out.end(),
+            [](const ClauseTime& a, const ClauseTime& b) { return a.ms_per_call > b.ms_per_call; });
+  return out;
+}
+
+// moecert at off and at each requested level, in alternation; the clauses'
+// own times summed over every call at a level (settling calls included).
 void time_contract_levels(const Options& opt, const std::function<void()>& f, Result& r) {
-  auto at = [&f](Level level) {
-    return [&f, level] {
-      ContractScope scope{level};
+  std::vector<std::map<std::string, double>> seconds(opt.contracts.size());
+  std::vector<std::size_t> calls(opt.contracts.size());
+  auto at = [&](std::size_t l) {
+    return [&, l] {
+      ContractScope scope{l < opt.contracts.size() ? opt.contracts[l] : Level::off};
+      if (l == opt.contracts.size()) return f();
+      reset_clause_counts();
       f();
+      ++calls[l];
+      for (const auto& c : clause_counts()) seconds[l][c.id] += c.seconds;
     };
   };
   r.ms.clear(), r.peer_ms.clear(), r.contracts.clear();
@@ -57,16 +75,17 @@ void time_contract_levels(const Options& opt, const std::function<void()>& f, Re
   }
   std::vector<std::vector<double>> ratio(opt.contracts.size());
   for (int i = 0; i < opt.reps; ++i) {
-    r.ms.push_back(settled_ms(at(Level::off)));
+    r.ms.push_back(settled_ms(at(opt.contracts.size())));
     for (std::size_t l = 0; l < opt.contracts.size(); ++l) {
-      r.contracts[l].ms.push_back(settled_ms(at(opt.contracts[l])));
+      r.contracts[l].ms.push_back(settled_ms(at(l)));
       ratio[l].push_back(r.contracts[l].ms.back() / r.ms.back());
     }
   }
   r.median_ms = median(r.ms);
   for (std::size_t l = 0; l < opt.contracts.size(); ++l)
     r.contracts[l].median_ms = median(r.contracts[l].ms),
-    r.contracts[l].overhead = median(ratio[l]) - 1;
+    r.contracts[l].overhead = median(ratio[l]) - 1,
+    r.contracts[l].clauses = per_call(seconds[l], calls[l]);
 }
 
 }  // namespace

@@ -28,12 +28,19 @@ struct Options {
   std::vector<Level> contracts;
 };
 
+/// One clause's mean wall time per op call at one level.
+struct ClauseTime {
+  std::string id;
+  double ms_per_call = 0;
+};
+
 /// moecert's runs at one contract level, against its runs at `off`.
 struct ContractRuns {
   Level level = Level::off;
   std::vector<double> ms;  // run i follows off's run i
   double median_ms = 0;
-  double overhead = 0;  // median over i of ms[i] / off_ms[i], minus 1
+  double overhead = 0;               // median over i of ms[i] / off_ms[i], minus 1
+  std::vector<ClauseTime> clauses;   // every clause timed at this level, costliest first
 };
 
 struct Result {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -285,6 +286,23 @@ void Checker::fail(const ClauseInfo& clause, std::string location, std::string o
   g_handler.load()(v);
   if (settings_.semantic == Semantic::enforce) throw ContractViolation(std::move(v));
   if (clause.kind == ClauseKind::pre) pre_failed_ = true;
+}
+
+namespace {
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+ClauseTimer::ClauseTimer(const ClauseInfo& clause) : clause_(clause), start_ns_(now_ns()) {}
+
+ClauseTimer::~ClauseTimer() {
+  const double seconds = static_cast<double>(now_ns() - start_ns_) * 1e-9;
+  auto& c = counters();
+  std::lock_guard lock(c.mu);
+  c.at(clause_.id).seconds += seconds;
 }
 
 OverlapPair first_overlap(const ByteRange* ranges, int n) {

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -57,6 +58,21 @@ class Checker {
   bool pre_failed_ = false;
 };
 
+/// Adds the wall time from its construction to its destruction to
+/// `clause`'s ClauseCount::seconds (the cost of one evaluation, for
+/// `moecert bench --contracts ... --clause-times`).
+class ClauseTimer {
+ public:
+  explicit ClauseTimer(const ClauseInfo& clause);
+  ~ClauseTimer();
+  ClauseTimer(const ClauseTimer&) = delete;
+  ClauseTimer& operator=(const ClauseTimer&) = delete;
+
+ private:
+  const ClauseInfo& clause_;
+  std::int64_t start_ns_;
+};
+
 /// The first (lowest-index) pair of byte ranges that overlap among `n`
 /// ranges, or {-1, -1}. Quadratic in n; n is the argument count of one op.
 struct OverlapPair {
@@ -72,10 +88,12 @@ std::string format_range(ByteRange r);
 }  // namespace moecert::detail
 
 /// Evaluates the following block when `clause` is compiled in (cap) and on
-/// (runtime settings). `clause` must be a constant expression.
+/// (runtime settings), timed into the clause's counters. `clause` must be a
+/// constant expression.
 #define MOECERT_CONTRACT(checker, clause)                      \
   if constexpr (::moecert::detail::cap_allows((clause).level)) \
-    if ((checker).on(clause))
+    if ((checker).on(clause))                                  \
+      if (::moecert::detail::ClauseTimer moecert_clause_timer_{clause}; true)
 
 /// A broken internal invariant: a moecert bug, not bad input. Always on.
 #define MOECERT_ASSERT(cond)     \

@@ -27,6 +27,13 @@ std::size_t available_bytes() {
   return 0;
 }
 
+// {id: ms per call}, costliest first.
+boost::json::object clause_times(const std::vector<bench::ClauseTime>& clauses) {
+  boost::json::object o;
+  for (const auto& c : clauses) o[c.id] = c.ms_per_call;
+  return o;
+}
+
 boost::json::object to_json(const bench::Result& r) {
   const double speedup = r.median_ms > 0 ? r.peer_median_ms / r.median_ms : 0;
   boost::json::object o{
@@ -63,6 +70,7 @@ boost::json::object to_json(const bench::Result& r) {
       levels.push_back({{"level", level_name(c.level)},
                         {"median_ms", c.median_ms},
                         {"overhead", c.overhead},
+                        {"clause_ms_per_call", clause_times(c.clauses)},
                         {"runs_ms", boost::json::array(c.ms.begin(), c.ms.end())}});
     o["contracts"] = std::move(levels);  // median_ms and runs_ms above: moecert at off
   }
@@ -81,13 +89,23 @@ std::vector<Level> contract_levels(const std::vector<std::string>& names) {
   return out;
 }
 
-void print_result(const bench::Result& r) {
+// Under a contract line, each level's costliest clauses (ms per op call).
+void print_clause_times(const bench::ContractRuns& c, std::size_t top) {
+  std::string line;
+  for (std::size_t i = 0; i < std::min(top, c.clauses.size()); ++i)
+    line += fmt::format("{}{} {:.3f}", i ? ", " : "", c.clauses[i].id, c.clauses[i].ms_per_call);
+  fmt::print("    {} clauses, ms per call: {}\n", level_name(c.level), line);
+}
+
+void print_result(const bench::Result& r, std::size_t clause_times) {
   if (!r.contracts.empty()) {
     std::string levels;
     for (const auto& c : r.contracts)
       levels += fmt::format("  {} {:.2f} ms ({:+.1f}%)", level_name(c.level), c.median_ms,
                             100 * c.overhead);
     fmt::print("{:<44} {:>6} off {:.2f} ms{}\n", r.name, r.isa.substr(0, 6), r.median_ms, levels);
+    for (const auto& c : r.contracts)
+      if (clause_times) print_clause_times(c, clause_times);
     return;
   }
   fmt::print("{:<44} {:>6} {:>11.2f} {:>9.3f} {:>11.2f} {:>9.3f} {:>7.2f}x {:>7}  {}\n", r.name,
@@ -100,6 +118,7 @@ struct BenchArgs {
   std::vector<std::string> cases, contracts;
   std::optional<std::string> json, isa;
   int threads = default_threads(), reps = 5;
+  std::size_t clause_times = 0;
   bool list = false;
 };
 
@@ -132,7 +151,7 @@ void print_header(const bench::Options& opt) {
         "case", "isa");
 }
 
-bench::Result run_case(const bench::Case& c, const bench::Options& opt) {
+bench::Result run_case(const bench::Case& c, const bench::Options& opt, std::size_t clause_times) {
   bench::Result r;
   if (c.bytes_needed > available_bytes() * 9 / 10) {
     r.name = c.name;
@@ -146,7 +165,7 @@ bench::Result run_case(const bench::Case& c, const bench::Options& opt) {
     r = c.run(opt);
     if (!opt.contracts.empty())
       r.peer.clear(), r.note = "--contracts: moecert at off and at each level; no peer run";
-    print_result(r);
+    print_result(r, clause_times);
   }
   std::fflush(stdout);
   return r;
@@ -168,7 +187,7 @@ int run_bench(const BenchArgs& a) {
   for (const auto& c : cases) {
     bool selected = a.cases.empty();
     for (const auto& p : a.cases) selected |= c.name.find(p) != std::string::npos;
-    if (selected) results.push_back(to_json(run_case(c, opt)));
+    if (selected) results.push_back(to_json(run_case(c, opt, a.clause_times)));
   }
   if (const auto& path = a.json) {
     auto env = to_json(environment(opt.threads, std::string(isa_name(opt.isa))));
@@ -196,6 +215,8 @@ void add_bench(CLI::App& app, Command& run) {
       ->capture_default_str();
   sub->add_option("--contracts", a->contracts,
                   "check, audit or full: time moecert at off and at each level, alternating");
+  sub->add_option("--clause-times", a->clause_times,
+                  "with --contracts: print each level's N costliest clauses (ms per op call)");
   sub->add_flag("--list", a->list, "print the case names and stop");
   sub->callback([a, &run] { run = [a] { return run_bench(*a); }; });
 }

@@ -159,6 +159,7 @@ struct ClauseCount {
   std::string id;
   std::uint64_t checked = 0;   // evaluations
   std::uint64_t violated = 0;  // violations (under any semantic but ignore)
+  double seconds = 0;          // wall time in the clause's evaluations (nested ones included)
 };
 
 /// Counters of every clause evaluated or violated so far, sorted by id.

@@ -94,14 +94,16 @@ void Arena::enter(int step, detail::Checker& c) {
   const int previous = step > current_ ? current_ : step - 1;
   current_ = step;
   std::byte* base = block_.get() + kGuard;
-  bool poison = false;
-  MOECERT_CONTRACT(c, k::kArenaGuard) { poison = true; }
-  for (std::size_t i = 0; i < plan_.buffers.size(); ++i) {
-    const auto& b = plan_.buffers[i];
-    if (b.first <= previous || b.first > step) continue;  // not fresh here
-    const std::uint64_t size = round_up(b.bytes, kAlign);
-    std::memset(base + offsets_[i] + size, kGuardByte, kGuard);
-    if (poison) poison_words(reinterpret_cast<std::uint32_t*>(base + offsets_[i]), size / 4);
+  auto fresh = [&](const Buffer& b) { return b.first > previous && b.first <= step; };
+  for (std::size_t i = 0; i < plan_.buffers.size(); ++i)
+    if (fresh(plan_.buffers[i]))
+      std::memset(base + offsets_[i] + round_up(plan_.buffers[i].bytes, kAlign), kGuardByte,
+                  kGuard);
+  MOECERT_CONTRACT(c, k::kArenaGuard) {
+    for (std::size_t i = 0; i < plan_.buffers.size(); ++i)
+      if (fresh(plan_.buffers[i]))
+        poison_words(reinterpret_cast<std::uint32_t*>(base + offsets_[i]),
+                     round_up(plan_.buffers[i].bytes, kAlign) / 4);
   }
 }
 
