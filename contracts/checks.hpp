@@ -6,9 +6,12 @@
 #include <oneapi/tbb/parallel_reduce.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -46,9 +49,12 @@ inline void no_overlap(Checker& c, const ClauseInfo& clause,
 
 /// bf16 value usable by the GEMM bounds: 0, or 2^-60 <= |x| <= 2^60 (so no
 /// product of two such values underflows or overflows; proofs/bounds.md §0).
+/// Inf and NaN are outside. Branch-free on the magnitude bits, so scans
+/// vectorize.
 constexpr bool bf16_in_range(bf16 x) {
-  const unsigned e = (x.bits >> 7) & 0xffu;
-  return (x.bits & 0x7fffu) == 0 || (e >= 127 - 60 && e <= 127 + 60);
+  const std::uint16_t mag = x.bits & 0x7fffu;
+  constexpr std::uint16_t lo = (127 - 60) << 7, hi = ((127 + 60) << 7) | 0x7f;
+  return (mag == 0) | (static_cast<std::uint16_t>(mag - lo) <= hi - lo);
 }
 
 /// The least i < n for which ok(i) is false (n if none): indices in blocks
@@ -74,15 +80,51 @@ std::size_t first_failing(std::size_t n, std::size_t work, Ok ok) {
       [](std::size_t a, std::size_t b) { return std::min(a, b); });
 }
 
+/// Whether ok(p[i]) holds for every i < n: evaluated without an early exit
+/// inside blocks of 256 elements, the failures OR-ed in an integer as wide
+/// as T, so that a predicate on bits vectorizes.
+template <class T, class Pred>
+bool all_of(const T* p, std::size_t n, Pred ok) {
+  using Bits = std::conditional_t<sizeof(T) == 2, std::uint16_t, std::uint32_t>;
+  constexpr std::size_t kBlock = 256;
+  for (std::size_t i = 0; i < n; i += kBlock) {
+    Bits bad = 0;
+    const std::size_t end = std::min(n, i + kBlock);
+    for (std::size_t k = i; k < end; ++k) bad |= static_cast<Bits>(!ok(p[k]));
+    if (bad) return false;
+  }
+  return true;
+}
+
 /// The first row of m holding an element for which ok(value) is false
 /// (m.rows if none).
 template <class T, class Pred>
 std::size_t first_failing_row(MatView<const T> m, Pred ok) {
-  return first_failing(m.rows, m.cols, [&](std::size_t i) {
-    for (std::size_t j = 0; j < m.cols; ++j)
-      if (!ok(m(i, j))) return false;
-    return true;
+  return first_failing(m.rows, m.cols, [&](std::size_t i) { return all_of(m.row(i), m.cols, ok); });
+}
+
+/// The first element of m in row-major order for which ok(value) is false,
+/// as i * cols + j (rows * cols if none). A dense m is scanned as one array
+/// in blocks on the op's threads, however narrow its rows.
+template <class T, class Pred>
+std::size_t first_failing_element(MatView<const T> m, Pred ok) {
+  const std::size_t n = m.rows * m.cols;
+  if (m.stride != m.cols || m.cols >= 4096) {
+    const std::size_t i = first_failing_row(m, ok);
+    if (i == m.rows) return n;
+    std::size_t j = 0;
+    while (ok(m(i, j))) ++j;
+    return i * m.cols + j;
+  }
+  constexpr std::size_t kBlock = 4096;  // in elements
+  const std::size_t blocks = (n + kBlock - 1) / kBlock;
+  const std::size_t b = first_failing(blocks, kBlock, [&](std::size_t b) {
+    return all_of(m.data + b * kBlock, std::min(kBlock, n - b * kBlock), ok);
   });
+  if (b == blocks) return n;
+  std::size_t i = b * kBlock;
+  while (ok(m.data[i])) ++i;
+  return i;
 }
 
 /// Fails `clause` at the first element of `m` (row-major) for which
@@ -90,25 +132,31 @@ std::size_t first_failing_row(MatView<const T> m, Pred ok) {
 template <class T, class Pred>
 bool scan(Checker& c, const ClauseInfo& clause, std::string_view name, MatView<const T> m, Pred ok,
           std::string_view expected) {
-  const std::size_t i = first_failing_row(m, ok);
-  if (i == m.rows) return true;
-  std::size_t j = 0;
-  while (ok(m(i, j))) ++j;
+  const std::size_t at = first_failing_element(m, ok);
+  if (at == m.rows * m.cols) return true;
+  const std::size_t i = at / m.cols, j = at % m.cols;
   c.fail(clause, fmt::format("{}[{}, {}]", name, i, j),
          fmt::format("{}={}", name, static_cast<double>(static_cast<float>(m(i, j)))),
          std::string(expected));
   return false;
 }
 
+/// Whether v is finite, from its bits (vectorizes; no floating compare).
+constexpr bool finite_bits(float v) {
+  return (std::bit_cast<std::uint32_t>(v) & 0x7f800000u) != 0x7f800000u;
+}
+constexpr bool finite_bits(bf16 v) { return v.is_finite(); }
+
 template <class T>
 bool scan_finite(Checker& c, const ClauseInfo& clause, std::string_view name, MatView<const T> m) {
   return scan(
-      c, clause, name, m, [](T v) { return std::isfinite(static_cast<float>(v)); }, "finite");
+      c, clause, name, m, [](T v) { return finite_bits(v); }, "finite");
 }
 
 inline bool scan_bf16_range(Checker& c, const ClauseInfo& clause, std::string_view name,
                             MatView<const bf16> m) {
-  return scan(c, clause, name, m, bf16_in_range, "0 or 2^-60 <= |x| <= 2^60");
+  return scan(
+      c, clause, name, m, [](bf16 v) { return bf16_in_range(v); }, "0 or 2^-60 <= |x| <= 2^60");
 }
 
 }  // namespace moecert::detail

@@ -299,10 +299,13 @@ std::int64_t now_ns() {
 ClauseTimer::ClauseTimer(const ClauseInfo& clause) : clause_(clause), start_ns_(now_ns()) {}
 
 ClauseTimer::~ClauseTimer() {
-  const double seconds = static_cast<double>(now_ns() - start_ns_) * 1e-9;
+  add_clause_seconds(clause_, static_cast<double>(now_ns() - start_ns_) * 1e-9);
+}
+
+void add_clause_seconds(const ClauseInfo& clause, double seconds) {
   auto& c = counters();
   std::lock_guard lock(c.mu);
-  c.at(clause_.id).seconds += seconds;
+  c.at(clause.id).seconds += seconds;
 }
 
 OverlapPair first_overlap(const ByteRange* ranges, int n) {

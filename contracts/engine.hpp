@@ -73,6 +73,10 @@ class ClauseTimer {
   std::int64_t start_ns_;
 };
 
+/// Adds `seconds` to `clause`'s ClauseCount::seconds (work a clause did
+/// outside its MOECERT_CONTRACT block, e.g. inside the op's passes).
+void add_clause_seconds(const ClauseInfo& clause, double seconds);
+
 /// The first (lowest-index) pair of byte ranges that overlap among `n`
 /// ranges, or {-1, -1}. Quadratic in n; n is the argument count of one op.
 struct OverlapPair {

@@ -2,6 +2,7 @@
 // bodies the layer shares with them (proofs/experts.md).
 #include "contracts/experts_train.hpp"
 
+#include <chrono>
 #include <cmath>
 
 #include "contracts/bounds/experts.hpp"
@@ -121,7 +122,7 @@ void lora_finite(detail::Checker& c, const ClauseInfo& clause, const experts::Lo
   for (std::size_t i = 0; i < 6 && l.rank; ++i)
     if (!detail::scan(
             c, clause, fmt::format("lora.{}", lora_shapes(E, H, I, l.rank)[i].name),
-            lora_views(l)[i], [](bf16 v) { return v.is_finite() && detail::bf16_in_range(v); },
+            lora_views(l)[i], [](bf16 v) { return detail::bf16_in_range(v); },
             "finite, 0 or 2^-60 <= |a| <= 2^60"))
       break;
 }
@@ -140,21 +141,39 @@ namespace {
 // Whether every padding element of w (n >= N or k >= K) is +-0, read in
 // storage order: the judge's statement of PackedWeights' layout
 // (include/moecert/gemm.hpp): 16-column panels kp deep in VNNI pairs,
-// W[n][k] at (n / 16) kp 16 + (k / 2) 32 + (n % 16) 2 + k % 2.
+// W[n][k] at (n / 16) kp 16 + (k / 2) 32 + (n % 16) 2 + k % 2. Only the
+// padding is read, in contiguous runs: the pairs past K, an odd K's last
+// odd elements, and the columns past N of the last panel.
 bool padding_zero(const gemm::PackedWeights& w) {
   constexpr std::size_t P = gemm::PackedWeights::kPanel;
-  const std::size_t N = w.n(), K = w.k(), kp = w.kp();
+  const std::size_t N = w.n(), K = w.k(), kp = w.kp(), pairs = (K + 1) / 2;
+  auto zero = [](bf16 v) { return (v.bits & 0x7fffu) == 0; };
   for (std::size_t p = 0; p < w.np() / P; ++p) {
     const bf16* panel = w.data() + p * kp * P;
-    for (std::size_t q = 0; q < kp / 2; ++q)
-      for (std::size_t col = 0; col < P; ++col) {
-        const bool pad_row = p * P + col >= N;
-        const bf16* pair = panel + q * 2 * P + col * 2;
-        if ((pad_row || 2 * q >= K) && (pair[0].bits & 0x7fff)) return false;
-        if ((pad_row || 2 * q + 1 >= K) && (pair[1].bits & 0x7fff)) return false;
-      }
+    if (!detail::all_of(panel + pairs * 2 * P, (kp / 2 - pairs) * 2 * P, zero)) return false;
+    for (std::size_t col = 0; K % 2 && col < P; ++col)
+      if (!zero(panel[(K / 2) * 2 * P + col * 2 + 1])) return false;
+    const std::size_t live = N > p * P ? std::min(P, N - p * P) : 0;
+    for (std::size_t q = 0; live < P && q < pairs; ++q)
+      if (!detail::all_of(panel + q * 2 * P + live * 2, (P - live) * 2, zero)) return false;
   }
   return true;
+}
+
+}  // namespace
+
+namespace {
+
+// Fails `clause` at f's first nonzero padding element, named by (n, k).
+void fail_padding(detail::Checker& c, const ClauseInfo& clause, const PackedFactor& f) {
+  const gemm::PackedWeights& w = *f.packed;
+  for (std::size_t n = 0; n < w.np(); ++n)
+    for (std::size_t kk = n < w.n() ? w.k() : 0; kk < w.kp(); ++kk)
+      if (w.at(n, kk).bits & 0x7fff) {
+        c.fail(clause, fmt::format("expert {} {} ({}, {})", f.expert, f.name, n, kk),
+               fmt::format("{}", w.at(n, kk).to_float()), "0 (rank padding)");
+        return;
+      }
 }
 
 }  // namespace
@@ -162,21 +181,29 @@ bool padding_zero(const gemm::PackedWeights& w) {
 void lora_padding(detail::Checker& c, const ClauseInfo& clause,
                   std::span<const PackedFactor> factors) {
   // The first factor with a nonzero padding element, found on the op's
-  // threads in storage order, then its first such element (n, k) named.
+  // threads in storage order, then its first such element named.
   const std::size_t work = factors.empty() ? 0 : factors[0].packed->size();
   const std::size_t i = detail::first_failing(factors.size(), work, [&](std::size_t f) {
     return !factors[f].packed->data() || padding_zero(*factors[f].packed);
   });
-  if (i == factors.size()) return;
-  const gemm::PackedWeights& w = *factors[i].packed;
-  for (std::size_t n = 0; n < w.np(); ++n)
-    for (std::size_t kk = n < w.n() ? w.k() : 0; kk < w.kp(); ++kk)
-      if (w.at(n, kk).bits & 0x7fff) {
-        c.fail(clause,
-               fmt::format("expert {} {} ({}, {})", factors[i].expert, factors[i].name, n, kk),
-               fmt::format("{}", w.at(n, kk).to_float()), "0 (rank padding)");
-        return;
-      }
+  if (i < factors.size()) fail_padding(c, clause, factors[i]);
+}
+
+void LoraPaddingScan::expert(std::span<const PackedFactor, 8> factors) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const PackedFactor& f : factors)
+    if (f.packed->data() && !padding_zero(*f.packed)) {
+      std::lock_guard lock(mu_);
+      if (!first_ || f.expert < first_->expert) first_ = f;
+      break;
+    }
+  ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+             .count();
+}
+
+void LoraPaddingScan::report(detail::Checker& c, const ClauseInfo& clause) {
+  detail::add_clause_seconds(clause, static_cast<double>(ns_.load()) * 1e-9);
+  if (first_) fail_padding(c, clause, *first_);
 }
 
 std::vector<double> exact(const std::vector<Tracked>& ref) {
@@ -214,6 +241,38 @@ std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& 
   return {g.a_gate, g.b_gate, g.a_up, g.b_up, g.a_down, g.b_down, g.w_gate, g.w_up, g.w_down};
 }
 
+namespace {
+
+// Whether every saved value of grouped row `row` that the backward reads is
+// finite (padding rows hold none): contiguous runs, scanned by
+// detail::all_of. c1's gate and up columns of the full 16-column panels
+// are one run; h is row-major or in tiles of k_step-element row pieces.
+bool saved_row_finite(const ExpertRows& st, std::size_t I, std::size_t row) {
+  constexpr std::size_t P = gemm::PackedWeights::kPanel;
+  auto finite = [](auto v) { return detail::finite_bits(v); };
+  if (st.grouping.row_slot[row] < 0) return true;
+  const float* c1 = st.c1 + row * st.ldc1;
+  const std::size_t full = I / P * P, tail = I - full;
+  if (!detail::all_of(c1, 2 * full, finite) || !detail::all_of(c1 + 2 * full, tail, finite) ||
+      !detail::all_of(c1 + 2 * full + P, tail, finite))
+    return false;
+  const OperandRows& h = st.h;
+  if (h.tile_rows == 0) {
+    if (!detail::all_of(h.data + row * h.ld, I, finite)) return false;
+  } else {
+    for (std::size_t k = 0; k < I; k += h.k_step)
+      if (!detail::all_of(&h.data[(row / h.tile_rows) * h.ld + k * h.tile_rows +
+                                  (row % h.tile_rows) * h.k_step],
+                          std::min(h.k_step, I - k), finite))
+        return false;
+  }
+  const std::size_t r = st.rank;
+  return detail::all_of(st.xa + row * 2 * r, 2 * r, finite) &&
+         detail::all_of(st.ha + row * r, r, finite);
+}
+
+}  // namespace
+
 void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                         std::size_t I, const float* logits, std::size_t R) {
   // The saved state the backward reads, at the elements it reads (a NaN
@@ -232,34 +291,24 @@ void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const Trai
   for (std::size_t i = 0; i < T * K; ++i)
     if (s.idx[i] < -1 || s.idx[i] >= static_cast<std::int64_t>(gr.experts))
       return fail("router.idx", i / K, i % K, s.idx[i]);
-  // Each grouped row's saved values; the first row holding a non-finite one
-  // is found on the op's threads, then named.
-  auto check_row = [&](std::size_t row, auto&& bad) {
-    if (gr.row_slot[row] < 0) return true;
-    for (std::size_t i = 0; i < I; ++i) {
-      const std::size_t at = 2 * gemm::PackedWeights::kPanel * (i / gemm::PackedWeights::kPanel) +
-                             i % gemm::PackedWeights::kPanel;
-      for (const std::size_t col : {at, at + gemm::PackedWeights::kPanel})
-        if (!std::isfinite(st.c1[row * st.ldc1 + col]))
-          return bad("experts.c1", row, col, st.c1[row * st.ldc1 + col]);
-      if (!std::isfinite(st.h.at(row, i).to_float()))
-        return bad("experts.h", row, i, st.h.at(row, i).to_float());
-    }
-    for (std::size_t kk = 0; kk < 2 * r; ++kk)
-      if (!std::isfinite(st.xa[row * 2 * r + kk]))
-        return bad("lora.xa", row, kk, st.xa[row * 2 * r + kk]);
-    for (std::size_t kk = 0; kk < r; ++kk)
-      if (!std::isfinite(st.ha[row * r + kk])) return bad("lora.ha", row, kk, st.ha[row * r + kk]);
-    return true;
-  };
-  const auto quiet = [](const char*, std::size_t, std::size_t, double) { return false; };
-  const std::size_t row = detail::first_failing(gr.rows(), 3 * I + 3 * r,
-                                                [&](std::size_t i) { return check_row(i, quiet); });
-  if (row < gr.rows())
-    check_row(row, [&](const char* buffer, std::size_t rw, std::size_t col, double v) {
-      fail(buffer, rw, col, v);
-      return false;
-    });
+  // The first grouped row holding a non-finite saved value, found on the
+  // op's threads, then its first such value named.
+  const std::size_t row = detail::first_failing(
+      gr.rows(), 3 * I + 3 * r, [&](std::size_t i) { return saved_row_finite(st, I, i); });
+  if (row == gr.rows()) return;
+  constexpr std::size_t P = gemm::PackedWeights::kPanel;
+  for (std::size_t i = 0; i < I; ++i) {
+    for (const std::size_t col : {2 * P * (i / P) + i % P, 2 * P * (i / P) + i % P + P})
+      if (!std::isfinite(st.c1[row * st.ldc1 + col]))
+        return fail("experts.c1", row, col, st.c1[row * st.ldc1 + col]);
+    if (!std::isfinite(st.h.at(row, i).to_float()))
+      return fail("experts.h", row, i, st.h.at(row, i).to_float());
+  }
+  for (std::size_t kk = 0; kk < 2 * r; ++kk)
+    if (!std::isfinite(st.xa[row * 2 * r + kk]))
+      return fail("lora.xa", row, kk, st.xa[row * 2 * r + kk]);
+  for (std::size_t kk = 0; kk < r; ++kk)
+    if (!std::isfinite(st.ha[row * r + kk])) return fail("lora.ha", row, kk, st.ha[row * r + kk]);
 }
 
 void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
@@ -417,7 +466,7 @@ void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts&
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kFwdXFinite) {
     detail::scan(
-        c, k::kFwdXFinite, "x", x, [](bf16 v) { return v.is_finite() && detail::bf16_in_range(v); },
+        c, k::kFwdXFinite, "x", x, [](bf16 v) { return detail::bf16_in_range(v); },
         "finite, 0 or 2^-60 <= |x| <= 2^60");
   }
   MOECERT_CONTRACT(c, k::kFwdLoraFinite) { lora_finite(c, k::kFwdLoraFinite, lora, E, H, I); }

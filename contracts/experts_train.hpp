@@ -4,6 +4,10 @@
 #pragma once
 
 #include <array>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -63,6 +67,22 @@ void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, 
 /// The packed LoRA factors' rank padding is zero.
 void lora_padding(detail::Checker& c, const ClauseInfo& clause,
                   std::span<const PackedFactor> factors);
+
+/// lora_padding judged while the packs are made: expert() reads one
+/// expert's packs on the thread that just wrote them (still in its cache)
+/// and keeps the first offender (lowest expert, then factor); report()
+/// fails `clause` there as lora_padding does, and adds the time spent in
+/// expert() to the clause's.
+class LoraPaddingScan {
+ public:
+  void expert(std::span<const PackedFactor, 8> factors);  // thread-safe
+  void report(detail::Checker& c, const ClauseInfo& clause);
+
+ private:
+  std::mutex mu_;
+  std::optional<PackedFactor> first_;
+  std::atomic<std::int64_t> ns_{0};
+};
 
 /// The exact values of a Tracked reference.
 std::vector<double> exact(const std::vector<bounds::Tracked>& ref);

@@ -397,6 +397,28 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
         "experts.forward_train.lora_padding", Level::check);
     CHECK(v.location.rfind("expert 2 b_d", 0) == 0);
   }
+  SECTION("lora_padding, judged as each expert's packs are written (the op's path)") {
+    contracts::LoraPaddingScan scan;
+    const auto judge = experts::judge_padding(scan);
+    experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true, {},
+                              [&](std::size_t e, const experts::PackedLoraExpert& packs) {
+                                if (e == 2 || e == 5) {  // the lower expert is named
+                                  auto& w = const_cast<gemm::PackedWeights&>(packs.a_d_t);
+                                  w.mutable_data_for_testing()[w.size() - 1] = bf16(-2.0f);
+                                }
+                                judge(e, packs);
+                              });
+    auto v = test::expect_violation(
+        [&] {
+          detail::Checker c{"experts.forward_train"};
+          MOECERT_CONTRACT(c, clauses::experts_train::kFwdLoraPadding) {
+            scan.report(c, clauses::experts_train::kFwdLoraPadding);
+          }
+        },
+        "experts.forward_train.lora_padding", Level::check);
+    CHECK(v.location.rfind("expert 2 a_d_t", 0) == 0);
+    CHECK(v.observed == "-2");
+  }
   experts::Saved saved;
   std::vector<float> y(p.T * p.H);
   experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H},

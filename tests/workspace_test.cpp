@@ -2,6 +2,7 @@
 // its clauses, guard zones, poison, and the alias hook of FIELD_NOTES 3.
 #include "contracts/workspace.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -141,6 +142,58 @@ TEST_CASE("workspace.plan: clauses", "[workspace][contracts]") {
         },
         "workspace.plan.disjoint", Level::check);
     CHECK(v.location == "experts.c1 and experts.h");
+  }
+}
+
+TEST_CASE("workspace.arena: poison at check is one word per KiB, rotating; at audit every word",
+          "[workspace][contracts]") {
+  const MoeConfig c{.experts = 8,
+                    .hidden = 512,
+                    .inter = 384,
+                    .topk = 2,
+                    .lora_rank = 4,
+                    .lora_alpha = 8,
+                    .max_tokens = 64};
+  const Plan p = workspace::plan(c, 64);
+  const std::size_t bytes = p.find("experts.c1")->bytes, words = bytes / 4;
+  REQUIRE(bytes > workspace::kSparseAbove);
+  workspace::Arena arena;
+  // c1's words holding the poison after one more bind at `level`, c1 zeroed before.
+  auto poisoned = [&](Level level) {
+    ContractScope s{level, Semantic::enforce};
+    detail::Checker chk{"test.arena"};
+    std::vector<std::size_t> at;
+    for (int pass = 0; pass < 2; ++pass) {
+      arena.bind(p, chk);
+      arena.enter(workspace::f_route, chk);
+      arena.enter(workspace::f_gate_up, chk);
+      auto* c1 = arena.get<std::uint32_t>("experts.c1", words);
+      if (pass == 0) std::fill(c1, c1 + words, 0u);
+      for (std::size_t i = 0; pass == 1 && i < words; ++i)
+        if (c1[i] == workspace::kPoison) at.push_back(i);
+    }
+    return at;
+  };
+  SECTION("check: the word at line ((binds - 1) mod 16) of every KiB, the next line each bind") {
+    const auto first = poisoned(Level::check), second = poisoned(Level::check);
+    const std::size_t stride = workspace::kSparseStride / 4;
+    REQUIRE(first.size() == (words + stride - 1) / stride);
+    REQUIRE(second.size() == first.size());
+    for (std::size_t j = 0; j < first.size(); ++j) {
+      CHECK(first[j] / stride == j);
+      CHECK(second[j] - first[j] == 2 * 16);  // two binds later: two 64-byte lines on
+    }
+  }
+  SECTION("audit: every word") { CHECK(poisoned(Level::audit).size() == words); }
+  SECTION("a buffer up to 64 KiB: every word at check too") {
+    ContractScope s{Level::check, Semantic::enforce};
+    detail::Checker chk{"test.arena"};
+    arena.bind(p, chk);
+    arena.enter(workspace::f_route, chk);
+    const std::size_t n = p.find("router.idx")->bytes / 4;
+    REQUIRE(n * 4 <= workspace::kSparseAbove);
+    const auto* idx = arena.get<std::uint32_t>("router.idx", n);
+    CHECK(std::count(idx, idx + n, workspace::kPoison) == static_cast<std::ptrdiff_t>(n));
   }
 }
 

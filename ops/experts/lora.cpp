@@ -28,7 +28,8 @@ PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidd
 }
 
 PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidden,
-                            std::size_t inter, bool backward, PackedLora&& previous) {
+                            std::size_t inter, bool backward, PackedLora&& previous,
+                            const Hook& packed) {
   PackedLora out;
   out.rank = l.rank;
   if (out.rank == 0) return out;
@@ -39,9 +40,9 @@ PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidd
   out.experts.resize(experts);
   // Packed as operands, without gemm.pack's per-matrix clauses: every factor
   // element is judged by the calling op's lora_finite clause before this runs
-  // and the packs' rank padding by its lora_padding after, per call; the
-  // packing code is the one gemm.pack's roundtrip holds for the expert
-  // weights.
+  // and the packs' rank padding by its lora_padding through `packed`, per
+  // call; the packing code is the one gemm.pack's roundtrip holds for the
+  // expert weights.
   oneapi::tbb::parallel_for(
       std::size_t{0}, out.experts.size(), moecert::detail::task([&](std::size_t e) {
         auto ag = [&](std::size_t k, std::size_t h) { return l.a_gate(e * r + k, h); };
@@ -65,17 +66,18 @@ PackedLora PackedLora::pack(const Lora& l, std::size_t experts, std::size_t hidd
         p.b_gu = gemm::PackedWeights::pack_operand(bg0, bu0, std::move(p.b_gu));
         p.a_d = gemm::PackedWeights::pack_operand(a_d, {}, std::move(p.a_d));
         p.b_d = gemm::PackedWeights::pack_operand(b_d, {}, std::move(p.b_d));
-        if (!backward) {
+        if (backward) {
+          // The backward's orientations are transposes of the same matrices:
+          // B_d^T, A_d^T, blockdiag(B_g, B_u)^T = [[B_g^T 0] [0 B_u^T]] and
+          // [A_g; A_u]^T = [A_g^T | A_u^T], packed straight from them.
+          p.b_d_t = gemm::PackedWeights::pack_transposed_operand(b_d, std::move(p.b_d_t));
+          p.a_d_t = gemm::PackedWeights::pack_transposed_operand(a_d, std::move(p.a_d_t));
+          p.b_gu_t = gemm::PackedWeights::pack_transposed_operand(bgu.view(), std::move(p.b_gu_t));
+          p.a_gu_t = gemm::PackedWeights::pack_transposed_operand(agu.view(), std::move(p.a_gu_t));
+        } else {
           for (auto* t : {&p.b_d_t, &p.a_d_t, &p.b_gu_t, &p.a_gu_t}) *t = gemm::PackedWeights{};
-          return;
         }
-        // The backward's orientations are transposes of the same matrices:
-        // B_d^T, A_d^T, blockdiag(B_g, B_u)^T = [[B_g^T 0] [0 B_u^T]] and
-        // [A_g; A_u]^T = [A_g^T | A_u^T], packed straight from them.
-        p.b_d_t = gemm::PackedWeights::pack_transposed_operand(b_d, std::move(p.b_d_t));
-        p.a_d_t = gemm::PackedWeights::pack_transposed_operand(a_d, std::move(p.a_d_t));
-        p.b_gu_t = gemm::PackedWeights::pack_transposed_operand(bgu.view(), std::move(p.b_gu_t));
-        p.a_gu_t = gemm::PackedWeights::pack_transposed_operand(agu.view(), std::move(p.a_gu_t));
+        if (packed) packed(e, p);
       }));
   return out;
 }

@@ -1,6 +1,7 @@
 // LoRA factors packed for the expert GEMMs (forward and backward).
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "moecert/experts.hpp"
@@ -26,11 +27,15 @@ struct PackedLora {
   std::size_t rank = 0;
   float scale = 0.0f;  // float(alpha / r)
   std::vector<PackedLoraExpert> experts;
+  /// Called with each expert's packs as soon as they are written, on the
+  /// thread that wrote them (a contract judges them while they are in its
+  /// cache).
+  using Hook = std::function<void(std::size_t expert, const PackedLoraExpert&)>;
   /// Packs every expert's factors (both orientations when `backward`) for
   /// E experts of H -> I -> H, reusing the memory of `previous` where the
-  /// shapes match.
+  /// shapes match; `packed` (if set) sees each expert's packs.
   static PackedLora pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter,
-                         bool backward, PackedLora&& previous);
+                         bool backward, PackedLora&& previous, const Hook& packed = {});
   static PackedLora pack(const Lora& l, std::size_t experts, std::size_t hidden, std::size_t inter,
                          bool backward);
 };

@@ -50,16 +50,26 @@ contracts::TrainSaved saved_view(const Saved::Impl& s) {
   return v;
 }
 
+std::array<contracts::PackedFactor, 8> packed_factors(std::size_t e, const PackedLoraExpert& p) {
+  return {{{e, "a_gu", &p.a_gu},
+           {e, "b_gu", &p.b_gu},
+           {e, "a_d", &p.a_d},
+           {e, "b_d", &p.b_d},
+           {e, "b_d_t", &p.b_d_t},
+           {e, "a_d_t", &p.a_d_t},
+           {e, "b_gu_t", &p.b_gu_t},
+           {e, "a_gu_t", &p.a_gu_t}}};
+}
+
 std::vector<contracts::PackedFactor> packed_factors(const PackedLora& l) {
   std::vector<contracts::PackedFactor> out;
-  for (std::size_t e = 0; e < l.experts.size(); ++e) {
-    const auto& p = l.experts[e];
-    const std::pair<const char*, const gemm::PackedWeights*> all[] = {
-        {"a_gu", &p.a_gu},   {"b_gu", &p.b_gu},   {"a_d", &p.a_d},       {"b_d", &p.b_d},
-        {"b_d_t", &p.b_d_t}, {"a_d_t", &p.a_d_t}, {"b_gu_t", &p.b_gu_t}, {"a_gu_t", &p.a_gu_t}};
-    for (const auto& [name, w] : all) out.push_back({e, name, w});
-  }
+  for (std::size_t e = 0; e < l.experts.size(); ++e)
+    for (const auto& f : packed_factors(e, l.experts[e])) out.push_back(f);
   return out;
+}
+
+PackedLora::Hook judge_padding(contracts::LoraPaddingScan& scan) {
+  return [&scan](std::size_t e, const PackedLoraExpert& p) { scan.expert(packed_factors(e, p)); };
 }
 
 }  // namespace moecert::experts

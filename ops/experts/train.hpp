@@ -3,9 +3,11 @@
 // around the same steps.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
+#include "contracts/experts_train.hpp"
 #include "moecert/experts.hpp"
 #include "ops/experts/forward.hpp"
 #include "ops/experts/lora.hpp"
@@ -68,5 +70,8 @@ bool wants_expert_path(const Gradients& g);
 contracts::TrainSaved saved_view(const TrainState& s);
 contracts::TrainSaved saved_view(const Saved::Impl& s);
 std::vector<contracts::PackedFactor> packed_factors(const PackedLora& l);
+std::array<contracts::PackedFactor, 8> packed_factors(std::size_t e, const PackedLoraExpert& p);
+/// PackedLora::pack's hook that hands each expert's packs to `scan`.
+PackedLora::Hook judge_padding(contracts::LoraPaddingScan& scan);
 
 }  // namespace moecert::experts

@@ -26,6 +26,7 @@ void Arena::bind(const Plan& p, detail::Checker& c) {
   }
   plan_ = p;
   current_ = -1;
+  ++binds_;
   offsets_.clear();
   for (const auto& b : plan_.buffers) offsets_.push_back(b.offset);
   for (const auto& [a, b] : test_aliases_) apply_alias(a, b);
@@ -79,11 +80,17 @@ void Arena::check_guards(detail::Checker& c, std::string_view when) {
 
 namespace {
 
-// Fills n words with the poison pattern, in 1 MiB blocks on the op's threads.
-void poison_words(std::uint32_t* w, std::uint64_t n) {
+// Fills n words with the poison pattern on the op's threads: every word
+// (`stride` 1), or the words at phase, phase + stride, ... (in 1 MiB
+// blocks; a block starts at a multiple of the stride).
+void poison_words(std::uint32_t* w, std::uint64_t n, std::uint64_t stride, std::uint64_t phase) {
   constexpr std::uint64_t kBlock = std::uint64_t{1} << 18;
   oneapi::tbb::parallel_for(std::uint64_t{0}, (n + kBlock - 1) / kBlock, [&](std::uint64_t b) {
-    std::fill(w + b * kBlock, w + std::min(n, (b + 1) * kBlock), kPoison);
+    const std::uint64_t end = std::min(n, (b + 1) * kBlock);
+    if (stride == 1)
+      std::fill(w + b * kBlock, w + end, kPoison);
+    else
+      for (std::uint64_t i = b * kBlock + phase; i < end; i += stride) w[i] = kPoison;
   });
 }
 
@@ -99,11 +106,21 @@ void Arena::enter(int step, detail::Checker& c) {
     if (fresh(plan_.buffers[i]))
       std::memset(base + offsets_[i] + round_up(plan_.buffers[i].bytes, kAlign), kGuardByte,
                   kGuard);
+  // Poison (proofs/workspace.md, "Poison"): every word at audit and above
+  // and of a buffer up to kSparseAbove bytes; else one word per
+  // kSparseStride bytes, in the line that the call count selects.
   MOECERT_CONTRACT(c, k::kArenaGuard) {
-    for (std::size_t i = 0; i < plan_.buffers.size(); ++i)
-      if (fresh(plan_.buffers[i]))
-        poison_words(reinterpret_cast<std::uint32_t*>(base + offsets_[i]),
-                     round_up(plan_.buffers[i].bytes, kAlign) / 4);
+    const bool dense = c.level() >= Level::audit;
+    const std::uint64_t line = (binds_ - 1) % (kSparseStride / kAlign);
+    for (std::size_t i = 0; i < plan_.buffers.size(); ++i) {
+      if (!fresh(plan_.buffers[i])) continue;
+      const std::uint64_t size = round_up(plan_.buffers[i].bytes, kAlign);
+      auto* words = reinterpret_cast<std::uint32_t*>(base + offsets_[i]);
+      if (dense || size <= kSparseAbove)
+        poison_words(words, size / 4, 1, 0);
+      else
+        poison_words(words, size / 4, kSparseStride / 4, line * kAlign / 4);
+    }
   }
 }
 
