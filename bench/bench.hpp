@@ -39,8 +39,8 @@ struct ContractRuns {
   Level level = Level::off;
   std::vector<double> ms;  // run i follows off's run i
   double median_ms = 0;
-  double overhead = 0;               // median over i of ms[i] / off_ms[i], minus 1
-  std::vector<ClauseTime> clauses;   // every clause timed at this level, costliest first
+  double overhead = 0;              // median over i of ms[i] / off_ms[i], minus 1
+  std::vector<ClauseTime> clauses;  // every clause timed at this level, costliest first
 };
 
 struct Result {

@@ -23,8 +23,7 @@ MatView<const float> row_of(View<const float> v) { return {v.data, 1, v.size, v.
 
 bool inputs_finite(detail::Checker& c, MatView<const bf16> x, MatView<const float> w) {
   return detail::scan(
-             c, k::kRlFinite, "x", x,
-             [](bf16 v) { return detail::bf16_in_range(v); },
+             c, k::kRlFinite, "x", x, [](bf16 v) { return detail::bf16_in_range(v); },
              "finite, 0 or 2^-60 <= |x| <= 2^60") &&
          detail::scan_finite(c, k::kRlFinite, "router_w", w);
 }

@@ -3,6 +3,7 @@
 // value of a row against its binary64 reference.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <string>
@@ -111,50 +112,70 @@ inline bool may_precede(Rank r, std::size_t t, std::int32_t a, std::int32_t b, d
   return false;
 }
 
+// Row t's sorted and top-k verdict; `fail(clause, location, observed,
+// expected)` reports its first failure, after which it returns false.
+// `record`: the judge's list names the ties and near ties allowed.
+template <class Ranking, class Score, class Eligible, class Fail>
+bool order_row(std::size_t t, const ClauseInfo& sorted, const ClauseInfo* topk,
+               MatView<const std::int32_t> idx, std::size_t e, Ranking& rank, Score& score,
+               Eligible& eligible, bool record, Fail&& fail) {
+  if (!row_in_range(idx, t, e)) return true;
+  const std::size_t valid = valid_slots(idx, t);
+  // (The top-k pass checks the order again, without naming its ties a
+  // second time.)
+  for (std::size_t j = 1; j < valid; ++j) {
+    const std::int32_t a = idx(t, j - 1), b = idx(t, j);
+    if (!may_precede(rank(t, a, b), t, a, b, score(t, a), record && topk == nullptr)) {
+      fail(sorted, fmt::format("t={} j={}", t, j),
+           fmt::format("slot {} expert {} score {} before expert {} score {}", j - 1, a,
+                       score(t, a), b, score(t, b)),
+           "score descending, then index ascending");
+      return false;
+    }
+  }
+  if (!topk || valid == 0) return true;
+  const std::int32_t* row = idx.row(t);
+  const std::int32_t kth = row[valid - 1];
+  for (std::size_t i = 0; i < e; ++i) {
+    const auto ii = static_cast<std::int32_t>(i);
+    if (std::find(row, row + valid, ii) != row + valid || !eligible(t, i)) continue;
+    if (valid < idx.cols || !may_precede(rank(t, kth, ii), t, kth, ii, score(t, kth), record)) {
+      fail(*topk, fmt::format("t={}", t),
+           valid < idx.cols
+               ? fmt::format("eligible expert {} left out while slot {} is -1", i, valid)
+               : fmt::format("unselected expert {} score {} outranks the K-th, expert {} score {}",
+                             i, score(t, ii), kth, score(t, kth)),
+           "no eligible unselected expert outranks the K-th");
+      return false;
+    }
+  }
+  return true;
+}
+
 // sorted and top-k property for a router whose eligible experts of row t
 // are given by `eligible(t, i)`, ranked by `rank(t, a, b)`; `score(t, i)`
-// names a score in messages and ties.
+// names a score in messages and ties. With `parallel` (rank, score and
+// eligible safe to call from several threads) and no judge list to fill,
+// the rows are judged on the op's threads first, each under the caller's
+// judge options, and the reporting pass starts at the first failing row.
 template <class Ranking, class Score, class Eligible>
 void order_rows_by(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* topk,
                    MatView<const std::int32_t> idx, std::size_t e, Ranking rank, Score score,
-                   Eligible eligible) {
-  std::vector<char> chosen(e, 0);
-  for (std::size_t t = 0; t < idx.rows; ++t) {
-    if (!row_in_range(idx, t, e)) continue;
-    const std::size_t valid = valid_slots(idx, t);
-    // (The top-k pass checks the order again, without naming its ties a
-    // second time.)
-    for (std::size_t j = 1; j < valid; ++j) {
-      const std::int32_t a = idx(t, j - 1), b = idx(t, j);
-      if (!may_precede(rank(t, a, b), t, a, b, score(t, a), topk == nullptr)) {
-        c.fail(sorted, fmt::format("t={} j={}", t, j),
-               fmt::format("slot {} expert {} score {} before expert {} score {}", j - 1, a,
-                           score(t, a), b, score(t, b)),
-               "score descending, then index ascending");
-        return;
-      }
-    }
-    if (!topk || valid == 0) continue;
-    for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
-    const std::int32_t kth = idx(t, valid - 1);
-    for (std::size_t i = 0; i < e; ++i) {
-      const auto ii = static_cast<std::int32_t>(i);
-      const bool beats =
-          eligible(t, i) && !chosen[i] &&
-          (valid < idx.cols || !may_precede(rank(t, kth, ii), t, kth, ii, score(t, kth)));
-      if (beats) {
-        c.fail(
-            *topk, fmt::format("t={}", t),
-            valid < idx.cols
-                ? fmt::format("eligible expert {} left out while slot {} is -1", i, valid)
-                : fmt::format("unselected expert {} score {} outranks the K-th, expert {} score {}",
-                              i, score(t, ii), kth, score(t, kth)),
-            "no eligible unselected expert outranks the K-th");
-        return;
-      }
-    }
-    for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
+                   Eligible eligible, bool parallel = false) {
+  std::size_t first = 0;
+  if (parallel && !judge::current().ties) {
+    const judge::Options options = judge::current();
+    first = detail::first_failing(idx.rows, e, [&](std::size_t t) {
+      const judge::Scope scope(options);
+      return order_row(t, sorted, topk, idx, e, rank, score, eligible, false,
+                       [](const ClauseInfo&, std::string, std::string, std::string) {});
+    });
   }
+  for (std::size_t t = first; t < idx.rows; ++t)
+    if (!order_row(t, sorted, topk, idx, e, rank, score, eligible, true,
+                   [&](const ClauseInfo& clause, std::string loc, std::string obs,
+                       std::string exp) { c.fail(clause, loc, obs, exp); }))
+      return;
 }
 
 // order_rows_by for scores the implementation takes as given (exact): a
@@ -167,7 +188,7 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
     if (sa == sb) return a < b ? Rank::before : Rank::tie;
     return ranks_before(sa, a, sb, b) ? Rank::before : Rank::after;
   };
-  order_rows_by(c, sorted, topk, idx, e, rank, score, eligible);
+  order_rows_by(c, sorted, topk, idx, e, rank, score, eligible, true);
 }
 
 // Weights of a row: each within [0, hi]; their sum within [lo_sum, hi_sum].
@@ -180,23 +201,29 @@ inline void weight_rows(detail::Checker& c, const ClauseInfo& clause,
   const double slack = judge::stored(hi_sum, 0) + double(w.cols) * judge::current().output_tiny;
   if (lo_sum > 0) lo_sum -= slack;
   hi_sum += slack;
-  for (std::size_t t = 0; t < w.rows; ++t) {
+  auto row_ok = [&](std::size_t t) {
     double sum = 0;
     for (std::size_t j = 0; j < w.cols; ++j) {
       const float v = w(t, j);
-      if (!(v >= 0 && v <= hi) || (idx(t, j) < 0 && v != 0)) {
-        c.fail(clause, fmt::format("t={} j={}", t, j), fmt::format("w={} (idx {})", v, idx(t, j)),
-               idx(t, j) < 0 ? "0 at a -1 slot" : fmt::format("0 <= w <= {}", hi));
-        return;
-      }
+      if (!(v >= 0 && v <= hi) || (idx(t, j) < 0 && v != 0)) return false;
       sum += v;
     }
-    if (!(sum >= lo_sum && sum <= hi_sum)) {
-      c.fail(clause, fmt::format("t={}", t), fmt::format("sum w = {:.9g}", sum),
-             fmt::format("in [{:.9g}, {:.9g}]", lo_sum, hi_sum));
+    return sum >= lo_sum && sum <= hi_sum;
+  };
+  const std::size_t t = detail::first_failing(w.rows, w.cols, row_ok);
+  if (t == w.rows) return;
+  double sum = 0;
+  for (std::size_t j = 0; j < w.cols; ++j) {
+    const float v = w(t, j);
+    if (!(v >= 0 && v <= hi) || (idx(t, j) < 0 && v != 0)) {
+      c.fail(clause, fmt::format("t={} j={}", t, j), fmt::format("w={} (idx {})", v, idx(t, j)),
+             idx(t, j) < 0 ? "0 at a -1 slot" : fmt::format("0 <= w <= {}", hi));
       return;
     }
+    sum += v;
   }
+  c.fail(clause, fmt::format("t={}", t), fmt::format("sum w = {:.9g}", sum),
+         fmt::format("in [{:.9g}, {:.9g}]", lo_sum, hi_sum));
 }
 
 // Every value of each row within its bound of the binary64 reference, plus

@@ -1,4 +1,6 @@
 // Clauses of router.softmax_topk, forward and backward (include/moecert/router.hpp).
+#include <algorithm>
+
 #include "contracts/router/common.hpp"
 
 namespace moecert::contracts {
@@ -43,10 +45,14 @@ void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const
   MOECERT_CONTRACT(c, k::kSmWeights) {
     // Renormalised: a softmax over the K selected, so the sum is 1 within
     // §6's relative bound (shift <= the largest |z_j - z_max| over the row).
-    double shift = 0;
-    for (std::size_t t = 0; t < z.rows; ++t)
-      for (std::size_t i = 0; i < e; ++i)
-        shift = std::max(shift, double(z(t, idx(t, 0))) - z(t, i));
+    const double shift = oneapi::tbb::parallel_reduce(
+        oneapi::tbb::blocked_range<std::size_t>(0, z.rows, 256), 0.0,
+        [&](const oneapi::tbb::blocked_range<std::size_t>& r, double m) {
+          for (std::size_t t = r.begin(); t < r.end(); ++t)
+            for (std::size_t i = 0; i < e; ++i) m = std::max(m, double(z(t, idx(t, 0))) - z(t, i));
+          return m;
+        },
+        [](double a, double b) { return std::max(a, b); });
     const double eps =
         bounds::softmax_rel(renormalize ? kk : e, shift) + 2 * kk * bounds::kMinNormal32;
     weight_rows(c, k::kSmWeights, idx, w, 1 + eps, renormalize ? 1 - eps : 0, 1 + eps);
@@ -71,50 +77,56 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
                                 MatView<const std::int32_t> idx, MatView<const float> g,
                                 MatView<const float> dz, bool renormalize) {
   MOECERT_CONTRACT(c, k::kSmbUnselected) {
-    [&] {  // a failure ends this clause, not the others (observe goes on)
-      std::vector<char> chosen(z.cols, 0);
-      for (std::size_t t = 0; t < z.rows; ++t) {
-        const std::size_t valid = valid_slots(idx, t);
-        for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
-        // Not renormalised: every unselected dz_j = -p_j sum_S p g shares the
-        // sign of -sum_S p g; the sum is recomputed in double from the row's
-        // softmax (its sign is the one that matters; a sum within rounding of
-        // 0 lets either sign pass).
-        double dot = 0, tol = 0;
-        if (!renormalize && valid > 0) {
-          double m = z(t, 0), sum = 0, shift = 0;
-          for (std::size_t i = 0; i < z.cols; ++i) m = std::max(m, double(z(t, i)));
-          for (std::size_t i = 0; i < z.cols; ++i) {
-            sum += std::exp(z(t, i) - m);
-            shift = std::max(shift, m - z(t, i));
-          }
-          for (std::size_t j = 0; j < valid; ++j) {
-            const double p = std::exp(z(t, idx(t, j)) - m) / sum;
-            dot += p * g(t, j);
-            tol += p * std::fabs(g(t, j));
-          }
-          // The kernel's fp32 sum_S p g is within (§6 eps + gamma_K)(1 + eps)
-          // sum_S p |g| of this one; within that of 0 either sign may come out.
-          const double eps = bounds::softmax_rel(z.cols, shift);
-          tol = 2 * (eps + bounds::gamma(static_cast<double>(valid))) * (1 + eps) * tol +
-                valid * bounds::kMinNormal32;
-        }
+    // Row t's verdict; `fail(location, observed, expected)` reports it.
+    auto row = [&](std::size_t t, auto&& fail) {
+      const std::size_t valid = valid_slots(idx, t);
+      // Not renormalised: every unselected dz_j = -p_j sum_S p g shares the
+      // sign of -sum_S p g; the sum is recomputed in double from the row's
+      // softmax (its sign is the one that matters; a sum within rounding of
+      // 0 lets either sign pass).
+      double dot = 0, tol = 0;
+      if (!renormalize && valid > 0) {
+        double m = z(t, 0), sum = 0, shift = 0;
+        for (std::size_t i = 0; i < z.cols; ++i) m = std::max(m, double(z(t, i)));
         for (std::size_t i = 0; i < z.cols; ++i) {
-          if (chosen[i]) continue;
-          const float d = dz(t, i);
-          const bool ok = renormalize
-                              ? d == 0.0f
-                              : (std::fabs(dot) <= tol || d == 0.0f || (d < 0) == (dot > 0));
-          if (!ok) {
-            c.fail(k::kSmbUnselected, fmt::format("t={} expert {}", t, i), fmt::format("dz={}", d),
-                   renormalize ? "exactly 0 for an unselected expert"
-                               : fmt::format("sign of -sum_S p g = {:.6g}", -dot));
-            return;
-          }
+          sum += std::exp(z(t, i) - m);
+          shift = std::max(shift, m - z(t, i));
         }
-        for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 0;
+        for (std::size_t j = 0; j < valid; ++j) {
+          const double p = std::exp(z(t, idx(t, j)) - m) / sum;
+          dot += p * g(t, j);
+          tol += p * std::fabs(g(t, j));
+        }
+        // The kernel's fp32 sum_S p g is within (§6 eps + gamma_K)(1 + eps)
+        // sum_S p |g| of this one; within that of 0 either sign may come out.
+        const double eps = bounds::softmax_rel(z.cols, shift);
+        tol = 2 * (eps + bounds::gamma(static_cast<double>(valid))) * (1 + eps) * tol +
+              valid * bounds::kMinNormal32;
       }
-    }();
+      const std::int32_t* chosen = idx.row(t);
+      for (std::size_t i = 0; i < z.cols; ++i) {
+        if (std::find(chosen, chosen + valid, static_cast<std::int32_t>(i)) != chosen + valid)
+          continue;
+        const float d = dz(t, i);
+        const bool ok =
+            renormalize ? d == 0.0f : (std::fabs(dot) <= tol || d == 0.0f || (d < 0) == (dot > 0));
+        if (!ok) {
+          fail(fmt::format("t={} expert {}", t, i), fmt::format("dz={}", d),
+               renormalize ? "exactly 0 for an unselected expert"
+                           : fmt::format("sign of -sum_S p g = {:.6g}", -dot));
+          return false;
+        }
+      }
+      return true;
+    };
+    // The first failing row found on the op's threads, then reported.
+    const std::size_t t = detail::first_failing(z.rows, z.cols, [&](std::size_t t) {
+      return row(t, [](std::string, std::string, std::string) {});
+    });
+    if (t < z.rows)
+      row(t, [&](std::string loc, std::string obs, std::string exp) {
+        c.fail(k::kSmbUnselected, loc, obs, exp);
+      });
   }
   // z and g exact, |g| <= 2^126; every finite dz within
   // bounds::softmax_topk_grad_row of the binary64 reference; proofs/router.md §4.

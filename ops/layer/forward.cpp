@@ -92,9 +92,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   contracts::LoraPaddingScan padding;
   bool judge = false;
   MOECERT_CONTRACT(chk, clauses::layer::kFwdLoraPadding) { judge = true; }
-  s.lora = experts::PackedLora::pack(lora, E, H, I, opt.training, std::move(s.lora),
-                                     judge ? experts::judge_padding(padding)
-                                           : experts::PackedLora::Hook{});
+  s.lora = experts::PackedLora::pack(
+      lora, E, H, I, opt.training, std::move(s.lora),
+      judge ? experts::judge_padding(padding) : experts::PackedLora::Hook{});
   if (judge) padding.report(chk, clauses::layer::kFwdLoraPadding);
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
