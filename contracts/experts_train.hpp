@@ -59,14 +59,30 @@ std::array<Named, 6> lora_shapes(std::size_t E, std::size_t H, std::size_t I, st
 std::array<MatView<const bf16>, 6> lora_views(const experts::Lora& l);
 /// The first LoRA view not of its shape, as "lora.a_gate 3x4, expected 4x4"; "" if none.
 std::string lora_shape_error(const experts::Lora& l, std::size_t E, std::size_t H, std::size_t I);
-/// Every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60.
-void lora_finite(detail::Checker& c, const ClauseInfo& clause, const experts::Lora& l,
-                 std::size_t E, std::size_t H, std::size_t I);
 /// s = float(alpha / r) finite and in [2^-60, 2^60] (r > 0).
 void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, double alpha);
 /// The packed LoRA factors' rank padding is zero.
 void lora_padding(detail::Checker& c, const ClauseInfo& clause,
                   std::span<const PackedFactor> factors);
+
+/// lora_finite (every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60),
+/// judged while the factors are packed: expert(e) scans expert
+/// e's rows of the six factors on the thread that packs them (the pack has
+/// just read them) and keeps each factor's first offender; report() fails
+/// `clause` at the first factor's, as lora_finite does, and adds the time
+/// spent in expert() to the clause's.
+class LoraFiniteScan {
+ public:
+  LoraFiniteScan(const experts::Lora& l, std::size_t experts);
+  void expert(std::size_t e);  // thread-safe
+  void report(detail::Checker& c, const ClauseInfo& clause);
+
+ private:
+  const experts::Lora& lora_;
+  std::size_t experts_;
+  std::array<std::atomic<std::size_t>, 6> first_;  // i * cols + j of each factor; SIZE_MAX: none
+  std::atomic<std::int64_t> ns_{0};
+};
 
 /// lora_padding judged while the packs are made: expert() reads one
 /// expert's packs on the thread that just wrote them (still in its cache)

@@ -132,9 +132,7 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
             c, k::kFwdXFinite, "router_bias",
             MatView<const float>(w.router_bias.data, 1, w.router_bias.size, w.router_bias.size));
   }
-  MOECERT_CONTRACT(c, k::kFwdLoraFinite) {
-    if (d.r) lora_finite(c, k::kFwdLoraFinite, w.lora, d.E, d.H, d.I);
-  }
+  // lora_finite: judged as the factors are packed (LoraFiniteScan).
   MOECERT_CONTRACT(c, k::kFwdScale) { lora_scale(c, k::kFwdScale, d.r, cfg.lora_alpha); }
   MOECERT_CONTRACT(c, k::kFwdNoAlias) {
     std::vector<std::pair<std::string, ByteRange>> in{{"x", x.bytes()},

@@ -361,6 +361,18 @@ TEST_CASE("experts.forward_train: preconditions fire and leave y untouched",
     q.lora[3][5] = bf16(NAN);
     expect(q, "experts.forward_train.lora_finite", q.lora_view());
   }
+  SECTION("lora_finite: the first factor's first offender, whichever expert is packed first") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
+    // b_gate [E*I x r]: expert 6's row and a lower one of expert 2; a_down
+    // (a later factor) at expert 0.
+    q.lora[1][(6 * q.I + 1) * q.r + 2] = bf16(INFINITY);
+    q.lora[1][(2 * q.I + 5) * q.r + 1] = bf16(0x1p-70f);  // below 2^-60
+    q.lora[4][3] = bf16(NAN);
+    const auto v = test::expect_violation(fwd(q, q.lora_view()),
+                                          "experts.forward_train.lora_finite", Level::check);
+    CHECK(v.location == fmt::format("lora.b_gate[{}, 1]", 2 * q.I + 5));
+    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
+  }
   SECTION("scale_finite") {
     experts::Lora l = p.lora_view();
     l.alpha = 1e-300;  // an input, not a tolerance: float(alpha / r) underflows to 0
@@ -399,7 +411,7 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   }
   SECTION("lora_padding, judged as each expert's packs are written (the op's path)") {
     contracts::LoraPaddingScan scan;
-    const auto judge = experts::judge_padding(scan);
+    const auto judge = experts::judge_packs(nullptr, &scan);
     experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true, {},
                               [&](std::size_t e, const experts::PackedLoraExpert& packs) {
                                 if (e == 2 || e == 5) {  // the lower expert is named

@@ -68,8 +68,13 @@ std::vector<contracts::PackedFactor> packed_factors(const PackedLora& l) {
   return out;
 }
 
-PackedLora::Hook judge_padding(contracts::LoraPaddingScan& scan) {
-  return [&scan](std::size_t e, const PackedLoraExpert& p) { scan.expert(packed_factors(e, p)); };
+PackedLora::Hook judge_packs(contracts::LoraFiniteScan* finite,
+                             contracts::LoraPaddingScan* padding) {
+  if (!finite && !padding) return {};
+  return [finite, padding](std::size_t e, const PackedLoraExpert& p) {
+    if (finite) finite->expert(e);
+    if (padding) padding->expert(packed_factors(e, p));
+  };
 }
 
 }  // namespace moecert::experts

@@ -45,13 +45,10 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
       workspace::plan_shape({s.experts, s.hidden, s.inter, s.topk, s.rank, s.tokens, 0},
                             opt.training, opt.memory_cap, chk);
   if (plan.buffers.empty()) return;  // a plan clause failed under observe
-  // lora_padding: each expert's packs judged as they are written.
-  contracts::LoraPaddingScan padding;
-  bool judge = false;
-  MOECERT_CONTRACT(chk, clauses::experts_train::kFwdLoraPadding) { judge = true; }
-  s.lora = PackedLora::pack(lora, s.experts, s.hidden, s.inter, opt.training, std::move(s.lora),
-                            judge ? judge_padding(padding) : PackedLora::Hook{});
-  if (judge) padding.report(chk, clauses::experts_train::kFwdLoraPadding);
+  namespace k = clauses::experts_train;
+  if (!pack_lora<k::kFwdLoraFinite, k::kFwdLoraPadding>(lora, s.experts, s.hidden, s.inter,
+                                                        opt.training, s.lora, chk))
+    return;
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
   const std::size_t tk = s.tokens * s.topk;

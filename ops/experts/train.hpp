@@ -71,7 +71,30 @@ contracts::TrainSaved saved_view(const TrainState& s);
 contracts::TrainSaved saved_view(const Saved::Impl& s);
 std::vector<contracts::PackedFactor> packed_factors(const PackedLora& l);
 std::array<contracts::PackedFactor, 8> packed_factors(std::size_t e, const PackedLoraExpert& p);
-/// PackedLora::pack's hook that hands each expert's packs to `scan`.
-PackedLora::Hook judge_padding(contracts::LoraPaddingScan& scan);
+/// PackedLora::pack's hook that hands each expert to `finite` and its packs
+/// to `padding` (either may be null; both null: no hook).
+PackedLora::Hook judge_packs(contracts::LoraFiniteScan* finite,
+                             contracts::LoraPaddingScan* padding);
+
+/// Packs `lora` for E experts of H -> I -> H into `into` (reusing its
+/// memory), judging the op's clauses `finite` (lora_finite) and `padding`
+/// (lora_padding) per expert while its factors are packed, on the packing
+/// thread. False when a precondition failed under observe: the op returns.
+template <const ClauseInfo& finite, const ClauseInfo& padding>
+bool pack_lora(const Lora& lora, std::size_t E, std::size_t H, std::size_t I, bool backward,
+               PackedLora& into, detail::Checker& chk) {
+  contracts::LoraFiniteScan finite_scan(lora, E);
+  contracts::LoraPaddingScan padding_scan;
+  bool judge_finite = false, judge_padding = false;
+  MOECERT_CONTRACT(chk, finite) { judge_finite = true; }
+  MOECERT_CONTRACT(chk, padding) { judge_padding = true; }
+  into = PackedLora::pack(
+      lora, E, H, I, backward, std::move(into),
+      judge_packs(judge_finite ? &finite_scan : nullptr, judge_padding ? &padding_scan : nullptr));
+  if (judge_finite) finite_scan.report(chk, finite);
+  if (chk.stop()) return false;
+  if (judge_padding) padding_scan.report(chk, padding);
+  return true;
+}
 
 }  // namespace moecert::experts

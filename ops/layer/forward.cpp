@@ -88,14 +88,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   const auto E = static_cast<std::size_t>(cfg.experts), H = static_cast<std::size_t>(cfg.hidden);
   const auto I = static_cast<std::size_t>(cfg.inter);
   const experts::Lora lora = cfg.lora_rank ? w.lora : experts::Lora{};
-  // lora_padding: each expert's packs judged as they are written.
-  contracts::LoraPaddingScan padding;
-  bool judge = false;
-  MOECERT_CONTRACT(chk, clauses::layer::kFwdLoraPadding) { judge = true; }
-  s.lora = experts::PackedLora::pack(
-      lora, E, H, I, opt.training, std::move(s.lora),
-      judge ? experts::judge_padding(padding) : experts::PackedLora::Hook{});
-  if (judge) padding.report(chk, clauses::layer::kFwdLoraPadding);
+  if (!experts::pack_lora<clauses::layer::kFwdLoraFinite, clauses::layer::kFwdLoraPadding>(
+          lora, E, H, I, opt.training, s.lora, chk))
+    return;
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);
   s.logits = s.arena.get<float>("router.logits", t_count * outs);
