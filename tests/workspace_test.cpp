@@ -145,7 +145,7 @@ TEST_CASE("workspace.plan: clauses", "[workspace][contracts]") {
   }
 }
 
-TEST_CASE("workspace.arena: poison at check is one word per KiB, rotating; at audit every word",
+TEST_CASE("workspace.arena: poison at check is one word per 4 KiB, rotating; at audit every word",
           "[workspace][contracts]") {
   const MoeConfig c{.experts = 8,
                     .hidden = 512,
@@ -174,7 +174,7 @@ TEST_CASE("workspace.arena: poison at check is one word per KiB, rotating; at au
     }
     return at;
   };
-  SECTION("check: the word at line ((binds - 1) mod 16) of every KiB, the next line each bind") {
+  SECTION("check: the word at line ((binds - 1) mod 64) of every 4 KiB, the next line each bind") {
     const auto first = poisoned(Level::check), second = poisoned(Level::check);
     const std::size_t stride = workspace::kSparseStride / 4;
     REQUIRE(first.size() == (words + stride - 1) / stride);

@@ -196,10 +196,12 @@ struct TrainOptions {
 ///   experts.forward_train.weight_finite  pre   finite   every weight finite; 0 at -1 slots
 ///   experts.forward_train.x_finite       pre   finite   every x element finite and 0 or 2^-60 <= |x| <= 2^60
 ///   experts.forward_train.lora_finite    pre   finite   every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60
+///                                                       (judged per expert while its factors are packed)
 ///   experts.forward_train.scale_finite   pre   numeric  alpha finite and s = float(alpha / r) in [2^-60, 2^60]
 ///   experts.forward_train.no_alias       pre   alias    y shares no byte with x, idx, weights, LoRA or
 ///                                                       packed weights
 ///   experts.forward_train.lora_padding   invariant numeric  the packed LoRA factors' rank padding is zero
+///                                                           (each expert's packs, as they are written)
 ///   experts.forward_train.y_finite       post  finite   every y element finite
 ///   experts.forward_train.within_bound   post  numeric  every y element within its bound of the
 ///                                                       reference (full)

@@ -55,7 +55,11 @@ int step_count();
 ///   workspace.arena.guard       invariant memory  the 64-byte guard zone after every live buffer is
 ///                                               intact at each step (names the buffer and step);
 ///                                               with it on, fresh buffers are filled with NaN
-///                                               (0x7fc07fc0) when their interval starts
+///                                               (0x7fc07fc0) when their interval starts: every
+///                                               word at audit and full; at check every word of
+///                                               a buffer up to 64 KiB, else one word per 4 KiB
+///                                               in a line that rotates per call
+///                                               (proofs/workspace.md, "Poison")
 /// Example:
 ///   auto p = moecert::workspace::plan(cfg, 4096, {.memory_cap = 16ull << 30});
 Plan plan(const MoeConfig& cfg, std::int64_t tokens, const PlanOptions& options = {});

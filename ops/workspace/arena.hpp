@@ -33,8 +33,8 @@ Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail:
 inline constexpr std::uint32_t kPoison = 0x7fc07fc0u;
 /// At `check`, a fresh buffer larger than kSparseAbove bytes is poisoned in
 /// one word per kSparseStride bytes, the word at the start of the 64-byte
-/// line ((binds - 1) mod 16) of each stride (proofs/workspace.md, "Poison").
-inline constexpr std::uint64_t kSparseAbove = 64 * 1024, kSparseStride = 1024;
+/// line ((binds - 1) mod 64) of each stride (proofs/workspace.md, "Poison").
+inline constexpr std::uint64_t kSparseAbove = 64 * 1024, kSparseStride = 4096;
 inline constexpr std::uint8_t kGuardByte = 0xa5;
 
 class Arena {
