@@ -412,7 +412,7 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   SECTION("lora_padding, judged as each expert's packs are written (the op's path)") {
     contracts::LoraPaddingScan scan;
     const auto judge = experts::judge_packs(nullptr, &scan);
-    experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true, {},
+    const auto packed = experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true, {},
                               [&](std::size_t e, const experts::PackedLoraExpert& packs) {
                                 if (e == 2 || e == 5) {  // the lower expert is named
                                   auto& w = const_cast<gemm::PackedWeights&>(packs.a_d_t);
