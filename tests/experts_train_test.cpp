@@ -412,14 +412,15 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   SECTION("lora_padding, judged as each expert's packs are written (the op's path)") {
     contracts::LoraPaddingScan scan;
     const auto judge = experts::judge_packs(nullptr, &scan);
-    const auto packed = experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true, {},
-                              [&](std::size_t e, const experts::PackedLoraExpert& packs) {
-                                if (e == 2 || e == 5) {  // the lower expert is named
-                                  auto& w = const_cast<gemm::PackedWeights&>(packs.a_d_t);
-                                  w.mutable_data_for_testing()[w.size() - 1] = bf16(-2.0f);
-                                }
-                                judge(e, packs);
-                              });
+    const auto packed =
+        experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true, {},
+                                  [&](std::size_t e, const experts::PackedLoraExpert& packs) {
+                                    if (e == 2 || e == 5) {  // the lower expert is named
+                                      auto& w = const_cast<gemm::PackedWeights&>(packs.a_d_t);
+                                      w.mutable_data_for_testing()[w.size() - 1] = bf16(-2.0f);
+                                    }
+                                    judge(e, packs);
+                                  });
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"experts.forward_train"};
