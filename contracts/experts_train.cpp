@@ -160,10 +160,6 @@ bool padding_zero(const gemm::PackedWeights& w) {
   return true;
 }
 
-}  // namespace
-
-namespace {
-
 // Fails `clause` at f's first nonzero padding element, named by (n, k).
 void fail_padding(detail::Checker& c, const ClauseInfo& clause, const PackedFactor& f) {
   const gemm::PackedWeights& w = *f.packed;

@@ -63,9 +63,10 @@ class Arena {
   /// previous step (workspace.arena.guard, naming the buffer and the step),
   /// then writes the guards of the buffers whose live interval starts here
   /// (or since the previous step) and, under contracts (memory group on),
-  /// poisons them: every word at audit and full, sparsely at check (above). Steps go in increasing order; a step at or before the
-  /// previous one starts a new pass from there (a second backward after one
-  /// forward), whose buffers are fresh again.
+  /// poisons them: every word at audit and full, sparsely at check (above).
+  /// Steps go in increasing order; a step at or before the previous one
+  /// starts a new pass from there (a second backward after one forward),
+  /// whose buffers are fresh again.
   void enter(int step, detail::Checker& c);
 
   /// Checks the guards of the last step's buffers at the end of a call; a
