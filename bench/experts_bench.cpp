@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include "bench/bench.hpp"
@@ -55,7 +56,8 @@ Result experts_forward(const std::string& name, const Shape& s, const Options& o
       experts::PackedExperts::pack(s.e, MatView<const bf16>(wg.data(), s.e * s.i, s.h),
                                    MatView<const bf16>(wu.data(), s.e * s.i, s.h),
                                    MatView<const bf16>(wd.data(), s.e * s.h, s.i));
-  OnednnExperts peer(s.e, s.h, s.i, wg, wu, wd, iv);
+  std::optional<OnednnExperts> peer;  // built only where it is timed (not under --contracts)
+  if (opt.contracts.empty()) peer.emplace(s.e, s.h, s.i, wg, wu, wd, iv);
   experts::ForwardStats st;
   experts::Workspace ws;  // reused across calls, as a training loop would
   time_against_peer(
@@ -64,7 +66,7 @@ Result experts_forward(const std::string& name, const Shape& s, const Options& o
         st = experts::forward(packed, xv, iv, wv, MatView<float>(y.data(), s.t, s.h),
                               {.isa = opt.isa, .workspace = &ws});
       },
-      [&] { peer.forward(xv, wv, MatView<float>(y_peer.data(), s.t, s.h)); }, r);
+      [&] { peer->forward(xv, wv, MatView<float>(y_peer.data(), s.t, s.h)); }, r);
   r.isa = std::string(isa_name(st.isa));
   r.flops = 6.0 * static_cast<double>(st.routed_rows) * static_cast<double>(s.h) *
             static_cast<double>(s.i);

@@ -124,8 +124,8 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   if (backward) {
     fwd();
     auto bwd = [&] { layer::backward(d.cfg, w, x, dyv, saved, g); };
-    if (base) {
-      time_against_peer(opt, bwd, {}, r);  // the peer trains LoRA only
+    if (base || !opt.contracts.empty()) {
+      time_against_peer(opt, bwd, {}, r);  // the peer trains LoRA only; --contracts: no peer
     } else {
       peer_fwd();
       time_against_peer(
@@ -236,7 +236,8 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
   auto peer_fwd = [&] { peer.forward_experts(x, iv, wv, {py.data(), s.t, s.h}); };
   std::vector<std::pair<const std::vector<float>*, const std::vector<float>*>> pairs{{&y, &py}};
   if (backward) {
-    fwd(), peer_fwd();
+    fwd();
+    if (opt.contracts.empty()) peer_fwd();  // --contracts: the peer is not run
     time_against_peer(
         opt, [&] { experts::backward(d.packed, lora, x, dyv, saved, gr); },
         [&] { peer.backward_experts(dyv, pgr, pdw.data()); }, r);
