@@ -80,6 +80,18 @@ std::size_t first_failing(std::size_t n, std::size_t work, Ok ok) {
       [](std::size_t a, std::size_t b) { return std::min(a, b); });
 }
 
+/// Judges rows 0..n-1 with row(i, fail), which returns whether row i passes
+/// and on failure calls fail(location, observed, expected): every row on
+/// the op's threads with a fail that does nothing, then the first failing
+/// row again with `report` (only its message is formatted). `work`
+/// estimates the elements a row reads.
+template <class Row, class Report>
+void report_first_failing_row(std::size_t n, std::size_t work, Row row, Report report) {
+  const std::size_t i = first_failing(
+      n, work, [&](std::size_t i) { return row(i, [](std::string, std::string, std::string) {}); });
+  if (i < n) row(i, report);
+}
+
 /// Whether ok(p[i]) holds for every i < n: evaluated without an early exit
 /// inside blocks of 256 elements, the failures OR-ed in an integer as wide
 /// as T, so that a predicate on bits vectorizes.

@@ -201,29 +201,25 @@ inline void weight_rows(detail::Checker& c, const ClauseInfo& clause,
   const double slack = judge::stored(hi_sum, 0) + double(w.cols) * judge::current().output_tiny;
   if (lo_sum > 0) lo_sum -= slack;
   hi_sum += slack;
-  auto row_ok = [&](std::size_t t) {
+  auto row = [&](std::size_t t, auto&& fail) {
     double sum = 0;
     for (std::size_t j = 0; j < w.cols; ++j) {
       const float v = w(t, j);
-      if (!(v >= 0 && v <= hi) || (idx(t, j) < 0 && v != 0)) return false;
+      if (!(v >= 0 && v <= hi) || (idx(t, j) < 0 && v != 0)) {
+        fail(fmt::format("t={} j={}", t, j), fmt::format("w={} (idx {})", v, idx(t, j)),
+             idx(t, j) < 0 ? "0 at a -1 slot" : fmt::format("0 <= w <= {}", hi));
+        return false;
+      }
       sum += v;
     }
-    return sum >= lo_sum && sum <= hi_sum;
-  };
-  const std::size_t t = detail::first_failing(w.rows, w.cols, row_ok);
-  if (t == w.rows) return;
-  double sum = 0;
-  for (std::size_t j = 0; j < w.cols; ++j) {
-    const float v = w(t, j);
-    if (!(v >= 0 && v <= hi) || (idx(t, j) < 0 && v != 0)) {
-      c.fail(clause, fmt::format("t={} j={}", t, j), fmt::format("w={} (idx {})", v, idx(t, j)),
-             idx(t, j) < 0 ? "0 at a -1 slot" : fmt::format("0 <= w <= {}", hi));
-      return;
-    }
-    sum += v;
-  }
-  c.fail(clause, fmt::format("t={}", t), fmt::format("sum w = {:.9g}", sum),
+    if (sum >= lo_sum && sum <= hi_sum) return true;
+    fail(fmt::format("t={}", t), fmt::format("sum w = {:.9g}", sum),
          fmt::format("in [{:.9g}, {:.9g}]", lo_sum, hi_sum));
+    return false;
+  };
+  detail::report_first_failing_row(
+      w.rows, w.cols, row,
+      [&](std::string loc, std::string obs, std::string exp) { c.fail(clause, loc, obs, exp); });
 }
 
 // Every value of each row within its bound of the binary64 reference, plus

@@ -119,14 +119,10 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
       }
       return true;
     };
-    // The first failing row found on the op's threads, then reported.
-    const std::size_t t = detail::first_failing(z.rows, z.cols, [&](std::size_t t) {
-      return row(t, [](std::string, std::string, std::string) {});
-    });
-    if (t < z.rows)
-      row(t, [&](std::string loc, std::string obs, std::string exp) {
-        c.fail(k::kSmbUnselected, loc, obs, exp);
-      });
+    detail::report_first_failing_row(z.rows, z.cols, row,
+                                     [&](std::string loc, std::string obs, std::string exp) {
+                                       c.fail(k::kSmbUnselected, loc, obs, exp);
+                                     });
   }
   // z and g exact, |g| <= 2^126; every finite dz within
   // bounds::softmax_topk_grad_row of the binary64 reference; proofs/router.md §4.
