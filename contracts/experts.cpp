@@ -4,6 +4,9 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "contracts/bounds/experts.hpp"
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
@@ -58,10 +61,12 @@ void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, Ma
                  "disjoint");
       }
   }
-  for (std::size_t e = 0; e < e_count; ++e) {
-    gemm_checksum(c, w.gate_up(e), fmt::format("gate_up e={}", e));
-    gemm_checksum(c, w.down(e), fmt::format("down e={}", e));
-  }
+  std::vector<const gemm::PackedWeights*> packs;
+  for (std::size_t e = 0; e < e_count; ++e)
+    packs.push_back(&w.gate_up(e)), packs.push_back(&w.down(e));
+  gemm_checksums(c, packs, [](std::size_t i) {
+    return fmt::format("{} e={}", i % 2 ? "down" : "gate_up", i / 2);
+  });
 }
 
 void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx,
@@ -98,44 +103,88 @@ void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> id
   }
 }
 
+namespace {
+
+// The probes of every routed expert's two GEMMs for this call, formed on
+// the op's threads ([2e]: gate_up, [2e + 1]: down; none for an expert
+// without rows).
+std::vector<std::vector<const verify::Probe*>> expert_probes(const experts::PackedExperts& w,
+                                                             const GroupingView& g,
+                                                             std::vector<PackProbes>& keep) {
+  keep.assign(2 * g.experts, {});
+  oneapi::tbb::parallel_for(std::size_t{0}, 2 * g.experts, [&](std::size_t i) {
+    if (g.count[i / 2] > 0) keep[i] = pack_probes(i % 2 ? w.down(i / 2) : w.gate_up(i / 2));
+  });
+  std::vector<std::vector<const verify::Probe*>> out(2 * g.experts);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (keep[i].dense) out[i] = keep[i].all();
+  return out;
+}
+
+// experts.forward.probe: gate+up with A read from x through the grouping
+// (so the gather is checked too), then down with A read from h in the
+// kernel's layout; the first failing row of each GEMM in grouped order.
+void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
+                   std::size_t topk, const ExpertRows& st) {
+  const GroupingView& g = st.grouping;
+  std::vector<PackProbes> keep;
+  const auto probes = expert_probes(w, g, keep);
+  static const std::vector<const verify::Probe*> none;
+  auto expert_of = [&](std::size_t r) {
+    return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), r) -
+                                    g.begin.begin()) -
+           1;
+  };
+  auto row_probes = [&](std::size_t gemm) {
+    return [&, gemm](std::size_t r) -> const std::vector<const verify::Probe*>& {
+      const std::size_t e = expert_of(r);
+      return r < g.begin[e] + g.count[e] ? probes[2 * e + gemm] : none;
+    };
+  };
+  const auto load = verify::load_bf16;
+  const auto gate_up = probe_rows(
+      g.rows(), w.hidden(),
+      [&](std::size_t r, double* row) {
+        return load(x.row(static_cast<std::size_t>(g.row_slot[r]) / topk), w.hidden(), row);
+      },
+      [&](std::size_t r) { return st.c1 + r * st.ldc1; }, row_probes(0));
+  const auto down =
+      gate_up.pass
+          ? probe_rows(
+                g.rows(), w.inter(),
+                [&](std::size_t r, double* row) {
+                  bool flushable = false;
+                  st.h.runs(r, w.inter(), [&](std::size_t k0, const bf16* p, std::size_t n) {
+                    flushable |= load(p, n, row + k0);
+                  });
+                  return flushable;
+                },
+                [&](std::size_t r) { return st.o + r * st.ldo; }, row_probes(1))
+          : verify::ProbeResult{};
+  for (const auto* p : {&gate_up, &down})
+    if (!p->pass) {
+      const std::size_t e = expert_of(p->row);
+      c.fail(
+          k::kProbe,
+          fmt::format("e={} {} GEMM row {} columns [{}, {})", e, p == &gate_up ? "gate_up" : "down",
+                      p->row - g.begin[e], p->j0, p->j0 + p->width),
+          fmt::format("residual {:.6g}", p->residual),
+          fmt::format("<= {:.6g} (proofs/bounds.md §9)", p->threshold));
+      return;
+    }
+}
+
+}  // namespace
+
 void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                           MatView<const bf16> x, MatView<const std::int32_t> idx,
                           MatView<const float> weights, MatView<const float> y,
                           const ExpertRows& st) {
   MOECERT_CONTRACT(c, k::kYFinite) { detail::scan_finite(c, k::kYFinite, "y", y); }
   // x and W in range, no overflow; Freivalds probes of both GEMMs of every
-  // expert, never failing within bounds::dot; proofs/bounds.md §9.
-  MOECERT_CONTRACT(c, k::kProbe) {
-    const auto& g = st.grouping;
-    for (std::size_t e = 0; e < g.experts; ++e) {
-      if (g.count[e] == 0) continue;
-      const std::size_t r0 = g.begin[e], m = g.count[e];
-      const auto& gu = w.gate_up(e);
-      const auto& dn = w.down(e);
-      // Gate+up: A read from x through the grouping (so the gather is
-      // checked too); down: A read from h in the kernel's layout.
-      const auto p1 = verify::probe_gemm_nt(
-          m, w.hidden(),
-          [&](std::size_t i, std::size_t kk) {
-            return x(static_cast<std::size_t>(g.row_slot[r0 + i]) / idx.cols, kk);
-          },
-          gu.n(), [&](std::size_t j, std::size_t kk) { return gu.at(j, kk); },
-          MatView<const float>(st.c1 + r0 * st.ldc1, m, gu.n(), st.ldc1));
-      const auto p2 = verify::probe_gemm_nt(
-          m, w.inter(), [&](std::size_t i, std::size_t kk) { return st.h.at(r0 + i, kk); },
-          w.hidden(), [&](std::size_t j, std::size_t kk) { return dn.at(j, kk); },
-          MatView<const float>(st.o + r0 * st.ldo, m, w.hidden(), st.ldo));
-      for (const auto* p : {&p1, &p2})
-        if (!p->pass) {
-          c.fail(k::kProbe,
-                 fmt::format("e={} {} GEMM row {} column block {}", e,
-                             p == &p1 ? "gate_up" : "down", p->row, p->block),
-                 fmt::format("residual {:.6g}", p->residual),
-                 fmt::format("<= {:.6g} (proofs/bounds.md §9)", p->threshold));
-          return;
-        }
-    }
-  }
+  // expert (each pack's dense probe and this call's narrow blocks), never
+  // failing within bounds::dot; proofs/bounds.md §9.
+  MOECERT_CONTRACT(c, k::kProbe) { probe_experts(c, w, x, idx.cols, st); }
   // x, W and the weights exact; every y within the chained expert bound
   // (bounds::expert_row, bounds::combine); proofs/bounds.md §10.
   MOECERT_CONTRACT(c, k::kWithinBound) {

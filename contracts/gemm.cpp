@@ -1,8 +1,12 @@
 // Clauses of gemm.pack and gemm.matmul.
 #include "contracts/gemm.hpp"
 
+#include <atomic>
+#include <mutex>
+
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
+#include "contracts/pack_audit.hpp"
 #include "contracts/verify.hpp"
 
 namespace moecert::contracts {
@@ -67,13 +71,84 @@ void gemm_pack_transposed_post(detail::Checker& c, MatView<const bf16> wt,
   }
 }
 
-void gemm_checksum(detail::Checker& c, const gemm::PackedWeights& w, std::string_view name) {
+namespace {
+
+// The parts of each pack this call verifies: every part at full, else the
+// next in the pack's rotation (one call of the clause, one step).
+std::vector<std::size_t> parts_due(const detail::Checker& c,
+                                   const std::vector<const gemm::PackedWeights*>& packs) {
+  std::vector<std::size_t> part(packs.size());
+  if (c.level() >= Level::full) return part;
+  for (std::size_t i = 0; i < packs.size(); ++i)
+    if (auto* st = packs[i]->audit_state())
+      part[i] =
+          st->checksum_calls.fetch_add(1, std::memory_order_relaxed) % packs[i]->checksum_parts();
+  return part;
+}
+
+// The first part of w failing its checksum among those due (w's parts
+// count if none).
+std::size_t failing_part(const gemm::PackedWeights& w, std::size_t due, bool every) {
+  const std::size_t parts = w.checksum_parts();
+  for (std::size_t p = every ? 0 : due; p < (every ? parts : due + 1); ++p)
+    if (w.compute_part_checksum(p) != w.part_checksum(p)) return p;
+  return parts;
+}
+
+}  // namespace
+
+void gemm_checksums(detail::Checker& c, const std::vector<const gemm::PackedWeights*>& packs,
+                    const std::function<std::string(std::size_t)>& name) {
   MOECERT_CONTRACT(c, k::kPackChecksum) {
-    const auto now = w.compute_checksum();
-    if (now != w.checksum())
-      c.fail(k::kPackChecksum, std::string(name), fmt::format("checksum {:#018x}", now),
-             fmt::format("{:#018x} (taken at pack time)", w.checksum()));
+    const bool every = c.level() >= Level::full;
+    const std::vector<std::size_t> due = parts_due(c, packs);
+    const std::size_t bytes = packs.empty() ? 0 : packs[0]->size() * sizeof(bf16);
+    const std::size_t i = detail::first_failing(
+        packs.size(), every ? bytes : bytes / gemm::PackedWeights::kChecksumParts,
+        [&](std::size_t i) {
+          return failing_part(*packs[i], due[i], every) == packs[i]->checksum_parts();
+        });
+    if (i == packs.size()) return;
+    const gemm::PackedWeights& w = *packs[i];
+    const std::size_t p = failing_part(w, due[i], every);
+    c.fail(k::kPackChecksum, fmt::format("{} part {} of {}", name(i), p, w.checksum_parts()),
+           fmt::format("checksum {:#018x}", w.compute_part_checksum(p)),
+           fmt::format("{:#018x} (taken at pack time)", w.part_checksum(p)));
   }
+}
+
+void gemm_checksum(detail::Checker& c, const gemm::PackedWeights& w, std::string_view name) {
+  gemm_checksums(c, {&w}, [&](std::size_t) { return std::string(name); });
+}
+
+std::vector<const verify::Probe*> PackProbes::all() const {
+  std::vector<const verify::Probe*> out{dense.get()};
+  for (const auto& p : narrow) out.push_back(&p);
+  return out;
+}
+
+PackProbes pack_probes(const gemm::PackedWeights& w) {
+  constexpr std::uint64_t kSeed = 0x5eed;
+  auto b = [&w](std::size_t j, std::size_t kk) { return w.at(j, kk); };
+  PackProbes p;
+  detail::PackAudit* st = w.audit_state();
+  MOECERT_ASSERT(st != nullptr);
+  {
+    const std::lock_guard lock(st->mutex);
+    if (!st->dense)
+      st->dense =
+          std::make_shared<const verify::Probe>(verify::make_probe(w.k(), b, 0, w.n(), kSeed));
+    p.dense = st->dense;
+  }
+  const std::size_t width = PackProbes::kNarrowWidth;
+  const std::size_t blocks = (w.n() + width - 1) / width;
+  const std::uint64_t call = st->probe_calls.fetch_add(1, std::memory_order_relaxed);
+  for (std::size_t q = 0; q < std::min(PackProbes::kNarrow, blocks); ++q) {
+    const std::size_t block = (call * PackProbes::kNarrow + q) % blocks, j0 = block * width;
+    p.narrow.push_back(
+        verify::make_probe(w.k(), b, j0, std::min(width, w.n() - j0), kSeed + j0 + 1));
+  }
+  return p;
 }
 
 void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w,
@@ -106,13 +181,21 @@ void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::Pac
                       MatView<const float> out) {
   MOECERT_CONTRACT(c, k::kCFinite) { detail::scan_finite(c, k::kCFinite, "c", out); }
   auto b_at = [&](std::size_t j, std::size_t kk) { return w.at(j, kk); };
-  // A, W in range (gemm.*.range), no overflow; a Freivalds probe per row and
-  // column block against verify's threshold (bounds::dot + the probe's binary64
-  // rounding); never fails within bounds; proofs/bounds.md §9.
+  // A, W in range (gemm.*.range), no overflow; each row against the pack's
+  // probes (the dense one and this call's narrow blocks) with verify's
+  // threshold (bounds::dot + the probe's binary64 rounding); never fails
+  // within bounds; proofs/bounds.md §9.
   MOECERT_CONTRACT(c, k::kProbe) {
-    const auto r = verify::probe_gemm_nt(a.rows, a.cols, a, w.n(), b_at, out);
+    const PackProbes probes = pack_probes(w);
+    const auto r = probe_rows(
+        a.rows, a.cols,
+        [&](std::size_t i, double* row) { return verify::load_bf16(a.row(i), a.cols, row); },
+        [&](std::size_t i) { return out.row(i); },
+        [all = probes.all()](std::size_t) -> const std::vector<const verify::Probe*>& {
+          return all;
+        });
     if (!r.pass)
-      c.fail(k::kProbe, fmt::format("row {} column block {}", r.row, r.block),
+      c.fail(k::kProbe, fmt::format("row {} columns [{}, {})", r.row, r.j0, r.j0 + r.width),
              fmt::format("residual {:.6g}", r.residual),
              fmt::format("<= {:.6g} (proofs/bounds.md §9)", r.threshold));
   }

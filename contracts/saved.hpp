@@ -4,6 +4,7 @@
 // ops/ (a judge that shares the code it judges cannot catch its bugs).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -38,6 +39,15 @@ struct OperandRows {
     if (tile_rows == 0) return data[r * ld + k];
     return data[(r / tile_rows) * ld + (k / k_step) * (tile_rows * k_step) +
                 (r % tile_rows) * k_step + k % k_step];
+  }
+  /// Row r's elements [0, k) in order as contiguous runs: f(k0, p, n) for
+  /// elements k0 .. k0 + n - 1 at p.
+  template <class F>
+  void runs(std::size_t r, std::size_t k, F f) const {
+    if (tile_rows == 0) return f(std::size_t{0}, data + r * ld, k);
+    const bf16* base = data + (r / tile_rows) * ld + (r % tile_rows) * k_step;
+    for (std::size_t k0 = 0; k0 < k; k0 += k_step)
+      f(k0, base + (k0 / k_step) * (tile_rows * k_step), std::min(k_step, k - k0));
   }
 };
 

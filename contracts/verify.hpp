@@ -1,8 +1,8 @@
 // Result verification for the `audit` level: a Freivalds/ABFT probe of
 // C = A B^T with a threshold derived from the same bounds as the full
-// comparison, and recomputation of output rows by the reference.
-// B is read through an accessor b(j, k) -> bf16, so packed weights can be
-// verified in place (PackedWeights::at).
+// comparison (proofs/bounds.md §9), and recomputation of output rows by the
+// reference. B is read through an accessor b(j, k) -> bf16, so packed
+// weights can be verified in place (PackedWeights::at).
 #pragma once
 
 #include <algorithm>
@@ -20,6 +20,136 @@
 
 namespace moecert::verify {
 
+/// The weight side of a probe of C = A W^T (W [N x K]) over the columns
+/// [j0, j0 + width) (§9): signs r, W^T r and |W|^T |r| in binary64. A pack
+/// keeps a dense one (every column) from its first audited call on; narrow
+/// ones are formed per call.
+struct Probe {
+  std::size_t j0 = 0, width = 0;
+  std::vector<double> r, br, babs;  // width signs; K entries each
+};
+
+/// The probe of W's columns [j0, j0 + width), signs drawn from `seed`;
+/// W read through b(j, k) -> bf16. Cost 2 width K.
+template <class BAt>
+Probe make_probe(std::size_t k, BAt b, std::size_t j0, std::size_t width, std::uint64_t seed) {
+  Probe p{j0, width, std::vector<double>(width), std::vector<double>(k), std::vector<double>(k)};
+  std::mt19937_64 rng(seed);
+  for (double& s : p.r) s = (rng() & 1) ? 1.0 : -1.0;
+  // By 16 columns, k outermost within them: a packed panel's k pair holds
+  // its 16 columns side by side, so each is read in storage order.
+  constexpr std::size_t kCols = 16;
+  for (std::size_t c0 = 0; c0 < width; c0 += kCols)
+    for (std::size_t kk = 0; kk < k; ++kk) {
+      double sum = 0, mag = 0;
+      for (std::size_t j = c0; j < std::min(width, c0 + kCols); ++j) {
+        const double v = b(j0 + j, kk).to_float();
+        sum += v * p.r[j];
+        mag += std::fabs(v);
+      }
+      p.br[kk] += sum;
+      p.babs[kk] += mag;
+    }
+  return p;
+}
+
+/// One row's probe: |(C r)_i - (A (W^T r))_i| and Lemma 9's allowance.
+struct RowProbe {
+  double residual = 0, threshold = 0;
+  bool pass() const { return residual <= threshold; }  // false for NaN
+  double ratio() const {
+    return threshold > 0 ? residual / threshold : (residual > 0 ? INFINITY : 0);
+  }
+};
+
+namespace detail {
+// Sum a_k x_k and sum |a_k| y_k over k < n in 8 interleaved binary64
+// partial sums (vectorizes; §9's gamma holds for any summation order).
+inline void dot_and_magnitude(const double* a, const double* x, const double* y, std::size_t n,
+                              double& dot, double& mag) {
+  constexpr std::size_t kL = 8;
+  double d[kL] = {}, m[kL] = {};
+  std::size_t k = 0;
+  for (; k + kL <= n; k += kL)
+    for (std::size_t l = 0; l < kL; ++l) {
+      d[l] += a[k + l] * x[k + l];
+      m[l] += std::fabs(a[k + l]) * y[k + l];
+    }
+  for (; k < n; ++k) {
+    d[0] += a[k] * x[k];
+    m[0] += std::fabs(a[k]) * y[k];
+  }
+  dot = mag = 0;
+  for (std::size_t l = 0; l < kL; ++l) dot += d[l], mag += m[l];
+}
+// Sum c_j r_j and sum |c_j| over j < n, the same way.
+inline void signed_sum_and_magnitude(const float* c, const double* r, std::size_t n, double& sum,
+                                     double& mag) {
+  constexpr std::size_t kL = 8;
+  double s[kL] = {}, m[kL] = {};
+  std::size_t j = 0;
+  for (; j + kL <= n; j += kL)
+    for (std::size_t l = 0; l < kL; ++l) {
+      s[l] += static_cast<double>(c[j + l]) * r[j + l];
+      m[l] += std::fabs(static_cast<double>(c[j + l]));
+    }
+  for (; j < n; ++j) {
+    s[0] += static_cast<double>(c[j]) * r[j];
+    m[0] += std::fabs(static_cast<double>(c[j]));
+  }
+  sum = mag = 0;
+  for (std::size_t l = 0; l < kL; ++l) sum += s[l], mag += m[l];
+}
+}  // namespace detail
+
+/// Lemma 9 on one row: a = the row of A as K binary64 values (`flushable`:
+/// whether one of them is a nonzero denormal), c = the row of C. Never
+/// fails for a row within bounds::dot of the exact product (§9: the
+/// allowance includes the probe's own rounding). Cost 2 K + 2 width.
+inline RowProbe probe_row(const Probe& p, const double* a, std::size_t k, bool flushable,
+                          const float* c, bool c_is_bf16 = false) {
+  double rhs, mag;
+  detail::dot_and_magnitude(a, p.br.data(), p.babs.data(), k, rhs, mag);
+  double flushed = 0;  // Lemma 1'
+  if (flushable)
+    for (std::size_t kk = 0; kk < k; ++kk)
+      if (bounds::flushable(a[kk])) flushed += std::fabs(a[kk]) * p.babs[kk];
+  double lhs, cabs;
+  detail::signed_sum_and_magnitude(c + p.j0, p.r.data(), p.width, lhs, cabs);
+  // The block's element bounds (§1, and §2 when C is bf16), summed, plus
+  // the probe's own rounding: K + width + 1 terms of A (W^T r), width of C r.
+  const double w = static_cast<double>(p.width);
+  double threshold = bounds::gamma(static_cast<double>(k)) * mag +
+                     3 * w * static_cast<double>(k) * bounds::kMinNormal32 + flushed;
+  if (c_is_bf16) threshold += bounds::kUbf16 * (mag + threshold) + w * bounds::kBf16HalfDenormal;
+  threshold += 2 * bounds::gamma(static_cast<double>(k) + 2 * w + 2, bounds::kU64) * (mag + cabs);
+  return {std::fabs(lhs - rhs), threshold};
+}
+
+/// p[0, n) into `row` as binary64; returns whether one is flushable (a
+/// nonzero bf16 denormal: exponent bits 0, fraction not), from the bits so
+/// that the loop vectorizes.
+inline bool load_bf16(const bf16* p, std::size_t n, double* row) {
+  std::uint16_t denormal = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    row[k] = p[k].to_float();
+    denormal |=
+        static_cast<std::uint16_t>(((p[k].bits & 0x7f80u) == 0) & ((p[k].bits & 0x7fu) != 0));
+  }
+  return denormal != 0;
+}
+
+/// A[i, 0..k) into `row` as binary64; returns whether one is flushable.
+template <class AAt>
+bool load_row(AAt a, std::size_t i, std::size_t k, double* row) {
+  bool flushable = false;
+  for (std::size_t kk = 0; kk < k; ++kk) {
+    row[kk] = a(i, kk).to_float();
+    flushable |= bounds::flushable(row[kk]);
+  }
+  return flushable;
+}
+
 struct ProbeOptions {
   /// Columns per probe vector. Each probe r is +-1 on one block of `width`
   /// columns and 0 elsewhere; the threshold is the sum of the block's
@@ -32,67 +162,37 @@ struct ProbeOptions {
 
 struct ProbeResult {
   bool pass = true;
-  std::size_t row = 0, block = 0;      // first failing (row, column block)
-  double residual = 0, threshold = 0;  // |C r - A (B^T r)| and its allowance there
-  double max_ratio = 0;                // max residual / threshold over all probes
+  std::size_t row = 0, j0 = 0, width = 0;  // first failing row and its probe's columns
+  double residual = 0, threshold = 0;      // |C r - A (B^T r)| and its allowance there
+  double max_ratio = 0;                    // max residual / threshold over all probes
+  /// Keeps the first failure (row i, probe p) and the largest ratio.
+  void add(std::size_t i, const Probe& p, const RowProbe& v) {
+    if (!v.pass() && pass) {
+      pass = false;
+      row = i, j0 = p.j0, width = p.width;
+      residual = v.residual, threshold = v.threshold;
+    }
+    if (!(v.ratio() <= max_ratio)) max_ratio = v.ratio();
+  }
 };
 
 /// Checks C [M x N] against A [M x K] B^T (B [N x K] via b(j, k)), one probe
-/// per column block, all rows at once. Cost (N / width)(M K + N K) binary64
-/// operations. Never fails for a C within bounds::dot of the exact product
-/// (§9: the threshold includes the probe's own rounding).
+/// per column block of opt.width, all rows. Cost (N / width)(2 M K) + 2 N K
+/// binary64 operations: the exhaustive form of the probe, for tests and small
+/// products (the ops' audit level probes in rotation, proofs/bounds.md §9.1).
 template <class AAt, class BAt>
 ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BAt b,
                           MatView<const float> c, const ProbeOptions& opt = {}) {
-  ProbeResult res;
   const std::size_t width = std::max<std::size_t>(opt.width, 1);
-  std::mt19937_64 rng(opt.seed);
-  std::vector<double> br(k), babs(k), r(width);
-  // The probe's own binary64 rounding (§9): K + width + 1 terms of
-  // A (B^T r) and width terms of C r.
-  const double g_probe = bounds::gamma(static_cast<double>(k + 2 * width + 2), bounds::kU64);
-  for (std::size_t j0 = 0, block = 0; j0 < n; j0 += width, ++block) {
-    const std::size_t w = std::min(width, n - j0);
-    for (std::size_t j = 0; j < w; ++j) r[j] = (rng() & 1) ? 1.0 : -1.0;
-    std::fill(br.begin(), br.end(), 0.0);
-    std::fill(babs.begin(), babs.end(), 0.0);
-    for (std::size_t j = 0; j < w; ++j)
-      for (std::size_t kk = 0; kk < k; ++kk) {
-        const double v = b(j0 + j, kk).to_float();
-        br[kk] += v * r[j];
-        babs[kk] += std::fabs(v);
-      }
-    for (std::size_t i = 0; i < m; ++i) {
-      double lhs = 0, cabs = 0, rhs = 0, mag = 0, flushed = 0;
-      for (std::size_t j = 0; j < w; ++j) {
-        lhs += static_cast<double>(c(i, j0 + j)) * r[j];
-        cabs += std::fabs(static_cast<double>(c(i, j0 + j)));
-      }
-      for (std::size_t kk = 0; kk < k; ++kk) {
-        const double av = a(i, kk).to_float();
-        rhs += av * br[kk];
-        mag += std::fabs(av) * babs[kk];                                 // (|A| (|B|^T |r|))_i
-        if (bounds::flushable(av)) flushed += std::fabs(av) * babs[kk];  // Lemma 1'
-      }
-      // The block's element bounds (§1, and §2 when C is bf16), summed,
-      // plus the probe's own rounding.
-      double threshold = bounds::gamma(static_cast<double>(k)) * mag +
-                         3 * static_cast<double>(w * k) * bounds::kMinNormal32 + flushed;
-      if (opt.c_is_bf16)
-        threshold +=
-            bounds::kUbf16 * (mag + threshold) + static_cast<double>(w) * bounds::kBf16HalfDenormal;
-      threshold += 2 * g_probe * (mag + cabs);
-      const double residual = std::fabs(lhs - rhs);
-      const double ratio = threshold > 0 ? residual / threshold : (residual > 0 ? INFINITY : 0);
-      if (!(residual <= threshold) && res.pass) {
-        res.pass = false;
-        res.row = i;
-        res.block = block;
-        res.residual = residual;
-        res.threshold = threshold;
-      }
-      if (!(ratio <= res.max_ratio)) res.max_ratio = ratio;
-    }
+  std::vector<Probe> probes;
+  for (std::size_t j0 = 0; j0 < n; j0 += width)
+    probes.push_back(make_probe(k, b, j0, std::min(width, n - j0), opt.seed + j0));
+  ProbeResult res;
+  std::vector<double> row(k);
+  for (std::size_t i = 0; i < m; ++i) {
+    const bool flushable = load_row(a, i, k, row.data());
+    for (const Probe& p : probes)
+      res.add(i, p, probe_row(p, row.data(), k, flushable, c.row(i), opt.c_is_bf16));
   }
   return res;
 }

@@ -416,6 +416,62 @@ TEST_CASE("gemm.pack: checksum clause catches packed weights changed after packi
   CHECK(c == std::vector<float>(2, 7.0f));
 }
 
+TEST_CASE("gemm.pack: at audit the checksum verifies one part per call in rotation",
+          "[gemm][pack][memory]") {
+  // 1024 columns: 64 panels, one per part; the change sits in the last one.
+  const std::size_t n = 16 * gemm::PackedWeights::kChecksumParts, k = 32;
+  std::vector<bf16> a(k, bf16(1.0f)), wv(n * k, bf16(0.5f));
+  auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+  REQUIRE(w.checksum_parts() == gemm::PackedWeights::kChecksumParts);
+  w.mutable_data_for_testing()[w.size() - 1] = bf16(2.0f);  // a weight in the last panel
+  std::vector<float> c(n);
+  auto call = [&] {
+    gemm::matmul(MatView<const bf16>(a.data(), 1, k), w, MatView<float>(c.data(), 1, n),
+                 Isa::scalar);
+  };
+  {
+    ContractScope audit{Level::audit, Semantic::enforce};
+    for (std::size_t i = 0; i + 1 < gemm::PackedWeights::kChecksumParts; ++i)
+      REQUIRE_NOTHROW(call());  // parts 0 .. 62
+  }
+  auto v = test::expect_violation(call, "gemm.pack.checksum", Level::audit);  // part 63
+  CHECK(v.location == "w part 63 of 64");
+  w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));  // a fresh rotation
+  w.mutable_data_for_testing()[w.size() - 1] = bf16(2.0f);
+  test::expect_violation(call, "gemm.pack.checksum", Level::full);  // every part, first call
+}
+
+TEST_CASE("gemm.matmul: the probe's narrow blocks see what the dense probe cannot",
+          "[gemm][matmul][numeric]") {
+  // Positive products: each element's bound is gamma_64 sum|p|, the dense
+  // probe's the sum over all 256 columns, a narrow probe's over 4.
+  std::mt19937_64 rng(37);
+  std::uniform_real_distribution<float> u(0.5f, 1.0f);
+  const std::size_t m = 3, n = 256, k = 64;
+  std::vector<bf16> a(m * k), wv(n * k);
+  for (auto& v : a) v = bf16(u(rng));
+  for (auto& v : wv) v = bf16(u(rng));
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
+  auto c = run(Isa::scalar, a, m, k, w, 0);
+  // Over one element's bound (~1.4e-4 here) and a 4-column block's sum,
+  // under the dense probe's allowance (~0.04).
+  c[1 * n + 101] += 0.004f;
+  MatView<const bf16> av(a.data(), m, k);
+  MatView<const float> cv(c.data(), m, n);
+  auto post = [&] {
+    detail::Checker chk{"gemm.matmul"};
+    contracts::gemm_matmul_post(chk, av, w, cv);
+  };
+  // Call q probes the 4-column blocks 2q and 2q + 1: column 101 is in
+  // block 25, reached by call 12.
+  {
+    ContractScope audit{Level::audit, Semantic::enforce};
+    for (int q = 0; q < 12; ++q) REQUIRE_NOTHROW(post());
+  }
+  auto v = test::expect_violation(post, "gemm.matmul.probe", Level::audit);
+  CHECK(v.location == "row 1 columns [100, 104)");
+}
+
 TEST_CASE("gemm.epilogue: exp_poly is within bounds::kExpUlps of exp",
           "[gemm][epilogue][numeric]") {
   // A sweep of the normal range (every 1021st float of [-87.3, 88.7]) and

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <vector>
 
 #include "moecert/types.hpp"
 
@@ -17,6 +18,9 @@ void deallocate(void* p) noexcept;
 struct AlignedFree {
   void operator()(bf16* p) const { deallocate(p); }
 };
+/// What the contracts keep beside one pack between calls
+/// (contracts/pack_audit.hpp).
+struct PackAudit;
 }  // namespace detail
 
 namespace gemm {
@@ -24,7 +28,8 @@ namespace gemm {
 /// Weights W [N x K] (row n = output column n, as in W[out, in]) packed for
 /// every kernel: 16-column panels of VNNI pairs, N padded to a multiple of
 /// 32 and K to a multiple of 32, padding zero (ops/gemm/ukernel.hpp).
-/// A checksum of the packed bytes is taken at pack time.
+/// Checksums of the packed bytes are taken at pack time, one per part of
+/// the panels (up to kChecksumParts parts).
 ///
 /// Clauses (contracts/gemm.cpp):
 ///   gemm.pack.shape      pre  shape    stride >= cols; `second` absent or of w's shape
@@ -33,12 +38,16 @@ namespace gemm {
 ///                                      two in-range bf16 underflows or overflows; proofs/bounds.md §0)
 ///   gemm.pack.roundtrip  post memory   every W element reads back from the packed layout (at());
 ///                                      pack_transposed: every wt[k][n] as W[n][k]
-///   gemm.pack.checksum   invariant memory  the packed bytes still hash to the pack-time checksum
-///                                      (audit level, verified by the ops that read them)
+///   gemm.pack.checksum   invariant memory  the packed bytes still hash to the pack-time checksums,
+///                                      verified by the ops that read them: at audit one part
+///                                      per call in rotation (every byte within kChecksumParts
+///                                      calls), at full every part on every call
 class PackedWeights {
  public:
   /// Columns per packed panel (the interleaving unit of a fused pair).
   static constexpr std::size_t kPanel = 16;
+  /// Most parts the checksums split the panels into.
+  static constexpr std::size_t kChecksumParts = 64;
 
   PackedWeights() = default;
 
@@ -72,9 +81,20 @@ class PackedWeights {
   const bf16* data() const { return data_.get(); }
   std::size_t size() const { return np_ * kp_; }  // elements
   /// W[n][k] read back from the packed layout (n < np, k < kp).
-  bf16 at(std::size_t n, std::size_t k) const;
-  std::uint64_t checksum() const { return checksum_; }
+  bf16 at(std::size_t n, std::size_t k) const {
+    return data_[(n / kPanel) * kp_ * kPanel + (k / 2) * 2 * kPanel + (n % kPanel) * 2 + (k % 2)];
+  }
+  /// The pack-time checksum of all packed bytes (the parts' folded).
+  std::uint64_t checksum() const;
+  /// The same, of the bytes as they are now.
   std::uint64_t compute_checksum() const;
+  /// Parts: part p holds panels [p P / parts, (p + 1) P / parts) of the P.
+  std::size_t checksum_parts() const { return part_checksums_.size(); }
+  std::uint64_t part_checksum(std::size_t part) const { return part_checksums_[part]; }
+  std::uint64_t compute_part_checksum(std::size_t part) const;
+  /// The contracts' state for this pack, fresh with every pack (null for a
+  /// default-constructed one).
+  moecert::detail::PackAudit* audit_state() const { return audit_.get(); }
   /// Test hook: lets a test corrupt the packed bytes (mutable access).
   bf16* mutable_data_for_testing() { return data_.get(); }
 
@@ -83,11 +103,14 @@ class PackedWeights {
   // storage (`storage`'s where the size matches); panels not yet written.
   static PackedWeights sized(std::size_t rows, std::size_t depth, bool interleaved,
                              PackedWeights&& storage);
+  // The part checksums of the packed bytes and a fresh PackAudit.
+  void take_checksums();
 
   std::unique_ptr<bf16[], moecert::detail::AlignedFree> data_;
   std::size_t n_ = 0, k_ = 0, np_ = 0, kp_ = 0;
   bool interleaved_ = false;
-  std::uint64_t checksum_ = 0;
+  std::vector<std::uint64_t> part_checksums_;
+  std::shared_ptr<moecert::detail::PackAudit> audit_;
 };
 
 /// C [M x N] = A [M x K] W^T in fp32 on kernel `isa` (every element written;

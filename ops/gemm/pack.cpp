@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "contracts/gemm.hpp"
+#include "contracts/pack_audit.hpp"
 #include "moecert/gemm.hpp"
 #include "ops/core/task.hpp"
 #include "ops/gemm/ukernel.hpp"
@@ -112,7 +113,7 @@ PackedWeights PackedWeights::pack_transposed_operand(MatView<const bf16> wt,
   PackedWeights out = sized(wt.cols, wt.rows, false, std::move(storage));
   for (std::size_t p = 0; p < out.np_ / kPanel; ++p)
     pack_panel_transposed(wt, p, out.kp_, out.data_.get() + p * out.kp_ * kPanel);
-  out.checksum_ = out.compute_checksum();
+  out.take_checksums();
   return out;
 }
 
@@ -128,25 +129,23 @@ PackedWeights PackedWeights::pack_operand(MatView<const bf16> w, MatView<const b
     else
       pack_panel(w, p, out.kp_, dst);
   }
-  out.checksum_ = out.compute_checksum();
+  out.take_checksums();
   return out;
 }
 
-bf16 PackedWeights::at(std::size_t n, std::size_t k) const {
-  return data_[(n / kPanel) * kp_ * kPanel + (k / 2) * 2 * kPanel + (n % kPanel) * 2 + (k % 2)];
-}
+namespace {
 
-std::uint64_t PackedWeights::compute_checksum() const {
-  // FNV-1a over 64-bit words in 8 interleaved lanes (word i into lane i mod
-  // 8, so that 8 multiplications are in flight rather than one chain), the
-  // lanes then folded in order by the same step. Each step is a bijection of
-  // its lane's state, so a change in any one word changes the sum.
-  constexpr std::uint64_t kBasis = 0xcbf29ce484222325ull, kPrime = 0x100000001b3ull;
+constexpr std::uint64_t kBasis = 0xcbf29ce484222325ull, kPrime = 0x100000001b3ull;
+
+// FNV-1a over the 64-bit words of [p, p + bytes) in 8 interleaved lanes
+// (word i into lane i mod 8, so that 8 multiplications are in flight rather
+// than one chain), the lanes then folded in order by the same step. Each
+// step is a bijection of its lane's state, so a change in any one word
+// changes the sum.
+std::uint64_t fnv_lanes(const unsigned char* p, std::size_t bytes) {
   constexpr std::size_t kLanes = 8;
   std::uint64_t lane[kLanes];
   std::fill(lane, lane + kLanes, kBasis);
-  const std::size_t bytes = size() * sizeof(bf16);
-  const auto* p = reinterpret_cast<const unsigned char*>(data_.get());
   std::size_t i = 0;
   for (; i + 8 * kLanes <= bytes; i += 8 * kLanes)
     for (std::size_t l = 0; l < kLanes; ++l) {
@@ -162,6 +161,38 @@ std::uint64_t PackedWeights::compute_checksum() const {
   std::uint64_t h = kBasis;
   for (std::uint64_t v : lane) h = (h ^ v) * kPrime;
   return h;
+}
+
+// The parts' checksums folded in order by the same step.
+std::uint64_t fold(const std::vector<std::uint64_t>& parts) {
+  std::uint64_t h = kBasis;
+  for (std::uint64_t v : parts) h = (h ^ v) * kPrime;
+  return h;
+}
+
+}  // namespace
+
+std::uint64_t PackedWeights::compute_part_checksum(std::size_t part) const {
+  const std::size_t panels = np_ / kPanel, parts = part_checksums_.size();
+  const std::size_t p0 = part * panels / parts, p1 = (part + 1) * panels / parts;
+  const std::size_t panel_bytes = kp_ * kPanel * sizeof(bf16);
+  return fnv_lanes(reinterpret_cast<const unsigned char*>(data_.get()) + p0 * panel_bytes,
+                   (p1 - p0) * panel_bytes);
+}
+
+std::uint64_t PackedWeights::checksum() const { return fold(part_checksums_); }
+
+std::uint64_t PackedWeights::compute_checksum() const {
+  std::vector<std::uint64_t> now(part_checksums_.size());
+  for (std::size_t p = 0; p < now.size(); ++p) now[p] = compute_part_checksum(p);
+  return fold(now);
+}
+
+void PackedWeights::take_checksums() {
+  part_checksums_.assign(std::min(kChecksumParts, np_ / kPanel), 0);
+  for (std::size_t p = 0; p < part_checksums_.size(); ++p)
+    part_checksums_[p] = compute_part_checksum(p);
+  audit_ = std::make_shared<moecert::detail::PackAudit>();
 }
 
 }  // namespace moecert::gemm
