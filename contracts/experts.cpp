@@ -144,7 +144,7 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
   const auto load = verify::load_bf16;
   const auto gate_up = probe_rows(
       g.rows(), w.hidden(),
-      [&](std::size_t r, double* row) {
+      [&](std::size_t r, float* row) {
         return load(x.row(static_cast<std::size_t>(g.row_slot[r]) / topk), w.hidden(), row);
       },
       [&](std::size_t r) { return st.c1 + r * st.ldc1; }, row_probes(0));
@@ -152,7 +152,7 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
       gate_up.pass
           ? probe_rows(
                 g.rows(), w.inter(),
-                [&](std::size_t r, double* row) {
+                [&](std::size_t r, float* row) {
                   bool flushable = false;
                   st.h.runs(r, w.inter(), [&](std::size_t k0, const bf16* p, std::size_t n) {
                     flushable |= load(p, n, row + k0);

@@ -183,13 +183,13 @@ void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::Pac
   auto b_at = [&](std::size_t j, std::size_t kk) { return w.at(j, kk); };
   // A, W in range (gemm.*.range), no overflow; each row against the pack's
   // probes (the dense one and this call's narrow blocks) with verify's
-  // threshold (bounds::dot + the probe's binary64 rounding); never fails
+  // threshold (bounds::dot + the probe's own rounding); never fails
   // within bounds; proofs/bounds.md §9.
   MOECERT_CONTRACT(c, k::kProbe) {
     const PackProbes probes = pack_probes(w);
     const auto r = probe_rows(
         a.rows, a.cols,
-        [&](std::size_t i, double* row) { return verify::load_bf16(a.row(i), a.cols, row); },
+        [&](std::size_t i, float* row) { return verify::load_bf16(a.row(i), a.cols, row); },
         [&](std::size_t i) { return out.row(i); },
         [all = probes.all()](std::size_t) -> const std::vector<const verify::Probe*>& {
           return all;

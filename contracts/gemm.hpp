@@ -35,9 +35,10 @@ void gemm_checksums(detail::Checker& c, const std::vector<const gemm::PackedWeig
 /// the dense probe over every column of W, formed on the pack's first
 /// audited call and kept with it, and kNarrow blocks of kNarrowWidth
 /// columns in rotation (call c of this pack probes blocks cP .. cP + P - 1
-/// modulo the block count: each block within ceil(N / (P width)) calls).
+/// modulo the block count, P = kNarrow: each block within
+/// ceil(N / (P width)) calls).
 struct PackProbes {
-  static constexpr std::size_t kNarrow = 2, kNarrowWidth = 4;
+  static constexpr std::size_t kNarrow = 1, kNarrowWidth = 4;
   std::shared_ptr<const verify::Probe> dense;
   std::vector<verify::Probe> narrow;
   std::vector<const verify::Probe*> all() const;
@@ -46,7 +47,7 @@ PackProbes pack_probes(const gemm::PackedWeights& w);
 
 /// Rows [0, m) of C against their probes (§9) on the op's threads: the
 /// first failing (row, probe) in row order, else a pass. load(i, row) writes
-/// A's row i as K binary64 values and returns whether one is flushable;
+/// A's row i as K binary32 values and returns whether one is flushable;
 /// c_row(i) is C's row i; probes(i) the probes of row i (none: not judged).
 template <class Load, class CRow, class ProbesOf>
 verify::ProbeResult probe_rows(std::size_t m, std::size_t k, Load load, CRow c_row, ProbesOf probes,
@@ -54,7 +55,7 @@ verify::ProbeResult probe_rows(std::size_t m, std::size_t k, Load load, CRow c_r
   auto judge = [&](std::size_t i, verify::ProbeResult& res) {
     const std::vector<const verify::Probe*>& ps = probes(i);
     if (ps.empty()) return;
-    thread_local std::vector<double> row;
+    thread_local std::vector<float> row;
     row.resize(k);
     const bool flushable = load(i, row.data());
     for (const verify::Probe* p : ps)

@@ -21,21 +21,22 @@
 namespace moecert::verify {
 
 /// The weight side of a probe of C = A W^T (W [N x K]) over the columns
-/// [j0, j0 + width) (§9): signs r, W^T r and |W|^T |r| in binary64. A pack
-/// keeps a dense one (every column) from its first audited call on; narrow
-/// ones are formed per call.
+/// [j0, j0 + width) (§9): signs r, W^T r and |W|^T |r|, formed in binary64
+/// and stored in binary32 (§9.1). A pack keeps a dense one (every column)
+/// from its first audited call on; narrow ones are formed per call.
 struct Probe {
   std::size_t j0 = 0, width = 0;
-  std::vector<double> r, br, babs;  // width signs; K entries each
+  std::vector<float> r, br, babs;  // width signs; K entries each
 };
 
 /// The probe of W's columns [j0, j0 + width), signs drawn from `seed`;
 /// W read through b(j, k) -> bf16. Cost 2 width K.
 template <class BAt>
 Probe make_probe(std::size_t k, BAt b, std::size_t j0, std::size_t width, std::uint64_t seed) {
-  Probe p{j0, width, std::vector<double>(width), std::vector<double>(k), std::vector<double>(k)};
+  Probe p{j0, width, std::vector<float>(width), std::vector<float>(k), std::vector<float>(k)};
   std::mt19937_64 rng(seed);
-  for (double& s : p.r) s = (rng() & 1) ? 1.0 : -1.0;
+  for (float& s : p.r) s = (rng() & 1) ? 1.0f : -1.0f;
+  std::vector<double> br(k), babs(k);
   // By 16 columns, k outermost within them: a packed panel's k pair holds
   // its 16 columns side by side, so each is read in storage order.
   constexpr std::size_t kCols = 16;
@@ -47,9 +48,11 @@ Probe make_probe(std::size_t k, BAt b, std::size_t j0, std::size_t width, std::u
         sum += v * p.r[j];
         mag += std::fabs(v);
       }
-      p.br[kk] += sum;
-      p.babs[kk] += mag;
+      br[kk] += sum;
+      babs[kk] += mag;
     }
+  for (std::size_t kk = 0; kk < k; ++kk)
+    p.br[kk] = static_cast<float>(br[kk]), p.babs[kk] = static_cast<float>(babs[kk]);
   return p;
 }
 
@@ -63,36 +66,51 @@ struct RowProbe {
 };
 
 namespace detail {
-// Sum a_k x_k and sum |a_k| y_k over k < n in 8 interleaved binary64
-// partial sums (vectorizes; §9's gamma holds for any summation order).
-inline void dot_and_magnitude(const double* a, const double* x, const double* y, std::size_t n,
+// §9.1: binary32 products summed in 16 lanes over 8 steps (each lane's
+// partial sum of 8 products is within gamma_8 of its exact sum), the
+// partial sums added in binary64; the tail in binary64. Vectorizes.
+inline constexpr std::size_t kProbeLanes = 16, kProbeSteps = 8;
+
+// Sum a_k x_k and sum |a_k| y_k over k < n.
+inline void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n,
                               double& dot, double& mag) {
-  constexpr std::size_t kL = 8;
+  constexpr std::size_t kL = kProbeLanes, kBlock = kProbeLanes * kProbeSteps;
   double d[kL] = {}, m[kL] = {};
   std::size_t k = 0;
-  for (; k + kL <= n; k += kL)
-    for (std::size_t l = 0; l < kL; ++l) {
-      d[l] += a[k + l] * x[k + l];
-      m[l] += std::fabs(a[k + l]) * y[k + l];
-    }
+  for (; k + kBlock <= n; k += kBlock) {
+    float fd[kL] = {}, fm[kL] = {};
+    for (std::size_t s = 0; s < kProbeSteps; ++s)
+      for (std::size_t l = 0; l < kL; ++l) {
+        const std::size_t i = k + s * kL + l;
+        fd[l] += a[i] * x[i];
+        fm[l] += std::fabs(a[i]) * y[i];
+      }
+    for (std::size_t l = 0; l < kL; ++l) d[l] += fd[l], m[l] += fm[l];
+  }
   for (; k < n; ++k) {
-    d[0] += a[k] * x[k];
-    m[0] += std::fabs(a[k]) * y[k];
+    d[0] += static_cast<double>(a[k]) * x[k];
+    m[0] += std::fabs(static_cast<double>(a[k])) * y[k];
   }
   dot = mag = 0;
   for (std::size_t l = 0; l < kL; ++l) dot += d[l], mag += m[l];
 }
-// Sum c_j r_j and sum |c_j| over j < n, the same way.
-inline void signed_sum_and_magnitude(const float* c, const double* r, std::size_t n, double& sum,
+
+// Sum c_j r_j and sum |c_j| over j < n (r_j = +-1: exact products).
+inline void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
                                      double& mag) {
-  constexpr std::size_t kL = 8;
+  constexpr std::size_t kL = kProbeLanes, kBlock = kProbeLanes * kProbeSteps;
   double s[kL] = {}, m[kL] = {};
   std::size_t j = 0;
-  for (; j + kL <= n; j += kL)
-    for (std::size_t l = 0; l < kL; ++l) {
-      s[l] += static_cast<double>(c[j + l]) * r[j + l];
-      m[l] += std::fabs(static_cast<double>(c[j + l]));
-    }
+  for (; j + kBlock <= n; j += kBlock) {
+    float fs[kL] = {}, fm[kL] = {};
+    for (std::size_t t = 0; t < kProbeSteps; ++t)
+      for (std::size_t l = 0; l < kL; ++l) {
+        const std::size_t i = j + t * kL + l;
+        fs[l] += c[i] * r[i];
+        fm[l] += std::fabs(c[i]);
+      }
+    for (std::size_t l = 0; l < kL; ++l) s[l] += fs[l], m[l] += fm[l];
+  }
   for (; j < n; ++j) {
     s[0] += static_cast<double>(c[j]) * r[j];
     m[0] += std::fabs(static_cast<double>(c[j]));
@@ -102,34 +120,41 @@ inline void signed_sum_and_magnitude(const float* c, const double* r, std::size_
 }
 }  // namespace detail
 
-/// Lemma 9 on one row: a = the row of A as K binary64 values (`flushable`:
-/// whether one of them is a nonzero denormal), c = the row of C. Never
-/// fails for a row within bounds::dot of the exact product (§9: the
+/// Lemma 9 on one row (§9.1): a = the row of A (K bf16 values as binary32;
+/// `flushable`: whether one of them is a nonzero denormal), c = the row of
+/// C. Never fails for a row within bounds::dot of the exact product (the
 /// allowance includes the probe's own rounding). Cost 2 K + 2 width.
-inline RowProbe probe_row(const Probe& p, const double* a, std::size_t k, bool flushable,
+inline RowProbe probe_row(const Probe& p, const float* a, std::size_t k, bool flushable,
                           const float* c, bool c_is_bf16 = false) {
-  double rhs, mag;
+  double rhs, mag, lhs, cabs;
   detail::dot_and_magnitude(a, p.br.data(), p.babs.data(), k, rhs, mag);
+  detail::signed_sum_and_magnitude(c + p.j0, p.r.data(), p.width, lhs, cabs);
+  // The probe's own rounding, relative to the exact magnitudes: gamma_8 in
+  // a lane, u in storing W^T r and |W|^T |r|, the binary64 sums of the
+  // lanes and the tail (gamma_10 covers the first two); the computed
+  // magnitudes are raised by 2 gamma_10 to bound the exact ones.
+  const double w = static_cast<double>(p.width);
+  const double g_probe =
+      bounds::gamma(10) + bounds::gamma(static_cast<double>(k) + 2 * w + 2, bounds::kU64);
+  const double raise = 1 + 2 * g_probe;
+  mag *= raise, cabs *= raise;
   double flushed = 0;  // Lemma 1'
   if (flushable)
     for (std::size_t kk = 0; kk < k; ++kk)
-      if (bounds::flushable(a[kk])) flushed += std::fabs(a[kk]) * p.babs[kk];
-  double lhs, cabs;
-  detail::signed_sum_and_magnitude(c + p.j0, p.r.data(), p.width, lhs, cabs);
+      if (bounds::flushable(a[kk])) flushed += std::fabs(double(a[kk])) * p.babs[kk] * raise;
   // The block's element bounds (§1, and §2 when C is bf16), summed, plus
-  // the probe's own rounding: K + width + 1 terms of A (W^T r), width of C r.
-  const double w = static_cast<double>(p.width);
+  // twice the probe's rounding.
   double threshold = bounds::gamma(static_cast<double>(k)) * mag +
                      3 * w * static_cast<double>(k) * bounds::kMinNormal32 + flushed;
   if (c_is_bf16) threshold += bounds::kUbf16 * (mag + threshold) + w * bounds::kBf16HalfDenormal;
-  threshold += 2 * bounds::gamma(static_cast<double>(k) + 2 * w + 2, bounds::kU64) * (mag + cabs);
+  threshold += 2 * g_probe * (mag + cabs);
   return {std::fabs(lhs - rhs), threshold};
 }
 
-/// p[0, n) into `row` as binary64; returns whether one is flushable (a
-/// nonzero bf16 denormal: exponent bits 0, fraction not), from the bits so
-/// that the loop vectorizes.
-inline bool load_bf16(const bf16* p, std::size_t n, double* row) {
+/// p[0, n) into `row` as binary32 (exact); returns whether one is
+/// flushable (a nonzero bf16 denormal: exponent bits 0, fraction not),
+/// from the bits so that the loop vectorizes.
+inline bool load_bf16(const bf16* p, std::size_t n, float* row) {
   std::uint16_t denormal = 0;
   for (std::size_t k = 0; k < n; ++k) {
     row[k] = p[k].to_float();
@@ -139,9 +164,9 @@ inline bool load_bf16(const bf16* p, std::size_t n, double* row) {
   return denormal != 0;
 }
 
-/// A[i, 0..k) into `row` as binary64; returns whether one is flushable.
+/// A[i, 0..k) into `row` as binary32; returns whether one is flushable.
 template <class AAt>
-bool load_row(AAt a, std::size_t i, std::size_t k, double* row) {
+bool load_row(AAt a, std::size_t i, std::size_t k, float* row) {
   bool flushable = false;
   for (std::size_t kk = 0; kk < k; ++kk) {
     row[kk] = a(i, kk).to_float();
@@ -188,7 +213,7 @@ ProbeResult probe_gemm_nt(std::size_t m, std::size_t k, AAt a, std::size_t n, BA
   for (std::size_t j0 = 0; j0 < n; j0 += width)
     probes.push_back(make_probe(k, b, j0, std::min(width, n - j0), opt.seed + j0));
   ProbeResult res;
-  std::vector<double> row(k);
+  std::vector<float> row(k);
   for (std::size_t i = 0; i < m; ++i) {
     const bool flushable = load_row(a, i, k, row.data());
     for (const Probe& p : probes)

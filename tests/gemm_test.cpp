@@ -462,11 +462,11 @@ TEST_CASE("gemm.matmul: the probe's narrow blocks see what the dense probe canno
     detail::Checker chk{"gemm.matmul"};
     contracts::gemm_matmul_post(chk, av, w, cv);
   };
-  // Call q probes the 4-column blocks 2q and 2q + 1: column 101 is in
-  // block 25, reached by call 12.
+  // Call q probes the 4-column block q: column 101 is in block 25.
+  static_assert(contracts::PackProbes::kNarrow == 1 && contracts::PackProbes::kNarrowWidth == 4);
   {
     ContractScope audit{Level::audit, Semantic::enforce};
-    for (int q = 0; q < 12; ++q) REQUIRE_NOTHROW(post());
+    for (int q = 0; q < 25; ++q) REQUIRE_NOTHROW(post());
   }
   auto v = test::expect_violation(post, "gemm.matmul.probe", Level::audit);
   CHECK(v.location == "row 1 columns [100, 104)");
