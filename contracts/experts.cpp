@@ -2,9 +2,11 @@
 // the grouping invariant, and the numeric postconditions.
 #include "contracts/experts.hpp"
 
+#include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "contracts/bounds/experts.hpp"
@@ -19,6 +21,73 @@
 namespace moecert::contracts {
 
 namespace k = clauses::experts;
+
+ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage)
+    : packs_(2 * w.experts()), all_(2 * w.experts()), storage_(storage) {
+  oneapi::tbb::parallel_for(std::size_t{0}, packs_.size(), [&](std::size_t i) {
+    packs_[i] = pack_probes(i % 2 ? w.down(i / 2) : w.gate_up(i / 2));
+    all_[i] = packs_[i].all();
+  });
+  if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
+}
+
+namespace {
+// Doubles per row: (sum, magnitude) for each block of the dense probe, then
+// for each narrow probe.
+std::size_t row_stride(std::size_t blocks) { return 2 * (blocks + PackProbes::kNarrow); }
+}  // namespace
+
+void ExpertsProbe::size_rows(std::size_t rows) {
+  const std::size_t n = rows * row_stride(blocks_);
+  if (storage_.size() < n) storage_.resize(n);
+  constexpr std::size_t kGrain = std::size_t{1} << 16;
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
+                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+                              std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
+                                        NAN);
+                            });
+}
+
+namespace {
+// Sum c_j r_j and sum |c_j| over one block of 32 columns, pairwise in
+// binary32 (each within gamma_5 of its exact sum: proofs/bounds.md §9.1).
+void block_sums(const float* c, const float* r, double& sum, double& mag) {
+  constexpr std::size_t kHalf = ExpertsProbe::kBlock / 2;
+  float s[kHalf], m[kHalf];
+  for (std::size_t l = 0; l < kHalf; ++l) {
+    s[l] = c[l] * r[l] + c[l + kHalf] * r[l + kHalf];
+    m[l] = std::fabs(c[l]) + std::fabs(c[l + kHalf]);
+  }
+  for (std::size_t w = kHalf / 2; w > 0; w /= 2)
+    for (std::size_t l = 0; l < w; ++l) s[l] += s[l + w], m[l] += m[l + w];
+  sum = s[0], mag = m[0];
+}
+}  // namespace
+
+void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
+                       const float* c, std::size_t ldc) {
+  MOECERT_ASSERT(n % kBlock == 0 && n + kBlock <= packs_[2 * e].dense->width);
+  const PackProbes& p = packs_[2 * e];
+  const std::size_t stride = row_stride(blocks_), b = n / kBlock;
+  for (std::size_t i = 0; i < rows; ++i) {
+    double* out = storage_.data() + (row0 + i) * stride;
+    block_sums(c + i * ldc, p.dense->r.data() + n, out[2 * b], out[2 * b + 1]);
+    for (std::size_t q = 0; q < p.narrow.size(); ++q) {
+      const verify::Probe& nq = p.narrow[q];
+      if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block
+      verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n), nq.r.data(), nq.width,
+                                               out[2 * (blocks_ + q)], out[2 * (blocks_ + q) + 1]);
+    }
+  }
+}
+
+std::pair<double, double> ExpertsProbe::sums(std::size_t row, std::size_t q) const {
+  const double* in = storage_.data() + row * row_stride(blocks_);
+  if (q > 0) return {in[2 * (blocks_ + q - 1)], in[2 * (blocks_ + q - 1) + 1]};
+  std::pair<double, double> s{0, 0};
+  for (std::size_t b = 0; b < blocks_; ++b) s.first += in[2 * b], s.second += in[2 * b + 1];
+  return s;
+}
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
                          MatView<const std::int32_t> idx, MatView<const float> weights,
@@ -122,13 +191,19 @@ std::vector<std::vector<const verify::Probe*>> expert_probes(const experts::Pack
 }
 
 // experts.forward.probe: gate+up with A read from x through the grouping
-// (so the gather is checked too), then down with A read from h in the
-// kernel's layout; the first failing row of each GEMM in grouped order.
+// (so the gather is checked too) and C from c1 or from the sums the op
+// handed to st.probe, then down with A read from h in the kernel's layout;
+// the first failing row of each GEMM in grouped order.
 void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
                    std::size_t topk, const ExpertRows& st) {
   const GroupingView& g = st.grouping;
+  MOECERT_ASSERT(st.c1 != nullptr || st.probe != nullptr);
   std::vector<PackProbes> keep;
-  const auto probes = expert_probes(w, g, keep);
+  const auto formed =
+      st.probe ? std::vector<std::vector<const verify::Probe*>>{} : expert_probes(w, g, keep);
+  auto pack_probes_of = [&](std::size_t pack) -> const std::vector<const verify::Probe*>& {
+    return st.probe ? st.probe->probes(pack) : formed[pack];
+  };
   static const std::vector<const verify::Probe*> none;
   auto expert_of = [&](std::size_t r) {
     return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), r) -
@@ -138,16 +213,21 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
   auto row_probes = [&](std::size_t gemm) {
     return [&, gemm](std::size_t r) -> const std::vector<const verify::Probe*>& {
       const std::size_t e = expert_of(r);
-      return r < g.begin[e] + g.count[e] ? probes[2 * e + gemm] : none;
+      return r < g.begin[e] + g.count[e] ? pack_probes_of(2 * e + gemm) : none;
     };
   };
   const auto load = verify::load_bf16;
-  const auto gate_up = probe_rows(
-      g.rows(), w.hidden(),
-      [&](std::size_t r, float* row) {
-        return load(x.row(static_cast<std::size_t>(g.row_slot[r]) / topk), w.hidden(), row);
-      },
-      [&](std::size_t r) { return st.c1 + r * st.ldc1; }, row_probes(0));
+  auto load_x = [&](std::size_t r, float* row) {
+    return load(x.row(static_cast<std::size_t>(g.row_slot[r]) / topk), w.hidden(), row);
+  };
+  const auto gate_up =
+      st.c1 ? probe_rows(
+                  g.rows(), w.hidden(), load_x, [&](std::size_t r) { return st.c1 + r * st.ldc1; },
+                  row_probes(0))
+            : probe_rows_sums(g.rows(), w.hidden(), load_x, row_probes(0),
+                              [&](std::size_t r, std::size_t q, const verify::Probe&) {
+                                return st.probe->sums(r, q);
+                              });
   const auto down =
       gate_up.pass
           ? probe_rows(

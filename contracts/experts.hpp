@@ -1,12 +1,49 @@
 // Clauses of experts.forward (declared in include/moecert/experts.hpp).
 #pragma once
 
+#include <cstddef>
+#include <utility>
+#include <vector>
+
 #include "contracts/engine.hpp"
+#include "contracts/gemm.hpp"
 #include "contracts/reference/experts.hpp"
 #include "contracts/saved.hpp"
 #include "moecert/experts.hpp"
 
 namespace moecert::contracts {
+
+/// experts.forward.probe carried through the op (audit): each pack's
+/// probes for this call, and the gate/up GEMM's C side of them (C r and
+/// sum |C| of each grouped row, by 32-column block) gathered by the op's
+/// epilogue while a block of C is in cache, so that C need not be kept
+/// (proofs/bounds.md §9.1). The sums live in `storage` (the op's, reused
+/// across calls), NaN until written: a block the op never hands over fails
+/// the probe.
+class ExpertsProbe {
+ public:
+  static constexpr std::size_t kBlock = 32;  // columns per add(): a gate/up panel pair
+
+  ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage);
+  /// Sizes the sums for `rows` grouped rows; before the GEMM.
+  void size_rows(std::size_t rows);
+  /// Rows [row0, row0 + rows) (expert e's) of the gate/up C, columns
+  /// [n, n + kBlock), row i at c + i ldc. One writer per (row, n); any
+  /// thread.
+  void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
+           std::size_t ldc);
+  /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow.
+  const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
+  /// Row's (C r, sum |C|) for probe q of its expert's gate_up pack, the
+  /// blocks summed in column order.
+  std::pair<double, double> sums(std::size_t row, std::size_t q) const;
+
+ private:
+  std::vector<PackProbes> packs_;
+  std::vector<std::vector<const verify::Probe*>> all_;
+  std::vector<double>& storage_;
+  std::size_t blocks_ = 0;  // kBlock-column blocks of gate_up's N
+};
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
                          MatView<const std::int32_t> idx, MatView<const float> weights,

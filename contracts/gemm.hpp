@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "contracts/checks.hpp"
@@ -48,18 +49,22 @@ PackProbes pack_probes(const gemm::PackedWeights& w);
 /// Rows [0, m) of C against their probes (§9) on the op's threads: the
 /// first failing (row, probe) in row order, else a pass. load(i, row) writes
 /// A's row i as K binary32 values and returns whether one is flushable;
-/// c_row(i) is C's row i; probes(i) the probes of row i (none: not judged).
-template <class Load, class CRow, class ProbesOf>
-verify::ProbeResult probe_rows(std::size_t m, std::size_t k, Load load, CRow c_row, ProbesOf probes,
-                               bool c_is_bf16 = false) {
+/// probes(i) gives the probes of row i (none: not judged); c_sums(i, q, p)
+/// row i's (C r, sum |C|) over probe q = p's columns.
+template <class Load, class ProbesOf, class CSums>
+verify::ProbeResult probe_rows_sums(std::size_t m, std::size_t k, Load load, ProbesOf probes,
+                                    CSums c_sums, bool c_is_bf16 = false) {
   auto judge = [&](std::size_t i, verify::ProbeResult& res) {
     const std::vector<const verify::Probe*>& ps = probes(i);
     if (ps.empty()) return;
     thread_local std::vector<float> row;
     row.resize(k);
     const bool flushable = load(i, row.data());
-    for (const verify::Probe* p : ps)
-      res.add(i, *p, verify::probe_row(*p, row.data(), k, flushable, c_row(i), c_is_bf16));
+    for (std::size_t q = 0; q < ps.size(); ++q) {
+      const auto [lhs, cabs] = c_sums(i, q, *ps[q]);
+      res.add(i, *ps[q],
+              verify::probe_row_sums(*ps[q], row.data(), k, flushable, lhs, cabs, c_is_bf16));
+    }
   };
   const std::size_t i = detail::first_failing(m, 6 * k, [&](std::size_t i) {
     verify::ProbeResult r;
@@ -69,6 +74,21 @@ verify::ProbeResult probe_rows(std::size_t m, std::size_t k, Load load, CRow c_r
   verify::ProbeResult res;
   if (i < m) judge(i, res);
   return res;
+}
+
+/// The same with C's rows at c_row(i).
+template <class Load, class CRow, class ProbesOf>
+verify::ProbeResult probe_rows(std::size_t m, std::size_t k, Load load, CRow c_row, ProbesOf probes,
+                               bool c_is_bf16 = false) {
+  return probe_rows_sums(
+      m, k, load, probes,
+      [&](std::size_t i, std::size_t, const verify::Probe& p) {
+        std::pair<double, double> s;
+        verify::detail::signed_sum_and_magnitude(c_row(i) + p.j0, p.r.data(), p.width, s.first,
+                                                 s.second);
+        return s;
+      },
+      c_is_bf16);
 }
 
 }  // namespace moecert::contracts

@@ -54,12 +54,15 @@ struct OperandRows {
 /// The experts forward's rows in grouped order. c1 is the fused gate/up
 /// output: gate column i at 2P (i / P) + i % P, up column i P further
 /// (P = gemm::PackedWeights::kPanel).
+class ExpertsProbe;
+
 struct ExpertRows {
   GroupingView grouping;
   const float* c1 = nullptr;  // [rows x ldc1], or null when not kept
   std::size_t ldc1 = 0;
-  OperandRows h;             // silu(g) * u, bf16
-  const float* o = nullptr;  // down GEMM output [rows x ldo]
+  const ExpertsProbe* probe = nullptr;  // the audit probe's sums, where c1 is not kept
+  OperandRows h;                        // silu(g) * u, bf16
+  const float* o = nullptr;             // down GEMM output [rows x ldo]
   std::size_t ldo = 0;
   std::size_t rank = 0;       // LoRA rank r (0: none)
   const float* xa = nullptr;  // [rows x 2r]

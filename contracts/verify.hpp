@@ -66,9 +66,10 @@ struct RowProbe {
 };
 
 namespace detail {
-// §9.1: binary32 products summed in 16 lanes over 8 steps (each lane's
-// partial sum of 8 products is within gamma_8 of its exact sum), the
-// partial sums added in binary64; the tail in binary64. Vectorizes.
+// §9.1: binary32 products summed in 16 lanes over up to 8 steps (each
+// lane's partial sum of at most 8 products is within gamma_8 of its exact
+// sum), the partial sums added in binary64; the tail in binary64.
+// Vectorizes.
 inline constexpr std::size_t kProbeLanes = 16, kProbeSteps = 8;
 
 // Sum a_k x_k and sum |a_k| y_k over k < n.
@@ -76,17 +77,19 @@ inline void dot_and_magnitude(const float* a, const float* x, const float* y, st
                               double& dot, double& mag) {
   constexpr std::size_t kL = kProbeLanes, kBlock = kProbeLanes * kProbeSteps;
   double d[kL] = {}, m[kL] = {};
-  std::size_t k = 0;
-  for (; k + kBlock <= n; k += kBlock) {
+  auto lanes = [&](std::size_t k0, std::size_t steps) {
     float fd[kL] = {}, fm[kL] = {};
-    for (std::size_t s = 0; s < kProbeSteps; ++s)
+    for (std::size_t s = 0; s < steps; ++s)
       for (std::size_t l = 0; l < kL; ++l) {
-        const std::size_t i = k + s * kL + l;
+        const std::size_t i = k0 + s * kL + l;
         fd[l] += a[i] * x[i];
         fm[l] += std::fabs(a[i]) * y[i];
       }
     for (std::size_t l = 0; l < kL; ++l) d[l] += fd[l], m[l] += fm[l];
-  }
+  };
+  std::size_t k = 0;
+  for (; k + kBlock <= n; k += kBlock) lanes(k, kProbeSteps);
+  if (const std::size_t steps = (n - k) / kL) lanes(k, steps), k += steps * kL;
   for (; k < n; ++k) {
     d[0] += static_cast<double>(a[k]) * x[k];
     m[0] += std::fabs(static_cast<double>(a[k])) * y[k];
@@ -100,17 +103,19 @@ inline void signed_sum_and_magnitude(const float* c, const float* r, std::size_t
                                      double& mag) {
   constexpr std::size_t kL = kProbeLanes, kBlock = kProbeLanes * kProbeSteps;
   double s[kL] = {}, m[kL] = {};
-  std::size_t j = 0;
-  for (; j + kBlock <= n; j += kBlock) {
+  auto lanes = [&](std::size_t j0, std::size_t steps) {
     float fs[kL] = {}, fm[kL] = {};
-    for (std::size_t t = 0; t < kProbeSteps; ++t)
+    for (std::size_t t = 0; t < steps; ++t)
       for (std::size_t l = 0; l < kL; ++l) {
-        const std::size_t i = j + t * kL + l;
+        const std::size_t i = j0 + t * kL + l;
         fs[l] += c[i] * r[i];
         fm[l] += std::fabs(c[i]);
       }
     for (std::size_t l = 0; l < kL; ++l) s[l] += fs[l], m[l] += fm[l];
-  }
+  };
+  std::size_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) lanes(j, kProbeSteps);
+  if (const std::size_t steps = (n - j) / kL) lanes(j, steps), j += steps * kL;
   for (; j < n; ++j) {
     s[0] += static_cast<double>(c[j]) * r[j];
     m[0] += std::fabs(static_cast<double>(c[j]));
@@ -124,11 +129,23 @@ inline void signed_sum_and_magnitude(const float* c, const float* r, std::size_t
 /// `flushable`: whether one of them is a nonzero denormal), c = the row of
 /// C. Never fails for a row within bounds::dot of the exact product (the
 /// allowance includes the probe's own rounding). Cost 2 K + 2 width.
+inline RowProbe probe_row_sums(const Probe& p, const float* a, std::size_t k, bool flushable,
+                               double lhs, double cabs, bool c_is_bf16 = false);
+
 inline RowProbe probe_row(const Probe& p, const float* a, std::size_t k, bool flushable,
                           const float* c, bool c_is_bf16 = false) {
-  double rhs, mag, lhs, cabs;
-  detail::dot_and_magnitude(a, p.br.data(), p.babs.data(), k, rhs, mag);
+  double lhs, cabs;
   detail::signed_sum_and_magnitude(c + p.j0, p.r.data(), p.width, lhs, cabs);
+  return probe_row_sums(p, a, k, flushable, lhs, cabs, c_is_bf16);
+}
+
+/// The same from C's side already summed: lhs = (C r)_i and cabs = the sum
+/// of |C_ij| over the probe's columns, each within gamma^(64)_width of its
+/// exact value (binary64 sums of exact terms, in any order).
+inline RowProbe probe_row_sums(const Probe& p, const float* a, std::size_t k, bool flushable,
+                               double lhs, double cabs, bool c_is_bf16) {
+  double rhs, mag;
+  detail::dot_and_magnitude(a, p.br.data(), p.babs.data(), k, rhs, mag);
   // The probe's own rounding, relative to the exact magnitudes: gamma_8 in
   // a lane, u in storing W^T r and |W|^T |r|, the binary64 sums of the
   // lanes and the tail (gamma_10 covers the first two); the computed

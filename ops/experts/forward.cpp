@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "contracts/clauses.hpp"
@@ -43,13 +44,18 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   ws.arena.bind(
       workspace::plan_shape({w.experts(), w.hidden(), w.inter(), k, 0, t_count, 0}, false, 0, chk),
       chk);
-  // The gate/up GEMM's fp32 output is kept only for the audit probe.
-  forward_impl(w, nullptr, x, idx, weights, y, kernel, ws.arena, ws.state,
-               chk.level() >= moecert::clauses::experts::kProbe.level);
+  // The gate/up GEMM's fp32 output is never kept: the audit probe gathers
+  // its side of it from the epilogue.
+  std::optional<contracts::ExpertsProbe> probe;
+  if (chk.level() >= moecert::clauses::experts::kProbe.level) probe.emplace(w, ws.probe_sums);
+  forward_impl(w, nullptr, x, idx, weights, y, kernel, ws.arena, ws.state, false,
+               probe ? &*probe : nullptr);
   ws.arena.leave(chk);
   stats.routed_rows = ws.state.grouping.routed;
   stats.padded_rows = ws.state.grouping.rows();
-  contracts::experts_forward_post(chk, w, x, idx, weights, y, rows_view(ws.state));
+  contracts::ExpertRows rows = rows_view(ws.state);
+  rows.probe = probe ? &*probe : nullptr;
+  contracts::experts_forward_post(chk, w, x, idx, weights, y, rows);
   return stats;
 }
 
@@ -65,12 +71,13 @@ struct Steps {
   ForwardState& st;
   const Grouping& g;
   std::size_t k, hidden, inter, rank;
-  std::size_t kp1, kp2;               // K of the gate/up and the down GEMM (padded)
-  std::size_t kr1, kr2;               // K of the LoRA second products (2r and r, padded)
-  std::size_t mb;                     // rows per work item (a multiple of MR)
-  bf16* lb_gu = nullptr;              // bf16(s xa) in the kernel's A layout
-  bf16* lb_d = nullptr;               // bf16(s ha) in the kernel's A layout
-  std::vector<Tile> row_blocks = {};  // up to mb rows of one expert, one column
+  std::size_t kp1, kp2;                      // K of the gate/up and the down GEMM (padded)
+  std::size_t kr1, kr2;                      // K of the LoRA second products (2r and r, padded)
+  std::size_t mb;                            // rows per work item (a multiple of MR)
+  bf16* lb_gu = nullptr;                     // bf16(s xa) in the kernel's A layout
+  bf16* lb_d = nullptr;                      // bf16(s ha) in the kernel's A layout
+  std::vector<Tile> row_blocks = {};         // up to mb rows of one expert, one column
+  contracts::ExpertsProbe* probe = nullptr;  // takes each finished gate/up block (audit)
 
   gemm::ALayout layout() const { return kernel.a_layout; }
   // First element of padded row r in the packed A and h buffers (r is a
@@ -143,6 +150,7 @@ void gate_up(const Steps& s) {
     }
     auto swiglu = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
       for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel) {
+        if (s.probe) s.probe->add(tl.e, r0 + i0, i1 - i0, n, cb + (i0 * ldc + (n - col0)), ldc);
         const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
         if (col >= s.inter) continue;
         for (std::size_t i = i0; i < i1; ++i) {
@@ -218,7 +226,7 @@ void combine(const Steps& s, MatView<const float> weights, MatView<float> y) {
 void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const bf16> x,
                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
                   const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st,
-                  bool keep_c1) {
+                  bool keep_c1, contracts::ExpertsProbe* probe) {
   moecert::detail::Checker chk{"experts.forward"};
   // 1. Group the routed slots by expert (stable counting sort).
   st.grouping = group_by_expert(idx, w.experts(), kernel.mr);
@@ -239,8 +247,10 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
           .kp2 = w.experts() ? w.down(0).kp() : 0,
           .kr1 = round_up(2 * rank, gemm::kKStep),
           .kr2 = round_up(rank, gemm::kKStep),
-          .mb = round_up(512, kernel.mr)};
+          .mb = round_up(512, kernel.mr),
+          .probe = probe};
   s.row_blocks = tiles(g.count, 1, s.mb, 1);
+  if (probe) probe->size_rows(rows);
   const gemm::ALayout layout = kernel.a_layout;
   st.layout = layout;
   st.lda = gemm::a_stride(layout, s.kp1);

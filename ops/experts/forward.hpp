@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "contracts/saved.hpp"
 #include "moecert/experts.hpp"
@@ -41,11 +42,12 @@ struct PackedLora;
 /// The forward on a bound arena (steps f_gather .. f_combine): the body of
 /// experts::forward and of the layer's forward. `lora` may be null. Without
 /// keep_c1 the gate/up GEMM's fp32 output never reaches st.c1 (null then):
-/// for callers that read only y, h and o afterwards.
+/// for callers that read only y, h and o afterwards. With `probe`, each
+/// finished 32-column block of that output is handed to it (audit).
 void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const bf16> x,
                   MatView<const std::int32_t> idx, MatView<const float> weights, MatView<float> y,
                   const gemm::KernelInfo& kernel, workspace::Arena& arena, ForwardState& st,
-                  bool keep_c1 = true);
+                  bool keep_c1 = true, contracts::ExpertsProbe* probe = nullptr);
 
 /// The grouping and the saved rows as the contracts read them
 /// (ops/experts/saved_view.cpp).
@@ -55,6 +57,7 @@ contracts::ExpertRows rows_view(const ForwardState& st);
 struct Workspace::Impl {
   ForwardState state;
   workspace::Arena arena;
+  std::vector<double> probe_sums;  // contracts::ExpertsProbe's storage (audit)
 };
 
 }  // namespace moecert::experts
