@@ -145,8 +145,10 @@ TEST_CASE("workspace.plan: clauses", "[workspace][contracts]") {
   }
 }
 
-TEST_CASE("workspace.arena: poison at check is one word per 4 KiB, rotating; at audit every word",
-          "[workspace][contracts]") {
+TEST_CASE(
+    "workspace.arena: poison at check is one word per 4 KiB, at audit per 512 B, rotating; "
+    "at full every word",
+    "[workspace][contracts]") {
   const MoeConfig c{.experts = 8,
                     .hidden = 512,
                     .inter = 384,
@@ -174,17 +176,22 @@ TEST_CASE("workspace.arena: poison at check is one word per 4 KiB, rotating; at 
     }
     return at;
   };
-  SECTION("check: the word at line ((binds - 1) mod 64) of every 4 KiB, the next line each bind") {
-    const auto first = poisoned(Level::check), second = poisoned(Level::check);
-    const std::size_t stride = workspace::kSparseStride / 4;
+  // The word at line ((binds - 1) mod (stride / 64)) of every stride, the
+  // next line each bind.
+  auto rotating = [&](Level level, std::size_t stride_bytes) {
+    const auto first = poisoned(level), second = poisoned(level);
+    const std::size_t stride = stride_bytes / 4;
     REQUIRE(first.size() == (words + stride - 1) / stride);
     REQUIRE(second.size() == first.size());
     for (std::size_t j = 0; j < first.size(); ++j) {
       CHECK(first[j] / stride == j);
-      CHECK(second[j] - first[j] == 2 * 16);  // two binds later: two 64-byte lines on
+      // two binds later: two 64-byte lines on, modulo the stride
+      CHECK((second[j] - first[j] + stride) % stride == 2 * 16 % stride);
     }
-  }
-  SECTION("audit: every word") { CHECK(poisoned(Level::audit).size() == words); }
+  };
+  SECTION("check: one word in every 4 KiB") { rotating(Level::check, workspace::kSparseStride); }
+  SECTION("audit: one word in every 512 B") { rotating(Level::audit, workspace::kAuditStride); }
+  SECTION("full: every word") { CHECK(poisoned(Level::full).size() == words); }
   SECTION("a buffer up to 64 KiB: every word at check too") {
     ContractScope s{Level::check, Semantic::enforce};
     detail::Checker chk{"test.arena"};

@@ -106,12 +106,13 @@ void Arena::enter(int step, detail::Checker& c) {
     if (fresh(plan_.buffers[i]))
       std::memset(base + offsets_[i] + round_up(plan_.buffers[i].bytes, kAlign), kGuardByte,
                   kGuard);
-  // Poison (proofs/workspace.md, "Poison"): every word at audit and above
-  // and of a buffer up to kSparseAbove bytes; else one word per
-  // kSparseStride bytes, in the line that the call count selects.
+  // Poison (proofs/workspace.md, "Poison"): every word at full and of a
+  // buffer up to kSparseAbove bytes; else one word per stride (check:
+  // kSparseStride, audit: kAuditStride), in the line the call count selects.
   MOECERT_CONTRACT(c, k::kArenaGuard) {
-    const bool dense = c.level() >= Level::audit;
-    const std::uint64_t line = (binds_ - 1) % (kSparseStride / kAlign);
+    const bool dense = c.level() >= Level::full;
+    const std::uint64_t stride = c.level() >= Level::audit ? kAuditStride : kSparseStride;
+    const std::uint64_t line = (binds_ - 1) % (stride / kAlign);
     for (std::size_t i = 0; i < plan_.buffers.size(); ++i) {
       if (!fresh(plan_.buffers[i])) continue;
       const std::uint64_t size = round_up(plan_.buffers[i].bytes, kAlign);
@@ -119,7 +120,7 @@ void Arena::enter(int step, detail::Checker& c) {
       if (dense || size <= kSparseAbove)
         poison_words(words, size / 4, 1, 0);
       else
-        poison_words(words, size / 4, kSparseStride / 4, line * kAlign / 4);
+        poison_words(words, size / 4, stride / 4, line * kAlign / 4);
     }
   }
 }

@@ -31,10 +31,11 @@ Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail:
 /// Poison: 0x7fc07fc0 is a quiet NaN as fp32, two NaNs as bf16, and an
 /// out-of-range expert id as int32.
 inline constexpr std::uint32_t kPoison = 0x7fc07fc0u;
-/// At `check`, a fresh buffer larger than kSparseAbove bytes is poisoned in
-/// one word per kSparseStride bytes, the word at the start of the 64-byte
-/// line ((binds - 1) mod 64) of each stride (proofs/workspace.md, "Poison").
-inline constexpr std::uint64_t kSparseAbove = 64 * 1024, kSparseStride = 4096;
+/// At `check` (`audit`), a fresh buffer larger than kSparseAbove bytes is
+/// poisoned in one word per kSparseStride (kAuditStride) bytes, the word at
+/// the start of the 64-byte line (binds - 1) mod (stride / 64) of each
+/// stride; at `full` every word is (proofs/workspace.md, "Poison").
+inline constexpr std::uint64_t kSparseAbove = 64 * 1024, kSparseStride = 4096, kAuditStride = 512;
 inline constexpr std::uint8_t kGuardByte = 0xa5;
 
 class Arena {
@@ -63,7 +64,7 @@ class Arena {
   /// previous step (workspace.arena.guard, naming the buffer and the step),
   /// then writes the guards of the buffers whose live interval starts here
   /// (or since the previous step) and, under contracts (memory group on),
-  /// poisons them: every word at audit and full, sparsely at check (above).
+  /// poisons them: every word at full, sparsely at check and audit (above).
   /// Steps go in increasing order; a step at or before the previous one
   /// starts a new pass from there (a second backward after one forward),
   /// whose buffers are fresh again.
