@@ -101,7 +101,10 @@ struct ForwardStats {
 ///   experts.forward.permutation    invariant index  the grouping holds every valid slot exactly once,
 ///                                                 histogram sums to the routed rows
 ///   experts.forward.y_finite       post  finite   every y element finite
-///   experts.forward.probe          post  numeric  Freivalds probe of each expert's two GEMMs (audit)
+///   experts.forward.probe          post  numeric  Freivalds probes of each expert's two GEMMs (audit):
+///                                                 every row against each pack's dense probe and
+///                                                 one 4-column block in rotation
+///                                                 (proofs/bounds.md §9.1)
 ///   experts.forward.within_bound   post  numeric  every y element within the chained bound of the
 ///                                                 reference (full)
 ///   experts.forward.rounding_unbiased post numeric y's errors as often toward zero as away from it

@@ -122,7 +122,9 @@ class PackedWeights {
 ///   gemm.matmul.a_range    pre   numeric  every A element 0 or 2^-60 <= |a| <= 2^60
 ///   gemm.matmul.no_alias   pre   alias    C shares no byte with A or the packed weights
 ///   gemm.matmul.c_finite   post  finite   every C element finite
-///   gemm.matmul.probe      post  numeric  Freivalds probe within its bound (audit; proofs/bounds.md §9)
+///   gemm.matmul.probe      post  numeric  Freivalds probes within their bound (audit): every row
+///                                         against W's dense probe and one 4-column block in
+///                                         rotation (proofs/bounds.md §9.1)
 ///   gemm.matmul.within_bound post numeric every element within bounds::dot of the reference (full; §1)
 /// `isa` must be usable here (std::invalid_argument otherwise: no AMX
 /// instruction ever runs on a machine without AMX).
