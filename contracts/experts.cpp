@@ -50,7 +50,8 @@ void ExpertsProbe::size_rows(std::size_t rows) {
 
 namespace {
 // Sum c_j r_j and sum |c_j| over one block of 32 columns, pairwise in
-// binary32 (each within gamma_5 of its exact sum: proofs/bounds.md §9.1).
+// binary32 (each within gamma_5 of its exact sum: proofs/bounds.md §9.1),
+// in binary64 where that leaves binary32's range.
 void block_sums(const float* c, const float* r, double& sum, double& mag) {
   constexpr std::size_t kHalf = ExpertsProbe::kBlock / 2;
   float s[kHalf], m[kHalf];
@@ -61,6 +62,10 @@ void block_sums(const float* c, const float* r, double& sum, double& mag) {
   for (std::size_t w = kHalf / 2; w > 0; w /= 2)
     for (std::size_t l = 0; l < w; ++l) s[l] += s[l + w], m[l] += m[l + w];
   sum = s[0], mag = m[0];
+  if (std::isfinite(s[0]) && std::isfinite(m[0])) return;
+  sum = mag = 0;  // past binary32's range: binary64
+  for (std::size_t j = 0; j < ExpertsProbe::kBlock; ++j)
+    sum += static_cast<double>(c[j]) * r[j], mag += std::fabs(static_cast<double>(c[j]));
 }
 }  // namespace
 

@@ -51,11 +51,11 @@ struct OperandRows {
   }
 };
 
+class ExpertsProbe;
+
 /// The experts forward's rows in grouped order. c1 is the fused gate/up
 /// output: gate column i at 2P (i / P) + i % P, up column i P further
 /// (P = gemm::PackedWeights::kPanel).
-class ExpertsProbe;
-
 struct ExpertRows {
   GroupingView grouping;
   const float* c1 = nullptr;  // [rows x ldc1], or null when not kept

@@ -69,7 +69,8 @@ namespace detail {
 // §9.1: binary32 products summed in 16 lanes over up to 8 steps (each
 // lane's partial sum of at most 8 products is within gamma_8 of its exact
 // sum), the partial sums added in binary64; the tail in binary64.
-// Vectorizes.
+// Vectorizes. Where a lane leaves binary32's range the sums are formed
+// again in binary64.
 inline constexpr std::size_t kProbeLanes = 16, kProbeSteps = 8;
 
 // Sum a_k x_k and sum |a_k| y_k over k < n.
@@ -96,6 +97,12 @@ inline void dot_and_magnitude(const float* a, const float* x, const float* y, st
   }
   dot = mag = 0;
   for (std::size_t l = 0; l < kL; ++l) dot += d[l], mag += m[l];
+  if (std::isfinite(dot) && std::isfinite(mag)) return;
+  dot = mag = 0;  // a lane left binary32's range: binary64 throughout
+  for (k = 0; k < n; ++k) {
+    dot += static_cast<double>(a[k]) * x[k];
+    mag += std::fabs(static_cast<double>(a[k])) * y[k];
+  }
 }
 
 // Sum c_j r_j and sum |c_j| over j < n (r_j = +-1: exact products).
@@ -122,6 +129,12 @@ inline void signed_sum_and_magnitude(const float* c, const float* r, std::size_t
   }
   sum = mag = 0;
   for (std::size_t l = 0; l < kL; ++l) sum += s[l], mag += m[l];
+  if (std::isfinite(sum) && std::isfinite(mag)) return;
+  sum = mag = 0;  // a lane left binary32's range (or C holds Inf or NaN): binary64
+  for (j = 0; j < n; ++j) {
+    sum += static_cast<double>(c[j]) * r[j];
+    mag += std::fabs(static_cast<double>(c[j]));
+  }
 }
 }  // namespace detail
 

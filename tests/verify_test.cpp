@@ -58,6 +58,30 @@ TEST_CASE("verify: no false alarm on 10^4 correct products", "[verify][numeric]"
   std::printf("verify.probe: 10^4 correct products, max residual/threshold %.3g\n", worst);
 }
 
+TEST_CASE("verify: no blind probe where its binary32 sums would overflow", "[verify][numeric]") {
+  // |a|, |b| = 2^59 (in range): C = 2^124 at most, but |A| (|B|^T 1) over
+  // 1024 columns is 2^128, past binary32.
+  std::mt19937_64 rng(25);
+  const std::size_t m = 2, n = 1024, k = 64;
+  Problem p{m, n, k, std::vector<bf16>(m * k), std::vector<bf16>(n * k), std::vector<float>(m * n)};
+  for (auto* v : {&p.a, &p.b})
+    for (auto& x : *v) x = bf16((rng() & 1) ? 0x1p59f : -0x1p59f);
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (std::size_t kk = 0; kk < k; ++kk)
+        s += double(p.a[i * k + kk].to_float()) * p.b[j * k + kk].to_float();
+      p.c[i * n + j] = static_cast<float>(s);
+    }
+  CHECK(verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = n}).pass);
+  // Formed again in binary64, the allowance stays finite (about 2^117), so
+  // an error of 2^120 is still seen.
+  p.c[5] += 0x1p120f;
+  const auto r = verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = n});
+  CHECK_FALSE(r.pass);
+  CHECK(r.row == 0);
+}
+
 TEST_CASE("verify: a dropped term is caught at K = 1024", "[verify][numeric]") {
   std::mt19937_64 rng(22);
   int caught = 0;
