@@ -165,7 +165,8 @@ void order_rows_by(detail::Checker& c, const ClauseInfo& sorted, const ClauseInf
   std::size_t first = 0;
   if (parallel && !judge::current().ties) {
     const judge::Options options = judge::current();
-    first = detail::first_failing(idx.rows, e, [&](std::size_t t) {
+    // A row reads its K slots for each of its e scores.
+    first = detail::first_failing(idx.rows, e * (idx.cols + 1), [&](std::size_t t) {
       const judge::Scope scope(options);
       return order_row(t, sorted, topk, idx, e, rank, score, eligible, false,
                        [](const ClauseInfo&, std::string, std::string, std::string) {});
