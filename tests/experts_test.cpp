@@ -323,63 +323,55 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
   std::vector<float> y(p.t * p.h);
   experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h),
                    {.isa = Isa::scalar});
-  auto post = [&] {
-    detail::Checker c{"experts.forward"};
-    contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(),
-                                    MatView<const float>(y.data(), p.t, p.h),
-                                    experts::rows_view(st));
+  auto post_with = [&](const contracts::ExpertRows& rows) {
+    return [&p, &y, rows] {
+      detail::Checker c{"experts.forward"};
+      contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(),
+                                      MatView<const float>(y.data(), p.t, p.h), rows);
+    };
   };
-  {
-    ContractScope s{Level::full, Semantic::enforce};
-    CHECK_NOTHROW(post());  // the correct state passes both numeric clauses
+  SECTION("down, read from o") {
+    auto post = post_with(experts::rows_view(st));
+    {
+      ContractScope s{Level::full, Semantic::enforce};
+      CHECK_NOTHROW(post());  // the correct state passes both numeric clauses
+    }
+    st.o[2 * st.ldo + 7] += 0.5f;  // one wrong element of the down GEMM
+    auto v = test::expect_violation(post, "experts.forward.probe", Level::audit);
+    CHECK(v.location.find("down GEMM row 2") != std::string::npos);
   }
-  st.o[2 * st.ldo + 7] += 0.5f;  // one wrong element of the down GEMM
-  auto v = test::expect_violation(post, "experts.forward.probe", Level::audit);
-  CHECK(v.location.find("down GEMM row 2") != std::string::npos);
-}
-
-TEST_CASE("experts.forward: probe catches a wrong gate/up block handed over by the epilogue",
-          "[experts][forward][numeric]") {
-  const Problem p = make(64, 2, 32, 16, 1, 4, Routing::one_expert);
-  ExactState ex = exact_state(p);
-  const experts::ForwardState& st = ex.st;
-  std::vector<float> y(p.t * p.h);
-  experts::forward(p.packed, p.X(), p.Idx(), p.W(), MatView<float>(y.data(), p.t, p.h),
-                   {.isa = Isa::scalar});
-  std::vector<double> storage;
-  contracts::ExpertsProbe probe(p.packed, storage);
-  const auto& g = st.grouping;
-  // What the op's epilogue does with each finished 32-column block of C
-  // (here the exact c1), leaving out `skip` if given.
-  auto hand_over = [&](std::size_t skip) {
-    probe.size_rows(g.rows());
-    for (std::size_t e = 0; e < p.e; ++e)
-      for (std::size_t n = 0; n < st.ldc1; n += contracts::ExpertsProbe::kBlock)
-        if (g.count[e] && n != skip)
-          probe.add(e, g.begin[e], g.count[e], n, st.c1 + g.begin[e] * st.ldc1 + n, st.ldc1);
-  };
-  contracts::ExpertRows rows = experts::rows_view(st);
-  rows.c1 = nullptr;  // as experts::forward leaves it
-  rows.probe = &probe;
-  auto post = [&] {
-    detail::Checker c{"experts.forward"};
-    contracts::experts_forward_post(c, p.packed, p.X(), p.Idx(), p.W(),
-                                    MatView<const float>(y.data(), p.t, p.h), rows);
-  };
-  const std::size_t none = st.ldc1;
-  hand_over(none);
-  {
-    ContractScope s{Level::audit, Semantic::enforce};
-    CHECK_NOTHROW(post());
+  SECTION("gate/up, from the sums the epilogue hands over") {
+    std::vector<double> storage;
+    contracts::ExpertsProbe probe(p.packed, storage);
+    const auto& g = st.grouping;
+    // What the op's epilogue does with each finished 32-column block of C
+    // (here the exact c1), leaving out `skip` if given.
+    auto hand_over = [&](std::size_t skip) {
+      probe.size_rows(g.rows());
+      for (std::size_t e = 0; e < p.e; ++e)
+        for (std::size_t n = 0; n < st.ldc1; n += contracts::ExpertsProbe::kBlock)
+          if (g.count[e] && n != skip)
+            probe.add(e, g.begin[e], g.count[e], n, st.c1 + g.begin[e] * st.ldc1 + n, st.ldc1);
+    };
+    contracts::ExpertRows rows = experts::rows_view(st);
+    rows.c1 = nullptr;  // as experts::forward leaves it
+    rows.probe = &probe;
+    auto post = post_with(rows);
+    const std::size_t none = st.ldc1;
+    hand_over(none);
+    {
+      ContractScope s{Level::audit, Semantic::enforce};
+      CHECK_NOTHROW(post());
+    }
+    st.c1[2 * st.ldc1 + 7] += 0.5f;  // one wrong element of the gate/up GEMM
+    hand_over(none);
+    auto v = test::expect_violation(post, "experts.forward.probe", Level::audit);
+    CHECK(v.location.find("gate_up GEMM row 2") != std::string::npos);
+    st.c1[2 * st.ldc1 + 7] -= 0.5f;
+    hand_over(0);  // a block the op never handed over stays NaN
+    v = test::expect_violation(post, "experts.forward.probe", Level::audit);
+    CHECK(v.location.find("gate_up GEMM row 0") != std::string::npos);
   }
-  st.c1[2 * st.ldc1 + 7] += 0.5f;  // one wrong element of the gate/up GEMM
-  hand_over(none);
-  auto v = test::expect_violation(post, "experts.forward.probe", Level::audit);
-  CHECK(v.location.find("gate_up GEMM row 2") != std::string::npos);
-  st.c1[2 * st.ldc1 + 7] -= 0.5f;
-  hand_over(0);  // a block the op never handed over stays NaN
-  v = test::expect_violation(post, "experts.forward.probe", Level::audit);
-  CHECK(v.location.find("gate_up GEMM row 0") != std::string::npos);
 }
 
 TEST_CASE("experts.forward: within_bound catches a wrong output", "[experts][forward][numeric]") {
