@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "contracts/bounds/experts.hpp"
@@ -179,22 +180,6 @@ void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> id
 
 namespace {
 
-// The probes of every routed expert's two GEMMs for this call, formed on
-// the op's threads ([2e]: gate_up, [2e + 1]: down; none for an expert
-// without rows).
-std::vector<std::vector<const verify::Probe*>> expert_probes(const experts::PackedExperts& w,
-                                                             const GroupingView& g,
-                                                             std::vector<PackProbes>& keep) {
-  keep.assign(2 * g.experts, {});
-  oneapi::tbb::parallel_for(std::size_t{0}, 2 * g.experts, [&](std::size_t i) {
-    if (g.count[i / 2] > 0) keep[i] = pack_probes(i % 2 ? w.down(i / 2) : w.gate_up(i / 2));
-  });
-  std::vector<std::vector<const verify::Probe*>> out(2 * g.experts);
-  for (std::size_t i = 0; i < out.size(); ++i)
-    if (keep[i].dense) out[i] = keep[i].all();
-  return out;
-}
-
 // experts.forward.probe: gate+up with A read from x through the grouping
 // (so the gather is checked too) and C from c1 or from the sums the op
 // handed to st.probe, then down with A read from h in the kernel's layout;
@@ -203,12 +188,10 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
                    std::size_t topk, const ExpertRows& st) {
   const GroupingView& g = st.grouping;
   MOECERT_ASSERT(st.c1 != nullptr || st.probe != nullptr);
-  std::vector<PackProbes> keep;
-  const auto formed =
-      st.probe ? std::vector<std::vector<const verify::Probe*>>{} : expert_probes(w, g, keep);
-  auto pack_probes_of = [&](std::size_t pack) -> const std::vector<const verify::Probe*>& {
-    return st.probe ? st.probe->probes(pack) : formed[pack];
-  };
+  // The op's probes, or (c1 kept) this call's, formed here.
+  std::vector<double> no_sums;
+  std::optional<ExpertsProbe> own;
+  const ExpertsProbe& probe = st.probe ? *st.probe : own.emplace(w, no_sums);
   static const std::vector<const verify::Probe*> none;
   auto expert_of = [&](std::size_t r) {
     return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), r) -
@@ -218,7 +201,7 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
   auto row_probes = [&](std::size_t gemm) {
     return [&, gemm](std::size_t r) -> const std::vector<const verify::Probe*>& {
       const std::size_t e = expert_of(r);
-      return r < g.begin[e] + g.count[e] ? pack_probes_of(2 * e + gemm) : none;
+      return r < g.begin[e] + g.count[e] ? probe.probes(2 * e + gemm) : none;
     };
   };
   const auto load = verify::load_bf16;
@@ -231,7 +214,7 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
                   row_probes(0))
             : probe_rows_sums(g.rows(), w.hidden(), load_x, row_probes(0),
                               [&](std::size_t r, std::size_t q, const verify::Probe&) {
-                                return st.probe->sums(r, q);
+                                return probe.sums(r, q);
                               });
   const auto down =
       gate_up.pass

@@ -73,18 +73,18 @@ namespace detail {
 // again in binary64.
 inline constexpr std::size_t kProbeLanes = 16, kProbeSteps = 8;
 
-// Sum a_k x_k and sum |a_k| y_k over k < n.
-inline void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n,
-                              double& dot, double& mag) {
+// Sum a_k x_k and sum |a_k| y(k) over k < n.
+template <class Y>
+void lane_sums(const float* a, const float* x, Y y, std::size_t n, double& dot, double& mag) {
   constexpr std::size_t kL = kProbeLanes, kBlock = kProbeLanes * kProbeSteps;
   double d[kL] = {}, m[kL] = {};
-  auto lanes = [&](std::size_t k0, std::size_t steps) {
+  auto lanes = [&, y](std::size_t k0, std::size_t steps) {
     float fd[kL] = {}, fm[kL] = {};
     for (std::size_t s = 0; s < steps; ++s)
       for (std::size_t l = 0; l < kL; ++l) {
         const std::size_t i = k0 + s * kL + l;
         fd[l] += a[i] * x[i];
-        fm[l] += std::fabs(a[i]) * y[i];
+        fm[l] += std::fabs(a[i]) * y(i);
       }
     for (std::size_t l = 0; l < kL; ++l) d[l] += fd[l], m[l] += fm[l];
   };
@@ -93,48 +93,30 @@ inline void dot_and_magnitude(const float* a, const float* x, const float* y, st
   if (const std::size_t steps = (n - k) / kL) lanes(k, steps), k += steps * kL;
   for (; k < n; ++k) {
     d[0] += static_cast<double>(a[k]) * x[k];
-    m[0] += std::fabs(static_cast<double>(a[k])) * y[k];
+    m[0] += std::fabs(static_cast<double>(a[k])) * y(k);
   }
   dot = mag = 0;
   for (std::size_t l = 0; l < kL; ++l) dot += d[l], mag += m[l];
   if (std::isfinite(dot) && std::isfinite(mag)) return;
-  dot = mag = 0;  // a lane left binary32's range: binary64 throughout
+  dot = mag = 0;  // a lane left binary32's range (or a holds Inf or NaN): binary64
   for (k = 0; k < n; ++k) {
     dot += static_cast<double>(a[k]) * x[k];
-    mag += std::fabs(static_cast<double>(a[k])) * y[k];
+    mag += std::fabs(static_cast<double>(a[k])) * y(k);
   }
+}
+
+// Sum a_k x_k and sum |a_k| y_k over k < n.
+inline void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n,
+                              double& dot, double& mag) {
+  lane_sums(
+      a, x, [y](std::size_t k) { return y[k]; }, n, dot, mag);
 }
 
 // Sum c_j r_j and sum |c_j| over j < n (r_j = +-1: exact products).
 inline void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
                                      double& mag) {
-  constexpr std::size_t kL = kProbeLanes, kBlock = kProbeLanes * kProbeSteps;
-  double s[kL] = {}, m[kL] = {};
-  auto lanes = [&](std::size_t j0, std::size_t steps) {
-    float fs[kL] = {}, fm[kL] = {};
-    for (std::size_t t = 0; t < steps; ++t)
-      for (std::size_t l = 0; l < kL; ++l) {
-        const std::size_t i = j0 + t * kL + l;
-        fs[l] += c[i] * r[i];
-        fm[l] += std::fabs(c[i]);
-      }
-    for (std::size_t l = 0; l < kL; ++l) s[l] += fs[l], m[l] += fm[l];
-  };
-  std::size_t j = 0;
-  for (; j + kBlock <= n; j += kBlock) lanes(j, kProbeSteps);
-  if (const std::size_t steps = (n - j) / kL) lanes(j, steps), j += steps * kL;
-  for (; j < n; ++j) {
-    s[0] += static_cast<double>(c[j]) * r[j];
-    m[0] += std::fabs(static_cast<double>(c[j]));
-  }
-  sum = mag = 0;
-  for (std::size_t l = 0; l < kL; ++l) sum += s[l], mag += m[l];
-  if (std::isfinite(sum) && std::isfinite(mag)) return;
-  sum = mag = 0;  // a lane left binary32's range (or C holds Inf or NaN): binary64
-  for (j = 0; j < n; ++j) {
-    sum += static_cast<double>(c[j]) * r[j];
-    mag += std::fabs(static_cast<double>(c[j]));
-  }
+  lane_sums(
+      c, r, [](std::size_t) { return 1.0f; }, n, sum, mag);
 }
 }  // namespace detail
 
