@@ -136,108 +136,6 @@ void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, 
   }
 }
 
-namespace {
-
-// Whether every padding element of w (n >= N or k >= K) is +-0, read in
-// storage order: the judge's statement of PackedWeights' layout
-// (include/moecert/gemm.hpp): 16-column panels kp deep in VNNI pairs,
-// W[n][k] at (n / 16) kp 16 + (k / 2) 32 + (n % 16) 2 + k % 2. Only the
-// padding is read, in contiguous runs: the pairs past K, an odd K's last
-// odd elements, and the columns past N of the last panel.
-bool padding_zero(const gemm::PackedWeights& w) {
-  constexpr std::size_t P = gemm::PackedWeights::kPanel;
-  const std::size_t N = w.n(), K = w.k(), kp = w.kp(), pairs = (K + 1) / 2;
-  auto zero = [](bf16 v) { return (v.bits & 0x7fffu) == 0; };
-  for (std::size_t p = 0; p < w.np() / P; ++p) {
-    const bf16* panel = w.data() + p * kp * P;
-    if (!detail::all_of(panel + pairs * 2 * P, (kp / 2 - pairs) * 2 * P, zero)) return false;
-    for (std::size_t col = 0; K % 2 && col < P; ++col)
-      if (!zero(panel[(K / 2) * 2 * P + col * 2 + 1])) return false;
-    const std::size_t live = N > p * P ? std::min(P, N - p * P) : 0;
-    for (std::size_t q = 0; live < P && q < pairs; ++q)
-      if (!detail::all_of(panel + q * 2 * P + live * 2, (P - live) * 2, zero)) return false;
-  }
-  return true;
-}
-
-// Fails `clause` at f's first nonzero padding element, named by (n, k).
-void fail_padding(detail::Checker& c, const ClauseInfo& clause, const PackedFactor& f) {
-  const gemm::PackedWeights& w = *f.packed;
-  for (std::size_t n = 0; n < w.np(); ++n)
-    for (std::size_t kk = n < w.n() ? w.k() : 0; kk < w.kp(); ++kk)
-      if (w.at(n, kk).bits & 0x7fff) {
-        c.fail(clause, fmt::format("expert {} {} ({}, {})", f.expert, f.name, n, kk),
-               fmt::format("{}", w.at(n, kk).to_float()), "0 (rank padding)");
-        return;
-      }
-}
-
-}  // namespace
-
-void lora_padding(detail::Checker& c, const ClauseInfo& clause,
-                  std::span<const PackedFactor> factors) {
-  // The first factor with a nonzero padding element, found on the op's
-  // threads in storage order, then its first such element named.
-  const std::size_t work = factors.empty() ? 0 : factors[0].packed->size();
-  const std::size_t i = detail::first_failing(factors.size(), work, [&](std::size_t f) {
-    return !factors[f].packed->data() || padding_zero(*factors[f].packed);
-  });
-  if (i < factors.size()) fail_padding(c, clause, factors[i]);
-}
-
-LoraFiniteScan::LoraFiniteScan(const experts::Lora& l, std::size_t experts)
-    : lora_(l), experts_(experts) {
-  for (auto& f : first_) f = SIZE_MAX;
-}
-
-void LoraFiniteScan::expert(std::size_t e) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (std::size_t i = 0; i < 6; ++i) {
-    const MatView<const bf16> v = lora_views(lora_)[i];
-    const std::size_t per = v.rows / experts_;
-    const MatView<const bf16> rows(v.row(e * per), per, v.cols, v.stride);
-    const std::size_t at =
-        detail::first_failing_element(rows, [](bf16 x) { return detail::bf16_in_range(x); });
-    if (at == per * v.cols) continue;
-    const std::size_t flat = (e * per + at / v.cols) * v.cols + at % v.cols;
-    for (std::size_t seen = first_[i]; flat < seen && !first_[i].compare_exchange_weak(seen, flat);)
-      ;
-  }
-  ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-             .count();
-}
-
-void LoraFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
-  detail::add_clause_seconds(clause, static_cast<double>(ns_.load()) * 1e-9);
-  const auto names = lora_shapes(0, 0, 0, 0);
-  for (std::size_t i = 0; i < 6; ++i) {
-    if (first_[i] == SIZE_MAX) continue;
-    const MatView<const bf16> v = lora_views(lora_)[i];
-    const std::size_t row = first_[i] / v.cols, col = first_[i] % v.cols;
-    c.fail(clause, fmt::format("lora.{}[{}, {}]", names[i].name, row, col),
-           fmt::format("lora.{}={}", names[i].name, static_cast<double>(v(row, col).to_float())),
-           "finite, 0 or 2^-60 <= |a| <= 2^60");
-    return;
-  }
-}
-
-void LoraPaddingScan::expert(std::span<const PackedFactor, 8> factors) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (const PackedFactor& f : factors)
-    if (f.packed->data() && !padding_zero(*f.packed)) {
-      std::lock_guard lock(mu_);
-      if (!first_ || f.expert < first_->expert) first_ = f;
-      break;
-    }
-  ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-             .count();
-}
-
-void LoraPaddingScan::report(detail::Checker& c, const ClauseInfo& clause) {
-  detail::add_clause_seconds(clause, static_cast<double>(ns_.load()) * 1e-9);
-  if (first_) fail_padding(c, clause, *first_);
-}
-
 std::vector<double> exact(const std::vector<Tracked>& ref) {
   std::vector<double> v(ref.size());
   for (std::size_t i = 0; i < ref.size(); ++i) v[i] = ref[i].v;
@@ -271,76 +169,6 @@ std::array<Named, kWeightGrads> grad_shapes(std::size_t E, std::size_t H, std::s
 
 std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& g) {
   return {g.a_gate, g.b_gate, g.a_up, g.b_up, g.a_down, g.b_down, g.w_gate, g.w_up, g.w_down};
-}
-
-namespace {
-
-// Whether every saved value of grouped row `row` that the backward reads is
-// finite (padding rows hold none): contiguous runs, scanned by
-// detail::all_of. c1's gate and up columns of the full 16-column panels
-// are one run; h is row-major or in tiles of k_step-element row pieces.
-bool saved_row_finite(const ExpertRows& st, std::size_t I, std::size_t row) {
-  constexpr std::size_t P = gemm::PackedWeights::kPanel;
-  auto finite = [](auto v) { return detail::finite_bits(v); };
-  if (st.grouping.row_slot[row] < 0) return true;
-  const float* c1 = st.c1 + row * st.ldc1;
-  const std::size_t full = I / P * P, tail = I - full;
-  if (!detail::all_of(c1, 2 * full, finite) || !detail::all_of(c1 + 2 * full, tail, finite) ||
-      !detail::all_of(c1 + 2 * full + P, tail, finite))
-    return false;
-  const OperandRows& h = st.h;
-  if (h.tile_rows == 0) {
-    if (!detail::all_of(h.data + row * h.ld, I, finite)) return false;
-  } else {
-    for (std::size_t k = 0; k < I; k += h.k_step)
-      if (!detail::all_of(&h.data[(row / h.tile_rows) * h.ld + k * h.tile_rows +
-                                  (row % h.tile_rows) * h.k_step],
-                          std::min(h.k_step, I - k), finite))
-        return false;
-  }
-  const std::size_t r = st.rank;
-  return detail::all_of(st.xa + row * 2 * r, 2 * r, finite) &&
-         detail::all_of(st.ha + row * r, r, finite);
-}
-
-}  // namespace
-
-void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
-                        std::size_t I, const float* logits, std::size_t R) {
-  // The saved state the backward reads, at the elements it reads (a NaN
-  // here: read before write, or a co-live buffer overwrote it).
-  const auto& st = s.rows;
-  const auto& gr = st.grouping;
-  const std::size_t T = s.tokens, K = s.topk, r = st.rank;
-  auto fail = [&](const char* buffer, std::size_t row, std::size_t col, double v) {
-    c.fail(clause, fmt::format("{} row {} col {}", buffer, row, col), fmt::format("{}", v),
-           "finite (saved by the forward)");
-  };
-  for (std::size_t i = 0; logits && i < T * R; ++i)
-    if (!std::isfinite(logits[i])) return fail("router.logits", i / R, i % R, logits[i]);
-  for (std::size_t i = 0; i < T * K; ++i)
-    if (!std::isfinite(s.weights[i])) return fail("router.weights", i / K, i % K, s.weights[i]);
-  for (std::size_t i = 0; i < T * K; ++i)
-    if (s.idx[i] < -1 || s.idx[i] >= static_cast<std::int64_t>(gr.experts))
-      return fail("router.idx", i / K, i % K, s.idx[i]);
-  // The first grouped row holding a non-finite saved value, found on the
-  // op's threads, then its first such value named.
-  const std::size_t row = detail::first_failing(
-      gr.rows(), 3 * I + 3 * r, [&](std::size_t i) { return saved_row_finite(st, I, i); });
-  if (row == gr.rows()) return;
-  constexpr std::size_t P = gemm::PackedWeights::kPanel;
-  for (std::size_t i = 0; i < I; ++i) {
-    for (const std::size_t col : {2 * P * (i / P) + i % P, 2 * P * (i / P) + i % P + P})
-      if (!std::isfinite(st.c1[row * st.ldc1 + col]))
-        return fail("experts.c1", row, col, st.c1[row * st.ldc1 + col]);
-    if (!std::isfinite(st.h.at(row, i).to_float()))
-      return fail("experts.h", row, i, st.h.at(row, i).to_float());
-  }
-  for (std::size_t kk = 0; kk < 2 * r; ++kk)
-    if (!std::isfinite(st.xa[row * 2 * r + kk]))
-      return fail("lora.xa", row, kk, st.xa[row * 2 * r + kk]);
-  for (std::size_t kk = 0; kk < r; ++kk)
-    if (!std::isfinite(st.ha[row * r + kk])) return fail("lora.ha", row, kk, st.ha[row * r + kk]);
 }
 
 void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
@@ -596,18 +424,15 @@ void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
 void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
                            const experts::Lora& lora, MatView<const bf16> x,
                            MatView<const float> dy, const TrainSaved& s,
-                           const experts::Gradients& g) {
+                           const experts::Gradients& g, GradFiniteScan* grads_judge) {
   const std::size_t E = w.experts(), H = w.hidden(), I = w.inter();
   const auto names = grad_shapes(E, H, I, lora.rank);
-  MOECERT_CONTRACT(c, k::kBwdGradFinite) {
-    bool ok = true;
-    const std::pair<const char*, MatView<float>> others[] = {
-        {"dx", g.dx}, {"dweights", g.dweights}, {"m_a", g.m_a}, {"m_g", g.m_g}};
-    for (const auto& [name, v] : others)
-      ok = ok && detail::scan_finite(c, k::kBwdGradFinite, name, MatView<const float>(v));
-    for (std::size_t i = 0; i < kWeightGrads && ok; ++i)
-      ok = detail::scan_finite(c, k::kBwdGradFinite, fmt::format("{} grad", names[i].name),
-                               MatView<const float>(weight_grads(g)[i]));
+  if (grads_judge) {
+    grads_judge->report(c, k::kBwdGradFinite);
+  } else {
+    MOECERT_CONTRACT(c, k::kBwdGradFinite) {
+      GradFiniteScan(experts_grad_outputs(g, E, H, I, lora.rank)).report(c, k::kBwdGradFinite);
+    }
   }
   MOECERT_CONTRACT(c, k::kBwdEmptyZero) { empty_expert_zero(c, k::kBwdEmptyZero, s, g); }
   MOECERT_CONTRACT(c, k::kBwdDwMasked) { dweights_masked(c, k::kBwdDwMasked, s, g.dweights); }

@@ -5,7 +5,9 @@
 
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -31,10 +33,13 @@ void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts
 void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
                           const experts::Lora& lora, MatView<const bf16> x, MatView<const float> dy,
                           const TrainSaved& s, const experts::Gradients& g);
+class GradFiniteScan;
+/// grads_judge: grad_finite as judged in the op's passes (null: judged
+/// here, in a pass of its own).
 void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
                            const experts::Lora& lora, MatView<const bf16> x,
                            MatView<const float> dy, const TrainSaved& s,
-                           const experts::Gradients& g);
+                           const experts::Gradients& g, GradFiniteScan* grads_judge);
 
 // ---- shared with the layer -------------------------------------------------
 
@@ -119,6 +124,78 @@ std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& 
 /// layer's router logits [T x R], or null).
 void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                         std::size_t I, const float* logits, std::size_t R);
+/// saved_finite judged inside the backward's own passes (the saved rows are
+/// its largest read; a pass of their own cost 4.6 ms at T4096 on 16 AMX
+/// cores). begin(), after the first step's poison and before any work: the
+/// routing copy and the router logits, O(T (K + R)); at audit and above
+/// every saved row as well (so a fresh buffer placed on saved rows shows
+/// its poison there before its first write; at check that is
+/// workspace.arena.disjoint's to catch). dweights(sum): dL/dw's binary64 sum over h's
+/// and ha's row q is not finite when one of their elements is not (a
+/// product with Inf or NaN is Inf or NaN, 0 * Inf included, and a binary64
+/// sum never returns to finite). row(q): c1's gate and up runs and the xa,
+/// ha rows, and h's row where no dL/dw is formed, on the thread that just
+/// read them for the SwiGLU backward. report(), before the backward writes
+/// an output: after a mark, train_saved_finite names the first offender
+/// (none: dh itself was not finite, which grad_finite names); at most once.
+class SavedFiniteScan {
+ public:
+  SavedFiniteScan(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s, std::size_t I,
+                  const float* logits, std::size_t R);
+  void begin();
+  /// The caller forms dL/dw: h's rows are judged through dweights().
+  void h_through_dweights() { h_judged_ = true; }
+  void dweights(double sum) {  // thread-safe
+    if (!std::isfinite(sum)) marked_.store(true, std::memory_order_relaxed);
+  }
+  void row(std::size_t q);  // thread-safe
+  void report();
+
+ private:
+  detail::Checker& c_;
+  const ClauseInfo& clause_;
+  TrainSaved s_;
+  std::size_t inter_, router_out_;
+  const float* logits_;
+  bool h_judged_ = false, reported_ = false;
+  std::atomic<bool> marked_{false};
+  std::atomic<std::int64_t> ns_{0};
+};
+
+/// grad_finite judged where the backward writes: written(m, ...) checks a
+/// block of output m on the thread that just wrote it (in its cache) and
+/// keeps the output's first offender; reopen(m) forgets what was handed
+/// over (m is written again). report() fails `clause` at the first
+/// offender of the first output in order; an output not handed over in
+/// full (elements counted) is scanned in a pass of its own.
+class GradFiniteScan {
+ public:
+  struct Output {
+    std::string name;
+    MatView<const float> m;
+  };
+  explicit GradFiniteScan(std::vector<Output> outputs);
+  /// Rows [r0, r1) x columns [c0, c1) of the output at m.data (thread-safe;
+  /// not an output: ignored).
+  void written(const float* m, std::size_t r0, std::size_t r1, std::size_t c0, std::size_t c1);
+  void reopen(const float* m);
+  void report(detail::Checker& c, const ClauseInfo& clause);
+
+ private:
+  struct State {
+    std::atomic<std::size_t> handed{0}, first{SIZE_MAX};  // first: i * cols + j
+  };
+  std::vector<Output> outs_;
+  std::unique_ptr<State[]> state_;
+  std::atomic<std::int64_t> ns_{0};
+};
+
+/// experts.backward's outputs in grad_finite's order: dx, dweights, m_a,
+/// m_g, then the weight gradients.
+std::vector<GradFiniteScan::Output> experts_grad_outputs(const experts::Gradients& g, std::size_t E,
+                                                         std::size_t H, std::size_t I,
+                                                         std::size_t r);
+
 /// An idle expert's weight gradients are exactly 0, and M_A, M_G are 0
 /// wherever token t is not routed to e.
 void empty_expert_zero(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,

@@ -3,6 +3,7 @@
 
 #include "contracts/bounds/layer.hpp"
 #include "contracts/engine.hpp"
+#include "contracts/experts_train.hpp"
 #include "contracts/reference/layer.hpp"
 #include "contracts/saved.hpp"
 #include "moecert/layer.hpp"
@@ -16,12 +17,13 @@ void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::W
 void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                         MatView<const bf16> x, MatView<const float> dy, const LayerSaved& saved,
                         const layer::Gradients& g);
-/// layer.backward.saved_finite, after the backward's first step began (its
-/// fresh buffers poisoned: a saved buffer that shares their memory shows).
-void layer_backward_saved(detail::Checker& c, const MoeConfig& cfg, MatView<const bf16> x,
-                          const LayerSaved& saved);
 void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                          MatView<const bf16> x, MatView<const float> dy, const LayerSaved& saved,
-                         const layer::Gradients& g, const layer::BackwardOptions& opt);
+                         const layer::Gradients& g, const layer::BackwardOptions& opt,
+                         GradFiniteScan* grads_judge = nullptr);
+/// layer.backward's outputs in grad_finite's order: dx, the router
+/// linear's gradients, m_a, m_g, then the experts' weight gradients.
+std::vector<GradFiniteScan::Output> layer_grad_outputs(const MoeConfig& cfg,
+                                                       const layer::Gradients& g);
 
 }  // namespace moecert::contracts

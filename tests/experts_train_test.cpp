@@ -521,6 +521,102 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
       untouched();
     }
   }
+  // h and ha are judged through dL/dw's sums where it is formed, in the
+  // SwiGLU pass (h) where it is not; either way before any output is written.
+  const auto& st = saved.impl().st;
+  REQUIRE(st.grouping.count[1] > 0);
+  const std::size_t q = st.grouping.begin[1];  // expert 1's first row
+  auto expect_saved = [&](const experts::Gradients& gr, std::string_view where) {
+    auto v = test::expect_violation(
+        [&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, gr); },
+        "experts.backward.saved_finite", Level::check);
+    CHECK(v.location == where);
+    untouched();
+  };
+  SECTION("saved_finite: h, through dL/dw (dL/dw alone) and the SwiGLU pass (dx alone)") {
+    st.h[gemm::a_offset(st.layout, st.ldh, q, 5)] = bf16(INFINITY);
+    const std::string where = fmt::format("experts.h row {} col 5", q);
+    expect_saved(only({}, {dw.data(), p.T, p.K}), where);
+    expect_saved(only({dx.data(), p.T, p.H}, {}), where);
+    expect_saved(g, where);
+  }
+  SECTION("saved_finite: ha through dL/dw, xa in the SwiGLU pass") {
+    st.ha[q * p.r + 2] = NAN;
+    expect_saved(only({}, {dw.data(), p.T, p.K}), fmt::format("lora.ha row {} col 2", q));
+    st.ha[q * p.r + 2] = 0.5f;
+    st.xa[q * 2 * p.r + 3] = -INFINITY;
+    expect_saved(only({dx.data(), p.T, p.H}, {}), fmt::format("lora.xa row {} col 3", q));
+  }
+}
+
+TEST_CASE("experts.backward: dh beyond fp32 marks rows, then grad_finite names the output",
+          "[experts][train][clauses]") {
+  // dy finite but so large that dh = dy W_d leaves fp32: dL/dw's sums are
+  // not finite, the saved rows are, so saved_finite passes and grad_finite,
+  // judged on the blocks as they are written, names the same first element
+  // as a scan of its own.
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
+  Out o;
+  experts::Saved saved;
+  const auto g = o.views(p);
+  std::vector<float> y(p.T * p.H);
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H},
+                         saved);
+  std::vector<float> dy(p.dy.size(), 3e38f);
+  ContractScope scope{{Level::check, Semantic::enforce}};
+  std::string fused;
+  try {
+    experts::backward(p.packed, p.lora_view(), p.X(), {dy.data(), p.T, p.H}, saved, g);
+    FAIL("no violation");
+  } catch (const ContractViolation& v) {
+    CHECK(v.clause() == "experts.backward.grad_finite");
+    fused = v.violation().location;
+  }
+  auto v = test::expect_violation(
+      [&] {
+        detail::Checker c{"experts.backward"};
+        contracts::experts_backward_post(c, p.packed, p.lora_view(), p.X(), {dy.data(), p.T, p.H},
+                                         experts::saved_view(saved.impl()), g, nullptr);
+      },
+      "experts.backward.grad_finite", Level::check);
+  CHECK(v.location == fused);
+}
+
+TEST_CASE("contracts: GradFiniteScan judges handed blocks and scans the rest",
+          "[experts][train][clauses]") {
+  std::vector<float> a(6 * 5, 1.0f), b(4 * 3, 1.0f);
+  const MatView<const float> av(a.data(), 6, 5, 5), bv(b.data(), 4, 3, 3);
+  auto first = [&](auto hand) {
+    contracts::GradFiniteScan scan({{"a", av}, {"b", bv}});
+    hand(scan);
+    return test::expect_violation(
+               [&] {
+                 detail::Checker c{"experts.backward"};
+                 scan.report(c, clauses::experts_train::kBwdGradFinite);
+               },
+               "experts.backward.grad_finite", Level::check)
+        .location;
+  };
+  a[2 * 5 + 4] = NAN, a[4 * 5 + 1] = INFINITY, b[1] = NAN;
+  // Blocks handed out of order: the least offender is kept.
+  CHECK(first([&](contracts::GradFiniteScan& s) {
+          s.written(a.data(), 3, 6, 0, 5);
+          s.written(a.data(), 0, 3, 3, 5);
+          s.written(a.data(), 0, 3, 0, 3);
+        }) == "a[2, 4]");
+  // Rows 0..2 never handed: a is scanned in a pass of its own.
+  CHECK(first([&](contracts::GradFiniteScan& s) { s.written(a.data(), 3, 6, 0, 5); }) == "a[2, 4]");
+  // Handed, then written again: reopen() forgets the first hand-over.
+  a[2 * 5 + 4] = 1.0f, a[4 * 5 + 1] = 1.0f;
+  a[0] = NAN;
+  CHECK(first([&](contracts::GradFiniteScan& s) {
+          s.written(a.data(), 0, 6, 0, 5);
+          a[0] = 1.0f, a[5 * 5 + 2] = NAN;
+          s.reopen(a.data());
+          s.written(a.data(), 0, 6, 0, 5);
+        }) == "a[5, 2]");
+  a[5 * 5 + 2] = 1.0f;
+  CHECK(first([&](contracts::GradFiniteScan& s) { s.written(a.data(), 0, 6, 0, 5); }) == "b[0, 1]");
 }
 
 // The problem's tensors as another implementation hands them to the judge.
@@ -693,7 +789,7 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients",
   auto post = [&] {
     detail::Checker c{"experts.backward"};
     contracts::experts_backward_post(c, p.packed, p.lora_view(), p.X(), p.DY(),
-                                     experts::saved_view(saved.impl()), g);
+                                     experts::saved_view(saved.impl()), g, nullptr);
   };
   SECTION("grad_finite") {
     o.g[1][3] = INFINITY;
@@ -725,7 +821,7 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients",
         [&] {
           detail::Checker c{"experts.backward"};
           contracts::experts_backward_post(c, q.packed, q.lora_view(), q.X(), q.DY(),
-                                           experts::saved_view(s2.impl()), g2);
+                                           experts::saved_view(s2.impl()), g2, nullptr);
         },
         "experts.backward.dweights_masked", Level::check);
   }

@@ -35,8 +35,9 @@ struct Ctx {
   std::size_t chunk;
   std::size_t T, H, I, E, K, r, rows, mb;
   float sc;
+  BackwardJudges judges;
 
-  Ctx(const PackedExperts& w, TrainState& st)
+  Ctx(const PackedExperts& w, TrainState& st, const BackwardJudges& j)
       : pe(w),
         s(st),
         gr(st.st.grouping),
@@ -51,7 +52,8 @@ struct Ctx {
         r(st.st.rank),
         rows(gr.rows()),
         mb(round_up(512, kernel.mr)),
-        sc(st.st.scale) {}
+        sc(st.st.scale),
+        judges(j) {}
   // Token and routing weight of a grouped row.
   std::size_t token_of(std::size_t row) const {
     return static_cast<std::size_t>(gr.row_slot[row]) / K;
@@ -72,12 +74,14 @@ struct Ctx {
 // per grouped row at stride lds; row_scale: a factor of v per grouped row,
 // or null. Several outputs share one pass over the rows v_q: output p takes
 // s's values p r .. p r + r - 1 (an empty view: not wanted). Tasks (expert,
-// 128 columns), one writer per element.
+// 128 columns), one writer per element; each written block goes to `judge`
+// (grad_finite) when not null.
 template <class RowAt>
-void expert_sums(const gemm::KernelInfo& kernel, const Grouping& gr, std::size_t r,
-                 std::size_t n_cols, bool transposed, const float* s, std::size_t lds,
-                 const float* row_scale, bool v_bf16, RowAt row_at, std::size_t chunk,
-                 std::size_t shift, float scale, std::initializer_list<MatView<float>> outs) {
+void expert_sums(const gemm::KernelInfo& kernel, contracts::GradFiniteScan* judge,
+                 const Grouping& gr, std::size_t r, std::size_t n_cols, bool transposed,
+                 const float* s, std::size_t lds, const float* row_scale, bool v_bf16, RowAt row_at,
+                 std::size_t chunk, std::size_t shift, float scale,
+                 std::initializer_list<MatView<float>> outs) {
   if (std::all_of(outs.begin(), outs.end(), [](const MatView<float>& o) { return o.empty(); }))
     return;
   constexpr std::size_t kCols = 128;
@@ -92,7 +96,7 @@ void expert_sums(const gemm::KernelInfo& kernel, const Grouping& gr, std::size_t
                        n0, n1, acc.data(), n1 - n0);
         const float* a = acc.data();
         for (const MatView<float>& out : outs) {
-          if (!out.empty())
+          if (!out.empty()) {
             for (std::size_t k = 0; k < r; ++k)
               for (std::size_t j = n0; j < n1; ++j) {
                 const float v = scale * a[k * (n1 - n0) + (j - n0)];
@@ -101,6 +105,11 @@ void expert_sums(const gemm::KernelInfo& kernel, const Grouping& gr, std::size_t
                 else
                   out(e * r + k, j) = v;
               }
+            if (judge && transposed)
+              judge->written(out.data, e * n_cols + n0, e * n_cols + n1, 0, r);
+            else if (judge)
+              judge->written(out.data, e * r, e * r + r, n0, n1);
+          }
           a += r * (n1 - n0);
         }
       }));
@@ -142,6 +151,7 @@ void dweights_rows(const Ctx& c, const float* dh, const float* dyb, MatView<floa
                 double(dyb[q * c.r + k]) *
                 double(
                     bf16(c.sc * st.ha[q * c.r + k]).to_float());  // lb_d, as the forward rounded it
+          if (c.judges.saved) c.judges.saved->dweights(acc[l]);
           const auto slot = static_cast<std::size_t>(c.gr.row_slot[q]);
           dw(slot / c.K, slot % c.K) = static_cast<float>(acc[l]);
         }
@@ -158,8 +168,8 @@ bool wants_expert_path(const Gradients& g) {
 }
 
 DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> dy, bool expert_path,
-                   MatView<float> dw, detail::Checker& chk) {
-  const Ctx c(w, s);
+                   MatView<float> dw, const BackwardJudges& judges, detail::Checker& chk) {
+  const Ctx c(w, s, judges);
   workspace::Arena& arena = s.arena;
   const bool need_dh = expert_path || !dw.empty();
   DyRows d;
@@ -201,6 +211,7 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   }
   if (!dw.empty()) {
     detail::fill_zero(dw);
+    if (judges.saved) judges.saved->h_through_dweights();
     dweights_rows(c, d.dh, d.dyb, dw);
   }
   if (expert_path && c.r) {
@@ -253,6 +264,7 @@ void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
                                    at(row, i), at(row, c.I + i), n);
           i += n;
         }
+        if (c.judges.saved) c.judges.saved->row(row);  // c1's row, still in cache
       }));
   if (c.r)
     for_each_tile(tiles(c.gr.count, 2 * c.r, c.mb, 256), [&](const Tile& tl) {
@@ -271,10 +283,10 @@ void lora_down_grads(const Ctx& c, MatView<const float> dy, const float* dyb, co
     for (std::size_t k = 0; k < c.r; ++k) wdyb[q * c.r + k] = wts[q] * dyb[q * c.r + k];
   }
   expert_sums(
-      c.kernel, c.gr, c.r, c.H, true, st.ha, c.r, wts.data(), false,
+      c.kernel, c.judges.grads, c.gr, c.r, c.H, true, st.ha, c.r, wts.data(), false,
       [&](std::size_t q, std::size_t m) -> const void* { return dy.row(c.token_of(q)) + m; }, 0, 0,
       c.sc, {g.b_down});
-  expert_sums(c.kernel, c.gr, c.r, c.I, false, wdyb.data(), c.r, nullptr, true,
+  expert_sums(c.kernel, c.judges.grads, c.gr, c.r, c.I, false, wdyb.data(), c.r, nullptr, true,
               [&](std::size_t q, std::size_t i) -> const void* {
                 return &st.h[gemm::a_offset(c.layout, st.ldh, q, i)];
               },
@@ -318,6 +330,8 @@ void scatter_dx(const Ctx& c, const float* dxr, MatView<float> dx) {
                                 const float* src = dxr + static_cast<std::size_t>(row) * c.H;
                                 for (std::size_t m = 0; m < c.H; ++m) o[m] += src[m];
                               }
+                              if (c.judges.grads)
+                                c.judges.grads->written(dx.data, t, t + 1, 0, c.H);
                             }));
 }
 
@@ -328,14 +342,15 @@ void lora_gate_up_grads(const Ctx& c, MatView<const bf16> x, const bf16* dgu, co
   const std::size_t ldg = c.ldg();
   auto x_at = [&](std::size_t q, std::size_t m) -> const void* { return x.row(c.token_of(q)) + m; };
   for (std::size_t part = 0; part < 2; ++part)  // gate, up
-    expert_sums(c.kernel, c.gr, c.r, c.I, true, st.xa + part * c.r, 2 * c.r, nullptr, true,
+    expert_sums(c.kernel, c.judges.grads, c.gr, c.r, c.I, true, st.xa + part * c.r, 2 * c.r,
+                nullptr, true,
                 [&](std::size_t q, std::size_t i) -> const void* {
                   return dgu + gemm::a_offset(c.layout, ldg, q, part * c.I + i);
                 },
                 c.chunk, part* c.I, c.sc, {part ? g.b_up : g.b_gate});
   // Both A factors in one pass over the x rows (dgb: r gate values, then r up).
-  expert_sums(c.kernel, c.gr, c.r, c.H, false, dgb, 2 * c.r, nullptr, true, x_at, 0, 0, c.sc,
-              {g.a_gate, g.a_up});
+  expert_sums(c.kernel, c.judges.grads, c.gr, c.r, c.H, false, dgb, 2 * c.r, nullptr, true, x_at, 0,
+              0, c.sc, {g.a_gate, g.a_up});
 }
 
 // Base weights: per expert, GEMMs over its rows (K = the row count,
@@ -427,18 +442,20 @@ void token_stats(const Ctx& c, MatView<const bf16> x, MatView<const float> dy, c
 
 void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> x,
                      MatView<const float> dy, const DyRows& d, const Gradients& g, bool expert_path,
-                     detail::Checker& chk) {
-  const Ctx c(w, s);
+                     const BackwardJudges& judges, detail::Checker& chk) {
+  const Ctx c(w, s, judges);
   workspace::Arena& arena = s.arena;
   const std::size_t kp2i = c.kp2i();
   // 3. dg, du; LoRA down gradients.
   arena.enter(workspace::b_swiglu, chk);
   bf16* dgu = arena.get<bf16>("bwd.dgu", gemm::a_size(c.layout, c.rows, kp2i));
   float* dgb = c.r ? arena.get<float>("lora.dgb", c.rows * 2 * c.r) : nullptr;
-  if (expert_path) {
-    swiglu_backward(c, d.dh, dgu, dgb);
-    if (c.r) lora_down_grads(c, dy, d.dyb, g);
+  if (expert_path) swiglu_backward(c, d.dh, dgu, dgb);
+  if (judges.saved) {  // before the first output is written
+    judges.saved->report();
+    if (chk.stop()) return;
   }
+  if (expert_path && c.r) lora_down_grads(c, dy, d.dyb, g);
   // 4. dx rows.
   arena.enter(workspace::b_dx, chk);
   float* dxr = arena.get<float>("bwd.dx_rows", c.rows * c.H);

@@ -4,6 +4,7 @@
 #include "ops/experts/train.hpp"
 
 #include <algorithm>
+#include <optional>
 
 #include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
@@ -71,17 +72,37 @@ void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
   contracts::experts_backward_pre(chk, w, lora, x, dy, saved_view(saved.impl()), grads);
   if (chk.stop()) return;
   Saved::Impl& s = saved.impl();
-  s.arena.enter(workspace::b_gather, chk);
-  MOECERT_CONTRACT(chk, clauses::experts_train::kBwdSavedFinite) {
-    contracts::train_saved_finite(chk, clauses::experts_train::kBwdSavedFinite, saved_view(s),
-                                  w.inter(), nullptr, 0);
+  namespace k = clauses::experts_train;
+  // saved_finite and grad_finite are judged inside the passes that read the
+  // saved rows and write the gradients; dL/dw is formed in the workspace
+  // and copied out once saved_finite has passed.
+  std::optional<contracts::SavedFiniteScan> saved_judge;
+  std::optional<contracts::GradFiniteScan> grads_judge;
+  MOECERT_CONTRACT(chk, k::kBwdSavedFinite) {
+    saved_judge.emplace(chk, k::kBwdSavedFinite, saved_view(s), w.inter(), nullptr, 0);
   }
+  MOECERT_CONTRACT(chk, k::kBwdGradFinite) {
+    grads_judge.emplace(
+        contracts::experts_grad_outputs(grads, w.experts(), w.hidden(), w.inter(), lora.rank));
+  }
+  const BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
+                              grads_judge ? &*grads_judge : nullptr};
+  s.arena.enter(workspace::b_gather, chk);
+  if (judges.saved) judges.saved->begin();
   if (chk.stop()) return;
   const bool expert_path = wants_expert_path(grads);
-  const DyRows d = backward_dh(w, s, dy, expert_path, grads.dweights, chk);
-  backward_expert(w, s, x, dy, d, grads, expert_path, chk);
+  const MatView<float> dw = grads.dweights.empty()
+                                ? MatView<float>{}
+                                : MatView<float>(s.arena.get<float>("router.dw", s.tokens * s.topk),
+                                                 s.tokens, s.topk, s.topk);
+  const DyRows d = backward_dh(w, s, dy, expert_path, dw, judges, chk);
+  backward_expert(w, s, x, dy, d, grads, expert_path, judges, chk);
+  if (chk.stop()) return;
+  for (std::size_t t = 0; t < dw.rows; ++t)
+    std::copy(dw.row(t), dw.row(t) + dw.cols, grads.dweights.row(t));
   s.arena.leave(chk);
-  contracts::experts_backward_post(chk, w, lora, x, dy, saved_view(s), grads);
+  contracts::experts_backward_post(chk, w, lora, x, dy, saved_view(s), grads,
+                                   grads_judge ? &*grads_judge : nullptr);
 }
 
 }  // namespace moecert::experts

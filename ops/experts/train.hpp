@@ -48,20 +48,30 @@ struct DyRows {
   float* dyb = nullptr;  // dy B_d [rows x r] (lora.dyb)
 };
 
+/// The backward's contract judges that run inside its passes (either null
+/// when its clause is off): saved_finite on the saved rows as they are
+/// read, grad_finite on output blocks as they are written.
+struct BackwardJudges {
+  contracts::SavedFiniteScan* saved = nullptr;
+  contracts::GradFiniteScan* grads = nullptr;
+};
+
 /// Steps b_gather and b_dh: dy rows, dh' = dy W_d, dyb = dy B_d; when `dw`
 /// is not empty, dL/dw [T x K] = <dh', h> + <dyb, lb_d> (0 at -1 slots);
 /// with the expert path, dh += bf16(s dyb) A_d. dy rows and dh are formed
 /// only when either part runs.
 DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> dy, bool expert_path,
-                   MatView<float> dw, detail::Checker& chk);
+                   MatView<float> dw, const BackwardJudges& judges, detail::Checker& chk);
 
 /// Steps b_swiglu .. b_scatter of the expert path: dg, du, dx rows, then
 /// grads.dx = sum_j dx rows in slot order, the LoRA and base-weight
 /// gradients and M_A, M_G. Without the expert path, the requested outputs
-/// are written with 0. grads.dweights is not touched.
+/// are written with 0. grads.dweights is not touched. judges.saved reports
+/// after dg, du, before the first output is written: when a precondition
+/// failed under observe, it returns with chk.stop() and writes nothing.
 void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> x,
                      MatView<const float> dy, const DyRows& d, const Gradients& grads,
-                     bool expert_path, detail::Checker& chk);
+                     bool expert_path, const BackwardJudges& judges, detail::Checker& chk);
 
 /// True when any output of the expert path is requested.
 bool wants_expert_path(const Gradients& g);

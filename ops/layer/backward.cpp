@@ -6,8 +6,10 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
+#include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer.hpp"
 #include "moecert/router.hpp"
@@ -61,14 +63,32 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   const gemm::KernelInfo& kernel = gemm::kernel_info(s.isa);
   workspace::Arena& arena = s.arena;
 
+  // saved_finite and grad_finite are judged inside the passes that read the
+  // saved rows and write the gradients (dL/dw stays in the workspace).
+  std::optional<contracts::SavedFiniteScan> saved_judge;
+  std::optional<contracts::GradFiniteScan> grads_judge;
+  MOECERT_CONTRACT(chk, clauses::layer::kBwdSavedFinite) {
+    saved_judge.emplace(chk, clauses::layer::kBwdSavedFinite, saved_view(saved).train,
+                        static_cast<std::size_t>(cfg.inter), s.logits, R);
+  }
+  MOECERT_CONTRACT(chk, clauses::layer::kBwdGradFinite) {
+    grads_judge.emplace(contracts::layer_grad_outputs(cfg, grads));
+  }
+  const experts::BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
+                                       grads_judge ? &*grads_judge : nullptr};
+
   // 1. The experts op's first part: dy rows, dh; router path: dL/dw.
   arena.enter(workspace::b_gather, chk);
-  contracts::layer_backward_saved(chk, cfg, x, saved_view(saved));
+  if (judges.saved) judges.saved->begin();
   if (chk.stop()) return;
   const MatView<float> dw(arena.get<float>("router.dw", T * K), T, K, K);
   const auto d = experts::backward_dh(*w.experts, s, dy, opt.expert_path,
-                                      opt.router_path ? dw : MatView<float>{}, chk);
+                                      opt.router_path ? dw : MatView<float>{}, judges, chk);
   if (!opt.router_path) detail::fill_zero(dw);
+  if (judges.saved) {  // before the router's backward reads dL/dw
+    judges.saved->report();
+    if (chk.stop()) return;
+  }
 
   // 2. Router path: the router's backward from dL/dw, into dz.
   arena.enter(workspace::b_router, chk);
@@ -81,10 +101,15 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
 
   // 3. The experts op's expert path: dx (its part), LoRA and base-weight
   //    gradients, statistics.
-  experts::backward_expert(*w.experts, s, x, dy, d, expert_gradients(grads), opt.expert_path, chk);
+  experts::backward_expert(*w.experts, s, x, dy, d, expert_gradients(grads), opt.expert_path,
+                           judges, chk);
+  if (chk.stop()) return;
 
   // 4. Router path: dx += dz W_r, the router linear's gradients.
-  if (!grads.dx.empty() && opt.router_path) linear::router_dx(kernel, dz, w.router_w, grads.dx);
+  if (!grads.dx.empty() && opt.router_path) {
+    if (judges.grads) judges.grads->reopen(grads.dx.data);  // dx is written again
+    linear::router_dx(kernel, dz, w.router_w, grads.dx, judges.grads);
+  }
   if (opt.router_path) {
     linear::router_linear_grads(kernel, dz, x, grads.router_w, grads.router_b);
   } else {
@@ -93,7 +118,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
       std::fill(grads.router_b.data, grads.router_b.data + grads.router_b.size, 0.0f);
   }
   arena.leave(chk);
-  contracts::layer_backward_post(chk, cfg, w, x, dy, saved_view(saved), grads, opt);
+  contracts::layer_backward_post(chk, cfg, w, x, dy, saved_view(saved), grads, opt, judges.grads);
 }
 
 }  // namespace moecert::layer

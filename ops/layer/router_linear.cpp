@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "contracts/experts_train.hpp"
 #include "contracts/layer_router_linear.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
@@ -44,7 +45,7 @@ void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatVie
 // dx += dz W_r: blocks of 8 tokens, sums over the R router outputs in order
 // (into a block's own fp32 sums, then one addition per element).
 void router_dx(const gemm::KernelInfo& kernel, const Dz& dz, MatView<const float> wr,
-               MatView<float> dx) {
+               MatView<float> dx, contracts::GradFiniteScan* judge) {
   constexpr std::size_t kTb = 8;
   const std::size_t T = dz.T, R = dz.R, H = dx.cols;
   oneapi::tbb::parallel_for(
@@ -61,6 +62,7 @@ void router_dx(const gemm::KernelInfo& kernel, const Dz& dz, MatView<const float
           float* o = dx.row(t0 + k);
           for (std::size_t m = 0; m < H; ++m) o[m] += acc[k * H + m];
         }
+        if (judge) judge->written(dx.data, t0, t0 + tn, 0, H);
       }));
 }
 

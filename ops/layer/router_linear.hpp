@@ -8,6 +8,10 @@
 #include "moecert/types.hpp"
 #include "ops/gemm/ukernel.hpp"
 
+namespace moecert::contracts {
+class GradFiniteScan;
+}
+
 namespace moecert::layer::linear {
 
 /// dz as [T x R] rows (row stride ld, 0: R), or for product_key as two
@@ -29,9 +33,11 @@ struct Dz {
 void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatView<const float> wr,
                    View<const float> b, MatView<float> z);
 
-/// dx += dz W_r (each element a sum over the R outputs in order, then one addition).
+/// dx += dz W_r (each element a sum over the R outputs in order, then one
+/// addition); each block of rows written goes to `judge` (grad_finite) when
+/// not null.
 void router_dx(const gemm::KernelInfo& kernel, const Dz& dz, MatView<const float> wr,
-               MatView<float> dx);
+               MatView<float> dx, contracts::GradFiniteScan* judge = nullptr);
 
 /// dW_r = dz^T x and db = the column sums of dz (sums over t in order), each
 /// written where given.

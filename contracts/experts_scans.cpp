@@ -1,0 +1,306 @@
+// The clauses of experts.forward_train, experts.backward and the layer
+// that are judged inside the op's own passes, on data still in the cache of
+// the thread that just read or wrote it: lora_finite and lora_padding as the
+// factors are packed, saved_finite as the saved rows are read, grad_finite
+// as the gradients are written (contracts/experts_train.hpp).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "contracts/checks.hpp"
+#include "contracts/experts_train.hpp"
+
+namespace moecert::contracts {
+
+namespace {
+
+// Whether every padding element of w (n >= N or k >= K) is +-0, read in
+// storage order: the judge's statement of PackedWeights' layout
+// (include/moecert/gemm.hpp): 16-column panels kp deep in VNNI pairs,
+// W[n][k] at (n / 16) kp 16 + (k / 2) 32 + (n % 16) 2 + k % 2. Only the
+// padding is read, in contiguous runs: the pairs past K, an odd K's last
+// odd elements, and the columns past N of the last panel.
+bool padding_zero(const gemm::PackedWeights& w) {
+  constexpr std::size_t P = gemm::PackedWeights::kPanel;
+  const std::size_t N = w.n(), K = w.k(), kp = w.kp(), pairs = (K + 1) / 2;
+  auto zero = [](bf16 v) { return (v.bits & 0x7fffu) == 0; };
+  for (std::size_t p = 0; p < w.np() / P; ++p) {
+    const bf16* panel = w.data() + p * kp * P;
+    if (!detail::all_of(panel + pairs * 2 * P, (kp / 2 - pairs) * 2 * P, zero)) return false;
+    for (std::size_t col = 0; K % 2 && col < P; ++col)
+      if (!zero(panel[(K / 2) * 2 * P + col * 2 + 1])) return false;
+    const std::size_t live = N > p * P ? std::min(P, N - p * P) : 0;
+    for (std::size_t q = 0; live < P && q < pairs; ++q)
+      if (!detail::all_of(panel + q * 2 * P + live * 2, (P - live) * 2, zero)) return false;
+  }
+  return true;
+}
+
+// Fails `clause` at f's first nonzero padding element, named by (n, k).
+void fail_padding(detail::Checker& c, const ClauseInfo& clause, const PackedFactor& f) {
+  const gemm::PackedWeights& w = *f.packed;
+  for (std::size_t n = 0; n < w.np(); ++n)
+    for (std::size_t kk = n < w.n() ? w.k() : 0; kk < w.kp(); ++kk)
+      if (w.at(n, kk).bits & 0x7fff) {
+        c.fail(clause, fmt::format("expert {} {} ({}, {})", f.expert, f.name, n, kk),
+               fmt::format("{}", w.at(n, kk).to_float()), "0 (rank padding)");
+        return;
+      }
+}
+
+}  // namespace
+
+void lora_padding(detail::Checker& c, const ClauseInfo& clause,
+                  std::span<const PackedFactor> factors) {
+  // The first factor with a nonzero padding element, found on the op's
+  // threads in storage order, then its first such element named.
+  const std::size_t work = factors.empty() ? 0 : factors[0].packed->size();
+  const std::size_t i = detail::first_failing(factors.size(), work, [&](std::size_t f) {
+    return !factors[f].packed->data() || padding_zero(*factors[f].packed);
+  });
+  if (i < factors.size()) fail_padding(c, clause, factors[i]);
+}
+
+LoraFiniteScan::LoraFiniteScan(const experts::Lora& l, std::size_t experts)
+    : lora_(l), experts_(experts) {
+  for (auto& f : first_) f = SIZE_MAX;
+}
+
+void LoraFiniteScan::expert(std::size_t e) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < 6; ++i) {
+    const MatView<const bf16> v = lora_views(lora_)[i];
+    const std::size_t per = v.rows / experts_;
+    const MatView<const bf16> rows(v.row(e * per), per, v.cols, v.stride);
+    const std::size_t at =
+        detail::first_failing_element(rows, [](bf16 x) { return detail::bf16_in_range(x); });
+    if (at == per * v.cols) continue;
+    const std::size_t flat = (e * per + at / v.cols) * v.cols + at % v.cols;
+    for (std::size_t seen = first_[i]; flat < seen && !first_[i].compare_exchange_weak(seen, flat);)
+      ;
+  }
+  ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+             .count();
+}
+
+void LoraFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
+  detail::add_clause_seconds(clause, static_cast<double>(ns_.load()) * 1e-9);
+  const auto names = lora_shapes(0, 0, 0, 0);
+  for (std::size_t i = 0; i < 6; ++i) {
+    if (first_[i] == SIZE_MAX) continue;
+    const MatView<const bf16> v = lora_views(lora_)[i];
+    const std::size_t row = first_[i] / v.cols, col = first_[i] % v.cols;
+    c.fail(clause, fmt::format("lora.{}[{}, {}]", names[i].name, row, col),
+           fmt::format("lora.{}={}", names[i].name, static_cast<double>(v(row, col).to_float())),
+           "finite, 0 or 2^-60 <= |a| <= 2^60");
+    return;
+  }
+}
+
+void LoraPaddingScan::expert(std::span<const PackedFactor, 8> factors) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const PackedFactor& f : factors)
+    if (f.packed->data() && !padding_zero(*f.packed)) {
+      std::lock_guard lock(mu_);
+      if (!first_ || f.expert < first_->expert) first_ = f;
+      break;
+    }
+  ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+             .count();
+}
+
+void LoraPaddingScan::report(detail::Checker& c, const ClauseInfo& clause) {
+  detail::add_clause_seconds(clause, static_cast<double>(ns_.load()) * 1e-9);
+  if (first_) fail_padding(c, clause, *first_);
+}
+
+namespace {
+
+// Whether every saved value of grouped row `row` that the backward reads is
+// finite (padding rows hold none; h's row only `with_h`): contiguous runs,
+// scanned by detail::all_of. c1's gate and up columns of the full
+// 16-column panels are one run; h is row-major or in tiles of k_step-element
+// row pieces.
+bool saved_row_finite(const ExpertRows& st, std::size_t I, std::size_t row, bool with_h) {
+  constexpr std::size_t P = gemm::PackedWeights::kPanel;
+  auto finite = [](auto v) { return detail::finite_bits(v); };
+  if (st.grouping.row_slot[row] < 0) return true;
+  const float* c1 = st.c1 + row * st.ldc1;
+  const std::size_t full = I / P * P, tail = I - full;
+  if (!detail::all_of(c1, 2 * full, finite) || !detail::all_of(c1 + 2 * full, tail, finite) ||
+      !detail::all_of(c1 + 2 * full + P, tail, finite))
+    return false;
+  bool h_ok = true;
+  if (with_h)
+    st.h.runs(row, I, [&](std::size_t, const bf16* p, std::size_t n) {
+      h_ok = h_ok && detail::all_of(p, n, finite);
+    });
+  const std::size_t r = st.rank;
+  return h_ok && detail::all_of(st.xa + row * 2 * r, 2 * r, finite) &&
+         detail::all_of(st.ha + row * r, r, finite);
+}
+
+// The routing copy and the router logits: finite, idx in range (false:
+// `clause` failed).
+bool saved_routing_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
+                          const float* logits, std::size_t R) {
+  const std::size_t T = s.tokens, K = s.topk;
+  auto fail = [&](const char* buffer, std::size_t row, std::size_t col, double v) {
+    c.fail(clause, fmt::format("{} row {} col {}", buffer, row, col), fmt::format("{}", v),
+           "finite (saved by the forward)");
+    return false;
+  };
+  auto finite = [](float v) { return detail::finite_bits(v); };
+  if (logits) {
+    const std::size_t at =
+        detail::first_failing_element(MatView<const float>(logits, T, R, R), finite);
+    if (at < T * R) return fail("router.logits", at / R, at % R, logits[at]);
+  }
+  for (std::size_t i = 0; i < T * K; ++i)
+    if (!std::isfinite(s.weights[i])) return fail("router.weights", i / K, i % K, s.weights[i]);
+  for (std::size_t i = 0; i < T * K; ++i)
+    if (s.idx[i] < -1 || s.idx[i] >= static_cast<std::int64_t>(s.rows.grouping.experts))
+      return fail("router.idx", i / K, i % K, s.idx[i]);
+  return true;
+}
+
+// Fails `clause` at grouped row `row`'s first non-finite saved value.
+void fail_saved_row(detail::Checker& c, const ClauseInfo& clause, const ExpertRows& st,
+                    std::size_t I, std::size_t row) {
+  auto fail = [&](const char* buffer, std::size_t col, double v) {
+    c.fail(clause, fmt::format("{} row {} col {}", buffer, row, col), fmt::format("{}", v),
+           "finite (saved by the forward)");
+  };
+  constexpr std::size_t P = gemm::PackedWeights::kPanel;
+  const std::size_t r = st.rank;
+  for (std::size_t i = 0; i < I; ++i) {
+    for (const std::size_t col : {2 * P * (i / P) + i % P, 2 * P * (i / P) + i % P + P})
+      if (!std::isfinite(st.c1[row * st.ldc1 + col]))
+        return fail("experts.c1", col, st.c1[row * st.ldc1 + col]);
+    if (!std::isfinite(st.h.at(row, i).to_float()))
+      return fail("experts.h", i, st.h.at(row, i).to_float());
+  }
+  for (std::size_t kk = 0; kk < 2 * r; ++kk)
+    if (!std::isfinite(st.xa[row * 2 * r + kk]))
+      return fail("lora.xa", kk, st.xa[row * 2 * r + kk]);
+  for (std::size_t kk = 0; kk < r; ++kk)
+    if (!std::isfinite(st.ha[row * r + kk])) return fail("lora.ha", kk, st.ha[row * r + kk]);
+}
+
+std::int64_t ns_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+      .count();
+}
+
+}  // namespace
+
+void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
+                        std::size_t I, const float* logits, std::size_t R) {
+  // The saved state the backward reads, at the elements it reads (a NaN
+  // here: read before write, or a co-live buffer overwrote it).
+  if (!saved_routing_finite(c, clause, s, logits, R)) return;
+  // The first grouped row holding a non-finite saved value, found on the
+  // op's threads, then its first such value named.
+  const auto& st = s.rows;
+  const std::size_t row =
+      detail::first_failing(st.grouping.rows(), 3 * I + 3 * st.rank,
+                            [&](std::size_t i) { return saved_row_finite(st, I, i, true); });
+  if (row < st.grouping.rows()) fail_saved_row(c, clause, st, I, row);
+}
+
+SavedFiniteScan::SavedFiniteScan(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
+                                 std::size_t I, const float* logits, std::size_t R)
+    : c_(c), clause_(clause), s_(s), inter_(I), router_out_(R), logits_(logits) {}
+
+void SavedFiniteScan::begin() {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (c_.level() >= Level::audit) {  // every saved row now, right after the first step's poison
+    reported_ = true;
+    train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
+  } else {
+    saved_routing_finite(c_, clause_, s_, logits_, router_out_);
+  }
+  ns_ += ns_since(t0);
+}
+
+void SavedFiniteScan::row(std::size_t q) {
+  if (reported_) return;  // judged in full already
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!saved_row_finite(s_.rows, inter_, q, !h_judged_))
+    marked_.store(true, std::memory_order_relaxed);
+  ns_ += ns_since(t0);
+}
+
+void SavedFiniteScan::report() {
+  if (reported_) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (marked_) {
+    reported_ = true;
+    train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
+  }
+  detail::add_clause_seconds(clause_, static_cast<double>(ns_.exchange(0) + ns_since(t0)) * 1e-9);
+}
+
+std::vector<GradFiniteScan::Output> experts_grad_outputs(const experts::Gradients& g, std::size_t E,
+                                                         std::size_t H, std::size_t I,
+                                                         std::size_t r) {
+  std::vector<GradFiniteScan::Output> out = {
+      {"dx", g.dx}, {"dweights", g.dweights}, {"m_a", g.m_a}, {"m_g", g.m_g}};
+  const auto names = grad_shapes(E, H, I, r);
+  for (std::size_t i = 0; i < kWeightGrads; ++i)
+    out.push_back({fmt::format("{} grad", names[i].name), weight_grads(g)[i]});
+  return out;
+}
+
+GradFiniteScan::GradFiniteScan(std::vector<Output> outputs)
+    : outs_(std::move(outputs)), state_(std::make_unique<State[]>(outs_.size())) {}
+
+void GradFiniteScan::written(const float* m, std::size_t r0, std::size_t r1, std::size_t c0,
+                             std::size_t c1) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::size_t o = 0; o < outs_.size(); ++o) {
+    const MatView<const float>& v = outs_[o].m;
+    if (v.data != m || v.empty()) continue;
+    State& st = state_[o];
+    for (std::size_t i = r0; i < r1; ++i) {
+      if (detail::all_of(v.row(i) + c0, c1 - c0, [](float x) { return detail::finite_bits(x); }))
+        continue;
+      std::size_t j = c0;
+      while (detail::finite_bits(v(i, j))) ++j;
+      const std::size_t flat = i * v.cols + j;
+      for (std::size_t seen = st.first; flat < seen && !st.first.compare_exchange_weak(seen, flat);)
+        ;
+      break;
+    }
+    st.handed += (r1 - r0) * (c1 - c0);
+    break;
+  }
+  ns_ += ns_since(t0);
+}
+
+void GradFiniteScan::reopen(const float* m) {
+  for (std::size_t o = 0; o < outs_.size(); ++o)
+    if (outs_[o].m.data == m) state_[o].handed = 0, state_[o].first = SIZE_MAX;
+}
+
+void GradFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::size_t o = 0; o < outs_.size(); ++o) {
+    const Output& out = outs_[o];
+    const std::size_t n = out.m.rows * out.m.cols;
+    if (n == 0) continue;
+    if (state_[o].handed != n) {
+      if (!detail::scan_finite(c, clause, out.name, out.m)) break;
+      continue;
+    }
+    const std::size_t at = state_[o].first;
+    if (at == SIZE_MAX) continue;
+    const std::size_t i = at / out.m.cols, j = at % out.m.cols;
+    c.fail(clause, fmt::format("{}[{}, {}]", out.name, i, j),
+           fmt::format("{}={}", out.name, static_cast<double>(out.m(i, j))), "finite");
+    break;
+  }
+  detail::add_clause_seconds(clause, static_cast<double>(ns_.exchange(0) + ns_since(t0)) * 1e-9);
+}
+
+}  // namespace moecert::contracts
