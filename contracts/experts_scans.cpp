@@ -4,6 +4,7 @@
 // factors are packed, saved_finite as the saved rows are read, grad_finite
 // as the gradients are written (contracts/experts_train.hpp).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 
@@ -20,18 +21,31 @@ namespace {
 // W[n][k] at (n / 16) kp 16 + (k / 2) 32 + (n % 16) 2 + k % 2. Only the
 // padding is read, in contiguous runs: the pairs past K, an odd K's last
 // odd elements, and the columns past N of the last panel.
+// Whether every element of [p, p + n) is +-0: the bits OR-ed, the sign
+// masked off once (one OR per vector).
+bool zero_run(const bf16* p, std::size_t n) {
+  std::uint16_t acc = 0;
+  for (std::size_t i = 0; i < n; ++i) acc |= p[i].bits;
+  return (acc & 0x7fffu) == 0;
+}
+
 bool padding_zero(const gemm::PackedWeights& w) {
   constexpr std::size_t P = gemm::PackedWeights::kPanel;
   const std::size_t N = w.n(), K = w.k(), kp = w.kp(), pairs = (K + 1) / 2;
-  auto zero = [](bf16 v) { return (v.bits & 0x7fffu) == 0; };
   for (std::size_t p = 0; p < w.np() / P; ++p) {
     const bf16* panel = w.data() + p * kp * P;
-    if (!detail::all_of(panel + pairs * 2 * P, (kp / 2 - pairs) * 2 * P, zero)) return false;
+    if (!zero_run(panel + pairs * 2 * P, (kp / 2 - pairs) * 2 * P)) return false;
     for (std::size_t col = 0; K % 2 && col < P; ++col)
-      if (!zero(panel[(K / 2) * 2 * P + col * 2 + 1])) return false;
+      if (!zero_run(&panel[(K / 2) * 2 * P + col * 2 + 1], 1)) return false;
     const std::size_t live = N > p * P ? std::min(P, N - p * P) : 0;
-    for (std::size_t q = 0; live < P && q < pairs; ++q)
-      if (!detail::all_of(panel + q * 2 * P + live * 2, (P - live) * 2, zero)) return false;
+    if (live < P) {  // the columns past N: a fixed mask over each pair row (vectorizes)
+      std::array<std::uint16_t, 2 * P> mask{};
+      for (std::size_t j = 2 * live; j < 2 * P; ++j) mask[j] = 0x7fff;
+      std::uint16_t bad = 0;
+      for (std::size_t q = 0; q < pairs; ++q)
+        for (std::size_t j = 0; j < 2 * P; ++j) bad |= panel[q * 2 * P + j].bits & mask[j];
+      if (bad) return false;
+    }
   }
   return true;
 }
@@ -255,6 +269,22 @@ std::vector<GradFiniteScan::Output> experts_grad_outputs(const experts::Gradient
 GradFiniteScan::GradFiniteScan(std::vector<Output> outputs)
     : outs_(std::move(outputs)), state_(std::make_unique<State[]>(outs_.size())) {}
 
+namespace {
+
+// Whether block [r0, r1) x [c0, c1) of v is finite; whole rows of a dense
+// view as one run (the LoRA B gradients' rows are r columns wide).
+bool block_finite(const MatView<const float>& v, std::size_t r0, std::size_t r1, std::size_t c0,
+                  std::size_t c1) {
+  auto finite = [](float x) { return detail::finite_bits(x); };
+  if (c0 == 0 && c1 == v.cols && v.stride == v.cols)
+    return detail::all_of(v.row(r0), (r1 - r0) * v.cols, finite);
+  for (std::size_t i = r0; i < r1; ++i)
+    if (!detail::all_of(v.row(i) + c0, c1 - c0, finite)) return false;
+  return true;
+}
+
+}  // namespace
+
 void GradFiniteScan::written(const float* m, std::size_t r0, std::size_t r1, std::size_t c0,
                              std::size_t c1) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -262,15 +292,13 @@ void GradFiniteScan::written(const float* m, std::size_t r0, std::size_t r1, std
     const MatView<const float>& v = outs_[o].m;
     if (v.data != m || v.empty()) continue;
     State& st = state_[o];
-    for (std::size_t i = r0; i < r1; ++i) {
-      if (detail::all_of(v.row(i) + c0, c1 - c0, [](float x) { return detail::finite_bits(x); }))
-        continue;
-      std::size_t j = c0;
-      while (detail::finite_bits(v(i, j))) ++j;
-      const std::size_t flat = i * v.cols + j;
+    if (!block_finite(v, r0, r1, c0, c1)) {
+      std::size_t flat = SIZE_MAX;  // the block's first offender, row-major
+      for (std::size_t i = r0; i < r1 && flat == SIZE_MAX; ++i)
+        for (std::size_t j = c0; j < c1 && flat == SIZE_MAX; ++j)
+          if (!detail::finite_bits(v(i, j))) flat = i * v.cols + j;
       for (std::size_t seen = st.first; flat < seen && !st.first.compare_exchange_weak(seen, flat);)
         ;
-      break;
     }
     st.handed += (r1 - r0) * (c1 - c0);
     break;

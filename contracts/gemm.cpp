@@ -80,7 +80,7 @@ std::vector<std::size_t> parts_due(const detail::Checker& c,
   std::vector<std::size_t> part(packs.size());
   if (c.level() >= Level::full) return part;
   for (std::size_t i = 0; i < packs.size(); ++i)
-    if (auto* st = packs[i]->audit_state())
+    if (auto* st = packs[i]->audit_state(); st && packs[i]->checksum_parts())
       part[i] =
           st->checksum_calls.fetch_add(1, std::memory_order_relaxed) % packs[i]->checksum_parts();
   return part;

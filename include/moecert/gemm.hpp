@@ -41,7 +41,9 @@ namespace gemm {
 ///   gemm.pack.checksum   invariant memory  the packed bytes still hash to the pack-time checksums,
 ///                                      verified by the ops that read them: at audit one part
 ///                                      per call in rotation (every byte within kChecksumParts
-///                                      calls), at full every part on every call
+///                                      calls), at full every part on every call (packs of
+///                                      pack() and pack_transposed(); an operand pack, formed
+///                                      for one call, takes none)
 class PackedWeights {
  public:
   /// Columns per packed panel (the interleaving unit of a fused pair).
@@ -59,9 +61,9 @@ class PackedWeights {
   /// size (no fresh pages for a repack after an optimizer step).
   static PackedWeights pack(MatView<const bf16> w, MatView<const bf16> second,
                             PackedWeights&& storage);
-  /// The same layout without the gemm.pack clauses: for an operand an op
-  /// forms from its own activations (any finite value is legal there, and
-  /// the op's own clauses judge the result).
+  /// The same layout without the gemm.pack clauses and checksums: for an
+  /// operand an op forms from its own activations for one call (any finite
+  /// value is legal there, and the op's own clauses judge the result).
   static PackedWeights pack_operand(MatView<const bf16> w, MatView<const bf16> second,
                                     PackedWeights&& storage);
   /// Packs W = wt^T (W[n][k] = wt[k][n]) without forming it: each packed k

@@ -79,6 +79,7 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
   contracts::gemm_pack_pre(c, w, second);
   if (c.stop()) return {};
   PackedWeights out = pack_operand(w, second, std::move(storage));
+  out.take_checksums();
   contracts::gemm_pack_post(c, w, second, out);
   return out;
 }
@@ -104,6 +105,7 @@ PackedWeights PackedWeights::pack_transposed(MatView<const bf16> wt, PackedWeigh
   contracts::gemm_pack_pre(c, wt, {});
   if (c.stop()) return {};
   PackedWeights out = pack_transposed_operand(wt, std::move(storage));
+  out.take_checksums();
   contracts::gemm_pack_transposed_post(c, wt, out);
   return out;
 }
@@ -113,7 +115,7 @@ PackedWeights PackedWeights::pack_transposed_operand(MatView<const bf16> wt,
   PackedWeights out = sized(wt.cols, wt.rows, false, std::move(storage));
   for (std::size_t p = 0; p < out.np_ / kPanel; ++p)
     pack_panel_transposed(wt, p, out.kp_, out.data_.get() + p * out.kp_ * kPanel);
-  out.take_checksums();
+  out.audit_ = std::make_shared<moecert::detail::PackAudit>();
   return out;
 }
 
@@ -129,7 +131,7 @@ PackedWeights PackedWeights::pack_operand(MatView<const bf16> w, MatView<const b
     else
       pack_panel(w, p, out.kp_, dst);
   }
-  out.take_checksums();
+  out.audit_ = std::make_shared<moecert::detail::PackAudit>();
   return out;
 }
 
