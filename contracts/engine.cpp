@@ -302,6 +302,15 @@ ClauseTimer::~ClauseTimer() {
   add_clause_seconds(clause_, static_cast<double>(now_ns() - start_ns_) * 1e-9);
 }
 
+SampledTimer::SampledTimer(std::atomic<std::int64_t>& ns) {
+  thread_local unsigned calls = 0;
+  if (++calls % kEvery == 0) ns_ = &ns, start_ns_ = now_ns();
+}
+
+SampledTimer::~SampledTimer() {
+  if (ns_) ns_->fetch_add((now_ns() - start_ns_) * kEvery, std::memory_order_relaxed);
+}
+
 void add_clause_seconds(const ClauseInfo& clause, double seconds) {
   auto& c = counters();
   std::lock_guard lock(c.mu);

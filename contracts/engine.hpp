@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -76,6 +77,23 @@ class ClauseTimer {
 /// Adds `seconds` to `clause`'s ClauseCount::seconds (work a clause did
 /// outside its MOECERT_CONTRACT block, e.g. inside the op's passes).
 void add_clause_seconds(const ClauseInfo& clause, double seconds);
+
+/// Times one in kEvery of the scopes it guards on each thread and adds
+/// kEvery times the elapsed nanoseconds to `ns`: an estimate of what a hook
+/// that runs thousands of times inside an op's passes costs, without a
+/// clock read per call (up to a microsecond in a VM guest).
+class SampledTimer {
+ public:
+  static constexpr unsigned kEvery = 32;
+  explicit SampledTimer(std::atomic<std::int64_t>& ns);
+  ~SampledTimer();
+  SampledTimer(const SampledTimer&) = delete;
+  SampledTimer& operator=(const SampledTimer&) = delete;
+
+ private:
+  std::atomic<std::int64_t>* ns_ = nullptr;
+  std::int64_t start_ns_ = 0;
+};
 
 /// The first (lowest-index) pair of byte ranges that overlap among `n`
 /// ranges, or {-1, -1}. Quadratic in n; n is the argument count of one op.

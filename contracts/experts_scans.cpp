@@ -239,10 +239,9 @@ void SavedFiniteScan::begin() {
 
 void SavedFiniteScan::row(std::size_t q) {
   if (reported_) return;  // judged in full already
-  const auto t0 = std::chrono::steady_clock::now();
+  const detail::SampledTimer timer(ns_);
   if (!saved_row_finite(s_.rows, inter_, q, !h_judged_))
     marked_.store(true, std::memory_order_relaxed);
-  ns_ += ns_since(t0);
 }
 
 void SavedFiniteScan::report() {
@@ -287,7 +286,7 @@ bool block_finite(const MatView<const float>& v, std::size_t r0, std::size_t r1,
 
 void GradFiniteScan::written(const float* m, std::size_t r0, std::size_t r1, std::size_t c0,
                              std::size_t c1) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const detail::SampledTimer timer(ns_);
   for (std::size_t o = 0; o < outs_.size(); ++o) {
     const MatView<const float>& v = outs_[o].m;
     if (v.data != m || v.empty()) continue;
@@ -303,7 +302,6 @@ void GradFiniteScan::written(const float* m, std::size_t r0, std::size_t r1, std
     st.handed += (r1 - r0) * (c1 - c0);
     break;
   }
-  ns_ += ns_since(t0);
 }
 
 void GradFiniteScan::reopen(const float* m) {
