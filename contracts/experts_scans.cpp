@@ -15,12 +15,6 @@ namespace moecert::contracts {
 
 namespace {
 
-// Whether every padding element of w (n >= N or k >= K) is +-0, read in
-// storage order: the judge's statement of PackedWeights' layout
-// (include/moecert/gemm.hpp): 16-column panels kp deep in VNNI pairs,
-// W[n][k] at (n / 16) kp 16 + (k / 2) 32 + (n % 16) 2 + k % 2. Only the
-// padding is read, in contiguous runs: the pairs past K, an odd K's last
-// odd elements, and the columns past N of the last panel.
 // Whether every element of [p, p + n) is +-0: the bits OR-ed, the sign
 // masked off once (one OR per vector).
 bool zero_run(const bf16* p, std::size_t n) {
@@ -29,23 +23,22 @@ bool zero_run(const bf16* p, std::size_t n) {
   return (acc & 0x7fffu) == 0;
 }
 
+// Whether every depth-padding element of w (k >= K) of each panel that holds
+// a column n < N is +-0, read in storage order: the judge's statement of
+// PackedWeights' layout (include/moecert/gemm.hpp): 16-column panels kp
+// deep in VNNI pairs, W[n][k] at (n / 16) kp 16 + (k / 2) 32 + (n % 16) 2 +
+// k % 2. The runs: the pairs past K and an odd K's last odd elements. The
+// columns past N are not judged: the GEMM loops compute them into a
+// scratch block and never store them (ops/gemm/loops.cpp, edge_block), so
+// they reach no result; depth padding does (NaN * 0 is NaN).
 bool padding_zero(const gemm::PackedWeights& w) {
   constexpr std::size_t P = gemm::PackedWeights::kPanel;
   const std::size_t N = w.n(), K = w.k(), kp = w.kp(), pairs = (K + 1) / 2;
-  for (std::size_t p = 0; p < w.np() / P; ++p) {
+  for (std::size_t p = 0; p * P < N; ++p) {
     const bf16* panel = w.data() + p * kp * P;
     if (!zero_run(panel + pairs * 2 * P, (kp / 2 - pairs) * 2 * P)) return false;
     for (std::size_t col = 0; K % 2 && col < P; ++col)
       if (!zero_run(&panel[(K / 2) * 2 * P + col * 2 + 1], 1)) return false;
-    const std::size_t live = N > p * P ? std::min(P, N - p * P) : 0;
-    if (live < P) {  // the columns past N: a fixed mask over each pair row (vectorizes)
-      std::array<std::uint16_t, 2 * P> mask{};
-      for (std::size_t j = 2 * live; j < 2 * P; ++j) mask[j] = 0x7fff;
-      std::uint16_t bad = 0;
-      for (std::size_t q = 0; q < pairs; ++q)
-        for (std::size_t j = 0; j < 2 * P; ++j) bad |= panel[q * 2 * P + j].bits & mask[j];
-      if (bad) return false;
-    }
   }
   return true;
 }
@@ -53,8 +46,9 @@ bool padding_zero(const gemm::PackedWeights& w) {
 // Fails `clause` at f's first nonzero padding element, named by (n, k).
 void fail_padding(detail::Checker& c, const ClauseInfo& clause, const PackedFactor& f) {
   const gemm::PackedWeights& w = *f.packed;
-  for (std::size_t n = 0; n < w.np(); ++n)
-    for (std::size_t kk = n < w.n() ? w.k() : 0; kk < w.kp(); ++kk)
+  constexpr std::size_t P = gemm::PackedWeights::kPanel;
+  for (std::size_t n = 0; n / P * P < w.n(); ++n)
+    for (std::size_t kk = w.k(); kk < w.kp(); ++kk)
       if (w.at(n, kk).bits & 0x7fff) {
         c.fail(clause, fmt::format("expert {} {} ({}, {})", f.expert, f.name, n, kk),
                fmt::format("{}", w.at(n, kk).to_float()), "0 (rank padding)");

@@ -396,8 +396,9 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   const Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
   SECTION("lora_padding") {
     auto l = experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true);
-    auto& w = l.experts[2].b_d;
-    w.mutable_data_for_testing()[w.size() - 1] = bf16(1.0f);
+    auto& w = l.experts[2].b_d;  // column 0's last depth-padding element
+    w.mutable_data_for_testing()[(w.kp() / 2 - 1) * 2 * gemm::PackedWeights::kPanel + 1] =
+        bf16(1.0f);
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"experts.forward_train"};

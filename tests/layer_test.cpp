@@ -465,8 +465,9 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
   }
   SECTION("lora_padding") {
     auto l = experts::PackedLora::pack(p.weights().lora, p.E, p.H, p.I, true);
-    auto& w = l.experts[3].b_d;
-    w.mutable_data_for_testing()[w.size() - 1] = bf16(1.0f);  // the last rank-padding element
+    auto& w = l.experts[3].b_d;  // column 0's last depth-padding element
+    w.mutable_data_for_testing()[(w.kp() / 2 - 1) * 2 * gemm::PackedWeights::kPanel + 1] =
+        bf16(1.0f);
     auto v = test::expect_violation(
         [&] {
           detail::Checker c{"layer.forward"};

@@ -203,8 +203,10 @@ struct TrainOptions {
 ///   experts.forward_train.scale_finite   pre   numeric  alpha finite and s = float(alpha / r) in [2^-60, 2^60]
 ///   experts.forward_train.no_alias       pre   alias    y shares no byte with x, idx, weights, LoRA or
 ///                                                       packed weights
-///   experts.forward_train.lora_padding   invariant numeric  the packed LoRA factors' rank padding is zero
-///                                                           (each expert's packs, as they are written)
+///   experts.forward_train.lora_padding   invariant numeric  the packed LoRA factors' depth padding (k >= r
+///                                                           of every panel with a column n < N) is zero,
+///                                                           each expert's packs as they are written
+///                                                           (columns past N are never stored)
 ///   experts.forward_train.y_finite       post  finite   every y element finite
 ///   experts.forward_train.within_bound   post  numeric  every y element within its bound of the
 ///                                                       reference (full)

@@ -103,8 +103,10 @@ struct BackwardOptions {
 ///                                              (judged per expert while its factors are packed)
 ///   layer.forward.scale_finite  pre   numeric  s = float(alpha / r) finite and > 0 (r > 0)
 ///   layer.forward.no_alias      pre   alias    y shares no byte with x or any weight
-///   layer.forward.lora_padding  invariant numeric  the packed LoRA factors' rank padding is zero
-///                                                  (each expert's packs, as they are written)
+///   layer.forward.lora_padding  invariant numeric  the packed LoRA factors' depth padding (k >= r of
+///                                                  every panel with a column n < N) is zero, each
+///                                                  expert's packs as they are written (columns past
+///                                                  N are never stored)
 ///   layer.forward.y_finite      post  finite   every y element finite
 ///   layer.forward.within_bound  post  numeric  every y element within the chained bound (full)
 /// and the clauses of the router, experts.forward and workspace.* it runs.
