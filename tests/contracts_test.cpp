@@ -298,10 +298,10 @@ TEST_CASE("core.contracts: names parse and print", "[core][contracts]") {
   CHECK_FALSE(parse_group(""));
 }
 
-TEST_CASE("core.contracts: the build default is audit in Debug, off in Release",
+TEST_CASE("core.contracts: the build default is audit in Debug, check in Release",
           "[core][contracts]") {
 #ifdef NDEBUG
-  CHECK(contract_default_level() == Level::off);
+  CHECK(contract_default_level() == Level::check);
 #else
   CHECK(contract_default_level() == Level::audit);
 #endif

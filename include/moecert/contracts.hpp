@@ -109,7 +109,7 @@ ViolationHandler set_violation_handler(ViolationHandler h);
 ViolationHandler default_violation_handler();
 
 /// Process-wide settings. Initial values: the build's default (Debug:
-/// audit/enforce, Release: off/enforce), overridden once at first use by the
+/// audit/enforce, Release: check/enforce), overridden once at first use by the
 /// environment: MOECERT_CONTRACTS=off|check|audit|full[:ignore|observe|enforce]
 /// and MOECERT_CONTRACT_GROUPS=all|none|comma-separated group names.
 /// The level in effect is never above the compile-time cap.
