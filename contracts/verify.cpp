@@ -11,7 +11,8 @@
 
 namespace moecert::verify {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
 #define MOECERT_PROBE_CLONES [[gnu::target_clones("avx512f", "avx2", "default")]]
 #else
 #define MOECERT_PROBE_CLONES
