@@ -6,6 +6,7 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -23,13 +24,23 @@ namespace moecert::contracts {
 
 namespace k = clauses::experts;
 
+namespace {
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
 ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage)
     : packs_(2 * w.experts()), all_(2 * w.experts()), storage_(storage) {
+  const std::int64_t t0 = now_ns();
   oneapi::tbb::parallel_for(std::size_t{0}, packs_.size(), [&](std::size_t i) {
     packs_[i] = pack_probes(i % 2 ? w.down(i / 2) : w.gate_up(i / 2));
     all_[i] = packs_[i].all();
   });
   if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
+  ns_ += now_ns() - t0;
 }
 
 namespace {
@@ -39,6 +50,7 @@ std::size_t row_stride(std::size_t blocks) { return 2 * (blocks + PackProbes::kN
 }  // namespace
 
 void ExpertsProbe::size_rows(std::size_t rows) {
+  const std::int64_t t0 = now_ns();
   const std::size_t n = rows * row_stride(blocks_);
   if (storage_.size() < n) storage_.resize(n);
   constexpr std::size_t kGrain = std::size_t{1} << 16;
@@ -47,6 +59,7 @@ void ExpertsProbe::size_rows(std::size_t rows) {
                               std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
                                         NAN);
                             });
+  ns_ += now_ns() - t0;
 }
 
 namespace {
@@ -72,6 +85,7 @@ void block_sums(const float* c, const float* r, double& sum, double& mag) {
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
                        const float* c, std::size_t ldc) {
+  const detail::SampledTimer timer(ns_);
   MOECERT_ASSERT(n % kBlock == 0 && n + kBlock <= packs_[2 * e].dense->width);
   const PackProbes& p = packs_[2 * e];
   const std::size_t stride = row_stride(blocks_), b = n / kBlock;
@@ -192,6 +206,8 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
   std::vector<double> no_sums;
   std::optional<ExpertsProbe> own;
   const ExpertsProbe& probe = st.probe ? *st.probe : own.emplace(w, no_sums);
+  if (st.probe)  // its share of the op's passes (own's is inside this clause's time)
+    detail::add_clause_seconds(k::kProbe, static_cast<double>(probe.ns()) * 1e-9);
   static const std::vector<const verify::Probe*> none;
   auto expert_of = [&](std::size_t r) {
     return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), r) -

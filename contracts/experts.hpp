@@ -1,6 +1,7 @@
 // Clauses of experts.forward (declared in include/moecert/experts.hpp).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <utility>
 #include <vector>
@@ -37,8 +38,12 @@ class ExpertsProbe {
   /// Row's (C r, sum |C|) for probe q of its expert's gate_up pack, the
   /// blocks summed in column order.
   std::pair<double, double> sums(std::size_t row, std::size_t q) const;
+  /// CPU time spent in the constructor, size_rows() and add() (add()
+  /// sampled), in ns: the probe's share of the op's own passes.
+  std::int64_t ns() const { return ns_.load(); }
 
  private:
+  std::atomic<std::int64_t> ns_{0};
   std::vector<PackProbes> packs_;
   std::vector<std::vector<const verify::Probe*>> all_;
   std::vector<double>& storage_;
