@@ -239,9 +239,8 @@ void SavedFiniteScan::row(std::size_t q) {
 }
 
 void SavedFiniteScan::report() {
-  if (reported_) return;
   const auto t0 = std::chrono::steady_clock::now();
-  if (marked_) {
+  if (marked_ && !reported_) {
     reported_ = true;
     train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
   }

@@ -250,7 +250,9 @@ struct Gradients {
 ///                                                     LoRA factors, packed weights or the saved state
 ///   experts.backward.saved_finite      pre   finite   the saved activations and weights read by the
 ///                                                     backward are finite, the idx copy in range
-///                                                     (FIELD_NOTES 3)
+///                                                     (FIELD_NOTES 3); judged as the backward reads
+///                                                     them, before it writes an output
+///                                                     (proofs/experts.md §7)
 ///   experts.backward.grad_finite       post  finite   every gradient element finite
 ///   experts.backward.empty_expert_zero post  numeric  an expert with no routed token has LoRA and
 ///                                                     base-weight gradients exactly 0; M_A, M_G are 0

@@ -127,7 +127,8 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              or the saved activations
 ///   layer.backward.saved_finite pre   finite   the saved activations read by the backward are finite
 ///                                              (a NaN there names the buffer: read-before-write,
-///                                              FIELD_NOTES 3)
+///                                              FIELD_NOTES 3); judged as the backward reads them,
+///                                              before it writes an output (proofs/experts.md §7)
 ///   layer.backward.grad_finite  post  finite   every gradient element finite
 ///   layer.backward.empty_expert_zero post numeric  an expert with no routed token has LoRA and
 ///                                              base-weight gradients exactly 0
