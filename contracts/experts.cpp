@@ -44,13 +44,9 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>&
 }
 
 namespace {
-// Doubles per row: (sum, magnitude) of the gate/up C for each block of the
-// dense probe, then for each narrow probe; then of the down C for the dense
-// probe and each narrow one.
-std::size_t up_doubles(std::size_t blocks) { return 2 * (blocks + PackProbes::kNarrow); }
-std::size_t row_stride(std::size_t blocks) {
-  return up_doubles(blocks) + 2 * (1 + PackProbes::kNarrow);
-}
+// Doubles per row: (sum, magnitude) for each block of the dense probe, then
+// for each narrow probe.
+std::size_t row_stride(std::size_t blocks) { return 2 * (blocks + PackProbes::kNarrow); }
 }  // namespace
 
 void ExpertsProbe::size_rows(std::size_t rows) {
@@ -103,20 +99,6 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
                                                out[2 * (blocks_ + q)], out[2 * (blocks_ + q) + 1]);
     }
   }
-}
-
-void ExpertsProbe::add_down(std::size_t e, std::size_t row, const float* o) {
-  const detail::SampledTimer timer(ns_);
-  double* out = storage_.data() + row * row_stride(blocks_) + up_doubles(blocks_);
-  const std::vector<const verify::Probe*>& ps = all_[2 * e + 1];
-  for (std::size_t q = 0; q < ps.size(); ++q)
-    verify::detail::signed_sum_and_magnitude(o + ps[q]->j0, ps[q]->r.data(), ps[q]->width,
-                                             out[2 * q], out[2 * q + 1]);
-}
-
-std::pair<double, double> ExpertsProbe::down_sums(std::size_t row, std::size_t q) const {
-  const double* in = storage_.data() + row * row_stride(blocks_) + up_doubles(blocks_);
-  return {in[2 * q], in[2 * q + 1]};
 }
 
 std::pair<double, double> ExpertsProbe::sums(std::size_t row, std::size_t q) const {
@@ -250,22 +232,19 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
                               [&](std::size_t r, std::size_t q, const verify::Probe&) {
                                 return probe.sums(r, q);
                               });
-  auto load_h = [&](std::size_t r, float* row) {
-    bool flushable = false;
-    st.h.runs(r, w.inter(), [&](std::size_t k0, const bf16* p, std::size_t n) {
-      flushable |= load(p, n, row + k0);
-    });
-    return flushable;
-  };
-  const auto down = !gate_up.pass ? verify::ProbeResult{}
-                    : st.probe
-                        ? probe_rows_sums(g.rows(), w.inter(), load_h, row_probes(1),
-                                          [&](std::size_t r, std::size_t q, const verify::Probe&) {
-                                            return probe.down_sums(r, q);
-                                          })
-                        : probe_rows(
-                              g.rows(), w.inter(), load_h,
-                              [&](std::size_t r) { return st.o + r * st.ldo; }, row_probes(1));
+  const auto down =
+      gate_up.pass
+          ? probe_rows(
+                g.rows(), w.inter(),
+                [&](std::size_t r, float* row) {
+                  bool flushable = false;
+                  st.h.runs(r, w.inter(), [&](std::size_t k0, const bf16* p, std::size_t n) {
+                    flushable |= load(p, n, row + k0);
+                  });
+                  return flushable;
+                },
+                [&](std::size_t r) { return st.o + r * st.ldo; }, row_probes(1))
+          : verify::ProbeResult{};
   for (const auto* p : {&gate_up, &down})
     if (!p->pass) {
       const std::size_t e = expert_of(p->row);

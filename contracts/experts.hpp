@@ -15,12 +15,12 @@
 namespace moecert::contracts {
 
 /// experts.forward.probe carried through the op (audit): each pack's
-/// probes for this call, and the C side of them (C r and sum |C| of each
-/// grouped row) gathered while C is in cache: the gate/up GEMM's by
-/// 32-column block from its epilogue, so that C need not be kept, the down
-/// GEMM's by row from the combine, which reads o anyway (proofs/bounds.md
-/// §9.1). The sums live in `storage` (the op's, reused across calls), NaN
-/// until written: a block or row the op never hands over fails the probe.
+/// probes for this call, and the gate/up GEMM's C side of them (C r and
+/// sum |C| of each grouped row, by 32-column block) gathered by the op's
+/// epilogue while a block of C is in cache, so that C need not be kept
+/// (proofs/bounds.md §9.1). The sums live in `storage` (the op's, reused
+/// across calls), NaN until written: a block the op never hands over fails
+/// the probe.
 class ExpertsProbe {
  public:
   static constexpr std::size_t kBlock = 32;  // columns per add(): a gate/up panel pair
@@ -33,16 +33,11 @@ class ExpertsProbe {
   /// thread.
   void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
            std::size_t ldc);
-  /// Grouped row `row` (expert e's) of the down GEMM's C at o (all H
-  /// columns). One writer per row; any thread.
-  void add_down(std::size_t e, std::size_t row, const float* o);
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
   /// Row's (C r, sum |C|) for probe q of its expert's gate_up pack, the
   /// blocks summed in column order.
   std::pair<double, double> sums(std::size_t row, std::size_t q) const;
-  /// The same for probe q of its expert's down pack.
-  std::pair<double, double> down_sums(std::size_t row, std::size_t q) const;
   /// CPU time spent in the constructor, size_rows() and add() (add()
   /// sampled), in ns: the probe's share of the op's own passes.
   std::int64_t ns() const { return ns_.load(); }

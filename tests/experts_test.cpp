@@ -340,22 +340,18 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
     auto v = test::expect_violation(post, "experts.forward.probe", Level::audit);
     CHECK(v.location.find("down GEMM row 2") != std::string::npos);
   }
-  SECTION("gate/up and down, from the sums the epilogue and the combine hand over") {
+  SECTION("gate/up, from the sums the epilogue hands over") {
     std::vector<double> storage;
     contracts::ExpertsProbe probe(p.packed, storage);
     const auto& g = st.grouping;
     // What the op's epilogue does with each finished 32-column block of C
-    // (here the exact c1), leaving out `skip` if given, and its combine with
-    // each routed row of o, leaving out `skip_row`.
-    auto hand_over = [&](std::size_t skip, std::size_t skip_row = SIZE_MAX) {
+    // (here the exact c1), leaving out `skip` if given.
+    auto hand_over = [&](std::size_t skip) {
       probe.size_rows(g.rows());
-      for (std::size_t e = 0; e < p.e; ++e) {
+      for (std::size_t e = 0; e < p.e; ++e)
         for (std::size_t n = 0; n < st.ldc1; n += contracts::ExpertsProbe::kBlock)
           if (g.count[e] && n != skip)
             probe.add(e, g.begin[e], g.count[e], n, st.c1 + g.begin[e] * st.ldc1 + n, st.ldc1);
-        for (std::size_t q = g.begin[e]; q < g.begin[e] + g.count[e]; ++q)
-          if (q != skip_row) probe.add_down(e, q, st.o + q * st.ldo);
-      }
     };
     contracts::ExpertRows rows = experts::rows_view(st);
     rows.c1 = nullptr;  // as experts::forward leaves it
@@ -375,14 +371,6 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
     hand_over(0);  // a block the op never handed over stays NaN
     v = test::expect_violation(post, "experts.forward.probe", Level::audit);
     CHECK(v.location.find("gate_up GEMM row 0") != std::string::npos);
-    st.o[2 * st.ldo + 7] += 0.5f;  // one wrong element of the down GEMM, as the combine read it
-    hand_over(none);
-    v = test::expect_violation(post, "experts.forward.probe", Level::audit);
-    CHECK(v.location.find("down GEMM row 2") != std::string::npos);
-    st.o[2 * st.ldo + 7] -= 0.5f;
-    hand_over(none, 1);  // a row the combine never handed over
-    v = test::expect_violation(post, "experts.forward.probe", Level::audit);
-    CHECK(v.location.find("down GEMM row 1") != std::string::npos);
   }
 }
 

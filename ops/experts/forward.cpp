@@ -77,7 +77,7 @@ struct Steps {
   bf16* lb_gu = nullptr;                     // bf16(s xa) in the kernel's A layout
   bf16* lb_d = nullptr;                      // bf16(s ha) in the kernel's A layout
   std::vector<Tile> row_blocks = {};         // up to mb rows of one expert, one column
-  contracts::ExpertsProbe* probe = nullptr;  // takes the gate/up blocks and o rows (audit)
+  contracts::ExpertsProbe* probe = nullptr;  // takes each finished gate/up block (audit)
 
   gemm::ALayout layout() const { return kernel.a_layout; }
   // First element of padded row r in the packed A and h buffers (r is a
@@ -195,10 +195,8 @@ void down(const Steps& s) {
   });
 }
 
-// Step 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero;
-// each o row, in cache, goes to the audit probe.
-void combine(const Steps& s, MatView<const std::int32_t> idx, MatView<const float> weights,
-             MatView<float> y) {
+// Step 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.
+void combine(const Steps& s, MatView<const float> weights, MatView<float> y) {
   const std::size_t t_count = y.rows, k = s.k, hidden = s.hidden;
   const Grouping& g = s.g;
   const ForwardState& st = s.st;
@@ -217,9 +215,6 @@ void combine(const Steps& s, MatView<const std::int32_t> idx, MatView<const floa
           const float wt = weights(t, j);
           const float* o = st.o + static_cast<std::size_t>(row) * st.ldo;
           for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
-          if (s.probe)
-            s.probe->add_down(static_cast<std::size_t>(idx(t, j)), static_cast<std::size_t>(row),
-                              o);
         }
       }));
 }
@@ -288,7 +283,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   down(s);
 
   arena.enter(workspace::f_combine, chk);
-  combine(s, idx, weights, y);
+  combine(s, weights, y);
 }
 
 }  // namespace moecert::experts
