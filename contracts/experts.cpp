@@ -43,15 +43,18 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>&
   ns_ += now_ns() - t0;
 }
 
-namespace {
-// Doubles per row: (sum, magnitude) for each block of the dense probe, then
-// for each narrow probe.
-std::size_t row_stride(std::size_t blocks) { return 2 * (blocks + PackProbes::kNarrow); }
-}  // namespace
+// The sums are stored by column (block of the dense probe, then narrow
+// probe), each column's rows contiguous as (sum, magnitude) pairs: an add()
+// writes its rows' pairs of one column in one run (stored by row, each of
+// its rows was a line of its own: 35 MB of scattered lines at T4096).
+double* ExpertsProbe::at(std::size_t column, std::size_t row) const {
+  return storage_.data() + 2 * (column * rows_ + row);
+}
 
 void ExpertsProbe::size_rows(std::size_t rows) {
   const std::int64_t t0 = now_ns();
-  const std::size_t n = rows * row_stride(blocks_);
+  rows_ = rows;
+  const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
   constexpr std::size_t kGrain = std::size_t{1} << 16;
   oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
@@ -88,24 +91,27 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
   const detail::SampledTimer timer(ns_);
   MOECERT_ASSERT(n % kBlock == 0 && n + kBlock <= packs_[2 * e].dense->width);
   const PackProbes& p = packs_[2 * e];
-  const std::size_t stride = row_stride(blocks_), b = n / kBlock;
-  for (std::size_t i = 0; i < rows; ++i) {
-    double* out = storage_.data() + (row0 + i) * stride;
-    block_sums(c + i * ldc, p.dense->r.data() + n, out[2 * b], out[2 * b + 1]);
-    for (std::size_t q = 0; q < p.narrow.size(); ++q) {
-      const verify::Probe& nq = p.narrow[q];
-      if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block
+  const std::size_t b = n / kBlock;
+  double* out = at(b, row0);
+  for (std::size_t i = 0; i < rows; ++i)
+    block_sums(c + i * ldc, p.dense->r.data() + n, out[2 * i], out[2 * i + 1]);
+  for (std::size_t q = 0; q < p.narrow.size(); ++q) {
+    const verify::Probe& nq = p.narrow[q];
+    if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block
+    double* nout = at(blocks_ + q, row0);
+    for (std::size_t i = 0; i < rows; ++i)
       verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n), nq.r.data(), nq.width,
-                                               out[2 * (blocks_ + q)], out[2 * (blocks_ + q) + 1]);
-    }
+                                               nout[2 * i], nout[2 * i + 1]);
   }
 }
 
 std::pair<double, double> ExpertsProbe::sums(std::size_t row, std::size_t q) const {
-  const double* in = storage_.data() + row * row_stride(blocks_);
-  if (q > 0) return {in[2 * (blocks_ + q - 1)], in[2 * (blocks_ + q - 1) + 1]};
+  if (q > 0) {
+    const double* in = at(blocks_ + q - 1, row);
+    return {in[0], in[1]};
+  }
   std::pair<double, double> s{0, 0};
-  for (std::size_t b = 0; b < blocks_; ++b) s.first += in[2 * b], s.second += in[2 * b + 1];
+  for (std::size_t b = 0; b < blocks_; ++b) s.first += at(b, row)[0], s.second += at(b, row)[1];
   return s;
 }
 

@@ -46,8 +46,12 @@ class ExpertsProbe {
   std::atomic<std::int64_t> ns_{0};
   std::vector<PackProbes> packs_;
   std::vector<std::vector<const verify::Probe*>> all_;
+  // Column `column`'s (sum, magnitude) of grouped row `row`.
+  double* at(std::size_t column, std::size_t row) const;
+
   std::vector<double>& storage_;
   std::size_t blocks_ = 0;  // kBlock-column blocks of gate_up's N
+  std::size_t rows_ = 0;    // grouped rows (size_rows)
 };
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
