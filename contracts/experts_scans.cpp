@@ -3,10 +3,9 @@
 // the thread that just read or wrote it: lora_finite and lora_padding as the
 // factors are packed, saved_finite as the saved rows are read, grad_finite
 // as the gradients are written (contracts/experts_train.hpp).
-#include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
+#include <mutex>
 
 #include "contracts/checks.hpp"
 #include "contracts/experts_train.hpp"
