@@ -288,13 +288,11 @@ void Checker::fail(const ClauseInfo& clause, std::string location, std::string o
   if (clause.kind == ClauseKind::pre) pre_failed_ = true;
 }
 
-namespace {
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-}  // namespace
 
 ClauseTimer::ClauseTimer(const ClauseInfo& clause) : clause_(clause), start_ns_(now_ns()) {}
 

@@ -78,6 +78,9 @@ class ClauseTimer {
 /// outside its MOECERT_CONTRACT block, e.g. inside the op's passes).
 void add_clause_seconds(const ClauseInfo& clause, double seconds);
 
+/// The steady clock in nanoseconds (clause timing).
+std::int64_t now_ns();
+
 /// Times one in kEvery of the scopes it guards on each thread and adds
 /// kEvery times the elapsed nanoseconds to `ns`: an estimate of what a hook
 /// that runs thousands of times inside an op's passes costs, without a

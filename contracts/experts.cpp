@@ -6,7 +6,6 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -24,23 +23,15 @@ namespace moecert::contracts {
 
 namespace k = clauses::experts;
 
-namespace {
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-}  // namespace
-
 ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage)
     : packs_(2 * w.experts()), all_(2 * w.experts()), storage_(storage) {
-  const std::int64_t t0 = now_ns();
+  const std::int64_t t0 = detail::now_ns();
   oneapi::tbb::parallel_for(std::size_t{0}, packs_.size(), [&](std::size_t i) {
     packs_[i] = pack_probes(i % 2 ? w.down(i / 2) : w.gate_up(i / 2));
     all_[i] = packs_[i].all();
   });
   if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
-  ns_ += now_ns() - t0;
+  ns_ += detail::now_ns() - t0;
 }
 
 // The sums are stored by column (block of the dense probe, then narrow
@@ -52,7 +43,7 @@ double* ExpertsProbe::at(std::size_t column, std::size_t row) const {
 }
 
 void ExpertsProbe::size_rows(std::size_t rows) {
-  const std::int64_t t0 = now_ns();
+  const std::int64_t t0 = detail::now_ns();
   rows_ = rows;
   const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
@@ -62,7 +53,7 @@ void ExpertsProbe::size_rows(std::size_t rows) {
                               std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
                                         NAN);
                             });
-  ns_ += now_ns() - t0;
+  ns_ += detail::now_ns() - t0;
 }
 
 namespace {

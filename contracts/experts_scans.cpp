@@ -3,7 +3,6 @@
 // the thread that just read or wrote it: lora_finite and lora_padding as the
 // factors are packed, saved_finite as the saved rows are read, grad_finite
 // as the gradients are written (contracts/experts_train.hpp).
-#include <chrono>
 #include <cmath>
 #include <mutex>
 
@@ -74,7 +73,7 @@ LoraFiniteScan::LoraFiniteScan(const experts::Lora& l, std::size_t experts)
 }
 
 void LoraFiniteScan::expert(std::size_t e) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const std::int64_t t0 = detail::now_ns();
   for (std::size_t i = 0; i < 6; ++i) {
     const MatView<const bf16> v = lora_views(lora_)[i];
     const std::size_t per = v.rows / experts_;
@@ -86,8 +85,7 @@ void LoraFiniteScan::expert(std::size_t e) {
     for (std::size_t seen = first_[i]; flat < seen && !first_[i].compare_exchange_weak(seen, flat);)
       ;
   }
-  ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-             .count();
+  ns_ += detail::now_ns() - t0;
 }
 
 void LoraFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
@@ -105,15 +103,14 @@ void LoraFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
 }
 
 void LoraPaddingScan::expert(std::span<const PackedFactor, 8> factors) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const std::int64_t t0 = detail::now_ns();
   for (const PackedFactor& f : factors)
     if (f.packed->data() && !padding_zero(*f.packed)) {
       std::lock_guard lock(mu_);
       if (!first_ || f.expert < first_->expert) first_ = f;
       break;
     }
-  ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-             .count();
+  ns_ += detail::now_ns() - t0;
 }
 
 void LoraPaddingScan::report(detail::Checker& c, const ClauseInfo& clause) {
@@ -194,11 +191,6 @@ void fail_saved_row(detail::Checker& c, const ClauseInfo& clause, const ExpertRo
     if (!std::isfinite(st.ha[row * r + kk])) return fail("lora.ha", kk, st.ha[row * r + kk]);
 }
 
-std::int64_t ns_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
-      .count();
-}
-
 }  // namespace
 
 void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
@@ -220,14 +212,14 @@ SavedFiniteScan::SavedFiniteScan(detail::Checker& c, const ClauseInfo& clause, c
     : c_(c), clause_(clause), s_(s), inter_(I), router_out_(R), logits_(logits) {}
 
 void SavedFiniteScan::begin() {
-  const auto t0 = std::chrono::steady_clock::now();
+  const std::int64_t t0 = detail::now_ns();
   if (c_.level() >= Level::audit) {  // every saved row now, right after the first step's poison
     reported_ = true;
     train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
   } else {
     saved_routing_finite(c_, clause_, s_, logits_, router_out_);
   }
-  ns_ += ns_since(t0);
+  ns_ += detail::now_ns() - t0;
 }
 
 void SavedFiniteScan::row(std::size_t q) {
@@ -238,12 +230,13 @@ void SavedFiniteScan::row(std::size_t q) {
 }
 
 void SavedFiniteScan::report() {
-  const auto t0 = std::chrono::steady_clock::now();
+  const std::int64_t t0 = detail::now_ns();
   if (marked_ && !reported_) {
     reported_ = true;
     train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
   }
-  detail::add_clause_seconds(clause_, static_cast<double>(ns_.exchange(0) + ns_since(t0)) * 1e-9);
+  detail::add_clause_seconds(clause_,
+                             static_cast<double>(ns_.exchange(0) + detail::now_ns() - t0) * 1e-9);
 }
 
 std::vector<GradFiniteScan::Output> experts_grad_outputs(const experts::Gradients& g, std::size_t E,
@@ -302,7 +295,7 @@ void GradFiniteScan::reopen(const float* m) {
 }
 
 void GradFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const std::int64_t t0 = detail::now_ns();
   for (std::size_t o = 0; o < outs_.size(); ++o) {
     const Output& out = outs_[o];
     const std::size_t n = out.m.rows * out.m.cols;
@@ -318,7 +311,8 @@ void GradFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
            fmt::format("{}={}", out.name, static_cast<double>(out.m(i, j))), "finite");
     break;
   }
-  detail::add_clause_seconds(clause, static_cast<double>(ns_.exchange(0) + ns_since(t0)) * 1e-9);
+  detail::add_clause_seconds(clause,
+                             static_cast<double>(ns_.exchange(0) + detail::now_ns() - t0) * 1e-9);
 }
 
 }  // namespace moecert::contracts
