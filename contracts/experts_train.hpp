@@ -125,19 +125,17 @@ std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& 
 void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
                         std::size_t I, const float* logits, std::size_t R);
 /// saved_finite judged inside the backward's own passes (the saved rows are
-/// its largest read; a pass of their own cost 4.6 ms at T4096 on 16 AMX
-/// cores). begin(), after the first step's poison and before any work: the
-/// routing copy and the router logits, O(T (K + R)); at audit and above
-/// every saved row as well (so a fresh buffer placed on saved rows shows
-/// its poison there before its first write; at check that is
-/// workspace.arena.disjoint's to catch). dweights(sum): dL/dw's binary64 sum over h's
-/// and ha's row q is not finite when one of their elements is not (a
-/// product with Inf or NaN is Inf or NaN, 0 * Inf included, and a binary64
-/// sum never returns to finite). row(q): c1's gate and up runs and the xa,
-/// ha rows, and h's row where no dL/dw is formed, on the thread that just
+/// its largest read; proofs/experts.md §7). begin(), after the first step's
+/// poison and before any work: the routing copy and the router logits,
+/// O(T (K + R)); at audit and above every saved row as well (a fresh buffer
+/// placed on saved rows shows its poison there before its first write; at
+/// check that is workspace.arena.disjoint's to catch). dweights(sum): a
+/// grouped row's binary64 dL/dw sum over h's and ha's row is not finite
+/// when one of their elements is not. row(q): c1's gate and up runs and the
+/// xa, ha rows (and h's where no dL/dw is formed) on the thread that just
 /// read them for the SwiGLU backward. report(), before the backward writes
 /// an output: after a mark, train_saved_finite names the first offender
-/// (none: dh itself was not finite, which grad_finite names); at most once.
+/// (none: dh itself was not finite, for grad_finite to name); once.
 class SavedFiniteScan {
  public:
   SavedFiniteScan(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s, std::size_t I,
