@@ -34,14 +34,6 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>&
   ns_ += detail::now_ns() - t0;
 }
 
-// The sums are stored by column (block of the dense probe, then narrow
-// probe), each column's rows contiguous as (sum, magnitude) pairs: an add()
-// writes its rows' pairs of one column in one run (stored by row, each of
-// its rows was a line of its own: 35 MB of scattered lines at T4096).
-double* ExpertsProbe::at(std::size_t column, std::size_t row) const {
-  return storage_.data() + 2 * (column * rows_ + row);
-}
-
 void ExpertsProbe::size_rows(std::size_t rows) {
   const std::int64_t t0 = detail::now_ns();
   rows_ = rows;
@@ -56,36 +48,13 @@ void ExpertsProbe::size_rows(std::size_t rows) {
   ns_ += detail::now_ns() - t0;
 }
 
-namespace {
-// Sum c_j r_j and sum |c_j| over one block of 32 columns, pairwise in
-// binary32 (each within gamma_5 of its exact sum: proofs/bounds.md §9.1),
-// in binary64 where that leaves binary32's range.
-void block_sums(const float* c, const float* r, double& sum, double& mag) {
-  constexpr std::size_t kHalf = ExpertsProbe::kBlock / 2;
-  float s[kHalf], m[kHalf];
-  for (std::size_t l = 0; l < kHalf; ++l) {
-    s[l] = c[l] * r[l] + c[l + kHalf] * r[l + kHalf];
-    m[l] = std::fabs(c[l]) + std::fabs(c[l + kHalf]);
-  }
-  for (std::size_t w = kHalf / 2; w > 0; w /= 2)
-    for (std::size_t l = 0; l < w; ++l) s[l] += s[l + w], m[l] += m[l + w];
-  sum = s[0], mag = m[0];
-  if (std::isfinite(s[0]) && std::isfinite(m[0])) return;
-  sum = mag = 0;  // past binary32's range: binary64
-  for (std::size_t j = 0; j < ExpertsProbe::kBlock; ++j)
-    sum += static_cast<double>(c[j]) * r[j], mag += std::fabs(static_cast<double>(c[j]));
-}
-}  // namespace
-
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
                        const float* c, std::size_t ldc) {
   const detail::SampledTimer timer(ns_);
   MOECERT_ASSERT(n % kBlock == 0 && n + kBlock <= packs_[2 * e].dense->width);
   const PackProbes& p = packs_[2 * e];
   const std::size_t b = n / kBlock;
-  double* out = at(b, row0);
-  for (std::size_t i = 0; i < rows; ++i)
-    block_sums(c + i * ldc, p.dense->r.data() + n, out[2 * i], out[2 * i + 1]);
+  verify::detail::block_sums(c, ldc, rows, p.dense->r.data() + n, at(b, row0));
   for (std::size_t q = 0; q < p.narrow.size(); ++q) {
     const verify::Probe& nq = p.narrow[q];
     if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block

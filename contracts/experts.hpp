@@ -23,7 +23,7 @@ namespace moecert::contracts {
 /// the probe.
 class ExpertsProbe {
  public:
-  static constexpr std::size_t kBlock = 32;  // columns per add(): a gate/up panel pair
+  static constexpr std::size_t kBlock = verify::detail::kBlockColumns;  // per add(): a panel pair
 
   ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage);
   /// Sizes the sums for `rows` grouped rows; before the GEMM.
@@ -46,8 +46,13 @@ class ExpertsProbe {
   std::atomic<std::int64_t> ns_{0};
   std::vector<PackProbes> packs_;
   std::vector<std::vector<const verify::Probe*>> all_;
-  // Column `column`'s (sum, magnitude) of grouped row `row`.
-  double* at(std::size_t column, std::size_t row) const;
+  // Column `column`'s (sum, magnitude) of grouped row `row`. Stored by
+  // column (the dense probe's blocks, then the narrow probes), each
+  // column's rows contiguous: an add() writes its rows of one column in one
+  // run, and the rows the epilogue hands over one by one share lines.
+  double* at(std::size_t column, std::size_t row) const {
+    return storage_.data() + 2 * (column * rows_ + row);
+  }
 
   std::vector<double>& storage_;
   std::size_t blocks_ = 0;  // kBlock-column blocks of gate_up's N

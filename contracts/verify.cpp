@@ -87,6 +87,37 @@ void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, dou
   lane_sums(c, r, nullptr, n, sum, mag);
 }
 
+// Lane l of the pair sums holds columns l and l + 16; the tree adds lane l
+// + w into lane l for w = 8, 4, 2, 1, the sums in lanes 0-7 and the
+// magnitudes in lanes 8-15 of one vector (one shuffle and add per level for
+// both). The binary64 fallback sums the columns in order.
+MOECERT_PROBE_CLONES
+void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out) {
+  static_assert(kBlockColumns == 2 * kProbeLanes);
+  V16f r_lo, r_hi;
+  std::memcpy(&r_lo, r, sizeof r_lo);
+  std::memcpy(&r_hi, r + kProbeLanes, sizeof r_hi);
+  for (std::size_t i = 0; i < rows; ++i, c += ldc, out += 2) {
+    V16f lo, hi;
+    std::memcpy(&lo, c, sizeof lo);
+    std::memcpy(&hi, c + kProbeLanes, sizeof hi);
+    const V16f s = lo * r_lo + hi * r_hi;
+    const V16f m = reinterpret_cast<V16f>((reinterpret_cast<V16i>(lo) & 0x7fffffff)) +
+                   reinterpret_cast<V16f>((reinterpret_cast<V16i>(hi) & 0x7fffffff));
+    V16f u =
+        __builtin_shufflevector(s, m, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(s, m, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    u += __builtin_shufflevector(u, u, 4, 5, 6, 7, 4, 5, 6, 7, 12, 13, 14, 15, 12, 13, 14, 15);
+    u += __builtin_shufflevector(u, u, 2, 3, 2, 3, 2, 3, 2, 3, 10, 11, 10, 11, 10, 11, 10, 11);
+    u += __builtin_shufflevector(u, u, 1, 1, 1, 1, 1, 1, 1, 1, 9, 9, 9, 9, 9, 9, 9, 9);
+    out[0] = u[0], out[1] = u[8];
+    if (std::isfinite(u[0]) && std::isfinite(u[8])) continue;
+    out[0] = out[1] = 0;  // past binary32's range: binary64
+    for (std::size_t j = 0; j < kBlockColumns; ++j)
+      out[0] += static_cast<double>(c[j]) * r[j], out[1] += std::fabs(static_cast<double>(c[j]));
+  }
+}
+
 }  // namespace detail
 
 MOECERT_PROBE_CLONES

@@ -80,6 +80,14 @@ void dot_and_magnitude(const float* a, const float* x, const float* y, std::size
 // Sum c_j r_j and sum |c_j| over j < n (r_j = +-1: exact products).
 void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
                               double& mag);
+
+// Per row i < rows of a block of kBlockColumns columns (row i at c + i ldc):
+// out[2i] = sum c_j r_j and out[2i + 1] = sum |c_j|, each pairwise in
+// binary32 (columns j and j + 16, then a tree of depth 4: within gamma_5
+// of the exact sum, proofs/bounds.md §9.1), in binary64 where binary32's
+// range is left.
+inline constexpr std::size_t kBlockColumns = 32;
+void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out);
 }  // namespace detail
 
 /// Lemma 9 on one row (§9.1): a = the row of A (K bf16 values as binary32;

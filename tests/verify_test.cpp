@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -128,4 +129,42 @@ TEST_CASE("verify: sampled rows recomputed by the reference", "[verify][numeric]
   auto bad = verify::check_rows_gemm_nt(p.A(), p.B(), p.C(), {0, 7, 15});
   CHECK_FALSE(bad.pass());
   CHECK(bad.worst == 24 + 5);
+}
+
+TEST_CASE("verify: block sums are the pairwise binary32 tree, bit for bit", "[verify][numeric]") {
+  // The tree of verify.hpp written out: columns j and j + 16 paired, then
+  // lane l + w added into lane l for w = 8, 4, 2, 1; binary64 in column
+  // order where a result leaves binary32's range.
+  auto tree = [](const float* c, const float* r) {
+    float s[16], m[16];
+    for (int l = 0; l < 16; ++l)
+      s[l] = c[l] * r[l] + c[l + 16] * r[l + 16], m[l] = std::fabs(c[l]) + std::fabs(c[l + 16]);
+    for (int w = 8; w > 0; w /= 2)
+      for (int l = 0; l < w; ++l) s[l] += s[l + w], m[l] += m[l + w];
+    if (std::isfinite(s[0]) && std::isfinite(m[0])) return std::pair<double, double>{s[0], m[0]};
+    double sd = 0, md = 0;
+    for (int j = 0; j < 32; ++j) sd += double(c[j]) * r[j], md += std::fabs(double(c[j]));
+    return std::pair<double, double>{sd, md};
+  };
+  std::mt19937_64 rng(31);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  constexpr std::size_t kRows = 40, kLd = 48;
+  std::vector<float> c(kRows * kLd), r(32);
+  for (auto& v : r) v = (rng() & 1) ? 1.0f : -1.0f;
+  for (std::size_t i = 0; i < kRows; ++i)
+    for (std::size_t j = 0; j < kLd; ++j) {
+      const float scale =
+          i % 7 == 3 ? 0x1p126f : (i % 5 == 1 ? 0x1p-140f : std::ldexp(1.0f, int(i % 30) - 15));
+      c[i * kLd + j] = u(rng) * scale;
+    }
+  c[9 * kLd + 4] = INFINITY;
+  c[11 * kLd + 30] = NAN;
+  std::vector<double> out(2 * kRows);
+  verify::detail::block_sums(c.data(), kLd, kRows, r.data(), out.data());
+  for (std::size_t i = 0; i < kRows; ++i) {
+    const auto [s, m] = tree(&c[i * kLd], r.data());
+    INFO("row " << i);
+    CHECK(std::memcmp(&out[2 * i], &s, sizeof s) == 0);
+    CHECK(std::memcmp(&out[2 * i + 1], &m, sizeof m) == 0);
+  }
 }
