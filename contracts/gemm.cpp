@@ -127,6 +127,30 @@ std::vector<const verify::Probe*> PackProbes::all() const {
   return out;
 }
 
+verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::size_t width,
+                          std::uint64_t seed) {
+  constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
+  MOECERT_ASSERT(j0 % kPanel + width <= kPanel && j0 + width <= w.n());
+  const std::size_t k = w.k();
+  verify::Probe p{j0, width, std::vector<float>(width), std::vector<float>(k),
+                  std::vector<float>(k)};
+  std::mt19937_64 rng(seed);
+  for (float& s : p.r) s = (rng() & 1) ? 1.0f : -1.0f;
+  // Column j0 + j of K pair kk / 2 at panel[(kk / 2) 2 kPanel + 2 j + kk % 2].
+  const bf16* panel = w.data() + (j0 / kPanel) * w.kp() * kPanel + (j0 % kPanel) * 2;
+  for (std::size_t kk = 0; kk < k; ++kk) {
+    const bf16* q = panel + (kk / 2) * 2 * kPanel + kk % 2;
+    double sum = 0, mag = 0;
+    for (std::size_t j = 0; j < width; ++j) {
+      const double v = q[2 * j].to_float();
+      sum += v * p.r[j];
+      mag += std::fabs(v);
+    }
+    p.br[kk] = static_cast<float>(sum), p.babs[kk] = static_cast<float>(mag);
+  }
+  return p;
+}
+
 PackProbes pack_probes(const gemm::PackedWeights& w) {
   constexpr std::uint64_t kSeed = 0x5eed;
   auto b = [&w](std::size_t j, std::size_t kk) { return w.at(j, kk); };
@@ -141,12 +165,12 @@ PackProbes pack_probes(const gemm::PackedWeights& w) {
     p.dense = st->dense;
   }
   const std::size_t width = PackProbes::kNarrowWidth;
+  static_assert(gemm::PackedWeights::kPanel % PackProbes::kNarrowWidth == 0);  // one panel each
   const std::size_t blocks = (w.n() + width - 1) / width;
   const std::uint64_t call = st->probe_calls.fetch_add(1, std::memory_order_relaxed);
   for (std::size_t q = 0; q < std::min(PackProbes::kNarrow, blocks); ++q) {
     const std::size_t block = (call * PackProbes::kNarrow + q) % blocks, j0 = block * width;
-    p.narrow.push_back(
-        verify::make_probe(w.k(), b, j0, std::min(width, w.n() - j0), kSeed + j0 + 1));
+    p.narrow.push_back(panel_probe(w, j0, std::min(width, w.n() - j0), kSeed + j0 + 1));
   }
   return p;
 }

@@ -45,6 +45,10 @@ struct PackProbes {
   std::vector<const verify::Probe*> all() const;
 };
 PackProbes pack_probes(const gemm::PackedWeights& w);
+/// verify::make_probe of w's columns [j0, j0 + width), all in one panel,
+/// read in the panel's storage order (the same bits).
+verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::size_t width,
+                          std::uint64_t seed);
 
 /// Rows [0, m) of C against their probes (§9) on the op's threads: the
 /// first failing (row, probe) in row order, else a pass. load(i, row) writes

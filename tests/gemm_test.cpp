@@ -217,6 +217,23 @@ TEST_CASE("gemm.pack: packed layout reads back and pads with zeros", "[gemm][pac
   CHECK(w.checksum() == w.compute_checksum());
 }
 
+TEST_CASE("gemm.pack: a narrow probe read from its panel is make_probe's, bit for bit",
+          "[gemm][pack][probe]") {
+  std::mt19937_64 rng(36);
+  const auto g = random_bf16(rng, 40 * 45);
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(g.data(), 40, 45));
+  auto b = [&w](std::size_t j, std::size_t kk) { return w.at(j, kk); };
+  for (std::size_t j0 = 0; j0 < w.n(); j0 += 4) {
+    const std::size_t width = std::min<std::size_t>(4, w.n() - j0);
+    const auto want = verify::make_probe(w.k(), b, j0, width, 99 + j0);
+    const auto got = contracts::panel_probe(w, j0, width, 99 + j0);
+    INFO("j0 " << j0);
+    REQUIRE(got.r == want.r);
+    REQUIRE(std::memcmp(got.br.data(), want.br.data(), want.br.size() * sizeof(float)) == 0);
+    REQUIRE(std::memcmp(got.babs.data(), want.babs.data(), want.babs.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("gemm.matmul: shape clause, output untouched", "[gemm][matmul][shape]") {
   std::vector<bf16> a(4 * 8, bf16(1.0f)), wv(3 * 8, bf16(1.0f));
   const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 3, 8));
