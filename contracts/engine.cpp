@@ -300,9 +300,9 @@ ClauseTimer::~ClauseTimer() {
   add_clause_seconds(clause_, static_cast<double>(now_ns() - start_ns_) * 1e-9);
 }
 
-SampledTimer::SampledTimer(std::atomic<std::int64_t>& ns) {
+SampledTimer::SampledTimer(std::atomic<std::int64_t>& ns, unsigned every) : every_(every) {
   thread_local unsigned calls = 0;
-  if (++calls % kEvery == 0) ns_ = &ns, start_ns_ = now_ns();
+  if (++calls % every == 0) ns_ = &ns, start_ns_ = now_ns();
 }
 
 namespace {
@@ -325,7 +325,7 @@ std::int64_t clock_cost_ns() {
 SampledTimer::~SampledTimer() {
   if (!ns_) return;
   const std::int64_t elapsed = std::max<std::int64_t>(0, now_ns() - start_ns_ - clock_cost_ns());
-  ns_->fetch_add(elapsed * kEvery, std::memory_order_relaxed);
+  ns_->fetch_add(elapsed * every_, std::memory_order_relaxed);
 }
 
 void add_clause_seconds(const ClauseInfo& clause, double seconds) {

@@ -81,14 +81,15 @@ void add_clause_seconds(const ClauseInfo& clause, double seconds);
 /// The steady clock in nanoseconds (clause timing).
 std::int64_t now_ns();
 
-/// Times one in kEvery of the scopes it guards on each thread and adds
-/// kEvery times the elapsed nanoseconds to `ns`: an estimate of what a hook
+/// Times one in `every` of the scopes it guards on each thread and adds
+/// `every` times the elapsed nanoseconds to `ns`: an estimate of what a hook
 /// that runs thousands of times inside an op's passes costs, without a
-/// clock read per call (up to a microsecond in a VM guest).
+/// clock read per call (up to a microsecond in a VM guest). A hook called
+/// per row and column block (millions of calls) takes a longer period.
 class SampledTimer {
  public:
   static constexpr unsigned kEvery = 32;
-  explicit SampledTimer(std::atomic<std::int64_t>& ns);
+  explicit SampledTimer(std::atomic<std::int64_t>& ns, unsigned every = kEvery);
   ~SampledTimer();
   SampledTimer(const SampledTimer&) = delete;
   SampledTimer& operator=(const SampledTimer&) = delete;
@@ -96,6 +97,7 @@ class SampledTimer {
  private:
   std::atomic<std::int64_t>* ns_ = nullptr;
   std::int64_t start_ns_ = 0;
+  unsigned every_ = kEvery;
 };
 
 /// The first (lowest-index) pair of byte ranges that overlap among `n`

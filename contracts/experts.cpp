@@ -50,7 +50,7 @@ void ExpertsProbe::size_rows(std::size_t rows) {
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
                        const float* c, std::size_t ldc) {
-  const detail::SampledTimer timer(ns_);
+  const detail::SampledTimer timer(ns_, kAddEvery);
   MOECERT_ASSERT(n % kBlock == 0 && n + kBlock <= packs_[2 * e].dense->width);
   const PackProbes& p = packs_[2 * e];
   const std::size_t b = n / kBlock;

@@ -24,6 +24,7 @@ namespace moecert::contracts {
 class ExpertsProbe {
  public:
   static constexpr std::size_t kBlock = verify::detail::kBlockColumns;  // per add(): a panel pair
+  static constexpr unsigned kAddEvery = 1024;  // add() calls per timed one (SampledTimer)
 
   ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage);
   /// Sizes the sums for `rows` grouped rows; before the GEMM.
