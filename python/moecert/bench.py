@@ -227,22 +227,28 @@ def python_share(layer, x, dy, reps):
         finally:
             inside[0] += time.perf_counter() - t0
 
-    xm = x.clone().requires_grad_(True)
-    trainable = [p for p in layer.parameters() if p.requires_grad]
-    shares = []
     _abi.call = timed
     try:
-        for i in range(reps + 1):
-            for p in trainable + [xm]:
-                p.grad = None
-            inside[0] = 0.0
-            t0 = time.perf_counter()
-            layer(xm).backward(dy)
-            total = time.perf_counter() - t0
-            if i:  # the first step warms up
-                shares.append((total - inside[0]) / inside[0])
+        return _shares(lambda xm, *_: layer(xm), [p for p in layer.parameters() if p.requires_grad], x, dy,
+                       inside, reps)
     finally:
         _abi.call = real
+
+
+def _shares(step, trainable, x, dy, inside, reps):
+    """Per training step step(x, *trainable).backward(dy): the time outside the C calls over
+    inside[0], the time in them (which the calls add to); the first step warms up."""
+    xm = x.clone().requires_grad_(True)
+    shares = []
+    for i in range(reps + 1):
+        for p in trainable + [xm]:
+            p.grad = None
+        inside[0] = 0.0
+        t0 = time.perf_counter()
+        step(xm, *trainable).backward(dy)
+        total = time.perf_counter() - t0
+        if i:
+            shares.append((total - inside[0]) / inside[0])
     return shares
 
 
@@ -287,18 +293,7 @@ def floor_share(layer, x, dy, reps):
             inside[0] += time.perf_counter() - t0
             return tuple(out)
 
-    xm = x.clone().requires_grad_(True)
-    shares = []
-    for i in range(reps + 1):
-        for p in trainable + [xm]:
-            p.grad = None
-        inside[0] = 0.0
-        t0 = time.perf_counter()
-        Bare.apply(xm, *trainable).backward(dy)
-        total = time.perf_counter() - t0
-        if i:
-            shares.append((total - inside[0]) / inside[0])
-    return shares
+    return _shares(Bare.apply, trainable, x, dy, inside, reps)
 
 
 def python_alone(layer, x, dy, reps):
