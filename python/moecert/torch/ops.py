@@ -26,9 +26,9 @@ KEY_WEIGHTS = ("raw", "exp", "softmax")
 
 
 def _isa(isa):
-    from .. import ISAS
     if isa is None:
         return -1
+    from .. import ISAS
     if isa not in ISAS:
         raise InvalidArgument("isa {!r}: expected one of {}".format(isa, ", ".join(ISAS)))
     return ISAS.index(isa)
@@ -267,15 +267,32 @@ def _experts_grad_shapes(p, T, K, r):
     return shapes
 
 
-def _fill(struct, names, shapes, want, dtype, dx_dtype=None):
-    """Allocates the wanted outputs into `struct` (dx as dx_dtype if given); returns them by name."""
-    out = {}
-    for name in names:
-        if name in want:
-            t = torch.empty(shapes[name], dtype=dx_dtype if name == "dx" and dx_dtype else dtype)
-            out[name] = t
-            setattr(struct, name, describe(t))
-    return out
+_LAYOUTS = {}
+
+
+def _fill(cls, names, shapes_of, want, dtype, dx_dtype=None, key=None):
+    """(a fresh `cls` struct with the wanted outputs allocated into it, them by name; dx as
+    dx_dtype if given); shapes_of() -> {name: shape}. With a `key` that fixes the other arguments,
+    the struct's bytes but the data addresses are formed once per key (a training loop's step
+    then writes only those; up to 64 keys are kept)."""
+    layout = _LAYOUTS.get(key) if key is not None else None
+    if layout is None:
+        template, slots, shapes = cls(), [], shapes_of()
+        for name in names:
+            if name in want:
+                t = torch.empty(shapes[name], dtype=dx_dtype if name == "dx" and dx_dtype else dtype)
+                setattr(template, name, describe(t))
+                slots.append((name, getattr(cls, name).offset + _abi.Tensor.data.offset, t.shape, t.dtype))
+        layout = bytes(template), tuple(slots)
+        if key is not None:
+            if len(_LAYOUTS) >= 64:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
+    struct, out = cls.from_buffer_copy(layout[0]), {}
+    for name, offset, shape, dt in layout[1]:
+        t = out[name] = torch.empty(shape, dtype=dt)
+        ctypes.c_void_p.from_buffer(struct, offset).value = t.data_ptr() if t.numel() else None
+    return struct, out
 
 
 def _want(want, names, lora):
@@ -294,10 +311,10 @@ def experts_backward(saved, dy, want=("dx", "dweights") + LORA_NAMES, dx_dtype=t
     dx_dtype: bf16 is the fp32 dx rounded to nearest even on moecert's threads."""
     want = _want(want, EXPERTS_GRADS, saved.lora)
     dy = grad_input(dy, "dy", (saved.tokens, saved.packed.hidden))
-    g = _abi.ExpertsGrads()
     r = saved.lora.rank if saved.lora is not None else 0
-    out = _fill(g, EXPERTS_GRADS, _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float32,
-                dx_dtype)
+    p, T, K = saved.packed, saved.tokens, saved.topk
+    g, out = _fill(_abi.ExpertsGrads, EXPERTS_GRADS, lambda: _experts_grad_shapes(p, T, K, r), want, torch.float32,
+                   dx_dtype, key=("experts", p.experts, p.hidden, p.inter, T, K, r, frozenset(want), dx_dtype))
     _abi.call("moecert_experts_backward", saved.packed.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
               ref(describe(dy)), saved.ptr, ref(g))
     return out
@@ -307,9 +324,9 @@ def experts_bounds(saved, dy=None, want=()):
     """The derived element-wise bounds |moecert - exact| (fp64) of y and, with dy, of the outputs
     in `want` of the backward from dy (proofs/experts.md): a dict with "y" and those names."""
     want = _want(want, EXPERTS_GRADS, saved.lora)
-    g = _abi.ExpertsGrads()
     r = saved.lora.rank if saved.lora is not None else 0
-    out = _fill(g, EXPERTS_GRADS, _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float64)
+    g, out = _fill(_abi.ExpertsGrads, EXPERTS_GRADS,
+                   lambda: _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float64)
     out["y"] = torch.empty(saved.tokens, saved.packed.hidden, dtype=torch.float64)
     dy = None if dy is None else grad_input(dy, "dy", (saved.tokens, saved.packed.hidden))
     _abi.call("moecert_experts_bounds", saved.packed.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
@@ -585,8 +602,9 @@ def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, 
     cfg = saved.config
     want = _want(want, LAYER_GRADS, saved.keep[4])
     dy = grad_input(dy, "dy", (saved.tokens, cfg.hidden))
-    g = _abi.LayerGrads()
-    out = _fill(g, LAYER_GRADS, _layer_grad_shapes(cfg, saved.tokens), want, torch.float32, dx_dtype)
+    T = saved.tokens
+    g, out = _fill(_abi.LayerGrads, LAYER_GRADS, lambda: _layer_grad_shapes(cfg, T), want, torch.float32, dx_dtype,
+                   key=("layer", cfg, T, frozenset(want), dx_dtype))
     _abi.call("moecert_layer_backward", ctypes.byref(saved.cfg), ctypes.byref(saved.weights), ref(describe(saved.x)),
               ref(describe(dy)), saved.ptr, ref(g), int(expert_path), int(router_path))
     return out
@@ -597,8 +615,7 @@ def layer_bounds(saved, dy=None, want=()):
     of the outputs in `want` (proofs/layer.md), conditioned on the routing the forward chose."""
     cfg = saved.config
     want = _want(want, LAYER_GRADS, saved.keep[4])
-    g = _abi.LayerGrads()
-    out = _fill(g, LAYER_GRADS, _layer_grad_shapes(cfg, saved.tokens), want, torch.float64)
+    g, out = _fill(_abi.LayerGrads, LAYER_GRADS, lambda: _layer_grad_shapes(cfg, saved.tokens), want, torch.float64)
     out["y"] = torch.empty(saved.tokens, cfg.hidden, dtype=torch.float64)
     dy = None if dy is None else grad_input(dy, "dy", (saved.tokens, cfg.hidden))
     _abi.call("moecert_layer_bounds", ctypes.byref(saved.cfg), ctypes.byref(saved.weights), ref(describe(saved.x)),
