@@ -1,5 +1,6 @@
 // Clauses of router.softmax_topk, forward and backward (include/moecert/router.hpp).
 #include <algorithm>
+#include <vector>
 
 #include "contracts/router/common.hpp"
 
@@ -103,10 +104,13 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
         tol = 2 * (eps + bounds::gamma(static_cast<double>(valid))) * (1 + eps) * tol +
               valid * bounds::kMinNormal32;
       }
-      const std::int32_t* chosen = idx.row(t);
+      thread_local std::vector<char> chosen;
+      chosen.assign(z.cols, 0);
+      for (std::size_t j = 0; j < valid; ++j)
+        if (const std::int32_t e = idx(t, j); e >= 0 && static_cast<std::size_t>(e) < z.cols)
+          chosen[static_cast<std::size_t>(e)] = 1;
       for (std::size_t i = 0; i < z.cols; ++i) {
-        if (std::find(chosen, chosen + valid, static_cast<std::int32_t>(i)) != chosen + valid)
-          continue;
+        if (chosen[i]) continue;
         const float d = dz(t, i);
         const bool ok =
             renormalize ? d == 0.0f : (std::fabs(dot) <= tol || d == 0.0f || (d < 0) == (dot > 0));
