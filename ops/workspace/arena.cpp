@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <utility>
+#include <vector>
 
 #include "contracts/clauses.hpp"
 #include "contracts/workspace.hpp"
@@ -80,17 +82,27 @@ void Arena::check_guards(detail::Checker& c, std::string_view when) {
 
 namespace {
 
-// Fills n words with the poison pattern on the op's threads: every word
-// (`stride` 1), or the words at phase, phase + stride, ... (in 1 MiB
-// blocks; a block starts at a multiple of the stride).
-void poison_words(std::uint32_t* w, std::uint64_t n, std::uint64_t stride, std::uint64_t phase) {
-  constexpr std::uint64_t kBlock = std::uint64_t{1} << 18;
-  oneapi::tbb::parallel_for(std::uint64_t{0}, (n + kBlock - 1) / kBlock, [&](std::uint64_t b) {
-    const std::uint64_t end = std::min(n, (b + 1) * kBlock);
-    if (stride == 1)
-      std::fill(w + b * kBlock, w + end, kPoison);
+// One buffer's poison: n words at w, every word (`stride` 1) or the words
+// at phase, phase + stride, ...
+struct PoisonFill {
+  std::uint32_t* w;
+  std::uint64_t n, stride, phase;
+};
+
+// Writes every fill on the op's threads in one pass, in 1 MiB blocks over
+// all of them (a block starts at a multiple of the stride).
+void poison(const std::vector<PoisonFill>& fills) {
+  constexpr std::uint64_t kBlock = std::uint64_t{1} << 18;    // words
+  std::vector<std::pair<std::size_t, std::uint64_t>> blocks;  // (fill, first word)
+  for (std::size_t f = 0; f < fills.size(); ++f)
+    for (std::uint64_t b = 0; b < fills[f].n; b += kBlock) blocks.emplace_back(f, b);
+  oneapi::tbb::parallel_for(std::size_t{0}, blocks.size(), [&](std::size_t i) {
+    const PoisonFill& p = fills[blocks[i].first];
+    const std::uint64_t b = blocks[i].second, end = std::min(p.n, b + kBlock);
+    if (p.stride == 1)
+      std::fill(p.w + b, p.w + end, kPoison);
     else
-      for (std::uint64_t i = b * kBlock + phase; i < end; i += stride) w[i] = kPoison;
+      for (std::uint64_t k = b + p.phase; k < end; k += p.stride) p.w[k] = kPoison;
   });
 }
 
@@ -113,15 +125,17 @@ void Arena::enter(int step, detail::Checker& c) {
     const bool dense = c.level() >= Level::full;
     const std::uint64_t stride = c.level() >= Level::audit ? kAuditStride : kSparseStride;
     const std::uint64_t line = (binds_ - 1) % (stride / kAlign);
+    std::vector<PoisonFill> fills;
     for (std::size_t i = 0; i < plan_.buffers.size(); ++i) {
       if (!fresh(plan_.buffers[i])) continue;
       const std::uint64_t size = round_up(plan_.buffers[i].bytes, kAlign);
       auto* words = reinterpret_cast<std::uint32_t*>(base + offsets_[i]);
       if (dense || size <= kSparseAbove)
-        poison_words(words, size / 4, 1, 0);
+        fills.push_back({words, size / 4, 1, 0});
       else
-        poison_words(words, size / 4, stride / 4, line * kAlign / 4);
+        fills.push_back({words, size / 4, stride / 4, line * kAlign / 4});
     }
+    poison(fills);
   }
 }
 
