@@ -65,14 +65,22 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
   }
 }
 
-std::pair<double, double> ExpertsProbe::sums(std::size_t row, std::size_t q) const {
-  if (q > 0) {
-    const double* in = at(blocks_ + q - 1, row);
-    return {in[0], in[1]};
-  }
-  std::pair<double, double> s{0, 0};
-  for (std::size_t b = 0; b < blocks_; ++b) s.first += at(b, row)[0], s.second += at(b, row)[1];
-  return s;
+std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {
+  std::vector<std::pair<double, double>> out(rows_, {0.0, 0.0});
+  constexpr std::size_t kRows = 512;  // a row block's totals stay in L1
+  oneapi::tbb::parallel_for(std::size_t{0}, (rows_ + kRows - 1) / kRows, [&](std::size_t blk) {
+    const std::size_t r0 = blk * kRows, r1 = std::min(rows_, r0 + kRows);
+    for (std::size_t b = 0; b < blocks_; ++b) {
+      const double* in = at(b, r0);
+      for (std::size_t r = r0; r < r1; ++r, in += 2) out[r].first += in[0], out[r].second += in[1];
+    }
+  });
+  return out;
+}
+
+std::pair<double, double> ExpertsProbe::narrow_sums(std::size_t row, std::size_t q) const {
+  const double* in = at(blocks_ + q, row);
+  return {in[0], in[1]};
 }
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
@@ -195,8 +203,9 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
                   g.rows(), w.hidden(), load_x, [&](std::size_t r) { return st.c1 + r * st.ldc1; },
                   row_probes(0))
             : probe_rows_sums(g.rows(), w.hidden(), load_x, row_probes(0),
-                              [&](std::size_t r, std::size_t q, const verify::Probe&) {
-                                return probe.sums(r, q);
+                              [&, dense = probe.dense_sums()](std::size_t r, std::size_t q,
+                                                              const verify::Probe&) {
+                                return q ? probe.narrow_sums(r, q - 1) : dense[r];
                               });
   const auto down =
       gate_up.pass

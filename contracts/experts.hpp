@@ -36,9 +36,12 @@ class ExpertsProbe {
            std::size_t ldc);
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
-  /// Row's (C r, sum |C|) for probe q of its expert's gate_up pack, the
-  /// blocks summed in column order.
-  std::pair<double, double> sums(std::size_t row, std::size_t q) const;
+  /// Each grouped row's (C r, sum |C|) over the dense probe's columns, its
+  /// blocks summed in column order (read column by column, on the op's
+  /// threads: by row, each of a row's blocks is a line of its own).
+  std::vector<std::pair<double, double>> dense_sums() const;
+  /// Row's (C r, sum |C|) over narrow probe q's columns (probes()[q + 1]).
+  std::pair<double, double> narrow_sums(std::size_t row, std::size_t q) const;
   /// CPU time spent in the constructor, size_rows() and add() (add()
   /// sampled), in ns: the probe's share of the op's own passes.
   std::int64_t ns() const { return ns_.load(); }
