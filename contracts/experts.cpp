@@ -194,9 +194,9 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
       return r < g.begin[e] + g.count[e] ? probe.probes(2 * e + gemm) : none;
     };
   };
-  const auto load = verify::load_bf16;
   auto load_x = [&](std::size_t r, float* row) {
-    return load(x.row(static_cast<std::size_t>(g.row_slot[r]) / topk), w.hidden(), row);
+    return verify::load_bf16(x.row(static_cast<std::size_t>(g.row_slot[r]) / topk), w.hidden(),
+                             row);
   };
   const auto gate_up =
       st.c1 ? probe_rows(
@@ -207,19 +207,15 @@ void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<
                                                               const verify::Probe&) {
                                 return q ? probe.narrow_sums(r, q - 1) : dense[r];
                               });
-  const auto down =
-      gate_up.pass
-          ? probe_rows(
-                g.rows(), w.inter(),
-                [&](std::size_t r, float* row) {
-                  bool flushable = false;
-                  st.h.runs(r, w.inter(), [&](std::size_t k0, const bf16* p, std::size_t n) {
-                    flushable |= load(p, n, row + k0);
-                  });
-                  return flushable;
-                },
-                [&](std::size_t r) { return st.o + r * st.ldo; }, row_probes(1))
-          : verify::ProbeResult{};
+  const auto down = gate_up.pass
+                        ? probe_rows(
+                              g.rows(), w.inter(),
+                              [&](std::size_t r, float* row) {
+                                const OperandRows::Runs h = st.h.row(r, w.inter());
+                                return verify::load_bf16(h.first, w.inter(), h.run, h.stride, row);
+                              },
+                              [&](std::size_t r) { return st.o + r * st.ldo; }, row_probes(1))
+                        : verify::ProbeResult{};
   for (const auto* p : {&gate_up, &down})
     if (!p->pass) {
       const std::size_t e = expert_of(p->row);

@@ -40,14 +40,23 @@ struct OperandRows {
     return data[(r / tile_rows) * ld + (k / k_step) * (tile_rows * k_step) +
                 (r % tile_rows) * k_step + k % k_step];
   }
+  /// Row r as runs of elements: its element 0 at `first`, `run` elements
+  /// per run, run j at first + j stride.
+  struct Runs {
+    const bf16* first;
+    std::size_t run, stride;
+  };
+  Runs row(std::size_t r, std::size_t k) const {
+    if (tile_rows == 0) return {data + r * ld, std::max<std::size_t>(k, 1), 0};
+    return {data + (r / tile_rows) * ld + (r % tile_rows) * k_step, k_step, tile_rows * k_step};
+  }
   /// Row r's elements [0, k) in order as contiguous runs: f(k0, p, n) for
   /// elements k0 .. k0 + n - 1 at p.
   template <class F>
   void runs(std::size_t r, std::size_t k, F f) const {
-    if (tile_rows == 0) return f(std::size_t{0}, data + r * ld, k);
-    const bf16* base = data + (r / tile_rows) * ld + (r % tile_rows) * k_step;
-    for (std::size_t k0 = 0; k0 < k; k0 += k_step)
-      f(k0, base + (k0 / k_step) * (tile_rows * k_step), std::min(k_step, k - k0));
+    const Runs w = row(r, k);
+    for (std::size_t k0 = 0, j = 0; k0 < k; k0 += w.run, ++j)
+      f(k0, w.first + j * w.stride, std::min(w.run, k - k0));
   }
 };
 

@@ -121,12 +121,15 @@ void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* 
 }  // namespace detail
 
 MOECERT_PROBE_CLONES
-bool load_bf16(const bf16* p, std::size_t n, float* row) {
+bool load_bf16(const bf16* p, std::size_t n, std::size_t run, std::size_t stride, float* row) {
   std::uint16_t denormal = 0;
-  for (std::size_t k = 0; k < n; ++k) {
-    row[k] = p[k].to_float();
-    denormal |=
-        static_cast<std::uint16_t>(((p[k].bits & 0x7f80u) == 0) & ((p[k].bits & 0x7fu) != 0));
+  for (std::size_t k0 = 0; k0 < n; k0 += run, p += stride) {
+    const std::size_t m = std::min(run, n - k0);
+    for (std::size_t k = 0; k < m; ++k) {
+      row[k0 + k] = p[k].to_float();
+      denormal |=
+          static_cast<std::uint16_t>(((p[k].bits & 0x7f80u) == 0) & ((p[k].bits & 0x7fu) != 0));
+    }
   }
   return denormal != 0;
 }

@@ -133,10 +133,15 @@ inline RowProbe probe_row_sums(const Probe& p, const float* a, std::size_t k, bo
   return {std::fabs(lhs - rhs), threshold};
 }
 
-/// p[0, n) into `row` as binary32 (exact); returns whether one is
-/// flushable (a nonzero bf16 denormal: exponent bits 0, fraction not),
-/// from the bits so that the loop vectorizes.
-bool load_bf16(const bf16* p, std::size_t n, float* row);
+/// n bf16 values into `row` as binary32 (exact), read in runs of `run`
+/// values, run j at p + j stride; returns whether one is flushable (a
+/// nonzero bf16 denormal: exponent bits 0, fraction not), from the bits so
+/// that the loop vectorizes.
+bool load_bf16(const bf16* p, std::size_t n, std::size_t run, std::size_t stride, float* row);
+/// p[0, n) into `row`: one run.
+inline bool load_bf16(const bf16* p, std::size_t n, float* row) {
+  return load_bf16(p, n, n, 0, row);
+}
 
 /// A[i, 0..k) into `row` as binary32; returns whether one is flushable.
 template <class AAt>
