@@ -168,3 +168,23 @@ TEST_CASE("verify: block sums are the pairwise binary32 tree, bit for bit", "[ve
     CHECK(std::memcmp(&out[2 * i + 1], &m, sizeof m) == 0);
   }
 }
+
+TEST_CASE("verify: load_bf16 reads runs at their stride and flags a denormal", "[verify]") {
+  // Three runs of 4 values 10 apart (the tile layout's shape), the last run short.
+  std::vector<bf16> p(30, bf16(7.0f));
+  std::vector<float> want;
+  for (std::size_t j = 0; j < 3; ++j)
+    for (std::size_t k = 0; k < 4 && want.size() < 10; ++k) {
+      p[j * 10 + k] = bf16(float(j * 4 + k) - 5.5f);
+      want.push_back(p[j * 10 + k].to_float());
+    }
+  std::vector<float> row(10, NAN);
+  CHECK_FALSE(verify::load_bf16(p.data(), 10, 4, 10, row.data()));
+  CHECK(row == want);
+  p[21].bits = 0x0001;  // the smallest denormal: the last value read
+  CHECK(verify::load_bf16(p.data(), 10, 4, 10, row.data()));
+  CHECK(row[9] == p[21].to_float());
+  p[21] = bf16(1.0f);
+  p[22].bits = 0x0001;  // past the 10 values read: not seen
+  CHECK_FALSE(verify::load_bf16(p.data(), 10, 4, 10, row.data()));
+}
