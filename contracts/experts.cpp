@@ -25,17 +25,16 @@ namespace k = clauses::experts;
 
 ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage)
     : packs_(2 * w.experts()), all_(2 * w.experts()), storage_(storage) {
-  const std::int64_t t0 = detail::now_ns();
+  const detail::SampledTimer timer(ns_, 1);
   oneapi::tbb::parallel_for(std::size_t{0}, packs_.size(), [&](std::size_t i) {
     packs_[i] = pack_probes(i % 2 ? w.down(i / 2) : w.gate_up(i / 2));
     all_[i] = packs_[i].all();
   });
   if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
-  ns_ += detail::now_ns() - t0;
 }
 
 void ExpertsProbe::size_rows(std::size_t rows) {
-  const std::int64_t t0 = detail::now_ns();
+  const detail::SampledTimer timer(ns_, 1);
   rows_ = rows;
   const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
@@ -45,7 +44,6 @@ void ExpertsProbe::size_rows(std::size_t rows) {
                               std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
                                         NAN);
                             });
-  ns_ += detail::now_ns() - t0;
 }
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,

@@ -73,7 +73,7 @@ LoraFiniteScan::LoraFiniteScan(const experts::Lora& l, std::size_t experts)
 }
 
 void LoraFiniteScan::expert(std::size_t e) {
-  const std::int64_t t0 = detail::now_ns();
+  const detail::SampledTimer timer(ns_, 1);
   for (std::size_t i = 0; i < 6; ++i) {
     const MatView<const bf16> v = lora_views(lora_)[i];
     const std::size_t per = v.rows / experts_;
@@ -85,7 +85,6 @@ void LoraFiniteScan::expert(std::size_t e) {
     for (std::size_t seen = first_[i]; flat < seen && !first_[i].compare_exchange_weak(seen, flat);)
       ;
   }
-  ns_ += detail::now_ns() - t0;
 }
 
 void LoraFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
@@ -103,14 +102,13 @@ void LoraFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
 }
 
 void LoraPaddingScan::expert(std::span<const PackedFactor, 8> factors) {
-  const std::int64_t t0 = detail::now_ns();
+  const detail::SampledTimer timer(ns_, 1);
   for (const PackedFactor& f : factors)
     if (f.packed->data() && !padding_zero(*f.packed)) {
       std::lock_guard lock(mu_);
       if (!first_ || f.expert < first_->expert) first_ = f;
       break;
     }
-  ns_ += detail::now_ns() - t0;
 }
 
 void LoraPaddingScan::report(detail::Checker& c, const ClauseInfo& clause) {
@@ -212,14 +210,13 @@ SavedFiniteScan::SavedFiniteScan(detail::Checker& c, const ClauseInfo& clause, c
     : c_(c), clause_(clause), s_(s), inter_(I), router_out_(R), logits_(logits) {}
 
 void SavedFiniteScan::begin() {
-  const std::int64_t t0 = detail::now_ns();
+  const detail::SampledTimer timer(ns_, 1);
   if (c_.level() >= Level::audit) {  // every saved row now, right after the first step's poison
     reported_ = true;
     train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
   } else {
     saved_routing_finite(c_, clause_, s_, logits_, router_out_);
   }
-  ns_ += detail::now_ns() - t0;
 }
 
 void SavedFiniteScan::row(std::size_t q) {
