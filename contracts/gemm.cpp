@@ -131,24 +131,14 @@ verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::siz
                           std::uint64_t seed) {
   constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
   MOECERT_ASSERT(j0 % kPanel + width <= kPanel && j0 + width <= w.n());
-  const std::size_t k = w.k();
-  verify::Probe p{j0, width, std::vector<float>(width), std::vector<float>(k),
-                  std::vector<float>(k)};
-  std::mt19937_64 rng(seed);
-  for (float& s : p.r) s = (rng() & 1) ? 1.0f : -1.0f;
-  // Column j0 + j of K pair kk / 2 at panel[(kk / 2) 2 kPanel + 2 j + kk % 2].
+  // Column j of K pair kk / 2 at panel[(kk / 2) 2 kPanel + 2 (j - j0) + kk % 2].
   const bf16* panel = w.data() + (j0 / kPanel) * w.kp() * kPanel + (j0 % kPanel) * 2;
-  for (std::size_t kk = 0; kk < k; ++kk) {
-    const bf16* q = panel + (kk / 2) * 2 * kPanel + kk % 2;
-    double sum = 0, mag = 0;
-    for (std::size_t j = 0; j < width; ++j) {
-      const double v = q[2 * j].to_float();
-      sum += v * p.r[j];
-      mag += std::fabs(v);
-    }
-    p.br[kk] = static_cast<float>(sum), p.babs[kk] = static_cast<float>(mag);
-  }
-  return p;
+  return verify::make_probe(
+      w.k(),
+      [panel, j0](std::size_t j, std::size_t kk) {
+        return panel[(kk / 2) * 2 * kPanel + (j - j0) * 2 + kk % 2];
+      },
+      j0, width, seed);
 }
 
 PackProbes pack_probes(const gemm::PackedWeights& w) {

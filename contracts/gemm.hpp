@@ -46,7 +46,7 @@ struct PackProbes {
 };
 PackProbes pack_probes(const gemm::PackedWeights& w);
 /// verify::make_probe of w's columns [j0, j0 + width), all in one panel,
-/// read in the panel's storage order (the same bits).
+/// read from that panel directly.
 verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::size_t width,
                           std::uint64_t seed);
 
