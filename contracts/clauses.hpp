@@ -137,6 +137,9 @@ inline constexpr ClauseInfo kFwdLoraPadding = {"experts.forward_train.lora_paddi
                                                "packed LoRA rank padding is zero"};
 inline constexpr ClauseInfo kFwdYFinite =
     post("experts.forward_train.y_finite", Group::finite, "every y finite");
+inline constexpr ClauseInfo kFwdProbe =
+    post("experts.forward_train.probe", Group::numeric,
+         "probes of the base and LoRA GEMMs within bound", Level::audit);
 inline constexpr ClauseInfo kFwdWithin =
     post("experts.forward_train.within_bound", Group::numeric, "y within bound", Level::full);
 inline constexpr ClauseInfo kFwdRounding =
@@ -170,10 +173,11 @@ inline constexpr ClauseInfo kBwdSpread =
     post("experts.backward.spread_explained", Group::numeric,
          "outputs within the declared precision's probabilistic bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,    kFwdIdxInRange, kFwdIdxUnique,   kFwdWeightFinite, kFwdXFinite,    kFwdLoraFinite,
-    kFwdScale,    kFwdNoAlias,    kFwdLoraPadding, kFwdYFinite,      kFwdWithin,     kBwdState,
-    kBwdShape,    kBwdDyFinite,   kBwdNoAlias,     kBwdSavedFinite,  kBwdGradFinite, kBwdEmptyZero,
-    kBwdDwMasked, kBwdWithin,     kFwdRounding,    kBwdRounding,     kFwdSpread,     kBwdSpread};
+    kFwdShape,      kFwdIdxInRange,  kFwdIdxUnique,  kFwdWeightFinite, kFwdXFinite,
+    kFwdLoraFinite, kFwdScale,       kFwdNoAlias,    kFwdLoraPadding,  kFwdYFinite,
+    kFwdProbe,      kFwdWithin,      kBwdState,      kBwdShape,        kBwdDyFinite,
+    kBwdNoAlias,    kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero,    kBwdDwMasked,
+    kBwdWithin,     kFwdRounding,    kBwdRounding,   kFwdSpread,       kBwdSpread};
 }  // namespace experts_train
 
 namespace router {
@@ -325,6 +329,8 @@ inline constexpr ClauseInfo kFwdLoraPadding = {"layer.forward.lora_padding", Cla
                                                "packed LoRA rank padding is zero"};
 inline constexpr ClauseInfo kFwdYFinite =
     post("layer.forward.y_finite", Group::finite, "every y finite");
+inline constexpr ClauseInfo kFwdProbe = post(
+    "layer.forward.probe", Group::numeric, "probes of the expert GEMMs within bound", Level::audit);
 inline constexpr ClauseInfo kFwdWithin =
     post("layer.forward.within_bound", Group::numeric, "z and y within bound", Level::full);
 inline constexpr ClauseInfo kBwdState = pre("layer.backward.state", Group::shape,
@@ -357,11 +363,10 @@ inline constexpr ClauseInfo kRlOutFinite =
 inline constexpr ClauseInfo kRlWithin = post("layer.router_linear.within_bound", Group::numeric,
                                              "every output within bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,        kFwdXFinite, kFwdLoraFinite,  kFwdScale,      kFwdNoAlias,
-    kFwdLoraPadding,  kFwdYFinite, kFwdWithin,      kBwdState,      kBwdShape,
-    kBwdDyFinite,     kBwdNoAlias, kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero,
-    kBwdRouterMasked, kBwdWithin,  kRlShape,        kRlFinite,      kRlNoAlias,
-    kRlOutFinite,     kRlWithin};
+    kFwdShape,   kFwdXFinite,     kFwdLoraFinite, kFwdScale,     kFwdNoAlias,      kFwdLoraPadding,
+    kFwdYFinite, kFwdProbe,       kFwdWithin,     kBwdState,     kBwdShape,        kBwdDyFinite,
+    kBwdNoAlias, kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero, kBwdRouterMasked, kBwdWithin,
+    kRlShape,    kRlFinite,       kRlNoAlias,     kRlOutFinite,  kRlWithin};
 }  // namespace layer
 
 }  // namespace moecert::clauses

@@ -23,12 +23,102 @@ namespace moecert::contracts {
 
 namespace k = clauses::experts;
 
-ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage)
-    : packs_(2 * w.experts()), all_(2 * w.experts()), storage_(storage) {
+namespace {
+
+// p over K + k2 columns of A: its weight side over the k2 columns that
+// follow A's K, sum_j r_j b(j0 + j, q) and sum_j |b(j0 + j, q)| for q < k2,
+// formed in binary64 and stored in binary32 as verify::make_probe does
+// (proofs/bounds.md §9.1).
+template <class BAt>
+verify::Probe extended(const verify::Probe& p, std::size_t k2, BAt b) {
+  verify::Probe out = p;
+  const std::size_t k = p.br.size();
+  out.br.resize(k + k2), out.babs.resize(k + k2);
+  std::vector<double> br(k2), babs(k2);
+  for (std::size_t j = 0; j < p.width; ++j)
+    for (std::size_t q = 0; q < k2; ++q) {
+      const double v = b(p.j0 + j, q).to_float();
+      br[q] += v * p.r[j];
+      babs[q] += std::fabs(v);
+    }
+  for (std::size_t q = 0; q < k2; ++q)
+    out.br[k + q] = static_cast<float>(br[q]), out.babs[k + q] = static_cast<float>(babs[q]);
+  return out;
+}
+
+// The probe of a first factor's product C = A F^T (F [width x k] via
+// f(j, kk)) over an A row of k + k2 columns: zero weight on the last k2.
+template <class FAt>
+verify::Probe factor_probe(std::size_t k, std::size_t k2, std::size_t width, FAt f,
+                           std::uint64_t seed) {
+  verify::Probe p = verify::make_probe(k, f, 0, width, seed);
+  p.br.resize(k + k2, 0.0f), p.babs.resize(k + k2, 0.0f);
+  return p;
+}
+
+constexpr std::uint64_t kFactorSeed = 0x5eed1a;
+
+// Expert e's gate/up probes with LoRA: B_gu's column n is [B_g row i | 0]
+// or [0 | B_u row i] as n lies in a gate or an up panel (16-column panels
+// alternate, ExpertRows::c1), zero for padding columns (i >= I); then the
+// probe of xa = x [A_g; A_u]^T.
+std::vector<verify::Probe> gate_up_lora(const PackProbes& base, const experts::Lora& l,
+                                        std::size_t e, std::size_t hidden, std::size_t inter) {
+  constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
+  const std::size_t r = l.rank;
+  auto b = [&](std::size_t n, std::size_t q) {
+    const std::size_t panel = n / kPanel, i = (panel / 2) * kPanel + n % kPanel;
+    const bool up = panel % 2;
+    if (i >= inter || (q >= r) != up) return bf16{};
+    return up ? l.b_up(e * inter + i, q - r) : l.b_gate(e * inter + i, q);
+  };
+  std::vector<verify::Probe> out;
+  for (const verify::Probe* p : base.all()) out.push_back(extended(*p, 2 * r, b));
+  out.push_back(factor_probe(
+      hidden, 2 * r, 2 * r,
+      [&](std::size_t j, std::size_t kk) {
+        return j < r ? l.a_gate(e * r + j, kk) : l.a_up(e * r + j - r, kk);
+      },
+      kFactorSeed + 2 * e));
+  return out;
+}
+
+// Expert e's down probes with LoRA: B_d's rows as the extra weight side,
+// then the probe of ha = h A_d^T.
+std::vector<verify::Probe> down_lora(const PackProbes& base, const experts::Lora& l, std::size_t e,
+                                     std::size_t hidden, std::size_t inter) {
+  const std::size_t r = l.rank;
+  std::vector<verify::Probe> out;
+  for (const verify::Probe* p : base.all())
+    out.push_back(
+        extended(*p, r, [&](std::size_t m, std::size_t q) { return l.b_down(e * hidden + m, q); }));
+  out.push_back(factor_probe(
+      inter, r, r, [&](std::size_t j, std::size_t i) { return l.a_down(e * r + j, i); },
+      kFactorSeed + 2 * e + 1));
+  return out;
+}
+
+}  // namespace
+
+ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage,
+                           const experts::Lora* lora)
+    : packs_(2 * w.experts()),
+      lora_(2 * w.experts()),
+      all_(2 * w.experts()),
+      storage_(storage),
+      rank_(lora ? lora->rank : 0),
+      scale_(rank_ ? static_cast<float>(lora->alpha / static_cast<double>(rank_)) : 0.0f) {
   const detail::SampledTimer timer(ns_, 1);
   oneapi::tbb::parallel_for(std::size_t{0}, packs_.size(), [&](std::size_t i) {
-    packs_[i] = pack_probes(i % 2 ? w.down(i / 2) : w.gate_up(i / 2));
-    all_[i] = packs_[i].all();
+    const std::size_t e = i / 2;
+    packs_[i] = pack_probes(i % 2 ? w.down(e) : w.gate_up(e));
+    if (!rank_) {
+      all_[i] = packs_[i].all();
+      return;
+    }
+    lora_[i] = i % 2 ? down_lora(packs_[i], *lora, e, w.hidden(), w.inter())
+                     : gate_up_lora(packs_[i], *lora, e, w.hidden(), w.inter());
+    for (const verify::Probe& p : lora_[i]) all_[i].push_back(&p);
   });
   if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
 }
@@ -166,68 +256,93 @@ void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> id
 
 namespace {
 
-// experts.forward.probe: gate+up with A read from x through the grouping
-// (so the gather is checked too) and C from c1 or from the sums the op
-// handed to st.probe, then down with A read from h in the kernel's layout;
-// the first failing row of each GEMM in grouped order.
-void probe_experts(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
-                   std::size_t topk, const ExpertRows& st) {
+// Row i's (C r, sum |C|) over p's columns, C's row at c.
+std::pair<double, double> row_sums(const float* c, const verify::Probe& p) {
+  std::pair<double, double> s;
+  verify::detail::signed_sum_and_magnitude(c + p.j0, p.r.data(), p.width, s.first, s.second);
+  return s;
+}
+
+}  // namespace
+
+void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
+                        const experts::PackedExperts& w, const experts::Lora* lora,
+                        MatView<const bf16> x, std::size_t topk, const ExpertRows& st) {
   const GroupingView& g = st.grouping;
   MOECERT_ASSERT(st.c1 != nullptr || st.probe != nullptr);
   // The op's probes, or (c1 kept) this call's, formed here.
   std::vector<double> no_sums;
   std::optional<ExpertsProbe> own;
-  const ExpertsProbe& probe = st.probe ? *st.probe : own.emplace(w, no_sums);
+  const ExpertsProbe& probe = st.probe ? *st.probe : own.emplace(w, no_sums, lora);
   if (st.probe)  // its share of the op's passes (own's is inside this clause's time)
-    detail::add_clause_seconds(k::kProbe, static_cast<double>(probe.ns()) * 1e-9);
+    detail::add_clause_seconds(clause, static_cast<double>(probe.ns()) * 1e-9);
+  const std::size_t r = probe.rank(), hidden = w.hidden(), inter = w.inter();
+  MOECERT_ASSERT(r == st.rank);
   static const std::vector<const verify::Probe*> none;
-  auto expert_of = [&](std::size_t r) {
-    return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), r) -
+  auto expert_of = [&](std::size_t i) {
+    return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), i) -
                                     g.begin.begin()) -
            1;
   };
   auto row_probes = [&](std::size_t gemm) {
-    return [&, gemm](std::size_t r) -> const std::vector<const verify::Probe*>& {
-      const std::size_t e = expert_of(r);
-      return r < g.begin[e] + g.count[e] ? probe.probes(2 * e + gemm) : none;
+    return [&, gemm](std::size_t i) -> const std::vector<const verify::Probe*>& {
+      const std::size_t e = expert_of(i);
+      return i < g.begin[e] + g.count[e] ? probe.probes(2 * e + gemm) : none;
     };
   };
-  auto load_x = [&](std::size_t r, float* row) {
-    return verify::load_bf16(x.row(static_cast<std::size_t>(g.row_slot[r]) / topk), w.hidden(),
-                             row);
+  auto is_factor = [&](std::size_t i, std::size_t gemm, const verify::Probe& p) {
+    return &p == probe.factor_probe(2 * expert_of(i) + gemm);
   };
-  const auto gate_up =
-      st.c1 ? probe_rows(
-                  g.rows(), w.hidden(), load_x, [&](std::size_t r) { return st.c1 + r * st.ldc1; },
-                  row_probes(0))
-            : probe_rows_sums(g.rows(), w.hidden(), load_x, row_probes(0),
-                              [&, dense = probe.dense_sums()](std::size_t r, std::size_t q,
-                                                              const verify::Probe&) {
-                                return q ? probe.narrow_sums(r, q - 1) : dense[r];
-                              });
-  const auto down = gate_up.pass
-                        ? probe_rows(
-                              g.rows(), w.inter(),
-                              [&](std::size_t r, float* row) {
-                                const OperandRows::Runs h = st.h.row(r, w.inter());
-                                return verify::load_bf16(h.first, w.inter(), h.run, h.stride, row);
-                              },
-                              [&](std::size_t r) { return st.o + r * st.ldo; }, row_probes(1))
-                        : verify::ProbeResult{};
-  for (const auto* p : {&gate_up, &down})
-    if (!p->pass) {
-      const std::size_t e = expert_of(p->row);
-      c.fail(
-          k::kProbe,
-          fmt::format("e={} {} GEMM row {} columns [{}, {})", e, p == &gate_up ? "gate_up" : "down",
-                      p->row - g.begin[e], p->j0, p->j0 + p->width),
-          fmt::format("residual {:.6g}", p->residual),
-          fmt::format("<= {:.6g} (proofs/bounds.md §9)", p->threshold));
-      return;
+  // With LoRA, the row goes on with bf16(s f) for the first factor's
+  // product f, as the op forms the second product's A operand.
+  auto append_scaled = [&](const float* f, std::size_t n, float* row) {
+    bool flushable = false;
+    for (std::size_t q = 0; q < n; ++q) {
+      row[q] = bf16(probe.scale() * f[q]).to_float();
+      flushable |= bounds::flushable(row[q]);
     }
+    return flushable;
+  };
+  auto load_x = [&](std::size_t i, float* row) {
+    const bool flushable =
+        verify::load_bf16(x.row(static_cast<std::size_t>(g.row_slot[i]) / topk), hidden, row);
+    return r ? append_scaled(st.xa + i * 2 * r, 2 * r, row + hidden) || flushable : flushable;
+  };
+  auto load_h = [&](std::size_t i, float* row) {
+    const OperandRows::Runs h = st.h.row(i, inter);
+    const bool flushable = verify::load_bf16(h.first, inter, h.run, h.stride, row);
+    return r ? append_scaled(st.ha + i * r, r, row + inter) || flushable : flushable;
+  };
+  const std::vector<std::pair<double, double>> dense =
+      st.probe ? probe.dense_sums() : std::vector<std::pair<double, double>>{};
+  const auto gate_up = probe_rows_sums(g.rows(), hidden + 2 * r, load_x, row_probes(0),
+                                       [&](std::size_t i, std::size_t q, const verify::Probe& p) {
+                                         if (is_factor(i, 0, p))
+                                           return row_sums(st.xa + i * 2 * r, p);
+                                         if (!st.probe) return row_sums(st.c1 + i * st.ldc1, p);
+                                         return q ? probe.narrow_sums(i, q - 1) : dense[i];
+                                       });
+  const auto down =
+      gate_up.pass ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
+                                     [&](std::size_t i, std::size_t, const verify::Probe& p) {
+                                       return is_factor(i, 1, p) ? row_sums(st.ha + i * r, p)
+                                                                 : row_sums(st.o + i * st.ldo, p);
+                                     })
+                   : verify::ProbeResult{};
+  for (std::size_t gemm = 0; gemm < 2; ++gemm) {
+    const verify::ProbeResult& p = gemm ? down : gate_up;
+    if (p.pass) continue;
+    const std::size_t e = expert_of(p.row);
+    const char* name =
+        is_factor(p.row, gemm, *p.probe) ? (gemm ? "ha" : "xa") : (gemm ? "down" : "gate_up");
+    c.fail(clause,
+           fmt::format("e={} {} GEMM row {} columns [{}, {})", e, name, p.row - g.begin[e], p.j0,
+                       p.j0 + p.width),
+           fmt::format("residual {:.6g}", p.residual),
+           fmt::format("<= {:.6g} (proofs/bounds.md §9)", p.threshold));
+    return;
+  }
 }
-
-}  // namespace
 
 void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                           MatView<const bf16> x, MatView<const std::int32_t> idx,
@@ -237,7 +352,7 @@ void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
   // x and W in range, no overflow; Freivalds probes of both GEMMs of every
   // expert (each pack's dense probe and this call's narrow blocks), never
   // failing within bounds::dot; proofs/bounds.md §9.
-  MOECERT_CONTRACT(c, k::kProbe) { probe_experts(c, w, x, idx.cols, st); }
+  MOECERT_CONTRACT(c, k::kProbe) { probe_expert_gemms(c, k::kProbe, w, nullptr, x, idx.cols, st); }
   // x, W and the weights exact; every y within the chained expert bound
   // (bounds::expert_row, bounds::combine); proofs/bounds.md §10.
   MOECERT_CONTRACT(c, k::kWithinBound) {

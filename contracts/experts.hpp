@@ -14,19 +14,28 @@
 
 namespace moecert::contracts {
 
-/// experts.forward.probe carried through the op (audit): each pack's
-/// probes for this call, and the gate/up GEMM's C side of them (C r and
-/// sum |C| of each grouped row, by 32-column block) gathered by the op's
+/// The probes of the experts forward carried through the op (audit): each
+/// pack's probes for this call, and the gate/up GEMM's C side of them (C r
+/// and sum |C| of each grouped row, by 32-column block) gathered by the op's
 /// epilogue while a block of C is in cache, so that C need not be kept
 /// (proofs/bounds.md §9.1). The sums live in `storage` (the op's, reused
 /// across calls), NaN until written: a block the op never hands over fails
 /// the probe.
+///
+/// With LoRA (rank r > 0) the gate/up GEMM is C = [x | lb] [W_gu | B_gu]^T
+/// with lb = bf16(s xa), and the down GEMM o = [h | lbd] [W_d | B_d]^T with
+/// lbd = bf16(s ha) (proofs/experts.md §1): each probe's weight side gains
+/// B^T r from the caller's factors, and each pack gains a last probe, of
+/// the first factor's product (xa = x [A_g; A_u]^T, ha = h A_d^T: its
+/// weight side over the same A row, zero on lb's columns).
 class ExpertsProbe {
  public:
   static constexpr std::size_t kBlock = verify::detail::kBlockColumns;  // per add(): a panel pair
   static constexpr unsigned kAddEvery = 1024;  // add() calls per timed one (SampledTimer)
 
-  ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage);
+  /// `lora`: the caller's factors (null or rank 0: none), read here only.
+  ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage,
+               const experts::Lora* lora = nullptr);
   /// Sizes the sums for `rows` grouped rows; before the GEMM.
   void size_rows(std::size_t rows);
   /// Rows [row0, row0 + rows) (expert e's) of the gate/up C, columns
@@ -34,8 +43,16 @@ class ExpertsProbe {
   /// thread.
   void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
            std::size_t ldc);
-  /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow.
+  /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow,
+  /// and with LoRA the first factor's.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
+  /// The first factor's probe of `pack` (xa's or ha's), or null without LoRA.
+  const verify::Probe* factor_probe(std::size_t pack) const {
+    return rank_ ? all_[pack].back() : nullptr;
+  }
+  /// LoRA rank r (0: none) and scale s = float(alpha / r).
+  std::size_t rank() const { return rank_; }
+  float scale() const { return scale_; }
   /// Each grouped row's (C r, sum |C|) over the dense probe's columns, its
   /// blocks summed in column order (read column by column, on the op's
   /// threads: by row, each of a row's blocks is a line of its own).
@@ -49,6 +66,7 @@ class ExpertsProbe {
  private:
   std::atomic<std::int64_t> ns_{0};
   std::vector<PackProbes> packs_;
+  std::vector<std::vector<verify::Probe>> lora_;  // per pack with LoRA: probes() in order
   std::vector<std::vector<const verify::Probe*>> all_;
   // Column `column`'s (sum, magnitude) of grouped row `row`. Stored by
   // column (the dense probe's blocks, then the narrow probes), each
@@ -61,6 +79,8 @@ class ExpertsProbe {
   std::vector<double>& storage_;
   std::size_t blocks_ = 0;  // kBlock-column blocks of gate_up's N
   std::size_t rows_ = 0;    // grouped rows (size_rows)
+  std::size_t rank_ = 0;
+  float scale_ = 0.0f;
 };
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
@@ -68,6 +88,15 @@ void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, Ma
                          MatView<float> y);
 void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> idx,
                               const GroupingView& g);
+/// The probes of the experts forward's GEMMs under `clause` (proofs/bounds.md
+/// §9): gate/up with A read from x through the grouping (so the gather is
+/// checked too) and C from the sums st.probe gathered or from st.c1, down
+/// with A read from h in the kernel's layout and C = o; with LoRA (`lora`
+/// as the op ran with it) also xa's and ha's products. The first failing
+/// row of each GEMM in grouped order.
+void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
+                        const experts::PackedExperts& w, const experts::Lora* lora,
+                        MatView<const bf16> x, std::size_t topk, const ExpertRows& st);
 void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,
                           MatView<const bf16> x, MatView<const std::int32_t> idx,
                           MatView<const float> weights, MatView<const float> y,

@@ -10,6 +10,7 @@
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/compare.hpp"
+#include "contracts/experts.hpp"
 
 namespace moecert::contracts {
 
@@ -344,6 +345,12 @@ void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts
                                 const experts::Lora& lora, MatView<const bf16> x,
                                 MatView<const float> y, const TrainSaved& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
+  // x, W and the LoRA factors in range, no overflow; the probes of both
+  // GEMMs with their LoRA products and of xa and ha, never failing within
+  // bounds::dot; proofs/bounds.md §9.2.
+  MOECERT_CONTRACT(c, k::kFwdProbe) {
+    probe_expert_gemms(c, k::kFwdProbe, w, &lora, x, s.topk, s.rows);
+  }
   // Inputs exact, no overflow; every y within layer_reference over Tracked with
   // the caller's weights (the layer's expert part); proofs/experts.md §1.
   MOECERT_CONTRACT(c, k::kFwdWithin) {

@@ -17,6 +17,7 @@
 #include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/compare.hpp"
+#include "contracts/experts.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer_router_linear.hpp"
 
@@ -147,6 +148,11 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
 void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                         MatView<const bf16> x, MatView<const float> y, const LayerSaved& s) {
   MOECERT_CONTRACT(c, k::kFwdYFinite) { detail::scan_finite(c, k::kFwdYFinite, "y", y); }
+  // As experts.forward_train.probe (proofs/bounds.md §9.2).
+  MOECERT_CONTRACT(c, k::kFwdProbe) {
+    probe_expert_gemms(c, k::kFwdProbe, *w.experts, cfg.lora_rank ? &w.lora : nullptr, x,
+                       s.train.topk, s.train.rows);
+  }
   // Conditioned on the kernel's routing; inputs exact, no overflow; every z and y
   // within layer_bounds (Tracked through the kernel's rounding points); proofs/layer.md §1-2.
   MOECERT_CONTRACT(c, k::kFwdWithin) {

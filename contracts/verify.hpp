@@ -169,11 +169,12 @@ struct ProbeResult {
   std::size_t row = 0, j0 = 0, width = 0;  // first failing row and its probe's columns
   double residual = 0, threshold = 0;      // |C r - A (B^T r)| and its allowance there
   double max_ratio = 0;                    // max residual / threshold over all probes
+  const Probe* probe = nullptr;            // the first failing probe
   /// Keeps the first failure (row i, probe p) and the largest ratio.
   void add(std::size_t i, const Probe& p, const RowProbe& v) {
     if (!v.pass() && pass) {
       pass = false;
-      row = i, j0 = p.j0, width = p.width;
+      row = i, j0 = p.j0, width = p.width, probe = &p;
       residual = v.residual, threshold = v.threshold;
     }
     if (!(v.ratio() <= max_ratio)) max_ratio = v.ratio();

@@ -450,6 +450,67 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
     y[5] += 10.0f;  // far past the bound (|y| ~ 1 here, bound ~ 0.2)
     test::expect_violation(post, "experts.forward_train.within_bound", Level::full);
   }
+  SECTION("probe") {
+    // The saved state (c1 kept) against probes formed from factors that
+    // differ from the ones the op ran with in one element of token 0's
+    // first expert: each factor is seen by its own GEMM's probe.
+    const auto e = static_cast<std::size_t>(p.idx[0]);
+    {
+      ContractScope s{Level::audit, Semantic::enforce};
+      CHECK_NOTHROW(post());
+    }
+    const struct {
+      int factor;        // index into p.lora: a_gate, b_gate, a_up, b_up, a_down, b_down
+      std::size_t row;   // the factor's row (expert e's first, or its first column's)
+      const char* gemm;  // the GEMM named
+    } cases[] = {{0, e * p.r, "xa"},
+                 {1, e * p.I, "gate_up"},
+                 {3, e * p.I + 1, "gate_up"},
+                 {4, e * p.r, "ha"},
+                 {5, e * p.H, "down"}};
+    for (const auto& cs : cases) {
+      DYNAMIC_SECTION("factor " << cs.factor) {
+        std::vector<bf16> f[6];
+        for (int i = 0; i < 6; ++i) f[i] = p.lora[i];
+        const std::size_t cols = cs.factor % 2 ? p.r : (cs.factor == 4 ? p.I : p.H);
+        bf16& v = f[cs.factor][cs.row * cols];
+        v = bf16(v.to_float() + 1.0f);
+        const auto changed =
+            experts::Lora::stacked(p.E, p.H, p.I, p.r, p.alpha, f[0].data(), f[1].data(),
+                                   f[2].data(), f[3].data(), f[4].data(), f[5].data());
+        auto v2 = test::expect_violation(
+            [&] {
+              detail::Checker c{"experts.forward_train"};
+              contracts::experts_train_forward_post(c, p.packed, changed, p.X(),
+                                                    {y.data(), p.T, p.H},
+                                                    experts::saved_view(saved.impl()));
+            },
+            "experts.forward_train.probe", Level::audit);
+        CHECK(v2.location.find(fmt::format("e={} {} GEMM row", e, cs.gemm)) != std::string::npos);
+      }
+    }
+  }
+}
+
+TEST_CASE("experts.forward_train: the probes pass at audit on every ISA, LoRA or none",
+          "[experts][train][numeric]") {
+  for (const std::size_t r : {std::size_t{0}, std::size_t{4}})
+    for (const Isa isa : kernel_isas()) {
+      DYNAMIC_SECTION(isa_name(isa) << " r=" << r) {
+        const Problem p = make(8, 72, 40, 3, r, 37, Routing::tail, 7 + r);
+        for (const bool training : {true, false}) {
+          ContractScope s{Level::audit, Semantic::enforce};
+          reset_clause_counts();
+          experts::Saved saved;
+          std::vector<float> y(p.T * p.H);
+          // The op's own path: the gate/up sums from its epilogue.
+          CHECK_NOTHROW(experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(),
+                                               {y.data(), p.T, p.H}, saved,
+                                               {.isa = isa, .training = training}));
+          CHECK(checked("experts.forward_train.probe"));
+        }
+      }
+    }
 }
 
 TEST_CASE("experts.backward: preconditions fire and leave the gradients untouched",

@@ -505,6 +505,25 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
         "layer.forward.within_bound", Level::full);
     CHECK(v.location == "y[3, 1]");
   }
+  SECTION("probe") {
+    fwd(p, y);
+    auto post = [&] {
+      detail::Checker c{"layer.forward"};
+      contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H},
+                                    layer::saved_view(saved));
+    };
+    {
+      ContractScope s{Level::audit, Semantic::enforce};
+      CHECK_NOTHROW(post());
+    }
+    // B_d of every expert, first column, unlike the one the op ran with.
+    for (std::size_t e = 0; e < p.E; ++e) {
+      bf16& v = p.lora[5][e * p.H * p.r];
+      v = bf16(v.to_float() + 1.0f);
+    }
+    auto v = test::expect_violation(post, "layer.forward.probe", Level::audit);
+    CHECK(v.location.find(" down GEMM row 0 columns [0, ") != std::string::npos);
+  }
 }
 
 TEST_CASE("layer: backward clauses", "[layer][contracts]") {

@@ -208,6 +208,12 @@ struct TrainOptions {
 ///                                                           each expert's packs as they are written
 ///                                                           (columns past N are never stored)
 ///   experts.forward_train.y_finite       post  finite   every y element finite
+///   experts.forward_train.probe          post  numeric  Freivalds probes of each expert's GEMMs with
+///                                                       their LoRA products (audit): gate/up and down
+///                                                       as experts.forward.probe, each probe's weight
+///                                                       side with B^T r of the caller's factors, and
+///                                                       xa = x [A_g; A_u]^T and ha = h A_d^T
+///                                                       (proofs/bounds.md §9.2)
 ///   experts.forward_train.within_bound   post  numeric  every y element within its bound of the
 ///                                                       reference (full)
 ///   experts.forward_train.rounding_unbiased post numeric y's errors unbiased (judge and

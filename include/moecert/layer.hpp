@@ -108,6 +108,8 @@ struct BackwardOptions {
 ///                                                  expert's packs as they are written (columns past
 ///                                                  N are never stored)
 ///   layer.forward.y_finite      post  finite   every y element finite
+///   layer.forward.probe         post  numeric  Freivalds probes of the expert GEMMs and their LoRA
+///                                              products, as experts.forward_train.probe (audit)
 ///   layer.forward.within_bound  post  numeric  every y element within the chained bound (full)
 /// and the clauses of the router, experts.forward and workspace.* it runs.
 void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y,

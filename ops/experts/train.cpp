@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "contracts/clauses.hpp"
+#include "contracts/experts.hpp"
 #include "contracts/experts_train.hpp"
 #include "moecert/isa.hpp"
 #include "ops/core/task.hpp"
@@ -22,9 +23,10 @@ bool Saved::valid() const { return impl_->valid; }
 std::size_t Saved::bytes() const { return impl_->arena.capacity(); }
 
 void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x,
-                         MatView<float> y, bool training) {
+                         MatView<float> y, bool training, contracts::ExpertsProbe* probe) {
   forward_impl(w, s.lora.rank ? &s.lora : nullptr, x, s.idx_view(), s.weights_view(), y,
-               gemm::kernel_info(s.isa), s.arena, s.st, training);  // c1: read by the backward only
+               gemm::kernel_info(s.isa), s.arena, s.st, training,  // c1: read by the backward only
+               probe);
   s.training = training;
   s.valid = true;
   ++s.generation;
@@ -60,9 +62,13 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
     std::copy(weights.row(t), weights.row(t) + s.topk, s.weights + t * s.topk);
   }
   s.isa = opt.isa.value_or(default_isa());
-  train_forward_steps(w, s, x, y, opt.training);
+  std::optional<contracts::ExpertsProbe> probe;
+  if (chk.level() >= k::kFwdProbe.level) probe.emplace(w, s.probe_sums, &lora);
+  train_forward_steps(w, s, x, y, opt.training, probe ? &*probe : nullptr);
   s.arena.leave(chk);
-  contracts::experts_train_forward_post(chk, w, lora, x, y, saved_view(s));
+  contracts::TrainSaved view = saved_view(s);
+  view.rows.probe = probe ? &*probe : nullptr;
+  contracts::experts_train_forward_post(chk, w, lora, x, y, view);
 }
 
 void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,

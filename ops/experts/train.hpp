@@ -30,6 +30,7 @@ struct TrainState {
   float* weights = nullptr;
   MatView<const std::int32_t> idx_view() const { return {idx, tokens, topk, topk}; }
   MatView<const float> weights_view() const { return {weights, tokens, topk, topk}; }
+  std::vector<double> probe_sums;  // contracts::ExpertsProbe's storage (audit)
 };
 
 struct Saved::Impl : TrainState {
@@ -39,8 +40,9 @@ struct Saved::Impl : TrainState {
 
 /// The forward's steps f_gather .. f_combine on `s` (its arena bound, idx
 /// and weights in it, s.lora packed, s.isa set); afterwards s is valid.
+/// `probe` (audit) takes the gate/up GEMM's blocks as forward_impl's does.
 void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x,
-                         MatView<float> y, bool training);
+                         MatView<float> y, bool training, contracts::ExpertsProbe* probe = nullptr);
 
 /// What the backward's first part leaves for the rest (arena buffers).
 struct DyRows {

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "contracts/clauses.hpp"
+#include "contracts/experts.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer.hpp"
 #include "moecert/isa.hpp"
@@ -101,9 +103,14 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   linear::router_linear(gemm::kernel_info(s.isa), x, w.router_w, w.router_b, z);
   run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k),
              MatView<float>(s.weights, t_count, k, k));
-  experts::train_forward_steps(*w.experts, s, x, y, opt.training);
+  std::optional<contracts::ExpertsProbe> probe;
+  if (chk.level() >= clauses::layer::kFwdProbe.level)
+    probe.emplace(*w.experts, s.probe_sums, &lora);
+  experts::train_forward_steps(*w.experts, s, x, y, opt.training, probe ? &*probe : nullptr);
   s.arena.leave(chk);
-  contracts::layer_forward_post(chk, cfg, w, x, y, saved_view(s));
+  contracts::LayerSaved view = saved_view(s);
+  view.train.rows.probe = probe ? &*probe : nullptr;
+  contracts::layer_forward_post(chk, cfg, w, x, y, view);
 }
 
 }  // namespace moecert::layer
