@@ -26,33 +26,52 @@ namespace k = clauses::experts;
 namespace {
 
 // p over K + k2 columns of A: its weight side over the k2 columns that
-// follow A's K, sum_j r_j b(j0 + j, q) and sum_j |b(j0 + j, q)| for q < k2,
-// formed in binary64 and stored in binary32 as verify::make_probe does
-// (proofs/bounds.md §9.1).
-template <class BAt>
-verify::Probe extended(const verify::Probe& p, std::size_t k2, BAt b) {
-  verify::Probe out = p;
+// follow A's K, sum_j r_j b_jq and sum_j |b_jq| for q < k2, formed in
+// binary64 and stored in binary32 as verify::make_probe does
+// (proofs/bounds.md §9.1). Column n's nonzero entries are the `rank`
+// values at row_of(n).first, from q = row_of(n).second on (null: none).
+template <class RowOf>
+verify::Probe extended(const verify::Probe& p, std::size_t k2, std::size_t rank, RowOf row_of) {
   const std::size_t k = p.br.size();
-  out.br.resize(k + k2), out.babs.resize(k + k2);
+  verify::Probe out{p.j0, p.width, p.r, std::vector<float>(k + k2), std::vector<float>(k + k2)};
+  std::copy(p.br.begin(), p.br.end(), out.br.begin());
+  std::copy(p.babs.begin(), p.babs.end(), out.babs.begin());
   std::vector<double> br(k2), babs(k2);
-  for (std::size_t j = 0; j < p.width; ++j)
-    for (std::size_t q = 0; q < k2; ++q) {
-      const double v = b(p.j0 + j, q).to_float();
-      br[q] += v * p.r[j];
-      babs[q] += std::fabs(v);
+  for (std::size_t j = 0; j < p.width; ++j) {
+    const auto [row, q0] = row_of(p.j0 + j);
+    if (!row) continue;
+    const double sign = p.r[j];
+    for (std::size_t q = 0; q < rank; ++q) {
+      const double v = row[q].to_float();
+      br[q0 + q] += sign * v;
+      babs[q0 + q] += std::fabs(v);
     }
+  }
   for (std::size_t q = 0; q < k2; ++q)
     out.br[k + q] = static_cast<float>(br[q]), out.babs[k + q] = static_cast<float>(babs[q]);
   return out;
 }
 
-// The probe of a first factor's product C = A F^T (F [width x k] via
-// f(j, kk)) over an A row of k + k2 columns: zero weight on the last k2.
-template <class FAt>
-verify::Probe factor_probe(std::size_t k, std::size_t k2, std::size_t width, FAt f,
+// The probe of a first factor's product C = A F^T (F's `width` rows of k
+// values at row(j)) over an A row of k + k2 columns: zero weight on the
+// last k2. Formed as verify::make_probe forms a probe, F read by rows.
+template <class Row>
+verify::Probe factor_probe(std::size_t k, std::size_t k2, std::size_t width, Row row,
                            std::uint64_t seed) {
-  verify::Probe p = verify::make_probe(k, f, 0, width, seed);
-  p.br.resize(k + k2, 0.0f), p.babs.resize(k + k2, 0.0f);
+  verify::Probe p{0, width, verify::probe_signs(width, seed), std::vector<float>(k + k2),
+                  std::vector<float>(k + k2)};
+  std::vector<double> br(k), babs(k);
+  for (std::size_t j = 0; j < width; ++j) {
+    const bf16* f = row(j);
+    const double sign = p.r[j];
+    for (std::size_t kk = 0; kk < k; ++kk) {
+      const double v = f[kk].to_float();
+      br[kk] += sign * v;
+      babs[kk] += std::fabs(v);
+    }
+  }
+  for (std::size_t kk = 0; kk < k; ++kk)
+    p.br[kk] = static_cast<float>(br[kk]), p.babs[kk] = static_cast<float>(babs[kk]);
   return p;
 }
 
@@ -66,19 +85,17 @@ std::vector<verify::Probe> gate_up_lora(const PackProbes& base, const experts::L
                                         std::size_t e, std::size_t hidden, std::size_t inter) {
   constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
   const std::size_t r = l.rank;
-  auto b = [&](std::size_t n, std::size_t q) {
+  auto row_of = [&](std::size_t n) -> std::pair<const bf16*, std::size_t> {
     const std::size_t panel = n / kPanel, i = (panel / 2) * kPanel + n % kPanel;
-    const bool up = panel % 2;
-    if (i >= inter || (q >= r) != up) return bf16{};
-    return up ? l.b_up(e * inter + i, q - r) : l.b_gate(e * inter + i, q);
+    if (i >= inter) return {nullptr, 0};
+    return panel % 2 ? std::pair{l.b_up.row(e * inter + i), r}
+                     : std::pair{l.b_gate.row(e * inter + i), std::size_t{0}};
   };
   std::vector<verify::Probe> out;
-  for (const verify::Probe* p : base.all()) out.push_back(extended(*p, 2 * r, b));
+  for (const verify::Probe* p : base.all()) out.push_back(extended(*p, 2 * r, r, row_of));
   out.push_back(factor_probe(
       hidden, 2 * r, 2 * r,
-      [&](std::size_t j, std::size_t kk) {
-        return j < r ? l.a_gate(e * r + j, kk) : l.a_up(e * r + j - r, kk);
-      },
+      [&](std::size_t j) { return j < r ? l.a_gate.row(e * r + j) : l.a_up.row(e * r + j - r); },
       kFactorSeed + 2 * e));
   return out;
 }
@@ -90,10 +107,11 @@ std::vector<verify::Probe> down_lora(const PackProbes& base, const experts::Lora
   const std::size_t r = l.rank;
   std::vector<verify::Probe> out;
   for (const verify::Probe* p : base.all())
-    out.push_back(
-        extended(*p, r, [&](std::size_t m, std::size_t q) { return l.b_down(e * hidden + m, q); }));
+    out.push_back(extended(*p, r, r, [&](std::size_t m) {
+      return std::pair{l.b_down.row(e * hidden + m), std::size_t{0}};
+    }));
   out.push_back(factor_probe(
-      inter, r, r, [&](std::size_t j, std::size_t i) { return l.a_down(e * r + j, i); },
+      inter, r, r, [&](std::size_t j) { return l.a_down.row(e * r + j); },
       kFactorSeed + 2 * e + 1));
   return out;
 }

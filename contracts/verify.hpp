@@ -29,13 +29,19 @@ struct Probe {
   std::vector<float> r, br, babs;  // width signs; K entries each
 };
 
+/// `width` signs +-1 drawn from `seed`.
+inline std::vector<float> probe_signs(std::size_t width, std::uint64_t seed) {
+  std::vector<float> r(width);
+  std::mt19937_64 rng(seed);
+  for (float& s : r) s = (rng() & 1) ? 1.0f : -1.0f;
+  return r;
+}
+
 /// The probe of W's columns [j0, j0 + width), signs drawn from `seed`;
 /// W read through b(j, k) -> bf16. Cost 2 width K.
 template <class BAt>
 Probe make_probe(std::size_t k, BAt b, std::size_t j0, std::size_t width, std::uint64_t seed) {
-  Probe p{j0, width, std::vector<float>(width), std::vector<float>(k), std::vector<float>(k)};
-  std::mt19937_64 rng(seed);
-  for (float& s : p.r) s = (rng() & 1) ? 1.0f : -1.0f;
+  Probe p{j0, width, probe_signs(width, seed), std::vector<float>(k), std::vector<float>(k)};
   std::vector<double> br(k), babs(k);
   // By 16 columns, k outermost within them: a packed panel's k pair holds
   // its 16 columns side by side, so each is read in storage order.
