@@ -161,6 +161,9 @@ inline constexpr ClauseInfo kBwdEmptyZero =
     post("experts.backward.empty_expert_zero", Group::numeric, "no tokens: gradients exactly 0");
 inline constexpr ClauseInfo kBwdDwMasked =
     post("experts.backward.dweights_masked", Group::numeric, "dweights 0 at -1 slots");
+inline constexpr ClauseInfo kBwdProbe =
+    post("experts.backward.probe", Group::numeric,
+         "probes of the dh and dx row GEMMs and their LoRA products within bound", Level::audit);
 inline constexpr ClauseInfo kBwdWithin =
     post("experts.backward.within_bound", Group::numeric, "outputs within bound", Level::full);
 inline constexpr ClauseInfo kBwdRounding =
@@ -177,7 +180,8 @@ inline constexpr ClauseInfo kAll[] = {
     kFwdLoraFinite, kFwdScale,       kFwdNoAlias,    kFwdLoraPadding,  kFwdYFinite,
     kFwdProbe,      kFwdWithin,      kBwdState,      kBwdShape,        kBwdDyFinite,
     kBwdNoAlias,    kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero,    kBwdDwMasked,
-    kBwdWithin,     kFwdRounding,    kBwdRounding,   kFwdSpread,       kBwdSpread};
+    kBwdProbe,      kBwdWithin,      kFwdRounding,   kBwdRounding,     kFwdSpread,
+    kBwdSpread};
 }  // namespace experts_train
 
 namespace router {
@@ -349,6 +353,9 @@ inline constexpr ClauseInfo kBwdEmptyZero =
     post("layer.backward.empty_expert_zero", Group::numeric, "no tokens: LoRA gradients exactly 0");
 inline constexpr ClauseInfo kBwdRouterMasked =
     post("layer.backward.router_masked", Group::numeric, "dL/dw 0 at -1 slots");
+inline constexpr ClauseInfo kBwdProbe =
+    post("layer.backward.probe", Group::numeric, "probes of the experts' dh and dx row GEMMs",
+         Level::audit);
 inline constexpr ClauseInfo kBwdWithin =
     post("layer.backward.within_bound", Group::numeric, "gradients within bound", Level::full);
 inline constexpr ClauseInfo kRlShape =
@@ -365,8 +372,8 @@ inline constexpr ClauseInfo kRlWithin = post("layer.router_linear.within_bound",
 inline constexpr ClauseInfo kAll[] = {
     kFwdShape,   kFwdXFinite,     kFwdLoraFinite, kFwdScale,     kFwdNoAlias,      kFwdLoraPadding,
     kFwdYFinite, kFwdProbe,       kFwdWithin,     kBwdState,     kBwdShape,        kBwdDyFinite,
-    kBwdNoAlias, kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero, kBwdRouterMasked, kBwdWithin,
-    kRlShape,    kRlFinite,       kRlNoAlias,     kRlOutFinite,  kRlWithin};
+    kBwdNoAlias, kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero, kBwdRouterMasked, kBwdProbe,
+    kBwdWithin,  kRlShape,        kRlFinite,      kRlNoAlias,    kRlOutFinite,     kRlWithin};
 }  // namespace layer
 
 }  // namespace moecert::clauses

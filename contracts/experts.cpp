@@ -16,6 +16,7 @@
 #include "contracts/compare.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/gemm.hpp"
+#include "contracts/lora_probes.hpp"
 #include "contracts/tbb_sync.hpp"
 #include "contracts/verify.hpp"
 
@@ -24,56 +25,6 @@ namespace moecert::contracts {
 namespace k = clauses::experts;
 
 namespace {
-
-// p over K + k2 columns of A: its weight side over the k2 columns that
-// follow A's K, sum_j r_j b_jq and sum_j |b_jq| for q < k2, formed in
-// binary64 and stored in binary32 as verify::make_probe does
-// (proofs/bounds.md §9.1). Column n's nonzero entries are the `rank`
-// values at row_of(n).first, from q = row_of(n).second on (null: none).
-template <class RowOf>
-verify::Probe extended(const verify::Probe& p, std::size_t k2, std::size_t rank, RowOf row_of) {
-  const std::size_t k = p.br.size();
-  verify::Probe out{p.j0, p.width, p.r, std::vector<float>(k + k2), std::vector<float>(k + k2)};
-  std::copy(p.br.begin(), p.br.end(), out.br.begin());
-  std::copy(p.babs.begin(), p.babs.end(), out.babs.begin());
-  std::vector<double> br(k2), babs(k2);
-  for (std::size_t j = 0; j < p.width; ++j) {
-    const auto [row, q0] = row_of(p.j0 + j);
-    if (!row) continue;
-    const double sign = p.r[j];
-    for (std::size_t q = 0; q < rank; ++q) {
-      const double v = row[q].to_float();
-      br[q0 + q] += sign * v;
-      babs[q0 + q] += std::fabs(v);
-    }
-  }
-  for (std::size_t q = 0; q < k2; ++q)
-    out.br[k + q] = static_cast<float>(br[q]), out.babs[k + q] = static_cast<float>(babs[q]);
-  return out;
-}
-
-// The probe of a first factor's product C = A F^T (F's `width` rows of k
-// values at row(j)) over an A row of k + k2 columns: zero weight on the
-// last k2. Formed as verify::make_probe forms a probe, F read by rows.
-template <class Row>
-verify::Probe factor_probe(std::size_t k, std::size_t k2, std::size_t width, Row row,
-                           std::uint64_t seed) {
-  verify::Probe p{0, width, verify::probe_signs(width, seed), std::vector<float>(k + k2),
-                  std::vector<float>(k + k2)};
-  std::vector<double> br(k), babs(k);
-  for (std::size_t j = 0; j < width; ++j) {
-    const bf16* f = row(j);
-    const double sign = p.r[j];
-    for (std::size_t kk = 0; kk < k; ++kk) {
-      const double v = f[kk].to_float();
-      br[kk] += sign * v;
-      babs[kk] += std::fabs(v);
-    }
-  }
-  for (std::size_t kk = 0; kk < k; ++kk)
-    p.br[kk] = static_cast<float>(br[kk]), p.babs[kk] = static_cast<float>(babs[kk]);
-  return p;
-}
 
 constexpr std::uint64_t kFactorSeed = 0x5eed1a;
 
@@ -85,17 +36,20 @@ std::vector<verify::Probe> gate_up_lora(const PackProbes& base, const experts::L
                                         std::size_t e, std::size_t hidden, std::size_t inter) {
   constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
   const std::size_t r = l.rank;
-  auto row_of = [&](std::size_t n) -> std::pair<const bf16*, std::size_t> {
+  auto column_of = [&](std::size_t n) -> lora_probe::FactorColumns {
     const std::size_t panel = n / kPanel, i = (panel / 2) * kPanel + n % kPanel;
-    if (i >= inter) return {nullptr, 0};
-    return panel % 2 ? std::pair{l.b_up.row(e * inter + i), r}
-                     : std::pair{l.b_gate.row(e * inter + i), std::size_t{0}};
+    if (i >= inter) return {};
+    if (panel % 2) return {{{l.b_up.row(e * inter + i), r}}};
+    return {{{l.b_gate.row(e * inter + i), 0}}};
   };
   std::vector<verify::Probe> out;
-  for (const verify::Probe* p : base.all()) out.push_back(extended(*p, 2 * r, r, row_of));
-  out.push_back(factor_probe(
+  for (const verify::Probe* p : base.all())
+    out.push_back(lora_probe::extended(*p, 2 * r, r, column_of));
+  out.push_back(lora_probe::factor_probe(
       hidden, 2 * r, 2 * r,
-      [&](std::size_t j) { return j < r ? l.a_gate.row(e * r + j) : l.a_up.row(e * r + j - r); },
+      [&](std::size_t j, std::size_t kk) {
+        return j < r ? l.a_gate(e * r + j, kk) : l.a_up(e * r + j - r, kk);
+      },
       kFactorSeed + 2 * e));
   return out;
 }
@@ -107,11 +61,11 @@ std::vector<verify::Probe> down_lora(const PackProbes& base, const experts::Lora
   const std::size_t r = l.rank;
   std::vector<verify::Probe> out;
   for (const verify::Probe* p : base.all())
-    out.push_back(extended(*p, r, r, [&](std::size_t m) {
-      return std::pair{l.b_down.row(e * hidden + m), std::size_t{0}};
+    out.push_back(lora_probe::extended(*p, r, r, [&](std::size_t m) {
+      return lora_probe::FactorColumns{{{l.b_down.row(e * hidden + m)}}};
     }));
-  out.push_back(factor_probe(
-      inter, r, r, [&](std::size_t j) { return l.a_down.row(e * r + j); },
+  out.push_back(lora_probe::factor_probe(
+      inter, r, r, [&](std::size_t j, std::size_t i) { return l.a_down(e * r + j, i); },
       kFactorSeed + 2 * e + 1));
   return out;
 }
@@ -272,17 +226,6 @@ void experts_forward_grouping(detail::Checker& c, MatView<const std::int32_t> id
   }
 }
 
-namespace {
-
-// Row i's (C r, sum |C|) over p's columns, C's row at c.
-std::pair<double, double> row_sums(const float* c, const verify::Probe& p) {
-  std::pair<double, double> s;
-  verify::detail::signed_sum_and_magnitude(c + p.j0, p.r.data(), p.width, s.first, s.second);
-  return s;
-}
-
-}  // namespace
-
 void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
                         const experts::PackedExperts& w, const experts::Lora* lora,
                         MatView<const bf16> x, std::size_t topk, const ExpertRows& st) {
@@ -314,12 +257,7 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
   // With LoRA, the row goes on with bf16(s f) for the first factor's
   // product f, as the op forms the second product's A operand.
   auto append_scaled = [&](const float* f, std::size_t n, float* row) {
-    bool flushable = false;
-    for (std::size_t q = 0; q < n; ++q) {
-      row[q] = bf16(probe.scale() * f[q]).to_float();
-      flushable |= bounds::flushable(row[q]);
-    }
-    return flushable;
+    return lora_probe::scaled_bf16(f, n, probe.scale(), row);
   };
   auto load_x = [&](std::size_t i, float* row) {
     const bool flushable =
@@ -336,17 +274,19 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
   const auto gate_up = probe_rows_sums(g.rows(), hidden + 2 * r, load_x, row_probes(0),
                                        [&](std::size_t i, std::size_t q, const verify::Probe& p) {
                                          if (is_factor(i, 0, p))
-                                           return row_sums(st.xa + i * 2 * r, p);
-                                         if (!st.probe) return row_sums(st.c1 + i * st.ldc1, p);
+                                           return lora_probe::row_sums(st.xa + i * 2 * r, p);
+                                         if (!st.probe)
+                                           return lora_probe::row_sums(st.c1 + i * st.ldc1, p);
                                          return q ? probe.narrow_sums(i, q - 1) : dense[i];
                                        });
-  const auto down =
-      gate_up.pass ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
-                                     [&](std::size_t i, std::size_t, const verify::Probe& p) {
-                                       return is_factor(i, 1, p) ? row_sums(st.ha + i * r, p)
-                                                                 : row_sums(st.o + i * st.ldo, p);
-                                     })
-                   : verify::ProbeResult{};
+  const auto down = gate_up.pass
+                        ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
+                                          [&](std::size_t i, std::size_t, const verify::Probe& p) {
+                                            return is_factor(i, 1, p)
+                                                       ? lora_probe::row_sums(st.ha + i * r, p)
+                                                       : lora_probe::row_sums(st.o + i * st.ldo, p);
+                                          })
+                        : verify::ProbeResult{};
   for (std::size_t gemm = 0; gemm < 2; ++gemm) {
     const verify::ProbeResult& p = gemm ? down : gate_up;
     if (p.pass) continue;

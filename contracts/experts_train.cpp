@@ -11,6 +11,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/experts.hpp"
+#include "contracts/experts_backward_probe.hpp"
 
 namespace moecert::contracts {
 
@@ -431,7 +432,8 @@ void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
 void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
                            const experts::Lora& lora, MatView<const bf16> x,
                            MatView<const float> dy, const TrainSaved& s,
-                           const experts::Gradients& g, GradFiniteScan* grads_judge) {
+                           const experts::Gradients& g, GradFiniteScan* grads_judge,
+                           const BackwardProbe* probe) {
   const std::size_t E = w.experts(), H = w.hidden(), I = w.inter();
   const auto names = grad_shapes(E, H, I, lora.rank);
   if (grads_judge) {
@@ -443,6 +445,11 @@ void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
   }
   MOECERT_CONTRACT(c, k::kBwdEmptyZero) { empty_expert_zero(c, k::kBwdEmptyZero, s, g); }
   MOECERT_CONTRACT(c, k::kBwdDwMasked) { dweights_masked(c, k::kBwdDwMasked, s, g.dweights); }
+  // dy, x, W and the LoRA factors in range, no overflow; the probes the op
+  // ran (audit) never fail within bounds::dot; proofs/bounds.md §9.3.
+  MOECERT_CONTRACT(c, k::kBwdProbe) {
+    if (probe) probe->report(c, k::kBwdProbe);
+  }
   // Inputs and dy exact, no overflow; every gradient within layer_reference over
   // Tracked (dweights, dx, LoRA, base); proofs/experts.md §2.
   MOECERT_CONTRACT(c, k::kBwdWithin) {

@@ -34,12 +34,14 @@ void experts_backward_pre(detail::Checker& c, const experts::PackedExperts& w,
                           const experts::Lora& lora, MatView<const bf16> x, MatView<const float> dy,
                           const TrainSaved& s, const experts::Gradients& g);
 class GradFiniteScan;
+class BackwardProbe;
 /// grads_judge: grad_finite as judged in the op's passes (null: judged
 /// here, in a pass of its own).
 void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
                            const experts::Lora& lora, MatView<const bf16> x,
                            MatView<const float> dy, const TrainSaved& s,
-                           const experts::Gradients& g, GradFiniteScan* grads_judge);
+                           const experts::Gradients& g, GradFiniteScan* grads_judge,
+                           const BackwardProbe* probe = nullptr);
 
 // ---- shared with the layer -------------------------------------------------
 

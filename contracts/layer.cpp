@@ -18,6 +18,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/compare.hpp"
 #include "contracts/experts.hpp"
+#include "contracts/experts_backward_probe.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer_router_linear.hpp"
 
@@ -278,7 +279,7 @@ std::vector<GradFiniteScan::Output> layer_grad_outputs(const MoeConfig& cfg,
 void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                          MatView<const bf16> x, MatView<const float> dy, const LayerSaved& saved,
                          const layer::Gradients& g, const layer::BackwardOptions& opt,
-                         GradFiniteScan* grads_judge) {
+                         GradFiniteScan* grads_judge, const BackwardProbe* probe) {
   const Dims d = dims(cfg);
   const auto& s = saved;
   const float* dw = s.router_dw;
@@ -297,6 +298,10 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
   MOECERT_CONTRACT(c, k::kBwdRouterMasked) {
     if (dw)
       dweights_masked(c, k::kBwdRouterMasked, s.train, MatView<const float>(dw, x.rows, d.K, d.K));
+  }
+  // As experts.backward.probe (proofs/bounds.md §9.3).
+  MOECERT_CONTRACT(c, k::kBwdProbe) {
+    if (probe) probe->report(c, k::kBwdProbe);
   }
   // Conditioned on the kernel's routing and dL/dw; every gradient within
   // layer_bounds (expert path, router path, base weights); proofs/layer.md §3-4.

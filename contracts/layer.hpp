@@ -20,7 +20,8 @@ void layer_backward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::W
 void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                          MatView<const bf16> x, MatView<const float> dy, const LayerSaved& saved,
                          const layer::Gradients& g, const layer::BackwardOptions& opt,
-                         GradFiniteScan* grads_judge = nullptr);
+                         GradFiniteScan* grads_judge = nullptr,
+                         const BackwardProbe* probe = nullptr);
 /// layer.backward's outputs in grad_finite's order: dx, the router
 /// linear's gradients, m_a, m_g, then the experts' weight gradients.
 std::vector<GradFiniteScan::Output> layer_grad_outputs(const MoeConfig& cfg,

@@ -492,6 +492,61 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   }
 }
 
+TEST_CASE("experts.backward: the probes pass at audit on every ISA, LoRA or none, either path",
+          "[experts][train][numeric]") {
+  for (const std::size_t r : {std::size_t{0}, std::size_t{4}})
+    for (const Isa isa : kernel_isas()) {
+      DYNAMIC_SECTION(isa_name(isa) << " r=" << r) {
+        const Problem p = make(8, 72, 40, 3, r, 37, Routing::tail, 11 + r);
+        ContractScope s{Level::audit, Semantic::enforce};
+        reset_clause_counts();
+        experts::Saved saved;
+        Out o;
+        o.y.assign(p.T * p.H, NAN);
+        experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(),
+                               {o.y.data(), p.T, p.H}, saved, {.isa = isa});
+        CHECK_NOTHROW(experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, o.views(p)));
+        // dL/dw alone: dh without the LoRA term.
+        CHECK_NOTHROW(experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved,
+                                        only({}, {o.dw.data(), p.T, p.K})));
+        CHECK(checked("experts.backward.probe"));
+      }
+    }
+}
+
+TEST_CASE("experts.backward: probe names the GEMM whose factor differs from the forward's",
+          "[experts][train][numeric]") {
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::normal);
+  const auto e = static_cast<std::size_t>(p.idx[0]);
+  const struct {
+    int factor;  // index into p.lora: a_gate, b_gate, a_up, b_up, a_down, b_down
+    std::size_t at;
+    const char* gemm;
+  } cases[] = {{4, e * p.r * p.I, "dh"},
+               {5, e * p.H * p.r, "dyb"},
+               {0, e * p.r * p.H, "dx"},
+               {3, e * p.I * p.r, "dgb"}};
+  for (const auto& cs : cases) {
+    DYNAMIC_SECTION("factor " << cs.factor) {
+      std::vector<bf16> f[6];
+      for (int i = 0; i < 6; ++i) f[i] = p.lora[i];
+      f[cs.factor][cs.at] = bf16(f[cs.factor][cs.at].to_float() + 1.0f);
+      const auto changed =
+          experts::Lora::stacked(p.E, p.H, p.I, p.r, p.alpha, f[0].data(), f[1].data(), f[2].data(),
+                                 f[3].data(), f[4].data(), f[5].data());
+      experts::Saved saved;
+      Out o;
+      o.y.assign(p.T * p.H, NAN);
+      experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
+                             saved);
+      const auto v = test::expect_violation(
+          [&] { experts::backward(p.packed, changed, p.X(), p.DY(), saved, o.views(p)); },
+          "experts.backward.probe", Level::audit);
+      CHECK(v.location.find(fmt::format("e={} {} GEMM row 0", e, cs.gemm)) != std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("experts.forward_train: the probes pass at audit on every ISA, LoRA or none",
           "[experts][train][numeric]") {
   for (const std::size_t r : {std::size_t{0}, std::size_t{4}})

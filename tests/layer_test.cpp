@@ -551,6 +551,22 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
     CHECK(std::isnan(g.dx[0]));  // nothing written
   }
   layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved);
+  SECTION("probe") {
+    {
+      ContractScope s{Level::audit, Semantic::enforce};
+      CHECK_NOTHROW(bwd(saved, p.DY()));
+    }
+    // A_d of every expert, first element, unlike the one the forward packed.
+    std::vector<bf16> ad = p.lora[4];
+    for (std::size_t e = 0; e < p.E; ++e)
+      ad[e * p.r * p.I] = bf16(ad[e * p.r * p.I].to_float() + 1);
+    layer::Weights changed = w;
+    changed.lora.a_down.data = ad.data();
+    auto v =
+        test::expect_violation([&] { layer::backward(p.cfg, changed, p.X(), p.DY(), saved, gv); },
+                               "layer.backward.probe", Level::audit);
+    CHECK(v.location.find(" dh GEMM row 0 columns [0, ") != std::string::npos);
+  }
   SECTION("shape") {
     test::expect_violation(
         [&] {

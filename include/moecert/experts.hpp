@@ -264,6 +264,12 @@ struct Gradients {
 ///                                                     base-weight gradients exactly 0; M_A, M_G are 0
 ///                                                     wherever t is not routed to e
 ///   experts.backward.dweights_masked   post  numeric  dweights exactly 0 at -1 slots (FIELD_NOTES 1, 5)
+///   experts.backward.probe             post  numeric  Freivalds probes of the two row GEMMs (audit),
+///                                                     judged right after each step: dh = dy W_d
+///                                                     (+ bf16(s dyb) A_d) and dyb = dy B_d; the dx
+///                                                     rows = [dg du] [W_g; W_u] (+ bf16(s dgb)
+///                                                     [A_g; A_u]) and dgb; LoRA factors as passed
+///                                                     here (proofs/bounds.md §9.3)
 ///   experts.backward.within_bound      post  numeric  every requested output within its derived bound of
 ///                                                     the reference backward (full)
 ///   experts.backward.rounding_unbiased post  numeric  dx's and dweights' errors unbiased (judge and

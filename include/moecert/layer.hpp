@@ -137,6 +137,8 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///   layer.backward.router_masked post numeric  router path: dL/dw is 0 at -1 slots, and the router
 ///                                              backward's unselected-gradient clause holds
 ///                                              (FIELD_NOTES 1, 5)
+///   layer.backward.probe        post  numeric  the experts' dh and dx row GEMMs against their
+///                                              probes, as experts.backward.probe (audit)
 ///   layer.backward.within_bound post  numeric  every gradient, and M_A, M_G, within its derived
 ///                                              bound of the reference backward (full)
 /// and the clauses of the router backward it runs (dL/dw outside the router's domain is its

@@ -230,6 +230,9 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
                        {.accumulate = true});
     });
   }
+  if (judges.probe && need_dh)
+    judges.probe->dh(grouping_view(c.gr), operand_rows(dyr, lddy, c.layout), d.dh, ldd, d.dyb,
+                     expert_path && c.r);
   return d;
 }
 
@@ -459,7 +462,11 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
   // 4. dx rows.
   arena.enter(workspace::b_dx, chk);
   float* dxr = arena.get<float>("bwd.dx_rows", c.rows * c.H);
-  if (expert_path) dx_rows(c, dgu, dgb, dxr);
+  if (expert_path) {
+    dx_rows(c, dgu, dgb, dxr);
+    if (judges.probe)
+      judges.probe->dx(grouping_view(c.gr), operand_rows(dgu, c.ldg(), c.layout), dxr, dgb);
+  }
   // 5. dx, LoRA gate/up gradients, base-weight gradients, statistics.
   arena.enter(workspace::b_scatter, chk);
   if (!g.dx.empty()) {

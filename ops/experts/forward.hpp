@@ -53,6 +53,8 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
 /// (ops/experts/saved_view.cpp).
 contracts::GroupingView grouping_view(const Grouping& g);
 contracts::ExpertRows rows_view(const ForwardState& st);
+/// bf16 rows at `ld` in `layout` (an A operand's) as the contracts read them.
+contracts::OperandRows operand_rows(const bf16* p, std::size_t ld, gemm::ALayout layout);
 
 struct Workspace::Impl {
   ForwardState state;

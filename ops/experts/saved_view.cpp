@@ -14,15 +14,19 @@ contracts::GroupingView grouping_view(const Grouping& g) {
           .slot_row = g.slot_row};
 }
 
+contracts::OperandRows operand_rows(const bf16* p, std::size_t ld, gemm::ALayout layout) {
+  const bool tiles = layout == gemm::ALayout::tiles;
+  return {.data = p,
+          .ld = ld,
+          .tile_rows = tiles ? gemm::kTileRows : 0,
+          .k_step = tiles ? gemm::kKStep : 0};
+}
+
 contracts::ExpertRows rows_view(const ForwardState& st) {
-  const bool tiles = st.layout == gemm::ALayout::tiles;
   return {.grouping = grouping_view(st.grouping),
           .c1 = st.c1,
           .ldc1 = st.ldc1,
-          .h = {.data = st.h,
-                .ld = st.ldh,
-                .tile_rows = tiles ? gemm::kTileRows : 0,
-                .k_step = tiles ? gemm::kKStep : 0},
+          .h = operand_rows(st.h, st.ldh, st.layout),
           .o = st.o,
           .ldo = st.ldo,
           .rank = st.rank,

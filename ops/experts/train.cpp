@@ -91,8 +91,10 @@ void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
     grads_judge.emplace(
         contracts::experts_grad_outputs(grads, w.experts(), w.hidden(), w.inter(), lora.rank));
   }
+  std::optional<contracts::BackwardProbe> probe;
+  if (chk.level() >= k::kBwdProbe.level) probe.emplace(w, lora);
   const BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
-                              grads_judge ? &*grads_judge : nullptr};
+                              grads_judge ? &*grads_judge : nullptr, probe ? &*probe : nullptr};
   s.arena.enter(workspace::b_gather, chk);
   if (judges.saved) judges.saved->begin();
   if (chk.stop()) return;
@@ -108,7 +110,8 @@ void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
     std::copy(dw.row(t), dw.row(t) + dw.cols, grads.dweights.row(t));
   s.arena.leave(chk);
   contracts::experts_backward_post(chk, w, lora, x, dy, saved_view(s), grads,
-                                   grads_judge ? &*grads_judge : nullptr);
+                                   grads_judge ? &*grads_judge : nullptr,
+                                   probe ? &*probe : nullptr);
 }
 
 }  // namespace moecert::experts

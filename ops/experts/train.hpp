@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "contracts/experts_backward_probe.hpp"
 #include "contracts/experts_train.hpp"
 #include "moecert/experts.hpp"
 #include "ops/experts/forward.hpp"
@@ -56,6 +57,7 @@ struct DyRows {
 struct BackwardJudges {
   contracts::SavedFiniteScan* saved = nullptr;
   contracts::GradFiniteScan* grads = nullptr;
+  contracts::BackwardProbe* probe = nullptr;  // audit: takes dh and the dx rows as formed
 };
 
 /// Steps b_gather and b_dh: dy rows, dh' = dy W_d, dyb = dy B_d; when `dw`

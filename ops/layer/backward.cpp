@@ -74,8 +74,12 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   MOECERT_CONTRACT(chk, clauses::layer::kBwdGradFinite) {
     grads_judge.emplace(contracts::layer_grad_outputs(cfg, grads));
   }
+  std::optional<contracts::BackwardProbe> probe;
+  if (chk.level() >= clauses::layer::kBwdProbe.level)
+    probe.emplace(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{});
   const experts::BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
-                                       grads_judge ? &*grads_judge : nullptr};
+                                       grads_judge ? &*grads_judge : nullptr,
+                                       probe ? &*probe : nullptr};
 
   // 1. The experts op's first part: dy rows, dh; router path: dL/dw.
   arena.enter(workspace::b_gather, chk);
@@ -118,7 +122,8 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
       std::fill(grads.router_b.data, grads.router_b.data + grads.router_b.size, 0.0f);
   }
   arena.leave(chk);
-  contracts::layer_backward_post(chk, cfg, w, x, dy, saved_view(saved), grads, opt, judges.grads);
+  contracts::layer_backward_post(chk, cfg, w, x, dy, saved_view(saved), grads, opt, judges.grads,
+                                 judges.probe);
 }
 
 }  // namespace moecert::layer

@@ -1,0 +1,139 @@
+// The experts backward's row GEMMs against their probes, judged inside the
+// op right after each step (proofs/bounds.md §9.3).
+#include "contracts/experts_backward_probe.hpp"
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include <algorithm>
+
+#include "contracts/lora_probes.hpp"
+
+namespace moecert::contracts {
+
+namespace {
+
+constexpr std::uint64_t kDybSeed = 0x5eedd1, kDgbSeed = 0x5eedd2;
+
+// Grouped row i's expert.
+std::size_t expert_of(const GroupingView& g, std::size_t i) {
+  return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), i) -
+                                  g.begin.begin()) -
+         1;
+}
+
+}  // namespace
+
+BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lora& l)
+    : rank_(l.rank),
+      scale_(rank_ ? static_cast<float>(l.alpha / static_cast<double>(rank_)) : 0.0f),
+      hidden_(w.hidden()),
+      inter_(w.inter()) {
+  const detail::SampledTimer timer(ns_, 1);
+  const std::size_t E = w.experts(), H = hidden_, I = inter_, r = rank_;
+  for (Gemm* gm : {&dh_, &dx_}) gm->probes.resize(E), gm->all.resize(E);
+  oneapi::tbb::parallel_for(std::size_t{0}, 2 * E, [&](std::size_t task) {
+    const std::size_t e = task / 2;
+    const bool dx = task % 2;
+    Gemm& gm = dx ? dx_ : dh_;
+    const PackProbes base = pack_probes(dx ? w.gate_up_t(e) : w.down_t(e));
+    std::vector<verify::Probe>& out = gm.probes[e];
+    if (!r) {
+      for (const verify::Probe* p : base.all()) out.push_back(*p);
+    } else if (!dx) {
+      // dh: column i of A_d^T is A_d's column i (r values at A_d's stride);
+      // dyb = dy16 B_d: F(q, m) = B_d[m, q].
+      for (const verify::Probe* p : base.all())
+        out.push_back(lora_probe::extended(*p, r, r, [&](std::size_t i) {
+          return lora_probe::FactorColumns{{{l.a_down.row(e * r) + i, 0, l.a_down.stride}}};
+        }));
+      out.push_back(lora_probe::factor_probe(
+          H, r, r, [&](std::size_t q, std::size_t m) { return l.b_down(e * H + m, q); },
+          kDybSeed + e));
+    } else {
+      // dx rows: column m of [A_g; A_u]^T is A_g's then A_u's column m;
+      // dgb = [dg du] blockdiag(B_g, B_u).
+      for (const verify::Probe* p : base.all())
+        out.push_back(lora_probe::extended(*p, 2 * r, r, [&](std::size_t m) {
+          return lora_probe::FactorColumns{{{l.a_gate.row(e * r) + m, 0, l.a_gate.stride},
+                                            {l.a_up.row(e * r) + m, r, l.a_up.stride}}};
+        }));
+      out.push_back(lora_probe::factor_probe(
+          2 * I, 2 * r, 2 * r,
+          [&](std::size_t q, std::size_t c) {
+            if ((q < r) != (c < I)) return bf16{};
+            return q < r ? l.b_gate(e * I + c, q) : l.b_up(e * I + c - I, q - r);
+          },
+          kDgbSeed + e));
+    }
+    for (const verify::Probe& p : out) gm.all[e].push_back(&p);
+  });
+}
+
+void BackwardProbe::judge(Gemm& gm, const char* name, const char* factor, const GroupingView& g,
+                          std::size_t k, const std::function<bool(std::size_t, float*)>& load,
+                          const float* c, std::size_t ldc, const float* f, std::size_t ldf) {
+  const detail::SampledTimer timer(ns_, 1);
+  static const std::vector<const verify::Probe*> none;
+  auto is_factor = [&](std::size_t i, const verify::Probe& p) {
+    return rank_ && &p == gm.all[expert_of(g, i)].back();
+  };
+  gm.result = probe_rows_sums(
+      g.rows(), k, load,
+      [&](std::size_t i) -> const std::vector<const verify::Probe*>& {
+        const std::size_t e = expert_of(g, i);
+        return i < g.begin[e] + g.count[e] ? gm.all[e] : none;
+      },
+      [&](std::size_t i, std::size_t, const verify::Probe& p) {
+        return is_factor(i, p) ? lora_probe::row_sums(f + i * ldf, p)
+                               : lora_probe::row_sums(c + i * ldc, p);
+      });
+  if (gm.result.pass) return;
+  const verify::ProbeResult& res = gm.result;
+  const std::size_t e = expert_of(g, res.row);
+  gm.failure = fmt::format("e={} {} GEMM row {} columns [{}, {})", e,
+                           is_factor(res.row, *res.probe) ? factor : name, res.row - g.begin[e],
+                           res.j0, res.j0 + res.width);
+}
+
+void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const float* dh,
+                       std::size_t ldd, const float* dyb, bool lora_term) {
+  const std::size_t H = hidden_, r = rank_;
+  judge(
+      dh_, "dh", "dyb", g, H + r,
+      [&](std::size_t i, float* row) {
+        const OperandRows::Runs d = dy16.row(i, H);
+        const bool flushable = verify::load_bf16(d.first, H, d.run, d.stride, row);
+        if (!lora_term) {  // dh without qd A_d: qd's columns weigh nothing
+          std::fill(row + H, row + H + r, 0.0f);
+          return flushable;
+        }
+        return lora_probe::scaled_bf16(dyb + i * r, r, scale_, row + H) || flushable;
+      },
+      dh, ldd, dyb, r);
+}
+
+void BackwardProbe::dx(const GroupingView& g, const OperandRows& dgu, const float* dxr,
+                       const float* dgb) {
+  const std::size_t k = 2 * inter_, r2 = 2 * rank_;
+  judge(
+      dx_, "dx", "dgb", g, k + r2,
+      [&](std::size_t i, float* row) {
+        const OperandRows::Runs d = dgu.row(i, k);
+        const bool flushable = verify::load_bf16(d.first, k, d.run, d.stride, row);
+        return r2 ? lora_probe::scaled_bf16(dgb + i * r2, r2, scale_, row + k) || flushable
+                  : flushable;
+      },
+      dxr, hidden_, dgb, r2);
+}
+
+void BackwardProbe::report(detail::Checker& c, const ClauseInfo& clause) const {
+  detail::add_clause_seconds(clause, static_cast<double>(ns_.load()) * 1e-9);
+  for (const Gemm* gm : {&dh_, &dx_})
+    if (!gm->result.pass) {
+      c.fail(clause, gm->failure, fmt::format("residual {:.6g}", gm->result.residual),
+             fmt::format("<= {:.6g} (proofs/bounds.md §9)", gm->result.threshold));
+      return;
+    }
+}
+
+}  // namespace moecert::contracts
