@@ -38,6 +38,12 @@ class Checker {
   /// True when `clause` is to be evaluated now (level, group, semantic);
   /// counts the evaluation.
   bool on(const ClauseInfo& clause);
+  /// Whether on(clause) would be true, without counting: for work an op
+  /// does inside its passes for a clause judged after it (e.g. a probe).
+  bool will_check(const ClauseInfo& clause) const {
+    return settings_.semantic != Semantic::ignore && clause.level <= settings_.level &&
+           settings_.group_on(clause.group);
+  }
 
   /// Reports a failure of `clause`: counts it, calls the handler, then
   /// throws ContractViolation under enforce. Under observe it returns, and

@@ -36,19 +36,23 @@ std::vector<verify::Probe> gate_up_lora(const PackProbes& base, const experts::L
                                         std::size_t e, std::size_t hidden, std::size_t inter) {
   constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
   const std::size_t r = l.rank;
-  auto column_of = [&](std::size_t n) -> lora_probe::FactorColumns {
-    const std::size_t panel = n / kPanel, i = (panel / 2) * kPanel + n % kPanel;
-    if (i >= inter) return {};
-    if (panel % 2) return {{{l.b_up.row(e * inter + i), r}}};
-    return {{{l.b_gate.row(e * inter + i), 0}}};
+  auto fill = [&](const verify::Probe& p, double* sum, double* mag) {
+    for (std::size_t j = 0; j < p.width; ++j) {
+      const std::size_t n = p.j0 + j, panel = n / kPanel, i = (panel / 2) * kPanel + n % kPanel;
+      if (i >= inter) continue;  // padding
+      const bool up = panel % 2;
+      lora_probe::short_add(up ? l.b_up.row(e * inter + i) : l.b_gate.row(e * inter + i), r, p.r[j],
+                            sum + (up ? r : 0), mag + (up ? r : 0));
+    }
   };
   std::vector<verify::Probe> out;
-  for (const verify::Probe* p : base.all())
-    out.push_back(lora_probe::extended(*p, 2 * r, r, column_of));
+  for (const verify::Probe* p : base.all()) out.push_back(lora_probe::extended(*p, 2 * r, fill));
   out.push_back(lora_probe::factor_probe(
       hidden, 2 * r, 2 * r,
-      [&](std::size_t j, std::size_t kk) {
-        return j < r ? l.a_gate(e * r + j, kk) : l.a_up(e * r + j - r, kk);
+      [&](const std::vector<float>& signs, double* sum, double* mag) {
+        for (std::size_t j = 0; j < 2 * r; ++j)
+          verify::detail::add_signed(j < r ? l.a_gate.row(e * r + j) : l.a_up.row(e * r + j - r),
+                                     hidden, signs[j], sum, mag);
       },
       kFactorSeed + 2 * e));
   return out;
@@ -61,11 +65,17 @@ std::vector<verify::Probe> down_lora(const PackProbes& base, const experts::Lora
   const std::size_t r = l.rank;
   std::vector<verify::Probe> out;
   for (const verify::Probe* p : base.all())
-    out.push_back(lora_probe::extended(*p, r, r, [&](std::size_t m) {
-      return lora_probe::FactorColumns{{{l.b_down.row(e * hidden + m)}}};
-    }));
+    out.push_back(
+        lora_probe::extended(*p, r, [&](const verify::Probe& q, double* sum, double* mag) {
+          for (std::size_t j = 0; j < q.width; ++j)
+            lora_probe::short_add(l.b_down.row(e * hidden + q.j0 + j), r, q.r[j], sum, mag);
+        }));
   out.push_back(lora_probe::factor_probe(
-      inter, r, r, [&](std::size_t j, std::size_t i) { return l.a_down(e * r + j, i); },
+      inter, r, r,
+      [&](const std::vector<float>& signs, double* sum, double* mag) {
+        for (std::size_t j = 0; j < r; ++j)
+          verify::detail::add_signed(l.a_down.row(e * r + j), inter, signs[j], sum, mag);
+      },
       kFactorSeed + 2 * e + 1));
   return out;
 }

@@ -40,28 +40,41 @@ BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lor
     if (!r) {
       for (const verify::Probe* p : base.all()) out.push_back(*p);
     } else if (!dx) {
-      // dh: column i of A_d^T is A_d's column i (r values at A_d's stride);
-      // dyb = dy16 B_d: F(q, m) = B_d[m, q].
+      // dh: A_d^T's column i is A_d's column i (the rows of A_d over the
+      // probe's columns); dyb = dy16 B_d: F's row q is B_d's column q.
       for (const verify::Probe* p : base.all())
-        out.push_back(lora_probe::extended(*p, r, r, [&](std::size_t i) {
-          return lora_probe::FactorColumns{{{l.a_down.row(e * r) + i, 0, l.a_down.stride}}};
-        }));
+        out.push_back(
+            lora_probe::extended(*p, r, [&](const verify::Probe& q, double* sum, double* mag) {
+              lora_probe::fill_by_rows(
+                  q, r, 0, [&](std::size_t k) { return l.a_down.row(e * r + k); }, sum, mag);
+            }));
       out.push_back(lora_probe::factor_probe(
-          H, r, r, [&](std::size_t q, std::size_t m) { return l.b_down(e * H + m, q); },
+          H, r, r,
+          [&](const std::vector<float>& signs, double* sum, double* mag) {
+            for (std::size_t m = 0; m < H; ++m)
+              lora_probe::short_sums(l.b_down.row(e * H + m), signs.data(), r, sum[m], mag[m]);
+          },
           kDybSeed + e));
     } else {
-      // dx rows: column m of [A_g; A_u]^T is A_g's then A_u's column m;
-      // dgb = [dg du] blockdiag(B_g, B_u).
+      // dx rows: [A_g; A_u]^T's column m is A_g's, then A_u's column m;
+      // dgb = [dg du] blockdiag(B_g, B_u): F's row q < r is B_g's column q
+      // over dg's columns, row r + q B_u's over du's.
       for (const verify::Probe* p : base.all())
-        out.push_back(lora_probe::extended(*p, 2 * r, r, [&](std::size_t m) {
-          return lora_probe::FactorColumns{{{l.a_gate.row(e * r) + m, 0, l.a_gate.stride},
-                                            {l.a_up.row(e * r) + m, r, l.a_up.stride}}};
-        }));
+        out.push_back(
+            lora_probe::extended(*p, 2 * r, [&](const verify::Probe& q, double* sum, double* mag) {
+              lora_probe::fill_by_rows(
+                  q, r, 0, [&](std::size_t k) { return l.a_gate.row(e * r + k); }, sum, mag);
+              lora_probe::fill_by_rows(
+                  q, r, r, [&](std::size_t k) { return l.a_up.row(e * r + k); }, sum, mag);
+            }));
       out.push_back(lora_probe::factor_probe(
           2 * I, 2 * r, 2 * r,
-          [&](std::size_t q, std::size_t c) {
-            if ((q < r) != (c < I)) return bf16{};
-            return q < r ? l.b_gate(e * I + c, q) : l.b_up(e * I + c - I, q - r);
+          [&](const std::vector<float>& signs, double* sum, double* mag) {
+            for (std::size_t i = 0; i < I; ++i) {
+              lora_probe::short_sums(l.b_gate.row(e * I + i), signs.data(), r, sum[i], mag[i]);
+              lora_probe::short_sums(l.b_up.row(e * I + i), signs.data() + r, r, sum[I + i],
+                                     mag[I + i]);
+            }
           },
           kDgbSeed + e));
     }

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -15,65 +14,67 @@
 
 namespace moecert::contracts::lora_probe {
 
-/// Column n of a second product's weight: `rank` values from p on, at
-/// `stride`, at the extension's entries q0 .. q0 + rank - 1 (p null: a
-/// zero column).
-struct FactorColumn {
-  const bf16* p = nullptr;
-  std::size_t q0 = 0, stride = 1;
-};
-
-/// A column: up to two runs (e.g. A_g's part and A_u's).
-using FactorColumns = std::array<FactorColumn, 2>;
-
 /// p over K + k2 columns of A: its weight side over the k2 columns after
-/// A's K, sum_j r_j b_jq and sum_j |b_jq| with b's column j0 + j in the
-/// runs column_of(j0 + j) (FactorColumns), formed in binary64 and stored in binary32 as
-/// verify::make_probe forms a probe (§9.1).
-template <class ColumnOf>
-verify::Probe extended(const verify::Probe& p, std::size_t k2, std::size_t rank,
-                       ColumnOf column_of) {
+/// A's K, sum_j r_j b_jq and sum_j |b_jq| (j over p's columns), formed by
+/// fill(p, sum, mag) into k2 binary64 entries from zero and stored in
+/// binary32 as verify::make_probe stores a probe (§9.1).
+template <class Fill>
+verify::Probe extended(const verify::Probe& p, std::size_t k2, Fill fill) {
   const std::size_t k = p.br.size();
   verify::Probe out{p.j0, p.width, p.r, std::vector<float>(k + k2), std::vector<float>(k + k2)};
   std::copy(p.br.begin(), p.br.end(), out.br.begin());
   std::copy(p.babs.begin(), p.babs.end(), out.babs.begin());
   std::vector<double> br(k2), babs(k2);
-  for (std::size_t j = 0; j < p.width; ++j) {
-    const double sign = p.r[j];
-    for (const FactorColumn& col : column_of(p.j0 + j)) {
-      if (!col.p) continue;
-      for (std::size_t q = 0; q < rank; ++q) {
-        const double v = col.p[q * col.stride].to_float();
-        br[col.q0 + q] += sign * v;
-        babs[col.q0 + q] += std::fabs(v);
-      }
-    }
-  }
+  fill(p, br.data(), babs.data());
   for (std::size_t q = 0; q < k2; ++q)
     out.br[k + q] = static_cast<float>(br[q]), out.babs[k + q] = static_cast<float>(babs[q]);
   return out;
 }
 
-/// The probe of a first factor's product C = A F^T (F [width x k] via
-/// f(j, kk), read for each j in kk order) over an A row of k + k2 columns:
-/// zero weight on the last k2.
-template <class FAt>
-verify::Probe factor_probe(std::size_t k, std::size_t k2, std::size_t width, FAt f,
+/// The probe of a first factor's product C = A F^T (F: `width` rows of k
+/// values) over an A row of k + k2 columns, zero weight on the last k2:
+/// signs r from `seed`, fill(r, sum, mag) forms sum_j r_j F_j and
+/// sum_j |F_j| into k binary64 entries from zero.
+template <class Fill>
+verify::Probe factor_probe(std::size_t k, std::size_t k2, std::size_t width, Fill fill,
                            std::uint64_t seed) {
   verify::Probe p{0, width, verify::probe_signs(width, seed), std::vector<float>(k + k2),
                   std::vector<float>(k + k2)};
   std::vector<double> br(k), babs(k);
-  for (std::size_t j = 0; j < width; ++j) {
-    const double sign = p.r[j];
-    for (std::size_t kk = 0; kk < k; ++kk) {
-      const double v = f(j, kk).to_float();
-      br[kk] += sign * v;
-      babs[kk] += std::fabs(v);
-    }
-  }
+  fill(p.r, br.data(), babs.data());
   for (std::size_t kk = 0; kk < k; ++kk)
     p.br[kk] = static_cast<float>(br[kk]), p.babs[kk] = static_cast<float>(babs[kk]);
   return p;
+}
+
+/// Weight entries [q0, q0 + n) from n rows over p's columns: row q's
+/// column j at rows(q)[j] (a second factor stored by rows of columns,
+/// e.g. A_d for dh's extension).
+template <class Rows>
+void fill_by_rows(const verify::Probe& p, std::size_t n, std::size_t q0, Rows rows, double* sum,
+                  double* mag) {
+  for (std::size_t q = 0; q < n; ++q)
+    verify::detail::signed_sums(rows(q) + p.j0, p.r.data(), p.width, sum[q0 + q], mag[q0 + q]);
+}
+
+/// sum = sum_k r_k x[k], mag = sum_k |x[k]| over a short run (k < n, e.g.
+/// a factor's r values), in binary64 in order.
+inline void short_sums(const bf16* x, const float* r, std::size_t n, double& sum, double& mag) {
+  sum = mag = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    const double v = x[k].to_float();
+    sum += r[k] * v;
+    mag += std::fabs(v);
+  }
+}
+
+/// sum[k] += s x[k], mag[k] += |x[k]| over a short run (k < n).
+inline void short_add(const bf16* x, std::size_t n, double s, double* sum, double* mag) {
+  for (std::size_t k = 0; k < n; ++k) {
+    const double v = x[k].to_float();
+    sum[k] += s * v;
+    mag[k] += std::fabs(v);
+  }
 }
 
 /// Row i's (C r, sum |C|) over p's columns, C's row i at c.

@@ -118,6 +118,35 @@ void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* 
   }
 }
 
+MOECERT_PROBE_CLONES
+void add_signed(const bf16* x, std::size_t n, double s, double* sum, double* mag) {
+  for (std::size_t k = 0; k < n; ++k) {
+    const double v = x[k].to_float();
+    sum[k] += s * v;
+    mag[k] += std::fabs(v);
+  }
+}
+
+MOECERT_PROBE_CLONES
+void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, double& mag) {
+  constexpr std::size_t kL = 8;
+  double s[kL] = {}, m[kL] = {};
+  std::size_t k = 0;
+  for (; k + kL <= n; k += kL)
+    for (std::size_t l = 0; l < kL; ++l) {
+      const double v = x[k + l].to_float();
+      s[l] += r[k + l] * v;
+      m[l] += std::fabs(v);
+    }
+  for (; k < n; ++k) {
+    const double v = x[k].to_float();
+    s[0] += r[k] * v;
+    m[0] += std::fabs(v);
+  }
+  sum = mag = 0;
+  for (std::size_t l = 0; l < kL; ++l) sum += s[l], mag += m[l];
+}
+
 }  // namespace detail
 
 MOECERT_PROBE_CLONES

@@ -94,6 +94,13 @@ void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, dou
 // range is left.
 inline constexpr std::size_t kBlockColumns = 32;
 void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out);
+
+// A probe's weight side from a run of bf16 weights, in binary64 (exact
+// terms, any order: §9.1): sum[k] += s x[k] and mag[k] += |x[k]| for k < n.
+void add_signed(const bf16* x, std::size_t n, double s, double* sum, double* mag);
+// sum = sum_k r_k x[k] and mag = sum_k |x[k]| over k < n (r_k = +-1), in
+// 8 binary64 lanes added in order.
+void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, double& mag);
 }  // namespace detail
 
 /// Lemma 9 on one row (§9.1): a = the row of A (K bf16 values as binary32;

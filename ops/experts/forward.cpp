@@ -47,7 +47,7 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   // The gate/up GEMM's fp32 output is never kept: the audit probe gathers
   // its side of it from the epilogue.
   std::optional<contracts::ExpertsProbe> probe;
-  if (chk.level() >= moecert::clauses::experts::kProbe.level) probe.emplace(w, ws.probe_sums);
+  if (chk.will_check(moecert::clauses::experts::kProbe)) probe.emplace(w, ws.probe_sums);
   forward_impl(w, nullptr, x, idx, weights, y, kernel, ws.arena, ws.state, false,
                probe ? &*probe : nullptr);
   ws.arena.leave(chk);

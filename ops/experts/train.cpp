@@ -63,7 +63,7 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
   }
   s.isa = opt.isa.value_or(default_isa());
   std::optional<contracts::ExpertsProbe> probe;
-  if (chk.level() >= k::kFwdProbe.level) probe.emplace(w, s.probe_sums, &lora);
+  if (chk.will_check(k::kFwdProbe)) probe.emplace(w, s.probe_sums, &lora);
   train_forward_steps(w, s, x, y, opt.training, probe ? &*probe : nullptr);
   s.arena.leave(chk);
   contracts::TrainSaved view = saved_view(s);
@@ -92,7 +92,7 @@ void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
         contracts::experts_grad_outputs(grads, w.experts(), w.hidden(), w.inter(), lora.rank));
   }
   std::optional<contracts::BackwardProbe> probe;
-  if (chk.level() >= k::kBwdProbe.level) probe.emplace(w, lora);
+  if (chk.will_check(k::kBwdProbe)) probe.emplace(w, lora);
   const BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
                               grads_judge ? &*grads_judge : nullptr, probe ? &*probe : nullptr};
   s.arena.enter(workspace::b_gather, chk);

@@ -75,7 +75,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
     grads_judge.emplace(contracts::layer_grad_outputs(cfg, grads));
   }
   std::optional<contracts::BackwardProbe> probe;
-  if (chk.level() >= clauses::layer::kBwdProbe.level)
+  if (chk.will_check(clauses::layer::kBwdProbe))
     probe.emplace(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{});
   const experts::BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
                                        grads_judge ? &*grads_judge : nullptr,

@@ -104,8 +104,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k),
              MatView<float>(s.weights, t_count, k, k));
   std::optional<contracts::ExpertsProbe> probe;
-  if (chk.level() >= clauses::layer::kFwdProbe.level)
-    probe.emplace(*w.experts, s.probe_sums, &lora);
+  if (chk.will_check(clauses::layer::kFwdProbe)) probe.emplace(*w.experts, s.probe_sums, &lora);
   experts::train_forward_steps(*w.experts, s, x, y, opt.training, probe ? &*probe : nullptr);
   s.arena.leave(chk);
   contracts::LayerSaved view = saved_view(s);
