@@ -250,19 +250,13 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
   const std::size_t r = probe.rank(), hidden = w.hidden(), inter = w.inter();
   MOECERT_ASSERT(r == st.rank);
   static const std::vector<const verify::Probe*> none;
-  auto expert_of = [&](std::size_t i) {
-    return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), i) -
-                                    g.begin.begin()) -
-           1;
-  };
   auto row_probes = [&](std::size_t gemm) {
     return [&, gemm](std::size_t i) -> const std::vector<const verify::Probe*>& {
-      const std::size_t e = expert_of(i);
-      return i < g.begin[e] + g.count[e] ? probe.probes(2 * e + gemm) : none;
+      return g.routed_row(i) ? probe.probes(2 * g.expert_of(i) + gemm) : none;
     };
   };
   auto is_factor = [&](std::size_t i, std::size_t gemm, const verify::Probe& p) {
-    return &p == probe.factor_probe(2 * expert_of(i) + gemm);
+    return &p == probe.factor_probe(2 * g.expert_of(i) + gemm);
   };
   // With LoRA, the row goes on with bf16(s f) for the first factor's
   // product f, as the op forms the second product's A operand.
@@ -297,19 +291,13 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
                                                        : lora_probe::row_sums(st.o + i * st.ldo, p);
                                           })
                         : verify::ProbeResult{};
-  for (std::size_t gemm = 0; gemm < 2; ++gemm) {
-    const verify::ProbeResult& p = gemm ? down : gate_up;
-    if (p.pass) continue;
-    const std::size_t e = expert_of(p.row);
-    const char* name =
-        is_factor(p.row, gemm, *p.probe) ? (gemm ? "ha" : "xa") : (gemm ? "down" : "gate_up");
-    c.fail(clause,
-           fmt::format("e={} {} GEMM row {} columns [{}, {})", e, name, p.row - g.begin[e], p.j0,
-                       p.j0 + p.width),
-           fmt::format("residual {:.6g}", p.residual),
-           fmt::format("<= {:.6g} (proofs/bounds.md §9)", p.threshold));
-    return;
-  }
+  for (std::size_t gemm = 0; gemm < 2; ++gemm)
+    if (const verify::ProbeResult& p = gemm ? down : gate_up; !p.pass) {
+      const char* name =
+          is_factor(p.row, gemm, *p.probe) ? (gemm ? "ha" : "xa") : (gemm ? "down" : "gate_up");
+      fail_probe(c, clause, grouped_probe_location(g, p, name), p);
+      return;
+    }
 }
 
 void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,

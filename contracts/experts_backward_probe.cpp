@@ -14,13 +14,6 @@ namespace {
 
 constexpr std::uint64_t kDybSeed = 0x5eedd1, kDgbSeed = 0x5eedd2;
 
-// Grouped row i's expert.
-std::size_t expert_of(const GroupingView& g, std::size_t i) {
-  return static_cast<std::size_t>(std::upper_bound(g.begin.begin(), g.begin.end(), i) -
-                                  g.begin.begin()) -
-         1;
-}
-
 }  // namespace
 
 BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lora& l)
@@ -88,24 +81,20 @@ void BackwardProbe::judge(Gemm& gm, const char* name, const char* factor, const 
   const detail::SampledTimer timer(ns_, 1);
   static const std::vector<const verify::Probe*> none;
   auto is_factor = [&](std::size_t i, const verify::Probe& p) {
-    return rank_ && &p == gm.all[expert_of(g, i)].back();
+    return rank_ && &p == gm.all[g.expert_of(i)].back();
   };
   gm.result = probe_rows_sums(
       g.rows(), k, load,
       [&](std::size_t i) -> const std::vector<const verify::Probe*>& {
-        const std::size_t e = expert_of(g, i);
-        return i < g.begin[e] + g.count[e] ? gm.all[e] : none;
+        return g.routed_row(i) ? gm.all[g.expert_of(i)] : none;
       },
       [&](std::size_t i, std::size_t, const verify::Probe& p) {
         return is_factor(i, p) ? lora_probe::row_sums(f + i * ldf, p)
                                : lora_probe::row_sums(c + i * ldc, p);
       });
-  if (gm.result.pass) return;
-  const verify::ProbeResult& res = gm.result;
-  const std::size_t e = expert_of(g, res.row);
-  gm.failure = fmt::format("e={} {} GEMM row {} columns [{}, {})", e,
-                           is_factor(res.row, *res.probe) ? factor : name, res.row - g.begin[e],
-                           res.j0, res.j0 + res.width);
+  if (!gm.result.pass)
+    gm.failure = grouped_probe_location(g, gm.result,
+                                        is_factor(gm.result.row, *gm.result.probe) ? factor : name);
 }
 
 void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const float* dh,
@@ -143,8 +132,7 @@ void BackwardProbe::report(detail::Checker& c, const ClauseInfo& clause) const {
   detail::add_clause_seconds(clause, static_cast<double>(ns_.load()) * 1e-9);
   for (const Gemm* gm : {&dh_, &dx_})
     if (!gm->result.pass) {
-      c.fail(clause, gm->failure, fmt::format("residual {:.6g}", gm->result.residual),
-             fmt::format("<= {:.6g} (proofs/bounds.md §9)", gm->result.threshold));
+      fail_probe(c, clause, gm->failure, gm->result);
       return;
     }
 }

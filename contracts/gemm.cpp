@@ -121,6 +121,19 @@ void gemm_checksum(detail::Checker& c, const gemm::PackedWeights& w, std::string
   gemm_checksums(c, {&w}, [&](std::size_t) { return std::string(name); });
 }
 
+void fail_probe(detail::Checker& c, const ClauseInfo& clause, std::string location,
+                const verify::ProbeResult& p) {
+  c.fail(clause, std::move(location), fmt::format("residual {:.6g}", p.residual),
+         fmt::format("<= {:.6g} (proofs/bounds.md §9)", p.threshold));
+}
+
+std::string grouped_probe_location(const GroupingView& g, const verify::ProbeResult& p,
+                                   std::string_view gemm) {
+  const std::size_t e = g.expert_of(p.row);
+  return fmt::format("e={} {} GEMM row {} columns [{}, {})", e, gemm, p.row - g.begin[e], p.j0,
+                     p.j0 + p.width);
+}
+
 std::vector<const verify::Probe*> PackProbes::all() const {
   std::vector<const verify::Probe*> out{dense.get()};
   for (const auto& p : narrow) out.push_back(&p);
@@ -209,9 +222,8 @@ void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::Pac
           return all;
         });
     if (!r.pass)
-      c.fail(k::kProbe, fmt::format("row {} columns [{}, {})", r.row, r.j0, r.j0 + r.width),
-             fmt::format("residual {:.6g}", r.residual),
-             fmt::format("<= {:.6g} (proofs/bounds.md §9)", r.threshold));
+      fail_probe(c, k::kProbe, fmt::format("row {} columns [{}, {})", r.row, r.j0, r.j0 + r.width),
+                 r);
   }
   // The same assumptions; every element against the double-double reference
   // within bounds::gemm_element (any order, flushed inputs apart); proofs/bounds.md §1.

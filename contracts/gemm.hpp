@@ -5,11 +5,13 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "contracts/checks.hpp"
 #include "contracts/engine.hpp"
+#include "contracts/saved.hpp"
 #include "contracts/verify.hpp"
 #include "moecert/gemm.hpp"
 
@@ -49,6 +51,14 @@ PackProbes pack_probes(const gemm::PackedWeights& w);
 /// read from that panel directly.
 verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::size_t width,
                           std::uint64_t seed);
+
+/// Fails `clause` at `location` with p's residual and threshold (p failed).
+void fail_probe(detail::Checker& c, const ClauseInfo& clause, std::string location,
+                const verify::ProbeResult& p);
+/// "e=E NAME GEMM row R columns [J0, J1)": p's failing grouped row as its
+/// expert's row R.
+std::string grouped_probe_location(const GroupingView& g, const verify::ProbeResult& p,
+                                   std::string_view gemm);
 
 /// Rows [0, m) of C against their probes (§9) on the op's threads: the
 /// first failing (row, probe) in row order, else a pass. load(i, row) writes

@@ -26,6 +26,17 @@ struct GroupingView {
   std::span<const std::int32_t> row_slot;
   std::span<const std::int64_t> slot_row;
   std::size_t rows() const { return begin.empty() ? 0 : begin.back(); }
+  /// The expert whose rows (padding included) hold grouped row `row`.
+  std::size_t expert_of(std::size_t row) const {
+    return static_cast<std::size_t>(std::upper_bound(begin.begin(), begin.end(), row) -
+                                    begin.begin()) -
+           1;
+  }
+  /// Whether grouped row `row` holds a routed slot (not padding).
+  bool routed_row(std::size_t row) const {
+    const std::size_t e = expert_of(row);
+    return row < begin[e] + count[e];
+  }
 };
 
 /// bf16 rows stored as a GEMM's A operand: row-major at `ld` (tile_rows 0),
