@@ -143,6 +143,22 @@ Out run(const Problem& p, std::optional<Isa> isa = {}) {
   return o;
 }
 
+// p's LoRA factors (p.lora's order) with element `at` of factor `i` raised
+// by 1: the caller's factors unlike those an op ran with.
+struct ChangedLora {
+  std::vector<bf16> f[6];
+  experts::Lora view(const Problem& p) const {
+    return experts::Lora::stacked(p.E, p.H, p.I, p.r, p.alpha, f[0].data(), f[1].data(),
+                                  f[2].data(), f[3].data(), f[4].data(), f[5].data());
+  }
+};
+ChangedLora changed_lora(const Problem& p, int i, std::size_t at) {
+  ChangedLora c;
+  for (int k = 0; k < 6; ++k) c.f[k] = p.lora[k];
+  c.f[i][at] = bf16(c.f[i][at].to_float() + 1.0f);
+  return c;
+}
+
 bool checked(std::string_view id) {
   for (const auto& c : clause_counts())
     if (c.id == id) return c.checked > 0;
@@ -470,18 +486,12 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
                  {5, e * p.H, "down"}};
     for (const auto& cs : cases) {
       DYNAMIC_SECTION("factor " << cs.factor) {
-        std::vector<bf16> f[6];
-        for (int i = 0; i < 6; ++i) f[i] = p.lora[i];
         const std::size_t cols = cs.factor % 2 ? p.r : (cs.factor == 4 ? p.I : p.H);
-        bf16& v = f[cs.factor][cs.row * cols];
-        v = bf16(v.to_float() + 1.0f);
-        const auto changed =
-            experts::Lora::stacked(p.E, p.H, p.I, p.r, p.alpha, f[0].data(), f[1].data(),
-                                   f[2].data(), f[3].data(), f[4].data(), f[5].data());
+        const ChangedLora changed = changed_lora(p, cs.factor, cs.row * cols);
         auto v2 = test::expect_violation(
             [&] {
               detail::Checker c{"experts.forward_train"};
-              contracts::experts_train_forward_post(c, p.packed, changed, p.X(),
+              contracts::experts_train_forward_post(c, p.packed, changed.view(p), p.X(),
                                                     {y.data(), p.T, p.H},
                                                     experts::saved_view(saved.impl()));
             },
@@ -528,19 +538,14 @@ TEST_CASE("experts.backward: probe names the GEMM whose factor differs from the 
                {3, e * p.I * p.r, "dgb"}};
   for (const auto& cs : cases) {
     DYNAMIC_SECTION("factor " << cs.factor) {
-      std::vector<bf16> f[6];
-      for (int i = 0; i < 6; ++i) f[i] = p.lora[i];
-      f[cs.factor][cs.at] = bf16(f[cs.factor][cs.at].to_float() + 1.0f);
-      const auto changed =
-          experts::Lora::stacked(p.E, p.H, p.I, p.r, p.alpha, f[0].data(), f[1].data(), f[2].data(),
-                                 f[3].data(), f[4].data(), f[5].data());
+      const ChangedLora changed = changed_lora(p, cs.factor, cs.at);
       experts::Saved saved;
       Out o;
       o.y.assign(p.T * p.H, NAN);
       experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
                              saved);
       const auto v = test::expect_violation(
-          [&] { experts::backward(p.packed, changed, p.X(), p.DY(), saved, o.views(p)); },
+          [&] { experts::backward(p.packed, changed.view(p), p.X(), p.DY(), saved, o.views(p)); },
           "experts.backward.probe", Level::audit);
       CHECK(v.location.find(fmt::format("e={} {} GEMM row 0", e, cs.gemm)) != std::string::npos);
     }
