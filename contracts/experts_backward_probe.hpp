@@ -18,10 +18,10 @@ namespace moecert::contracts {
 
 /// The probes of the experts backward's two row GEMMs and their LoRA
 /// products (proofs/bounds.md §9.3), per grouped row:
-///   dh  = [dy16 | qd] [W_d^T | A_d^T]^T-pack (down_t, with the expert
-///         path's LoRA term qd = bf16(s dyb)), and dyb = dy16 B_d;
-///   dxr = [dgu | qgu] [W_gu^T | A_gu^T] (gate_up_t, qgu = bf16(s dgb)),
-///         and dgb = [dg du] blockdiag(B_g, B_u).
+///   dh  = dy16 W_d (+ qd A_d on the expert path, qd = bf16(s dyb)),
+///         against down_t's probes, and dyb = dy16 B_d;
+///   dxr = [dg du] [W_g; W_u] (+ qgu [A_g; A_u], qgu = bf16(s dgb)),
+///         against gate_up_t's probes, and dgb = [dg du] blockdiag(B_g, B_u).
 /// The base packs' dense probes are kept with the packs (§9.1), their
 /// narrow ones rotate; the LoRA parts are formed per call from the
 /// caller's factors.
@@ -54,7 +54,6 @@ class BackwardProbe {
   float scale_ = 0.0f;
   std::size_t hidden_ = 0, inter_ = 0;
   Gemm dh_, dx_;
-  bool dh_term_ = false;
   std::atomic<std::int64_t> ns_{0};
 };
 
