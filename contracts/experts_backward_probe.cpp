@@ -23,16 +23,18 @@ BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lor
       inter_(w.inter()) {
   const detail::SampledTimer timer(ns_, 1);
   const std::size_t E = w.experts(), H = hidden_, I = inter_, r = rank_;
-  for (Gemm* gm : {&dh_, &dx_}) gm->probes.resize(E), gm->all.resize(E);
+  for (Gemm* gm : {&dh_, &dx_}) gm->base.resize(E), gm->probes.resize(E), gm->all.resize(E);
   oneapi::tbb::parallel_for(std::size_t{0}, 2 * E, [&](std::size_t task) {
     const std::size_t e = task / 2;
     const bool dx = task % 2;
     Gemm& gm = dx ? dx_ : dh_;
-    const PackProbes base = pack_probes(dx ? w.gate_up_t(e) : w.down_t(e));
+    const PackProbes& base = gm.base[e] = pack_probes(dx ? w.gate_up_t(e) : w.down_t(e));
     std::vector<verify::Probe>& out = gm.probes[e];
     if (!r) {
-      for (const verify::Probe* p : base.all()) out.push_back(*p);
-    } else if (!dx) {
+      gm.all[e] = base.all();
+      return;
+    }
+    if (!dx) {
       // dh: A_d^T's column i is A_d's column i (the rows of A_d over the
       // probe's columns); dyb = dy16 B_d: F's row q is B_d's column q.
       for (const verify::Probe* p : base.all())

@@ -41,7 +41,9 @@ class BackwardProbe {
 
  private:
   struct Gemm {
-    std::vector<std::vector<verify::Probe>> probes;  // per expert: base (+ LoRA), factor's last
+    std::vector<PackProbes> base;                    // per expert: the pack's probes
+    std::vector<std::vector<verify::Probe>> probes;  // per expert with LoRA: base's extended,
+                                                     // the factor's last
     std::vector<std::vector<const verify::Probe*>> all;
     verify::ProbeResult result;
     std::string failure;  // the location of result's failure
