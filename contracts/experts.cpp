@@ -82,12 +82,13 @@ std::vector<verify::Probe> down_lora(const PackProbes& base, const experts::Lora
 
 }  // namespace
 
-ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage,
+ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storage,
                            const experts::Lora* lora)
     : packs_(2 * w.experts()),
       lora_(2 * w.experts()),
       all_(2 * w.experts()),
-      storage_(storage),
+      gate_up_(storage.first, ns_),
+      down_(storage.second, ns_),
       rank_(lora ? lora->rank : 0),
       scale_(rank_ ? static_cast<float>(lora->alpha / static_cast<double>(rank_)) : 0.0f) {
   const detail::SampledTimer timer(ns_, 1);
@@ -102,55 +103,13 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>&
                      : gate_up_lora(packs_[i], *lora, e, w.hidden(), w.inter());
     for (const verify::Probe& p : lora_[i]) all_[i].push_back(&p);
   });
-  if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
 }
 
-void ExpertsProbe::size_rows(std::size_t rows) {
-  const detail::SampledTimer timer(ns_, 1);
-  rows_ = rows;
-  const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
-  if (storage_.size() < n) storage_.resize(n);
-  constexpr std::size_t kGrain = std::size_t{1} << 16;
-  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
-                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
-                              std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
-                                        NAN);
-                            });
-}
-
-void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
-                       const float* c, std::size_t ldc) {
-  const detail::SampledTimer timer(ns_, kAddEvery);
-  MOECERT_ASSERT(n % kBlock == 0 && n + kBlock <= packs_[2 * e].dense->width);
-  const PackProbes& p = packs_[2 * e];
-  const std::size_t b = n / kBlock;
-  verify::detail::block_sums(c, ldc, rows, p.dense->r.data() + n, at(b, row0));
-  for (std::size_t q = 0; q < p.narrow.size(); ++q) {
-    const verify::Probe& nq = p.narrow[q];
-    if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block
-    double* nout = at(blocks_ + q, row0);
-    for (std::size_t i = 0; i < rows; ++i)
-      verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n), nq.r.data(), nq.width,
-                                               nout[2 * i], nout[2 * i + 1]);
-  }
-}
-
-std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {
-  std::vector<std::pair<double, double>> out(rows_, {0.0, 0.0});
-  constexpr std::size_t kRows = 512;  // a row block's totals stay in L1
-  oneapi::tbb::parallel_for(std::size_t{0}, (rows_ + kRows - 1) / kRows, [&](std::size_t blk) {
-    const std::size_t r0 = blk * kRows, r1 = std::min(rows_, r0 + kRows);
-    for (std::size_t b = 0; b < blocks_; ++b) {
-      const double* in = at(b, r0);
-      for (std::size_t r = r0; r < r1; ++r, in += 2) out[r].first += in[0], out[r].second += in[1];
-    }
-  });
-  return out;
-}
-
-std::pair<double, double> ExpertsProbe::narrow_sums(std::size_t row, std::size_t q) const {
-  const double* in = at(blocks_ + q, row);
-  return {in[0], in[1]};
+void ExpertsProbe::size_rows(std::size_t rows, std::size_t gate_up_item, std::size_t down_item) {
+  const std::size_t n1 = packs_.empty() ? 0 : packs_[0].dense->r.size();
+  const std::size_t n2 = packs_.empty() ? 0 : packs_[1].dense->r.size();
+  gate_up_.size(rows, n1, gate_up_item);
+  down_.size(rows, n2, down_item);
 }
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
@@ -242,7 +201,7 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
   const GroupingView& g = st.grouping;
   MOECERT_ASSERT(st.c1 != nullptr || st.probe != nullptr);
   // The op's probes, or (c1 kept) this call's, formed here.
-  std::vector<double> no_sums;
+  ProbeStorage no_sums;
   std::optional<ExpertsProbe> own;
   const ExpertsProbe& probe = st.probe ? *st.probe : own.emplace(w, no_sums, lora);
   if (st.probe)  // its share of the op's passes (own's is inside this clause's time)
@@ -273,31 +232,30 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
     const bool flushable = verify::load_bf16(h.first, inter, h.run, h.stride, row);
     return r ? append_scaled(st.ha + i * r, r, row + inter) || flushable : flushable;
   };
-  const std::vector<std::pair<double, double>> dense =
-      st.probe ? probe.dense_sums() : std::vector<std::pair<double, double>>{};
+  auto fail = [&](const verify::ProbeResult& p, std::size_t gemm) {
+    const char* name =
+        is_factor(p.row, gemm, *p.probe) ? (gemm ? "ha" : "xa") : (gemm ? "down" : "gate_up");
+    fail_probe(c, clause, grouped_probe_location(g, p, name), p);
+  };
+  // C's side: from the op's epilogue sums (st.probe), else from c1 and o.
+  const auto dense_gu = st.probe ? probe.sums(0).dense() : std::vector<std::pair<double, double>>{};
   const auto gate_up = probe_rows_sums(g.rows(), hidden + 2 * r, load_x, row_probes(0),
                                        [&](std::size_t i, std::size_t q, const verify::Probe& p) {
                                          if (is_factor(i, 0, p))
                                            return lora_probe::row_sums(st.xa + i * 2 * r, p);
-                                         if (!st.probe)
-                                           return lora_probe::row_sums(st.c1 + i * st.ldc1, p);
-                                         return q ? probe.narrow_sums(i, q - 1) : dense[i];
+                                         return st.probe ? probe.sums(0).of(dense_gu, i, q)
+                                                         : lora_probe::row_sums(st.c1 + i * st.ldc1, p);
                                        });
-  const auto down = gate_up.pass
-                        ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
-                                          [&](std::size_t i, std::size_t, const verify::Probe& p) {
-                                            return is_factor(i, 1, p)
-                                                       ? lora_probe::row_sums(st.ha + i * r, p)
-                                                       : lora_probe::row_sums(st.o + i * st.ldo, p);
-                                          })
-                        : verify::ProbeResult{};
-  for (std::size_t gemm = 0; gemm < 2; ++gemm)
-    if (const verify::ProbeResult& p = gemm ? down : gate_up; !p.pass) {
-      const char* name =
-          is_factor(p.row, gemm, *p.probe) ? (gemm ? "ha" : "xa") : (gemm ? "down" : "gate_up");
-      fail_probe(c, clause, grouped_probe_location(g, p, name), p);
-      return;
-    }
+  if (!gate_up.pass) return fail(gate_up, 0);
+  const auto dense_d = st.probe ? probe.sums(1).dense() : std::vector<std::pair<double, double>>{};
+  const auto down = probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
+                                    [&](std::size_t i, std::size_t q, const verify::Probe& p) {
+                                      if (is_factor(i, 1, p))
+                                        return lora_probe::row_sums(st.ha + i * r, p);
+                                      return st.probe ? probe.sums(1).of(dense_d, i, q)
+                                                      : lora_probe::row_sums(st.o + i * st.ldo, p);
+                                    });
+  if (!down.pass) fail(down, 1);
 }
 
 void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,

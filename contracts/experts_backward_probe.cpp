@@ -16,11 +16,14 @@ constexpr std::uint64_t kDybSeed = 0x5eedd1, kDgbSeed = 0x5eedd2;
 
 }  // namespace
 
-BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lora& l)
+BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lora& l,
+                             ProbeStorage& storage)
     : rank_(l.rank),
       scale_(rank_ ? static_cast<float>(l.alpha / static_cast<double>(rank_)) : 0.0f),
       hidden_(w.hidden()),
-      inter_(w.inter()) {
+      inter_(w.inter()),
+      dh_sums_(storage.first, ns_),
+      dx_sums_(storage.second, ns_) {
   const detail::SampledTimer timer(ns_, 1);
   const std::size_t E = w.experts(), H = hidden_, I = inter_, r = rank_;
   for (Gemm* gm : {&dh_, &dx_}) gm->base.resize(E), gm->probes.resize(E), gm->all.resize(E);
@@ -77,33 +80,34 @@ BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lor
   });
 }
 
-void BackwardProbe::judge(Gemm& gm, const char* name, const char* factor, const GroupingView& g,
-                          std::size_t k, const std::function<bool(std::size_t, float*)>& load,
-                          const float* c, std::size_t ldc, const float* f, std::size_t ldf) {
+void BackwardProbe::judge(Gemm& gm, const ProbeSums& sums, const char* name, const char* factor,
+                          const GroupingView& g, std::size_t k,
+                          const std::function<bool(std::size_t, float*)>& load, const float* f,
+                          std::size_t ldf) {
   const detail::SampledTimer timer(ns_, 1);
   static const std::vector<const verify::Probe*> none;
   auto is_factor = [&](std::size_t i, const verify::Probe& p) {
     return rank_ && &p == gm.all[g.expert_of(i)].back();
   };
+  const std::vector<std::pair<double, double>> dense = sums.dense();
   gm.result = probe_rows_sums(
       g.rows(), k, load,
       [&](std::size_t i) -> const std::vector<const verify::Probe*>& {
         return g.routed_row(i) ? gm.all[g.expert_of(i)] : none;
       },
-      [&](std::size_t i, std::size_t, const verify::Probe& p) {
-        return is_factor(i, p) ? lora_probe::row_sums(f + i * ldf, p)
-                               : lora_probe::row_sums(c + i * ldc, p);
+      [&](std::size_t i, std::size_t q, const verify::Probe& p) {
+        return is_factor(i, p) ? lora_probe::row_sums(f + i * ldf, p) : sums.of(dense, i, q);
       });
   if (!gm.result.pass)
     gm.failure = grouped_probe_location(g, gm.result,
                                         is_factor(gm.result.row, *gm.result.probe) ? factor : name);
 }
 
-void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const float* dh,
-                       std::size_t ldd, const float* dyb, bool lora_term) {
+void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const float* dyb,
+                       bool lora_term) {
   const std::size_t H = hidden_, r = rank_;
   judge(
-      dh_, "dh", "dyb", g, H + r,
+      dh_, dh_sums_, "dh", "dyb", g, H + r,
       [&](std::size_t i, float* row) {
         const OperandRows::Runs d = dy16.row(i, H);
         const bool flushable = verify::load_bf16(d.first, H, d.run, d.stride, row);
@@ -113,21 +117,20 @@ void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const flo
         }
         return lora_probe::scaled_bf16(dyb + i * r, r, scale_, row + H) || flushable;
       },
-      dh, ldd, dyb, r);
+      dyb, r);
 }
 
-void BackwardProbe::dx(const GroupingView& g, const OperandRows& dgu, const float* dxr,
-                       const float* dgb) {
+void BackwardProbe::dx(const GroupingView& g, const OperandRows& dgu, const float* dgb) {
   const std::size_t k = 2 * inter_, r2 = 2 * rank_;
   judge(
-      dx_, "dx", "dgb", g, k + r2,
+      dx_, dx_sums_, "dx", "dgb", g, k + r2,
       [&](std::size_t i, float* row) {
         const OperandRows::Runs d = dgu.row(i, k);
         const bool flushable = verify::load_bf16(d.first, k, d.run, d.stride, row);
         return r2 ? lora_probe::scaled_bf16(dgb + i * r2, r2, scale_, row + k) || flushable
                   : flushable;
       },
-      dxr, hidden_, dgb, r2);
+      dgb, r2);
 }
 
 void BackwardProbe::report(detail::Checker& c, const ClauseInfo& clause) const {

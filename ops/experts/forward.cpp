@@ -150,7 +150,9 @@ void gate_up(const Steps& s) {
     }
     auto swiglu = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
       for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel) {
-        if (s.probe) s.probe->add(tl.e, r0 + i0, i1 - i0, n, cb + (i0 * ldc + (n - col0)), ldc);
+        if (s.probe)
+          s.probe->gate_up(tl.e, r0 + i0, i1 - i0, n, std::min(j1, n + 2 * gemm::kPanel),
+                           cb + (i0 * ldc + (n - col0)), ldc);
         const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
         if (col >= s.inter) continue;
         for (std::size_t i = i0; i < i1; ++i) {
@@ -184,14 +186,20 @@ void pad_h(const Steps& s) {
   });
 }
 
-// Step 4b. Down GEMM, o = h W_d^T (+ LoRA: o += lb B_d^T in the same blocks).
+// Step 4b. Down GEMM, o = h W_d^T (+ LoRA: o += lb B_d^T in the same blocks);
+// at audit each finished block of o goes to the probe while in cache.
 void down(const Steps& s) {
   for_each_tile(tiles(s.g.count, s.hidden, s.mb, gemm::item_cols(s.kp2)), [&](const Tile& tl) {
     const std::size_t r0 = s.g.begin[tl.e] + tl.m0;
+    float* o = s.st.o + r0 * s.st.ldo;
+    auto to_probe = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
+      s.probe->down(tl.e, r0 + i0, i1 - i0, j0, j1, o + (i0 * s.st.ldo + j0), s.st.ldo);
+    };
     gemm::BlockOptions bo;
     if (s.rank) bo.a2 = s.lb_d_row(r0), bo.w2 = &s.lora->experts[tl.e].b_d;
+    if (s.probe) bo.epilogue = to_probe;
     gemm::gemm_block(s.kernel, s.h_at(r0, 0), tl.m1 - tl.m0, s.w.down(tl.e), tl.n0, tl.n1, s.hidden,
-                     s.st.o + r0 * s.st.ldo, s.st.ldo, bo);
+                     o, s.st.ldo, bo);
   });
 }
 
@@ -250,7 +258,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
           .mb = round_up(512, kernel.mr),
           .probe = probe};
   s.row_blocks = tiles(g.count, 1, s.mb, 1);
-  if (probe) probe->size_rows(rows);
+  if (probe) probe->size_rows(rows, gemm::item_cols(s.kp1), gemm::item_cols(s.kp2));
   const gemm::ALayout layout = kernel.a_layout;
   st.layout = layout;
   st.lda = gemm::a_stride(layout, s.kp1);
