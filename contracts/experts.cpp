@@ -243,8 +243,9 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
                                        [&](std::size_t i, std::size_t q, const verify::Probe& p) {
                                          if (is_factor(i, 0, p))
                                            return lora_probe::row_sums(st.xa + i * 2 * r, p);
-                                         return st.probe ? probe.sums(0).of(dense_gu, i, q)
-                                                         : lora_probe::row_sums(st.c1 + i * st.ldc1, p);
+                                         return st.probe
+                                                    ? probe.sums(0).of(dense_gu, i, q)
+                                                    : lora_probe::row_sums(st.c1 + i * st.ldc1, p);
                                        });
   if (!gate_up.pass) return fail(gate_up, 0);
   const auto dense_d = st.probe ? probe.sums(1).dense() : std::vector<std::pair<double, double>>{};

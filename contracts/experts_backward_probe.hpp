@@ -68,8 +68,7 @@ class BackwardProbe {
   };
   void judge(Gemm& gm, const ProbeSums& sums, const char* name, const char* factor,
              const GroupingView& g, std::size_t k,
-             const std::function<bool(std::size_t, float*)>& load, const float* f,
-             std::size_t ldf);
+             const std::function<bool(std::size_t, float*)>& load, const float* f, std::size_t ldf);
 
   std::atomic<std::int64_t> ns_{0};
   std::size_t rank_ = 0;

@@ -66,8 +66,8 @@ std::vector<std::pair<double, double>> ProbeSums::dense() const {
   oneapi::tbb::parallel_for(std::size_t{0}, (rows_ + kRows - 1) / kRows, [&](std::size_t blk) {
     const std::size_t r0 = blk * kRows, r1 = std::min(rows_, r0 + kRows);
     for (std::size_t s = 0; s < items_; ++s) {
-      const double blocks = static_cast<double>(
-          (std::min(n_, (s + 1) * item_) - s * item_ + kBlock - 1) / kBlock);
+      const double blocks =
+          static_cast<double>((std::min(n_, (s + 1) * item_) - s * item_ + kBlock - 1) / kBlock);
       const double* in = at(s, r0);
       for (std::size_t row = r0; row < r1; ++row, in += kSlot) {
         auto& [sum, mag] = out[row];

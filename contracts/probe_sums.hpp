@@ -39,8 +39,8 @@ class ProbeSums {
   /// Rows [row0, row0 + rows) of C, columns [n0, n1) (n0 a multiple of
   /// kBlock, n1 - n0 <= kBlock), row i at c + i ldc; `p`: the probes of the
   /// rows' pack. Any thread; one per (row, item).
-  void add(const PackProbes& p, std::size_t row0, std::size_t rows, std::size_t n0,
-           std::size_t n1, const float* c, std::size_t ldc);
+  void add(const PackProbes& p, std::size_t row0, std::size_t rows, std::size_t n0, std::size_t n1,
+           const float* c, std::size_t ldc);
   /// Each row's (C r, sum |C|) over the dense probe's columns (NaN where a
   /// block is missing), on the op's threads.
   std::vector<std::pair<double, double>> dense() const;

@@ -220,7 +220,8 @@ TEST_CASE("verify: ProbeSums adds a row's blocks by item and flags a missing or 
   auto d = hand_over(none, none);
   for (std::size_t i = 1; i < kRows; ++i) {
     double s = 0, m = 0, sn = 0, mn = 0;
-    for (std::size_t j = 0; j < kN; ++j) s += c[i * kN + j] * p.dense->r[j], m += std::fabs(c[i * kN + j]);
+    for (std::size_t j = 0; j < kN; ++j)
+      s += c[i * kN + j] * p.dense->r[j], m += std::fabs(c[i * kN + j]);
     for (std::size_t j = 0; j < 4; ++j)
       sn += c[i * kN + 68 + j] * p.narrow[0].r[j], mn += std::fabs(c[i * kN + 68 + j]);
     INFO("row " << i);

@@ -493,7 +493,8 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
   float* dxr = arena.get<float>("bwd.dx_rows", c.rows * c.H);
   if (expert_path) {
     dx_rows(c, dgu, dgb, dxr);
-    if (judges.probe) judges.probe->dx(grouping_view(c.gr), operand_rows(dgu, c.ldg(), c.layout), dgb);
+    if (judges.probe)
+      judges.probe->dx(grouping_view(c.gr), operand_rows(dgu, c.ldg(), c.layout), dgb);
   }
   // 5. dx, LoRA gate/up gradients, base-weight gradients, statistics.
   arena.enter(workspace::b_scatter, chk);
