@@ -16,10 +16,12 @@
 namespace moecert::contracts {
 
 /// The probes of the experts forward carried through the op (audit): each
-/// pack's probes for this call, and both GEMMs' C side of them (C r and
-/// sum |C| of each grouped row) gathered by the op's epilogues while a block
-/// of C is in cache (ProbeSums), so that neither the gate/up C nor o is
-/// read again (proofs/bounds.md §9.1).
+/// pack's probes for this call; both GEMMs' C side of them (C r and sum |C|
+/// of each grouped row) gathered by the op's epilogues while a block of C
+/// is in cache (ProbeSums), so that neither the gate/up C nor o is read
+/// again; and their A side (RowSides) formed where the op gathers x's rows
+/// and pads h's, from the same buffers the judge would read
+/// (proofs/bounds.md §9.1).
 ///
 /// With LoRA (rank r > 0) the gate/up GEMM is C = [x | lb] [W_gu | B_gu]^T
 /// with lb = bf16(s xa), and the down GEMM o = [h | lbd] [W_d | B_d]^T with
@@ -45,6 +47,14 @@ class ExpertsProbe {
             const float* c, std::size_t ldc) {
     down_.add(packs_[2 * e + 1], row0, rows, n0, n1, c, ldc);
   }
+  /// The gate/up GEMM's A rows [x | bf16(s xa)] of grouped rows [row0,
+  /// row0 + rows) (expert e's), x's row read through the grouping (so the
+  /// gather is judged too), right after the op gathered them.
+  void x_rows(const GroupingView& g, MatView<const bf16> x, std::size_t topk, const float* xa,
+              std::size_t e, std::size_t row0, std::size_t rows);
+  /// The down GEMM's A rows [h | bf16(s ha)], right after the op padded them.
+  void h_rows(const OperandRows& h, std::size_t inter, const float* ha, std::size_t e,
+              std::size_t row0, std::size_t rows);
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow,
   /// and with LoRA the first factor's.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
@@ -57,6 +67,8 @@ class ExpertsProbe {
   float scale() const { return scale_; }
   /// The C side of pack [2e + gemm]'s base probes (probes()[0], [1], ...).
   const ProbeSums& sums(std::size_t gemm) const { return gemm ? down_ : gate_up_; }
+  /// The A side of pack [2e + gemm]'s probes (probes()), per grouped row.
+  const RowSides& sides(std::size_t gemm) const { return gemm ? h_sides_ : x_sides_; }
   /// CPU time spent in the constructor, size_rows() and the hand-overs
   /// (sampled), in ns: the probe's share of the op's own passes.
   std::int64_t ns() const { return ns_.load(); }
@@ -67,6 +79,7 @@ class ExpertsProbe {
   std::vector<std::vector<verify::Probe>> lora_;  // per pack with LoRA: probes() in order
   std::vector<std::vector<const verify::Probe*>> all_;
   ProbeSums gate_up_, down_;
+  RowSides x_sides_, h_sides_;
   std::size_t rank_ = 0;
   float scale_ = 0.0f;
 };

@@ -79,4 +79,26 @@ std::vector<std::pair<double, double>> ProbeSums::dense() const {
   return out;
 }
 
+void RowSides::size(std::size_t rows, std::size_t probes) {
+  const detail::SampledTimer timer(ns_, 1);
+  probes_ = probes;
+  const std::size_t n = rows * probes;
+  if (storage_.size() < n) storage_.resize(n);
+  const verify::RowSide unformed{NAN, NAN, NAN};
+  constexpr std::size_t kGrain = std::size_t{1} << 14;
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
+                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+                              std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
+                                        unformed);
+                            });
+}
+
+void RowSides::form(std::size_t row, const std::vector<const verify::Probe*>& ps, const float* a,
+                    std::size_t n, bool flushable) {
+  const detail::SampledTimer timer(ns_);
+  MOECERT_ASSERT(ps.size() == probes_);
+  for (std::size_t q = 0; q < ps.size(); ++q)
+    storage_[row * probes_ + q] = verify::row_side(*ps[q], 0, a, n, flushable);
+}
+
 }  // namespace moecert::contracts

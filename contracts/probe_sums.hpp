@@ -69,10 +69,37 @@ class ProbeSums {
   std::size_t rows_ = 0, n_ = 0, item_ = 0, items_ = 0;
 };
 
-/// An op's storage for the ProbeSums of its two probed GEMMs, kept across
-/// calls.
+/// Each grouped row's side of its probes (verify::RowSide), formed where the
+/// op forms or reads the row (its A operand in cache) and kept for the
+/// judge, so that the probe need not read A again. NaN until formed: a row
+/// the op never hands over fails its probes.
+class RowSides {
+ public:
+  RowSides(std::vector<verify::RowSide>& storage, std::atomic<std::int64_t>& ns)
+      : storage_(storage), ns_(ns) {}
+  /// Before the op's pass: `rows` grouped rows of `probes` probes each.
+  void size(std::size_t rows, std::size_t probes);
+  /// Row `row`'s sides of ps over their weight entries [0, n) from its n
+  /// values `a` (binary32; `flushable`: whether one is). Any thread, one per
+  /// row.
+  void form(std::size_t row, const std::vector<const verify::Probe*>& ps, const float* a,
+            std::size_t n, bool flushable);
+  /// Row `row`'s side of its probe q.
+  const verify::RowSide& side(std::size_t row, std::size_t q) const {
+    return storage_[row * probes_ + q];
+  }
+
+ private:
+  std::vector<verify::RowSide>& storage_;
+  std::atomic<std::int64_t>& ns_;
+  std::size_t probes_ = 0;
+};
+
+/// An op's storage for the sums of its two probed GEMMs (C's side, A's
+/// side), kept across calls.
 struct ProbeStorage {
-  std::vector<double> first, second;
+  std::vector<double> c_first, c_second;
+  std::vector<verify::RowSide> a_first, a_second;
 };
 
 }  // namespace moecert::contracts

@@ -345,12 +345,17 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
     contracts::ExpertsProbe probe(p.packed, storage);
     const auto& g = st.grouping;
     constexpr std::size_t kBlock = contracts::ProbeSums::kBlock;
-    // What the op's epilogues do with each finished block of C (here the
-    // exact c1 and o), leaving out gate/up's block `skip` if given.
-    auto hand_over = [&](std::size_t skip) {
+    const contracts::ExpertRows view = experts::rows_view(st);
+    // What the op does: each expert's A rows as gathered and padded, each
+    // finished block of C (here the exact c1 and o) from the epilogues,
+    // leaving out gate/up's block `skip` if given, and the h rows unless
+    // `h_rows`.
+    auto hand_over = [&](std::size_t skip, bool h_rows = true) {
       probe.size_rows(g.rows(), kBlock, kBlock);
       for (std::size_t e = 0; e < p.e; ++e) {
         if (!g.count[e]) continue;
+        probe.x_rows(view.grouping, p.X(), p.k, nullptr, e, g.begin[e], g.count[e]);
+        if (h_rows) probe.h_rows(view.h, p.i, nullptr, e, g.begin[e], g.count[e]);
         for (std::size_t n = 0; n < st.ldc1; n += kBlock)
           if (n != skip)
             probe.gate_up(e, g.begin[e], g.count[e], n, n + kBlock,
@@ -360,7 +365,7 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
                      st.o + g.begin[e] * st.ldo + n, st.ldo);
       }
     };
-    contracts::ExpertRows rows = experts::rows_view(st);
+    contracts::ExpertRows rows = view;
     rows.c1 = nullptr;  // as experts::forward leaves it
     rows.probe = &probe;
     auto post = post_with(rows);
@@ -383,6 +388,9 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
     hand_over(0);  // a block the op never handed over stays NaN
     v = test::expect_violation(post, "experts.forward.probe", Level::audit);
     CHECK(v.location.find("gate_up GEMM row 0") != std::string::npos);
+    hand_over(none, false);  // so do rows of A it never handed over
+    v = test::expect_violation(post, "experts.forward.probe", Level::audit);
+    CHECK(v.location.find("down GEMM row 0") != std::string::npos);
   }
 }
 

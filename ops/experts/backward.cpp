@@ -61,11 +61,18 @@ struct Ctx {
   float weight_of(std::size_t row) const {
     return s.weights[static_cast<std::size_t>(gr.row_slot[row])];
   }
+  // Expert of a routed grouped row.
+  std::size_t expert_of(std::size_t row) const {
+    return static_cast<std::size_t>(s.idx[static_cast<std::size_t>(gr.row_slot[row])]);
+  }
   // Row stride of dh (fp32, depth I padded to the K step).
   std::size_t ldd() const { return round_up(I, gemm::kKStep); }
   // The dg, du rows (bf16, A layout of depth 2I): dg at columns 0..I-1, du at I..2I-1.
   std::size_t kp2i() const { return round_up(2 * I, gemm::kKStep); }
   std::size_t ldg() const { return gemm::a_stride(layout, kp2i()); }
+  // Columns per work item of the dx rows' GEMM (K = 2I): with 256, B (1.4
+  // MiB at I = 1408) would not stay in L2 under the AMX loops' row blocks.
+  std::size_t dx_item_cols() const { return gemm::item_cols(kp2i()); }
 };
 
 // Per expert e, its gradient rows out[e * r + k][n] = scale * sum over the
@@ -193,6 +200,12 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   const std::size_t kph = round_up(c.H, gemm::kKStep), lddy = gemm::a_stride(c.layout, kph);
   bf16* dyr = arena.get<bf16>("bwd.dy", gemm::a_size(c.layout, c.rows, kph));
   auto dy_row = [&](std::size_t row) { return dyr + gemm::a_offset(c.layout, lddy, row, 0); };
+  // At audit the probe takes each expert's dy rows as formed, and from the
+  // last pass that writes dh (the expert path's LoRA term, else the base
+  // product) each finished block.
+  const bool lora_term = expert_path && c.r;
+  const std::size_t nb_dh = gemm::item_cols(kph), nb_lora = 256;
+  if (judges.probe && need_dh) judges.probe->size_dh(c.rows, lora_term ? nb_lora : nb_dh);
   if (need_dh)
     oneapi::tbb::parallel_for(std::size_t{0}, c.E, moecert::detail::task([&](std::size_t e) {
                                 std::vector<std::int32_t> tokens(c.gr.count[e]);
@@ -202,6 +215,9 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
                                 gemm::pack_a_f32(c.kernel, dy.data, dy.stride, tokens.data(),
                                                  c.gr.count[e], c.gr.begin[e + 1] - c.gr.begin[e],
                                                  c.H, kph, 1.0f, dy_row(c.gr.begin[e]));
+                                if (judges.probe)
+                                  judges.probe->dy_rows(operand_rows(dyr, lddy, c.layout), e,
+                                                        c.gr.begin[e], c.gr.count[e]);
                               }));
 
   // 2. dh' = dy W_d, dyb = dy B_d; dw = <dh', h> + <dyb, lb_d>; then the
@@ -211,11 +227,6 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   d.dh = arena.get<float>("bwd.dh", c.rows * ldd);
   d.dyb = c.r ? arena.get<float>("lora.dyb", c.rows * c.r) : nullptr;
   const std::size_t kr2 = round_up(c.r, gemm::kKStep);
-  // At audit the last pass that writes dh (the expert path's LoRA term,
-  // else the base product) hands each finished block to the probe.
-  const bool lora_term = expert_path && c.r;
-  const std::size_t nb_dh = gemm::item_cols(kph), nb_lora = 256;
-  if (judges.probe && need_dh) judges.probe->size_dh(c.rows, lora_term ? nb_lora : nb_dh);
   auto dh_block = [&](const Tile& tl, const bf16* a, const gemm::PackedWeights& b, bool last) {
     const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
     const DhToProbe to_probe{judges.probe, tl.e, r0, ldd, d.dh};
@@ -253,8 +264,7 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
                s.lora.experts[tl.e].a_d_t, true);
     });
   }
-  if (judges.probe && need_dh)
-    judges.probe->dh(grouping_view(c.gr), operand_rows(dyr, lddy, c.layout), d.dyb, lora_term);
+  if (judges.probe && need_dh) judges.probe->dh(grouping_view(c.gr), d.dyb, lora_term);
   return d;
 }
 
@@ -273,6 +283,8 @@ void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
   auto at = [&](std::size_t row, std::size_t col) {
     return dgu + gemm::a_offset(c.layout, ldg, row, col);
   };
+  const contracts::OperandRows dgu_rows = operand_rows(dgu, ldg, c.layout);
+  if (c.judges.probe) c.judges.probe->size_dx(c.rows, c.dx_item_cols());
   oneapi::tbb::parallel_for(
       std::size_t{0}, c.rows, moecert::detail::task([&](std::size_t row) {
         const bool valid = c.gr.row_slot[row] >= 0;
@@ -290,6 +302,7 @@ void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
           i += n;
         }
         if (c.judges.saved) c.judges.saved->row(row);  // c1's row, still in cache
+        if (c.judges.probe) c.judges.probe->dgu_row(dgu_rows, c.expert_of(row), row);
       }));
   if (c.r)
     for_each_tile(tiles(c.gr.count, 2 * c.r, c.mb, 256), [&](const Tile& tl) {
@@ -331,11 +344,8 @@ void dx_rows(const Ctx& c, const bf16* dgu, const float* dgb, float* dxr) {
                                     c.gr.count[e], c.gr.begin[e + 1] - c.gr.begin[e], 2 * c.r, kr1,
                                     c.sc, qgu + gemm::a_offset(c.layout, ldq, c.gr.begin[e], 0));
                               }));
-  // Items of 128 columns (gemm::item_cols, K = 2I): with 256, B (1.4 MiB
-  // at I = 1408) would not stay in L2 under the AMX loops' row blocks.
   // At audit each finished block goes to the probe while in cache.
-  const std::size_t nb_dx = gemm::item_cols(c.kp2i());
-  if (c.judges.probe) c.judges.probe->size_dx(c.rows, nb_dx);
+  const std::size_t nb_dx = c.dx_item_cols();
   for_each_tile(tiles(c.gr.count, c.H, c.mb, nb_dx), [&](const Tile& tl) {
     const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
     float* const out = dxr + r0 * c.H;
@@ -493,8 +503,7 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
   float* dxr = arena.get<float>("bwd.dx_rows", c.rows * c.H);
   if (expert_path) {
     dx_rows(c, dgu, dgb, dxr);
-    if (judges.probe)
-      judges.probe->dx(grouping_view(c.gr), operand_rows(dgu, c.ldg(), c.layout), dgb);
+    if (judges.probe) judges.probe->dx(grouping_view(c.gr), dgb);
   }
   // 5. dx, LoRA gate/up gradients, base-weight gradients, statistics.
   arena.enter(workspace::b_scatter, chk);

@@ -102,7 +102,8 @@ struct Steps {
 // Step 2. Per block of up to mb rows of an expert: gather its token rows
 // (padding rows and columns zero); with LoRA, while those rows are in L2, the
 // first factor xa = x [A_g; A_u]^T in fp32 (saved) and the second product's
-// A operand lb = bf16(s xa) in the kernel's layout.
+// A operand lb = bf16(s xa) in the kernel's layout; at audit the rows' side
+// of the gate/up probes.
 void gather(const Steps& s) {
   for_each_tile(s.row_blocks, [&](const Tile& tl) {
     const std::size_t r0 = s.g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0, r2 = 2 * s.rank;
@@ -110,11 +111,13 @@ void gather(const Steps& s) {
     for (std::size_t r = 0; r < m; ++r)
       tokens[r] = s.g.row_slot[r0 + r] / static_cast<std::int32_t>(s.k);
     gemm::pack_a(s.layout(), s.x, tokens.data(), m, s.padded_rows(tl), s.kp1, s.a_row(r0));
-    if (!s.rank) return;
-    gemm::gemm_block(s.kernel, s.a_row(r0), m, s.lora->experts[tl.e].a_gu, 0, r2, r2,
-                     s.st.xa + r0 * r2, r2);
-    gemm::pack_a_f32(s.kernel, s.st.xa + r0 * r2, r2, nullptr, m, s.padded_rows(tl), r2, s.kr1,
-                     s.st.scale, s.lb_gu_row(r0));
+    if (s.rank) {
+      gemm::gemm_block(s.kernel, s.a_row(r0), m, s.lora->experts[tl.e].a_gu, 0, r2, r2,
+                       s.st.xa + r0 * r2, r2);
+      gemm::pack_a_f32(s.kernel, s.st.xa + r0 * r2, r2, nullptr, m, s.padded_rows(tl), r2, s.kr1,
+                       s.st.scale, s.lb_gu_row(r0));
+    }
+    if (s.probe) s.probe->x_rows(grouping_view(s.g), s.x, s.k, s.st.xa, tl.e, r0, m);
   });
 }
 
@@ -172,17 +175,21 @@ void gate_up(const Steps& s) {
 // Step 4a. Per row block: zero h's K padding (columns I..kp2) and the padding
 // rows, which the down GEMM reads (a stale NaN there would reach valid
 // outputs as 0 * NaN); then, with LoRA, ha = h A_d^T (saved) and
-// lb = bf16(s ha) from those h rows.
+// lb = bf16(s ha) from those h rows; at audit the rows' side of the down
+// probes.
 void pad_h(const Steps& s) {
   for_each_tile(s.row_blocks, [&](const Tile& tl) {
     const std::size_t r0 = s.g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0, r = s.rank;
     for (std::size_t i = 0; i < s.padded_rows(tl); ++i)
       for (std::size_t col = i < m ? s.inter : 0; col < s.kp2; ++col) *s.h_at(r0 + i, col) = bf16{};
-    if (!r) return;
-    gemm::gemm_block(s.kernel, s.h_at(r0, 0), m, s.lora->experts[tl.e].a_d, 0, r, r,
-                     s.st.ha + r0 * r, r);
-    gemm::pack_a_f32(s.kernel, s.st.ha + r0 * r, r, nullptr, m, s.padded_rows(tl), r, s.kr2,
-                     s.st.scale, s.lb_d_row(r0));
+    if (r) {
+      gemm::gemm_block(s.kernel, s.h_at(r0, 0), m, s.lora->experts[tl.e].a_d, 0, r, r,
+                       s.st.ha + r0 * r, r);
+      gemm::pack_a_f32(s.kernel, s.st.ha + r0 * r, r, nullptr, m, s.padded_rows(tl), r, s.kr2,
+                       s.st.scale, s.lb_d_row(r0));
+    }
+    if (s.probe)
+      s.probe->h_rows(operand_rows(s.st.h, s.st.ldh, s.layout()), s.inter, s.st.ha, tl.e, r0, m);
   });
 }
 
