@@ -18,7 +18,6 @@ set(MOECERT_SOURCES
   contracts/experts_train.cpp
   contracts/experts_scans.cpp
   contracts/experts_backward_probe.cpp
-  contracts/probe_sums.cpp
   contracts/verify.cpp
   contracts/router/softmax_topk.cpp contracts/router/sigmoid_topk.cpp contracts/router/product_key.cpp
   contracts/judge_ops.cpp contracts/judge_router.cpp contracts/judge_experts.cpp

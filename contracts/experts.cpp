@@ -80,36 +80,14 @@ std::vector<verify::Probe> down_lora(const PackProbes& base, const experts::Lora
   return out;
 }
 
-// The gate/up GEMM's A row i: x's row of the slot's token, then with LoRA
-// bf16(s xa_i), as the op forms the second product's A operand; whether a
-// value is flushable.
-bool load_x_row(const GroupingView& g, MatView<const bf16> x, std::size_t topk, const float* xa,
-                std::size_t r, float s, std::size_t i, float* row) {
-  const bool flushable =
-      verify::load_bf16(x.row(static_cast<std::size_t>(g.row_slot[i]) / topk), x.cols, row);
-  return r ? lora_probe::scaled_bf16(xa + i * 2 * r, 2 * r, s, row + x.cols) || flushable
-           : flushable;
-}
-
-// The down GEMM's A row i: h's row, then with LoRA bf16(s ha_i).
-bool load_h_row(const OperandRows& h, std::size_t inter, const float* ha, std::size_t r, float s,
-                std::size_t i, float* row) {
-  const OperandRows::Runs hr = h.row(i, inter);
-  const bool flushable = verify::load_bf16(hr.first, inter, hr.run, hr.stride, row);
-  return r ? lora_probe::scaled_bf16(ha + i * r, r, s, row + inter) || flushable : flushable;
-}
-
 }  // namespace
 
-ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storage,
+ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage,
                            const experts::Lora* lora)
     : packs_(2 * w.experts()),
       lora_(2 * w.experts()),
       all_(2 * w.experts()),
-      gate_up_(storage.c_first, ns_),
-      down_(storage.c_second, ns_),
-      x_sides_(storage.a_first, ns_),
-      h_sides_(storage.a_second, ns_),
+      storage_(storage),
       rank_(lora ? lora->rank : 0),
       scale_(rank_ ? static_cast<float>(lora->alpha / static_cast<double>(rank_)) : 0.0f) {
   const detail::SampledTimer timer(ns_, 1);
@@ -124,35 +102,55 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storag
                      : gate_up_lora(packs_[i], *lora, e, w.hidden(), w.inter());
     for (const verify::Probe& p : lora_[i]) all_[i].push_back(&p);
   });
+  if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
 }
 
-void ExpertsProbe::size_rows(std::size_t rows, std::size_t gate_up_item, std::size_t down_item) {
-  const std::size_t n1 = packs_.empty() ? 0 : packs_[0].dense->r.size();
-  const std::size_t n2 = packs_.empty() ? 0 : packs_[1].dense->r.size();
-  gate_up_.size(rows, n1, gate_up_item);
-  down_.size(rows, n2, down_item);
-  x_sides_.size(rows, all_.empty() ? 0 : all_[0].size());
-  h_sides_.size(rows, all_.empty() ? 0 : all_[1].size());
+void ExpertsProbe::size_rows(std::size_t rows) {
+  const detail::SampledTimer timer(ns_, 1);
+  rows_ = rows;
+  const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
+  if (storage_.size() < n) storage_.resize(n);
+  constexpr std::size_t kGrain = std::size_t{1} << 16;
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
+                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+                              std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
+                                        NAN);
+                            });
 }
 
-void ExpertsProbe::x_rows(const GroupingView& g, MatView<const bf16> x, std::size_t topk,
-                          const float* xa, std::size_t e, std::size_t row0, std::size_t rows) {
-  const std::size_t k = x.cols + 2 * rank_;
-  thread_local std::vector<float> row;
-  row.resize(k);
-  for (std::size_t i = row0; i < row0 + rows; ++i)
-    x_sides_.form(i, all_[2 * e], row.data(), k,
-                  load_x_row(g, x, topk, xa, rank_, scale_, i, row.data()));
+void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
+                       const float* c, std::size_t ldc) {
+  const detail::SampledTimer timer(ns_, kAddEvery);
+  MOECERT_ASSERT(n % kBlock == 0 && n + kBlock <= packs_[2 * e].dense->width);
+  const PackProbes& p = packs_[2 * e];
+  const std::size_t b = n / kBlock;
+  verify::detail::block_sums(c, ldc, rows, p.dense->r.data() + n, at(b, row0));
+  for (std::size_t q = 0; q < p.narrow.size(); ++q) {
+    const verify::Probe& nq = p.narrow[q];
+    if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block
+    double* nout = at(blocks_ + q, row0);
+    for (std::size_t i = 0; i < rows; ++i)
+      verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n), nq.r.data(), nq.width,
+                                               nout[2 * i], nout[2 * i + 1]);
+  }
 }
 
-void ExpertsProbe::h_rows(const OperandRows& h, std::size_t inter, const float* ha, std::size_t e,
-                          std::size_t row0, std::size_t rows) {
-  const std::size_t k = inter + rank_;
-  thread_local std::vector<float> row;
-  row.resize(k);
-  for (std::size_t i = row0; i < row0 + rows; ++i)
-    h_sides_.form(i, all_[2 * e + 1], row.data(), k,
-                  load_h_row(h, inter, ha, rank_, scale_, i, row.data()));
+std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {
+  std::vector<std::pair<double, double>> out(rows_, {0.0, 0.0});
+  constexpr std::size_t kRows = 512;  // a row block's totals stay in L1
+  oneapi::tbb::parallel_for(std::size_t{0}, (rows_ + kRows - 1) / kRows, [&](std::size_t blk) {
+    const std::size_t r0 = blk * kRows, r1 = std::min(rows_, r0 + kRows);
+    for (std::size_t b = 0; b < blocks_; ++b) {
+      const double* in = at(b, r0);
+      for (std::size_t r = r0; r < r1; ++r, in += 2) out[r].first += in[0], out[r].second += in[1];
+    }
+  });
+  return out;
+}
+
+std::pair<double, double> ExpertsProbe::narrow_sums(std::size_t row, std::size_t q) const {
+  const double* in = at(blocks_ + q, row);
+  return {in[0], in[1]};
 }
 
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
@@ -244,7 +242,7 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
   const GroupingView& g = st.grouping;
   MOECERT_ASSERT(st.c1 != nullptr || st.probe != nullptr);
   // The op's probes, or (c1 kept) this call's, formed here.
-  ProbeStorage no_sums;
+  std::vector<double> no_sums;
   std::optional<ExpertsProbe> own;
   const ExpertsProbe& probe = st.probe ? *st.probe : own.emplace(w, no_sums, lora);
   if (st.probe)  // its share of the op's passes (own's is inside this clause's time)
@@ -260,43 +258,46 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
   auto is_factor = [&](std::size_t i, std::size_t gemm, const verify::Probe& p) {
     return &p == probe.factor_probe(2 * g.expert_of(i) + gemm);
   };
+  // With LoRA, the row goes on with bf16(s f) for the first factor's
+  // product f, as the op forms the second product's A operand.
+  auto append_scaled = [&](const float* f, std::size_t n, float* row) {
+    return lora_probe::scaled_bf16(f, n, probe.scale(), row);
+  };
   auto load_x = [&](std::size_t i, float* row) {
-    return load_x_row(g, x, topk, st.xa, r, probe.scale(), i, row);
+    const bool flushable =
+        verify::load_bf16(x.row(static_cast<std::size_t>(g.row_slot[i]) / topk), hidden, row);
+    return r ? append_scaled(st.xa + i * 2 * r, 2 * r, row + hidden) || flushable : flushable;
   };
   auto load_h = [&](std::size_t i, float* row) {
-    return load_h_row(st.h, inter, st.ha, r, probe.scale(), i, row);
+    const OperandRows::Runs h = st.h.row(i, inter);
+    const bool flushable = verify::load_bf16(h.first, inter, h.run, h.stride, row);
+    return r ? append_scaled(st.ha + i * r, r, row + inter) || flushable : flushable;
   };
-  // A's side of the op's probes as the op formed them.
-  auto formed = [&](std::size_t gemm) {
-    return [&, gemm](std::size_t i, const std::vector<const verify::Probe*>& ps,
-                     verify::RowSide* out) {
-      for (std::size_t q = 0; q < ps.size(); ++q) out[q] = probe.sides(gemm).side(i, q);
-    };
-  };
-  auto fail = [&](const verify::ProbeResult& p, std::size_t gemm) {
-    const char* name =
-        is_factor(p.row, gemm, *p.probe) ? (gemm ? "ha" : "xa") : (gemm ? "down" : "gate_up");
-    fail_probe(c, clause, grouped_probe_location(g, p, name), p);
-  };
-  // From the op's sums and sides (st.probe), else from x, c1, h and o.
-  auto c_side = [&](std::size_t gemm, const std::vector<std::pair<double, double>>& dense,
-                    const float* f, std::size_t ldf, const float* c, std::size_t ldc) {
-    return [&, gemm, f, ldf, c, ldc](std::size_t i, std::size_t q, const verify::Probe& p) {
-      if (is_factor(i, gemm, p)) return lora_probe::row_sums(f + i * ldf, p);
-      return st.probe ? probe.sums(gemm).of(dense, i, q) : lora_probe::row_sums(c + i * ldc, p);
-    };
-  };
-  auto judge = [&](std::size_t gemm, std::size_t k, auto load, const auto& c_sums) {
-    return st.probe ? probe_rows_sides(g.rows(), k, row_probes(gemm), formed(gemm), c_sums)
-                    : probe_rows_sums(g.rows(), k, load, row_probes(gemm), c_sums);
-  };
-  const auto dense_gu = st.probe ? probe.sums(0).dense() : std::vector<std::pair<double, double>>{};
-  const auto gate_up =
-      judge(0, hidden + 2 * r, load_x, c_side(0, dense_gu, st.xa, 2 * r, st.c1, st.ldc1));
-  if (!gate_up.pass) return fail(gate_up, 0);
-  const auto dense_d = st.probe ? probe.sums(1).dense() : std::vector<std::pair<double, double>>{};
-  const auto down = judge(1, inter + r, load_h, c_side(1, dense_d, st.ha, r, st.o, st.ldo));
-  if (!down.pass) fail(down, 1);
+  const std::vector<std::pair<double, double>> dense =
+      st.probe ? probe.dense_sums() : std::vector<std::pair<double, double>>{};
+  const auto gate_up = probe_rows_sums(g.rows(), hidden + 2 * r, load_x, row_probes(0),
+                                       [&](std::size_t i, std::size_t q, const verify::Probe& p) {
+                                         if (is_factor(i, 0, p))
+                                           return lora_probe::row_sums(st.xa + i * 2 * r, p);
+                                         if (!st.probe)
+                                           return lora_probe::row_sums(st.c1 + i * st.ldc1, p);
+                                         return q ? probe.narrow_sums(i, q - 1) : dense[i];
+                                       });
+  const auto down = gate_up.pass
+                        ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
+                                          [&](std::size_t i, std::size_t, const verify::Probe& p) {
+                                            return is_factor(i, 1, p)
+                                                       ? lora_probe::row_sums(st.ha + i * r, p)
+                                                       : lora_probe::row_sums(st.o + i * st.ldo, p);
+                                          })
+                        : verify::ProbeResult{};
+  for (std::size_t gemm = 0; gemm < 2; ++gemm)
+    if (const verify::ProbeResult& p = gemm ? down : gate_up; !p.pass) {
+      const char* name =
+          is_factor(p.row, gemm, *p.probe) ? (gemm ? "ha" : "xa") : (gemm ? "down" : "gate_up");
+      fail_probe(c, clause, grouped_probe_location(g, p, name), p);
+      return;
+    }
 }
 
 void experts_forward_post(detail::Checker& c, const experts::PackedExperts& w,

@@ -8,7 +8,6 @@
 
 #include "contracts/engine.hpp"
 #include "contracts/gemm.hpp"
-#include "contracts/probe_sums.hpp"
 #include "contracts/reference/experts.hpp"
 #include "contracts/saved.hpp"
 #include "moecert/experts.hpp"
@@ -16,12 +15,12 @@
 namespace moecert::contracts {
 
 /// The probes of the experts forward carried through the op (audit): each
-/// pack's probes for this call; both GEMMs' C side of them (C r and sum |C|
-/// of each grouped row) gathered by the op's epilogues while a block of C
-/// is in cache (ProbeSums), so that neither the gate/up C nor o is read
-/// again; and their A side (RowSides) formed where the op gathers x's rows
-/// and pads h's, from the same buffers the judge would read
-/// (proofs/bounds.md §9.1).
+/// pack's probes for this call, and the gate/up GEMM's C side of them (C r
+/// and sum |C| of each grouped row, by 32-column block) gathered by the op's
+/// epilogue while a block of C is in cache, so that C need not be kept
+/// (proofs/bounds.md §9.1). The sums live in `storage` (the op's, reused
+/// across calls), NaN until written: a block the op never hands over fails
+/// the probe.
 ///
 /// With LoRA (rank r > 0) the gate/up GEMM is C = [x | lb] [W_gu | B_gu]^T
 /// with lb = bf16(s xa), and the down GEMM o = [h | lbd] [W_d | B_d]^T with
@@ -31,30 +30,19 @@ namespace moecert::contracts {
 /// weight side over the same A row, zero on lb's columns).
 class ExpertsProbe {
  public:
+  static constexpr std::size_t kBlock = verify::detail::kBlockColumns;  // per add(): a panel pair
+  static constexpr unsigned kAddEvery = 1024;  // add() calls per timed one (SampledTimer)
+
   /// `lora`: the caller's factors (null or rank 0: none), read here only.
-  ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storage,
+  ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage,
                const experts::Lora* lora = nullptr);
-  /// Before the GEMMs: `rows` grouped rows, the gate/up and the down GEMM
-  /// computed in items of `gate_up_item` and `down_item` columns.
-  void size_rows(std::size_t rows, std::size_t gate_up_item, std::size_t down_item);
-  /// Rows [row0, row0 + rows) (expert e's) of the gate/up C (of o),
-  /// columns [n0, n1), row i at c + i ldc: ProbeSums::add.
-  void gate_up(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n0, std::size_t n1,
-               const float* c, std::size_t ldc) {
-    gate_up_.add(packs_[2 * e], row0, rows, n0, n1, c, ldc);
-  }
-  void down(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n0, std::size_t n1,
-            const float* c, std::size_t ldc) {
-    down_.add(packs_[2 * e + 1], row0, rows, n0, n1, c, ldc);
-  }
-  /// The gate/up GEMM's A rows [x | bf16(s xa)] of grouped rows [row0,
-  /// row0 + rows) (expert e's), x's row read through the grouping (so the
-  /// gather is judged too), right after the op gathered them.
-  void x_rows(const GroupingView& g, MatView<const bf16> x, std::size_t topk, const float* xa,
-              std::size_t e, std::size_t row0, std::size_t rows);
-  /// The down GEMM's A rows [h | bf16(s ha)], right after the op padded them.
-  void h_rows(const OperandRows& h, std::size_t inter, const float* ha, std::size_t e,
-              std::size_t row0, std::size_t rows);
+  /// Sizes the sums for `rows` grouped rows; before the GEMM.
+  void size_rows(std::size_t rows);
+  /// Rows [row0, row0 + rows) (expert e's) of the gate/up C, columns
+  /// [n, n + kBlock), row i at c + i ldc. One writer per (row, n); any
+  /// thread.
+  void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
+           std::size_t ldc);
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow,
   /// and with LoRA the first factor's.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
@@ -65,12 +53,14 @@ class ExpertsProbe {
   /// LoRA rank r (0: none) and scale s = float(alpha / r).
   std::size_t rank() const { return rank_; }
   float scale() const { return scale_; }
-  /// The C side of pack [2e + gemm]'s base probes (probes()[0], [1], ...).
-  const ProbeSums& sums(std::size_t gemm) const { return gemm ? down_ : gate_up_; }
-  /// The A side of pack [2e + gemm]'s probes (probes()), per grouped row.
-  const RowSides& sides(std::size_t gemm) const { return gemm ? h_sides_ : x_sides_; }
-  /// CPU time spent in the constructor, size_rows() and the hand-overs
-  /// (sampled), in ns: the probe's share of the op's own passes.
+  /// Each grouped row's (C r, sum |C|) over the dense probe's columns, its
+  /// blocks summed in column order (read column by column, on the op's
+  /// threads: by row, each of a row's blocks is a line of its own).
+  std::vector<std::pair<double, double>> dense_sums() const;
+  /// Row's (C r, sum |C|) over narrow probe q's columns (probes()[q + 1]).
+  std::pair<double, double> narrow_sums(std::size_t row, std::size_t q) const;
+  /// CPU time spent in the constructor, size_rows() and add() (add()
+  /// sampled), in ns: the probe's share of the op's own passes.
   std::int64_t ns() const { return ns_.load(); }
 
  private:
@@ -78,8 +68,17 @@ class ExpertsProbe {
   std::vector<PackProbes> packs_;
   std::vector<std::vector<verify::Probe>> lora_;  // per pack with LoRA: probes() in order
   std::vector<std::vector<const verify::Probe*>> all_;
-  ProbeSums gate_up_, down_;
-  RowSides x_sides_, h_sides_;
+  // Column `column`'s (sum, magnitude) of grouped row `row`. Stored by
+  // column (the dense probe's blocks, then the narrow probes), each
+  // column's rows contiguous: an add() writes its rows of one column in one
+  // run, and the rows the epilogue hands over one by one share lines.
+  double* at(std::size_t column, std::size_t row) const {
+    return storage_.data() + 2 * (column * rows_ + row);
+  }
+
+  std::vector<double>& storage_;
+  std::size_t blocks_ = 0;  // kBlock-column blocks of gate_up's N
+  std::size_t rows_ = 0;    // grouped rows (size_rows)
   std::size_t rank_ = 0;
   float scale_ = 0.0f;
 };

@@ -16,16 +16,11 @@ constexpr std::uint64_t kDybSeed = 0x5eedd1, kDgbSeed = 0x5eedd2;
 
 }  // namespace
 
-BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lora& l,
-                             ProbeStorage& storage)
+BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lora& l)
     : rank_(l.rank),
       scale_(rank_ ? static_cast<float>(l.alpha / static_cast<double>(rank_)) : 0.0f),
       hidden_(w.hidden()),
-      inter_(w.inter()),
-      dh_sums_(storage.c_first, ns_),
-      dx_sums_(storage.c_second, ns_),
-      dh_sides_(storage.a_first, ns_),
-      dx_sides_(storage.a_second, ns_) {
+      inter_(w.inter()) {
   const detail::SampledTimer timer(ns_, 1);
   const std::size_t E = w.experts(), H = hidden_, I = inter_, r = rank_;
   for (Gemm* gm : {&dh_, &dx_}) gm->base.resize(E), gm->probes.resize(E), gm->all.resize(E);
@@ -82,81 +77,57 @@ BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lor
   });
 }
 
-void BackwardProbe::size_dh(std::size_t rows, std::size_t item) {
-  dh_sums_.size(rows, inter_, item);
-  dh_sides_.size(rows, dh_.all.empty() ? 0 : dh_.all[0].size());
-}
-
-void BackwardProbe::size_dx(std::size_t rows, std::size_t item) {
-  dx_sums_.size(rows, hidden_, item);
-  dx_sides_.size(rows, dx_.all.empty() ? 0 : dx_.all[0].size());
-}
-
-void BackwardProbe::dy_rows(const OperandRows& dy16, std::size_t e, std::size_t row0,
-                            std::size_t rows) {
-  thread_local std::vector<float> a;
-  a.resize(hidden_);
-  for (std::size_t i = row0; i < row0 + rows; ++i) {
-    const OperandRows::Runs d = dy16.row(i, hidden_);
-    dh_sides_.form(i, dh_.all[e], a.data(), hidden_,
-                   verify::load_bf16(d.first, hidden_, d.run, d.stride, a.data()));
-  }
-}
-
-void BackwardProbe::dgu_row(const OperandRows& dgu, std::size_t e, std::size_t row) {
-  const std::size_t k = 2 * inter_;
-  thread_local std::vector<float> a;
-  a.resize(k);
-  const OperandRows::Runs d = dgu.row(row, k);
-  dx_sides_.form(row, dx_.all[e], a.data(), k,
-                 verify::load_bf16(d.first, k, d.run, d.stride, a.data()));
-}
-
-// Each routed row against its expert's probes: A's side as the op formed
-// its rows over the first k columns, plus the ldf LoRA columns bf16(s f)
-// from the first factor's product f (lora_term; without it they are zero
-// and add nothing); C's side from the epilogue's sums, the factor's own
-// probe's from f.
-void BackwardProbe::judge(Gemm& gm, const ProbeSums& sums, const RowSides& sides, const char* name,
-                          const char* factor, const GroupingView& g, std::size_t k, const float* f,
-                          std::size_t ldf, bool lora_term) {
+void BackwardProbe::judge(Gemm& gm, const char* name, const char* factor, const GroupingView& g,
+                          std::size_t k, const std::function<bool(std::size_t, float*)>& load,
+                          const float* c, std::size_t ldc, const float* f, std::size_t ldf) {
   const detail::SampledTimer timer(ns_, 1);
   static const std::vector<const verify::Probe*> none;
   auto is_factor = [&](std::size_t i, const verify::Probe& p) {
     return rank_ && &p == gm.all[g.expert_of(i)].back();
   };
-  auto row_sides = [&](std::size_t i, const std::vector<const verify::Probe*>& ps,
-                       verify::RowSide* out) {
-    thread_local std::vector<float> lora;
-    lora.resize(ldf);
-    const bool flushable =
-        lora_term && lora_probe::scaled_bf16(f + i * ldf, ldf, scale_, lora.data());
-    for (std::size_t q = 0; q < ps.size(); ++q) {
-      out[q] = sides.side(i, q);
-      if (lora_term) out[q] += verify::row_side(*ps[q], k, lora.data(), ldf, flushable);
-    }
-  };
-  const std::vector<std::pair<double, double>> dense = sums.dense();
-  gm.result = probe_rows_sides(
-      g.rows(), k + ldf,
+  gm.result = probe_rows_sums(
+      g.rows(), k, load,
       [&](std::size_t i) -> const std::vector<const verify::Probe*>& {
         return g.routed_row(i) ? gm.all[g.expert_of(i)] : none;
       },
-      row_sides,
-      [&](std::size_t i, std::size_t q, const verify::Probe& p) {
-        return is_factor(i, p) ? lora_probe::row_sums(f + i * ldf, p) : sums.of(dense, i, q);
+      [&](std::size_t i, std::size_t, const verify::Probe& p) {
+        return is_factor(i, p) ? lora_probe::row_sums(f + i * ldf, p)
+                               : lora_probe::row_sums(c + i * ldc, p);
       });
   if (!gm.result.pass)
     gm.failure = grouped_probe_location(g, gm.result,
                                         is_factor(gm.result.row, *gm.result.probe) ? factor : name);
 }
 
-void BackwardProbe::dh(const GroupingView& g, const float* dyb, bool lora_term) {
-  judge(dh_, dh_sums_, dh_sides_, "dh", "dyb", g, hidden_, dyb, rank_, lora_term);
+void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const float* dh,
+                       std::size_t ldd, const float* dyb, bool lora_term) {
+  const std::size_t H = hidden_, r = rank_;
+  judge(
+      dh_, "dh", "dyb", g, H + r,
+      [&](std::size_t i, float* row) {
+        const OperandRows::Runs d = dy16.row(i, H);
+        const bool flushable = verify::load_bf16(d.first, H, d.run, d.stride, row);
+        if (!lora_term) {  // dh without qd A_d: qd's columns weigh nothing
+          std::fill(row + H, row + H + r, 0.0f);
+          return flushable;
+        }
+        return lora_probe::scaled_bf16(dyb + i * r, r, scale_, row + H) || flushable;
+      },
+      dh, ldd, dyb, r);
 }
 
-void BackwardProbe::dx(const GroupingView& g, const float* dgb) {
-  judge(dx_, dx_sums_, dx_sides_, "dx", "dgb", g, 2 * inter_, dgb, 2 * rank_, rank_ > 0);
+void BackwardProbe::dx(const GroupingView& g, const OperandRows& dgu, const float* dxr,
+                       const float* dgb) {
+  const std::size_t k = 2 * inter_, r2 = 2 * rank_;
+  judge(
+      dx_, "dx", "dgb", g, k + r2,
+      [&](std::size_t i, float* row) {
+        const OperandRows::Runs d = dgu.row(i, k);
+        const bool flushable = verify::load_bf16(d.first, k, d.run, d.stride, row);
+        return r2 ? lora_probe::scaled_bf16(dgb + i * r2, r2, scale_, row + k) || flushable
+                  : flushable;
+      },
+      dxr, hidden_, dgb, r2);
 }
 
 void BackwardProbe::report(detail::Checker& c, const ClauseInfo& clause) const {

@@ -61,22 +61,23 @@ std::string grouped_probe_location(const GroupingView& g, const verify::ProbeRes
                                    std::string_view gemm);
 
 /// Rows [0, m) of C against their probes (§9) on the op's threads: the
-/// first failing (row, probe) in row order, else a pass. probes(i) gives
-/// the probes of row i (none: not judged); sides(i, ps, out) writes row i's
-/// side of each probe ps[q] over all k entries into out[q]; c_sums(i, q, p)
+/// first failing (row, probe) in row order, else a pass. load(i, row) writes
+/// A's row i as K binary32 values and returns whether one is flushable;
+/// probes(i) gives the probes of row i (none: not judged); c_sums(i, q, p)
 /// row i's (C r, sum |C|) over probe q = p's columns.
-template <class ProbesOf, class Sides, class CSums>
-verify::ProbeResult probe_rows_sides(std::size_t m, std::size_t k, ProbesOf probes, Sides sides,
-                                     CSums c_sums, bool c_is_bf16 = false) {
+template <class Load, class ProbesOf, class CSums>
+verify::ProbeResult probe_rows_sums(std::size_t m, std::size_t k, Load load, ProbesOf probes,
+                                    CSums c_sums, bool c_is_bf16 = false) {
   auto judge = [&](std::size_t i, verify::ProbeResult& res) {
     const std::vector<const verify::Probe*>& ps = probes(i);
     if (ps.empty()) return;
-    thread_local std::vector<verify::RowSide> side;
-    side.resize(ps.size());
-    sides(i, ps, side.data());
+    thread_local std::vector<float> row;
+    row.resize(k);
+    const bool flushable = load(i, row.data());
     for (std::size_t q = 0; q < ps.size(); ++q) {
       const auto [lhs, cabs] = c_sums(i, q, *ps[q]);
-      res.add(i, *ps[q], verify::judge_row(*ps[q], k, side[q], lhs, cabs, c_is_bf16));
+      res.add(i, *ps[q],
+              verify::probe_row_sums(*ps[q], row.data(), k, flushable, lhs, cabs, c_is_bf16));
     }
   };
   const std::size_t i = detail::first_failing(m, 6 * k, [&](std::size_t i) {
@@ -87,23 +88,6 @@ verify::ProbeResult probe_rows_sides(std::size_t m, std::size_t k, ProbesOf prob
   verify::ProbeResult res;
   if (i < m) judge(i, res);
   return res;
-}
-
-/// The same with A's rows read here: load(i, row) writes A's row i as K
-/// binary32 values and returns whether one is flushable.
-template <class Load, class ProbesOf, class CSums>
-verify::ProbeResult probe_rows_sums(std::size_t m, std::size_t k, Load load, ProbesOf probes,
-                                    CSums c_sums, bool c_is_bf16 = false) {
-  return probe_rows_sides(
-      m, k, probes,
-      [&](std::size_t i, const std::vector<const verify::Probe*>& ps, verify::RowSide* out) {
-        thread_local std::vector<float> row;
-        row.resize(k);
-        const bool flushable = load(i, row.data());
-        for (std::size_t q = 0; q < ps.size(); ++q)
-          out[q] = verify::row_side(*ps[q], 0, row.data(), k, flushable);
-      },
-      c_sums, c_is_bf16);
 }
 
 /// The same with C's rows at c_row(i).

@@ -2,14 +2,12 @@
 // (one term dropped, one element moved by one bf16 ulp) caught at K = 1024.
 #include "contracts/verify.hpp"
 
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
 
-#include "contracts/probe_sums.hpp"
 #include "contracts/reference/basic.hpp"
 #include "test_util.hpp"
 
@@ -189,53 +187,4 @@ TEST_CASE("verify: load_bf16 reads runs at their stride and flags a denormal", "
   p[21] = bf16(1.0f);
   p[22].bits = 0x0001;  // past the 10 values read: not seen
   CHECK_FALSE(verify::load_bf16(p.data(), 10, 4, 10, row.data()));
-}
-
-TEST_CASE("verify: ProbeSums adds a row's blocks by item and flags a missing or repeated block",
-          "[verify][numeric]") {
-  // C of 4 rows x 80 columns in items of 64 (blocks of 32, 32 | 16); small
-  // integers, so every sum is exact and the sums compare exactly.
-  constexpr std::size_t kRows = 4, kN = 80, kItem = 64;
-  std::vector<float> c(kRows * kN);
-  for (std::size_t i = 0; i < c.size(); ++i) c[i] = float(int(i * 7 % 23) - 11);
-  contracts::PackProbes p;
-  p.dense = std::make_shared<const verify::Probe>(
-      verify::Probe{0, kN, verify::probe_signs(kN, 5), {}, {}});
-  p.narrow.push_back({68, 4, verify::probe_signs(4, 6), {}, {}});
-  std::vector<double> storage;
-  std::atomic<std::int64_t> ns{0};
-  contracts::ProbeSums sums(storage, ns);
-  // The op's hand-over: rows [1, 4) by block in column order, `skip` left
-  // out and `twice` handed over again.
-  auto hand_over = [&](std::size_t skip, std::size_t twice) {
-    sums.size(kRows, kN, kItem);
-    for (std::size_t n0 = 0; n0 < kN; n0 += 32) {
-      const std::size_t n1 = std::min(kN, n0 + 32);
-      if (n0 != skip) sums.add(p, 1, kRows - 1, n0, n1, &c[kN + n0], kN);
-      if (n0 == twice) sums.add(p, 1, kRows - 1, n0, n1, &c[kN + n0], kN);
-    }
-    return sums.dense();
-  };
-  const std::size_t none = kN;
-  auto d = hand_over(none, none);
-  for (std::size_t i = 1; i < kRows; ++i) {
-    double s = 0, m = 0, sn = 0, mn = 0;
-    for (std::size_t j = 0; j < kN; ++j)
-      s += c[i * kN + j] * p.dense->r[j], m += std::fabs(c[i * kN + j]);
-    for (std::size_t j = 0; j < 4; ++j)
-      sn += c[i * kN + 68 + j] * p.narrow[0].r[j], mn += std::fabs(c[i * kN + 68 + j]);
-    INFO("row " << i);
-    CHECK(d[i] == std::pair<double, double>{s, m});
-    CHECK(sums.of(d, i, 1) == std::pair<double, double>{sn, mn});
-  }
-  CHECK(std::isnan(d[0].first));  // row 0 never handed over
-  for (const std::size_t skip : {0, 32, 64}) {
-    d = hand_over(skip, none);
-    CHECK(std::isnan(d[2].first));
-    CHECK(std::isnan(d[2].second));
-  }
-  CHECK(std::isnan(hand_over(none, 32)[1].first));
-  CHECK(std::isnan(sums.narrow(1, 0).first) == false);
-  hand_over(64, none);
-  CHECK(std::isnan(sums.narrow(1, 0).first));  // the narrow block's hand-over was skipped
 }

@@ -61,18 +61,11 @@ struct Ctx {
   float weight_of(std::size_t row) const {
     return s.weights[static_cast<std::size_t>(gr.row_slot[row])];
   }
-  // Expert of a routed grouped row.
-  std::size_t expert_of(std::size_t row) const {
-    return static_cast<std::size_t>(s.idx[static_cast<std::size_t>(gr.row_slot[row])]);
-  }
   // Row stride of dh (fp32, depth I padded to the K step).
   std::size_t ldd() const { return round_up(I, gemm::kKStep); }
   // The dg, du rows (bf16, A layout of depth 2I): dg at columns 0..I-1, du at I..2I-1.
   std::size_t kp2i() const { return round_up(2 * I, gemm::kKStep); }
   std::size_t ldg() const { return gemm::a_stride(layout, kp2i()); }
-  // Columns per work item of the dx rows' GEMM (K = 2I): with 256, B (1.4
-  // MiB at I = 1408) would not stay in L2 under the AMX loops' row blocks.
-  std::size_t dx_item_cols() const { return gemm::item_cols(kp2i()); }
 };
 
 // Per expert e, its gradient rows out[e * r + k][n] = scale * sum over the
@@ -174,21 +167,6 @@ bool wants_expert_path(const Gradients& g) {
   return false;
 }
 
-namespace {
-
-// A finished block of dh to the probe (audit): the epilogue of the last
-// pass that writes dh.
-struct DhToProbe {
-  contracts::BackwardProbe* probe;
-  std::size_t e, r0, ldd;
-  float* dh;
-  void operator()(std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) const {
-    probe->dh_block(e, r0 + i0, i1 - i0, j0, j1, dh + (r0 + i0) * ldd + j0, ldd);
-  }
-};
-
-}  // namespace
-
 DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> dy, bool expert_path,
                    MatView<float> dw, const BackwardJudges& judges, detail::Checker& chk) {
   const Ctx c(w, s, judges);
@@ -200,12 +178,6 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   const std::size_t kph = round_up(c.H, gemm::kKStep), lddy = gemm::a_stride(c.layout, kph);
   bf16* dyr = arena.get<bf16>("bwd.dy", gemm::a_size(c.layout, c.rows, kph));
   auto dy_row = [&](std::size_t row) { return dyr + gemm::a_offset(c.layout, lddy, row, 0); };
-  // At audit the probe takes each expert's dy rows as formed, and from the
-  // last pass that writes dh (the expert path's LoRA term, else the base
-  // product) each finished block.
-  const bool lora_term = expert_path && c.r;
-  const std::size_t nb_dh = gemm::item_cols(kph), nb_lora = 256;
-  if (judges.probe && need_dh) judges.probe->size_dh(c.rows, lora_term ? nb_lora : nb_dh);
   if (need_dh)
     oneapi::tbb::parallel_for(std::size_t{0}, c.E, moecert::detail::task([&](std::size_t e) {
                                 std::vector<std::int32_t> tokens(c.gr.count[e]);
@@ -215,9 +187,6 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
                                 gemm::pack_a_f32(c.kernel, dy.data, dy.stride, tokens.data(),
                                                  c.gr.count[e], c.gr.begin[e + 1] - c.gr.begin[e],
                                                  c.H, kph, 1.0f, dy_row(c.gr.begin[e]));
-                                if (judges.probe)
-                                  judges.probe->dy_rows(operand_rows(dyr, lddy, c.layout), e,
-                                                        c.gr.begin[e], c.gr.count[e]);
                               }));
 
   // 2. dh' = dy W_d, dyb = dy B_d; dw = <dh', h> + <dyb, lb_d>; then the
@@ -227,16 +196,11 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   d.dh = arena.get<float>("bwd.dh", c.rows * ldd);
   d.dyb = c.r ? arena.get<float>("lora.dyb", c.rows * c.r) : nullptr;
   const std::size_t kr2 = round_up(c.r, gemm::kKStep);
-  auto dh_block = [&](const Tile& tl, const bf16* a, const gemm::PackedWeights& b, bool last) {
-    const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
-    const DhToProbe to_probe{judges.probe, tl.e, r0, ldd, d.dh};
-    gemm::BlockOptions bo{.accumulate = last && lora_term};
-    if (judges.probe && last) bo.epilogue = to_probe;
-    gemm::gemm_block(c.kernel, a, tl.m1 - tl.m0, b, tl.n0, tl.n1, c.I, d.dh + r0 * ldd, ldd, bo);
-  };
   if (need_dh) {
-    for_each_tile(tiles(c.gr.count, c.I, c.mb, nb_dh), [&](const Tile& tl) {
-      dh_block(tl, dy_row(c.gr.begin[tl.e] + tl.m0), w.down_t(tl.e), !lora_term);
+    for_each_tile(tiles(c.gr.count, c.I, c.mb, gemm::item_cols(kph)), [&](const Tile& tl) {
+      const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
+      gemm::gemm_block(c.kernel, dy_row(r0), tl.m1 - tl.m0, w.down_t(tl.e), tl.n0, tl.n1, c.I,
+                       d.dh + r0 * ldd, ldd);
     });
     if (c.r)
       for_each_tile(tiles(c.gr.count, c.r, c.mb, 256), [&](const Tile& tl) {
@@ -250,7 +214,7 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
     if (judges.saved) judges.saved->h_through_dweights();
     dweights_rows(c, d.dh, d.dyb, dw);
   }
-  if (lora_term) {
+  if (expert_path && c.r) {
     bf16* qd = arena.get<bf16>("lora.qd", gemm::a_size(c.layout, c.rows, kr2));
     const std::size_t ldq = gemm::a_stride(c.layout, kr2);
     oneapi::tbb::parallel_for(std::size_t{0}, c.E, moecert::detail::task([&](std::size_t e) {
@@ -259,12 +223,16 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
                                     c.gr.count[e], c.gr.begin[e + 1] - c.gr.begin[e], c.r, kr2,
                                     c.sc, qd + gemm::a_offset(c.layout, ldq, c.gr.begin[e], 0));
                               }));
-    for_each_tile(tiles(c.gr.count, c.I, c.mb, nb_lora), [&](const Tile& tl) {
-      dh_block(tl, qd + gemm::a_offset(c.layout, ldq, c.gr.begin[tl.e] + tl.m0, 0),
-               s.lora.experts[tl.e].a_d_t, true);
+    for_each_tile(tiles(c.gr.count, c.I, c.mb, 256), [&](const Tile& tl) {
+      const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
+      gemm::gemm_block(c.kernel, qd + gemm::a_offset(c.layout, ldq, r0, 0), tl.m1 - tl.m0,
+                       s.lora.experts[tl.e].a_d_t, tl.n0, tl.n1, c.I, d.dh + r0 * ldd, ldd,
+                       {.accumulate = true});
     });
   }
-  if (judges.probe && need_dh) judges.probe->dh(grouping_view(c.gr), d.dyb, lora_term);
+  if (judges.probe && need_dh)
+    judges.probe->dh(grouping_view(c.gr), operand_rows(dyr, lddy, c.layout), d.dh, ldd, d.dyb,
+                     expert_path && c.r);
   return d;
 }
 
@@ -283,8 +251,6 @@ void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
   auto at = [&](std::size_t row, std::size_t col) {
     return dgu + gemm::a_offset(c.layout, ldg, row, col);
   };
-  const contracts::OperandRows dgu_rows = operand_rows(dgu, ldg, c.layout);
-  if (c.judges.probe) c.judges.probe->size_dx(c.rows, c.dx_item_cols());
   oneapi::tbb::parallel_for(
       std::size_t{0}, c.rows, moecert::detail::task([&](std::size_t row) {
         const bool valid = c.gr.row_slot[row] >= 0;
@@ -302,7 +268,6 @@ void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
           i += n;
         }
         if (c.judges.saved) c.judges.saved->row(row);  // c1's row, still in cache
-        if (c.judges.probe) c.judges.probe->dgu_row(dgu_rows, c.expert_of(row), row);
       }));
   if (c.r)
     for_each_tile(tiles(c.gr.count, 2 * c.r, c.mb, 256), [&](const Tile& tl) {
@@ -344,20 +309,16 @@ void dx_rows(const Ctx& c, const bf16* dgu, const float* dgb, float* dxr) {
                                     c.gr.count[e], c.gr.begin[e + 1] - c.gr.begin[e], 2 * c.r, kr1,
                                     c.sc, qgu + gemm::a_offset(c.layout, ldq, c.gr.begin[e], 0));
                               }));
-  // At audit each finished block goes to the probe while in cache.
-  const std::size_t nb_dx = c.dx_item_cols();
+  // Items of 128 columns (gemm::item_cols, K = 2I): with 256, B (1.4 MiB
+  // at I = 1408) would not stay in L2 under the AMX loops' row blocks.
+  const std::size_t nb_dx = gemm::item_cols(c.kp2i());
   for_each_tile(tiles(c.gr.count, c.H, c.mb, nb_dx), [&](const Tile& tl) {
     const std::size_t r0 = c.gr.begin[tl.e] + tl.m0;
-    float* const out = dxr + r0 * c.H;
-    auto to_probe = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
-      c.judges.probe->dx_block(tl.e, r0 + i0, i1 - i0, j0, j1, out + i0 * c.H + j0, c.H);
-    };
     gemm::BlockOptions bo;  // the LoRA product into the same blocks
     if (c.r)
       bo.a2 = qgu + gemm::a_offset(c.layout, ldq, r0, 0), bo.w2 = &c.s.lora.experts[tl.e].a_gu_t;
-    if (c.judges.probe) bo.epilogue = to_probe;
     gemm::gemm_block(c.kernel, dgu + gemm::a_offset(c.layout, ldg, r0, 0), tl.m1 - tl.m0,
-                     c.pe.gate_up_t(tl.e), tl.n0, tl.n1, c.H, out, c.H, bo);
+                     c.pe.gate_up_t(tl.e), tl.n0, tl.n1, c.H, dxr + r0 * c.H, c.H, bo);
   });
 }
 
@@ -503,7 +464,8 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
   float* dxr = arena.get<float>("bwd.dx_rows", c.rows * c.H);
   if (expert_path) {
     dx_rows(c, dgu, dgb, dxr);
-    if (judges.probe) judges.probe->dx(grouping_view(c.gr), dgb);
+    if (judges.probe)
+      judges.probe->dx(grouping_view(c.gr), operand_rows(dgu, c.ldg(), c.layout), dxr, dgb);
   }
   // 5. dx, LoRA gate/up gradients, base-weight gradients, statistics.
   arena.enter(workspace::b_scatter, chk);

@@ -102,8 +102,7 @@ struct Steps {
 // Step 2. Per block of up to mb rows of an expert: gather its token rows
 // (padding rows and columns zero); with LoRA, while those rows are in L2, the
 // first factor xa = x [A_g; A_u]^T in fp32 (saved) and the second product's
-// A operand lb = bf16(s xa) in the kernel's layout; at audit the rows' side
-// of the gate/up probes.
+// A operand lb = bf16(s xa) in the kernel's layout.
 void gather(const Steps& s) {
   for_each_tile(s.row_blocks, [&](const Tile& tl) {
     const std::size_t r0 = s.g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0, r2 = 2 * s.rank;
@@ -111,13 +110,11 @@ void gather(const Steps& s) {
     for (std::size_t r = 0; r < m; ++r)
       tokens[r] = s.g.row_slot[r0 + r] / static_cast<std::int32_t>(s.k);
     gemm::pack_a(s.layout(), s.x, tokens.data(), m, s.padded_rows(tl), s.kp1, s.a_row(r0));
-    if (s.rank) {
-      gemm::gemm_block(s.kernel, s.a_row(r0), m, s.lora->experts[tl.e].a_gu, 0, r2, r2,
-                       s.st.xa + r0 * r2, r2);
-      gemm::pack_a_f32(s.kernel, s.st.xa + r0 * r2, r2, nullptr, m, s.padded_rows(tl), r2, s.kr1,
-                       s.st.scale, s.lb_gu_row(r0));
-    }
-    if (s.probe) s.probe->x_rows(grouping_view(s.g), s.x, s.k, s.st.xa, tl.e, r0, m);
+    if (!s.rank) return;
+    gemm::gemm_block(s.kernel, s.a_row(r0), m, s.lora->experts[tl.e].a_gu, 0, r2, r2,
+                     s.st.xa + r0 * r2, r2);
+    gemm::pack_a_f32(s.kernel, s.st.xa + r0 * r2, r2, nullptr, m, s.padded_rows(tl), r2, s.kr1,
+                     s.st.scale, s.lb_gu_row(r0));
   });
 }
 
@@ -153,9 +150,7 @@ void gate_up(const Steps& s) {
     }
     auto swiglu = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
       for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel) {
-        if (s.probe)
-          s.probe->gate_up(tl.e, r0 + i0, i1 - i0, n, std::min(j1, n + 2 * gemm::kPanel),
-                           cb + (i0 * ldc + (n - col0)), ldc);
+        if (s.probe) s.probe->add(tl.e, r0 + i0, i1 - i0, n, cb + (i0 * ldc + (n - col0)), ldc);
         const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
         if (col >= s.inter) continue;
         for (std::size_t i = i0; i < i1; ++i) {
@@ -175,38 +170,28 @@ void gate_up(const Steps& s) {
 // Step 4a. Per row block: zero h's K padding (columns I..kp2) and the padding
 // rows, which the down GEMM reads (a stale NaN there would reach valid
 // outputs as 0 * NaN); then, with LoRA, ha = h A_d^T (saved) and
-// lb = bf16(s ha) from those h rows; at audit the rows' side of the down
-// probes.
+// lb = bf16(s ha) from those h rows.
 void pad_h(const Steps& s) {
   for_each_tile(s.row_blocks, [&](const Tile& tl) {
     const std::size_t r0 = s.g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0, r = s.rank;
     for (std::size_t i = 0; i < s.padded_rows(tl); ++i)
       for (std::size_t col = i < m ? s.inter : 0; col < s.kp2; ++col) *s.h_at(r0 + i, col) = bf16{};
-    if (r) {
-      gemm::gemm_block(s.kernel, s.h_at(r0, 0), m, s.lora->experts[tl.e].a_d, 0, r, r,
-                       s.st.ha + r0 * r, r);
-      gemm::pack_a_f32(s.kernel, s.st.ha + r0 * r, r, nullptr, m, s.padded_rows(tl), r, s.kr2,
-                       s.st.scale, s.lb_d_row(r0));
-    }
-    if (s.probe)
-      s.probe->h_rows(operand_rows(s.st.h, s.st.ldh, s.layout()), s.inter, s.st.ha, tl.e, r0, m);
+    if (!r) return;
+    gemm::gemm_block(s.kernel, s.h_at(r0, 0), m, s.lora->experts[tl.e].a_d, 0, r, r,
+                     s.st.ha + r0 * r, r);
+    gemm::pack_a_f32(s.kernel, s.st.ha + r0 * r, r, nullptr, m, s.padded_rows(tl), r, s.kr2,
+                     s.st.scale, s.lb_d_row(r0));
   });
 }
 
-// Step 4b. Down GEMM, o = h W_d^T (+ LoRA: o += lb B_d^T in the same blocks);
-// at audit each finished block of o goes to the probe while in cache.
+// Step 4b. Down GEMM, o = h W_d^T (+ LoRA: o += lb B_d^T in the same blocks).
 void down(const Steps& s) {
   for_each_tile(tiles(s.g.count, s.hidden, s.mb, gemm::item_cols(s.kp2)), [&](const Tile& tl) {
     const std::size_t r0 = s.g.begin[tl.e] + tl.m0;
-    float* o = s.st.o + r0 * s.st.ldo;
-    auto to_probe = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
-      s.probe->down(tl.e, r0 + i0, i1 - i0, j0, j1, o + (i0 * s.st.ldo + j0), s.st.ldo);
-    };
     gemm::BlockOptions bo;
     if (s.rank) bo.a2 = s.lb_d_row(r0), bo.w2 = &s.lora->experts[tl.e].b_d;
-    if (s.probe) bo.epilogue = to_probe;
     gemm::gemm_block(s.kernel, s.h_at(r0, 0), tl.m1 - tl.m0, s.w.down(tl.e), tl.n0, tl.n1, s.hidden,
-                     o, s.st.ldo, bo);
+                     s.st.o + r0 * s.st.ldo, s.st.ldo, bo);
   });
 }
 
@@ -265,7 +250,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
           .mb = round_up(512, kernel.mr),
           .probe = probe};
   s.row_blocks = tiles(g.count, 1, s.mb, 1);
-  if (probe) probe->size_rows(rows, gemm::item_cols(s.kp1), gemm::item_cols(s.kp2));
+  if (probe) probe->size_rows(rows);
   const gemm::ALayout layout = kernel.a_layout;
   st.layout = layout;
   st.lda = gemm::a_stride(layout, s.kp1);

@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <vector>
 
-#include "contracts/probe_sums.hpp"
 #include "contracts/saved.hpp"
 #include "moecert/experts.hpp"
 #include "ops/core/tiles.hpp"
@@ -60,7 +59,7 @@ contracts::OperandRows operand_rows(const bf16* p, std::size_t ld, gemm::ALayout
 struct Workspace::Impl {
   ForwardState state;
   workspace::Arena arena;
-  contracts::ProbeStorage probe_sums;  // the audit probes' sums (ExpertsProbe)
+  std::vector<double> probe_sums;  // contracts::ExpertsProbe's storage (audit)
 };
 
 }  // namespace moecert::experts

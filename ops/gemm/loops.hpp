@@ -79,9 +79,7 @@ struct BlockOptions {
   /// rows at once or row by row (each row once; kernels with side_steps run
   /// it under the next block's products): rows [i0, i1) of this call's A,
   /// columns [j0, j1) with j0 a multiple of the kernel's NR and j1 <= n_valid
-  /// (the SwiGLU epilogue, the audit probes' sums); a row's blocks in
-  /// increasing column order, all on the calling thread. It may read only
-  /// that block of C.
+  /// (the SwiGLU epilogue). It may read only that block of C.
   FunctionRef<void(std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1)> epilogue{};
 };
 
