@@ -82,12 +82,12 @@ std::vector<verify::Probe> down_lora(const PackProbes& base, const experts::Lora
 
 }  // namespace
 
-ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage,
+ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storage,
                            const experts::Lora* lora)
     : packs_(2 * w.experts()),
       lora_(2 * w.experts()),
       all_(2 * w.experts()),
-      storage_(storage),
+      storage_(storage.blocks),
       rank_(lora ? lora->rank : 0),
       scale_(rank_ ? static_cast<float>(lora->alpha / static_cast<double>(rank_)) : 0.0f) {
   const detail::SampledTimer timer(ns_, 1);
@@ -242,7 +242,7 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
   const GroupingView& g = st.grouping;
   MOECERT_ASSERT(st.c1 != nullptr || st.probe != nullptr);
   // The op's probes, or (c1 kept) this call's, formed here.
-  std::vector<double> no_sums;
+  ProbeStorage no_sums;
   std::optional<ExpertsProbe> own;
   const ExpertsProbe& probe = st.probe ? *st.probe : own.emplace(w, no_sums, lora);
   if (st.probe)  // its share of the op's passes (own's is inside this clause's time)

@@ -34,7 +34,7 @@ class ExpertsProbe {
   static constexpr unsigned kAddEvery = 1024;  // add() calls per timed one (SampledTimer)
 
   /// `lora`: the caller's factors (null or rank 0: none), read here only.
-  ExpertsProbe(const experts::PackedExperts& w, std::vector<double>& storage,
+  ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storage,
                const experts::Lora* lora = nullptr);
   /// Sizes the sums for `rows` grouped rows; before the GEMM.
   void size_rows(std::size_t rows);

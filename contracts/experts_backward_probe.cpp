@@ -1,5 +1,5 @@
 // The experts backward's row GEMMs against their probes, judged inside the
-// op right after each step (proofs/bounds.md §9.3).
+// op while their operands live (proofs/bounds.md §9.3).
 #include "contracts/experts_backward_probe.hpp"
 
 #include <oneapi/tbb/parallel_for.h>
@@ -16,11 +16,15 @@ constexpr std::uint64_t kDybSeed = 0x5eedd1, kDgbSeed = 0x5eedd2;
 
 }  // namespace
 
-BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lora& l)
+BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lora& l,
+                             ProbeStorage& storage)
     : rank_(l.rank),
       scale_(rank_ ? static_cast<float>(l.alpha / static_cast<double>(rank_)) : 0.0f),
       hidden_(w.hidden()),
-      inter_(w.inter()) {
+      inter_(w.inter()),
+      dh_rows_(storage.rows),
+      dx_rows_(storage.rows2),
+      dh_sides_(storage.sides) {
   const detail::SampledTimer timer(ns_, 1);
   const std::size_t E = w.experts(), H = hidden_, I = inter_, r = rank_;
   for (Gemm* gm : {&dh_, &dx_}) gm->base.resize(E), gm->probes.resize(E), gm->all.resize(E);
@@ -77,57 +81,116 @@ BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lor
   });
 }
 
+void BackwardProbe::size_rows(std::size_t rows) {
+  const detail::SampledTimer timer(ns_, 1);
+  dh_rows_.size(rows);
+  dx_rows_.size(rows);
+}
+
+bool BackwardProbe::load_dh_row(const OperandRows& dy16, const float* dyb, bool lora_term,
+                                std::size_t i, float* row) const {
+  const std::size_t H = hidden_, r = rank_;
+  const OperandRows::Runs d = dy16.row(i, H);
+  const bool flushable = verify::load_bf16(d.first, H, d.run, d.stride, row);
+  if (!lora_term) {  // dh without qd A_d: qd's columns weigh nothing
+    std::fill(row + H, row + H + r, 0.0f);
+    return flushable;
+  }
+  return lora_probe::scaled_bf16(dyb + i * r, r, scale_, row + H) || flushable;
+}
+
+bool BackwardProbe::load_dx_row(const OperandRows& dgu, const float* dgb, std::size_t i,
+                                float* row) const {
+  const std::size_t k = 2 * inter_, r2 = 2 * rank_;
+  const OperandRows::Runs d = dgu.row(i, k);
+  const bool flushable = verify::load_bf16(d.first, k, d.run, d.stride, row);
+  return r2 ? lora_probe::scaled_bf16(dgb + i * r2, r2, scale_, row + k) || flushable : flushable;
+}
+
+// Every routed row against its expert's probes, from A's side sides(i, ps,
+// out) and C's c_sums(i, q, p); the first failure kept with its location.
+template <class Sides, class CSums>
 void BackwardProbe::judge(Gemm& gm, const char* name, const char* factor, const GroupingView& g,
-                          std::size_t k, const std::function<bool(std::size_t, float*)>& load,
-                          const float* c, std::size_t ldc, const float* f, std::size_t ldf) {
+                          std::size_t k, Sides sides, CSums c_sums) {
   const detail::SampledTimer timer(ns_, 1);
   static const std::vector<const verify::Probe*> none;
-  auto is_factor = [&](std::size_t i, const verify::Probe& p) {
-    return rank_ && &p == gm.all[g.expert_of(i)].back();
-  };
-  gm.result = probe_rows_sums(
-      g.rows(), k, load,
+  gm.result = probe_rows_sides(
+      g.rows(), k,
       [&](std::size_t i) -> const std::vector<const verify::Probe*>& {
         return g.routed_row(i) ? gm.all[g.expert_of(i)] : none;
       },
-      [&](std::size_t i, std::size_t, const verify::Probe& p) {
-        return is_factor(i, p) ? lora_probe::row_sums(f + i * ldf, p)
-                               : lora_probe::row_sums(c + i * ldc, p);
-      });
-  if (!gm.result.pass)
-    gm.failure = grouped_probe_location(g, gm.result,
-                                        is_factor(gm.result.row, *gm.result.probe) ? factor : name);
+      sides, c_sums);
+  if (!gm.result.pass) {
+    const bool f = rank_ && gm.result.probe == gm.all[g.expert_of(gm.result.row)].back();
+    gm.failure = grouped_probe_location(g, gm.result, f ? factor : name);
+  }
 }
+
+namespace {
+
+// A's side of each probe from a row loaded by load(i, row) (k values).
+template <class Load>
+auto loaded_sides(std::size_t k, Load load) {
+  return
+      [k, load](std::size_t i, const std::vector<const verify::Probe*>& ps, verify::RowSide* out) {
+        thread_local std::vector<float> row;
+        row.resize(k);
+        const bool flushable = load(i, row.data());
+        for (std::size_t q = 0; q < ps.size(); ++q)
+          out[q] = verify::row_side(*ps[q], 0, row.data(), k, flushable);
+      };
+}
+
+}  // namespace
 
 void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const float* dh,
                        std::size_t ldd, const float* dyb, bool lora_term) {
-  const std::size_t H = hidden_, r = rank_;
+  const std::size_t k = hidden_ + rank_;
   judge(
-      dh_, "dh", "dyb", g, H + r,
-      [&](std::size_t i, float* row) {
-        const OperandRows::Runs d = dy16.row(i, H);
-        const bool flushable = verify::load_bf16(d.first, H, d.run, d.stride, row);
-        if (!lora_term) {  // dh without qd A_d: qd's columns weigh nothing
-          std::fill(row + H, row + H + r, 0.0f);
-          return flushable;
-        }
-        return lora_probe::scaled_bf16(dyb + i * r, r, scale_, row + H) || flushable;
+      dh_, "dh", "dyb", g, k,
+      loaded_sides(
+          k, [&](std::size_t i, float* row) { return load_dh_row(dy16, dyb, lora_term, i, row); }),
+      [&](std::size_t i, std::size_t, const verify::Probe& p) {
+        const bool f = rank_ && &p == dh_.all[g.expert_of(i)].back();
+        return f ? lora_probe::row_sums(dyb + i * rank_, p) : lora_probe::row_sums(dh + i * ldd, p);
+      });
+}
+
+void BackwardProbe::dh_sides(const GroupingView& g, const OperandRows& dy16, const float* dyb,
+                             bool lora_term) {
+  const detail::SampledTimer timer(ns_, 1);
+  const std::size_t k = hidden_ + rank_, n = dh_.all.empty() ? 0 : dh_.all[0].size();
+  if (dh_sides_.size() < g.rows() * n) dh_sides_.resize(g.rows() * n);
+  auto sides = loaded_sides(
+      k, [&](std::size_t i, float* row) { return load_dh_row(dy16, dyb, lora_term, i, row); });
+  oneapi::tbb::parallel_for(std::size_t{0}, g.rows(), [&](std::size_t i) {
+    if (g.routed_row(i)) sides(i, dh_.all[g.expert_of(i)], dh_sides_.data() + i * n);
+  });
+}
+
+void BackwardProbe::dh_judge(const GroupingView& g, const float* dyb) {
+  const std::size_t k = hidden_ + rank_, n = dh_.all.empty() ? 0 : dh_.all[0].size();
+  judge(
+      dh_, "dh", "dyb", g, k,
+      [&](std::size_t i, const std::vector<const verify::Probe*>& ps, verify::RowSide* out) {
+        std::copy(dh_sides_.begin() + i * n, dh_sides_.begin() + i * n + ps.size(), out);
       },
-      dh, ldd, dyb, r);
+      [&](std::size_t i, std::size_t q, const verify::Probe& p) {
+        const bool f = rank_ && &p == dh_.all[g.expert_of(i)].back();
+        return f ? lora_probe::row_sums(dyb + i * rank_, p) : dh_rows_.of(i, q);
+      });
 }
 
 void BackwardProbe::dx(const GroupingView& g, const OperandRows& dgu, const float* dxr,
                        const float* dgb) {
-  const std::size_t k = 2 * inter_, r2 = 2 * rank_;
-  judge(
-      dx_, "dx", "dgb", g, k + r2,
-      [&](std::size_t i, float* row) {
-        const OperandRows::Runs d = dgu.row(i, k);
-        const bool flushable = verify::load_bf16(d.first, k, d.run, d.stride, row);
-        return r2 ? lora_probe::scaled_bf16(dgb + i * r2, r2, scale_, row + k) || flushable
-                  : flushable;
-      },
-      dxr, hidden_, dgb, r2);
+  const std::size_t k = 2 * inter_ + 2 * rank_;
+  judge(dx_, "dx", "dgb", g, k,
+        loaded_sides(k, [&](std::size_t i, float* row) { return load_dx_row(dgu, dgb, i, row); }),
+        [&](std::size_t i, std::size_t q, const verify::Probe& p) {
+          if (rank_ && &p == dx_.all[g.expert_of(i)].back())
+            return lora_probe::row_sums(dgb + i * 2 * rank_, p);
+          return dxr ? lora_probe::row_sums(dxr + i * hidden_, p) : dx_rows_.of(i, q);
+        });
 }
 
 void BackwardProbe::report(detail::Checker& c, const ClauseInfo& clause) const {

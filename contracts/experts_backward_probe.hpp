@@ -5,7 +5,6 @@
 
 #include <atomic>
 #include <cstddef>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,17 +23,35 @@ namespace moecert::contracts {
 ///         against gate_up_t's probes, and dgb = [dg du] blockdiag(B_g, B_u).
 /// The base packs' dense probes are kept with the packs (§9.1), their
 /// narrow ones rotate; the LoRA parts are formed per call from the
-/// caller's factors.
+/// caller's factors. Where the op goes on to read dh's rows (the SwiGLU
+/// backward) and the dx rows (the scatter into dx), it hands each row over
+/// as it reads it (RowSums), so that the probe does not read C again.
 class BackwardProbe {
  public:
-  /// `lora` as the op runs with it (rank 0: none).
-  BackwardProbe(const experts::PackedExperts& w, const experts::Lora& lora);
-  /// After dh (fp32 rows at ldd) and dyb (r per row) are formed from the
-  /// bf16 dy rows; `lora_term`: dh includes qd A_d. On the op's threads.
+  /// `lora` as the op runs with it (rank 0: none); `storage` for the sums.
+  BackwardProbe(const experts::PackedExperts& w, const experts::Lora& lora, ProbeStorage& storage);
+  /// Before the op's first step: `rows` grouped rows.
+  void size_rows(std::size_t rows);
+  /// dh judged at once, after dh (fp32 rows at ldd) and dyb (r per row) are
+  /// formed from the bf16 dy rows, reading both operands; `lora_term`: dh
+  /// includes qd A_d. On the op's threads.
   void dh(const GroupingView& g, const OperandRows& dy16, const float* dh, std::size_t ldd,
           const float* dyb, bool lora_term);
-  /// After the dx rows (fp32, H per row) and dgb (2r per row) are formed
-  /// from dgu (bf16, dg at columns 0..I-1, du at I..2I-1).
+  /// The same in three parts, for a backward whose SwiGLU step reads dh:
+  /// A's side while dy16 lives (after dh and dyb are formed), each row of dh
+  /// (expert e's) as the op reads it, then the judgement (dyb still live).
+  void dh_sides(const GroupingView& g, const OperandRows& dy16, const float* dyb, bool lora_term);
+  void dh_row(std::size_t e, std::size_t row, const float* dh) {
+    dh_rows_.form(row, dh_.base[e], dh);
+  }
+  void dh_judge(const GroupingView& g, const float* dyb);
+  /// A dx row (expert e's, fp32, H values) as the op's scatter reads it.
+  void dx_row(std::size_t e, std::size_t row, const float* dxr) {
+    dx_rows_.form(row, dx_.base[e], dxr);
+  }
+  /// The dx rows (fp32, H per row; null: handed over by dx_row()) and dgb
+  /// (2r per row), formed from dgu (bf16, dg at columns 0..I-1, du at
+  /// I..2I-1), judged.
   void dx(const GroupingView& g, const OperandRows& dgu, const float* dxr, const float* dgb);
   /// Fails `clause` at the first failing row of the first failing GEMM.
   void report(detail::Checker& c, const ClauseInfo& clause) const;
@@ -48,14 +65,21 @@ class BackwardProbe {
     verify::ProbeResult result;
     std::string failure;  // the location of result's failure
   };
+  // Rows of dh's A (dy16, then bf16(s dyb) or zeros) and of the dx rows' A
+  // (dgu, then bf16(s dgb)) as binary32; whether one is flushable.
+  bool load_dh_row(const OperandRows& dy16, const float* dyb, bool lora_term, std::size_t i,
+                   float* row) const;
+  bool load_dx_row(const OperandRows& dgu, const float* dgb, std::size_t i, float* row) const;
+  template <class Sides, class CSums>
   void judge(Gemm& gm, const char* name, const char* factor, const GroupingView& g, std::size_t k,
-             const std::function<bool(std::size_t, float*)>& load, const float* c, std::size_t ldc,
-             const float* f, std::size_t ldf);
+             Sides sides, CSums c_sums);
 
   std::size_t rank_ = 0;
   float scale_ = 0.0f;
   std::size_t hidden_ = 0, inter_ = 0;
   Gemm dh_, dx_;
+  RowSums dh_rows_, dx_rows_;
+  std::vector<verify::RowSide>& dh_sides_;  // per grouped row, one per probe of its expert
   std::atomic<std::int64_t> ns_{0};
 };
 

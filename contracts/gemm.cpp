@@ -1,7 +1,12 @@
 // Clauses of gemm.pack and gemm.matmul.
 #include "contracts/gemm.hpp"
 
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <mutex>
 
 #include "contracts/checks.hpp"
@@ -176,6 +181,27 @@ PackProbes pack_probes(const gemm::PackedWeights& w) {
     p.narrow.push_back(panel_probe(w, j0, std::min(width, w.n() - j0), kSeed + j0 + 1));
   }
   return p;
+}
+
+void RowSums::size(std::size_t rows) {
+  const std::size_t n = rows * kProbes;
+  if (storage_.size() < n) storage_.resize(n);
+  constexpr std::size_t kGrain = std::size_t{1} << 14;
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
+                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+                              std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
+                                        std::pair<double, double>{NAN, NAN});
+                            });
+}
+
+void RowSums::form(std::size_t row, const PackProbes& p, const float* c) {
+  std::pair<double, double>* out = &storage_[row * kProbes];
+  verify::detail::signed_sum_and_magnitude(c, p.dense->r.data(), p.dense->width, out[0].first,
+                                           out[0].second);
+  for (std::size_t q = 0; q < p.narrow.size(); ++q)
+    verify::detail::signed_sum_and_magnitude(c + p.narrow[q].j0, p.narrow[q].r.data(),
+                                             p.narrow[q].width, out[1 + q].first,
+                                             out[1 + q].second);
 }
 
 void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w,

@@ -52,6 +52,36 @@ PackProbes pack_probes(const gemm::PackedWeights& w);
 verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::size_t width,
                           std::uint64_t seed);
 
+/// The C side of a grouped GEMM's base probes (each pack's dense and
+/// narrow ones) per grouped row, (C r, sum |C|), summed by the op in the
+/// pass that reads C's row for its next step (the combine, the SwiGLU
+/// backward, the dx scatter) while the row is in cache, so that the probe
+/// does not read C again. Storage reused across calls; NaN until formed: a
+/// row the op never hands over fails its probes.
+class RowSums {
+ public:
+  explicit RowSums(std::vector<std::pair<double, double>>& storage) : storage_(storage) {}
+  /// Before the op's pass: `rows` grouped rows (on the op's threads).
+  void size(std::size_t rows);
+  /// Row `row` of C at c, whose pack's probes are p. Any thread, one per row.
+  void form(std::size_t row, const PackProbes& p, const float* c);
+  /// Row `row`'s sums over its pack's probe q (0: dense, 1..: narrow).
+  std::pair<double, double> of(std::size_t row, std::size_t q) const {
+    return storage_[row * kProbes + q];
+  }
+
+ private:
+  static constexpr std::size_t kProbes = 1 + PackProbes::kNarrow;
+  std::vector<std::pair<double, double>>& storage_;
+};
+
+/// An op's storage for its probes' sums, kept across calls.
+struct ProbeStorage {
+  std::vector<double> blocks;                          // ExpertsProbe's epilogue sums
+  std::vector<std::pair<double, double>> rows, rows2;  // RowSums of two GEMMs
+  std::vector<verify::RowSide> sides;                  // A's side, per row and probe
+};
+
 /// Fails `clause` at `location` with p's residual and threshold (p failed).
 void fail_probe(detail::Checker& c, const ClauseInfo& clause, std::string location,
                 const verify::ProbeResult& p);
@@ -61,23 +91,22 @@ std::string grouped_probe_location(const GroupingView& g, const verify::ProbeRes
                                    std::string_view gemm);
 
 /// Rows [0, m) of C against their probes (§9) on the op's threads: the
-/// first failing (row, probe) in row order, else a pass. load(i, row) writes
-/// A's row i as K binary32 values and returns whether one is flushable;
-/// probes(i) gives the probes of row i (none: not judged); c_sums(i, q, p)
+/// first failing (row, probe) in row order, else a pass. probes(i) gives
+/// the probes of row i (none: not judged); sides(i, ps, out) writes row i's
+/// side of each probe ps[q] over all k entries into out[q]; c_sums(i, q, p)
 /// row i's (C r, sum |C|) over probe q = p's columns.
-template <class Load, class ProbesOf, class CSums>
-verify::ProbeResult probe_rows_sums(std::size_t m, std::size_t k, Load load, ProbesOf probes,
-                                    CSums c_sums, bool c_is_bf16 = false) {
+template <class ProbesOf, class Sides, class CSums>
+verify::ProbeResult probe_rows_sides(std::size_t m, std::size_t k, ProbesOf probes, Sides sides,
+                                     CSums c_sums, bool c_is_bf16 = false) {
   auto judge = [&](std::size_t i, verify::ProbeResult& res) {
     const std::vector<const verify::Probe*>& ps = probes(i);
     if (ps.empty()) return;
-    thread_local std::vector<float> row;
-    row.resize(k);
-    const bool flushable = load(i, row.data());
+    thread_local std::vector<verify::RowSide> side;
+    side.resize(ps.size());
+    sides(i, ps, side.data());
     for (std::size_t q = 0; q < ps.size(); ++q) {
       const auto [lhs, cabs] = c_sums(i, q, *ps[q]);
-      res.add(i, *ps[q],
-              verify::probe_row_sums(*ps[q], row.data(), k, flushable, lhs, cabs, c_is_bf16));
+      res.add(i, *ps[q], verify::judge_row(*ps[q], k, side[q], lhs, cabs, c_is_bf16));
     }
   };
   const std::size_t i = detail::first_failing(m, 6 * k, [&](std::size_t i) {
@@ -88,6 +117,23 @@ verify::ProbeResult probe_rows_sums(std::size_t m, std::size_t k, Load load, Pro
   verify::ProbeResult res;
   if (i < m) judge(i, res);
   return res;
+}
+
+/// The same with A's rows read here: load(i, row) writes A's row i as K
+/// binary32 values and returns whether one is flushable.
+template <class Load, class ProbesOf, class CSums>
+verify::ProbeResult probe_rows_sums(std::size_t m, std::size_t k, Load load, ProbesOf probes,
+                                    CSums c_sums, bool c_is_bf16 = false) {
+  return probe_rows_sides(
+      m, k, probes,
+      [&](std::size_t i, const std::vector<const verify::Probe*>& ps, verify::RowSide* out) {
+        thread_local std::vector<float> row;
+        row.resize(k);
+        const bool flushable = load(i, row.data());
+        for (std::size_t q = 0; q < ps.size(); ++q)
+          out[q] = verify::row_side(*ps[q], 0, row.data(), k, flushable);
+      },
+      c_sums, c_is_bf16);
 }
 
 /// The same with C's rows at c_row(i).

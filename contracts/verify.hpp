@@ -103,47 +103,69 @@ void add_signed(const bf16* x, std::size_t n, double s, double* sum, double* mag
 void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, double& mag);
 }  // namespace detail
 
-/// Lemma 9 on one row (§9.1): a = the row of A (K bf16 values as binary32;
-/// `flushable`: whether one of them is a nonzero denormal), c = the row of
-/// C. Never fails for a row within bounds::dot of the exact product (the
-/// allowance includes the probe's own rounding). Cost 2 K + 2 width.
-inline RowProbe probe_row_sums(const Probe& p, const float* a, std::size_t k, bool flushable,
-                               double lhs, double cabs, bool c_is_bf16 = false);
+/// A row's side of a probe (§9.1): sum a_k (W^T r)_k, sum |a_k| (|W|^T |r|)_k
+/// and Lemma 1''s sum of |a_k| (|W|^T |r|)_k over the flushable a_k (a
+/// nonzero denormal). Sides over disjoint ranges of k add (in binary64).
+struct RowSide {
+  double rhs = 0, mag = 0, flushed = 0;
+  RowSide& operator+=(const RowSide& o) {
+    rhs += o.rhs, mag += o.mag, flushed += o.flushed;
+    return *this;
+  }
+};
 
-inline RowProbe probe_row(const Probe& p, const float* a, std::size_t k, bool flushable,
-                          const float* c, bool c_is_bf16 = false) {
-  double lhs, cabs;
-  detail::signed_sum_and_magnitude(c + p.j0, p.r.data(), p.width, lhs, cabs);
-  return probe_row_sums(p, a, k, flushable, lhs, cabs, c_is_bf16);
+/// The side over the probe's weight entries [k0, k0 + n) from the row's n
+/// values there (binary32; `flushable`: whether one is). Cost 2 n.
+inline RowSide row_side(const Probe& p, std::size_t k0, const float* a, std::size_t n,
+                        bool flushable) {
+  RowSide s;
+  detail::dot_and_magnitude(a, p.br.data() + k0, p.babs.data() + k0, n, s.rhs, s.mag);
+  if (flushable)
+    for (std::size_t kk = 0; kk < n; ++kk)
+      if (bounds::flushable(a[kk])) s.flushed += std::fabs(double(a[kk])) * p.babs[k0 + kk];
+  return s;
 }
 
-/// The same from C's side already summed: lhs = (C r)_i and cabs = the sum
-/// of |C_ij| over the probe's columns, each within gamma^(64)_width of its
-/// exact value (binary64 sums of exact terms, in any order).
-inline RowProbe probe_row_sums(const Probe& p, const float* a, std::size_t k, bool flushable,
-                               double lhs, double cabs, bool c_is_bf16) {
-  double rhs, mag;
-  detail::dot_and_magnitude(a, p.br.data(), p.babs.data(), k, rhs, mag);
+/// Lemma 9 on one row (§9.1) from its side over all K entries and C's:
+/// lhs = (C r)_i and cabs = the sum of |C_ij| over the probe's columns,
+/// each within gamma^(64)_width of its exact value (binary64 sums of exact
+/// terms, in any order). Never fails for a row within bounds::dot of the
+/// exact product (the allowance includes the probe's own rounding).
+inline RowProbe judge_row(const Probe& p, std::size_t k, const RowSide& a, double lhs, double cabs,
+                          bool c_is_bf16 = false) {
   // The probe's own rounding, relative to the exact magnitudes: gamma_8 in
   // a lane, u in storing W^T r and |W|^T |r|, the binary64 sums of the
-  // lanes and the tail (gamma_10 covers the first two); the computed
-  // magnitudes are raised by 2 gamma_10 to bound the exact ones.
+  // lanes, the tail and the parts (gamma_10 covers the first two); the
+  // computed magnitudes are raised by 2 gamma_10 to bound the exact ones.
   const double w = static_cast<double>(p.width);
   const double g_probe =
       bounds::gamma(10) + bounds::gamma(static_cast<double>(k) + 2 * w + 2, bounds::kU64);
   const double raise = 1 + 2 * g_probe;
-  mag *= raise, cabs *= raise;
-  double flushed = 0;  // Lemma 1'
-  if (flushable)
-    for (std::size_t kk = 0; kk < k; ++kk)
-      if (bounds::flushable(a[kk])) flushed += std::fabs(double(a[kk])) * p.babs[kk] * raise;
+  const double mag = a.mag * raise, flushed = a.flushed * raise;  // Lemma 1'
+  cabs *= raise;
   // The block's element bounds (§1, and §2 when C is bf16), summed, plus
   // twice the probe's rounding.
   double threshold = bounds::gamma(static_cast<double>(k)) * mag +
                      3 * w * static_cast<double>(k) * bounds::kMinNormal32 + flushed;
   if (c_is_bf16) threshold += bounds::kUbf16 * (mag + threshold) + w * bounds::kBf16HalfDenormal;
   threshold += 2 * g_probe * (mag + cabs);
-  return {std::fabs(lhs - rhs), threshold};
+  return {std::fabs(lhs - a.rhs), threshold};
+}
+
+/// Lemma 9 on one row (§9.1): a = the row of A (K bf16 values as binary32;
+/// `flushable`: whether one of them is a nonzero denormal), C's side
+/// summed as judge_row takes it. Cost 2 K + 2 width.
+inline RowProbe probe_row_sums(const Probe& p, const float* a, std::size_t k, bool flushable,
+                               double lhs, double cabs, bool c_is_bf16 = false) {
+  return judge_row(p, k, row_side(p, 0, a, k, flushable), lhs, cabs, c_is_bf16);
+}
+
+/// The same with C's row: c = the row of C.
+inline RowProbe probe_row(const Probe& p, const float* a, std::size_t k, bool flushable,
+                          const float* c, bool c_is_bf16 = false) {
+  double lhs, cabs;
+  detail::signed_sum_and_magnitude(c + p.j0, p.r.data(), p.width, lhs, cabs);
+  return probe_row_sums(p, a, k, flushable, lhs, cabs, c_is_bf16);
 }
 
 /// n bf16 values into `row` as binary32 (exact), read in runs of `run`

@@ -341,7 +341,7 @@ TEST_CASE("experts.forward: probe catches a wrong GEMM result", "[experts][forwa
     CHECK(v.location.find("down GEMM row 2") != std::string::npos);
   }
   SECTION("gate/up, from the sums the epilogue hands over") {
-    std::vector<double> storage;
+    contracts::ProbeStorage storage;
     contracts::ExpertsProbe probe(p.packed, storage);
     const auto& g = st.grouping;
     // What the op's epilogue does with each finished 32-column block of C

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "contracts/gemm.hpp"
 #include "contracts/reference/basic.hpp"
 #include "test_util.hpp"
 
@@ -187,4 +188,36 @@ TEST_CASE("verify: load_bf16 reads runs at their stride and flags a denormal", "
   p[21] = bf16(1.0f);
   p[22].bits = 0x0001;  // past the 10 values read: not seen
   CHECK_FALSE(verify::load_bf16(p.data(), 10, 4, 10, row.data()));
+}
+
+TEST_CASE("verify: RowSums holds each row's probe sums as formed, NaN until then",
+          "[verify][numeric]") {
+  // Rows of 40 small integers (exact sums); a dense probe over all columns
+  // and a narrow one over columns [20, 24).
+  constexpr std::size_t kN = 40;
+  contracts::PackProbes p;
+  p.dense = std::make_shared<const verify::Probe>(
+      verify::Probe{0, kN, verify::probe_signs(kN, 5), {}, {}});
+  p.narrow.push_back({20, 4, verify::probe_signs(4, 6), {}, {}});
+  std::vector<float> c(3 * kN);
+  for (std::size_t i = 0; i < c.size(); ++i) c[i] = float(int(i * 7 % 23) - 11);
+  std::vector<std::pair<double, double>> storage;
+  contracts::RowSums sums(storage);
+  sums.size(3);
+  sums.form(0, p, &c[0]);
+  sums.form(2, p, &c[2 * kN]);
+  for (const std::size_t i : {0, 2}) {
+    double s = 0, m = 0, sn = 0, mn = 0;
+    for (std::size_t j = 0; j < kN; ++j)
+      s += c[i * kN + j] * p.dense->r[j], m += std::fabs(c[i * kN + j]);
+    for (std::size_t j = 0; j < 4; ++j)
+      sn += c[i * kN + 20 + j] * p.narrow[0].r[j], mn += std::fabs(c[i * kN + 20 + j]);
+    INFO("row " << i);
+    CHECK(sums.of(i, 0) == std::pair<double, double>{s, m});
+    CHECK(sums.of(i, 1) == std::pair<double, double>{sn, mn});
+  }
+  CHECK(std::isnan(sums.of(1, 0).first));  // never handed over
+  CHECK(std::isnan(sums.of(1, 1).second));
+  sums.size(3);  // a new call forgets the last one's rows
+  CHECK(std::isnan(sums.of(0, 0).first));
 }

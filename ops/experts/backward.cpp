@@ -61,6 +61,10 @@ struct Ctx {
   float weight_of(std::size_t row) const {
     return s.weights[static_cast<std::size_t>(gr.row_slot[row])];
   }
+  // Expert of a routed grouped row.
+  std::size_t expert_of(std::size_t row) const {
+    return static_cast<std::size_t>(s.idx[static_cast<std::size_t>(gr.row_slot[row])]);
+  }
   // Row stride of dh (fp32, depth I padded to the K step).
   std::size_t ldd() const { return round_up(I, gemm::kKStep); }
   // The dg, du rows (bf16, A layout of depth 2I): dg at columns 0..I-1, du at I..2I-1.
@@ -173,6 +177,7 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
   workspace::Arena& arena = s.arena;
   const bool need_dh = expert_path || !dw.empty();
   DyRows d;
+  if (judges.probe) judges.probe->size_rows(c.rows);
   // 1. dy rows in bf16, in the kernel's A layout (step b_gather; the
   //    caller entered it).
   const std::size_t kph = round_up(c.H, gemm::kKStep), lddy = gemm::a_stride(c.layout, kph);
@@ -230,9 +235,15 @@ DyRows backward_dh(const PackedExperts& w, TrainState& s, MatView<const float> d
                        {.accumulate = true});
     });
   }
-  if (judges.probe && need_dh)
-    judges.probe->dh(grouping_view(c.gr), operand_rows(dyr, lddy, c.layout), d.dh, ldd, d.dyb,
-                     expert_path && c.r);
+  // At audit: with the expert path the SwiGLU backward hands dh's rows to
+  // the probe, which takes A's side now, while the dy rows live.
+  if (judges.probe && need_dh) {
+    const contracts::OperandRows dy16 = operand_rows(dyr, lddy, c.layout);
+    if (expert_path)
+      judges.probe->dh_sides(grouping_view(c.gr), dy16, d.dyb, c.r > 0);
+    else
+      judges.probe->dh(grouping_view(c.gr), dy16, d.dh, ldd, d.dyb, false);
+  }
   return d;
 }
 
@@ -268,6 +279,7 @@ void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
           i += n;
         }
         if (c.judges.saved) c.judges.saved->row(row);  // c1's row, still in cache
+        if (c.judges.probe) c.judges.probe->dh_row(c.expert_of(row), row, dh + row * ldd);
       }));
   if (c.r)
     for_each_tile(tiles(c.gr.count, 2 * c.r, c.mb, 256), [&](const Tile& tl) {
@@ -332,6 +344,9 @@ void scatter_dx(const Ctx& c, const float* dxr, MatView<float> dx) {
                                 if (row < 0) continue;
                                 const float* src = dxr + static_cast<std::size_t>(row) * c.H;
                                 for (std::size_t m = 0; m < c.H; ++m) o[m] += src[m];
+                                if (c.judges.probe)  // the row in cache, to the probe
+                                  c.judges.probe->dx_row(c.expert_of(static_cast<std::size_t>(row)),
+                                                         static_cast<std::size_t>(row), src);
                               }
                               if (c.judges.grads)
                                 c.judges.grads->written(dx.data, t, t + 1, 0, c.H);
@@ -454,6 +469,7 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
   bf16* dgu = arena.get<bf16>("bwd.dgu", gemm::a_size(c.layout, c.rows, kp2i));
   float* dgb = c.r ? arena.get<float>("lora.dgb", c.rows * 2 * c.r) : nullptr;
   if (expert_path) swiglu_backward(c, d.dh, dgu, dgb);
+  if (judges.probe && expert_path) judges.probe->dh_judge(grouping_view(c.gr), d.dyb);
   if (judges.saved) {  // before the first output is written
     judges.saved->report();
     if (chk.stop()) return;
@@ -462,9 +478,12 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
   // 4. dx rows.
   arena.enter(workspace::b_dx, chk);
   float* dxr = arena.get<float>("bwd.dx_rows", c.rows * c.H);
+  // At audit the dx rows are judged once the scatter has handed them over,
+  // or here when dx is not wanted.
+  const bool scattered = expert_path && !g.dx.empty();
   if (expert_path) {
     dx_rows(c, dgu, dgb, dxr);
-    if (judges.probe)
+    if (judges.probe && !scattered)
       judges.probe->dx(grouping_view(c.gr), operand_rows(dgu, c.ldg(), c.layout), dxr, dgb);
   }
   // 5. dx, LoRA gate/up gradients, base-weight gradients, statistics.
@@ -475,6 +494,8 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
     else
       detail::fill_zero(g.dx);
   }
+  if (judges.probe && scattered)
+    judges.probe->dx(grouping_view(c.gr), operand_rows(dgu, c.ldg(), c.layout), nullptr, dgb);
   if (c.r && expert_path) {
     lora_gate_up_grads(c, x, dgu, dgb, g);
   } else {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "contracts/gemm.hpp"
 #include "contracts/saved.hpp"
 #include "moecert/experts.hpp"
 #include "ops/core/tiles.hpp"
@@ -59,7 +60,7 @@ contracts::OperandRows operand_rows(const bf16* p, std::size_t ld, gemm::ALayout
 struct Workspace::Impl {
   ForwardState state;
   workspace::Arena arena;
-  std::vector<double> probe_sums;  // contracts::ExpertsProbe's storage (audit)
+  contracts::ProbeStorage probe_sums;  // the audit probes' sums
 };
 
 }  // namespace moecert::experts

@@ -92,7 +92,7 @@ void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
         contracts::experts_grad_outputs(grads, w.experts(), w.hidden(), w.inter(), lora.rank));
   }
   std::optional<contracts::BackwardProbe> probe;
-  if (chk.will_check(k::kBwdProbe)) probe.emplace(w, lora);
+  if (chk.will_check(k::kBwdProbe)) probe.emplace(w, lora, s.probe_sums);
   const BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
                               grads_judge ? &*grads_judge : nullptr, probe ? &*probe : nullptr};
   s.arena.enter(workspace::b_gather, chk);

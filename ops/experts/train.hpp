@@ -31,7 +31,7 @@ struct TrainState {
   float* weights = nullptr;
   MatView<const std::int32_t> idx_view() const { return {idx, tokens, topk, topk}; }
   MatView<const float> weights_view() const { return {weights, tokens, topk, topk}; }
-  std::vector<double> probe_sums;  // contracts::ExpertsProbe's storage (audit)
+  contracts::ProbeStorage probe_sums;  // the audit probes' sums
 };
 
 struct Saved::Impl : TrainState {

@@ -76,7 +76,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   }
   std::optional<contracts::BackwardProbe> probe;
   if (chk.will_check(clauses::layer::kBwdProbe))
-    probe.emplace(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{});
+    probe.emplace(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{}, s.probe_sums);
   const experts::BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
                                        grads_judge ? &*grads_judge : nullptr,
                                        probe ? &*probe : nullptr};
