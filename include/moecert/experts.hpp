@@ -265,7 +265,7 @@ struct Gradients {
 ///                                                     wherever t is not routed to e
 ///   experts.backward.dweights_masked   post  numeric  dweights exactly 0 at -1 slots (FIELD_NOTES 1, 5)
 ///   experts.backward.probe             post  numeric  Freivalds probes of the two row GEMMs (audit),
-///                                                     judged right after each step: dh = dy W_d
+///                                                     judged inside the op: dh = dy W_d
 ///                                                     (+ bf16(s dyb) A_d) and dyb = dy B_d; the dx
 ///                                                     rows = [dg du] [W_g; W_u] (+ bf16(s dgb)
 ///                                                     [A_g; A_u]) and dgb; LoRA factors as passed
