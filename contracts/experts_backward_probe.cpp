@@ -120,40 +120,21 @@ void BackwardProbe::judge(Gemm& gm, const char* name, const char* factor, const 
         return g.routed_row(i) ? gm.all[g.expert_of(i)] : none;
       },
       sides, c_sums);
-  if (!gm.result.pass) {
-    const bool f = rank_ && gm.result.probe == gm.all[g.expert_of(gm.result.row)].back();
-    gm.failure = grouped_probe_location(g, gm.result, f ? factor : name);
-  }
+  if (!gm.result.pass)
+    gm.failure = grouped_probe_location(
+        g, gm.result, is_factor(gm, g.expert_of(gm.result.row), *gm.result.probe) ? factor : name);
 }
-
-namespace {
-
-// A's side of each probe from a row loaded by load(i, row) (k values).
-template <class Load>
-auto loaded_sides(std::size_t k, Load load) {
-  return
-      [k, load](std::size_t i, const std::vector<const verify::Probe*>& ps, verify::RowSide* out) {
-        thread_local std::vector<float> row;
-        row.resize(k);
-        const bool flushable = load(i, row.data());
-        for (std::size_t q = 0; q < ps.size(); ++q)
-          out[q] = verify::row_side(*ps[q], 0, row.data(), k, flushable);
-      };
-}
-
-}  // namespace
 
 void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const float* dh,
                        std::size_t ldd, const float* dyb, bool lora_term) {
   const std::size_t k = hidden_ + rank_;
-  judge(
-      dh_, "dh", "dyb", g, k,
-      loaded_sides(
-          k, [&](std::size_t i, float* row) { return load_dh_row(dy16, dyb, lora_term, i, row); }),
-      [&](std::size_t i, std::size_t, const verify::Probe& p) {
-        const bool f = rank_ && &p == dh_.all[g.expert_of(i)].back();
-        return f ? lora_probe::row_sums(dyb + i * rank_, p) : lora_probe::row_sums(dh + i * ldd, p);
-      });
+  judge(dh_, "dh", "dyb", g, k,
+        loaded_sides(k, [&](std::size_t i,
+                            float* row) { return load_dh_row(dy16, dyb, lora_term, i, row); }),
+        [&](std::size_t i, std::size_t, const verify::Probe& p) {
+          return is_factor(dh_, g.expert_of(i), p) ? lora_probe::row_sums(dyb + i * rank_, p)
+                                                   : lora_probe::row_sums(dh + i * ldd, p);
+        });
 }
 
 void BackwardProbe::dh_sides(const GroupingView& g, const OperandRows& dy16, const float* dyb,
@@ -176,8 +157,8 @@ void BackwardProbe::dh_judge(const GroupingView& g, const float* dyb) {
         std::copy(dh_sides_.begin() + i * n, dh_sides_.begin() + i * n + ps.size(), out);
       },
       [&](std::size_t i, std::size_t q, const verify::Probe& p) {
-        const bool f = rank_ && &p == dh_.all[g.expert_of(i)].back();
-        return f ? lora_probe::row_sums(dyb + i * rank_, p) : dh_rows_.of(i, q);
+        return is_factor(dh_, g.expert_of(i), p) ? lora_probe::row_sums(dyb + i * rank_, p)
+                                                 : dh_rows_.of(i, q);
       });
 }
 
@@ -187,7 +168,7 @@ void BackwardProbe::dx(const GroupingView& g, const OperandRows& dgu, const floa
   judge(dx_, "dx", "dgb", g, k,
         loaded_sides(k, [&](std::size_t i, float* row) { return load_dx_row(dgu, dgb, i, row); }),
         [&](std::size_t i, std::size_t q, const verify::Probe& p) {
-          if (rank_ && &p == dx_.all[g.expert_of(i)].back())
+          if (is_factor(dx_, g.expert_of(i), p))
             return lora_probe::row_sums(dgb + i * 2 * rank_, p);
           return dxr ? lora_probe::row_sums(dxr + i * hidden_, p) : dx_rows_.of(i, q);
         });

@@ -70,6 +70,10 @@ class BackwardProbe {
   bool load_dh_row(const OperandRows& dy16, const float* dyb, bool lora_term, std::size_t i,
                    float* row) const;
   bool load_dx_row(const OperandRows& dgu, const float* dgb, std::size_t i, float* row) const;
+  // Whether p is the first factor's probe of expert e (its last, with LoRA).
+  bool is_factor(const Gemm& gm, std::size_t e, const verify::Probe& p) const {
+    return rank_ && &p == gm.all[e].back();
+  }
   template <class Sides, class CSums>
   void judge(Gemm& gm, const char* name, const char* factor, const GroupingView& g, std::size_t k,
              Sides sides, CSums c_sums);

@@ -119,21 +119,25 @@ verify::ProbeResult probe_rows_sides(std::size_t m, std::size_t k, ProbesOf prob
   return res;
 }
 
-/// The same with A's rows read here: load(i, row) writes A's row i as K
-/// binary32 values and returns whether one is flushable.
-template <class Load, class ProbesOf, class CSums>
-verify::ProbeResult probe_rows_sums(std::size_t m, std::size_t k, Load load, ProbesOf probes,
-                                    CSums c_sums, bool c_is_bf16 = false) {
-  return probe_rows_sides(
-      m, k, probes,
-      [&](std::size_t i, const std::vector<const verify::Probe*>& ps, verify::RowSide* out) {
+/// probe_rows_sides' sides(i, ps, out) from A's rows read by load(i, row):
+/// row i as K binary32 values, returning whether one is flushable.
+template <class Load>
+auto loaded_sides(std::size_t k, Load load) {
+  return
+      [k, load](std::size_t i, const std::vector<const verify::Probe*>& ps, verify::RowSide* out) {
         thread_local std::vector<float> row;
         row.resize(k);
         const bool flushable = load(i, row.data());
         for (std::size_t q = 0; q < ps.size(); ++q)
           out[q] = verify::row_side(*ps[q], 0, row.data(), k, flushable);
-      },
-      c_sums, c_is_bf16);
+      };
+}
+
+/// The same with A's rows read here by load (loaded_sides).
+template <class Load, class ProbesOf, class CSums>
+verify::ProbeResult probe_rows_sums(std::size_t m, std::size_t k, Load load, ProbesOf probes,
+                                    CSums c_sums, bool c_is_bf16 = false) {
+  return probe_rows_sides(m, k, probes, loaded_sides(k, load), c_sums, c_is_bf16);
 }
 
 /// The same with C's rows at c_row(i).
