@@ -125,22 +125,25 @@ void BackwardProbe::judge(Gemm& gm, const char* name, const char* factor, const 
         g, gm.result, is_factor(gm, g.expert_of(gm.result.row), *gm.result.probe) ? factor : name);
 }
 
+void BackwardProbe::form_rows(const GroupingView& g, const Gemm& gm, RowSums& sums, const float* c,
+                              std::size_t ldc) {
+  const detail::SampledTimer timer(ns_, 1);
+  oneapi::tbb::parallel_for(std::size_t{0}, g.rows(), [&](std::size_t i) {
+    if (g.routed_row(i)) sums.form(i, gm.base[g.expert_of(i)], c + i * ldc);
+  });
+}
+
 void BackwardProbe::dh(const GroupingView& g, const OperandRows& dy16, const float* dh,
                        std::size_t ldd, const float* dyb, bool lora_term) {
-  const std::size_t k = hidden_ + rank_;
-  judge(dh_, "dh", "dyb", g, k,
-        loaded_sides(k, [&](std::size_t i,
-                            float* row) { return load_dh_row(dy16, dyb, lora_term, i, row); }),
-        [&](std::size_t i, std::size_t, const verify::Probe& p) {
-          return is_factor(dh_, g.expert_of(i), p) ? lora_probe::row_sums(dyb + i * rank_, p)
-                                                   : lora_probe::row_sums(dh + i * ldd, p);
-        });
+  dh_sides(g, dy16, dyb, lora_term);
+  form_rows(g, dh_, dh_rows_, dh, ldd);
+  dh_judge(g, dyb);
 }
 
 void BackwardProbe::dh_sides(const GroupingView& g, const OperandRows& dy16, const float* dyb,
                              bool lora_term) {
   const detail::SampledTimer timer(ns_, 1);
-  const std::size_t k = hidden_ + rank_, n = dh_.all.empty() ? 0 : dh_.all[0].size();
+  const std::size_t k = hidden_ + rank_, n = probes_per_row(dh_);
   if (dh_sides_.size() < g.rows() * n) dh_sides_.resize(g.rows() * n);
   auto sides = loaded_sides(
       k, [&](std::size_t i, float* row) { return load_dh_row(dy16, dyb, lora_term, i, row); });
@@ -150,9 +153,9 @@ void BackwardProbe::dh_sides(const GroupingView& g, const OperandRows& dy16, con
 }
 
 void BackwardProbe::dh_judge(const GroupingView& g, const float* dyb) {
-  const std::size_t k = hidden_ + rank_, n = dh_.all.empty() ? 0 : dh_.all[0].size();
+  const std::size_t n = probes_per_row(dh_);
   judge(
-      dh_, "dh", "dyb", g, k,
+      dh_, "dh", "dyb", g, hidden_ + rank_,
       [&](std::size_t i, const std::vector<const verify::Probe*>& ps, verify::RowSide* out) {
         std::copy(dh_sides_.begin() + i * n, dh_sides_.begin() + i * n + ps.size(), out);
       },
@@ -164,13 +167,13 @@ void BackwardProbe::dh_judge(const GroupingView& g, const float* dyb) {
 
 void BackwardProbe::dx(const GroupingView& g, const OperandRows& dgu, const float* dxr,
                        const float* dgb) {
+  if (dxr) form_rows(g, dx_, dx_rows_, dxr, hidden_);
   const std::size_t k = 2 * inter_ + 2 * rank_;
   judge(dx_, "dx", "dgb", g, k,
         loaded_sides(k, [&](std::size_t i, float* row) { return load_dx_row(dgu, dgb, i, row); }),
         [&](std::size_t i, std::size_t q, const verify::Probe& p) {
-          if (is_factor(dx_, g.expert_of(i), p))
-            return lora_probe::row_sums(dgb + i * 2 * rank_, p);
-          return dxr ? lora_probe::row_sums(dxr + i * hidden_, p) : dx_rows_.of(i, q);
+          return is_factor(dx_, g.expert_of(i), p) ? lora_probe::row_sums(dgb + i * 2 * rank_, p)
+                                                   : dx_rows_.of(i, q);
         });
 }
 

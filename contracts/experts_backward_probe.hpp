@@ -33,8 +33,8 @@ class BackwardProbe {
   /// Before the op's first step: `rows` grouped rows.
   void size_rows(std::size_t rows);
   /// dh judged at once, after dh (fp32 rows at ldd) and dyb (r per row) are
-  /// formed from the bf16 dy rows, reading both operands; `lora_term`: dh
-  /// includes qd A_d. On the op's threads.
+  /// formed from the bf16 dy rows, reading both operands (the three parts
+  /// below in a row); `lora_term`: dh includes qd A_d. On the op's threads.
   void dh(const GroupingView& g, const OperandRows& dy16, const float* dh, std::size_t ldd,
           const float* dyb, bool lora_term);
   /// The same in three parts, for a backward whose SwiGLU step reads dh:
@@ -49,9 +49,9 @@ class BackwardProbe {
   void dx_row(std::size_t e, std::size_t row, const float* dxr) {
     dx_rows_.form(row, dx_.base[e], dxr);
   }
-  /// The dx rows (fp32, H per row; null: handed over by dx_row()) and dgb
-  /// (2r per row), formed from dgu (bf16, dg at columns 0..I-1, du at
-  /// I..2I-1), judged.
+  /// The dx rows (fp32, H per row, read here; null: handed over by
+  /// dx_row()) and dgb (2r per row), formed from dgu (bf16, dg at columns
+  /// 0..I-1, du at I..2I-1), judged.
   void dx(const GroupingView& g, const OperandRows& dgu, const float* dxr, const float* dgb);
   /// Fails `clause` at the first failing row of the first failing GEMM.
   void report(detail::Checker& c, const ClauseInfo& clause) const;
@@ -74,6 +74,12 @@ class BackwardProbe {
   bool is_factor(const Gemm& gm, std::size_t e, const verify::Probe& p) const {
     return rank_ && &p == gm.all[e].back();
   }
+  static std::size_t probes_per_row(const Gemm& gm) {
+    return gm.all.empty() ? 0 : gm.all[0].size();
+  }
+  // Every routed row of C (row i at c + i ldc) into `sums`, on the op's threads.
+  void form_rows(const GroupingView& g, const Gemm& gm, RowSums& sums, const float* c,
+                 std::size_t ldc);
   template <class Sides, class CSums>
   void judge(Gemm& gm, const char* name, const char* factor, const GroupingView& g, std::size_t k,
              Sides sides, CSums c_sums);

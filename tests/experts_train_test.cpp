@@ -519,6 +519,10 @@ TEST_CASE("experts.backward: the probes pass at audit on every ISA, LoRA or none
         // dL/dw alone: dh without the LoRA term.
         CHECK_NOTHROW(experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved,
                                         only({}, {o.dw.data(), p.T, p.K})));
+        // Every gradient but dx: the dx rows are judged without the scatter.
+        experts::Gradients no_dx = o.views(p);
+        no_dx.dx = {};
+        CHECK_NOTHROW(experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, no_dx));
         CHECK(checked("experts.backward.probe"));
       }
     }
