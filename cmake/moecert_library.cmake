@@ -46,6 +46,7 @@ set(MOECERT_SOURCES
   ops/gemm/pack.cpp
   ops/gemm/loops.cpp
   ops/gemm/matmul.cpp
+  ops/gemm/stream.cpp
   ops/gemm/ukernel_scalar.cpp
   ops/gemm/ukernel_avx512_bf16.cpp
   ops/gemm/ukernel_amx_bf16.cpp

@@ -146,8 +146,8 @@ TEST_CASE("workspace.plan: clauses", "[workspace][contracts]") {
 }
 
 TEST_CASE(
-    "workspace.arena: poison at check is one word per 4 KiB, at audit per 512 B, rotating; "
-    "at full every word",
+    "workspace.arena: poison at check is one 64-byte line per 4 KiB, at audit per 512 B, "
+    "rotating; at full every word",
     "[workspace][contracts]") {
   const MoeConfig c{.experts = 8,
                     .hidden = 512,
@@ -176,21 +176,22 @@ TEST_CASE(
     }
     return at;
   };
-  // The word at line ((binds - 1) mod (stride / 64)) of every stride, the
-  // next line each bind.
+  // Line ((binds - 1) mod (stride / 64)) of every stride, all its 16
+  // words, the next line each bind.
   auto rotating = [&](Level level, std::size_t stride_bytes) {
     const auto first = poisoned(level), second = poisoned(level);
-    const std::size_t stride = stride_bytes / 4;
-    REQUIRE(first.size() == (words + stride - 1) / stride);
+    const std::size_t stride = stride_bytes / 4, line = 16;
+    REQUIRE(first.size() == line * ((words + stride - 1) / stride));
     REQUIRE(second.size() == first.size());
     for (std::size_t j = 0; j < first.size(); ++j) {
-      CHECK(first[j] / stride == j);
+      CHECK(first[j] / stride == j / line);
+      CHECK(first[j] % line == j % line);
       // two binds later: two 64-byte lines on, modulo the stride
-      CHECK((second[j] - first[j] + stride) % stride == 2 * 16 % stride);
+      CHECK((second[j] - first[j] + stride) % stride == 2 * line % stride);
     }
   };
-  SECTION("check: one word in every 4 KiB") { rotating(Level::check, workspace::kSparseStride); }
-  SECTION("audit: one word in every 512 B") { rotating(Level::audit, workspace::kAuditStride); }
+  SECTION("check: one line in every 4 KiB") { rotating(Level::check, workspace::kSparseStride); }
+  SECTION("audit: one line in every 512 B") { rotating(Level::audit, workspace::kAuditStride); }
   SECTION("full: every word") { CHECK(poisoned(Level::full).size() == words); }
   SECTION("a buffer up to 64 KiB: every word at check too") {
     ContractScope s{Level::check, Semantic::enforce};

@@ -56,9 +56,9 @@ int step_count();
 ///                                               intact at each step (names the buffer and step);
 ///                                               with it on, fresh buffers are filled with NaN
 ///                                               (0x7fc07fc0) when their interval starts: every
-///                                               word at audit and full; at check every word of
-///                                               a buffer up to 64 KiB, else one word per 4 KiB
-///                                               in a line that rotates per call
+///                                               word at full and of a buffer up to 64 KiB,
+///                                               else one 64-byte line per 4 KiB (check) or
+///                                               512 B (audit), the line rotating per call
 ///                                               (proofs/workspace.md, "Poison")
 /// Example:
 ///   auto p = moecert::workspace::plan(cfg, 4096, {.memory_cap = 16ull << 30});

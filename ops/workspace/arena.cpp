@@ -12,6 +12,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/workspace.hpp"
 #include "moecert/gemm.hpp"
+#include "ops/gemm/stream.hpp"
 #include "ops/workspace/planner.hpp"
 
 namespace moecert::workspace {
@@ -82,15 +83,17 @@ void Arena::check_guards(detail::Checker& c, std::string_view when) {
 
 namespace {
 
-// One buffer's poison: n words at w, every word (`stride` 1) or the words
-// at phase, phase + stride, ...
+// One buffer's poison: n words at w, every word (`stride` 1) or the
+// 64-byte lines starting at words phase, phase + stride, ...
 struct PoisonFill {
   std::uint32_t* w;
   std::uint64_t n, stride, phase;
 };
 
 // Writes every fill on the op's threads in one pass, in 1 MiB blocks over
-// all of them (a block starts at a multiple of the stride).
+// all of them (a block starts at a multiple of the stride). Sparse lines
+// are streamed past the caches: a line written without being read costs
+// half the memory traffic, and the op writes it again before any read.
 void poison(const std::vector<PoisonFill>& fills) {
   constexpr std::uint64_t kBlock = std::uint64_t{1} << 18;    // words
   std::vector<std::pair<std::size_t, std::uint64_t>> blocks;  // (fill, first word)
@@ -101,8 +104,9 @@ void poison(const std::vector<PoisonFill>& fills) {
     const std::uint64_t b = blocks[i].second, end = std::min(p.n, b + kBlock);
     if (p.stride == 1)
       std::fill(p.w + b, p.w + end, kPoison);
-    else
-      for (std::uint64_t k = b + p.phase; k < end; k += p.stride) p.w[k] = kPoison;
+    else if (b + p.phase < end)
+      gemm::stream_lines(p.w + b + p.phase, (end - b - p.phase + p.stride - 1) / p.stride, p.stride,
+                         kPoison);
   });
 }
 

@@ -32,9 +32,9 @@ Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail:
 /// out-of-range expert id as int32.
 inline constexpr std::uint32_t kPoison = 0x7fc07fc0u;
 /// At `check` (`audit`), a fresh buffer larger than kSparseAbove bytes is
-/// poisoned in one word per kSparseStride (kAuditStride) bytes, the word at
-/// the start of the 64-byte line (binds - 1) mod (stride / 64) of each
-/// stride; at `full` every word is (proofs/workspace.md, "Poison").
+/// poisoned in one 64-byte line per kSparseStride (kAuditStride) bytes, line
+/// (binds - 1) mod (stride / 64) of each stride, streamed past the caches;
+/// at `full` every word is (proofs/workspace.md, "Poison").
 inline constexpr std::uint64_t kSparseAbove = 64 * 1024, kSparseStride = 4096, kAuditStride = 512;
 inline constexpr std::uint8_t kGuardByte = 0xa5;
 
