@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/parallel_reduce.h>
 
 #include <algorithm>
@@ -55,6 +56,17 @@ constexpr bool bf16_in_range(bf16 x) {
   const std::uint16_t mag = x.bits & 0x7fffu;
   constexpr std::uint16_t lo = (127 - 60) << 7, hi = ((127 + 60) << 7) | 0x7f;
   return (mag == 0) | (static_cast<std::uint16_t>(mag - lo) <= hi - lo);
+}
+
+/// p[0, n) = value on the op's threads, in blocks of 64 Ki elements (the
+/// probes' sums set to NaN before the op hands them over).
+template <class T>
+void fill_parallel(T* p, std::size_t n, const T& value) {
+  constexpr std::size_t kGrain = std::size_t{1} << 16;
+  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
+                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+                              std::fill(p + r.begin(), p + r.end(), value);
+                            });
 }
 
 /// The least i < n for which ok(i) is false (n if none): indices in blocks

@@ -2,7 +2,6 @@
 // the grouping invariant, and the numeric postconditions.
 #include "contracts/experts.hpp"
 
-#include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
@@ -110,12 +109,7 @@ void ExpertsProbe::size_rows(std::size_t rows) {
   rows_ = rows;
   const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
-  constexpr std::size_t kGrain = std::size_t{1} << 16;
-  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
-                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
-                              std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
-                                        NAN);
-                            });
+  detail::fill_parallel(storage_.data(), n, double{NAN});
 }
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,

@@ -1,9 +1,6 @@
 // Clauses of gemm.pack and gemm.matmul.
 #include "contracts/gemm.hpp"
 
-#include <oneapi/tbb/blocked_range.h>
-#include <oneapi/tbb/parallel_for.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -186,12 +183,7 @@ PackProbes pack_probes(const gemm::PackedWeights& w) {
 void RowSums::size(std::size_t rows) {
   const std::size_t n = rows * kProbes;
   if (storage_.size() < n) storage_.resize(n);
-  constexpr std::size_t kGrain = std::size_t{1} << 14;
-  oneapi::tbb::parallel_for(oneapi::tbb::blocked_range<std::size_t>(0, n, kGrain),
-                            [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
-                              std::fill(storage_.begin() + r.begin(), storage_.begin() + r.end(),
-                                        std::pair<double, double>{NAN, NAN});
-                            });
+  detail::fill_parallel(storage_.data(), n, std::pair<double, double>{NAN, NAN});
 }
 
 void RowSums::form(std::size_t row, const PackProbes& p, const float* c) {

@@ -54,9 +54,9 @@ verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::siz
 
 /// The C side of a grouped GEMM's base probes (each pack's dense and
 /// narrow ones) per grouped row, (C r, sum |C|), summed by the op in the
-/// pass that reads C's row for its next step (the combine, the SwiGLU
-/// backward, the dx scatter) while the row is in cache, so that the probe
-/// does not read C again. Storage reused across calls; NaN until formed: a
+/// pass that reads C's row for its next step (the SwiGLU backward, the dx
+/// scatter) while the row is in cache, so that the probe does not read C
+/// again. Storage reused across calls; NaN until formed: a
 /// row the op never hands over fails its probes.
 class RowSums {
  public:
