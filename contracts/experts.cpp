@@ -35,13 +35,17 @@ std::vector<verify::Probe> gate_up_lora(const PackProbes& base, const experts::L
                                         std::size_t e, std::size_t hidden, std::size_t inter) {
   constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
   const std::size_t r = l.rank;
+  // By runs of p's columns within one panel: rows i0.. of B_g or B_u.
   auto fill = [&](const verify::Probe& p, double* sum, double* mag) {
-    for (std::size_t j = 0; j < p.width; ++j) {
-      const std::size_t n = p.j0 + j, panel = n / kPanel, i = (panel / 2) * kPanel + n % kPanel;
-      if (i >= inter) continue;  // padding
+    for (std::size_t j = 0; j < p.width;) {
+      const std::size_t n = p.j0 + j, panel = n / kPanel, i0 = (panel / 2) * kPanel + n % kPanel;
+      const std::size_t run = std::min(p.width - j, kPanel - n % kPanel);
       const bool up = panel % 2;
-      lora_probe::short_add(up ? l.b_up.row(e * inter + i) : l.b_gate.row(e * inter + i), r, p.r[j],
-                            sum + (up ? r : 0), mag + (up ? r : 0));
+      const MatView<const bf16>& b = up ? l.b_up : l.b_gate;
+      if (i0 < inter)  // columns past I are padding
+        verify::detail::add_signed_rows(b.row(e * inter + i0), b.stride, std::min(run, inter - i0),
+                                        r, p.r.data() + j, sum + (up ? r : 0), mag + (up ? r : 0));
+      j += run;
     }
   };
   std::vector<verify::Probe> out;
@@ -49,9 +53,10 @@ std::vector<verify::Probe> gate_up_lora(const PackProbes& base, const experts::L
   out.push_back(lora_probe::factor_probe(
       hidden, 2 * r, 2 * r,
       [&](const std::vector<float>& signs, double* sum, double* mag) {
-        for (std::size_t j = 0; j < 2 * r; ++j)
-          verify::detail::add_signed(j < r ? l.a_gate.row(e * r + j) : l.a_up.row(e * r + j - r),
-                                     hidden, signs[j], sum, mag);
+        verify::detail::add_signed_rows(l.a_gate.row(e * r), l.a_gate.stride, r, hidden,
+                                        signs.data(), sum, mag);
+        verify::detail::add_signed_rows(l.a_up.row(e * r), l.a_up.stride, r, hidden,
+                                        signs.data() + r, sum, mag);
       },
       kFactorSeed + 2 * e));
   return out;
@@ -66,14 +71,14 @@ std::vector<verify::Probe> down_lora(const PackProbes& base, const experts::Lora
   for (const verify::Probe* p : base.all())
     out.push_back(
         lora_probe::extended(*p, r, [&](const verify::Probe& q, double* sum, double* mag) {
-          for (std::size_t j = 0; j < q.width; ++j)
-            lora_probe::short_add(l.b_down.row(e * hidden + q.j0 + j), r, q.r[j], sum, mag);
+          verify::detail::add_signed_rows(l.b_down.row(e * hidden + q.j0), l.b_down.stride, q.width,
+                                          r, q.r.data(), sum, mag);
         }));
   out.push_back(lora_probe::factor_probe(
       inter, r, r,
       [&](const std::vector<float>& signs, double* sum, double* mag) {
-        for (std::size_t j = 0; j < r; ++j)
-          verify::detail::add_signed(l.a_down.row(e * r + j), inter, signs[j], sum, mag);
+        verify::detail::add_signed_rows(l.a_down.row(e * r), l.a_down.stride, r, inter,
+                                        signs.data(), sum, mag);
       },
       kFactorSeed + 2 * e + 1));
   return out;

@@ -50,8 +50,8 @@ BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lor
       out.push_back(lora_probe::factor_probe(
           H, r, r,
           [&](const std::vector<float>& signs, double* sum, double* mag) {
-            for (std::size_t m = 0; m < H; ++m)
-              lora_probe::short_sums(l.b_down.row(e * H + m), signs.data(), r, sum[m], mag[m]);
+            verify::detail::signed_row_sums(l.b_down.row(e * H), l.b_down.stride, H, r,
+                                            signs.data(), sum, mag);
           },
           kDybSeed + e));
     } else {
@@ -69,11 +69,10 @@ BackwardProbe::BackwardProbe(const experts::PackedExperts& w, const experts::Lor
       out.push_back(lora_probe::factor_probe(
           2 * I, 2 * r, 2 * r,
           [&](const std::vector<float>& signs, double* sum, double* mag) {
-            for (std::size_t i = 0; i < I; ++i) {
-              lora_probe::short_sums(l.b_gate.row(e * I + i), signs.data(), r, sum[i], mag[i]);
-              lora_probe::short_sums(l.b_up.row(e * I + i), signs.data() + r, r, sum[I + i],
-                                     mag[I + i]);
-            }
+            verify::detail::signed_row_sums(l.b_gate.row(e * I), l.b_gate.stride, I, r,
+                                            signs.data(), sum, mag);
+            verify::detail::signed_row_sums(l.b_up.row(e * I), l.b_up.stride, I, r,
+                                            signs.data() + r, sum + I, mag + I);
           },
           kDgbSeed + e));
     }

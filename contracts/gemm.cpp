@@ -146,14 +146,14 @@ verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::siz
                           std::uint64_t seed) {
   constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
   MOECERT_ASSERT(j0 % kPanel + width <= kPanel && j0 + width <= w.n());
-  // Column j of K pair kk / 2 at panel[(kk / 2) 2 kPanel + 2 (j - j0) + kk % 2].
+  // Column j0 + j of K pair kk / 2 at panel[(kk / 2) 2 kPanel + 2 j + kk % 2]:
+  // a pair's 2 width values are adjacent, one line per pair.
   const bf16* panel = w.data() + (j0 / kPanel) * w.kp() * kPanel + (j0 % kPanel) * 2;
-  return verify::make_probe(
-      w.k(),
-      [panel, j0](std::size_t j, std::size_t kk) {
-        return panel[(kk / 2) * 2 * kPanel + (j - j0) * 2 + kk % 2];
-      },
-      j0, width, seed);
+  verify::Probe p{j0, width, verify::probe_signs(width, seed), std::vector<float>(w.k()),
+                  std::vector<float>(w.k())};
+  verify::detail::pair_sides(panel, 2 * kPanel, w.k(), width, p.r.data(), p.br.data(),
+                             p.babs.data());
+  return p;
 }
 
 PackProbes pack_probes(const gemm::PackedWeights& w) {

@@ -57,26 +57,6 @@ void fill_by_rows(const verify::Probe& p, std::size_t n, std::size_t q0, Rows ro
     verify::detail::signed_sums(rows(q) + p.j0, p.r.data(), p.width, sum[q0 + q], mag[q0 + q]);
 }
 
-/// sum = sum_k r_k x[k], mag = sum_k |x[k]| over a short run (k < n, e.g.
-/// a factor's r values), in binary64 in order.
-inline void short_sums(const bf16* x, const float* r, std::size_t n, double& sum, double& mag) {
-  sum = mag = 0;
-  for (std::size_t k = 0; k < n; ++k) {
-    const double v = x[k].to_float();
-    sum += r[k] * v;
-    mag += std::fabs(v);
-  }
-}
-
-/// sum[k] += s x[k], mag[k] += |x[k]| over a short run (k < n).
-inline void short_add(const bf16* x, std::size_t n, double s, double* sum, double* mag) {
-  for (std::size_t k = 0; k < n; ++k) {
-    const double v = x[k].to_float();
-    sum[k] += s * v;
-    mag[k] += std::fabs(v);
-  }
-}
-
 /// Row i's (C r, sum |C|) over p's columns, C's row i at c.
 inline std::pair<double, double> row_sums(const float* c, const verify::Probe& p) {
   std::pair<double, double> s;

@@ -118,12 +118,85 @@ void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* 
   }
 }
 
+namespace {
+
+using V8d = double __attribute__((vector_size(64)));
+using V8l = std::int64_t __attribute__((vector_size(64)));
+
+// 8 bf16 values at p as binary64 (exact), into v (by reference: a vector
+// argument or result would change the baseline clone's ABI).
+[[gnu::always_inline]] inline void load8(const bf16* p, V8d& v) {
+  using V8h = std::uint16_t __attribute__((vector_size(16)));
+  using V8u = std::uint32_t __attribute__((vector_size(32)));
+  using V8f = float __attribute__((vector_size(32)));
+  V8h h;
+  std::memcpy(&h, p, sizeof h);
+  const V8u u = __builtin_convertvector(h, V8u) << 16;
+  v = __builtin_convertvector(reinterpret_cast<V8f>(u), V8d);
+}
+
+// m += |v|, lane-wise.
+[[gnu::always_inline]] inline void add_abs(V8d& m, const V8d& v) {
+  m += reinterpret_cast<V8d>(reinterpret_cast<V8l>(v) & 0x7fffffffffffffff);
+}
+
+}  // namespace
+
+// Eight columns k at a time in binary64 lanes, the rows j in order within
+// each lane (the order of a row-by-row loop); the last n % 8 columns in
+// scalar code, in the same order.
 MOECERT_PROBE_CLONES
-void add_signed(const bf16* x, std::size_t n, double s, double* sum, double* mag) {
-  for (std::size_t k = 0; k < n; ++k) {
-    const double v = x[k].to_float();
-    sum[k] += s * v;
-    mag[k] += std::fabs(v);
+void add_signed_rows(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
+                     const float* signs, double* sum, double* mag) {
+  std::size_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    V8d s, m;
+    std::memcpy(&s, sum + k, sizeof s);
+    std::memcpy(&m, mag + k, sizeof m);
+    for (std::size_t j = 0; j < rows; ++j) {
+      V8d v;
+      load8(x + j * ld + k, v);
+      s += static_cast<double>(signs[j]) * v;
+      add_abs(m, v);
+    }
+    std::memcpy(sum + k, &s, sizeof s);
+    std::memcpy(mag + k, &m, sizeof m);
+  }
+  for (; k < n; ++k)
+    for (std::size_t j = 0; j < rows; ++j) {
+      const double v = x[j * ld + k].to_float();
+      sum[k] += static_cast<double>(signs[j]) * v;
+      mag[k] += std::fabs(v);
+    }
+}
+
+// Eight rows at a time in binary64 lanes, each lane's terms in column
+// order from zero; the last rows % 8 rows in scalar code, in the same order.
+MOECERT_PROBE_CLONES
+void signed_row_sums(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
+                     const float* signs, double* sum, double* mag) {
+  std::size_t i = 0;
+  for (; i + 8 <= rows; i += 8) {
+    V8d s = {}, m = {};
+    const bf16* p = x + i * ld;
+    for (std::size_t q = 0; q < n; ++q) {
+      const V8d v = {p[q].to_float(),          p[ld + q].to_float(),     p[2 * ld + q].to_float(),
+                     p[3 * ld + q].to_float(), p[4 * ld + q].to_float(), p[5 * ld + q].to_float(),
+                     p[6 * ld + q].to_float(), p[7 * ld + q].to_float()};
+      s += static_cast<double>(signs[q]) * v;
+      add_abs(m, v);
+    }
+    std::memcpy(sum + i, &s, sizeof s);
+    std::memcpy(mag + i, &m, sizeof m);
+  }
+  for (; i < rows; ++i) {
+    double s = 0, m = 0;
+    for (std::size_t q = 0; q < n; ++q) {
+      const double v = x[i * ld + q].to_float();
+      s += static_cast<double>(signs[q]) * v;
+      m += std::fabs(v);
+    }
+    sum[i] = s, mag[i] = m;
   }
 }
 
@@ -145,6 +218,42 @@ void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, doub
   }
   sum = mag = 0;
   for (std::size_t l = 0; l < kL; ++l) sum += s[l], mag += m[l];
+}
+
+// Width 4 (the narrow probes): a pair's 8 values in one binary64 vector,
+// times the signs, then each k's four terms added in column order from the
+// first (as from zero: 0 + t = t); other widths and an odd K's last k in
+// scalar code, in the same order.
+MOECERT_PROBE_CLONES
+void pair_sides(const bf16* x, std::size_t ld, std::size_t k, std::size_t width, const float* r,
+                float* br, float* babs) {
+  using V2d = double __attribute__((vector_size(16)));
+  std::size_t kk = 0;
+  if (width == 4) {
+    const V8d sv = {r[0], r[0], r[1], r[1], r[2], r[2], r[3], r[3]};
+    for (; kk + 2 <= k; kk += 2) {
+      V8d v, m = {};
+      load8(x + (kk / 2) * ld, v);
+      add_abs(m, v);
+      const V8d t = v * sv;
+      V2d s = __builtin_shufflevector(t, t, 0, 1), a = __builtin_shufflevector(m, m, 0, 1);
+      s += __builtin_shufflevector(t, t, 2, 3), a += __builtin_shufflevector(m, m, 2, 3);
+      s += __builtin_shufflevector(t, t, 4, 5), a += __builtin_shufflevector(m, m, 4, 5);
+      s += __builtin_shufflevector(t, t, 6, 7), a += __builtin_shufflevector(m, m, 6, 7);
+      br[kk] = static_cast<float>(s[0]), br[kk + 1] = static_cast<float>(s[1]);
+      babs[kk] = static_cast<float>(a[0]), babs[kk + 1] = static_cast<float>(a[1]);
+    }
+  }
+  for (; kk < k; ++kk) {
+    const bf16* pair = x + (kk / 2) * ld + kk % 2;
+    double sum = 0, mag = 0;
+    for (std::size_t j = 0; j < width; ++j) {
+      const double v = pair[2 * j].to_float();
+      sum += v * r[j];
+      mag += std::fabs(v);
+    }
+    br[kk] = static_cast<float>(sum), babs[kk] = static_cast<float>(mag);
+  }
 }
 
 }  // namespace detail

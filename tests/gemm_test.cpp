@@ -219,18 +219,23 @@ TEST_CASE("gemm.pack: packed layout reads back and pads with zeros", "[gemm][pac
 
 TEST_CASE("gemm.pack: a narrow probe read from its panel is make_probe's, bit for bit",
           "[gemm][pack][probe]") {
+  // Odd and even K; widths 4 and, at the last columns of N = 42, 2 and 1.
   std::mt19937_64 rng(36);
-  const auto g = random_bf16(rng, 40 * 45);
-  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(g.data(), 40, 45));
-  auto b = [&w](std::size_t j, std::size_t kk) { return w.at(j, kk); };
-  for (std::size_t j0 = 0; j0 < w.n(); j0 += 4) {
-    const std::size_t width = std::min<std::size_t>(4, w.n() - j0);
-    const auto want = verify::make_probe(w.k(), b, j0, width, 99 + j0);
-    const auto got = contracts::panel_probe(w, j0, width, 99 + j0);
-    INFO("j0 " << j0);
-    REQUIRE(got.r == want.r);
-    REQUIRE(std::memcmp(got.br.data(), want.br.data(), want.br.size() * sizeof(float)) == 0);
-    REQUIRE(std::memcmp(got.babs.data(), want.babs.data(), want.babs.size() * sizeof(float)) == 0);
+  for (const std::size_t k : {45, 64}) {
+    const auto g = random_bf16(rng, 42 * k);
+    const auto w = gemm::PackedWeights::pack(MatView<const bf16>(g.data(), 42, k));
+    auto b = [&w](std::size_t j, std::size_t kk) { return w.at(j, kk); };
+    for (std::size_t j0 = 0; j0 < w.n(); j0 += 4)
+      for (const std::size_t width : {std::size_t{4}, std::size_t{1}}) {
+        const std::size_t wd = std::min(width, w.n() - j0);
+        const auto want = verify::make_probe(w.k(), b, j0, wd, 99 + j0);
+        const auto got = contracts::panel_probe(w, j0, wd, 99 + j0);
+        INFO("k " << k << " j0 " << j0 << " width " << wd);
+        REQUIRE(got.r == want.r);
+        REQUIRE(std::memcmp(got.br.data(), want.br.data(), want.br.size() * sizeof(float)) == 0);
+        REQUIRE(std::memcmp(got.babs.data(), want.babs.data(), want.babs.size() * sizeof(float)) ==
+                0);
+      }
   }
 }
 

@@ -170,6 +170,51 @@ TEST_CASE("verify: block sums are the pairwise binary32 tree, bit for bit", "[ve
   }
 }
 
+TEST_CASE("verify: weight sides by rows are the row-by-row binary64 loops, bit for bit",
+          "[verify][numeric]") {
+  // x [rows x n] at stride ld: magnitudes over 2^-135..2^127 (bf16
+  // denormals and sums that round in binary64) and zeros; n and rows past
+  // and short of the 8-lane blocks.
+  std::mt19937_64 rng(37);
+  for (int t = 0; t < 200; ++t) {
+    const std::size_t rows = 1 + rng() % 21, n = 1 + rng() % 40, ld = n + rng() % 5;
+    std::vector<bf16> x(rows * ld);
+    for (auto& v : x)
+      v = rng() % 9 == 0
+              ? bf16(0.0f)
+              : bf16(std::ldexp((rng() & 1 ? 1.0f : -1.0f) * (1.0f + float(rng() % 128) / 128),
+                                int(rng() % 263) - 135));
+    std::vector<float> signs(std::max(rows, n));
+    for (auto& s : signs) s = (rng() & 1) ? 1.0f : -1.0f;
+    INFO("rows " << rows << " n " << n << " ld " << ld);
+    // add_signed_rows: sum[k] += signs[j] x[j][k], rows j in order.
+    std::vector<double> sum(n), mag(n);
+    for (std::size_t k = 0; k < n; ++k) sum[k] = double(k) - 3.5, mag[k] = double(k);
+    std::vector<double> want_sum = sum, want_mag = mag;
+    for (std::size_t j = 0; j < rows; ++j)
+      for (std::size_t k = 0; k < n; ++k) {
+        const double v = x[j * ld + k].to_float();
+        want_sum[k] += double(signs[j]) * v, want_mag[k] += std::fabs(v);
+      }
+    verify::detail::add_signed_rows(x.data(), ld, rows, n, signs.data(), sum.data(), mag.data());
+    CHECK(std::memcmp(sum.data(), want_sum.data(), n * sizeof(double)) == 0);
+    CHECK(std::memcmp(mag.data(), want_mag.data(), n * sizeof(double)) == 0);
+    // signed_row_sums: sum[i] = signs[q] x[i][q] over q in order, from zero.
+    std::vector<double> rs(rows, NAN), rm(rows, NAN), want_rs(rows), want_rm(rows);
+    for (std::size_t i = 0; i < rows; ++i) {
+      double s = 0, m = 0;
+      for (std::size_t q = 0; q < n; ++q) {
+        const double v = x[i * ld + q].to_float();
+        s += double(signs[q]) * v, m += std::fabs(v);
+      }
+      want_rs[i] = s, want_rm[i] = m;
+    }
+    verify::detail::signed_row_sums(x.data(), ld, rows, n, signs.data(), rs.data(), rm.data());
+    CHECK(std::memcmp(rs.data(), want_rs.data(), rows * sizeof(double)) == 0);
+    CHECK(std::memcmp(rm.data(), want_rm.data(), rows * sizeof(double)) == 0);
+  }
+}
+
 TEST_CASE("verify: load_bf16 reads runs at their stride and flags a denormal", "[verify]") {
   // Three runs of 4 values 10 apart (the tile layout's shape), the last run short.
   std::vector<bf16> p(30, bf16(7.0f));
