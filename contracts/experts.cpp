@@ -107,66 +107,14 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storag
     for (const verify::Probe& p : lora_[i]) all_[i].push_back(&p);
   });
   if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
-  hidden_ = w.hidden();
 }
 
-void ExpertsProbe::size_rows(std::size_t rows, std::size_t down_cols) {
+void ExpertsProbe::size_rows(std::size_t rows) {
   const detail::SampledTimer timer(ns_, 1);
   rows_ = rows;
-  down_cols_ = down_cols;
-  chunks_ = down_cols ? (hidden_ + down_cols - 1) / down_cols : 0;
-  const std::size_t columns =
-      blocks_ + PackProbes::kNarrow + (down_cols ? chunks_ + PackProbes::kNarrow : 0);
-  const std::size_t n = 2 * rows * columns;
+  const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
   detail::fill_parallel(storage_.data(), n, double{NAN});
-}
-
-// Per row of the item: its 32-column blocks (pairwise binary32, as add())
-// added in binary64 in column order from zero, then the last n % 32
-// columns; each narrow probe inside the item over its columns.
-void ExpertsProbe::add_down(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n0,
-                            std::size_t n1, const float* c, std::size_t ldc) {
-  const detail::SampledTimer timer(ns_);
-  MOECERT_ASSERT(down_cols_ && n0 % down_cols_ == 0 && n1 <= hidden_ && n0 < n1);
-  const PackProbes& p = packs_[2 * e + 1];
-  const float* r = p.dense->r.data();
-  double* out = at(blocks_ + PackProbes::kNarrow + n0 / down_cols_, row0);
-  std::fill(out, out + 2 * rows, 0.0);
-  thread_local std::vector<double> block;
-  block.resize(2 * rows);
-  std::size_t n = n0;
-  for (; n + kBlock <= n1; n += kBlock) {
-    verify::detail::block_sums(c + (n - n0), ldc, rows, r + n, block.data());
-    for (std::size_t i = 0; i < 2 * rows; ++i) out[i] += block[i];
-  }
-  for (std::size_t i = 0; n < n1 && i < rows; ++i) {
-    double sum, mag;
-    verify::detail::signed_sum_and_magnitude(c + i * ldc + (n - n0), r + n, n1 - n, sum, mag);
-    out[2 * i] += sum, out[2 * i + 1] += mag;
-  }
-  for (std::size_t q = 0; q < p.narrow.size(); ++q) {
-    const verify::Probe& nq = p.narrow[q];
-    if (nq.j0 < n0 || nq.j0 >= n1) continue;  // a narrow block lies in one item
-    double* nout = at(blocks_ + PackProbes::kNarrow + chunks_ + q, row0);
-    for (std::size_t i = 0; i < rows; ++i)
-      verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n0), nq.r.data(), nq.width,
-                                               nout[2 * i], nout[2 * i + 1]);
-  }
-}
-
-std::pair<double, double> ExpertsProbe::down_sums(std::size_t row, std::size_t q) const {
-  const std::size_t first = blocks_ + PackProbes::kNarrow;
-  if (q) {
-    const double* in = at(first + chunks_ + q - 1, row);
-    return {in[0], in[1]};
-  }
-  std::pair<double, double> s{0.0, 0.0};
-  for (std::size_t ch = 0; ch < chunks_; ++ch) {
-    const double* in = at(first + ch, row);
-    s.first += in[0], s.second += in[1];
-  }
-  return s;
 }
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
@@ -334,16 +282,14 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
                                            return lora_probe::row_sums(st.c1 + i * st.ldc1, p);
                                          return q ? probe.narrow_sums(i, q - 1) : dense[i];
                                        });
-  const auto down =
-      gate_up.pass ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
-                                     [&](std::size_t i, std::size_t q, const verify::Probe& p) {
-                                       if (is_factor(i, 1, p))
-                                         return lora_probe::row_sums(st.ha + i * r, p);
-                                       return probe.has_down_sums()
-                                                  ? probe.down_sums(i, q)
-                                                  : lora_probe::row_sums(st.o + i * st.ldo, p);
-                                     })
-                   : verify::ProbeResult{};
+  const auto down = gate_up.pass
+                        ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
+                                          [&](std::size_t i, std::size_t, const verify::Probe& p) {
+                                            return is_factor(i, 1, p)
+                                                       ? lora_probe::row_sums(st.ha + i * r, p)
+                                                       : lora_probe::row_sums(st.o + i * st.ldo, p);
+                                          })
+                        : verify::ProbeResult{};
   for (std::size_t gemm = 0; gemm < 2; ++gemm)
     if (const verify::ProbeResult& p = gemm ? down : gate_up; !p.pass) {
       const char* name =

@@ -15,12 +15,12 @@
 namespace moecert::contracts {
 
 /// The probes of the experts forward carried through the op (audit): each
-/// pack's probes for this call, and the C side of them (C r and sum |C| of
-/// each grouped row) gathered while C is in cache: the gate/up GEMM's by
-/// 32-column block in the op's epilogue, so that C need not be kept, the
-/// down GEMM's by work item after the item (proofs/bounds.md §9.1). The
-/// sums live in `storage` (the op's, reused across calls), NaN until
-/// written: a block or item the op never hands over fails the probe.
+/// pack's probes for this call, and the gate/up GEMM's C side of them (C r
+/// and sum |C| of each grouped row, by 32-column block) gathered by the op's
+/// epilogue while a block of C is in cache, so that C need not be kept
+/// (proofs/bounds.md §9.1). The sums live in `storage` (the op's, reused
+/// across calls), NaN until written: a block the op never hands over fails
+/// the probe.
 ///
 /// With LoRA (rank r > 0) the gate/up GEMM is C = [x | lb] [W_gu | B_gu]^T
 /// with lb = bf16(s xa), and the down GEMM o = [h | lbd] [W_d | B_d]^T with
@@ -36,25 +36,13 @@ class ExpertsProbe {
   /// `lora`: the caller's factors (null or rank 0: none), read here only.
   ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storage,
                const experts::Lora* lora = nullptr);
-  /// Sizes the sums for `rows` grouped rows and, where the op hands over the
-  /// down GEMM's items (add_down), their `down_cols`-column chunks of the
-  /// hidden dimension (0: none; o is read when judged); before the GEMMs.
-  void size_rows(std::size_t rows, std::size_t down_cols = 0);
+  /// Sizes the sums for `rows` grouped rows; before the GEMM.
+  void size_rows(std::size_t rows);
   /// Rows [row0, row0 + rows) (expert e's) of the gate/up C, columns
   /// [n, n + kBlock), row i at c + i ldc. One writer per (row, n); any
   /// thread.
   void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
            std::size_t ldc);
-  /// Rows [row0, row0 + rows) (expert e's) of the down GEMM's C (o),
-  /// columns [n0, n1): one work item, n0 a multiple of down_cols, row i at
-  /// c + i ldc. One writer per (row, chunk); any thread.
-  void add_down(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n0, std::size_t n1,
-                const float* c, std::size_t ldc);
-  /// Whether the op hands over the down GEMM's items.
-  bool has_down_sums() const { return down_cols_ != 0; }
-  /// Row's (C r, sum |C|) of the down GEMM over probe q (0: dense, its
-  /// 32-column blocks summed in column order; 1..: narrow q - 1).
-  std::pair<double, double> down_sums(std::size_t row, std::size_t q) const;
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow,
   /// and with LoRA the first factor's.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
@@ -81,20 +69,16 @@ class ExpertsProbe {
   std::vector<std::vector<verify::Probe>> lora_;  // per pack with LoRA: probes() in order
   std::vector<std::vector<const verify::Probe*>> all_;
   // Column `column`'s (sum, magnitude) of grouped row `row`. Stored by
-  // column (gate/up's dense blocks, its narrow probes, then down's dense
-  // chunks and narrow probes), each column's rows contiguous: an add()
-  // writes its rows of one column in one run, and the rows the epilogue
-  // hands over one by one share lines.
+  // column (the dense probe's blocks, then the narrow probes), each
+  // column's rows contiguous: an add() writes its rows of one column in one
+  // run, and the rows the epilogue hands over one by one share lines.
   double* at(std::size_t column, std::size_t row) const {
     return storage_.data() + 2 * (column * rows_ + row);
   }
 
   std::vector<double>& storage_;
-  std::size_t blocks_ = 0;     // kBlock-column blocks of gate_up's N
-  std::size_t rows_ = 0;       // grouped rows (size_rows)
-  std::size_t hidden_ = 0;     // down's N
-  std::size_t down_cols_ = 0;  // columns per down chunk (0: no add_down)
-  std::size_t chunks_ = 0;     // down chunks: ceil(hidden / down_cols)
+  std::size_t blocks_ = 0;  // kBlock-column blocks of gate_up's N
+  std::size_t rows_ = 0;    // grouped rows (size_rows)
   std::size_t rank_ = 0;
   float scale_ = 0.0f;
 };

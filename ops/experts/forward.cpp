@@ -184,17 +184,14 @@ void pad_h(const Steps& s) {
   });
 }
 
-// Step 4b. Down GEMM, o = h W_d^T (+ LoRA: o += lb B_d^T in the same blocks);
-// at audit each finished item goes to the probe while it is in L2.
+// Step 4b. Down GEMM, o = h W_d^T (+ LoRA: o += lb B_d^T in the same blocks).
 void down(const Steps& s) {
   for_each_tile(tiles(s.g.count, s.hidden, s.mb, gemm::item_cols(s.kp2)), [&](const Tile& tl) {
-    const std::size_t r0 = s.g.begin[tl.e] + tl.m0, m = tl.m1 - tl.m0;
+    const std::size_t r0 = s.g.begin[tl.e] + tl.m0;
     gemm::BlockOptions bo;
     if (s.rank) bo.a2 = s.lb_d_row(r0), bo.w2 = &s.lora->experts[tl.e].b_d;
-    float* o = s.st.o + r0 * s.st.ldo;
-    gemm::gemm_block(s.kernel, s.h_at(r0, 0), m, s.w.down(tl.e), tl.n0, tl.n1, s.hidden, o,
-                     s.st.ldo, bo);
-    if (s.probe) s.probe->add_down(tl.e, r0, m, tl.n0, tl.n1, o + tl.n0, s.st.ldo);
+    gemm::gemm_block(s.kernel, s.h_at(r0, 0), tl.m1 - tl.m0, s.w.down(tl.e), tl.n0, tl.n1, s.hidden,
+                     s.st.o + r0 * s.st.ldo, s.st.ldo, bo);
   });
 }
 
@@ -253,7 +250,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
           .mb = round_up(512, kernel.mr),
           .probe = probe};
   s.row_blocks = tiles(g.count, 1, s.mb, 1);
-  if (probe) probe->size_rows(rows, gemm::item_cols(s.kp2));
+  if (probe) probe->size_rows(rows);
   const gemm::ALayout layout = kernel.a_layout;
   st.layout = layout;
   st.lda = gemm::a_stride(layout, s.kp1);
