@@ -27,6 +27,9 @@ difference relative to the largest magnitude of each output). Cases:
            same measure for a bare autograd.Function making the same two C
            calls with every argument formed before the steps (torch's and
            ctypes' own cost, the least any package over the ABI pays).
+           raw_ratio: MoELayer's step against those two C calls made back to
+           back with their outputs reused, as the C++ bench runs the op
+           (paired, alternating; raw_ms: their time).
 """
 import argparse
 import ctypes
@@ -252,44 +255,96 @@ def _shares(step, trainable, x, dy, inside, reps):
     return shares
 
 
+class _RawCalls:
+    """moecert_layer_forward and moecert_layer_backward through ctypes with every argument struct
+    formed once (x, dy, the weights and the outputs): the least any package over the ABI can do.
+    forward(y) and backward(grads) take the output tensors' addresses; run() reuses its own, as the
+    C++ bench reuses its outputs."""
+
+    def __init__(self, layer, x, dy):
+        lora = layer.lora()
+        self.w, _, _ = ops._layer_weights(layer.config, layer._packed, layer.router_w, layer.router_b, None, lora)
+        self.cfg, self.saved = layer.config.struct(), ops.LayerSaved()
+        self.shapes = ops._layer_grad_shapes(layer.config, x.shape[0])
+        self.names = ("router_w", "router_b") + ops.LORA_NAMES
+        self.x, self.dy, self.hidden = x, dy, layer.config.hidden
+        self.xd, self.dyd = ops.describe(x), ops.describe(dy)
+        self.y = torch.empty(x.shape[0], layer.config.hidden)
+        self.yd = ops.describe(self.y)
+        self.grads = _abi.LayerGrads()
+        self.outs = self.new_grads()
+        self._point(self.outs)
+        self.opts = ops._options(None)
+        self.fwd, self.bwd = _abi.lib.moecert_layer_forward, _abi.lib.moecert_layer_backward
+        self.args_f = (ctypes.byref(self.cfg), ctypes.byref(self.w), ctypes.byref(self.xd), ctypes.byref(self.yd),
+                       self.saved.ptr, ctypes.byref(self.opts))
+        self.args_b = (ctypes.byref(self.cfg), ctypes.byref(self.w), ctypes.byref(self.xd), ctypes.byref(self.dyd),
+                       self.saved.ptr, ctypes.byref(self.grads), 1, 1)
+
+    def new_grads(self):
+        return [torch.empty(self.shapes["dx"], dtype=self.x.dtype)] + [torch.empty(self.shapes[n])
+                                                                        for n in self.names]
+
+    def _point(self, outs):
+        self.grads.dx = ops.describe(outs[0])
+        for n, t in zip(self.names, outs[1:]):
+            setattr(self.grads, n, ops.describe(t))
+
+    def forward(self, y):
+        self.yd.data = y.data_ptr()
+        if self.fwd(*self.args_f):
+            raise RuntimeError("moecert_layer_forward failed")
+
+    def backward(self, outs):
+        self.grads.dx.data = outs[0].data_ptr()
+        for n, t in zip(self.names, outs[1:]):
+            getattr(self.grads, n).data = t.data_ptr()
+        if self.bwd(*self.args_b):
+            raise RuntimeError("moecert_layer_backward failed")
+
+    def run(self):
+        self.forward(self.y)
+        self.backward(self.outs)
+
+
+def raw_case(layer, x, dy, reps):
+    """A training step through MoELayer against the same two C calls made back to back with every
+    argument formed once and the outputs reused (_RawCalls.run), alternating: the step's time over
+    the op's as run from C."""
+    raw = _RawCalls(layer, x, dy)
+    xm = x.clone().requires_grad_(True)
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+
+    def module():
+        for p in trainable + [xm]:
+            p.grad = None
+        layer(xm).backward(dy)
+
+    return alternate(reps, module, raw.run)
+
+
 def floor_share(layer, x, dy, reps):
     """python_share's measure for the least a torch.autograd.Function can do around the same two C
     calls: every argument struct formed before the steps, per step only the outputs allocated and
     their addresses written; what is left is torch's (autograd, allocation) and ctypes'."""
+    raw, inside = _RawCalls(layer, x, dy), [0.0]
     lora = layer.lora()
     trainable = [layer.router_w, layer.router_b] + list(lora.factors())
-    w, _, _ = ops._layer_weights(layer.config, layer._packed, layer.router_w, layer.router_b, None, lora)
-    cfg, saved = layer.config.struct(), ops.LayerSaved()
-    shapes = ops._layer_grad_shapes(layer.config, x.shape[0])
-    names = ("router_w", "router_b") + ops.LORA_NAMES
-    xd, yd, dyd = ops.describe(x), ops.describe(torch.empty(x.shape[0], layer.config.hidden)), ops.describe(dy)
-    grads = _abi.LayerGrads()
-    for n in ("dx",) + names:
-        setattr(grads, n, ops.describe(torch.empty(shapes[n], dtype=x.dtype if n == "dx" else torch.float32)))
-    opts, inside = ops._options(None), [0.0]
-    fwd, bwd = _abi.lib.moecert_layer_forward, _abi.lib.moecert_layer_backward
-    args_f = (ctypes.byref(cfg), ctypes.byref(w), ctypes.byref(xd), ctypes.byref(yd), saved.ptr, ctypes.byref(opts))
-    args_b = (ctypes.byref(cfg), ctypes.byref(w), ctypes.byref(xd), ctypes.byref(dyd), saved.ptr, ctypes.byref(grads),
-              1, 1)
 
     class Bare(torch.autograd.Function):
         @staticmethod
         def forward(ctx, xin, *params):
-            y = torch.empty(xin.shape[0], layer.config.hidden)
-            yd.data = y.data_ptr()
+            y = torch.empty(xin.shape[0], raw.hidden)
             t0 = time.perf_counter()
-            fwd(*args_f)
+            raw.forward(y)
             inside[0] += time.perf_counter() - t0
             return y
 
         @staticmethod
         def backward(ctx, g):
-            out = [torch.empty(shapes["dx"], dtype=x.dtype)] + [torch.empty(shapes[n]) for n in names]
-            grads.dx.data = out[0].data_ptr()
-            for n, t in zip(names, out[1:]):
-                getattr(grads, n).data = t.data_ptr()
+            out = raw.new_grads()
             t0 = time.perf_counter()
-            bwd(*args_b)
+            raw.backward(out)
             inside[0] += time.perf_counter() - t0
             return tuple(out)
 
@@ -358,14 +413,18 @@ def main(argv=None):
         a, b = overhead_case(layer, x, dy, args.reps)
         over = {"case": "overhead", "tokens": T, "module_ms": statistics.median(a), "ops_ms": statistics.median(b),
                 "paired_ratio": statistics.median([p / q for p, q in zip(a, b)])}
+        a, b = raw_case(layer, x, dy, args.reps)
+        over["raw_ms"] = statistics.median(b)
+        over["raw_ratio"] = statistics.median([p / q for p, q in zip(a, b)])
         over["python_share"] = statistics.median(python_share(layer, x, dy, args.reps))
         over["floor_share"] = statistics.median(floor_share(layer, x, dy, args.reps))
         over["python_alone_ms"] = python_alone(layer, x, dy, args.reps)
         results.append(over)
-        print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step; outside the C calls: "
-              "{:.2%} of the time in them (a bare Function: {:.2%}); Python alone {:.3f} ms".format(
-                  "overhead", T, over["module_ms"], over["ops_ms"], over["paired_ratio"], over["python_share"],
-                  over["floor_share"], over["python_alone_ms"]))
+        print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step; / raw C calls "
+              "({:.3f} ms): {:.3f}x; outside the C calls: {:.2%} of the time in them (a bare Function: {:.2%}); "
+              "Python alone {:.3f} ms".format(
+                  "overhead", T, over["module_ms"], over["ops_ms"], over["paired_ratio"], over["raw_ms"],
+                  over["raw_ratio"], over["python_share"], over["floor_share"], over["python_alone_ms"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schema": "moecert-python-bench/1", "environment": env, "results": results}, f, indent=1)
