@@ -29,7 +29,8 @@ difference relative to the largest magnitude of each output). Cases:
            ctypes' own cost, the least any package over the ABI pays).
            raw_ratio: MoELayer's step against those two C calls made back to
            back with their outputs reused, as the C++ bench runs the op
-           (paired, alternating; raw_ms: their time).
+           (paired, alternating; raw_ms: their time; inside_ms: the time in
+           the C calls within MoELayer's step).
 """
 import argparse
 import ctypes
@@ -219,7 +220,7 @@ def overhead_case(layer, x, dy, reps):
 
 def python_share(layer, x, dy, reps):
     """Per training step through MoELayer: the time outside moecert's C calls over the time in
-    them (each ABI call timed where the package makes it), median over `reps` steps."""
+    them (each ABI call timed where the package makes it), and that time (ms), per step."""
     inside = [0.0]
     real = _abi.call
 
@@ -240,9 +241,10 @@ def python_share(layer, x, dy, reps):
 
 def _shares(step, trainable, x, dy, inside, reps):
     """Per training step step(x, *trainable).backward(dy): the time outside the C calls over
-    inside[0], the time in them (which the calls add to); the first step warms up."""
+    inside[0], the time in them (which the calls add to), and that time in ms; the first step
+    warms up."""
     xm = x.clone().requires_grad_(True)
-    shares = []
+    shares, ms = [], []
     for i in range(reps + 1):
         for p in trainable + [xm]:
             p.grad = None
@@ -252,7 +254,8 @@ def _shares(step, trainable, x, dy, inside, reps):
         total = time.perf_counter() - t0
         if i:
             shares.append((total - inside[0]) / inside[0])
-    return shares
+            ms.append(inside[0] * 1e3)
+    return shares, ms
 
 
 class _RawCalls:
@@ -416,8 +419,9 @@ def main(argv=None):
         a, b = raw_case(layer, x, dy, args.reps)
         over["raw_ms"] = statistics.median(b)
         over["raw_ratio"] = statistics.median([p / q for p, q in zip(a, b)])
-        over["python_share"] = statistics.median(python_share(layer, x, dy, args.reps))
-        over["floor_share"] = statistics.median(floor_share(layer, x, dy, args.reps))
+        shares, inside = python_share(layer, x, dy, args.reps)
+        over["python_share"], over["inside_ms"] = statistics.median(shares), statistics.median(inside)
+        over["floor_share"] = statistics.median(floor_share(layer, x, dy, args.reps)[0])
         over["python_alone_ms"] = python_alone(layer, x, dy, args.reps)
         results.append(over)
         print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step; / raw C calls "
