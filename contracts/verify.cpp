@@ -221,9 +221,9 @@ void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, doub
 }
 
 // Width 4 (the narrow probes): a pair's 8 values in one binary64 vector,
-// times the signs, then each k's four terms added in column order from the
-// first (as from zero: 0 + t = t); other widths and an odd K's last k in
-// scalar code, in the same order.
+// times the signs, then each k's four terms added to zero in column order
+// (+0 first, so that a sum of zeros is +0 as in the scalar loop); other
+// widths and an odd K's last k in scalar code, in the same order.
 MOECERT_PROBE_CLONES
 void pair_sides(const bf16* x, std::size_t ld, std::size_t k, std::size_t width, const float* r,
                 float* br, float* babs) {
@@ -236,7 +236,8 @@ void pair_sides(const bf16* x, std::size_t ld, std::size_t k, std::size_t width,
       load8(x + (kk / 2) * ld, v);
       add_abs(m, v);
       const V8d t = v * sv;
-      V2d s = __builtin_shufflevector(t, t, 0, 1), a = __builtin_shufflevector(m, m, 0, 1);
+      V2d s = {}, a = __builtin_shufflevector(m, m, 0, 1);
+      s += __builtin_shufflevector(t, t, 0, 1);
       s += __builtin_shufflevector(t, t, 2, 3), a += __builtin_shufflevector(m, m, 2, 3);
       s += __builtin_shufflevector(t, t, 4, 5), a += __builtin_shufflevector(m, m, 4, 5);
       s += __builtin_shufflevector(t, t, 6, 7), a += __builtin_shufflevector(m, m, 6, 7);

@@ -101,16 +101,16 @@ void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* 
 // j in order.
 void add_signed_rows(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
                      const float* signs, double* sum, double* mag);
+// The same by rows: for i < rows, sum[i] = sum_q signs[q] x[i][q] and
+// mag[i] = sum_q |x[i][q]| over q < n in order, from zero.
+void signed_row_sums(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
+                     const float* signs, double* sum, double* mag);
 // A narrow probe's weight side from a panel of VNNI pairs (column j of
 // depth kk at x[(kk / 2) ld + 2 j + kk % 2], j < width): for kk < k,
 // br[kk] = sum_j r_j x_j and babs[kk] = sum_j |x_j|, in binary64 over the
 // columns in order from zero (make_probe's order), stored in binary32.
 void pair_sides(const bf16* x, std::size_t ld, std::size_t k, std::size_t width, const float* r,
                 float* br, float* babs);
-// The same by rows: for i < rows, sum[i] = sum_q signs[q] x[i][q] and
-// mag[i] = sum_q |x[i][q]| over q < n in order, from zero.
-void signed_row_sums(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
-                     const float* signs, double* sum, double* mag);
 // sum = sum_k r_k x[k] and mag = sum_k |x[k]| over k < n (r_k = +-1), in
 // 8 binary64 lanes added in order.
 void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, double& mag);

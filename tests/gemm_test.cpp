@@ -219,10 +219,13 @@ TEST_CASE("gemm.pack: packed layout reads back and pads with zeros", "[gemm][pac
 
 TEST_CASE("gemm.pack: a narrow probe read from its panel is make_probe's, bit for bit",
           "[gemm][pack][probe]") {
-  // Odd and even K; widths 4 and, at the last columns of N = 42, 2 and 1.
+  // Odd and even K; widths 4 and, at the last columns of N = 42, 2 and 1;
+  // a third of the weights +-0 (a probe entry of zeros is +0).
   std::mt19937_64 rng(36);
   for (const std::size_t k : {45, 64}) {
-    const auto g = random_bf16(rng, 42 * k);
+    auto g = random_bf16(rng, 42 * k);
+    for (std::size_t i = 0; i < g.size(); i += 3)
+      g[i] = bf16(i % 2 ? -0.0f : 0.0f);  // signed zeros
     const auto w = gemm::PackedWeights::pack(MatView<const bf16>(g.data(), 42, k));
     auto b = [&w](std::size_t j, std::size_t kk) { return w.at(j, kk); };
     for (std::size_t j0 = 0; j0 < w.n(); j0 += 4)
