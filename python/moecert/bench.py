@@ -203,19 +203,25 @@ def overhead_case(layer, x, dy, reps):
     rw, rb = layer.router_w.detach(), layer.router_b.detach()
     saved = ops.LayerSaved()
     want = ("dx", "router_w", "router_b") + ops.LORA_NAMES
-    xm = x.clone().requires_grad_(True)
-    trainable = [p for p in layer.parameters() if p.requires_grad]
-
-    def module():
-        for p in trainable + [xm]:
-            p.grad = None
-        layer(xm).backward(dy)
 
     def bare():
         ops.layer_forward(layer.config, layer._packed, rw, rb, x, None, factors, saved)
         ops.layer_backward(saved, dy, want, dx_dtype=x.dtype)
 
-    return alternate(reps, module, bare)
+    return alternate(reps, _module_step(layer, x, dy), bare)
+
+
+def _module_step(layer, x, dy):
+    """A training step through MoELayer: gradients cleared, forward, backward from dy."""
+    xm = x.clone().requires_grad_(True)
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+
+    def step():
+        for p in trainable + [xm]:
+            p.grad = None
+        layer(xm).backward(dy)
+
+    return step
 
 
 def python_share(layer, x, dy, reps):
@@ -295,15 +301,17 @@ class _RawCalls:
 
     def forward(self, y):
         self.yd.data = y.data_ptr()
-        if self.fwd(*self.args_f):
-            raise RuntimeError("moecert_layer_forward failed")
+        status = self.fwd(*self.args_f)
+        if status:
+            _abi.raise_for(status, _abi.lib.moecert_last_error().contents)
 
     def backward(self, outs):
         self.grads.dx.data = outs[0].data_ptr()
         for n, t in zip(self.names, outs[1:]):
             getattr(self.grads, n).data = t.data_ptr()
-        if self.bwd(*self.args_b):
-            raise RuntimeError("moecert_layer_backward failed")
+        status = self.bwd(*self.args_b)
+        if status:
+            _abi.raise_for(status, _abi.lib.moecert_last_error().contents)
 
     def run(self):
         self.forward(self.y)
@@ -314,16 +322,7 @@ def raw_case(layer, x, dy, reps):
     """A training step through MoELayer against the same two C calls made back to back with every
     argument formed once and the outputs reused (_RawCalls.run), alternating: the step's time over
     the op's as run from C."""
-    raw = _RawCalls(layer, x, dy)
-    xm = x.clone().requires_grad_(True)
-    trainable = [p for p in layer.parameters() if p.requires_grad]
-
-    def module():
-        for p in trainable + [xm]:
-            p.grad = None
-        layer(xm).backward(dy)
-
-    return alternate(reps, module, raw.run)
+    return alternate(reps, _module_step(layer, x, dy), _RawCalls(layer, x, dy).run)
 
 
 def floor_share(layer, x, dy, reps):
