@@ -276,7 +276,7 @@ class _RawCalls:
         self.cfg, self.saved = layer.config.struct(), ops.LayerSaved()
         self.shapes = ops._layer_grad_shapes(layer.config, x.shape[0])
         self.names = ("router_w", "router_b") + ops.LORA_NAMES
-        self.x, self.hidden = x, layer.config.hidden
+        self.x, self.dy, self.hidden = x, dy, layer.config.hidden
         self.xd, self.dyd = ops.describe(x), ops.describe(dy)
         self.y = torch.empty(x.shape[0], layer.config.hidden)
         self.yd = ops.describe(self.y)
