@@ -155,6 +155,9 @@ inline constexpr ClauseInfo kBwdNoAlias =
     pre("experts.backward.no_alias", Group::alias, "gradients disjoint from each other and inputs");
 inline constexpr ClauseInfo kBwdSavedFinite =
     pre("experts.backward.saved_finite", Group::finite, "saved activations finite");
+inline constexpr ClauseInfo kBwdSavedIntact =
+    pre("experts.backward.saved_intact", Group::memory,
+        "saved gate/up rows hold the forward's bits", Level::audit);
 inline constexpr ClauseInfo kBwdGradFinite =
     post("experts.backward.grad_finite", Group::finite, "every gradient finite");
 inline constexpr ClauseInfo kBwdEmptyZero =
@@ -176,12 +179,12 @@ inline constexpr ClauseInfo kBwdSpread =
     post("experts.backward.spread_explained", Group::numeric,
          "outputs within the declared precision's probabilistic bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,      kFwdIdxInRange,  kFwdIdxUnique,  kFwdWeightFinite, kFwdXFinite,
-    kFwdLoraFinite, kFwdScale,       kFwdNoAlias,    kFwdLoraPadding,  kFwdYFinite,
-    kFwdProbe,      kFwdWithin,      kBwdState,      kBwdShape,        kBwdDyFinite,
-    kBwdNoAlias,    kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero,    kBwdDwMasked,
-    kBwdProbe,      kBwdWithin,      kFwdRounding,   kBwdRounding,     kFwdSpread,
-    kBwdSpread};
+    kFwdShape,      kFwdIdxInRange,  kFwdIdxUnique,   kFwdWeightFinite, kFwdXFinite,
+    kFwdLoraFinite, kFwdScale,       kFwdNoAlias,     kFwdLoraPadding,  kFwdYFinite,
+    kFwdProbe,      kFwdWithin,      kBwdState,       kBwdShape,        kBwdDyFinite,
+    kBwdNoAlias,    kBwdSavedFinite, kBwdSavedIntact, kBwdGradFinite,   kBwdEmptyZero,
+    kBwdDwMasked,   kBwdProbe,       kBwdWithin,      kFwdRounding,     kBwdRounding,
+    kFwdSpread,     kBwdSpread};
 }  // namespace experts_train
 
 namespace router {
@@ -347,6 +350,9 @@ inline constexpr ClauseInfo kBwdNoAlias =
     pre("layer.backward.no_alias", Group::alias, "gradients disjoint from each other and inputs");
 inline constexpr ClauseInfo kBwdSavedFinite =
     pre("layer.backward.saved_finite", Group::finite, "saved activations finite");
+inline constexpr ClauseInfo kBwdSavedIntact =
+    pre("layer.backward.saved_intact", Group::memory, "saved gate/up rows hold the forward's bits",
+        Level::audit);
 inline constexpr ClauseInfo kBwdGradFinite =
     post("layer.backward.grad_finite", Group::finite, "every gradient finite");
 inline constexpr ClauseInfo kBwdEmptyZero =
@@ -370,10 +376,11 @@ inline constexpr ClauseInfo kRlOutFinite =
 inline constexpr ClauseInfo kRlWithin = post("layer.router_linear.within_bound", Group::numeric,
                                              "every output within bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,   kFwdXFinite,     kFwdLoraFinite, kFwdScale,     kFwdNoAlias,      kFwdLoraPadding,
-    kFwdYFinite, kFwdProbe,       kFwdWithin,     kBwdState,     kBwdShape,        kBwdDyFinite,
-    kBwdNoAlias, kBwdSavedFinite, kBwdGradFinite, kBwdEmptyZero, kBwdRouterMasked, kBwdProbe,
-    kBwdWithin,  kRlShape,        kRlFinite,      kRlNoAlias,    kRlOutFinite,     kRlWithin};
+    kFwdShape,       kFwdXFinite,   kFwdLoraFinite,   kFwdScale,       kFwdNoAlias,
+    kFwdLoraPadding, kFwdYFinite,   kFwdProbe,        kFwdWithin,      kBwdState,
+    kBwdShape,       kBwdDyFinite,  kBwdNoAlias,      kBwdSavedFinite, kBwdSavedIntact,
+    kBwdGradFinite,  kBwdEmptyZero, kBwdRouterMasked, kBwdProbe,       kBwdWithin,
+    kRlShape,        kRlFinite,     kRlNoAlias,       kRlOutFinite,    kRlWithin};
 }  // namespace layer
 
 }  // namespace moecert::clauses

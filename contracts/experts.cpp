@@ -115,6 +115,7 @@ void ExpertsProbe::size_rows(std::size_t rows) {
   const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
   detail::fill_parallel(storage_.data(), n, double{NAN});
+  if (digests_) digests_->c1.resize(rows * blocks_), digests_->valid = true;
 }
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
@@ -124,6 +125,8 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
   const PackProbes& p = packs_[2 * e];
   const std::size_t b = n / kBlock;
   verify::detail::block_sums(c, ldc, rows, p.dense->r.data() + n, at(b, row0));
+  if (digests_)
+    verify::detail::block_digests(c, ldc, rows, digests_->c1.data() + row0 * blocks_ + b, blocks_);
   for (std::size_t q = 0; q < p.narrow.size(); ++q) {
     const verify::Probe& nq = p.narrow[q];
     if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block

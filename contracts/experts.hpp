@@ -36,7 +36,11 @@ class ExpertsProbe {
   /// `lora`: the caller's factors (null or rank 0: none), read here only.
   ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storage,
                const experts::Lora* lora = nullptr);
-  /// Sizes the sums for `rows` grouped rows; before the GEMM.
+  /// Where the op keeps c1 for a backward: add() also records each row's
+  /// block digests into `into` (experts.backward.saved_intact); before
+  /// size_rows().
+  void record_digests(SavedDigests& into) { digests_ = &into; }
+  /// Sizes the sums (and digests) for `rows` grouped rows; before the GEMM.
   void size_rows(std::size_t rows);
   /// Rows [row0, row0 + rows) (expert e's) of the gate/up C, columns
   /// [n, n + kBlock), row i at c + i ldc. One writer per (row, n); any
@@ -77,6 +81,7 @@ class ExpertsProbe {
   }
 
   std::vector<double>& storage_;
+  SavedDigests* digests_ = nullptr;
   std::size_t blocks_ = 0;  // kBlock-column blocks of gate_up's N
   std::size_t rows_ = 0;    // grouped rows (size_rows)
   std::size_t rank_ = 0;

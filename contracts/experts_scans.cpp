@@ -1,13 +1,17 @@
 // The clauses of experts.forward_train, experts.backward and the layer
 // that are judged inside the op's own passes, on data still in the cache of
 // the thread that just read or wrote it: lora_finite and lora_padding as the
-// factors are packed, saved_finite as the saved rows are read, grad_finite
-// as the gradients are written (contracts/experts_train.hpp).
+// factors are packed, saved_finite and saved_intact as the saved rows are
+// read, grad_finite as the gradients are written
+// (contracts/experts_train.hpp).
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <mutex>
 
 #include "contracts/checks.hpp"
 #include "contracts/experts_train.hpp"
+#include "contracts/verify.hpp"
 
 namespace moecert::contracts {
 
@@ -119,18 +123,20 @@ void LoraPaddingScan::report(detail::Checker& c, const ClauseInfo& clause) {
 namespace {
 
 // Whether every saved value of grouped row `row` that the backward reads is
-// finite (padding rows hold none; h's row only `with_h`): contiguous runs,
-// scanned by detail::all_of. c1's gate and up columns of the full
-// 16-column panels are one run; h is row-major or in tiles of k_step-element
-// row pieces.
-bool saved_row_finite(const ExpertRows& st, std::size_t I, std::size_t row, bool with_h) {
+// finite (padding rows hold none; c1's row only `with_c1`, h's only
+// `with_h`): contiguous runs, scanned by detail::all_of. c1's gate and up
+// columns of the full 16-column panels are one run; h is row-major or in
+// tiles of k_step-element row pieces.
+bool saved_row_finite(const ExpertRows& st, std::size_t I, std::size_t row, bool with_c1,
+                      bool with_h) {
   constexpr std::size_t P = gemm::PackedWeights::kPanel;
   auto finite = [](auto v) { return detail::finite_bits(v); };
   if (st.grouping.row_slot[row] < 0) return true;
   const float* c1 = st.c1 + row * st.ldc1;
   const std::size_t full = I / P * P, tail = I - full;
-  if (!detail::all_of(c1, 2 * full, finite) || !detail::all_of(c1 + 2 * full, tail, finite) ||
-      !detail::all_of(c1 + 2 * full + P, tail, finite))
+  if (with_c1 &&
+      (!detail::all_of(c1, 2 * full, finite) || !detail::all_of(c1 + 2 * full, tail, finite) ||
+       !detail::all_of(c1 + 2 * full + P, tail, finite)))
     return false;
   bool h_ok = true;
   if (with_h)
@@ -201,7 +207,7 @@ void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const Trai
   const auto& st = s.rows;
   const std::size_t row =
       detail::first_failing(st.grouping.rows(), 3 * I + 3 * st.rank,
-                            [&](std::size_t i) { return saved_row_finite(st, I, i, true); });
+                            [&](std::size_t i) { return saved_row_finite(st, I, i, true, true); });
   if (row < st.grouping.rows()) fail_saved_row(c, clause, st, I, row);
 }
 
@@ -211,18 +217,27 @@ SavedFiniteScan::SavedFiniteScan(detail::Checker& c, const ClauseInfo& clause, c
 
 void SavedFiniteScan::begin() {
   const detail::SampledTimer timer(ns_, 1);
-  if (c_.level() >= Level::audit) {  // every saved row now, right after the first step's poison
-    reported_ = true;
-    train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
-  } else {
+  if (c_.level() < Level::audit) {
     saved_routing_finite(c_, clause_, s_, logits_, router_out_);
+    return;
   }
+  // At audit every saved row now, right after the first step's poison; c1
+  // left to row() where saved_intact holds it to the forward's bits.
+  reported_ = true;
+  if (!c1_intact_) return train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
+  if (!saved_routing_finite(c_, clause_, s_, logits_, router_out_)) return;
+  const ExpertRows& st = s_.rows;
+  const std::size_t row = detail::first_failing(
+      st.grouping.rows(), inter_ + 3 * st.rank,
+      [&](std::size_t i) { return saved_row_finite(st, inter_, i, false, true); });
+  if (row < st.grouping.rows()) return fail_saved_row(c_, clause_, st, inter_, row);
+  reported_ = false, h_judged_ = true;
 }
 
 void SavedFiniteScan::row(std::size_t q) {
   if (reported_) return;  // judged in full already
   const detail::SampledTimer timer(ns_);
-  if (!saved_row_finite(s_.rows, inter_, q, !h_judged_))
+  if (!saved_row_finite(s_.rows, inter_, q, true, !h_judged_))
     marked_.store(true, std::memory_order_relaxed);
 }
 
@@ -234,6 +249,45 @@ void SavedFiniteScan::report() {
   }
   detail::add_clause_seconds(clause_,
                              static_cast<double>(ns_.exchange(0) + detail::now_ns() - t0) * 1e-9);
+}
+
+SavedIntactScan::SavedIntactScan(detail::Checker& c, const ClauseInfo& clause,
+                                 const ExpertRows& rows)
+    : c_(c), clause_(clause), rows_(rows), blocks_(rows.ldc1 / verify::detail::kBlockColumns) {
+  MOECERT_ASSERT(rows.ldc1 % verify::detail::kBlockColumns == 0 &&
+                 rows.c1_digests.size() == rows.grouping.rows() * blocks_);
+}
+
+void SavedIntactScan::row(std::size_t q) {
+  const detail::SampledTimer timer(ns_);
+  constexpr std::size_t kChunk = 64, kB = verify::detail::kBlockColumns;  // blocks per call
+  std::array<std::uint32_t, kChunk> got;
+  const float* c1 = rows_.c1 + q * rows_.ldc1;
+  const std::uint32_t* want = rows_.c1_digests.data() + q * blocks_;
+  for (std::size_t b0 = 0; b0 < blocks_; b0 += kChunk) {
+    const std::size_t n = std::min(kChunk, blocks_ - b0);
+    verify::detail::block_digests(c1 + b0 * kB, kB, n, got.data(), 1);
+    const auto at = std::mismatch(got.begin(), got.begin() + n, want + b0).first - got.begin();
+    if (static_cast<std::size_t>(at) == n) continue;
+    const std::size_t where = q * blocks_ + b0 + static_cast<std::size_t>(at);
+    std::size_t seen = first_.load(std::memory_order_relaxed);
+    while (where < seen && !first_.compare_exchange_weak(seen, where)) {
+    }
+    return;
+  }
+}
+
+void SavedIntactScan::report() {
+  detail::add_clause_seconds(clause_, static_cast<double>(ns_.exchange(0)) * 1e-9);
+  const std::size_t first = first_.load();
+  if (first == SIZE_MAX) return;
+  constexpr std::size_t kB = verify::detail::kBlockColumns;
+  const std::size_t q = first / blocks_, b = first % blocks_;
+  std::uint32_t got = 0;
+  verify::detail::block_digests(rows_.c1 + q * rows_.ldc1 + b * kB, kB, 1, &got, 1);
+  c_.fail(clause_, fmt::format("experts.c1 row {} cols {}..{}", q, b * kB, b * kB + kB - 1),
+          fmt::format("digest {:#010x}", got),
+          fmt::format("{:#010x}, as the forward wrote the block", rows_.c1_digests[first]));
 }
 
 std::vector<GradFiniteScan::Output> experts_grad_outputs(const experts::Gradients& g, std::size_t E,

@@ -145,6 +145,9 @@ class SavedFiniteScan {
   void begin();
   /// The caller forms dL/dw: h's rows are judged through dweights().
   void h_through_dweights() { h_judged_ = true; }
+  /// saved_intact holds c1 to the forward's bits (audit): begin()'s scan of
+  /// every saved row leaves c1 to row(). Before begin().
+  void c1_by_row() { c1_intact_ = true; }
   void dweights(double sum) {  // thread-safe
     if (!std::isfinite(sum)) marked_.store(true, std::memory_order_relaxed);
   }
@@ -157,8 +160,31 @@ class SavedFiniteScan {
   TrainSaved s_;
   std::size_t inter_, router_out_;
   const float* logits_;
-  bool h_judged_ = false, reported_ = false;
+  bool h_judged_ = false, reported_ = false, c1_intact_ = false;
   std::atomic<bool> marked_{false};
+  std::atomic<std::int64_t> ns_{0};
+};
+
+/// saved_intact (audit): c1, the saved gate/up output that the SwiGLU
+/// backward reads, holds the bits the forward wrote. The audited training
+/// forward recorded each grouped row's block digests (ExpertRows::c1_digests,
+/// verify::detail::block_digests); row(q) forms row q's again on the thread
+/// that has just read the row (in its cache) and keeps the first (row,
+/// block) that differs; report() fails `clause` there, before the backward
+/// writes an output. Any change of one element of a block is caught
+/// (proofs/experts.md §7). Made only where the forward recorded digests.
+class SavedIntactScan {
+ public:
+  SavedIntactScan(detail::Checker& c, const ClauseInfo& clause, const ExpertRows& rows);
+  void row(std::size_t q);  // thread-safe
+  void report();
+
+ private:
+  detail::Checker& c_;
+  const ClauseInfo& clause_;
+  ExpertRows rows_;
+  std::size_t blocks_;
+  std::atomic<std::size_t> first_{SIZE_MAX};  // q * blocks + b
   std::atomic<std::int64_t> ns_{0};
 };
 

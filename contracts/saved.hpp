@@ -73,6 +73,14 @@ struct OperandRows {
 
 class ExpertsProbe;
 
+/// c1's block digests (verify::detail::block_digests, one per grouped row
+/// and 32-column block, row-major) as the audited training forward wrote c1,
+/// for experts.backward.saved_intact; `valid` once a forward recorded them.
+struct SavedDigests {
+  std::vector<std::uint32_t> c1;
+  bool valid = false;
+};
+
 /// The experts forward's rows in grouped order. c1 is the fused gate/up
 /// output: gate column i at 2P (i / P) + i % P, up column i P further
 /// (P = gemm::PackedWeights::kPanel).
@@ -80,9 +88,10 @@ struct ExpertRows {
   GroupingView grouping;
   const float* c1 = nullptr;  // [rows x ldc1], or null when not kept
   std::size_t ldc1 = 0;
-  const ExpertsProbe* probe = nullptr;  // the audit probe's sums, where c1 is not kept
-  OperandRows h;                        // silu(g) * u, bf16
-  const float* o = nullptr;             // down GEMM output [rows x ldo]
+  const ExpertsProbe* probe = nullptr;             // the audit probe's sums, where c1 is not kept
+  std::span<const std::uint32_t> c1_digests = {};  // SavedDigests::c1 where recorded, else empty
+  OperandRows h;                                   // silu(g) * u, bf16
+  const float* o = nullptr;                        // down GEMM output [rows x ldo]
   std::size_t ldo = 0;
   std::size_t rank = 0;       // LoRA rank r (0: none)
   const float* xa = nullptr;  // [rows x 2r]

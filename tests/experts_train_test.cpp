@@ -675,6 +675,67 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
   }
 }
 
+TEST_CASE("experts.backward: saved_intact catches a finite change to the saved gate/up rows",
+          "[experts][train][memory]") {
+  // FIELD_NOTES 3 with a finite writer: another buffer's values land on c1
+  // between the forward and the backward. One ulp is finite and within any
+  // bound; the block digests the audited forward recorded still differ.
+  for (const Isa isa : kernel_isas()) DYNAMIC_SECTION(isa_name(isa)) {
+      const Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
+      experts::Saved saved;
+      std::vector<float> y(p.T * p.H), dx(p.T * p.H, 7.0f), dw(p.T * p.K, 7.0f);
+      const experts::Gradients g = only({dx.data(), p.T, p.H}, {dw.data(), p.T, p.K});
+      auto forward = [&](Level level) {
+        ContractScope s{level, Semantic::enforce};
+        experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H},
+                               saved, {.isa = isa});
+      };
+      auto backward = [&] { experts::backward(p.packed, p.lora_view(), p.X(), p.DY(), saved, g); };
+      auto untouched = [&] {
+        CHECK(std::all_of(dx.begin(), dx.end(), [](float v) { return v == 7.0f; }));
+        CHECK(std::all_of(dw.begin(), dw.end(), [](float v) { return v == 7.0f; }));
+      };
+      forward(Level::audit);
+      auto& st = saved.impl().st;
+      REQUIRE(st.grouping.count[1] > 0);
+      const std::size_t q = st.grouping.begin[1];
+      REQUIRE(st.ldc1 == 64);  // I = 24: two 32-column blocks; column 37 is gate 21
+      float& v = st.c1[q * st.ldc1 + 37];
+      const float old = v;
+      v = std::nextafter(v, INFINITY);
+      auto violation =
+          test::expect_violation(backward, "experts.backward.saved_intact", Level::audit);
+      CHECK(violation.location == fmt::format("experts.c1 row {} cols 32..63", q));
+      untouched();
+      // A NaN there is saved_finite's, named by element.
+      v = NAN;
+      violation = test::expect_violation(backward, "experts.backward.saved_finite", Level::audit);
+      CHECK(violation.location == fmt::format("experts.c1 row {} col 37", q));
+      // h and the LoRA rows are scanned up front, c1 left to the SwiGLU pass.
+      v = old;
+      bf16& h = st.h[gemm::a_offset(st.layout, st.ldh, q, 5)];
+      const bf16 h_old = h;
+      h = bf16(INFINITY);
+      violation = test::expect_violation(backward, "experts.backward.saved_finite", Level::audit);
+      CHECK(violation.location == fmt::format("experts.h row {} col 5", q));
+      untouched();
+      // Restored, the backward runs; a forward at check records nothing to judge.
+      h = h_old;
+      reset_clause_counts();
+      {
+        ContractScope s{Level::audit, Semantic::enforce};
+        CHECK_NOTHROW(backward());
+      }
+      CHECK(checked("experts.backward.saved_intact"));
+      forward(Level::check);
+      reset_clause_counts();
+      st.c1[q * st.ldc1 + 37] = NAN;
+      violation = test::expect_violation(backward, "experts.backward.saved_finite", Level::audit);
+      CHECK(violation.location == fmt::format("experts.c1 row {} col 37", q));
+      CHECK_FALSE(checked("experts.backward.saved_intact"));
+    }
+}
+
 TEST_CASE("experts.backward: dh beyond fp32 marks rows, then grad_finite names the output",
           "[experts][train][clauses]") {
   // dy finite but so large that dh = dy W_d leaves fp32: dL/dw's sums are

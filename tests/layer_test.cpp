@@ -864,6 +864,42 @@ TEST_CASE("layer: FIELD_NOTES 3, two co-live buffers made to share memory",
     }
     CHECK(std::isnan(g.dx[0]));  // nothing written
   }
+  SECTION("at audit too, where c1 is judged as the SwiGLU backward reads it") {
+    layer::Saved saved;
+    saved.impl().arena.alias_for_testing("experts.c1", "bwd.dy");
+    ContractSettings no_alias{Level::audit, Semantic::enforce};
+    no_alias.groups &= ~(1u << static_cast<int>(Group::alias));
+    ContractScope s{no_alias};
+    layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved);
+    try {
+      layer::backward(p.cfg, w, p.X(), p.DY(), saved, gv);
+      FAIL("no violation");
+    } catch (const ContractViolation& v) {
+      INFO(v.what());
+      CHECK(v.clause() == "layer.backward.saved_finite");
+      CHECK(v.violation().location.rfind("experts.c1 row 0", 0) == 0);
+    }
+    CHECK(std::isnan(g.dx[0]));
+  }
+  SECTION("a finite writer: the block digests of saved_intact (audit)") {
+    layer::Saved saved;
+    {
+      ContractScope s{Level::audit, Semantic::enforce};
+      layer::forward(p.cfg, w, p.X(), {y.data(), p.T, p.H}, saved);
+    }
+    const auto& st = saved.impl().st;
+    const std::size_t q = static_cast<std::size_t>(
+        std::find(st.grouping.row_slot.begin(), st.grouping.row_slot.end(), 0) -
+        st.grouping.row_slot.begin());  // the row of token 0's first slot
+    REQUIRE(q < st.grouping.rows());
+    float& c = st.c1[q * st.ldc1 + 3];
+    c = std::nextafter(c, INFINITY);
+    const auto v =
+        test::expect_violation([&] { layer::backward(p.cfg, w, p.X(), p.DY(), saved, gv); },
+                               "layer.backward.saved_intact", Level::audit);
+    CHECK(v.location == fmt::format("experts.c1 row {} cols 0..31", q));
+    CHECK(std::isnan(g.dx[0]));
+  }
 }
 
 TEST_CASE("layer: amx_bf16 bitwise equal to amx_emu (on a machine with AMX)", "[layer][amx]") {

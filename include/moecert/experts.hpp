@@ -259,6 +259,11 @@ struct Gradients {
 ///                                                     (FIELD_NOTES 3); judged as the backward reads
 ///                                                     them, before it writes an output
 ///                                                     (proofs/experts.md §7)
+///   experts.backward.saved_intact      pre   memory   the saved gate/up rows hold the bits the forward
+///                                                     wrote (audit, where the forward ran at audit: its
+///                                                     block digests formed again as the SwiGLU backward
+///                                                     reads each row; one changed element of a block is
+///                                                     always caught; proofs/experts.md §7)
 ///   experts.backward.grad_finite       post  finite   every gradient element finite
 ///   experts.backward.empty_expert_zero post  numeric  an expert with no routed token has LoRA and
 ///                                                     base-weight gradients exactly 0; M_A, M_G are 0

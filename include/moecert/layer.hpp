@@ -131,6 +131,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              (a NaN there names the buffer: read-before-write,
 ///                                              FIELD_NOTES 3); judged as the backward reads them,
 ///                                              before it writes an output (proofs/experts.md §7)
+///   layer.backward.saved_intact pre   memory   the saved gate/up rows hold the bits the forward wrote
+///                                              (audit, where the forward ran at audit; as
+///                                              experts.backward.saved_intact)
 ///   layer.backward.grad_finite  post  finite   every gradient element finite
 ///   layer.backward.empty_expert_zero post numeric  an expert with no routed token has LoRA and
 ///                                              base-weight gradients exactly 0

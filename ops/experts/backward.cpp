@@ -279,6 +279,7 @@ void swiglu_backward(const Ctx& c, const float* dh, bf16* dgu, float* dgb) {
           i += n;
         }
         if (c.judges.saved) c.judges.saved->row(row);  // c1's row, still in cache
+        if (c.judges.intact) c.judges.intact->row(row);
         if (c.judges.probe) c.judges.probe->dh_row(c.expert_of(row), row, dh + row * ldd);
       }));
   if (c.r)
@@ -472,6 +473,10 @@ void backward_expert(const PackedExperts& w, TrainState& s, MatView<const bf16> 
   if (judges.probe && expert_path) judges.probe->dh_judge(grouping_view(c.gr), d.dyb);
   if (judges.saved) {  // before the first output is written
     judges.saved->report();
+    if (chk.stop()) return;
+  }
+  if (judges.intact) {
+    judges.intact->report();
     if (chk.stop()) return;
   }
   if (expert_path && c.r) lora_down_grads(c, dy, d.dyb, g);

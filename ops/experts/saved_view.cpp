@@ -35,6 +35,8 @@ contracts::ExpertRows rows_view(const ForwardState& st) {
 }
 
 contracts::TrainSaved saved_view(const TrainState& s) {
+  contracts::ExpertRows rows = rows_view(s.st);
+  if (s.digests.valid) rows.c1_digests = s.digests.c1;
   return {.valid = s.valid,
           .training = s.training,
           .tokens = s.tokens,
@@ -43,7 +45,7 @@ contracts::TrainSaved saved_view(const TrainState& s) {
           .rank = s.lora.rank,
           .idx = s.idx,
           .weights = s.weights,
-          .rows = rows_view(s.st),
+          .rows = rows,
           .workspace = s.arena.bytes()};
 }
 

@@ -24,6 +24,8 @@ std::size_t Saved::bytes() const { return impl_->arena.capacity(); }
 
 void train_forward_steps(const PackedExperts& w, TrainState& s, MatView<const bf16> x,
                          MatView<float> y, bool training, contracts::ExpertsProbe* probe) {
+  s.digests.valid = false;
+  if (probe && training) probe->record_digests(s.digests);
   forward_impl(w, s.lora.rank ? &s.lora : nullptr, x, s.idx_view(), s.weights_view(), y,
                gemm::kernel_info(s.isa), s.arena, s.st, training,  // c1: read by the backward only
                probe);
@@ -79,9 +81,9 @@ void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
   if (chk.stop()) return;
   Saved::Impl& s = saved.impl();
   namespace k = clauses::experts_train;
-  // saved_finite and grad_finite are judged inside the passes that read the
-  // saved rows and write the gradients; dL/dw is formed in the workspace
-  // and copied out once saved_finite has passed.
+  // saved_finite, saved_intact and grad_finite are judged inside the passes
+  // that read the saved rows and write the gradients; dL/dw is formed in
+  // the workspace and copied out once saved_finite has passed.
   std::optional<contracts::SavedFiniteScan> saved_judge;
   std::optional<contracts::GradFiniteScan> grads_judge;
   MOECERT_CONTRACT(chk, k::kBwdSavedFinite) {
@@ -93,8 +95,12 @@ void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
   }
   std::optional<contracts::BackwardProbe> probe;
   if (chk.will_check(k::kBwdProbe)) probe.emplace(w, lora, s.probe_sums);
+  std::optional<contracts::SavedIntactScan> intact;
+  judge_saved_intact<k::kBwdSavedIntact>(s, chk, intact);
+  if (intact && saved_judge) saved_judge->c1_by_row();
   const BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
-                              grads_judge ? &*grads_judge : nullptr, probe ? &*probe : nullptr};
+                              grads_judge ? &*grads_judge : nullptr, probe ? &*probe : nullptr,
+                              intact ? &*intact : nullptr};
   s.arena.enter(workspace::b_gather, chk);
   if (judges.saved) judges.saved->begin();
   if (chk.stop()) return;

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "contracts/experts_backward_probe.hpp"
@@ -32,6 +33,7 @@ struct TrainState {
   MatView<const std::int32_t> idx_view() const { return {idx, tokens, topk, topk}; }
   MatView<const float> weights_view() const { return {weights, tokens, topk, topk}; }
   contracts::ProbeStorage probe_sums;  // the audit probes' sums
+  contracts::SavedDigests digests;     // c1's, where an audited forward recorded them
 };
 
 struct Saved::Impl : TrainState {
@@ -57,7 +59,8 @@ struct DyRows {
 struct BackwardJudges {
   contracts::SavedFiniteScan* saved = nullptr;
   contracts::GradFiniteScan* grads = nullptr;
-  contracts::BackwardProbe* probe = nullptr;  // audit: takes dh and the dx rows as formed
+  contracts::BackwardProbe* probe = nullptr;     // audit: takes dh and the dx rows as formed
+  contracts::SavedIntactScan* intact = nullptr;  // audit: c1's rows as the SwiGLU pass reads them
 };
 
 /// Steps b_gather and b_dh: dy rows, dh' = dy W_d, dyb = dy B_d; when `dw`
@@ -83,6 +86,17 @@ bool wants_expert_path(const Gradients& g);
 /// The state as the contracts read it (ops/experts/saved_view.cpp).
 contracts::TrainSaved saved_view(const TrainState& s);
 contracts::TrainSaved saved_view(const Saved::Impl& s);
+
+/// The judge of the op's clause `intact` (saved_intact) into `scan`, where
+/// the clause is on and the forward recorded c1's digests (it ran at audit).
+template <const ClauseInfo& intact>
+void judge_saved_intact(const TrainState& s, detail::Checker& chk,
+                        std::optional<contracts::SavedIntactScan>& scan) {
+  if (s.digests.valid) MOECERT_CONTRACT(chk, intact) {
+      scan.emplace(chk, intact, saved_view(s).rows);
+    }
+}
+
 std::vector<contracts::PackedFactor> packed_factors(const PackedLora& l);
 std::array<contracts::PackedFactor, 8> packed_factors(std::size_t e, const PackedLoraExpert& p);
 /// PackedLora::pack's hook that hands each expert to `finite` and its packs

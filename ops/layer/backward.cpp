@@ -63,8 +63,9 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   const gemm::KernelInfo& kernel = gemm::kernel_info(s.isa);
   workspace::Arena& arena = s.arena;
 
-  // saved_finite and grad_finite are judged inside the passes that read the
-  // saved rows and write the gradients (dL/dw stays in the workspace).
+  // saved_finite, saved_intact and grad_finite are judged inside the passes
+  // that read the saved rows and write the gradients (dL/dw stays in the
+  // workspace).
   std::optional<contracts::SavedFiniteScan> saved_judge;
   std::optional<contracts::GradFiniteScan> grads_judge;
   MOECERT_CONTRACT(chk, clauses::layer::kBwdSavedFinite) {
@@ -77,9 +78,12 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   std::optional<contracts::BackwardProbe> probe;
   if (chk.will_check(clauses::layer::kBwdProbe))
     probe.emplace(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{}, s.probe_sums);
+  std::optional<contracts::SavedIntactScan> intact;
+  experts::judge_saved_intact<clauses::layer::kBwdSavedIntact>(s, chk, intact);
+  if (intact && saved_judge) saved_judge->c1_by_row();
   const experts::BackwardJudges judges{saved_judge ? &*saved_judge : nullptr,
                                        grads_judge ? &*grads_judge : nullptr,
-                                       probe ? &*probe : nullptr};
+                                       probe ? &*probe : nullptr, intact ? &*intact : nullptr};
 
   // 1. The experts op's first part: dy rows, dh; router path: dL/dw.
   arena.enter(workspace::b_gather, chk);
