@@ -95,6 +95,12 @@ void time_contract_levels(const Options& opt, const std::function<void()>& f, Re
 
 }  // namespace
 
+void forward_for_backward(const Options& opt, const std::function<void()>& fwd) {
+  if (opt.contracts.empty()) return fwd();
+  const ContractScope scope{*std::max_element(opt.contracts.begin(), opt.contracts.end())};
+  fwd();
+}
+
 void time_against_peer(const Options& opt, const std::function<void()>& f,
                        const std::function<void()>& g, Result& r) {
   if (!opt.contracts.empty()) return time_contract_levels(opt, f, r);

@@ -73,6 +73,13 @@ void add_layer_cases(std::vector<Case>& out);  // bench/layer_bench.cpp
 
 /// `reps` timed calls of f (after one untimed warm-up), in ms.
 std::vector<double> time_ms(int reps, const std::function<void()>& f);
+/// Runs the forward a backward case times its backward on: with
+/// opt.contracts, at the highest of those levels, as a training step at that
+/// level runs it (its saved state then holds what an audited forward
+/// records for the backward: the block digests of saved_intact); else at
+/// the level in force.
+void forward_for_backward(const Options& opt, const std::function<void()>& fwd);
+
 /// Times f and a peer g in alternation (each timed run after untimed runs
 /// of the same side for at least 20 ms), so that run i of both sides
 /// meets the same moment of a shared machine; fills r.ms, r.peer_ms, the

@@ -122,7 +122,7 @@ Result layer_case(const std::string& name, const Shape& s, bool backward, bool b
   auto peer_fwd = [&] { peer.forward(x, {py.data(), s.t, s.h}); };
   const MatView<const float> dyv(d.dy.data(), s.t, s.h);
   if (backward) {
-    fwd();
+    forward_for_backward(opt, fwd);
     auto bwd = [&] { layer::backward(d.cfg, w, x, dyv, saved, g); };
     if (base || !opt.contracts.empty()) {
       time_against_peer(opt, bwd, {}, r);  // the peer trains LoRA only; --contracts: no peer
@@ -236,7 +236,7 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
   auto peer_fwd = [&] { peer.forward_experts(x, iv, wv, {py.data(), s.t, s.h}); };
   std::vector<std::pair<const std::vector<float>*, const std::vector<float>*>> pairs{{&y, &py}};
   if (backward) {
-    fwd();
+    forward_for_backward(opt, fwd);
     if (opt.contracts.empty()) peer_fwd();  // --contracts: the peer is not run
     time_against_peer(
         opt, [&] { experts::backward(d.packed, lora, x, dyv, saved, gr); },
