@@ -5,6 +5,8 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -115,7 +117,7 @@ void ExpertsProbe::size_rows(std::size_t rows) {
   const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
   detail::fill_parallel(storage_.data(), n, double{NAN});
-  if (digests_) digests_->c1.resize(rows * blocks_), digests_->valid = true;
+  if (digests_) digests_->c1.assign(rows, 0), digests_->valid = true;
 }
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
@@ -125,8 +127,6 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
   const PackProbes& p = packs_[2 * e];
   const std::size_t b = n / kBlock;
   verify::detail::block_sums(c, ldc, rows, p.dense->r.data() + n, at(b, row0));
-  if (digests_)
-    verify::detail::block_digests(c, ldc, rows, digests_->c1.data() + row0 * blocks_ + b, blocks_);
   for (std::size_t q = 0; q < p.narrow.size(); ++q) {
     const verify::Probe& nq = p.narrow[q];
     if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block
@@ -134,6 +134,21 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
     for (std::size_t i = 0; i < rows; ++i)
       verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n), nq.r.data(), nq.width,
                                                nout[2 * i], nout[2 * i + 1]);
+  }
+}
+
+void ExpertsProbe::digest(std::size_t row0, std::size_t rows, const float* c, std::size_t ldc,
+                          std::size_t cols) {
+  if (!digests_) return;
+  const detail::SampledTimer timer(ns_, kAddEvery);
+  constexpr std::size_t kRows = 16;  // per call of row_digests
+  std::array<std::uint32_t, kRows> d;
+  for (std::size_t i0 = 0; i0 < rows; i0 += kRows) {
+    const std::size_t n = std::min(kRows, rows - i0);
+    verify::detail::row_digests(c + i0 * ldc, ldc, n, cols, d.data());
+    for (std::size_t i = 0; i < n; ++i)
+      std::atomic_ref<std::uint32_t>(digests_->c1[row0 + i0 + i])
+          .fetch_add(d[i], std::memory_order_relaxed);
   }
 }
 

@@ -5,7 +5,6 @@
 // read, grad_finite as the gradients are written
 // (contracts/experts_train.hpp).
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <mutex>
 
@@ -253,41 +252,29 @@ void SavedFiniteScan::report() {
 
 SavedIntactScan::SavedIntactScan(detail::Checker& c, const ClauseInfo& clause,
                                  const ExpertRows& rows)
-    : c_(c), clause_(clause), rows_(rows), blocks_(rows.ldc1 / verify::detail::kBlockColumns) {
+    : c_(c), clause_(clause), rows_(rows) {
   MOECERT_ASSERT(rows.ldc1 % verify::detail::kBlockColumns == 0 &&
-                 rows.c1_digests.size() == rows.grouping.rows() * blocks_);
+                 rows.c1_digests.size() == rows.grouping.rows());
 }
 
 void SavedIntactScan::row(std::size_t q) {
   const detail::SampledTimer timer(ns_);
-  constexpr std::size_t kChunk = 64, kB = verify::detail::kBlockColumns;  // blocks per call
-  std::array<std::uint32_t, kChunk> got;
-  const float* c1 = rows_.c1 + q * rows_.ldc1;
-  const std::uint32_t* want = rows_.c1_digests.data() + q * blocks_;
-  for (std::size_t b0 = 0; b0 < blocks_; b0 += kChunk) {
-    const std::size_t n = std::min(kChunk, blocks_ - b0);
-    verify::detail::block_digests(c1 + b0 * kB, kB, n, got.data(), 1);
-    const auto at = std::mismatch(got.begin(), got.begin() + n, want + b0).first - got.begin();
-    if (static_cast<std::size_t>(at) == n) continue;
-    const std::size_t where = q * blocks_ + b0 + static_cast<std::size_t>(at);
-    std::size_t seen = first_.load(std::memory_order_relaxed);
-    while (where < seen && !first_.compare_exchange_weak(seen, where)) {
-    }
-    return;
+  std::uint32_t got = 0;
+  verify::detail::row_digests(rows_.c1 + q * rows_.ldc1, rows_.ldc1, 1, rows_.ldc1, &got);
+  if (got == rows_.c1_digests[q]) return;
+  std::size_t seen = first_.load(std::memory_order_relaxed);
+  while (q < seen && !first_.compare_exchange_weak(seen, q)) {
   }
 }
 
 void SavedIntactScan::report() {
   detail::add_clause_seconds(clause_, static_cast<double>(ns_.exchange(0)) * 1e-9);
-  const std::size_t first = first_.load();
-  if (first == SIZE_MAX) return;
-  constexpr std::size_t kB = verify::detail::kBlockColumns;
-  const std::size_t q = first / blocks_, b = first % blocks_;
+  const std::size_t q = first_.load();
+  if (q == SIZE_MAX) return;
   std::uint32_t got = 0;
-  verify::detail::block_digests(rows_.c1 + q * rows_.ldc1 + b * kB, kB, 1, &got, 1);
-  c_.fail(clause_, fmt::format("experts.c1 row {} cols {}..{}", q, b * kB, b * kB + kB - 1),
-          fmt::format("digest {:#010x}", got),
-          fmt::format("{:#010x}, as the forward wrote the block", rows_.c1_digests[first]));
+  verify::detail::row_digests(rows_.c1 + q * rows_.ldc1, rows_.ldc1, 1, rows_.ldc1, &got);
+  c_.fail(clause_, fmt::format("experts.c1 row {}", q), fmt::format("digest {:#010x}", got),
+          fmt::format("{:#010x}, as the forward wrote the row", rows_.c1_digests[q]));
 }
 
 std::vector<GradFiniteScan::Output> experts_grad_outputs(const experts::Gradients& g, std::size_t E,

@@ -167,12 +167,13 @@ class SavedFiniteScan {
 
 /// saved_intact (audit): c1, the saved gate/up output that the SwiGLU
 /// backward reads, holds the bits the forward wrote. The audited training
-/// forward recorded each grouped row's block digests (ExpertRows::c1_digests,
-/// verify::detail::block_digests); row(q) forms row q's again on the thread
-/// that has just read the row (in its cache) and keeps the first (row,
-/// block) that differs; report() fails `clause` there, before the backward
-/// writes an output. Any change of one element of a block is caught
-/// (proofs/experts.md §7). Made only where the forward recorded digests.
+/// forward recorded each grouped row's digest (ExpertRows::c1_digests,
+/// verify::detail::row_digests) as its epilogue finished the row's blocks;
+/// row(q) forms row q's again on the thread that has just read the row (in
+/// its cache) and keeps the first row that differs; report() fails `clause`
+/// there, before the backward writes an output. Any change of one element of
+/// a row is caught (proofs/experts.md §7). Made only where the forward
+/// recorded digests.
 class SavedIntactScan {
  public:
   SavedIntactScan(detail::Checker& c, const ClauseInfo& clause, const ExpertRows& rows);
@@ -183,8 +184,7 @@ class SavedIntactScan {
   detail::Checker& c_;
   const ClauseInfo& clause_;
   ExpertRows rows_;
-  std::size_t blocks_;
-  std::atomic<std::size_t> first_{SIZE_MAX};  // q * blocks + b
+  std::atomic<std::size_t> first_{SIZE_MAX};  // grouped row
   std::atomic<std::int64_t> ns_{0};
 };
 

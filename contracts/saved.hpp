@@ -73,9 +73,9 @@ struct OperandRows {
 
 class ExpertsProbe;
 
-/// c1's block digests (verify::detail::block_digests, one per grouped row
-/// and 32-column block, row-major) as the audited training forward wrote c1,
-/// for experts.backward.saved_intact; `valid` once a forward recorded them.
+/// c1's row digests (verify::detail::row_digests of every column, one per
+/// grouped row) as the audited training forward wrote c1, for
+/// experts.backward.saved_intact; `valid` once a forward recorded them.
 struct SavedDigests {
   std::vector<std::uint32_t> c1;
   bool valid = false;

@@ -119,22 +119,25 @@ void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* 
 }
 
 MOECERT_PROBE_CLONES
-void block_digests(const float* c, std::size_t ldc, std::size_t rows, std::uint32_t* out,
-                   std::size_t out_stride) {
+void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t cols,
+                 std::uint32_t* out) {
   using V16u = std::uint32_t __attribute__((vector_size(64)));
   static_assert(kBlockColumns == 2 * kProbeLanes);
   const V16u k_lo = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, k_hi = k_lo + 16;
-  for (std::size_t i = 0; i < rows; ++i, c += ldc, out += out_stride) {
-    V16u lo, hi;
-    std::memcpy(&lo, c, sizeof lo);
-    std::memcpy(&hi, c + kProbeLanes, sizeof hi);
-    V16u v = ((lo << k_lo) | (lo >> ((32 - k_lo) & 31))) +  // rotl by j, then by j + 16
-             ((hi << k_hi) | (hi >> ((32 - k_hi) & 31)));
+  for (std::size_t i = 0; i < rows; ++i, c += ldc) {
+    V16u v = {};
+    for (std::size_t j = 0; j < cols; j += kBlockColumns) {
+      V16u lo, hi;
+      std::memcpy(&lo, c + j, sizeof lo);
+      std::memcpy(&hi, c + j + kProbeLanes, sizeof hi);
+      v += ((lo << k_lo) | (lo >> ((32 - k_lo) & 31))) +  // rotl by j, then by j + 16
+           ((hi << k_hi) | (hi >> ((32 - k_hi) & 31)));
+    }
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
     v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-    *out = v[0];
+    out[i] = v[0];
   }
 }
 

@@ -94,14 +94,14 @@ void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, dou
 // range is left.
 inline constexpr std::size_t kBlockColumns = 32;
 void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out);
-// The digest of a saved block (experts.backward.saved_intact): per row
-// i < rows of a block of kBlockColumns binary32 values (row i at c + i ldc),
-// out[i out_stride] = sum_j rotl(bits(c_j), j) mod 2^32. Exact integer
-// arithmetic, so every clone and every order gives the same value; a change
-// of one element always changes it (rotation is a bijection). A row's
-// consecutive blocks are rows of ldc = kBlockColumns.
-void block_digests(const float* c, std::size_t ldc, std::size_t rows, std::uint32_t* out,
-                   std::size_t out_stride);
+// The digest of saved rows (experts.backward.saved_intact): per row i <
+// rows of c (row i at c + i ldc), out[i] = sum_{j < cols} rotl(bits(c_j),
+// j mod 32) mod 2^32, cols a multiple of kBlockColumns. Exact integer
+// arithmetic: every clone, order and split of a row into column ranges
+// gives the same total (the parts added mod 2^32); a change of one element
+// always changes it (rotation is a bijection).
+void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t cols,
+                 std::uint32_t* out);
 
 // A probe's weight side from bf16 weights, in binary64 (exact terms, any
 // order: §9.1), for x [rows x n] at row stride ld: for k < n,

@@ -2,7 +2,10 @@
 // (one term dropped, one element moved by one bf16 ulp) caught at K = 1024.
 #include "contracts/verify.hpp"
 
+#include <array>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -167,6 +170,42 @@ TEST_CASE("verify: block sums are the pairwise binary32 tree, bit for bit", "[ve
     INFO("row " << i);
     CHECK(std::memcmp(&out[2 * i], &s, sizeof s) == 0);
     CHECK(std::memcmp(&out[2 * i + 1], &m, sizeof m) == 0);
+  }
+}
+
+TEST_CASE("verify: row digests are the rotated sums, split-invariant, and see any one change",
+          "[verify][memory]") {
+  // D = sum_j rotl(bits(c_j), j mod 32) mod 2^32, written out with std::rotl.
+  auto digest = [](const float* c, std::size_t cols) {
+    std::uint32_t d = 0;
+    for (std::size_t j = 0; j < cols; ++j)
+      d += std::rotl(std::bit_cast<std::uint32_t>(c[j]), static_cast<int>(j % 32));
+    return d;
+  };
+  std::mt19937_64 rng(37);
+  constexpr std::size_t kRows = 5, kLd = 100, kCols = 96;
+  std::vector<float> c(kRows * kLd);
+  for (auto& v : c) v = std::bit_cast<float>(static_cast<std::uint32_t>(rng()));  // NaNs too
+  std::array<std::uint32_t, kRows> whole, left, right;
+  verify::detail::row_digests(c.data(), kLd, kRows, kCols, whole.data());
+  verify::detail::row_digests(c.data(), kLd, kRows, 32, left.data());
+  verify::detail::row_digests(c.data() + 32, kLd, kRows, kCols - 32, right.data());
+  for (std::size_t i = 0; i < kRows; ++i) {
+    INFO("row " << i);
+    CHECK(whole[i] == digest(&c[i * kLd], kCols));
+    CHECK(whole[i] == static_cast<std::uint32_t>(left[i] + right[i]));
+  }
+  // One element of a row changed changes its digest: each element with
+  // each of its bits flipped (bit 0: one ulp).
+  for (std::size_t j = 0; j < kCols; ++j) {
+    const float old = c[j];
+    for (int bit = 0; bit < 32; ++bit) {
+      c[j] = std::bit_cast<float>(std::bit_cast<std::uint32_t>(old) ^ (1u << bit));
+      std::uint32_t d = 0;
+      verify::detail::row_digests(c.data(), kLd, 1, kCols, &d);
+      CHECK(d != whole[0]);
+    }
+    c[j] = old;
   }
 }
 
