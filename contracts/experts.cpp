@@ -5,8 +5,6 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -117,7 +115,11 @@ void ExpertsProbe::size_rows(std::size_t rows) {
   const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
   detail::fill_parallel(storage_.data(), n, double{NAN});
-  if (digests_) digests_->c1.assign(rows, 0), digests_->valid = true;
+  if (digests_) {
+    digests_->c1.resize(rows * blocks_);
+    detail::fill_parallel(digests_->c1.data(), rows * blocks_, std::uint32_t{0});
+    digests_->valid = true;
+  }
 }
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
@@ -137,19 +139,13 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
   }
 }
 
-void ExpertsProbe::digest(std::size_t row0, std::size_t rows, const float* c, std::size_t ldc,
-                          std::size_t cols) {
+void ExpertsProbe::digest(std::size_t row0, std::size_t rows, std::size_t n, const float* c,
+                          std::size_t ldc, std::size_t cols) {
   if (!digests_) return;
   const detail::SampledTimer timer(ns_, kAddEvery);
-  constexpr std::size_t kRows = 16;  // per call of row_digests
-  std::array<std::uint32_t, kRows> d;
-  for (std::size_t i0 = 0; i0 < rows; i0 += kRows) {
-    const std::size_t n = std::min(kRows, rows - i0);
-    verify::detail::row_digests(c + i0 * ldc, ldc, n, cols, d.data());
-    for (std::size_t i = 0; i < n; ++i)
-      std::atomic_ref<std::uint32_t>(digests_->c1[row0 + i0 + i])
-          .fetch_add(d[i], std::memory_order_relaxed);
-  }
+  MOECERT_ASSERT(n % kBlock == 0 && cols % kBlock == 0);
+  verify::detail::row_digests(c, ldc, rows, cols, digests_->c1.data() + row0 * blocks_ + n / kBlock,
+                              blocks_);
 }
 
 std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {

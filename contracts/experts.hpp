@@ -47,11 +47,11 @@ class ExpertsProbe {
   /// thread.
   void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
            std::size_t ldc);
-  /// Where digests are recorded: adds the digest of rows [row0, row0 +
-  /// rows)'s finished C columns [n, n + cols) (cols a multiple of kBlock;
-  /// row i at c + i ldc) to those rows' digests. Integer sums mod 2^32: any
-  /// order and split of a row gives its digest. Any thread.
-  void digest(std::size_t row0, std::size_t rows, const float* c, std::size_t ldc,
+  /// Where digests are recorded: the digest of rows [row0, row0 + rows)'s
+  /// finished C columns [n, n + cols) (n and cols multiples of kBlock; row
+  /// i at c + i ldc) into those rows' slots of block n / kBlock. One writer
+  /// per (row, n); any thread.
+  void digest(std::size_t row0, std::size_t rows, std::size_t n, const float* c, std::size_t ldc,
               std::size_t cols);
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow,
   /// and with LoRA the first factor's.

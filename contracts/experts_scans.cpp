@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <numeric>
 
 #include "contracts/checks.hpp"
 #include "contracts/experts_train.hpp"
@@ -252,16 +253,21 @@ void SavedFiniteScan::report() {
 
 SavedIntactScan::SavedIntactScan(detail::Checker& c, const ClauseInfo& clause,
                                  const ExpertRows& rows)
-    : c_(c), clause_(clause), rows_(rows) {
+    : c_(c), clause_(clause), rows_(rows), blocks_(rows.ldc1 / verify::detail::kBlockColumns) {
   MOECERT_ASSERT(rows.ldc1 % verify::detail::kBlockColumns == 0 &&
-                 rows.c1_digests.size() == rows.grouping.rows());
+                 rows.c1_digests.size() == rows.grouping.rows() * blocks_);
+}
+
+std::uint32_t SavedIntactScan::recorded(std::size_t q) const {
+  const std::uint32_t* slot = rows_.c1_digests.data() + q * blocks_;
+  return std::accumulate(slot, slot + blocks_, std::uint32_t{0});  // mod 2^32
 }
 
 void SavedIntactScan::row(std::size_t q) {
   const detail::SampledTimer timer(ns_);
   std::uint32_t got = 0;
   verify::detail::row_digests(rows_.c1 + q * rows_.ldc1, rows_.ldc1, 1, rows_.ldc1, &got);
-  if (got == rows_.c1_digests[q]) return;
+  if (got == recorded(q)) return;
   std::size_t seen = first_.load(std::memory_order_relaxed);
   while (q < seen && !first_.compare_exchange_weak(seen, q)) {
   }
@@ -274,7 +280,7 @@ void SavedIntactScan::report() {
   std::uint32_t got = 0;
   verify::detail::row_digests(rows_.c1 + q * rows_.ldc1, rows_.ldc1, 1, rows_.ldc1, &got);
   c_.fail(clause_, fmt::format("experts.c1 row {}", q), fmt::format("digest {:#010x}", got),
-          fmt::format("{:#010x}, as the forward wrote the row", rows_.c1_digests[q]));
+          fmt::format("{:#010x}, as the forward wrote the row", recorded(q)));
 }
 
 std::vector<GradFiniteScan::Output> experts_grad_outputs(const experts::Gradients& g, std::size_t E,

@@ -168,7 +168,8 @@ class SavedFiniteScan {
 /// saved_intact (audit): c1, the saved gate/up output that the SwiGLU
 /// backward reads, holds the bits the forward wrote. The audited training
 /// forward recorded each grouped row's digest (ExpertRows::c1_digests,
-/// verify::detail::row_digests) as its epilogue finished the row's blocks;
+/// verify::detail::row_digests) as its epilogue finished the row's blocks
+/// (contracts/saved.hpp, SavedDigests);
 /// row(q) forms row q's again on the thread that has just read the row (in
 /// its cache) and keeps the first row that differs; report() fails `clause`
 /// there, before the backward writes an output. Any change of one element of
@@ -181,9 +182,12 @@ class SavedIntactScan {
   void report();
 
  private:
+  std::uint32_t recorded(std::size_t q) const;  // row q's digest as the forward recorded it
+
   detail::Checker& c_;
   const ClauseInfo& clause_;
   ExpertRows rows_;
+  std::size_t blocks_;
   std::atomic<std::size_t> first_{SIZE_MAX};  // grouped row
   std::atomic<std::int64_t> ns_{0};
 };

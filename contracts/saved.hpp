@@ -73,9 +73,11 @@ struct OperandRows {
 
 class ExpertsProbe;
 
-/// c1's row digests (verify::detail::row_digests of every column, one per
-/// grouped row) as the audited training forward wrote c1, for
-/// experts.backward.saved_intact; `valid` once a forward recorded them.
+/// c1's digests as the audited training forward wrote c1, for
+/// experts.backward.saved_intact: [rows x ldc1 / 32], each epilogue's
+/// verify::detail::row_digests of a row's finished columns at the slot of
+/// its first 32-column block, 0 elsewhere, so that a row's digest is the
+/// sum of its slots mod 2^32; `valid` once a forward recorded them.
 struct SavedDigests {
   std::vector<std::uint32_t> c1;
   bool valid = false;

@@ -120,7 +120,7 @@ void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* 
 
 MOECERT_PROBE_CLONES
 void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t cols,
-                 std::uint32_t* out) {
+                 std::uint32_t* out, std::size_t out_stride) {
   using V16u = std::uint32_t __attribute__((vector_size(64)));
   static_assert(kBlockColumns == 2 * kProbeLanes);
   const V16u k_lo = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, k_hi = k_lo + 16;
@@ -137,7 +137,7 @@ void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t 
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
     v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-    out[i] = v[0];
+    out[i * out_stride] = v[0];
   }
 }
 
