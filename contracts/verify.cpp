@@ -123,16 +123,17 @@ void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t 
                  std::uint32_t* out, std::size_t out_stride) {
   using V16u = std::uint32_t __attribute__((vector_size(64)));
   static_assert(kBlockColumns == 2 * kProbeLanes);
-  const V16u k_lo = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, k_hi = k_lo + 16;
+  const V16u k = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const V16u m_lo = 2 * k + 1, m_hi = 2 * (k + 16) + 1;  // the odd factor of column j mod 32
   for (std::size_t i = 0; i < rows; ++i, c += ldc) {
-    V16u v = {};
+    V16u s_lo = {}, s_hi = {};  // each column class's sum of bits; the factor once per row
     for (std::size_t j = 0; j < cols; j += kBlockColumns) {
       V16u lo, hi;
       std::memcpy(&lo, c + j, sizeof lo);
       std::memcpy(&hi, c + j + kProbeLanes, sizeof hi);
-      v += ((lo << k_lo) | (lo >> ((32 - k_lo) & 31))) +  // rotl by j, then by j + 16
-           ((hi << k_hi) | (hi >> ((32 - k_hi) & 31)));
+      s_lo += lo, s_hi += hi;
     }
+    V16u v = s_lo * m_lo + s_hi * m_hi;
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);

@@ -95,11 +95,11 @@ void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, dou
 inline constexpr std::size_t kBlockColumns = 32;
 void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out);
 // The digest of saved rows (experts.backward.saved_intact): per row i <
-// rows of c (row i at c + i ldc), out[i out_stride] = sum_{j < cols} rotl(bits(c_j),
-// j mod 32) mod 2^32, cols a multiple of kBlockColumns. Exact integer
-// arithmetic: every clone, order and split of a row into column ranges
-// gives the same total (the parts added mod 2^32); a change of one element
-// always changes it (rotation is a bijection).
+// rows of c (row i at c + i ldc), out[i out_stride] = sum_{j < cols}
+// bits(c_j) (2 (j mod 32) + 1) mod 2^32, cols a multiple of kBlockColumns.
+// Exact and linear mod 2^32: every clone, order and split of a row into
+// column ranges gives the same total (the parts added); a change of one
+// element by d != 0 changes it by d times an odd factor, never 0 mod 2^32.
 void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t cols,
                  std::uint32_t* out, std::size_t out_stride = 1);
 

@@ -173,13 +173,13 @@ TEST_CASE("verify: block sums are the pairwise binary32 tree, bit for bit", "[ve
   }
 }
 
-TEST_CASE("verify: row digests are the rotated sums, split-invariant, and see any one change",
+TEST_CASE("verify: row digests are the weighted sums, split-invariant, and see any one change",
           "[verify][memory]") {
-  // D = sum_j rotl(bits(c_j), j mod 32) mod 2^32, written out with std::rotl.
+  // D = sum_j bits(c_j) (2 (j mod 32) + 1) mod 2^32, written out.
   auto digest = [](const float* c, std::size_t cols) {
     std::uint32_t d = 0;
     for (std::size_t j = 0; j < cols; ++j)
-      d += std::rotl(std::bit_cast<std::uint32_t>(c[j]), static_cast<int>(j % 32));
+      d += std::bit_cast<std::uint32_t>(c[j]) * static_cast<std::uint32_t>(2 * (j % 32) + 1);
     return d;
   };
   std::mt19937_64 rng(37);
