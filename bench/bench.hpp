@@ -76,7 +76,7 @@ std::vector<double> time_ms(int reps, const std::function<void()>& f);
 /// Runs the forward a backward case times its backward on: with
 /// opt.contracts, at the highest of those levels, as a training step at that
 /// level runs it (its saved state then holds what an audited forward
-/// records for the backward: the block digests of saved_intact); else at
+/// records for the backward: the c1 digests of saved_intact); else at
 /// the level in force.
 void forward_for_backward(const Options& opt, const std::function<void()>& fwd);
 

@@ -221,8 +221,9 @@ void SavedFiniteScan::begin() {
     saved_routing_finite(c_, clause_, s_, logits_, router_out_);
     return;
   }
-  // At audit every saved row now, right after the first step's poison; c1
-  // left to row() where saved_intact holds it to the forward's bits.
+  // At audit every saved row now, right after the first step's poison (a
+  // failure here is the clause's one report); c1 left to row() where
+  // saved_intact holds it to the forward's bits.
   reported_ = true;
   if (!c1_intact_) return train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
   if (!saved_routing_finite(c_, clause_, s_, logits_, router_out_)) return;

@@ -167,14 +167,13 @@ class SavedFiniteScan {
 
 /// saved_intact (audit): c1, the saved gate/up output that the SwiGLU
 /// backward reads, holds the bits the forward wrote. The audited training
-/// forward recorded each grouped row's digest (ExpertRows::c1_digests,
-/// verify::detail::row_digests) as its epilogue finished the row's blocks
-/// (contracts/saved.hpp, SavedDigests);
-/// row(q) forms row q's again on the thread that has just read the row (in
-/// its cache) and keeps the first row that differs; report() fails `clause`
-/// there, before the backward writes an output. Any change of one element of
-/// a row is caught (proofs/experts.md §7). Made only where the forward
-/// recorded digests.
+/// forward recorded each grouped row's digest in parts as its epilogue
+/// finished the row's blocks (ExpertRows::c1_digests, SavedDigests,
+/// verify::detail::row_digests); row(q) forms row q's digest again on the
+/// thread that has just read the row (in its cache) and keeps the first row
+/// that differs; report() fails `clause` there, before the backward writes
+/// an output. Any change of one element of a row is caught
+/// (proofs/experts.md §7). Made only where the forward recorded digests.
 class SavedIntactScan {
  public:
   SavedIntactScan(detail::Checker& c, const ClauseInfo& clause, const ExpertRows& rows);
