@@ -115,11 +115,7 @@ void ExpertsProbe::size_rows(std::size_t rows) {
   const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
   detail::fill_parallel(storage_.data(), n, double{NAN});
-  if (digests_) {
-    digests_->c1.resize(rows * blocks_);
-    detail::fill_parallel(digests_->c1.data(), rows * blocks_, std::uint32_t{0});
-    digests_->valid = true;
-  }
+  if (digests_) digests_->c1.resize(rows * blocks_), digests_->valid = true;
 }
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
@@ -129,6 +125,8 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
   const PackProbes& p = packs_[2 * e];
   const std::size_t b = n / kBlock;
   verify::detail::block_sums(c, ldc, rows, p.dense->r.data() + n, at(b, row0));
+  if (digests_)
+    verify::detail::row_digests(c, ldc, rows, kBlock, digests_->c1.data() + b * rows_ + row0);
   for (std::size_t q = 0; q < p.narrow.size(); ++q) {
     const verify::Probe& nq = p.narrow[q];
     if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block
@@ -137,15 +135,6 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
       verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n), nq.r.data(), nq.width,
                                                nout[2 * i], nout[2 * i + 1]);
   }
-}
-
-void ExpertsProbe::digest(std::size_t row0, std::size_t rows, std::size_t n, const float* c,
-                          std::size_t ldc, std::size_t cols) {
-  if (!digests_) return;
-  const detail::SampledTimer timer(ns_, kAddEvery);
-  MOECERT_ASSERT(n % kBlock == 0 && cols % kBlock == 0);
-  verify::detail::row_digests(c, ldc, rows, cols, digests_->c1.data() + row0 * blocks_ + n / kBlock,
-                              blocks_);
 }
 
 std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {

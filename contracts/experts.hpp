@@ -36,9 +36,9 @@ class ExpertsProbe {
   /// `lora`: the caller's factors (null or rank 0: none), read here only.
   ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storage,
                const experts::Lora* lora = nullptr);
-  /// Where the op keeps c1 for a backward: digest() records each row's
-  /// digest into `into` (experts.backward.saved_intact); before
-  /// size_rows().
+  /// Where the op keeps c1 for a backward: add() also records each row's
+  /// digest of the block into `into` (experts.backward.saved_intact);
+  /// before size_rows().
   void record_digests(SavedDigests& into) { digests_ = &into; }
   /// Sizes the sums (and digests) for `rows` grouped rows; before the GEMM.
   void size_rows(std::size_t rows);
@@ -47,12 +47,6 @@ class ExpertsProbe {
   /// thread.
   void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
            std::size_t ldc);
-  /// Where digests are recorded: the digest of rows [row0, row0 + rows)'s
-  /// finished C columns [n, n + cols) (n and cols multiples of kBlock; row
-  /// i at c + i ldc) into those rows' slots of block n / kBlock. One writer
-  /// per (row, n); any thread.
-  void digest(std::size_t row0, std::size_t rows, std::size_t n, const float* c, std::size_t ldc,
-              std::size_t cols);
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow,
   /// and with LoRA the first factor's.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <mutex>
-#include <numeric>
 
 #include "contracts/checks.hpp"
 #include "contracts/experts_train.hpp"
@@ -260,8 +259,10 @@ SavedIntactScan::SavedIntactScan(detail::Checker& c, const ClauseInfo& clause,
 }
 
 std::uint32_t SavedIntactScan::recorded(std::size_t q) const {
-  const std::uint32_t* slot = rows_.c1_digests.data() + q * blocks_;
-  return std::accumulate(slot, slot + blocks_, std::uint32_t{0});  // mod 2^32
+  const std::size_t rows = rows_.grouping.rows();
+  std::uint32_t d = 0;  // mod 2^32
+  for (std::size_t b = 0; b < blocks_; ++b) d += rows_.c1_digests[b * rows + q];
+  return d;
 }
 
 void SavedIntactScan::row(std::size_t q) {

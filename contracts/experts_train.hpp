@@ -167,8 +167,8 @@ class SavedFiniteScan {
 
 /// saved_intact (audit): c1, the saved gate/up output that the SwiGLU
 /// backward reads, holds the bits the forward wrote. The audited training
-/// forward recorded each grouped row's digest in parts as its epilogue
-/// finished the row's blocks (ExpertRows::c1_digests, SavedDigests,
+/// forward recorded the digest of each block of each grouped row as its
+/// epilogue finished it (ExpertRows::c1_digests, SavedDigests,
 /// verify::detail::row_digests); row(q) forms row q's digest again on the
 /// thread that has just read the row (in its cache) and keeps the first row
 /// that differs; report() fails `clause` there, before the backward writes

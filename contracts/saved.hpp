@@ -74,10 +74,10 @@ struct OperandRows {
 class ExpertsProbe;
 
 /// c1's digests as the audited training forward wrote c1, for
-/// experts.backward.saved_intact: [rows x ldc1 / 32], each epilogue's
-/// verify::detail::row_digests of a row's finished columns at the slot of
-/// its first 32-column block, 0 elsewhere, so that a row's digest is the
-/// sum of its slots mod 2^32; `valid` once a forward recorded them.
+/// experts.backward.saved_intact: verify::detail::row_digests of each
+/// grouped row's 32-column block b at [b rows + row] (a block's rows
+/// contiguous, as the epilogue hands them over), so that a row's digest is
+/// the sum of its blocks' mod 2^32; `valid` once a forward recorded them.
 struct SavedDigests {
   std::vector<std::uint32_t> c1;
   bool valid = false;

@@ -149,8 +149,6 @@ void gate_up(const Steps& s) {
       cb = sc.data.get(), ldc = nb, col0 = tl.n0;
     }
     auto swiglu = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
-      if (s.probe)
-        s.probe->digest(r0 + i0, i1 - i0, j0, cb + (i0 * ldc + (j0 - col0)), ldc, j1 - j0);
       for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel) {
         if (s.probe) s.probe->add(tl.e, r0 + i0, i1 - i0, n, cb + (i0 * ldc + (n - col0)), ldc);
         const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
