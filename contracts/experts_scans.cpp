@@ -4,7 +4,6 @@
 // factors are packed, saved_finite and saved_intact as the saved rows are
 // read, grad_finite as the gradients are written
 // (contracts/experts_train.hpp).
-#include <algorithm>
 #include <cmath>
 #include <mutex>
 
