@@ -195,18 +195,20 @@ void fail_saved_row(detail::Checker& c, const ClauseInfo& clause, const ExpertRo
 
 }  // namespace
 
-void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
-                        std::size_t I, const float* logits, std::size_t R) {
+bool train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
+                        std::size_t I, const float* logits, std::size_t R, bool with_c1) {
   // The saved state the backward reads, at the elements it reads (a NaN
   // here: read before write, or a co-live buffer overwrote it).
-  if (!saved_routing_finite(c, clause, s, logits, R)) return;
+  if (!saved_routing_finite(c, clause, s, logits, R)) return false;
   // The first grouped row holding a non-finite saved value, found on the
   // op's threads, then its first such value named.
   const auto& st = s.rows;
-  const std::size_t row =
-      detail::first_failing(st.grouping.rows(), 3 * I + 3 * st.rank,
-                            [&](std::size_t i) { return saved_row_finite(st, I, i, true, true); });
-  if (row < st.grouping.rows()) fail_saved_row(c, clause, st, I, row);
+  const std::size_t row = detail::first_failing(
+      st.grouping.rows(), (with_c1 ? 3 : 1) * I + 3 * st.rank,
+      [&](std::size_t i) { return saved_row_finite(st, I, i, with_c1, true); });
+  if (row == st.grouping.rows()) return true;
+  fail_saved_row(c, clause, st, I, row);
+  return false;
 }
 
 SavedFiniteScan::SavedFiniteScan(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
@@ -219,18 +221,12 @@ void SavedFiniteScan::begin() {
     saved_routing_finite(c_, clause_, s_, logits_, router_out_);
     return;
   }
-  // At audit every saved row now, right after the first step's poison (a
-  // failure here is the clause's one report); c1 left to row() where
-  // saved_intact holds it to the forward's bits.
-  reported_ = true;
-  if (!c1_intact_) return train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_);
-  if (!saved_routing_finite(c_, clause_, s_, logits_, router_out_)) return;
-  const ExpertRows& st = s_.rows;
-  const std::size_t row = detail::first_failing(
-      st.grouping.rows(), inter_ + 3 * st.rank,
-      [&](std::size_t i) { return saved_row_finite(st, inter_, i, false, true); });
-  if (row < st.grouping.rows()) return fail_saved_row(c_, clause_, st, inter_, row);
-  reported_ = false, h_judged_ = true;
+  // At audit every saved row now, right after the first step's poison; c1
+  // left to row() where saved_intact holds it to the forward's bits.
+  const bool failed =
+      !train_saved_finite(c_, clause_, s_, inter_, logits_, router_out_, !c1_intact_);
+  reported_ = failed || !c1_intact_;  // a failure is the clause's one report
+  h_judged_ = true;
 }
 
 void SavedFiniteScan::row(std::size_t q) {

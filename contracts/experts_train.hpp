@@ -123,15 +123,17 @@ std::array<MatView<float>, kWeightGrads> weight_grads(const experts::Gradients& 
 
 /// The saved state the backward reads is finite (idx in range) at the
 /// elements it reads, for experts of intermediate size I (logits: the
-/// layer's router logits [T x R], or null).
-void train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
-                        std::size_t I, const float* logits, std::size_t R);
+/// layer's router logits [T x R], or null; c1's rows only `with_c1`);
+/// false when `clause` failed.
+bool train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
+                        std::size_t I, const float* logits, std::size_t R, bool with_c1 = true);
 /// saved_finite judged inside the backward's own passes (the saved rows are
 /// its largest read; proofs/experts.md §7). begin(), after the first step's
 /// poison and before any work: the routing copy and the router logits,
-/// O(T (K + R)); at audit and above every saved row as well (a fresh buffer
-/// placed on saved rows shows its poison there before its first write; at
-/// check that is workspace.arena.disjoint's to catch). dweights(sum): a
+/// O(T (K + R)); at audit and above every saved row as well, c1 but where
+/// c1_by_row() (a fresh buffer placed on saved rows shows its poison there
+/// before its first write; at check that is workspace.arena.disjoint's to
+/// catch). dweights(sum): a
 /// grouped row's binary64 dL/dw sum over h's and ha's row is not finite
 /// when one of their elements is not. row(q): c1's gate and up runs and the
 /// xa, ha rows (and h's where no dL/dw is formed) on the thread that just
