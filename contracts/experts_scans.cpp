@@ -4,6 +4,7 @@
 // factors are packed, saved_finite and saved_intact as the saved rows are
 // read, grad_finite as the gradients are written
 // (contracts/experts_train.hpp).
+#include <atomic>
 #include <cmath>
 #include <mutex>
 
@@ -14,6 +15,12 @@
 namespace moecert::contracts {
 
 namespace {
+
+// first = min(first, v), from any thread.
+void keep_least(std::atomic<std::size_t>& first, std::size_t v) {
+  for (std::size_t seen = first; v < seen && !first.compare_exchange_weak(seen, v);) {
+  }
+}
 
 // Whether every element of [p, p + n) is +-0: the bits OR-ed, the sign
 // masked off once (one OR per vector).
@@ -83,9 +90,7 @@ void LoraFiniteScan::expert(std::size_t e) {
     const std::size_t at =
         detail::first_failing_element(rows, [](bf16 x) { return detail::bf16_in_range(x); });
     if (at == per * v.cols) continue;
-    const std::size_t flat = (e * per + at / v.cols) * v.cols + at % v.cols;
-    for (std::size_t seen = first_[i]; flat < seen && !first_[i].compare_exchange_weak(seen, flat);)
-      ;
+    keep_least(first_[i], (e * per + at / v.cols) * v.cols + at % v.cols);
   }
 }
 
@@ -264,10 +269,7 @@ void SavedIntactScan::row(std::size_t q) {
   const detail::SampledTimer timer(ns_);
   std::uint32_t got = 0;
   verify::detail::row_digests(rows_.c1 + q * rows_.ldc1, rows_.ldc1, 1, rows_.ldc1, &got);
-  if (got == recorded(q)) return;
-  std::size_t seen = first_.load(std::memory_order_relaxed);
-  while (q < seen && !first_.compare_exchange_weak(seen, q)) {
-  }
+  if (got != recorded(q)) keep_least(first_, q);
 }
 
 void SavedIntactScan::report() {
@@ -322,8 +324,7 @@ void GradFiniteScan::written(const float* m, std::size_t r0, std::size_t r1, std
       for (std::size_t i = r0; i < r1 && flat == SIZE_MAX; ++i)
         for (std::size_t j = c0; j < c1 && flat == SIZE_MAX; ++j)
           if (!detail::finite_bits(v(i, j))) flat = i * v.cols + j;
-      for (std::size_t seen = st.first; flat < seen && !st.first.compare_exchange_weak(seen, flat);)
-        ;
+      keep_least(st.first, flat);
     }
     st.handed += (r1 - r0) * (c1 - c0);
     break;
