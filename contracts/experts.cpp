@@ -92,6 +92,7 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storag
       lora_(2 * w.experts()),
       all_(2 * w.experts()),
       storage_(storage.blocks),
+      down_(storage.down),
       rank_(lora ? lora->rank : 0),
       scale_(rank_ ? static_cast<float>(lora->alpha / static_cast<double>(rank_)) : 0.0f) {
   const detail::SampledTimer timer(ns_, 1);
@@ -106,16 +107,18 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storag
                      : gate_up_lora(packs_[i], *lora, e, w.hidden(), w.inter());
     for (const verify::Probe& p : lora_[i]) all_[i].push_back(&p);
   });
-  if (w.experts()) blocks_ = w.gate_up(0).n() / kBlock;  // 2 round_up(I, 16) columns
+  if (w.experts()) n_ = w.gate_up(0).n();  // 2 round_up(I, 16) columns
 }
 
-void ExpertsProbe::size_rows(std::size_t rows) {
+void ExpertsProbe::size_rows(std::size_t rows, std::size_t span) {
   const detail::SampledTimer timer(ns_, 1);
-  rows_ = rows;
-  const std::size_t n = 2 * rows * (blocks_ + PackProbes::kNarrow);
+  MOECERT_ASSERT(span > 0 && span % kBlock == 0);
+  rows_ = rows, span_ = span, spans_ = (n_ + span - 1) / span;
+  const std::size_t n = 2 * rows * (spans_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
   detail::fill_parallel(storage_.data(), n, double{NAN});
-  if (digests_) digests_->c1.resize(rows * blocks_), digests_->valid = true;
+  down_.size(rows);
+  if (digests_) digests_->c1.resize(rows * spans_), digests_->valid = true;
 }
 
 void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n,
@@ -123,18 +126,25 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
   const detail::SampledTimer timer(ns_, kAddEvery);
   MOECERT_ASSERT(n % kBlock == 0 && n + kBlock <= packs_[2 * e].dense->width);
   const PackProbes& p = packs_[2 * e];
-  const std::size_t b = n / kBlock;
-  verify::detail::block_sums(c, ldc, rows, p.dense->r.data() + n, at(b, row0));
+  const std::size_t s = n / span_;
+  const bool later = n % span_ != 0;  // the span's first block sets, later ones add
+  verify::detail::block_sums(c, ldc, rows, p.dense->r.data() + n, at(s, row0), later);
   if (digests_)
-    verify::detail::row_digests(c, ldc, rows, kBlock, digests_->c1.data() + b * rows_ + row0);
+    verify::detail::row_digests(c, ldc, rows, kBlock, digests_->c1.data() + s * rows_ + row0, 1,
+                                later);
   for (std::size_t q = 0; q < p.narrow.size(); ++q) {
     const verify::Probe& nq = p.narrow[q];
     if (nq.j0 < n || nq.j0 >= n + kBlock) continue;  // a narrow block lies in one 32-column block
-    double* nout = at(blocks_ + q, row0);
+    double* nout = at(spans_ + q, row0);
     for (std::size_t i = 0; i < rows; ++i)
       verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n), nq.r.data(), nq.width,
                                                nout[2 * i], nout[2 * i + 1]);
   }
+}
+
+void ExpertsProbe::add_down(std::size_t e, std::size_t row, const float* o) {
+  const detail::SampledTimer timer(ns_);
+  down_.form(row, packs_[2 * e + 1], o);
 }
 
 std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {
@@ -142,7 +152,7 @@ std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {
   constexpr std::size_t kRows = 512;  // a row block's totals stay in L1
   oneapi::tbb::parallel_for(std::size_t{0}, (rows_ + kRows - 1) / kRows, [&](std::size_t blk) {
     const std::size_t r0 = blk * kRows, r1 = std::min(rows_, r0 + kRows);
-    for (std::size_t b = 0; b < blocks_; ++b) {
+    for (std::size_t b = 0; b < spans_; ++b) {
       const double* in = at(b, r0);
       for (std::size_t r = r0; r < r1; ++r, in += 2) out[r].first += in[0], out[r].second += in[1];
     }
@@ -151,7 +161,7 @@ std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {
 }
 
 std::pair<double, double> ExpertsProbe::narrow_sums(std::size_t row, std::size_t q) const {
-  const double* in = at(blocks_ + q, row);
+  const double* in = at(spans_ + q, row);
   return {in[0], in[1]};
 }
 
@@ -285,14 +295,15 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
                                            return lora_probe::row_sums(st.c1 + i * st.ldc1, p);
                                          return q ? probe.narrow_sums(i, q - 1) : dense[i];
                                        });
-  const auto down = gate_up.pass
-                        ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
-                                          [&](std::size_t i, std::size_t, const verify::Probe& p) {
-                                            return is_factor(i, 1, p)
-                                                       ? lora_probe::row_sums(st.ha + i * r, p)
+  const auto down =
+      gate_up.pass ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
+                                     [&](std::size_t i, std::size_t q, const verify::Probe& p) {
+                                       if (is_factor(i, 1, p))
+                                         return lora_probe::row_sums(st.ha + i * r, p);
+                                       return st.probe ? probe.down_sums(i, q)
                                                        : lora_probe::row_sums(st.o + i * st.ldo, p);
-                                          })
-                        : verify::ProbeResult{};
+                                     })
+                   : verify::ProbeResult{};
   for (std::size_t gemm = 0; gemm < 2; ++gemm)
     if (const verify::ProbeResult& p = gemm ? down : gate_up; !p.pass) {
       const char* name =

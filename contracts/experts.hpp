@@ -15,12 +15,14 @@
 namespace moecert::contracts {
 
 /// The probes of the experts forward carried through the op (audit): each
-/// pack's probes for this call, and the gate/up GEMM's C side of them (C r
-/// and sum |C| of each grouped row, by 32-column block) gathered by the op's
-/// epilogue while a block of C is in cache, so that C need not be kept
-/// (proofs/bounds.md §9.1). The sums live in `storage` (the op's, reused
-/// across calls), NaN until written: a block the op never hands over fails
-/// the probe.
+/// pack's probes for this call, the gate/up GEMM's C side of them (C r and
+/// sum |C| of each grouped row, by span of the op's work item) gathered by
+/// the op's epilogue while a 32-column block of C is in cache, so that C
+/// need not be kept, and the down GEMM's C side from the pass that reads
+/// each row of o for the combine (proofs/bounds.md §9.1). The sums live in
+/// `storage` (the op's, reused across calls), NaN until written: a span
+/// whose first block, or a row of o, the op never hands over fails the
+/// probe; a later block left out leaves its part out of C r.
 ///
 /// With LoRA (rank r > 0) the gate/up GEMM is C = [x | lb] [W_gu | B_gu]^T
 /// with lb = bf16(s xa), and the down GEMM o = [h | lbd] [W_d | B_d]^T with
@@ -41,12 +43,18 @@ class ExpertsProbe {
   /// before size_rows().
   void record_digests(SavedDigests& into) { digests_ = &into; }
   /// Sizes the sums (and digests) for `rows` grouped rows; before the GEMM.
-  void size_rows(std::size_t rows);
+  /// `span`: the gate/up columns of one work item of the op (a multiple of
+  /// kBlock), whose blocks of a row add() takes in column order, the first
+  /// one first (gemm::gemm_block's loop 3).
+  void size_rows(std::size_t rows, std::size_t span);
   /// Rows [row0, row0 + rows) (expert e's) of the gate/up C, columns
-  /// [n, n + kBlock), row i at c + i ldc. One writer per (row, n); any
+  /// [n, n + kBlock), row i at c + i ldc. One writer per (row, span); any
   /// thread.
   void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
            std::size_t ldc);
+  /// Grouped row `row` (expert e's) of the down GEMM's C, at o. One writer
+  /// per row; any thread.
+  void add_down(std::size_t e, std::size_t row, const float* o);
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow,
   /// and with LoRA the first factor's.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
@@ -63,6 +71,10 @@ class ExpertsProbe {
   std::vector<std::pair<double, double>> dense_sums() const;
   /// Row's (C r, sum |C|) over narrow probe q's columns (probes()[q + 1]).
   std::pair<double, double> narrow_sums(std::size_t row, std::size_t q) const;
+  /// Row's down (C r, sum |C|) over probe q's columns (0: dense, 1..: narrow).
+  std::pair<double, double> down_sums(std::size_t row, std::size_t q) const {
+    return down_.of(row, q);
+  }
   /// CPU time spent in the constructor, size_rows() and add() (add()
   /// sampled), in ns: the probe's share of the op's own passes.
   std::int64_t ns() const { return ns_.load(); }
@@ -73,7 +85,7 @@ class ExpertsProbe {
   std::vector<std::vector<verify::Probe>> lora_;  // per pack with LoRA: probes() in order
   std::vector<std::vector<const verify::Probe*>> all_;
   // Column `column`'s (sum, magnitude) of grouped row `row`. Stored by
-  // column (the dense probe's blocks, then the narrow probes), each
+  // column (the dense probe's spans, then the narrow probes), each
   // column's rows contiguous: an add() writes its rows of one column in one
   // run, and the rows the epilogue hands over one by one share lines.
   double* at(std::size_t column, std::size_t row) const {
@@ -81,9 +93,12 @@ class ExpertsProbe {
   }
 
   std::vector<double>& storage_;
+  RowSums down_;
   SavedDigests* digests_ = nullptr;
-  std::size_t blocks_ = 0;  // kBlock-column blocks of gate_up's N
-  std::size_t rows_ = 0;    // grouped rows (size_rows)
+  std::size_t n_ = 0;      // gate_up's N (columns)
+  std::size_t span_ = 0;   // columns per span (size_rows)
+  std::size_t spans_ = 0;  // spans of N
+  std::size_t rows_ = 0;   // grouped rows (size_rows)
   std::size_t rank_ = 0;
   float scale_ = 0.0f;
 };

@@ -253,15 +253,18 @@ void SavedFiniteScan::report() {
 
 SavedIntactScan::SavedIntactScan(detail::Checker& c, const ClauseInfo& clause,
                                  const ExpertRows& rows)
-    : c_(c), clause_(clause), rows_(rows), blocks_(rows.ldc1 / verify::detail::kBlockColumns) {
+    : c_(c),
+      clause_(clause),
+      rows_(rows),
+      parts_(rows.grouping.rows() ? rows.c1_digests.size() / rows.grouping.rows() : 0) {
   MOECERT_ASSERT(rows.ldc1 % verify::detail::kBlockColumns == 0 &&
-                 rows.c1_digests.size() == rows.grouping.rows() * blocks_);
+                 rows.c1_digests.size() == rows.grouping.rows() * parts_);
 }
 
 std::uint32_t SavedIntactScan::recorded(std::size_t q) const {
   const std::size_t rows = rows_.grouping.rows();
   std::uint32_t d = 0;  // mod 2^32
-  for (std::size_t b = 0; b < blocks_; ++b) d += rows_.c1_digests[b * rows + q];
+  for (std::size_t b = 0; b < parts_; ++b) d += rows_.c1_digests[b * rows + q];
   return d;
 }
 

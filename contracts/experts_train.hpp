@@ -188,7 +188,7 @@ class SavedIntactScan {
   detail::Checker& c_;
   const ClauseInfo& clause_;
   ExpertRows rows_;
-  std::size_t blocks_;
+  std::size_t parts_;                         // digests recorded per row
   std::atomic<std::size_t> first_{SIZE_MAX};  // grouped row
   std::atomic<std::int64_t> ns_{0};
 };

@@ -75,9 +75,10 @@ class ExpertsProbe;
 
 /// c1's digests as the audited training forward wrote c1, for
 /// experts.backward.saved_intact: verify::detail::row_digests of each
-/// grouped row's 32-column block b at [b rows + row] (a block's rows
-/// contiguous, as the epilogue hands them over), so that a row's digest is
-/// the sum of its blocks' mod 2^32; `valid` once a forward recorded them.
+/// grouped row's part b (the columns of one work item of the op) at
+/// [b rows + row] (a part's rows contiguous, as the epilogue hands them
+/// over), so that a row's digest is the sum of its parts' mod 2^32; `valid`
+/// once a forward recorded them.
 struct SavedDigests {
   std::vector<std::uint32_t> c1;
   bool valid = false;

@@ -92,7 +92,8 @@ void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, dou
 // magnitudes in lanes 8-15 of one vector (one shuffle and add per level for
 // both). The binary64 fallback sums the columns in order.
 MOECERT_PROBE_CLONES
-void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out) {
+void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out,
+                bool add) {
   static_assert(kBlockColumns == 2 * kProbeLanes);
   V16f r_lo, r_hi;
   std::memcpy(&r_lo, r, sizeof r_lo);
@@ -110,17 +111,22 @@ void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* 
     u += __builtin_shufflevector(u, u, 4, 5, 6, 7, 4, 5, 6, 7, 12, 13, 14, 15, 12, 13, 14, 15);
     u += __builtin_shufflevector(u, u, 2, 3, 2, 3, 2, 3, 2, 3, 10, 11, 10, 11, 10, 11, 10, 11);
     u += __builtin_shufflevector(u, u, 1, 1, 1, 1, 1, 1, 1, 1, 9, 9, 9, 9, 9, 9, 9, 9);
-    out[0] = u[0], out[1] = u[8];
-    if (std::isfinite(u[0]) && std::isfinite(u[8])) continue;
-    out[0] = out[1] = 0;  // past binary32's range: binary64
-    for (std::size_t j = 0; j < kBlockColumns; ++j)
-      out[0] += static_cast<double>(c[j]) * r[j], out[1] += std::fabs(static_cast<double>(c[j]));
+    double sum = u[0], mag = u[8];
+    if (!std::isfinite(u[0]) || !std::isfinite(u[8])) {
+      sum = mag = 0;  // past binary32's range: binary64
+      for (std::size_t j = 0; j < kBlockColumns; ++j)
+        sum += static_cast<double>(c[j]) * r[j], mag += std::fabs(static_cast<double>(c[j]));
+    }
+    if (add)
+      out[0] += sum, out[1] += mag;
+    else
+      out[0] = sum, out[1] = mag;
   }
 }
 
 MOECERT_PROBE_CLONES
 void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t cols,
-                 std::uint32_t* out, std::size_t out_stride) {
+                 std::uint32_t* out, std::size_t out_stride, bool add) {
   using V16u = std::uint32_t __attribute__((vector_size(64)));
   static_assert(kBlockColumns == 2 * kProbeLanes);
   const V16u k = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -138,7 +144,7 @@ void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t 
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
     v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-    out[i * out_stride] = v[0];
+    out[i * out_stride] = add ? out[i * out_stride] + v[0] : v[0];
   }
 }
 

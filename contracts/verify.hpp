@@ -91,17 +91,20 @@ void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, dou
 // out[2i] = sum c_j r_j and out[2i + 1] = sum |c_j|, each pairwise in
 // binary32 (columns j and j + 16, then a tree of depth 4: within gamma_5
 // of the exact sum, proofs/bounds.md §9.1), in binary64 where binary32's
-// range is left.
+// range is left; with `add`, each added (binary64) to out's value instead.
 inline constexpr std::size_t kBlockColumns = 32;
-void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out);
+void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out,
+                bool add = false);
 // The digest of saved rows (experts.backward.saved_intact): per row i <
 // rows of c (row i at c + i ldc), out[i out_stride] = sum_{j < cols}
 // bits(c_j) (2 (j mod 32) + 1) mod 2^32, cols a multiple of kBlockColumns.
 // Exact and linear mod 2^32: every clone, order and split of a row into
 // column ranges gives the same total (the parts added); a change of one
 // element by d != 0 changes it by d times an odd factor, never 0 mod 2^32.
+// With `add`, each digest is added to out's value (the digest of the
+// columns so far and these).
 void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t cols,
-                 std::uint32_t* out, std::size_t out_stride = 1);
+                 std::uint32_t* out, std::size_t out_stride = 1, bool add = false);
 
 // A probe's weight side from bf16 weights, in binary64 (exact terms, any
 // order: §9.1), for x [rows x n] at row stride ld: for k < n,
