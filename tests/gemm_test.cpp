@@ -911,7 +911,8 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
   // (the second with accumulate), and its epilogue must see each finished
   // block of C exactly once, holding its final values, for K in one block
   // and in several, column blocks inside or outside the row blocks (on AMX
-  // kernels, row by row under the next block's products).
+  // kernels, row by row under the next block's products); block_done sees
+  // each whole block once, after the epilogue saw its rows.
   std::mt19937_64 rng(41);
   const std::size_t m = 45, n = 70, k = 300, k2 = 40, n0 = 32;
   const auto a = random_bf16(rng, m * k), wv = random_bf16(rng, n * k);
@@ -936,8 +937,8 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
         gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, want.data(), n);
         gemm::gemm_block(kernel, ap2.data(), m, w2, n0, w2.np(), n, want.data(), n,
                          {.accumulate = true});
-        std::vector<int> calls(m * n, 0);
-        bool aligned = true;
+        std::vector<int> calls(m * n, 0), done(m * n, 0);
+        bool aligned = true, whole = true, after = true;
         auto epilogue = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
           aligned = aligned && j0 % kernel.nr == 0 && j1 <= n && i1 <= m;
           for (std::size_t i = i0; i < i1; ++i)
@@ -946,8 +947,19 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
               seen[i * n + j] = got[i * n + j];
             }
         };
-        gemm::gemm_block(kernel, ap.data(), m, w, n0, w.np(), n, got.data(), n,
-                         {.a2 = ap2.data(), .w2 = &w2, .epilogue = epilogue});
+        auto block_done = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
+          whole = whole && i0 % kernel.mr == 0 && i1 == std::min(m, i0 + kernel.mr) &&
+                  j0 % kernel.nr == 0 && j1 == std::min(n, j0 + kernel.nr);
+          for (std::size_t i = i0; i < i1; ++i)
+            for (std::size_t j = j0; j < j1; ++j) {
+              ++done[i * n + j];
+              after = after && calls[i * n + j] == 1 &&
+                      std::memcmp(&got[i * n + j], &want[i * n + j], 4) == 0;
+            }
+        };
+        gemm::gemm_block(
+            kernel, ap.data(), m, w, n0, w.np(), n, got.data(), n,
+            {.a2 = ap2.data(), .w2 = &w2, .epilogue = epilogue, .block_done = block_done});
         INFO(isa_name(isa) << " kc=" << kc << " mc=" << kernel.mc);
         CHECK(std::memcmp(want.data(), got.data(), got.size() * 4) ==
               0);  // columns before n0 untouched too
@@ -960,6 +972,9 @@ TEST_CASE("gemm.loops: a fused second product and the block epilogue", "[gemm][l
           }
         CHECK(once == m * n);
         CHECK(wrong == 0);
+        CHECK(whole);
+        CHECK(after);
+        CHECK(std::equal(calls.begin(), calls.end(), done.begin()));
       }
 }
 

@@ -150,7 +150,6 @@ void gate_up(const Steps& s) {
     }
     auto swiglu = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
       for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel) {
-        if (s.probe) s.probe->add(tl.e, r0 + i0, i1 - i0, n, cb + (i0 * ldc + (n - col0)), ldc);
         const std::size_t col = n / 2;  // first intermediate index of the pair (16 in one A tile)
         if (col >= s.inter) continue;
         for (std::size_t i = i0; i < i1; ++i) {
@@ -160,7 +159,12 @@ void gate_up(const Steps& s) {
         }
       }
     };
+    auto to_probe = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
+      for (std::size_t n = j0; n < j1; n += 2 * gemm::kPanel)
+        s.probe->add(tl.e, r0 + i0, i1 - i0, n, cb + (i0 * ldc + (n - col0)), ldc);
+    };
     gemm::BlockOptions bo{.c_col0 = col0, .epilogue = swiglu};
+    if (s.probe) bo.block_done = to_probe;
     if (s.rank) bo.a2 = s.lb_gu_row(r0), bo.w2 = &s.lora->experts[tl.e].b_gu;
     gemm::gemm_block(s.kernel, s.a_row(r0), tl.m1 - tl.m0, s.w.gate_up(tl.e), tl.n0, tl.n1, st.ldc1,
                      cb, ldc, bo);

@@ -128,15 +128,20 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   // A block's epilogue runs, where the kernel hides side work under its
   // tile products, one row per k step during the next kernel call (the
   // last block's after the loops); elsewhere right after the block's call.
-  // It reads only that block of C, final by then.
+  // It reads only that block of C, final by then. block_done follows on the
+  // whole block once its rows' epilogues ran.
   struct Pending {
     const BlockOptions* opt;
     std::size_t m0, rows, n0, n1;
   } pending{&opt, 0, 0, 0, 0}, in_call{};
   auto epilogue_row = [](const void* ctx, std::size_t i) {
     const auto* b = static_cast<const Pending*>(ctx);
-    b->opt->epilogue(b->m0 + i, b->m0 + i + 1, b->n0, b->n1);
+    if (b->opt->epilogue) b->opt->epilogue(b->m0 + i, b->m0 + i + 1, b->n0, b->n1);
   };
+  auto finish = [&opt](const Pending& b) {
+    if (b.rows && opt.block_done) opt.block_done(b.m0, b.m0 + b.rows, b.n0, b.n1);
+  };
+  const bool after = opt.epilogue || opt.block_done;  // anything to run on a finished block
   // Rows outside the column blocks only where the item's B stays in L2.
   const bool rows_outside = kernel.mc && (n_end - n_begin) * kp * sizeof(bf16) <= kItemBBytes;
   const std::size_t kc_step = kernel.kc ? kernel.kc : kp, mc = rows_outside ? kernel.mc : m;
@@ -170,17 +175,22 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
           } else {
             edge_block(kernel, args, cblk, ldc, mm, nn, edge);
           }
-          if (opt.epilogue && last) {
-            if (kernel.side_steps)
+          finish(in_call);  // its rows' epilogues ran in this call
+          if (after && last) {
+            if (kernel.side_steps) {
               pending = {&opt, m0, mm, n0, n0 + nn};
-            else
-              opt.epilogue(m0, m0 + mm, n0, n0 + nn);
+            } else {
+              if (opt.epilogue) opt.epilogue(m0, m0 + mm, n0, n0 + nn);
+              finish({&opt, m0, mm, n0, n0 + nn});
+            }
           }
         }
       }
     }
   }
-  if (pending.rows) opt.epilogue(pending.m0, pending.m0 + pending.rows, pending.n0, pending.n1);
+  if (pending.rows && opt.epilogue)
+    opt.epilogue(pending.m0, pending.m0 + pending.rows, pending.n0, pending.n1);
+  finish(pending);
   kernel.thread_end();
 }
 

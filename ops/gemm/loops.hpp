@@ -81,6 +81,12 @@ struct BlockOptions {
   /// columns [j0, j1) with j0 a multiple of the kernel's NR and j1 <= n_valid
   /// (the SwiGLU epilogue). It may read only that block of C.
   FunctionRef<void(std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1)> epilogue{};
+  /// Called once on each finished block with all its rows, after
+  /// `epilogue` ran on them (with side_steps, after the kernel call that ran
+  /// them): the same arguments and the same block of C, e.g. the audit
+  /// probe's sums, whose cost per call a row-by-row epilogue would pay per
+  /// row.
+  FunctionRef<void(std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1)> block_done{};
 };
 
 /// C[0:m, n_begin:n_end) = A W^T for A packed in the kernel's layout (lda
