@@ -151,6 +151,36 @@ bool saved_row_finite(const ExpertRows& st, std::size_t I, std::size_t row, bool
          detail::all_of(st.ha + row * r, r, finite);
 }
 
+// Whether every saved value is finite, judged by each expert's contiguous
+// regions in memory order: h's rows (its tiles whole; row-major, each row's
+// I values), xa's and ha's routed rows and, `with_c1`, c1's. The regions
+// also hold values the backward does not read (h's padding, c1's padding
+// columns; zero when the forward is right), so false only sends the caller
+// to the row scan, which decides.
+bool saved_regions_finite(const ExpertRows& st, std::size_t I, bool with_c1) {
+  const GroupingView& g = st.grouping;
+  const std::size_t r = st.rank, tile = st.h.tile_rows;
+  auto finite = [](auto v) { return detail::finite_bits(v); };
+  auto h_finite = [&](std::size_t r0, std::size_t r1) {
+    if (tile)
+      return detail::all_of(st.h.data + r0 / tile * st.h.ld,
+                            ((r1 + tile - 1) / tile - r0 / tile) * st.h.ld, finite);
+    for (std::size_t row = r0; row < r1; ++row)
+      if (!detail::all_of(st.h.data + row * st.h.ld, I, finite)) return false;
+    return true;
+  };
+  auto expert = [&](std::size_t e) {
+    const std::size_t r0 = g.begin[e], r1 = r0 + g.count[e];
+    return r0 == r1 ||
+           (h_finite(r0, r1) && detail::all_of(st.xa + r0 * 2 * r, (r1 - r0) * 2 * r, finite) &&
+            detail::all_of(st.ha + r0 * r, (r1 - r0) * r, finite) &&
+            (!with_c1 || detail::all_of(st.c1 + r0 * st.ldc1, (r1 - r0) * st.ldc1, finite)));
+  };
+  const std::size_t per_row = I + 3 * r + (with_c1 ? st.ldc1 : 0);
+  return detail::first_failing(g.experts, g.rows() / std::max<std::size_t>(1, g.experts) * per_row,
+                               [&](std::size_t e) { return expert(e); }) == g.experts;
+}
+
 // The routing copy and the router logits: finite, idx in range (false:
 // `clause` failed).
 bool saved_routing_finite(detail::Checker& c, const ClauseInfo& clause, const TrainSaved& s,
@@ -208,6 +238,7 @@ bool train_saved_finite(detail::Checker& c, const ClauseInfo& clause, const Trai
   // The first grouped row holding a non-finite saved value, found on the
   // op's threads, then its first such value named.
   const auto& st = s.rows;
+  if (saved_regions_finite(st, I, with_c1)) return true;
   const std::size_t row = detail::first_failing(
       st.grouping.rows(), (with_c1 ? 3 : 1) * I + 3 * st.rank,
       [&](std::size_t i) { return saved_row_finite(st, I, i, with_c1, true); });

@@ -719,13 +719,18 @@ TEST_CASE("experts.backward: saved_intact catches a finite change to the saved g
       violation = test::expect_violation(backward, "experts.backward.saved_finite", Level::audit);
       CHECK(violation.location == fmt::format("experts.h row {} col 5", q));
       untouched();
-      // Restored, the backward runs; a forward at check records nothing to judge.
+      // Restored, the backward runs, also with a NaN in h's K padding, which
+      // it does not read (the up-front scan's regions hold it; its row scan
+      // decides); a forward at check records nothing to judge.
       h = h_old;
+      bf16& pad = st.h[gemm::a_offset(st.layout, st.ldh, q, p.I)];
+      pad = bf16(NAN);
       reset_clause_counts();
       {
         ContractScope s{Level::audit, Semantic::enforce};
         CHECK_NOTHROW(backward());
       }
+      pad = bf16{};
       CHECK(checked("experts.backward.saved_intact"));
       forward(Level::check);
       reset_clause_counts();
