@@ -92,7 +92,6 @@ ExpertsProbe::ExpertsProbe(const experts::PackedExperts& w, ProbeStorage& storag
       lora_(2 * w.experts()),
       all_(2 * w.experts()),
       storage_(storage.blocks),
-      down_(storage.down),
       rank_(lora ? lora->rank : 0),
       scale_(rank_ ? static_cast<float>(lora->alpha / static_cast<double>(rank_)) : 0.0f) {
   const detail::SampledTimer timer(ns_, 1);
@@ -117,7 +116,6 @@ void ExpertsProbe::size_rows(std::size_t rows, std::size_t span) {
   const std::size_t n = 2 * rows * (spans_ + PackProbes::kNarrow);
   if (storage_.size() < n) storage_.resize(n);
   detail::fill_parallel(storage_.data(), n, double{NAN});
-  down_.size(rows);
   if (digests_) digests_->c1.resize(rows * spans_), digests_->valid = true;
 }
 
@@ -140,11 +138,6 @@ void ExpertsProbe::add(std::size_t e, std::size_t row0, std::size_t rows, std::s
       verify::detail::signed_sum_and_magnitude(c + i * ldc + (nq.j0 - n), nq.r.data(), nq.width,
                                                nout[2 * i], nout[2 * i + 1]);
   }
-}
-
-void ExpertsProbe::add_down(std::size_t e, std::size_t row, const float* o) {
-  const detail::SampledTimer timer(ns_);
-  down_.form(row, packs_[2 * e + 1], o);
 }
 
 std::vector<std::pair<double, double>> ExpertsProbe::dense_sums() const {
@@ -295,15 +288,14 @@ void probe_expert_gemms(detail::Checker& c, const ClauseInfo& clause,
                                            return lora_probe::row_sums(st.c1 + i * st.ldc1, p);
                                          return q ? probe.narrow_sums(i, q - 1) : dense[i];
                                        });
-  const auto down =
-      gate_up.pass ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
-                                     [&](std::size_t i, std::size_t q, const verify::Probe& p) {
-                                       if (is_factor(i, 1, p))
-                                         return lora_probe::row_sums(st.ha + i * r, p);
-                                       return st.probe ? probe.down_sums(i, q)
+  const auto down = gate_up.pass
+                        ? probe_rows_sums(g.rows(), inter + r, load_h, row_probes(1),
+                                          [&](std::size_t i, std::size_t, const verify::Probe& p) {
+                                            return is_factor(i, 1, p)
+                                                       ? lora_probe::row_sums(st.ha + i * r, p)
                                                        : lora_probe::row_sums(st.o + i * st.ldo, p);
-                                     })
-                   : verify::ProbeResult{};
+                                          })
+                        : verify::ProbeResult{};
   for (std::size_t gemm = 0; gemm < 2; ++gemm)
     if (const verify::ProbeResult& p = gemm ? down : gate_up; !p.pass) {
       const char* name =

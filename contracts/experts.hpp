@@ -15,14 +15,13 @@
 namespace moecert::contracts {
 
 /// The probes of the experts forward carried through the op (audit): each
-/// pack's probes for this call, the gate/up GEMM's C side of them (C r and
-/// sum |C| of each grouped row, by span of the op's work item) gathered by
-/// the op's epilogue while a 32-column block of C is in cache, so that C
-/// need not be kept, and the down GEMM's C side from the pass that reads
-/// each row of o for the combine (proofs/bounds.md §9.1). The sums live in
-/// `storage` (the op's, reused across calls), NaN until written: a span
-/// whose first block, or a row of o, the op never hands over fails the
-/// probe; a later block left out leaves its part out of C r.
+/// pack's probes for this call, and the gate/up GEMM's C side of them (C r
+/// and sum |C| of each grouped row, by span of the op's work item) gathered
+/// by the op as each 32-column block of C is finished, in cache, so that C
+/// need not be kept (proofs/bounds.md §9.1). The sums live in `storage`
+/// (the op's, reused across calls), NaN until written: a span whose first
+/// block the op never hands over fails the probe; a later block left out
+/// leaves its part out of C r.
 ///
 /// With LoRA (rank r > 0) the gate/up GEMM is C = [x | lb] [W_gu | B_gu]^T
 /// with lb = bf16(s xa), and the down GEMM o = [h | lbd] [W_d | B_d]^T with
@@ -52,9 +51,6 @@ class ExpertsProbe {
   /// thread.
   void add(std::size_t e, std::size_t row0, std::size_t rows, std::size_t n, const float* c,
            std::size_t ldc);
-  /// Grouped row `row` (expert e's) of the down GEMM's C, at o. One writer
-  /// per row; any thread.
-  void add_down(std::size_t e, std::size_t row, const float* o);
   /// The probes of pack [2e] (gate_up) or [2e + 1] (down): dense, narrow,
   /// and with LoRA the first factor's.
   const std::vector<const verify::Probe*>& probes(std::size_t pack) const { return all_[pack]; }
@@ -71,10 +67,6 @@ class ExpertsProbe {
   std::vector<std::pair<double, double>> dense_sums() const;
   /// Row's (C r, sum |C|) over narrow probe q's columns (probes()[q + 1]).
   std::pair<double, double> narrow_sums(std::size_t row, std::size_t q) const;
-  /// Row's down (C r, sum |C|) over probe q's columns (0: dense, 1..: narrow).
-  std::pair<double, double> down_sums(std::size_t row, std::size_t q) const {
-    return down_.of(row, q);
-  }
   /// CPU time spent in the constructor, size_rows() and add() (add()
   /// sampled), in ns: the probe's share of the op's own passes.
   std::int64_t ns() const { return ns_.load(); }
@@ -93,7 +85,6 @@ class ExpertsProbe {
   }
 
   std::vector<double>& storage_;
-  RowSums down_;
   SavedDigests* digests_ = nullptr;
   std::size_t n_ = 0;      // gate_up's N (columns)
   std::size_t span_ = 0;   // columns per span (size_rows)

@@ -78,7 +78,6 @@ class RowSums {
 /// An op's storage for its probes' sums, kept across calls.
 struct ProbeStorage {
   std::vector<double> blocks;                          // ExpertsProbe's epilogue sums
-  std::vector<std::pair<double, double>> down;         // ExpertsProbe's RowSums of o
   std::vector<std::pair<double, double>> rows, rows2;  // RowSums of two GEMMs
   std::vector<verify::RowSide> sides;                  // A's side, per row and probe
 };

@@ -199,10 +199,8 @@ void down(const Steps& s) {
   });
 }
 
-// Step 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero;
-// each row of o, while in cache, also to the audit probe.
-void combine(const Steps& s, MatView<const std::int32_t> idx, MatView<const float> weights,
-             MatView<float> y) {
+// Step 5. Combine in token order, slots in order j = 0..K-1, fp32 from zero.
+void combine(const Steps& s, MatView<const float> weights, MatView<float> y) {
   const std::size_t t_count = y.rows, k = s.k, hidden = s.hidden;
   const Grouping& g = s.g;
   const ForwardState& st = s.st;
@@ -221,9 +219,6 @@ void combine(const Steps& s, MatView<const std::int32_t> idx, MatView<const floa
           const float wt = weights(t, j);
           const float* o = st.o + static_cast<std::size_t>(row) * st.ldo;
           for (std::size_t m = 0; m < hidden; ++m) yt[m] += wt * o[m];
-          if (s.probe)
-            s.probe->add_down(static_cast<std::size_t>(idx(t, j)), static_cast<std::size_t>(row),
-                              o);
         }
       }));
 }
@@ -292,7 +287,7 @@ void forward_impl(const PackedExperts& w, const PackedLora* lora, MatView<const 
   down(s);
 
   arena.enter(workspace::f_combine, chk);
-  combine(s, idx, weights, y);
+  combine(s, weights, y);
 }
 
 }  // namespace moecert::experts
