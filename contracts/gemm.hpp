@@ -128,7 +128,8 @@ auto loaded_sides(std::size_t k, Load load) {
         thread_local std::vector<float> row;
         row.resize(k);
         const bool flushable = load(i, row.data());
-        verify::row_sides(ps.data(), ps.size(), 0, row.data(), k, flushable, out);
+        for (std::size_t q = 0; q < ps.size(); ++q)
+          out[q] = verify::row_side(*ps[q], 0, row.data(), k, flushable);
       };
 }
 

@@ -28,13 +28,34 @@ using V16i = std::int32_t __attribute__((vector_size(64)));
 using V16d = double __attribute__((vector_size(128)));
 static_assert(kProbeLanes == 16);
 
-// lane_sums' last steps from its binary64 lanes d, m over [0, k): the tail
-// [k, n) in binary64 into lane 0, then the lanes in order; where a lane left
-// binary32's range (or a holds Inf or NaN), all of it again in binary64.
-[[gnu::always_inline]] inline void finish_lanes(const V16d& d, const V16d& m, const float* a,
-                                                const float* x, const float* y, std::size_t k,
-                                                std::size_t n, double& dot, double& mag) {
+// Sum a_k x_k and sum |a_k| y_k over k < n (§9.1; y null: every y_k = 1):
+// lane l of a block of up to kProbeSteps steps sums its binary32 products
+// in step order, the blocks' lanes are added to binary64 lanes in order, the
+// tail (< 16) in binary64, then the lanes in order. Inlined into each clone.
+[[gnu::always_inline]] inline void lane_sums(const float* a, const float* x, const float* y,
+                                             std::size_t n, double& dot, double& mag) {
   constexpr std::size_t kL = kProbeLanes;
+  V16d d = {}, m = {};
+  std::size_t k = 0;
+  while (k + kL <= n) {
+    const std::size_t steps = std::min(kProbeSteps, (n - k) / kL);
+    V16f fd = {}, fm = {};
+    for (std::size_t s = 0; s < steps; ++s, k += kL) {
+      V16f av, xv, yv;
+      std::memcpy(&av, a + k, sizeof av);
+      std::memcpy(&xv, x + k, sizeof xv);
+      const V16f abs_a = reinterpret_cast<V16f>(reinterpret_cast<V16i>(av) & 0x7fffffff);
+      fd += av * xv;
+      if (y) {
+        std::memcpy(&yv, y + k, sizeof yv);
+        fm += abs_a * yv;
+      } else {
+        fm += abs_a;
+      }
+    }
+    d += __builtin_convertvector(fd, V16d);
+    m += __builtin_convertvector(fm, V16d);
+  }
   double dl[kL], ml[kL];
   std::memcpy(dl, &d, sizeof dl);
   std::memcpy(ml, &m, sizeof ml);
@@ -45,51 +66,11 @@ static_assert(kProbeLanes == 16);
   dot = mag = 0;
   for (std::size_t l = 0; l < kL; ++l) dot += dl[l], mag += ml[l];
   if (std::isfinite(dot) && std::isfinite(mag)) return;
-  dot = mag = 0;
+  dot = mag = 0;  // a lane left binary32's range (or a holds Inf or NaN): binary64
   for (k = 0; k < n; ++k) {
     dot += static_cast<double>(a[k]) * x[k];
     mag += std::fabs(static_cast<double>(a[k])) * (y ? y[k] : 1.0f);
   }
-}
-
-// Sum a_k x[q]_k and sum |a_k| y[q]_k over k < n for q < C (§9.1; y null:
-// every y_k = 1, C = 1): lane l of a block of up to kProbeSteps steps sums
-// its binary32 products in step order, the blocks' lanes are added to
-// binary64 lanes in order, then finish_lanes. Each q's sums are those of C
-// = 1 with its x and y; a is read once for all. Inlined into each clone.
-template <std::size_t C>
-[[gnu::always_inline]] inline void lane_sums(const float* a, const float* const* x,
-                                             const float* const* y, std::size_t n, double* dot,
-                                             double* mag) {
-  constexpr std::size_t kL = kProbeLanes;
-  V16d d[C] = {}, m[C] = {};
-  std::size_t k = 0;
-  while (k + kL <= n) {
-    const std::size_t steps = std::min(kProbeSteps, (n - k) / kL);
-    V16f fd[C] = {}, fm[C] = {};
-    for (std::size_t s = 0; s < steps; ++s, k += kL) {
-      V16f av;
-      std::memcpy(&av, a + k, sizeof av);
-      const V16f abs_a = reinterpret_cast<V16f>(reinterpret_cast<V16i>(av) & 0x7fffffff);
-      for (std::size_t q = 0; q < C; ++q) {
-        V16f xv, yv;
-        std::memcpy(&xv, x[q] + k, sizeof xv);
-        fd[q] += av * xv;
-        if (y) {
-          std::memcpy(&yv, y[q] + k, sizeof yv);
-          fm[q] += abs_a * yv;
-        } else {
-          fm[q] += abs_a;
-        }
-      }
-    }
-    for (std::size_t q = 0; q < C; ++q) {
-      d[q] += __builtin_convertvector(fd[q], V16d);
-      m[q] += __builtin_convertvector(fm[q], V16d);
-    }
-  }
-  for (std::size_t q = 0; q < C; ++q)
-    finish_lanes(d[q], m[q], a, x[q], y ? y[q] : nullptr, k, n, dot[q], mag[q]);
 }
 
 }  // namespace
@@ -97,34 +78,13 @@ template <std::size_t C>
 MOECERT_PROBE_CLONES
 void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n, double& dot,
                        double& mag) {
-  lane_sums<1>(a, &x, y ? &y : nullptr, n, &dot, &mag);
-}
-
-MOECERT_PROBE_CLONES
-void dots_and_magnitudes(const float* a, std::size_t n, std::size_t count, const float* const* x,
-                         const float* const* y, double* dot, double* mag) {
-  for (std::size_t q = 0; q < count; q += kMaxFused) {
-    switch (std::min(kMaxFused, count - q)) {
-      case 1:
-        lane_sums<1>(a, x + q, y + q, n, dot + q, mag + q);
-        break;
-      case 2:
-        lane_sums<2>(a, x + q, y + q, n, dot + q, mag + q);
-        break;
-      case 3:
-        lane_sums<3>(a, x + q, y + q, n, dot + q, mag + q);
-        break;
-      default:
-        lane_sums<4>(a, x + q, y + q, n, dot + q, mag + q);
-        break;
-    }
-  }
+  lane_sums(a, x, y, n, dot, mag);
 }
 
 MOECERT_PROBE_CLONES
 void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
                               double& mag) {
-  lane_sums<1>(c, &r, nullptr, n, &sum, &mag);
+  lane_sums(c, r, nullptr, n, sum, mag);
 }
 
 // Lane l of the pair sums holds columns l and l + 16; the tree adds lane l
@@ -328,26 +288,6 @@ void pair_sides(const bf16* x, std::size_t ld, std::size_t k, std::size_t width,
 }
 
 }  // namespace detail
-
-void row_sides(const Probe* const* ps, std::size_t count, std::size_t k0, const float* a,
-               std::size_t n, bool flushable, RowSide* out) {
-  constexpr std::size_t kF = detail::kMaxFused;
-  for (std::size_t q0 = 0; q0 < count; q0 += kF) {
-    const std::size_t m = std::min(kF, count - q0);
-    const float *x[kF], *y[kF];
-    double dot[kF], mag[kF];
-    for (std::size_t q = 0; q < m; ++q)
-      x[q] = ps[q0 + q]->br.data() + k0, y[q] = ps[q0 + q]->babs.data() + k0;
-    detail::dots_and_magnitudes(a, n, m, x, y, dot, mag);
-    for (std::size_t q = 0; q < m; ++q) {
-      RowSide& s = out[q0 + q];
-      s = {dot[q], mag[q], 0};
-      if (flushable)
-        for (std::size_t kk = 0; kk < n; ++kk)
-          if (bounds::flushable(a[kk])) s.flushed += std::fabs(double(a[kk])) * y[q][kk];
-    }
-  }
-}
 
 MOECERT_PROBE_CLONES
 bool load_bf16(const bf16* p, std::size_t n, std::size_t run, std::size_t stride, float* row) {

@@ -82,11 +82,6 @@ inline constexpr std::size_t kProbeLanes = 16, kProbeSteps = 8;
 // Sum a_k x_k and sum |a_k| y_k over k < n (contracts/verify.cpp).
 void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n, double& dot,
                        double& mag);
-// The same for q < count: dot[q], mag[q] from x[q], y[q], the bits
-// dot_and_magnitude gives, with a read once per kMaxFused of them.
-inline constexpr std::size_t kMaxFused = 4;
-void dots_and_magnitudes(const float* a, std::size_t n, std::size_t count, const float* const* x,
-                         const float* const* y, double* dot, double* mag);
 
 // Sum c_j r_j and sum |c_j| over j < n (r_j = +-1: exact products).
 void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
@@ -154,11 +149,6 @@ inline RowSide row_side(const Probe& p, std::size_t k0, const float* a, std::siz
       if (bounds::flushable(a[kk])) s.flushed += std::fabs(double(a[kk])) * p.babs[k0 + kk];
   return s;
 }
-
-/// row_side of each probe ps[q], q < count, into out[q]: the same values,
-/// with a read once per detail::kMaxFused probes.
-void row_sides(const Probe* const* ps, std::size_t count, std::size_t k0, const float* a,
-               std::size_t n, bool flushable, RowSide* out);
 
 /// Lemma 9 on one row (§9.1) from its side over all K entries and C's:
 /// lhs = (C r)_i and cabs = the sum of |C_ij| over the probe's columns,
