@@ -261,8 +261,8 @@ struct Gradients {
 ///                                                     (proofs/experts.md §7)
 ///   experts.backward.saved_intact      pre   memory   the saved gate/up rows hold the bits the forward
 ///                                                     wrote (audit, where the forward ran at audit: its
-///                                                     block digests formed again as the SwiGLU backward
-///                                                     reads each row; one changed element of a block is
+///                                                     row digests formed again as the SwiGLU backward
+///                                                     reads each row; one changed element of a row is
 ///                                                     always caught; proofs/experts.md §7)
 ///   experts.backward.grad_finite       post  finite   every gradient element finite
 ///   experts.backward.empty_expert_zero post  numeric  an expert with no routed token has LoRA and
