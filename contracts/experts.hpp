@@ -79,7 +79,7 @@ class ExpertsProbe {
   // Column `column`'s (sum, magnitude) of grouped row `row`. Stored by
   // column (the dense probe's spans, then the narrow probes), each
   // column's rows contiguous: an add() writes its rows of one column in one
-  // run, and the rows the epilogue hands over one by one share lines.
+  // run.
   double* at(std::size_t column, std::size_t row) const {
     return storage_.data() + 2 * (column * rows_ + row);
   }

@@ -76,7 +76,7 @@ class ExpertsProbe;
 /// c1's digests as the audited training forward wrote c1, for
 /// experts.backward.saved_intact: verify::detail::row_digests of each
 /// grouped row's part b (the columns of one work item of the op) at
-/// [b rows + row] (a part's rows contiguous, as the epilogue hands them
+/// [b rows + row] (a part's rows contiguous, as the op hands a block's rows
 /// over), so that a row's digest is the sum of its parts' mod 2^32; `valid`
 /// once a forward recorded them.
 struct SavedDigests {
