@@ -4,6 +4,7 @@
 // factors are packed, saved_finite and saved_intact as the saved rows are
 // read, grad_finite as the gradients are written
 // (contracts/experts_train.hpp).
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <mutex>
