@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,12 @@
 #include "tests/fixture/layer_problem.hpp"
 
 namespace moecert::bench {
+
+/// A peer that this CPU's oneDNN cannot build (oneDNN 2.6 has no bf16
+/// matmul without AVX-512): `moecert bench` reports the case as skipped.
+struct PeerUnavailable : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 struct Shape {
   std::size_t e = 0, h = 0, i = 0, k = 0, r = 0, t = 0;

@@ -144,7 +144,7 @@ class Matmuls {
     e.bias = memory::desc({1, d(n)}, dt::f32, tag::ab);
     const auto desc = bias ? dnnl::matmul::desc(e.src, e.wei, e.bias, e.dst)
                            : dnnl::matmul::desc(e.src, e.wei, e.dst);
-    const dnnl::matmul::primitive_desc pd(desc, onednn_engine());  // oneDNN 2.x API
+    const dnnl::matmul::primitive_desc pd = matmul_pd(desc);
     e.prim = dnnl::matmul(pd);
     e.impl = pd.impl_info_str();
     return e;

@@ -28,8 +28,7 @@ struct Mm {
                        dd = {memory::dim(m), memory::dim(n)};
     memory::desc src_md(sd, dt::bf16, tag::ab), wei_any(wd, dt::bf16, tag::any),
         dst_md(dd, dt::f32, tag::ab);
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, wei_any, dst_md),
-                                    onednn_engine());  // oneDNN 2.x API
+    const dnnl::matmul::primitive_desc pd = matmul_pd(dnnl::matmul::desc(src_md, wei_any, dst_md));
     prim = dnnl::matmul(pd);
     memory wei_user({wd, dt::bf16, tag::ba}, onednn_engine(), const_cast<bf16*>(w));
     wei = memory(pd.weights_desc(), onednn_engine());

@@ -48,6 +48,7 @@ set(MOECERT_SOURCES
   ops/gemm/matmul.cpp
   ops/gemm/stream.cpp
   ops/gemm/ukernel_scalar.cpp
+  ops/gemm/ukernel_avx2.cpp
   ops/gemm/ukernel_avx512_bf16.cpp
   ops/gemm/ukernel_amx_bf16.cpp
   ops/gemm/ukernel_amx_emu.cpp
@@ -60,6 +61,8 @@ set(MOECERT_SOURCES
 set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_avx512_bf16.cpp
                             ${PROJECT_SOURCE_DIR}/ops/gemm/epilogue_avx512.cpp PROPERTIES
   COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512bf16")
+set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_avx2.cpp PROPERTIES
+  COMPILE_OPTIONS "-mavx2")
 set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_amx_bf16.cpp PROPERTIES
   COMPILE_OPTIONS "-mamx-tile;-mamx-bf16")
 

@@ -178,6 +178,8 @@ int main(void) {
   EXPECT(moecert_abi_version() == MOECERT_ABI_VERSION);
   EXPECT(strlen(moecert_version()) > 0);
   EXPECT(moecert_isa_usable(0) == 1 && strcmp(moecert_isa_name(3), "amx_emu") == 0);
+  EXPECT(strcmp(moecert_isa_name(4), "avx2") == 0 && strcmp(moecert_isa_name(5), "") == 0);
+  EXPECT(moecert_isa_usable(5) == 0);
   OK(moecert_set_num_threads(2));
   EXPECT(moecert_num_threads() == 2);
   EXPECT(moecert_set_contract_level(9) == MOECERT_INVALID_ARGUMENT);

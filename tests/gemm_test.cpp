@@ -165,6 +165,27 @@ TEST_CASE("gemm.matmul: avx512_bf16 equals a plain model of VDPBF16PS bit for bi
   expect_bit_exact(Isa::avx512_bf16, model_avx512, 33);
 }
 
+TEST_CASE("gemm.matmul: avx2 equals scalar bit for bit", "[gemm][matmul][avx2]") {
+  if (!isa_usable(Isa::avx2)) {
+    WARN("avx2 not usable here: nothing to compare");
+    return;
+  }
+  std::mt19937_64 rng(35);
+  for (const auto& s : kShapes) {
+    INFO("M=" << s.m << " N=" << s.n << " K=" << s.k);
+    const auto a = random_bf16(rng, s.m * s.k, 3), wv = random_bf16(rng, s.n * s.k, 3);
+    const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
+    const auto c = run(Isa::avx2, a, s.m, s.k, w), want = run(Isa::scalar, a, s.m, s.k, w);
+    REQUIRE(std::memcmp(c.data(), want.data(), c.size() * 4) == 0);
+  }
+  ContractScope off{Level::off};  // products below 2^-126 too (the range clauses refuse them)
+  const std::vector<bf16> a = {bf16(0x1p-70f), bf16(-0x1p-60f)},
+                          wv = {bf16(0x1p-70f), bf16(0x1p-67f)};
+  const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 1, 2));
+  const float got = run(Isa::avx2, a, 1, 2, w)[0], want = run(Isa::scalar, a, 1, 2, w)[0];
+  CHECK(std::memcmp(&got, &want, 4) == 0);
+}
+
 TEST_CASE("gemm.matmul: denormal flushing in the AMX model", "[gemm][amx_emu]") {
   // A product below 2^-126 is flushed by TDPBF16PS; the model must flush it.
   ContractScope off{Level::off};  // the range clauses would refuse these inputs

@@ -1,6 +1,9 @@
 // ISA detection and dispatch facts.
 #include "moecert/isa.hpp"
 
+#include <cstdlib>
+#include <iterator>
+
 #include "ops/gemm/dispatch.hpp"
 #include "test_util.hpp"
 
@@ -8,6 +11,7 @@ using namespace moecert;
 
 TEST_CASE("core.isa: detection agrees with the compiler's CPU model", "[core][isa]") {
   const CpuInfo& c = cpu_info();
+  CHECK(c.avx2 == static_cast<bool>(__builtin_cpu_supports("avx2")));
   CHECK(c.avx512f == static_cast<bool>(__builtin_cpu_supports("avx512f")));
   CHECK(c.avx512_bf16 == static_cast<bool>(__builtin_cpu_supports("avx512bf16")));
   CHECK(c.amx_tile == static_cast<bool>(__builtin_cpu_supports("amx-tile")));
@@ -22,6 +26,18 @@ TEST_CASE("core.isa: AMX needs CPUID, XCR0 and the permission", "[core][isa]") {
   if (!(c.amx_tile && c.amx_bf16 && c.os_amx)) CHECK_FALSE(c.amx_permission);  // never asked
   CHECK(isa_detected(Isa::avx512_bf16) ==
         (c.avx512f && c.avx512bw && c.avx512vl && c.avx512_bf16 && c.os_avx512));
+  CHECK(isa_detected(Isa::avx2) == (c.avx2 && c.os_avx));
+  if (c.os_avx512) CHECK(c.os_avx);
+}
+
+TEST_CASE("core.isa: levels are ordered; the default is the highest detected", "[core][isa]") {
+  for (std::size_t i = 0; i + 1 < std::size(kAllIsas); ++i)
+    CHECK(isa_rank(kAllIsas[i]) < isa_rank(kAllIsas[i + 1]));
+  if (std::getenv("MOECERT_ISA")) return;  // a forced default is checked below
+  Isa best = Isa::scalar;
+  for (Isa isa : {Isa::avx2, Isa::avx512_bf16, Isa::amx_bf16})
+    if (isa_detected(isa)) best = isa;
+  CHECK(default_isa() == best);
 }
 
 TEST_CASE("core.isa: the default ISA is usable; scalar and amx_emu always are", "[core][isa]") {
@@ -37,7 +53,7 @@ TEST_CASE("core.isa: the default ISA is usable; scalar and amx_emu always are", 
 
 TEST_CASE("core.isa: names parse; unknown names are refused", "[core][isa]") {
   for (Isa isa : kAllIsas) CHECK(parse_isa(isa_name(isa)) == isa);
-  CHECK_FALSE(parse_isa("avx2"));
+  CHECK_FALSE(parse_isa("avx512"));
   CHECK_FALSE(parse_isa("AMX_BF16"));
 }
 
@@ -46,9 +62,9 @@ TEST_CASE("core.isa: MOECERT_ISA is validated against this machine", "[core][isa
   CHECK_FALSE(detail::resolve_forced_isa(""));
   CHECK(detail::resolve_forced_isa("scalar") == Isa::scalar);
   CHECK(detail::resolve_forced_isa("amx_emu") == Isa::amx_emu);
-  CHECK_THROWS_WITH(detail::resolve_forced_isa("avx2"),
-                    Catch::Contains("expected scalar, avx512_bf16, amx_bf16 or amx_emu"));
-  for (Isa isa : {Isa::avx512_bf16, Isa::amx_bf16}) {
+  CHECK_THROWS_WITH(detail::resolve_forced_isa("sse2"),
+                    Catch::Contains("expected scalar, avx2, avx512_bf16, amx_bf16 or amx_emu"));
+  for (Isa isa : {Isa::avx2, Isa::avx512_bf16, Isa::amx_bf16}) {
     const std::string name(isa_name(isa));
     if (isa_detected(isa))
       CHECK(detail::resolve_forced_isa(name.c_str()) == isa);

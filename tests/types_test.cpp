@@ -43,6 +43,8 @@ TEST_CASE("core.types: empty views overlap nothing", "[core][types][alias]") {
 TEST_CASE("core.types: isa names are distinct and stable", "[core][types]") {
   CHECK(isa_name(Isa::scalar) == "scalar");
   CHECK(isa_name(Isa::avx512_bf16) == "avx512_bf16");
+  CHECK(isa_name(Isa::avx2) == "avx2");
+  CHECK(static_cast<int>(Isa::avx2) == 4);  // the C ABI's value
   CHECK(isa_name(Isa::amx_bf16) == "amx_bf16");
   CHECK(isa_name(Isa::amx_emu) == "amx_emu");
 }

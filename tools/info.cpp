@@ -24,10 +24,14 @@ int run_info(bool json) {
              cpu.model.empty() ? "unknown" : cpu.model, cpu.vendor, cpu.family, cpu.model_id,
              cpu.stepping);
   fmt::print(
-      "cpuid:      avx512f={} avx512bw={} avx512vl={} avx512_bf16={} amx_tile={} amx_bf16={}\n",
-      cpu.avx512f, cpu.avx512bw, cpu.avx512vl, cpu.avx512_bf16, cpu.amx_tile, cpu.amx_bf16);
-  fmt::print("os (xcr0):  avx512 state={} amx tile state={}; amx permission (arch_prctl)={}\n",
-             cpu.os_avx512, cpu.os_amx, cpu.amx_permission);
+      "cpuid:      avx2={} avx512f={} avx512bw={} avx512vl={} avx512_bf16={} amx_tile={} "
+      "amx_bf16={}\n",
+      cpu.avx2, cpu.avx512f, cpu.avx512bw, cpu.avx512vl, cpu.avx512_bf16, cpu.amx_tile,
+      cpu.amx_bf16);
+  fmt::print(
+      "os (xcr0):  avx state={} avx512 state={} amx tile state={}; amx permission "
+      "(arch_prctl)={}\n",
+      cpu.os_avx, cpu.os_avx512, cpu.os_amx, cpu.amx_permission);
   fmt::print("isa:        detected {}; usable {}; default {}\n", fmt::join(env.isa_detected, ", "),
              fmt::join(env.isa_usable, ", "), env.isa_default);
   fmt::print("threads:    {} (oneTBB default concurrency)\n", env.threads);

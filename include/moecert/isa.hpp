@@ -16,9 +16,11 @@ struct CpuInfo {
   std::string model;   // brand string, e.g. "Intel(R) Xeon(R) ..."
   unsigned family = 0, model_id = 0, stepping = 0;
   // CPUID feature bits
+  bool avx2 = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512_bf16 = false;
   bool amx_tile = false, amx_bf16 = false;
   // XCR0: the OS saves the state
+  bool os_avx = false;     // bits 1, 2
   bool os_avx512 = false;  // bits 1, 2, 5, 6, 7
   bool os_amx = false;     // bits 17, 18
   // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) succeeded (Linux);

@@ -98,8 +98,8 @@ moecert_status moecert_contract_scope_pop(void);
 moecert_status moecert_set_num_threads(int32_t threads);
 int32_t moecert_num_threads(void);
 
-/* Kernels: 0 scalar, 1 avx512_bf16, 2 amx_bf16, 3 amx_emu; -1 in an isa
- * argument: the default. */
+/* Kernels: 0 scalar, 1 avx512_bf16, 2 amx_bf16, 3 amx_emu, 4 avx2; -1 in an
+ * isa argument: the default. */
 int32_t moecert_default_isa(void);
 int32_t moecert_isa_usable(int32_t isa);
 const char* moecert_isa_name(int32_t isa); /* "" if out of range */

@@ -101,16 +101,39 @@ struct MatView {
   constexpr operator MatView<const T>() const { return {data, rows, cols, stride}; }
 };
 
-/// Kernel instruction-set levels, lowest first. `amx_emu` runs the AMX
-/// kernel's code on a software tile model and is usable on every machine.
-enum class Isa : std::uint8_t { scalar = 0, avx512_bf16 = 1, amx_bf16 = 2, amx_emu = 3 };
+/// Kernel instruction-set levels. `amx_emu` runs the AMX kernel's code on a
+/// software tile model and is usable on every machine. The values are the
+/// C ABI's (moecert.h); avx2 came last, so it is 4.
+enum class Isa : std::uint8_t { scalar = 0, avx512_bf16 = 1, amx_bf16 = 2, amx_emu = 3, avx2 = 4 };
 
-inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx512_bf16, Isa::amx_bf16, Isa::amx_emu};
+/// Every level, lowest first (amx_emu last).
+inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512_bf16, Isa::amx_bf16,
+                                   Isa::amx_emu};
+
+/// The hardware levels' order: scalar < avx2 < avx512_bf16 < amx_bf16
+/// (amx_emu: above them all, as it is listed last).
+constexpr int isa_rank(Isa isa) {
+  switch (isa) {
+    case Isa::scalar:
+      return 0;
+    case Isa::avx2:
+      return 1;
+    case Isa::avx512_bf16:
+      return 2;
+    case Isa::amx_bf16:
+      return 3;
+    case Isa::amx_emu:
+      return 4;
+  }
+  return 0;
+}
 
 constexpr std::string_view isa_name(Isa isa) {
   switch (isa) {
     case Isa::scalar:
       return "scalar";
+    case Isa::avx2:
+      return "avx2";
     case Isa::avx512_bf16:
       return "avx512_bf16";
     case Isa::amx_bf16:

@@ -192,6 +192,10 @@ void expert_path_grads(const In& g, RoundedDx& dx, Out& out) {
   out.m_g = mat<float>(&g.m_g, "m_g", false);
 }
 
+/// An Isa value of the ABI (0..4; avx2, 4, is the highest).
+constexpr bool valid_isa(std::int32_t isa) {
+  return isa >= 0 && isa <= static_cast<std::int32_t>(Isa::avx2);
+}
 /// -1: the default kernel; otherwise an Isa value.
 std::optional<Isa> isa_of(std::int32_t isa);
 /// NULL: the defaults.

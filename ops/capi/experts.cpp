@@ -17,8 +17,7 @@ namespace moecert::capi {
 
 std::optional<Isa> isa_of(std::int32_t isa) {
   if (isa == -1) return std::nullopt;
-  if (isa < 0 || isa > static_cast<std::int32_t>(Isa::amx_emu))
-    throw InvalidArgument(fmt::format("isa {}", isa));
+  if (!valid_isa(isa)) throw InvalidArgument(fmt::format("isa {}", isa));
   return static_cast<Isa>(isa);
 }
 

@@ -45,10 +45,6 @@ std::vector<std::unique_ptr<ContractScope>>& scopes() {
 std::mutex threads_mutex;
 std::unique_ptr<oneapi::tbb::global_control> threads_control;  // guarded by threads_mutex
 
-bool valid_isa(std::int32_t isa) {
-  return isa >= 0 && isa <= static_cast<std::int32_t>(Isa::amx_emu);
-}
-
 }  // namespace
 
 void set_error(moecert_status status, const char* op, const std::string& message) {

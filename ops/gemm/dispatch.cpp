@@ -63,6 +63,7 @@ CpuInfo detect() {
     osxsave = (r[2] >> 27) & 1;
   }
   if (max_leaf >= 7 && cpuid(7, 0, r)) {
+    c.avx2 = (r[1] >> 5) & 1;
     c.avx512f = (r[1] >> 16) & 1;
     c.avx512bw = (r[1] >> 30) & 1;
     c.avx512vl = (r[1] >> 31) & 1;
@@ -72,6 +73,7 @@ CpuInfo detect() {
   }
   if (osxsave) {
     const std::uint64_t xcr0 = xgetbv0();
+    c.os_avx = (xcr0 & 0x6) == 0x6;       // SSE, AVX
     c.os_avx512 = (xcr0 & 0xe6) == 0xe6;  // SSE, AVX, opmask, ZMM
     c.os_amx = ((xcr0 >> 17) & 3) == 3;   // XTILECFG, XTILEDATA
   }
@@ -97,6 +99,8 @@ bool hw_detected(Isa isa) {
   switch (isa) {
     case Isa::scalar:
       return true;
+    case Isa::avx2:
+      return c.avx2 && c.os_avx;
     case Isa::avx512_bf16:
       return avx512 && c.avx512_bf16;
     case Isa::amx_bf16:
@@ -116,13 +120,14 @@ std::optional<Isa> resolve_forced_isa(const char* env) {
   const auto isa = parse_isa(env);
   if (!isa)
     throw std::invalid_argument(fmt::format(
-        "MOECERT_ISA={}: unknown, expected scalar, avx512_bf16, amx_bf16 or amx_emu", env));
-  if (!hw_detected(*isa))
+        "MOECERT_ISA={}: unknown, expected scalar, avx2, avx512_bf16, amx_bf16 or amx_emu", env));
+  if (!hw_detected(*isa)) {
+    std::string here;
+    for (Isa i : kAllIsas)
+      if (hw_detected(i)) here += (here.empty() ? "" : ", ") + std::string(isa_name(i));
     throw std::invalid_argument(
-        fmt::format("MOECERT_ISA={}: not supported by this CPU/OS; usable here: {}", env,
-                    hw_detected(Isa::amx_bf16)      ? "scalar, avx512_bf16, amx_bf16, amx_emu"
-                    : hw_detected(Isa::avx512_bf16) ? "scalar, avx512_bf16, amx_emu"
-                                                    : "scalar, amx_emu"));
+        fmt::format("MOECERT_ISA={}: not supported by this CPU/OS; usable here: {}", env, here));
+  }
   return isa;
 }
 
@@ -150,12 +155,12 @@ bool isa_usable(Isa isa) {
   const auto& f = forced_isa();
   if (!f || isa == Isa::amx_emu || isa == Isa::scalar) return true;
   if (*f == Isa::amx_emu) return false;  // only scalar and the emulator
-  return static_cast<int>(isa) <= static_cast<int>(*f);
+  return isa_rank(isa) <= isa_rank(*f);
 }
 
 Isa default_isa() {
   if (const auto& f = forced_isa()) return *f;
-  for (Isa isa : {Isa::amx_bf16, Isa::avx512_bf16})
+  for (Isa isa : {Isa::amx_bf16, Isa::avx512_bf16, Isa::avx2})
     if (hw_detected(isa)) return isa;
   return Isa::scalar;
 }
@@ -211,6 +216,10 @@ const KernelInfo& kernel_info(Isa isa) {
       {Isa::amx_emu, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_emu_32x32,
        ukernel_amx_emu_edge, true, amx_emu_tile_begin, amx_emu_tile_end, vec, vec_bwd, vec_sums,
        vec_cvt, vec_dot, "ukernel_amx_emu_32x32"},
+      // Its GEMM kernel computes scalar's arithmetic; the element-wise
+      // kernels are amx_emu's choice (they never change a result).
+      {Isa::avx2, 4, 32, 0, 0, ALayout::rows, ukernel_avx2_4x32, ukernel_avx2_edge, false, no_hook,
+       no_hook, vec, vec_bwd, vec_sums, vec_cvt, vec_dot, "ukernel_avx2_4x32"},
   };
   if (!isa_usable(isa))
     throw std::invalid_argument(

@@ -33,7 +33,7 @@ constexpr std::size_t a_offset(ALayout l, std::size_t lda, std::size_t r, std::s
 }
 
 // What a kernel reads: A's rows of the block (MR, or the edge kernel's own
-// count: UkernelArgs::rows for scalar and AVX-512, 16 or 32 for AMX) from
+// count: UkernelArgs::rows for scalar, AVX2 and AVX-512, 16 or 32 for AMX) from
 // `a`, elements [0, kp) of each in its layout, and no other row; the two
 // panels' kp / 2 * 32 elements each from `b`; a2 and b2 likewise to kp2; C's
 // MR x NR block at ldc only with `accumulate`. So every buffer a caller of
@@ -130,7 +130,7 @@ struct KernelInfo {
   // Or null: for edge blocks of UkernelArgs::rows < MR rows. C's rows
   // [0, rows) come out bit for bit as the full kernel's (each row's products
   // and their order are its own); it may compute rows past them up to MR
-  // (AMX: 16 or 32), never fewer (AVX-512 and scalar: exactly `rows`, so an
+  // (AMX: 16 or 32), never fewer (AVX-512, AVX2 and scalar: exactly `rows`, so an
   // expert's 1-7 routed rows cost 1-7 rows, not 8: at T = 48, K = 6, E = 64
   // about 4.5 rows per expert).
   UkernelFn ukernel_edge;
@@ -152,6 +152,8 @@ const KernelInfo& kernel_info(Isa isa);
 // One exported function per microkernel file.
 void ukernel_scalar_8x32(const UkernelArgs&);
 void ukernel_scalar_edge(const UkernelArgs&);
+void ukernel_avx2_4x32(const UkernelArgs&);
+void ukernel_avx2_edge(const UkernelArgs&);
 void ukernel_avx512_bf16_8x32(const UkernelArgs&);
 void ukernel_avx512_bf16_edge(const UkernelArgs&);
 void ukernel_amx_bf16_32x32(const UkernelArgs&);

@@ -22,7 +22,7 @@ __all__ = ["ContractViolation", "Error", "InvalidArgument", "LEVELS", "SEMANTICS
 LEVELS = ("off", "check", "audit", "full")
 SEMANTICS = ("ignore", "observe", "enforce")
 GROUPS = ("shape", "index", "alias", "finite", "numeric", "memory")
-ISAS = ("scalar", "avx512_bf16", "amx_bf16", "amx_emu")
+ISAS = ("scalar", "avx512_bf16", "amx_bf16", "amx_emu", "avx2")  # the C ABI's numbering
 
 __version__ = _abi.lib.moecert_version().decode()
 
