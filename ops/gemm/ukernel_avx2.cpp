@@ -7,8 +7,9 @@
 // (exact: bf16 x bf16) and each addition one rounding: VMULPS then VADDPS,
 // never an FMA. bf16 becomes fp32 by a shift (even, the pair's low half) or
 // a mask (odd, the high half). The two 16-column panels are done one after
-// the other, each with its 2 x 4 accumulators, the converted B pairs and the
-// broadcast A pair in registers. Built with -mavx2 alone (ops/gemm CMake).
+// the other, each with 4 rows x 2 ymm accumulators, the four converted B
+// vectors of a k pair and the broadcast A pair in registers. Built with
+// -mavx2 alone (ops/gemm CMake).
 #include <immintrin.h>
 
 #include <array>
