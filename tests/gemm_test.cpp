@@ -176,7 +176,8 @@ TEST_CASE("gemm.matmul: avx2 equals scalar bit for bit", "[gemm][matmul][avx2]")
     const auto a = random_bf16(rng, s.m * s.k, 3), wv = random_bf16(rng, s.n * s.k, 3);
     const auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), s.n, s.k));
     const auto c = run(Isa::avx2, a, s.m, s.k, w), want = run(Isa::scalar, a, s.m, s.k, w);
-    REQUIRE(std::memcmp(c.data(), want.data(), c.size() * 4) == 0);
+    REQUIRE(c.size() == want.size());
+    if (!c.empty()) REQUIRE(std::memcmp(c.data(), want.data(), c.size() * 4) == 0);
   }
   ContractScope off{Level::off};  // products below 2^-126 too (the range clauses refuse them)
   const std::vector<bf16> a = {bf16(0x1p-70f), bf16(-0x1p-60f)},
