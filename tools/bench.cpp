@@ -8,6 +8,8 @@
 #include <fstream>
 #include <optional>
 #include <regex>
+#include <string>
+#include <utility>
 
 #include "bench/onednn_peer.hpp"
 #include "moecert/isa.hpp"
@@ -151,31 +153,34 @@ void print_header(const bench::Options& opt) {
         "case", "isa");
 }
 
-bench::Result run_case(const bench::Case& c, const bench::Options& opt, std::size_t clause_times) {
+// A case not run, with the reason printed and kept in its JSON record.
+bench::Result skipped_case(const bench::Case& c, const bench::Options& opt, std::string reason) {
   bench::Result r;
-  if (c.bytes_needed > available_bytes() * 9 / 10) {
-    r.name = c.name;
-    r.op = c.op;
-    r.shape = c.shape;
-    r.threads = opt.threads;
-    r.skipped = fmt::format("needs about {:.1f} GiB, {:.1f} GiB available",
-                            c.bytes_needed / 1073741824.0, available_bytes() / 1073741824.0);
-    fmt::print("{:<44} skipped: {}\n", c.name, r.skipped);
-  } else {
-    try {
-      r = c.run(opt);
-    } catch (const bench::PeerUnavailable& e) {
-      r = bench::Result{};
-      r.name = c.name, r.op = c.op, r.shape = c.shape, r.threads = opt.threads;
-      r.skipped = fmt::format("peer: {}", e.what());
-      fmt::print("{:<44} skipped: {}\n", c.name, r.skipped);
-      std::fflush(stdout);
-      return r;
-    }
-    if (!opt.contracts.empty())
-      r.peer.clear(), r.note = "--contracts: moecert at off and at each level; no peer run";
-    print_result(r, clause_times);
+  r.name = c.name;
+  r.op = c.op;
+  r.shape = c.shape;
+  r.threads = opt.threads;
+  r.skipped = std::move(reason);
+  fmt::print("{:<44} skipped: {}\n", c.name, r.skipped);
+  std::fflush(stdout);
+  return r;
+}
+
+bench::Result run_case(const bench::Case& c, const bench::Options& opt, std::size_t clause_times) {
+  if (c.bytes_needed > available_bytes() * 9 / 10)
+    return skipped_case(
+        c, opt,
+        fmt::format("needs about {:.1f} GiB, {:.1f} GiB available", c.bytes_needed / 1073741824.0,
+                    available_bytes() / 1073741824.0));
+  bench::Result r;
+  try {
+    r = c.run(opt);
+  } catch (const bench::PeerUnavailable& e) {
+    return skipped_case(c, opt, fmt::format("peer: {}", e.what()));
   }
+  if (!opt.contracts.empty())
+    r.peer.clear(), r.note = "--contracts: moecert at off and at each level; no peer run";
+  print_result(r, clause_times);
   std::fflush(stdout);
   return r;
 }
