@@ -7,6 +7,8 @@
 // conditioned on the routing the kernel chose, proofs/layer.md §1).
 #pragma once
 
+#include <oneapi/tbb/parallel_for.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -20,6 +22,7 @@
 #include "contracts/bounds/tracked.hpp"
 #include "contracts/reference/layer_pair.hpp"
 #include "contracts/reference/router.hpp"
+#include "contracts/tbb_sync.hpp"
 #include "moecert/config.hpp"
 
 namespace moecert::ref {
@@ -270,6 +273,69 @@ void combine(const LayerData<S>& d, std::size_t t, const std::vector<PairForward
           v, [&](std::size_t) { return S(1); }, [&](std::size_t j) { return b[j].dxr[m]; }, K);
 }
 
+/// Tokens per block of the reference: a block's pairs are held at once.
+inline constexpr std::size_t kTokenBlock = 64;
+
+/// body(i) for every i in [i0, i1): in parallel on the caller's oneTBB
+/// arena for the machine scalars (double, Tracked), in order for the
+/// multiprecision one. Each body writes only its own index's outputs.
+template <class S, class F>
+void for_each_index(std::size_t i0, std::size_t i1, F body) {
+  if constexpr (std::is_same_v<S, double> || std::is_same_v<S, bounds::Tracked>) {
+    oneapi::tbb::parallel_for(i0, i1, moecert::detail::TbbBody(body));
+  } else {
+    for (std::size_t i = i0; i < i1; ++i) body(i);
+  }
+}
+
+/// Token t's routed pairs: the forward of each, and with a backward the
+/// head of each (dL/dw into out.dw), the expert path (into b) and the
+/// pair's M_A, M_G.
+template <class S>
+struct TokenPairs {
+  std::vector<PairForward<S>> f;
+  std::vector<PairBackward<S>> b;  // the expert path's, one per f, or empty
+};
+
+template <class S>
+TokenPairs<S> token_pairs(const LayerData<S>& d, std::size_t t, bool backward, Paths paths,
+                          LayerResult<S>& out) {
+  const std::size_t H = d.H, K = d.K, v = valid_prefix(&d.idx[t * K], K);
+  const S s(d.scale);
+  const S* x = &d.x[t * H];
+  TokenPairs<S> p;
+  for (std::size_t j = 0; j < v; ++j) {
+    const std::size_t e = static_cast<std::size_t>(d.idx[t * K + j]);
+    const ExpertView<S> w{d, e};
+    p.f.push_back(pair_forward(w, x, s));
+    if (!backward) continue;
+    const S* dy = &d.dy[t * H];
+    const S wt = out.w[t * K + j];
+    PairBackward<S> pb = pair_backward_head(w, dy, s);
+    if (paths.router) out.dw[t * K + j] = pair_dweight(p.f.back(), pb);
+    if (!paths.expert) continue;
+    pair_expert_backward(w, wt, s, p.f.back(), pb);
+    std::tie(out.m_a[t * d.E + e], out.m_g[t * d.E + e]) = pair_stats(d, x, dy, wt, p.f.back(), pb);
+    p.b.push_back(std::move(pb));
+  }
+  return p;
+}
+
+/// Expert e's terms of the weight gradients from a block of tokens starting
+/// at t0, in token order (the sums of different experts are disjoint).
+template <class S>
+void add_expert_terms(const LayerData<S>& d, std::size_t t0,
+                      const std::vector<TokenPairs<S>>& block, std::size_t e,
+                      const LayerResult<S>& out, GradSums<S>& sums) {
+  const std::size_t K = d.K;
+  for (std::size_t i = 0; i < block.size(); ++i) {
+    const std::size_t t = t0 + i;
+    for (std::size_t j = 0; j < block[i].b.size(); ++j)
+      if (static_cast<std::size_t>(d.idx[t * K + j]) == e)
+        sums.add(t, e, out.w[t * K + j], &d.x[t * d.H], block[i].f[j], block[i].b[j]);
+  }
+}
+
 }  // namespace layer_detail
 
 /// dz_hook(t, dz_row) runs on each row's dz before the router linear's
@@ -278,7 +344,6 @@ template <class S, class DzHook>
 LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths, DzHook dz_hook) {
   using namespace layer_detail;
   const std::size_t T = d.T, H = d.H, K = d.K, R = d.R;
-  const S s(d.scale);
   LayerResult<S> out;
   logits_and_weights(d, out);
   out.y.assign(T * H, S(0));
@@ -294,27 +359,16 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
     sums.emplace(d, paths.base, out);
   }
   std::vector<S> dxe(T * H, S(0));  // expert path dx, slot sums
-  for (std::size_t t = 0; t < T; ++t) {
-    const std::size_t v = valid_prefix(&d.idx[t * K], K);
-    const S* x = &d.x[t * H];
-    const S* dy = backward ? &d.dy[t * H] : nullptr;
-    std::vector<PairForward<S>> f;
-    std::vector<PairBackward<S>> b;
-    for (std::size_t j = 0; j < v; ++j) {
-      const std::size_t e = static_cast<std::size_t>(d.idx[t * K + j]);
-      const ExpertView<S> w{d, e};
-      f.push_back(pair_forward(w, x, s));
-      if (!backward) continue;
-      const S wt = out.w[t * K + j];
-      PairBackward<S> pb = pair_backward_head(w, dy, s);
-      if (paths.router) out.dw[t * K + j] = pair_dweight(f.back(), pb);
-      if (!paths.expert) continue;
-      pair_expert_backward(w, wt, s, f.back(), pb);
-      sums->add(t, e, wt, x, f.back(), pb);
-      std::tie(out.m_a[t * d.E + e], out.m_g[t * d.E + e]) = pair_stats(d, x, dy, wt, f.back(), pb);
-      b.push_back(std::move(pb));
-    }
-    combine(d, t, f, b, out, dxe);
+  for (std::size_t t0 = 0; t0 < T; t0 += kTokenBlock) {
+    const std::size_t t1 = std::min(T, t0 + kTokenBlock);
+    std::vector<TokenPairs<S>> block(t1 - t0);
+    for_each_index<S>(t0, t1, [&](std::size_t t) {
+      block[t - t0] = token_pairs(d, t, backward, paths, out);
+      combine(d, t, block[t - t0].f, block[t - t0].b, out, dxe);
+    });
+    if (sums)
+      for_each_index<S>(0, d.E,
+                        [&](std::size_t e) { add_expert_terms(d, t0, block, e, out, *sums); });
   }
   if (!backward) return out;
   sums->finish();
