@@ -10,6 +10,7 @@
 #include "moecert/moecert.hpp"
 #include "test_util.hpp"
 #include "tools/conform/report.hpp"
+#include "tools/tensor_file.hpp"
 
 using namespace moecert;
 using namespace moecert::tools;
@@ -260,4 +261,33 @@ TEST_CASE("tools.conform: a case that cannot run here is a skip with its reason"
     }
   CHECK(amx > 0);
   CHECK(r.skipped() == amx);
+}
+
+TEST_CASE("tools.tensor_file: F16 widened exactly, every bit pattern", "[tools]") {
+  tools::Tensor t{"F16", {65536}, {}};
+  for (std::uint32_t h = 0; h < 65536; ++h)
+    t.bytes.push_back(static_cast<std::uint8_t>(h)),
+        t.bytes.push_back(static_cast<std::uint8_t>(h >> 8));
+  const auto v = tools::to_f32(t, "t");
+  // Anchors: 1, -2, the largest finite, the least subnormal, the least
+  // normal, infinities, a NaN.
+  CHECK(v[0x3C00] == 1.0f);
+  CHECK(v[0xC000] == -2.0f);
+  CHECK(v[0x7BFF] == 65504.0f);
+  CHECK(v[0x0001] == 0x1p-24f);
+  CHECK(v[0x0400] == 0x1p-14f);
+  CHECK(v[0x7C00] == INFINITY);
+  CHECK(v[0xFC00] == -INFINITY);
+  CHECK(std::isnan(v[0x7E00]));
+  CHECK((std::signbit(v[0x8000]) && v[0x8000] == 0.0f));
+  // Between them, each finite positive pattern one ulp of the previous
+  // one's binade above it (2^-24 below 2^-13, then doubling with each
+  // binade), and each negative one the positive's negation.
+  for (std::uint32_t h = 1; h < 0x7C00; ++h) {
+    const int binade = static_cast<int>((h - 1) >> 10);
+    const float ulp = std::ldexp(1.0f, std::max(binade, 1) - 25);
+    INFO("pattern " << h);
+    REQUIRE(v[h] - v[h - 1] == ulp);
+    REQUIRE(v[h | 0x8000] == -v[h]);
+  }
 }

@@ -14,8 +14,10 @@ TEST_CASE("core.isa: detection agrees with the compiler's CPU model", "[core][is
   CHECK(c.avx2 == static_cast<bool>(__builtin_cpu_supports("avx2")));
   CHECK(c.avx512f == static_cast<bool>(__builtin_cpu_supports("avx512f")));
   CHECK(c.avx512_bf16 == static_cast<bool>(__builtin_cpu_supports("avx512bf16")));
+#if !defined(__clang__)  // clang 14's CPU model has no AMX features (the Release build is g++'s)
   CHECK(c.amx_tile == static_cast<bool>(__builtin_cpu_supports("amx-tile")));
   CHECK(c.amx_bf16 == static_cast<bool>(__builtin_cpu_supports("amx-bf16")));
+#endif
   CHECK_FALSE(c.vendor.empty());
   CHECK(&cpu_info() == &c);  // detected once
 }

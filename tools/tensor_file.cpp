@@ -32,8 +32,15 @@ T load(const std::uint8_t* p) {
   return v;
 }
 
-// IEEE binary16 to binary32, exact (the compiler's _Float16).
-float half_to_float(std::uint16_t h) { return static_cast<float>(std::bit_cast<_Float16>(h)); }
+// IEEE binary16 to binary32, exact: (1024 + m) 2^(e - 25) for a normal
+// exponent e, m 2^-24 below it; infinities and NaN (payload not kept).
+float half_to_float(std::uint16_t h) {
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const float magnitude = e == 0    ? std::ldexp(static_cast<float>(m), -24)
+                          : e == 31 ? (m ? NAN : INFINITY)
+                                    : std::ldexp(static_cast<float>(1024 + m), e - 25);
+  return h & 0x8000 ? -magnitude : magnitude;
+}
 
 Tensor parse_entry(const std::string& path, const std::string& name, const nlohmann::json& e,
                    const std::vector<std::uint8_t>& data) {

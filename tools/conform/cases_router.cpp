@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "contracts/bounds/router.hpp"
 #include "contracts/reference/router.hpp"
@@ -167,7 +168,9 @@ CaseResult product_key_case(const Shape& s, Data data, bool backward, const RunC
                                 MatView<float>(out.second.data(), s.t, s.k));
     return out;
   };
-  auto [idx, w] = threads(ctx.threads, fwd);
+  auto routed = threads(ctx.threads, fwd);  // named, not bound: lambdas below capture idx
+  auto& idx = std::get<0>(routed);
+  const auto& w = std::get<1>(routed);
   Tally tl;
   tl.slack = static_cast<double>(4 * s.k + 16) * 0x1p-52;
   tl.r.deterministic = threads(1, fwd) == std::pair(idx, w);
@@ -244,7 +247,9 @@ CaseResult sigmoid_case(const Shape& s, Data data, bool backward, std::size_t to
                                  MatView<float>(o.second.data(), s.t, s.k));
     return o;
   };
-  const auto [idx, w] = threads(ctx.threads, fwd);
+  const auto routed = threads(ctx.threads, fwd);  // named, not bound: lambdas below capture idx
+  const auto& idx = std::get<0>(routed);
+  const auto& w = std::get<1>(routed);
   Tally tl;
   tl.slack = 64 * 0x1p-52;
   tl.r.deterministic = threads(1, fwd).second == w;
