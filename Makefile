@@ -26,13 +26,19 @@ release: bootstrap
 # library users link) and runs every test in both: Release twice under guard
 # pages (every buffer's end, then its start, against an inaccessible page),
 # with a valgrind memcheck selection; then the default conformance suite on
-# the Release tool under guard pages, end and start.
+# the Release tool under guard pages, end and start, as two processes at
+# once (each runs at two threads, and below two on average).
 check: format-check debug release
 	ctest --preset debug -j $(JOBS)
 	ctest --preset release-guard-end -j $(JOBS)
 	ctest --preset release-guard-start -j $(JOBS)
-	build/release/tools/moecert conform --suite default --guard-pages end --out build/check-report 2>/dev/null
-	build/release/tools/moecert conform --suite default --guard-pages start --out build/check-report 2>/dev/null
+	@set -e; for g in end start; do \
+	  echo "build/release/tools/moecert conform --suite default --guard-pages $$g --out build/check-report/$$g"; \
+	  build/release/tools/moecert conform --suite default --guard-pages $$g --out build/check-report/$$g \
+	    > build/check-report-$$g.log 2>&1 & eval pid_$$g=$$!; \
+	done; \
+	ok=1; for g in end start; do eval wait \$$pid_$$g || { ok=0; grep -E "FAIL|error" build/check-report-$$g.log | head -20; }; \
+	  tail -1 build/check-report-$$g.log; done; [ $$ok -eq 1 ]
 
 # The C and C++ sources as .clang-format lays them out (Debian's clang-format 14):
 # `make format` rewrites them, `make format-check` (the first step of check)
@@ -76,20 +82,21 @@ STRESS_RUNS ?= 200
 stress: release
 	bash scripts/stress.sh $(STRESS_RUNS)
 
-# Builds the libFuzzer harnesses with clang and runs each for FUZZ_SECONDS.
-# New corpus entries land in build/fuzz/corpus/<name>; a crash is saved in
-# build/fuzz/artifacts/ (copy it into fuzz/corpus/<name>/ as a regression).
+# Builds the libFuzzer harnesses with clang and runs each for FUZZ_SECONDS,
+# JOBS harnesses at a time (one oneTBB thread each: a harness's inputs are
+# small). New corpus entries land in build/fuzz/corpus/<name>; a crash is
+# saved in build/fuzz/artifacts/ (copy it into fuzz/corpus/<name>/ as a
+# regression).
 fuzz: bootstrap
 	cmake --preset fuzz
 	cmake --build --preset fuzz -j $(JOBS)
-	@set -e; for f in $(FUZZERS); do \
-	  mkdir -p build/fuzz/corpus/$$f build/fuzz/artifacts; \
-	  echo "fuzz: $$f for $(FUZZ_SECONDS) s"; \
-	  build/fuzz/fuzz/$$f -max_total_time=$(FUZZ_SECONDS) -seed=$(FUZZ_SEED) -print_final_stats=1 \
-	    -artifact_prefix=build/fuzz/artifacts/$$f- build/fuzz/corpus/$$f fuzz/corpus/$$f \
-	    > build/fuzz/$$f.log 2>&1 || { tail -40 build/fuzz/$$f.log; exit 1; }; \
-	  grep -E "stat::number_of_executed_units|stat::average_exec_per_sec" build/fuzz/$$f.log; \
-	done
+	@mkdir -p build/fuzz/artifacts
+	@printf '%s\n' $(FUZZERS) | xargs -P $(JOBS) -I{} sh -c '\
+	  mkdir -p build/fuzz/corpus/{}; echo "fuzz: {} for $(FUZZ_SECONDS) s"; \
+	  MOECERT_FUZZ_THREADS=1 build/fuzz/fuzz/{} -max_total_time=$(FUZZ_SECONDS) -seed=$(FUZZ_SEED) \
+	    -print_final_stats=1 -artifact_prefix=build/fuzz/artifacts/{}- build/fuzz/corpus/{} fuzz/corpus/{} \
+	    > build/fuzz/{}.log 2>&1 || { tail -40 build/fuzz/{}.log; exit 255; }; \
+	  echo "fuzz: {}: $$(grep -E "stat::(number_of_executed_units|average_exec_per_sec)" build/fuzz/{}.log | tr -s " " | tr "\n" " ")"'
 
 clean:
 	rm -rf build
