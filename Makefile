@@ -82,18 +82,18 @@ STRESS_RUNS ?= 200
 stress: release
 	bash scripts/stress.sh $(STRESS_RUNS)
 
-# Builds the libFuzzer harnesses with clang and runs each for FUZZ_SECONDS,
-# JOBS harnesses at a time (one oneTBB thread each: a harness's inputs are
-# small). New corpus entries land in build/fuzz/corpus/<name>; a crash is
-# saved in build/fuzz/artifacts/ (copy it into fuzz/corpus/<name>/ as a
-# regression).
+# Builds the libFuzzer harnesses (the Debug tree: clang, ASan + UBSan,
+# coverage) and runs each for FUZZ_SECONDS, JOBS harnesses at a time (one
+# oneTBB thread each: a harness's inputs are small). New corpus entries land
+# in build/fuzz/corpus/<name>; a crash is saved in build/fuzz/artifacts/
+# (copy it into fuzz/corpus/<name>/ as a regression).
 fuzz: bootstrap
-	cmake --preset fuzz
-	cmake --build --preset fuzz -j $(JOBS)
+	cmake --preset debug
+	cmake --build --preset debug -j $(JOBS) --target $(FUZZERS:=_libfuzzer)
 	@mkdir -p build/fuzz/artifacts
 	@printf '%s\n' $(FUZZERS) | xargs -P $(JOBS) -I{} sh -c '\
 	  mkdir -p build/fuzz/corpus/{}; echo "fuzz: {} for $(FUZZ_SECONDS) s"; \
-	  MOECERT_FUZZ_THREADS=1 build/fuzz/fuzz/{} -max_total_time=$(FUZZ_SECONDS) -seed=$(FUZZ_SEED) \
+	  MOECERT_FUZZ_THREADS=1 build/debug/fuzz/{}_libfuzzer -max_total_time=$(FUZZ_SECONDS) -seed=$(FUZZ_SEED) \
 	    -print_final_stats=1 -artifact_prefix=build/fuzz/artifacts/{}- build/fuzz/corpus/{} fuzz/corpus/{} \
 	    > build/fuzz/{}.log 2>&1 || { tail -40 build/fuzz/{}.log; exit 255; }; \
 	  echo "fuzz: {}: $$(grep -E "stat::(number_of_executed_units|average_exec_per_sec)" build/fuzz/{}.log | tr -s " " | tr "\n" " ")"'

@@ -107,6 +107,9 @@ function(moecert_add_library name)
   # Boost is header-only and used privately: not part of the installed interface.
   target_link_libraries(${name} PUBLIC fmt::fmt TBB::tbb PRIVATE $<BUILD_INTERFACE:Boost::headers>
                         $<BUILD_INTERFACE:nlohmann_json::nlohmann_json>)
+  if(MOECERT_FUZZ)  # coverage for libFuzzer; the sanitizer runtime's no-op hooks elsewhere
+    target_compile_options(${name} PRIVATE -fsanitize=fuzzer-no-link)
+  endif()
   if(MOECERT_SANITIZE)
     # A sanitized static library needs the runtime in whatever links it.
     target_link_options(${name} INTERFACE -fsanitize=address,undefined)

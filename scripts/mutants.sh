@@ -62,7 +62,7 @@ sync_tree() {
   done
 }
 dir=$PWD/$out/src-build
-fuzz_dir=$PWD/$out/src-fuzz-build
+fuzz_dir=$PWD/$out/fuzz  # libFuzzer working corpora and artifacts
 for name in "${names[@]}"; do
   log=$out/$name
   echo "== $name"
@@ -101,7 +101,7 @@ for name in "${names[@]}"; do
     catchers+=("ctest:${c:-$t}")
   fi
   # 3. Fuzzers (replay executables of this build over the corpora, then
-  #    libFuzzer runs when a fuzz build of the mutant exists).
+  #    its libFuzzer executables, where they build).
   if [ $quick -eq 0 ]; then
     for f in "${fuzzers[@]}"; do
       if ! "$dir/fuzz/$f" "fuzz/corpus/$f" > "$log.$f.log" 2>&1; then
@@ -109,10 +109,9 @@ for name in "${names[@]}"; do
         catchers+=("$f:${c:-crash}")
         continue
       fi
-      if (cd "$src" && cmake --preset fuzz -B "$fuzz_dir") > /dev/null 2>&1 &&
-         cmake --build "$fuzz_dir" -j "$jobs" --target "$f" > /dev/null 2>&1; then
+      if cmake --build "$dir" -j "$jobs" --target "${f}_libfuzzer" > /dev/null 2>&1; then
         mkdir -p "$fuzz_dir/corpus/$name/$f"
-        if ! MOECERT_FUZZ_THREADS=1 "$fuzz_dir/fuzz/$f" -max_total_time="$fuzz_seconds" -seed=1 \
+        if ! MOECERT_FUZZ_THREADS=1 "$dir/fuzz/${f}_libfuzzer" -max_total_time="$fuzz_seconds" -seed=1 \
              -artifact_prefix="$fuzz_dir/$name-$f-" "$fuzz_dir/corpus/$name/$f" "fuzz/corpus/$f" > "$log.$f.fuzz.log" 2>&1; then
           c=$(clause_in "$log.$f.fuzz.log")
           catchers+=("$f:${c:-crash}")
