@@ -32,13 +32,12 @@ check: format-check debug release
 	ctest --preset debug -j $(JOBS)
 	ctest --preset release-guard-end -j $(JOBS)
 	ctest --preset release-guard-start -j $(JOBS)
-	@set -e; for g in end start; do \
-	  echo "build/release/tools/moecert conform --suite default --guard-pages $$g --out build/check-report/$$g"; \
-	  build/release/tools/moecert conform --suite default --guard-pages $$g --out build/check-report/$$g \
-	    > build/check-report-$$g.log 2>&1 & eval pid_$$g=$$!; \
-	done; \
-	ok=1; for g in end start; do eval wait \$$pid_$$g || { ok=0; grep -E "FAIL|error" build/check-report-$$g.log | head -20; }; \
-	  tail -1 build/check-report-$$g.log; done; [ $$ok -eq 1 ]
+	@b=build/release/tools/moecert; r=build/check-report; \
+	echo "$$b conform --suite default --guard-pages end|start --out $$r/end|start (at once)"; \
+	$$b conform --suite default --guard-pages end --out $$r/end > $$r-end.log 2>&1 & pid=$$!; \
+	$$b conform --suite default --guard-pages start --out $$r/start > $$r-start.log 2>&1; start=$$?; \
+	wait $$pid; end=$$?; tail -q -n 1 $$r-end.log $$r-start.log; \
+	[ $$end -eq 0 ] && [ $$start -eq 0 ] || { grep -h -E "FAIL|error" $$r-end.log $$r-start.log | head -40; exit 1; }
 
 # The C and C++ sources as .clang-format lays them out (Debian's clang-format 14):
 # `make format` rewrites them, `make format-check` (the first step of check)
