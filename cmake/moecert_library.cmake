@@ -39,6 +39,7 @@ set(MOECERT_SOURCES
   contracts/layer.cpp
   contracts/bounds/layer.cpp
   contracts/layer_router_linear.cpp
+  contracts/layer_router_linear_probe.cpp
   ops/workspace/plan.cpp
   ops/workspace/arena.cpp
   contracts/workspace.cpp

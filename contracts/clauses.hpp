@@ -336,8 +336,9 @@ inline constexpr ClauseInfo kFwdLoraPadding = {"layer.forward.lora_padding", Cla
                                                "packed LoRA rank padding is zero"};
 inline constexpr ClauseInfo kFwdYFinite =
     post("layer.forward.y_finite", Group::finite, "every y finite");
-inline constexpr ClauseInfo kFwdProbe = post(
-    "layer.forward.probe", Group::numeric, "probes of the expert GEMMs within bound", Level::audit);
+inline constexpr ClauseInfo kFwdProbe =
+    post("layer.forward.probe", Group::numeric, "probes of the expert GEMMs and the router linear",
+         Level::audit);
 inline constexpr ClauseInfo kFwdWithin =
     post("layer.forward.within_bound", Group::numeric, "z and y within bound", Level::full);
 inline constexpr ClauseInfo kBwdState = pre("layer.backward.state", Group::shape,
@@ -360,8 +361,8 @@ inline constexpr ClauseInfo kBwdEmptyZero =
 inline constexpr ClauseInfo kBwdRouterMasked =
     post("layer.backward.router_masked", Group::numeric, "dL/dw 0 at -1 slots");
 inline constexpr ClauseInfo kBwdProbe =
-    post("layer.backward.probe", Group::numeric, "probes of the experts' dh and dx row GEMMs",
-         Level::audit);
+    post("layer.backward.probe", Group::numeric,
+         "probes of the experts' row GEMMs and the router linear", Level::audit);
 inline constexpr ClauseInfo kBwdWithin =
     post("layer.backward.within_bound", Group::numeric, "gradients within bound", Level::full);
 inline constexpr ClauseInfo kRlShape =
@@ -373,14 +374,16 @@ inline constexpr ClauseInfo kRlNoAlias = pre("layer.router_linear.no_alias", Gro
                                              "outputs disjoint from each other and the inputs");
 inline constexpr ClauseInfo kRlOutFinite =
     post("layer.router_linear.out_finite", Group::finite, "every output finite");
+inline constexpr ClauseInfo kRlProbe = post("layer.router_linear.probe", Group::numeric,
+                                            "probes of z, dx and dW_r; db's sums", Level::audit);
 inline constexpr ClauseInfo kRlWithin = post("layer.router_linear.within_bound", Group::numeric,
                                              "every output within bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,       kFwdXFinite,   kFwdLoraFinite,   kFwdScale,       kFwdNoAlias,
-    kFwdLoraPadding, kFwdYFinite,   kFwdProbe,        kFwdWithin,      kBwdState,
-    kBwdShape,       kBwdDyFinite,  kBwdNoAlias,      kBwdSavedFinite, kBwdSavedIntact,
-    kBwdGradFinite,  kBwdEmptyZero, kBwdRouterMasked, kBwdProbe,       kBwdWithin,
-    kRlShape,        kRlFinite,     kRlNoAlias,       kRlOutFinite,    kRlWithin};
+    kFwdShape,   kFwdXFinite,     kFwdLoraFinite,  kFwdScale,      kFwdNoAlias,   kFwdLoraPadding,
+    kFwdYFinite, kFwdProbe,       kFwdWithin,      kBwdState,      kBwdShape,     kBwdDyFinite,
+    kBwdNoAlias, kBwdSavedFinite, kBwdSavedIntact, kBwdGradFinite, kBwdEmptyZero, kBwdRouterMasked,
+    kBwdProbe,   kBwdWithin,      kRlShape,        kRlFinite,      kRlNoAlias,    kRlOutFinite,
+    kRlProbe,    kRlWithin};
 }  // namespace layer
 
 }  // namespace moecert::clauses

@@ -153,6 +153,8 @@ void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::W
   MOECERT_CONTRACT(c, k::kFwdProbe) {
     probe_expert_gemms(c, k::kFwdProbe, *w.experts, cfg.lora_rank ? &w.lora : nullptr, x,
                        s.train.topk, s.train.rows);
+    const std::size_t R = dims(cfg).R;
+    probe_router_logits(c, k::kFwdProbe, x, w.router_w, w.router_b, {s.logits, x.rows, R, R});
   }
   // Conditioned on the kernel's routing; inputs exact, no overflow; every z and y
   // within layer_bounds (Tracked through the kernel's rounding points); proofs/layer.md §1-2.
@@ -279,7 +281,8 @@ std::vector<GradFiniteScan::Output> layer_grad_outputs(const MoeConfig& cfg,
 void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                          MatView<const bf16> x, MatView<const float> dy, const LayerSaved& saved,
                          const layer::Gradients& g, const layer::BackwardOptions& opt,
-                         GradFiniteScan* grads_judge, const BackwardProbe* probe) {
+                         GradFiniteScan* grads_judge, const BackwardProbe* probe,
+                         const RouterLinearProbe* linear_probe) {
   const Dims d = dims(cfg);
   const auto& s = saved;
   const float* dw = s.router_dw;
@@ -302,6 +305,7 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
   // As experts.backward.probe (proofs/bounds.md §9.3).
   MOECERT_CONTRACT(c, k::kBwdProbe) {
     if (probe) probe->report(c, k::kBwdProbe);
+    if (linear_probe) linear_probe->report(c, k::kBwdProbe);
   }
   // Conditioned on the kernel's routing and dL/dw; every gradient within
   // layer_bounds (expert path, router path, base weights); proofs/layer.md §3-4.

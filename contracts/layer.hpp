@@ -4,6 +4,7 @@
 #include "contracts/bounds/layer.hpp"
 #include "contracts/engine.hpp"
 #include "contracts/experts_train.hpp"
+#include "contracts/layer_router_linear_probe.hpp"
 #include "contracts/reference/layer.hpp"
 #include "contracts/saved.hpp"
 #include "moecert/layer.hpp"
@@ -21,7 +22,8 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
                          MatView<const bf16> x, MatView<const float> dy, const LayerSaved& saved,
                          const layer::Gradients& g, const layer::BackwardOptions& opt,
                          GradFiniteScan* grads_judge = nullptr,
-                         const BackwardProbe* probe = nullptr);
+                         const BackwardProbe* probe = nullptr,
+                         const RouterLinearProbe* linear_probe = nullptr);
 /// layer.backward's outputs in grad_finite's order: dx, the router
 /// linear's gradients, m_a, m_g, then the experts' weight gradients.
 std::vector<GradFiniteScan::Output> layer_grad_outputs(const MoeConfig& cfg,

@@ -1,6 +1,7 @@
 // Clauses of layer.router_linear: shapes, finite inputs, aliasing, finite
-// outputs and (full) every output within its sum's bound (proofs/layer.md §4,
-// proofs/bounds.md §1).
+// outputs, (audit) the probes of contracts/layer_router_linear_probe.cpp and
+// (full) every output within its sum's bound (proofs/layer.md §4,
+// proofs/bounds.md §1, §9.4).
 #include "contracts/layer_router_linear.hpp"
 
 #include <cmath>
@@ -69,6 +70,7 @@ std::vector<Tracked> router_logits_reference(MatView<const bf16> x, MatView<cons
 void router_linear_forward_post(detail::Checker& c, MatView<const bf16> x, MatView<const float> w,
                                 View<const float> b, MatView<const float> z) {
   MOECERT_CONTRACT(c, k::kRlOutFinite) { detail::scan_finite(c, k::kRlOutFinite, "z", z); }
+  MOECERT_CONTRACT(c, k::kRlProbe) { probe_router_logits(c, k::kRlProbe, x, w, b, z); }
   // Inputs exact (bf16 x, fp32 W_r, b), no overflow; z: fp32 sums of H + 1 terms,
   // bounds::dot via Tracked; proofs/bounds.md §1.
   MOECERT_CONTRACT(c, k::kRlWithin) {
@@ -119,7 +121,8 @@ std::vector<float> router_linear_dx_before(detail::Checker& c, MatView<const flo
 
 void router_linear_backward_post(detail::Checker& c, MatView<const bf16> x, MatView<const float> w,
                                  MatView<const float> dz, const layer::RouterLinearGrads& g,
-                                 const std::vector<float>& dx_before) {
+                                 const std::vector<float>& dx_before,
+                                 const RouterLinearProbe* probe) {
   const std::size_t T = x.rows, H = x.cols, R = w.rows;
   MOECERT_CONTRACT(c, k::kRlOutFinite) {
     (g.dx.empty() || detail::scan_finite(c, k::kRlOutFinite, "dx", MatView<const float>(g.dx))) &&
@@ -127,6 +130,9 @@ void router_linear_backward_post(detail::Checker& c, MatView<const bf16> x, MatV
                                                    MatView<const float>(g.router_w))) &&
         (g.router_b.empty() ||
          detail::scan_finite(c, k::kRlOutFinite, "router_b grad", row_of(g.router_b)));
+  }
+  MOECERT_CONTRACT(c, k::kRlProbe) {
+    if (probe) probe->report(c, k::kRlProbe);
   }
   // dz taken as exact; dW_r, db: fp32 sums over T, dx: the caller's value plus R
   // products; bounds::dot via Tracked for any summation order; proofs/layer.md §4.

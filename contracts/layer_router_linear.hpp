@@ -7,6 +7,7 @@
 
 #include "contracts/bounds/tracked.hpp"
 #include "contracts/engine.hpp"
+#include "contracts/layer_router_linear_probe.hpp"
 #include "moecert/layer.hpp"
 
 namespace moecert::contracts {
@@ -22,7 +23,8 @@ void router_linear_backward_pre(detail::Checker& c, MatView<const bf16> x, MatVi
 std::vector<float> router_linear_dx_before(detail::Checker& c, MatView<const float> dx);
 void router_linear_backward_post(detail::Checker& c, MatView<const bf16> x, MatView<const float> w,
                                  MatView<const float> dz, const layer::RouterLinearGrads& g,
-                                 const std::vector<float>& dx_before);
+                                 const std::vector<float>& dx_before,
+                                 const RouterLinearProbe* probe = nullptr);
 
 /// z = x W_r^T + b exactly (binary64, products of a bf16 and an fp32 exact)
 /// with each element's bound: an fp32 sum of H + 1 terms (proofs/bounds.md §1).

@@ -29,6 +29,10 @@ struct Probe {
   std::vector<float> r, br, babs;  // width signs; K entries each
 };
 
+/// A weight as binary64 (exact): bf16 or binary32.
+inline double weight_value(bf16 v) { return v.to_float(); }
+inline double weight_value(float v) { return v; }
+
 /// `width` signs +-1 drawn from `seed`.
 inline std::vector<float> probe_signs(std::size_t width, std::uint64_t seed) {
   std::vector<float> r(width);
@@ -38,7 +42,7 @@ inline std::vector<float> probe_signs(std::size_t width, std::uint64_t seed) {
 }
 
 /// The probe of W's columns [j0, j0 + width), signs drawn from `seed`;
-/// W read through b(j, k) -> bf16. Cost 2 width K.
+/// W read through b(j, k) -> bf16 or float. Cost 2 width K.
 template <class BAt>
 Probe make_probe(std::size_t k, BAt b, std::size_t j0, std::size_t width, std::uint64_t seed) {
   Probe p{j0, width, probe_signs(width, seed), std::vector<float>(k), std::vector<float>(k)};
@@ -50,7 +54,7 @@ Probe make_probe(std::size_t k, BAt b, std::size_t j0, std::size_t width, std::u
     for (std::size_t kk = 0; kk < k; ++kk) {
       double sum = 0, mag = 0;
       for (std::size_t j = c0; j < std::min(width, c0 + kCols); ++j) {
-        const double v = b(j0 + j, kk).to_float();
+        const double v = weight_value(b(j0 + j, kk));
         sum += v * p.r[j];
         mag += std::fabs(v);
       }

@@ -524,6 +524,19 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     auto v = test::expect_violation(post, "layer.forward.probe", Level::audit);
     CHECK(v.location.find(" down GEMM row 0 columns [0, ") != std::string::npos);
   }
+  SECTION("probe: the router linear") {
+    fwd(p, y);
+    // A router bias unlike the one the op ran with: every row of z is off.
+    p.b[1] += 1.0f;
+    auto v = test::expect_violation(
+        [&] {
+          detail::Checker c{"layer.forward"};
+          contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H},
+                                        layer::saved_view(saved));
+        },
+        "layer.forward.probe", Level::audit);
+    CHECK(v.location == "z row 0 columns [0, 8)");
+  }
 }
 
 TEST_CASE("layer: backward clauses", "[layer][contracts]") {
@@ -825,6 +838,42 @@ TEST_CASE("layer.router_linear: clauses", "[layer][router_linear][contracts]") {
         },
         "layer.router_linear.within_bound", Level::full);
     CHECK(v.location == "router_b grad[0, 1]");
+  }
+  SECTION("probe") {
+    const MatView<const float> w{p.wr.data(), p.R, p.H};
+    const View<const float> b{p.b.data(), p.R};
+    {
+      ContractScope s{Level::audit, Semantic::enforce};
+      CHECK_NOTHROW(fwd({z.data(), p.T, p.R}));
+      CHECK_NOTHROW(bwd(all));
+    }
+    auto judge_z = [&] {
+      detail::Checker c{"layer.router_linear.forward"};
+      contracts::router_linear_forward_post(c, p.X(), w, b, {z.data(), p.T, p.R});
+    };
+    // One logit a unit off, far outside its row's allowance (values O(1), H = 32).
+    z[2 * p.R + 3] += 1.0f;
+    auto v = test::expect_violation(judge_z, "layer.router_linear.probe", Level::audit);
+    CHECK(v.location == fmt::format("z row 2 columns [0, {})", p.R));
+    // The backward's three outputs, each a unit off in turn.
+    const std::vector<float> before = dx;
+    bwd(all);
+    auto judge_grads = [&](float& wrong, const char* clause_location) {
+      wrong += 1.0f;
+      auto judged = [&] {
+        contracts::RouterLinearProbe probe(w, {before.data(), p.T, p.H});
+        probe.judge(p.X(), {{dz.data(), p.T, p.R}, {}}, all);
+        detail::Checker c{"layer.router_linear.backward"};
+        contracts::router_linear_backward_post(c, p.X(), w, {dz.data(), p.T, p.R}, all, {},
+                                               &probe);
+      };
+      v = test::expect_violation(judged, "layer.router_linear.probe", Level::audit);
+      CHECK(v.location == clause_location);
+      wrong -= 1.0f;
+    };
+    judge_grads(dx[4 * p.H + 7], "dx row 4 columns [0, 32)");
+    judge_grads(dwr[5 * p.H + 9], "router_w grad column 9 rows [0, 8)");
+    judge_grads(db[6], "router_b grad[6]");
   }
 }
 

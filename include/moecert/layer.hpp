@@ -109,7 +109,8 @@ struct BackwardOptions {
 ///                                                  N are never stored)
 ///   layer.forward.y_finite      post  finite   every y element finite
 ///   layer.forward.probe         post  numeric  Freivalds probes of the expert GEMMs and their LoRA
-///                                              products, as experts.forward_train.probe (audit)
+///                                              products, as experts.forward_train.probe, and of z,
+///                                              as layer.router_linear.probe (audit)
 ///   layer.forward.within_bound  post  numeric  every y element within the chained bound (full)
 /// and the clauses of the router, experts.forward and workspace.* it runs.
 void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y,
@@ -141,7 +142,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              backward's unselected-gradient clause holds
 ///                                              (FIELD_NOTES 1, 5)
 ///   layer.backward.probe        post  numeric  the experts' dh and dx row GEMMs against their
-///                                              probes, as experts.backward.probe (audit)
+///                                              probes, as experts.backward.probe, and the router
+///                                              linear's dx, dW_r and db as layer.router_linear.probe
+///                                              (audit)
 ///   layer.backward.within_bound post  numeric  every gradient, and M_A, M_G, within its derived
 ///                                              bound of the reference backward (full)
 /// and the clauses of the router backward it runs (dL/dw outside the router's domain is its
@@ -174,6 +177,11 @@ struct RouterLinearGrads {
 ///   layer.router_linear.no_alias     pre   alias    the outputs share no byte with each other or
 ///                                                   any input
 ///   layer.router_linear.out_finite   post  finite   every output element finite
+///   layer.router_linear.probe        post  numeric  Freivalds probes of z, dx (the op's addition) and
+///                                                   dW_r: per product a dense one and a 4-column
+///                                                   block in rotation, weight sides from the W_r and
+///                                                   dz of the call; db within its sums' bound
+///                                                   (audit; proofs/bounds.md §9.4)
 ///   layer.router_linear.within_bound post  numeric  every output element within gamma_n sum|terms|
 ///                                                   of its exact value, n its terms (full)
 void router_linear_forward(MatView<const bf16> x, MatView<const float> w, View<const float> b,

@@ -12,6 +12,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer.hpp"
+#include "contracts/layer_router_linear_probe.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
 #include "ops/core/views.hpp"
@@ -114,12 +115,17 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   if (chk.stop()) return;
 
   // 4. Router path: dx += dz W_r, the router linear's gradients.
+  std::optional<contracts::RouterLinearProbe> linear_probe;
+  if (opt.router_path && chk.will_check(clauses::layer::kBwdProbe))
+    linear_probe.emplace(w.router_w, grads.dx);
   if (!grads.dx.empty() && opt.router_path) {
     if (judges.grads) judges.grads->reopen(grads.dx.data);  // dx is written again
     linear::router_dx(kernel, dz, w.router_w, grads.dx, judges.grads);
   }
   if (opt.router_path) {
     linear::router_linear_grads(kernel, dz, x, grads.router_w, grads.router_b);
+    if (linear_probe)
+      linear_probe->judge(x, linear::dz_planes(dz), {grads.dx, grads.router_w, grads.router_b});
   } else {
     if (!grads.router_w.empty()) detail::fill_zero(grads.router_w);
     if (!grads.router_b.empty())
@@ -127,7 +133,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   }
   arena.leave(chk);
   contracts::layer_backward_post(chk, cfg, w, x, dy, saved_view(saved), grads, opt, judges.grads,
-                                 judges.probe);
+                                 judges.probe, linear_probe ? &*linear_probe : nullptr);
 }
 
 }  // namespace moecert::layer

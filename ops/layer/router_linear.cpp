@@ -5,8 +5,10 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
+#include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer_router_linear.hpp"
 #include "moecert/isa.hpp"
@@ -66,6 +68,12 @@ void router_dx(const gemm::KernelInfo& kernel, const Dz& dz, MatView<const float
       }));
 }
 
+contracts::DzPlanes dz_planes(const Dz& dz) {
+  if (!dz.planes) return {{dz.data, dz.T, dz.R, dz.ld()}, {}};
+  const std::size_t half = dz.R / 2;
+  return {{dz.data, dz.T, half, half}, {dz.data + dz.T * half, dz.T, half, half}};
+}
+
 // dW_r[e] = sum_t dz(t, e) x_t: tasks (8 router outputs of one dz plane,
 // 128 columns), sums over t in order; db[e] = sum_t dz(t, e) in order.
 void router_linear_grads(const gemm::KernelInfo& kernel, const Dz& dz, MatView<const bf16> x,
@@ -116,11 +124,15 @@ void router_linear_backward(MatView<const bf16> x, MatView<const float> w, MatVi
   contracts::router_linear_backward_pre(chk, x, w, dz, grads);
   if (chk.stop()) return;
   const auto dx_before = contracts::router_linear_dx_before(chk, grads.dx);
+  std::optional<contracts::RouterLinearProbe> probe;
+  if (chk.will_check(clauses::layer::kRlProbe)) probe.emplace(w, grads.dx);
   const gemm::KernelInfo& kernel = gemm::kernel_info(isa.value_or(default_isa()));
   const linear::Dz d{dz.data, dz.rows, dz.cols, false, dz.stride};
   if (!grads.dx.empty()) linear::router_dx(kernel, d, w, grads.dx);
   linear::router_linear_grads(kernel, d, x, grads.router_w, grads.router_b);
-  contracts::router_linear_backward_post(chk, x, w, dz, grads, dx_before);
+  if (probe) probe->judge(x, linear::dz_planes(d), grads);
+  contracts::router_linear_backward_post(chk, x, w, dz, grads, dx_before,
+                                         probe ? &*probe : nullptr);
 }
 
 }  // namespace moecert::layer

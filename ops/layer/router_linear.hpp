@@ -10,7 +10,8 @@
 
 namespace moecert::contracts {
 class GradFiniteScan;
-}
+struct DzPlanes;
+}  // namespace moecert::contracts
 
 namespace moecert::layer::linear {
 
@@ -28,6 +29,9 @@ struct Dz {
     return e < half ? data[t * half + e] : data[T * half + t * half + e - half];
   }
 };
+
+/// dz as the contracts read it (the same memory).
+contracts::DzPlanes dz_planes(const Dz& dz);
 
 /// z = x W_r^T + b in fp32 (each element one fixed-order sum of H + 1 terms).
 void router_linear(const gemm::KernelInfo& kernel, MatView<const bf16> x, MatView<const float> wr,
