@@ -864,8 +864,7 @@ TEST_CASE("layer.router_linear: clauses", "[layer][router_linear][contracts]") {
         contracts::RouterLinearProbe probe(w, {before.data(), p.T, p.H});
         probe.judge(p.X(), {{dz.data(), p.T, p.R}, {}}, all);
         detail::Checker c{"layer.router_linear.backward"};
-        contracts::router_linear_backward_post(c, p.X(), w, {dz.data(), p.T, p.R}, all, {},
-                                               &probe);
+        contracts::router_linear_backward_post(c, p.X(), w, {dz.data(), p.T, p.R}, all, {}, &probe);
       };
       v = test::expect_violation(judged, "layer.router_linear.probe", Level::audit);
       CHECK(v.location == clause_location);
