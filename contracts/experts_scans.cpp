@@ -345,6 +345,17 @@ bool block_finite(const MatView<const float>& v, std::size_t r0, std::size_t r1,
   return true;
 }
 
+// Block [r0, r1) x [c0, c1) of v judged: its first offender, row-major, into `first`.
+void judge_block(const MatView<const float>& v, std::size_t r0, std::size_t r1, std::size_t c0,
+                 std::size_t c1, std::atomic<std::size_t>& first) {
+  if (block_finite(v, r0, r1, c0, c1)) return;
+  std::size_t flat = SIZE_MAX;
+  for (std::size_t i = r0; i < r1 && flat == SIZE_MAX; ++i)
+    for (std::size_t j = c0; j < c1 && flat == SIZE_MAX; ++j)
+      if (!detail::finite_bits(v(i, j))) flat = i * v.cols + j;
+  keep_least(first, flat);
+}
+
 }  // namespace
 
 void GradFiniteScan::written(const float* m, std::size_t r0, std::size_t r1, std::size_t c0,
@@ -353,17 +364,30 @@ void GradFiniteScan::written(const float* m, std::size_t r0, std::size_t r1, std
   for (std::size_t o = 0; o < outs_.size(); ++o) {
     const MatView<const float>& v = outs_[o].m;
     if (v.data != m || v.empty()) continue;
-    State& st = state_[o];
-    if (!block_finite(v, r0, r1, c0, c1)) {
-      std::size_t flat = SIZE_MAX;  // the block's first offender, row-major
-      for (std::size_t i = r0; i < r1 && flat == SIZE_MAX; ++i)
-        for (std::size_t j = c0; j < c1 && flat == SIZE_MAX; ++j)
-          if (!detail::finite_bits(v(i, j))) flat = i * v.cols + j;
-      keep_least(st.first, flat);
-    }
-    st.handed += (r1 - r0) * (c1 - c0);
+    judge_block(v, r0, r1, c0, c1, state_[o].first);
+    state_[o].handed += (r1 - r0) * (c1 - c0);
     break;
   }
+}
+
+GradFiniteScan::Task::Task(GradFiniteScan* scan, const float* m) {
+  if (!scan) return;
+  for (std::size_t o = 0; o < scan->outs_.size(); ++o)
+    if (scan->outs_[o].m.data == m && !scan->outs_[o].m.empty()) {
+      scan_ = scan, out_ = o;
+      return;
+    }
+}
+
+GradFiniteScan::Task::~Task() {
+  if (scan_) scan_->state_[out_].handed += handed_;
+}
+
+void GradFiniteScan::Task::add(std::size_t r0, std::size_t r1, std::size_t c0, std::size_t c1) {
+  if (!scan_) return;
+  const detail::SampledTimer timer(scan_->ns_);
+  judge_block(scan_->outs_[out_].m, r0, r1, c0, c1, scan_->state_[out_].first);
+  handed_ += (r1 - r0) * (c1 - c0);
 }
 
 void GradFiniteScan::reopen(const float* m) {

@@ -209,6 +209,21 @@ class GradFiniteScan {
   /// Rows [r0, r1) x columns [c0, c1) of the output at m.data (thread-safe;
   /// not an output: ignored).
   void written(const float* m, std::size_t r0, std::size_t r1, std::size_t c0, std::size_t c1);
+  /// The blocks of one output that one task writes, each judged as it is
+  /// finished (in cache; e.g. a GEMM's block_done), their count handed over
+  /// once when the Task ends: one atomic addition per task, not per block.
+  class Task {
+   public:
+    Task(GradFiniteScan* scan, const float* m);  // null scan, or m not an output: nothing
+    ~Task();
+    Task(const Task&) = delete;
+    Task& operator=(const Task&) = delete;
+    void add(std::size_t r0, std::size_t r1, std::size_t c0, std::size_t c1);
+
+   private:
+    GradFiniteScan* scan_ = nullptr;
+    std::size_t out_ = 0, handed_ = 0;
+  };
   void reopen(const float* m);
   void report(detail::Checker& c, const ClauseInfo& clause);
 

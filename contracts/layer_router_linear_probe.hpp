@@ -55,10 +55,10 @@ class RouterLinearProbe {
   // Keeps the first failure (verdicts in row order) with its location.
   void keep(const std::vector<verify::RowProbe>& v, const Probes& p, const char* what);
 
-  MatView<const float> w_;
   std::uint64_t call_;
   Probes dx_probes_;
-  std::vector<double> before_;  // per dx row: dense sum, magnitude, narrow sum, magnitude
+  // Per probe (dense, narrow): each dx row's sum as it was, then its magnitude.
+  std::array<std::vector<double>, 2> before_;
   verify::ProbeResult result_;
   std::string failure_;
 };

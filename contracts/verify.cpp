@@ -200,6 +200,113 @@ void add_signed_rows(const bf16* x, std::size_t ld, std::size_t rows, std::size_
     }
 }
 
+// As the bf16 form: eight columns in binary64 lanes, rows in order.
+MOECERT_PROBE_CLONES
+void add_signed_rows(const float* x, std::size_t ld, std::size_t rows, std::size_t n,
+                     const float* signs, double* sum, double* mag) {
+  using V8f = float __attribute__((vector_size(32)));
+  std::size_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    V8d s, m;
+    std::memcpy(&s, sum + k, sizeof s);
+    std::memcpy(&m, mag + k, sizeof m);
+    for (std::size_t j = 0; j < rows; ++j) {
+      V8f f;
+      std::memcpy(&f, x + j * ld + k, sizeof f);
+      const V8d v = __builtin_convertvector(f, V8d);
+      s += static_cast<double>(signs[j]) * v;
+      add_abs(m, v);
+    }
+    std::memcpy(sum + k, &s, sizeof s);
+    std::memcpy(mag + k, &m, sizeof m);
+  }
+  for (; k < n; ++k)
+    for (std::size_t j = 0; j < rows; ++j) {
+      const double v = x[j * ld + k];
+      sum[k] += static_cast<double>(signs[j]) * v;
+      mag[k] += std::fabs(v);
+    }
+}
+
+// Per row: eight binary64 lanes over the columns (lane l: columns l, l + 8,
+// ... in order), the tail into lane 0, the lanes added in order.
+MOECERT_PROBE_CLONES
+void signed_row_sums(const float* x, std::size_t ld, std::size_t rows, std::size_t n,
+                     const float* signs, double* sum, double* mag) {
+  using V8f = float __attribute__((vector_size(32)));
+  for (std::size_t i = 0; i < rows; ++i) {
+    const float* p = x + i * ld;
+    V8d s = {}, m = {};
+    std::size_t q = 0;
+    for (; q + 8 <= n; q += 8) {
+      V8f f, r;
+      std::memcpy(&f, p + q, sizeof f);
+      std::memcpy(&r, signs + q, sizeof r);
+      const V8d v = __builtin_convertvector(f, V8d);
+      s += __builtin_convertvector(r, V8d) * v;
+      add_abs(m, v);
+    }
+    for (; q < n; ++q) {
+      s[0] += static_cast<double>(signs[q]) * p[q];
+      m[0] += std::fabs(static_cast<double>(p[q]));
+    }
+    double a = 0, b = 0;
+    for (int l = 0; l < 8; ++l) a += s[l], b += m[l];
+    sum[i] = a, mag[i] = b;
+  }
+}
+
+MOECERT_PROBE_CLONES
+void column_sides(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
+                  const float* const y[2], const float* const z[2], double* const side[2]) {
+  using V16h = std::uint16_t __attribute__((vector_size(32)));
+  using V16u = std::uint32_t __attribute__((vector_size(64)));
+  std::size_t i = 0;
+  for (; i + kProbeLanes <= n; i += kProbeLanes) {
+    V16d d0 = {}, m0 = {}, d1 = {}, m1 = {};
+    for (std::size_t t0 = 0; t0 < rows; t0 += kProbeSteps) {
+      V16f fd0 = {}, fm0 = {}, fd1 = {}, fm1 = {};
+      for (std::size_t t = t0; t < std::min(rows, t0 + kProbeSteps); ++t) {
+        V16h h;
+        std::memcpy(&h, x + t * ld + i, sizeof h);
+        const V16u u = __builtin_convertvector(h, V16u) << 16;
+        const V16f v = reinterpret_cast<V16f>(u), a = reinterpret_cast<V16f>(u & 0x7fffffff);
+        fd0 += v * y[0][t], fm0 += a * z[0][t];
+        fd1 += v * y[1][t], fm1 += a * z[1][t];
+      }
+      d0 += __builtin_convertvector(fd0, V16d), m0 += __builtin_convertvector(fm0, V16d);
+      d1 += __builtin_convertvector(fd1, V16d), m1 += __builtin_convertvector(fm1, V16d);
+    }
+    for (std::size_t l = 0; l < kProbeLanes; ++l) {
+      side[0][i + l] = d0[l], side[0][n + i + l] = m0[l];
+      side[1][i + l] = d1[l], side[1][n + i + l] = m1[l];
+    }
+  }
+  for (; i < n; ++i)  // the last n % 16 columns: the same sums, one column at a time
+    for (std::size_t p = 0; p < 2; ++p) {
+      double d = 0, m = 0;
+      for (std::size_t t0 = 0; t0 < rows; t0 += kProbeSteps) {
+        float fd = 0, fm = 0;
+        for (std::size_t t = t0; t < std::min(rows, t0 + kProbeSteps); ++t) {
+          const float v = x[t * ld + i].to_float();
+          fd += v * y[p][t], fm += std::fabs(v) * z[p][t];
+        }
+        d += fd, m += fm;
+      }
+      side[p][i] = d, side[p][n + i] = m;
+    }
+  for (std::size_t p = 0; p < 2; ++p)
+    for (i = 0; i < n; ++i) {
+      if (std::isfinite(side[p][i]) && std::isfinite(side[p][n + i])) continue;
+      double d = 0, m = 0;  // a sum left binary32's range: binary64
+      for (std::size_t t = 0; t < rows; ++t) {
+        const double v = x[t * ld + i].to_float();
+        d += v * y[p][t], m += std::fabs(v) * z[p][t];
+      }
+      side[p][i] = d, side[p][n + i] = m;
+    }
+}
+
 // Eight rows at a time in binary64 lanes, each lane's terms in column
 // order from zero; the last rows % 8 rows in scalar code, in the same order.
 MOECERT_PROBE_CLONES

@@ -129,6 +129,20 @@ void pair_sides(const bf16* x, std::size_t ld, std::size_t k, std::size_t width,
 // sum = sum_k r_k x[k] and mag = sum_k |x[k]| over k < n (r_k = +-1), in
 // 8 binary64 lanes added in order.
 void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, double& mag);
+// add_signed_rows and signed_row_sums from binary32 rows (exact in binary64;
+// the router linear's W_r and dW_r).
+void add_signed_rows(const float* x, std::size_t ld, std::size_t rows, std::size_t n,
+                     const float* signs, double* sum, double* mag);
+void signed_row_sums(const float* x, std::size_t ld, std::size_t rows, std::size_t n,
+                     const float* signs, double* sum, double* mag);
+// Two probes' row sides where A = X^T (X [rows x n] bf16 at row stride ld,
+// so A's row i is X's column i), in one pass: for p < 2 and i < n,
+// side[p][i] = sum_t X[t][i] y[p][t] and side[p][n + i] = sum_t |X[t][i]|
+// z[p][t], as lane_sums forms a row's (§9.1): binary32 products summed over
+// up to 8 rows t in binary32, those sums added in binary64, t in order; a
+// column whose sums leave binary32's range formed again in binary64.
+void column_sides(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
+                  const float* const y[2], const float* const z[2], double* const side[2]);
 }  // namespace detail
 
 /// A row's side of a probe (§9.1): sum a_k (W^T r)_k, sum |a_k| (|W|^T |r|)_k

@@ -798,6 +798,22 @@ TEST_CASE("contracts: GradFiniteScan judges handed blocks and scans the rest",
         }) == "a[2, 4]");
   // Rows 0..2 never handed: a is scanned in a pass of its own.
   CHECK(first([&](contracts::GradFiniteScan& s) { s.written(a.data(), 3, 6, 0, 5); }) == "a[2, 4]");
+  // Blocks handed by tasks, each task's count once it ends; a pointer that
+  // is no output is ignored.
+  CHECK(first([&](contracts::GradFiniteScan& s) {
+          {
+            contracts::GradFiniteScan::Task t(&s, a.data());
+            t.add(3, 6, 0, 5);
+            t.add(0, 3, 3, 5);
+          }
+          contracts::GradFiniteScan::Task t(&s, a.data()), none(&s, b.data() + 1);
+          t.add(0, 3, 0, 3);
+          none.add(0, 1, 0, 1);
+        }) == "a[2, 4]");
+  CHECK(first([&](contracts::GradFiniteScan& s) {
+          contracts::GradFiniteScan::Task t(&s, a.data());
+          t.add(4, 5, 0, 5);
+        }) == "a[2, 4]");
   // Handed, then written again: reopen() forgets the first hand-over.
   a[2 * 5 + 4] = 1.0f, a[4 * 5 + 1] = 1.0f;
   a[0] = NAN;

@@ -254,6 +254,72 @@ TEST_CASE("verify: weight sides by rows are the row-by-row binary64 loops, bit f
   }
 }
 
+TEST_CASE("verify: the router linear's sides from binary32 rows and from x's columns",
+          "[verify][numeric]") {
+  std::mt19937_64 rng(41);
+  std::normal_distribution<float> nd;
+  for (int t = 0; t < 100; ++t) {
+    const std::size_t rows = 1 + rng() % 30, n = 1 + rng() % 50, ld = n + rng() % 5;
+    std::vector<float> w(rows * ld), signs(std::max(rows, n));
+    for (auto& v : w) v = std::ldexp(nd(rng), int(rng() % 40) - 20);
+    for (auto& s : signs) s = (rng() & 1) ? 1.0f : -1.0f;
+    INFO("rows " << rows << " n " << n << " ld " << ld);
+    // add_signed_rows (binary32 rows): the row-by-row binary64 loop, bit for bit.
+    std::vector<double> sum(n, 0.5), mag(n, 0.5), want_sum(n, 0.5), want_mag(n, 0.5);
+    for (std::size_t j = 0; j < rows; ++j)
+      for (std::size_t k = 0; k < n; ++k)
+        want_sum[k] += double(signs[j]) * w[j * ld + k], want_mag[k] += std::fabs(w[j * ld + k]);
+    verify::detail::add_signed_rows(w.data(), ld, rows, n, signs.data(), sum.data(), mag.data());
+    CHECK(std::memcmp(sum.data(), want_sum.data(), n * sizeof(double)) == 0);
+    CHECK(std::memcmp(mag.data(), want_mag.data(), n * sizeof(double)) == 0);
+    // signed_row_sums (binary32 rows): binary64 sums of exact terms, within
+    // gamma^(64)_n of the exact ones (double-double reference).
+    std::vector<double> rs(rows), rm(rows);
+    verify::detail::signed_row_sums(w.data(), ld, rows, n, signs.data(), rs.data(), rm.data());
+    for (std::size_t i = 0; i < rows; ++i) {
+      ref::DoubleDouble s{}, m{};
+      for (std::size_t q = 0; q < n; ++q)
+        s += ref::DoubleDouble(double(signs[q]) * w[i * ld + q]),
+            m += ref::DoubleDouble(std::fabs(double(w[i * ld + q])));
+      const double tol = bounds::gamma(double(n), bounds::kU64) * ref::to_double(m);
+      CHECK(std::fabs(rs[i] - ref::to_double(s)) <= tol);
+      CHECK(std::fabs(rm[i] - ref::to_double(m)) <= tol);
+    }
+  }
+  // column_sides: each column's two sums within gamma_8 (binary32 steps of
+  // up to 8 rows) plus gamma^(64) of the exact ones; a column whose binary32
+  // sums overflow is formed in binary64 (finite, and within the same bound).
+  for (int t = 0; t < 100; ++t) {
+    const std::size_t rows = 1 + rng() % 40, n = 1 + rng() % 50, ld = n + rng() % 5;
+    std::vector<bf16> x(rows * ld);
+    for (auto& v : x) v = bf16(nd(rng));
+    std::vector<float> y[2], z[2];
+    for (int p = 0; p < 2; ++p) {
+      y[p].resize(rows), z[p].resize(rows);
+      for (std::size_t i = 0; i < rows; ++i)
+        y[p][i] = nd(rng), z[p][i] = std::fabs(y[p][i]) + std::fabs(nd(rng));
+    }
+    if (t % 4 == 0) y[1][0] = 3e38f, z[1][0] = 3e38f, x[0] = bf16(4.0f);  // column 0 overflows
+    std::vector<double> s0(2 * n), s1(2 * n);
+    const float* const yy[2] = {y[0].data(), y[1].data()};
+    const float* const zz[2] = {z[0].data(), z[1].data()};
+    double* const side[2] = {s0.data(), s1.data()};
+    verify::detail::column_sides(x.data(), ld, rows, n, yy, zz, side);
+    INFO("rows " << rows << " n " << n);
+    for (int p = 0; p < 2; ++p)
+      for (std::size_t i = 0; i < n; ++i) {
+        double d = 0, m = 0, mm = 0;
+        for (std::size_t r = 0; r < rows; ++r) {
+          const double v = x[r * ld + i].to_float();
+          d += v * y[p][r], m += std::fabs(v) * z[p][r], mm += std::fabs(v * y[p][r]);
+        }
+        const double g = bounds::gamma(8) + bounds::gamma(double(rows) + 2, bounds::kU64);
+        CHECK(std::isfinite(side[p][i]));
+        CHECK(std::fabs(side[p][i] - d) <= g * mm);
+        CHECK(std::fabs(side[p][n + i] - m) <= g * m);
+      }
+  }
+}
 TEST_CASE("verify: load_bf16 reads runs at their stride and flags a denormal", "[verify]") {
   // Three runs of 4 values 10 apart (the tile layout's shape), the last run short.
   std::vector<bf16> p(30, bf16(7.0f));

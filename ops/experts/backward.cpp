@@ -377,6 +377,7 @@ void lora_gate_up_grads(const Ctx& c, MatView<const bf16> x, const bf16* dgu, co
 // dW_d[e] = bf16(w dy)^T Hr ([H x I]; Hr: the saved h rows). The left
 // factor, transposed, is the A operand; the right one, transposed, is
 // packed like weights. Tasks (expert, matrix); one writer per element.
+// Each finished block goes to grad_finite's judge while in cache.
 void base_grads(const Ctx& c, MatView<const bf16> x, MatView<const float> dy, const bf16* dgu,
                 const Gradients& g) {
   const ForwardState& st = c.s.st;
@@ -387,9 +388,11 @@ void base_grads(const Ctx& c, MatView<const bf16> x, MatView<const float> dy, co
         const MatView<float> out = which == 0 ? g.w_gate : which == 1 ? g.w_up : g.w_down;
         if (out.empty()) return;
         const std::size_t M = which < 2 ? c.I : c.H, N = which < 2 ? c.H : c.I;
+        contracts::GradFiniteScan::Task judged(c.judges.grads, out.data);
         if (m == 0) {  // an idle expert: exactly 0
           for (std::size_t i = 0; i < M; ++i)
             std::fill(out.row(e * M + i), out.row(e * M + i) + N, 0.0f);
+          judged.add(e * M, e * M + M, 0, N);
           return;
         }
         std::vector<bf16> left(M * m), right(N * m);  // [M x m], [N x m]
@@ -412,7 +415,13 @@ void base_grads(const Ctx& c, MatView<const bf16> x, MatView<const float> dy, co
         std::vector<bf16> ap(gemm::a_size(c.layout, mp, wpk.kp()));
         gemm::pack_a(c.layout, MatView<const bf16>(left.data(), M, m), nullptr, M, mp, wpk.kp(),
                      ap.data());
-        gemm::gemm_block(c.kernel, ap.data(), M, wpk, 0, wpk.np(), N, out.row(e * M), out.stride);
+        const auto judge = [&](std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1) {
+          judged.add(e * M + i0, e * M + i1, j0, j1);
+        };
+        gemm::BlockOptions opt;
+        if (c.judges.grads) opt.block_done = judge;
+        gemm::gemm_block(c.kernel, ap.data(), M, wpk, 0, wpk.np(), N, out.row(e * M), out.stride,
+                         opt);
       }));
 }
 
