@@ -165,6 +165,19 @@ bool scan(Checker& c, const ClauseInfo& clause, std::string_view name, MatView<c
   return false;
 }
 
+/// A function compiled for AVX-512, AVX2 and baseline x86-64, one chosen at
+/// load time (g++ without sanitizers; elsewhere the baseline only).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
+#define MOECERT_CLONES [[gnu::target_clones("avx512f", "avx2", "default")]]
+#else
+#define MOECERT_CLONES
+#endif
+
+/// Whether rows [0, rows) x columns [0, cols) of the matrix at p (row stride
+/// ld) are all finite (contracts/experts_scans.cpp; MOECERT_CLONES).
+bool rows_finite(const float* p, std::size_t ld, std::size_t rows, std::size_t cols);
+
 /// Whether v is finite, from its bits (vectorizes; no floating compare).
 constexpr bool finite_bits(float v) {
   return (std::bit_cast<std::uint32_t>(v) & 0x7f800000u) != 0x7f800000u;

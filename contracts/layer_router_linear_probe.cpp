@@ -22,8 +22,9 @@ namespace {
 constexpr std::size_t kNarrow = 4;
 constexpr std::uint64_t kDenseSeed = 0x726c'6465'6e73'65ULL, kNarrowSeed = 0x726c'6e61'7200ULL;
 
-// Calls so far, per direction: call c probes narrow block c mod ceil(N / 4).
-std::atomic<std::uint64_t> forward_calls{0}, backward_calls{0};
+// Calls so far, per direction: call c probes narrow block c mod ceil(N / 4);
+// and layer.backward's calls.
+std::atomic<std::uint64_t> forward_calls{0}, backward_calls{0}, layer_backward_calls{0};
 
 // body(i0, i1) over [0, n) in blocks of `grain`, in parallel.
 template <class F>
@@ -252,6 +253,8 @@ void RouterLinearProbe::judge(MatView<const bf16> x, const DzPlanes& dz,
   if (!g.router_w.empty()) judge_dw(x, dz, MatView<const float>(g.router_w));
   if (!g.router_b.empty()) judge_db(dz, {g.router_b.data, g.router_b.size});
 }
+
+bool RouterLinearProbe::due_in_layer() { return layer_backward_calls++ % kLayerEvery == 0; }
 
 void RouterLinearProbe::report(detail::Checker& c, const ClauseInfo& clause) const {
   if (!result_.pass) fail_probe(c, clause, failure_, result_);

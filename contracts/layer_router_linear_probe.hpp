@@ -46,6 +46,10 @@ class RouterLinearProbe {
   void judge(MatView<const bf16> x, const DzPlanes& dz, const layer::RouterLinearGrads& g);
   /// Fails `clause` at the first failure: dx's rows, dW_r's columns, db.
   void report(detail::Checker& c, const ClauseInfo& clause) const;
+  /// Whether this call of layer.backward probes its router linear: one call
+  /// in kLayerEvery, process-wide (proofs/bounds.md §9.4).
+  static constexpr std::uint64_t kLayerEvery = 4;
+  static bool due_in_layer();
 
  private:
   using Probes = std::array<verify::Probe, 2>;  // dense, narrow

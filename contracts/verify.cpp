@@ -9,14 +9,9 @@
 #include <algorithm>
 #include <cstring>
 
-namespace moecert::verify {
+#include "contracts/checks.hpp"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__)
-#define MOECERT_PROBE_CLONES [[gnu::target_clones("avx512f", "avx2", "default")]]
-#else
-#define MOECERT_PROBE_CLONES
-#endif
+namespace moecert::verify {
 
 namespace detail {
 namespace {
@@ -75,13 +70,13 @@ static_assert(kProbeLanes == 16);
 
 }  // namespace
 
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void dot_and_magnitude(const float* a, const float* x, const float* y, std::size_t n, double& dot,
                        double& mag) {
   lane_sums(a, x, y, n, dot, mag);
 }
 
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, double& sum,
                               double& mag) {
   lane_sums(c, r, nullptr, n, sum, mag);
@@ -91,7 +86,7 @@ void signed_sum_and_magnitude(const float* c, const float* r, std::size_t n, dou
 // + w into lane l for w = 8, 4, 2, 1, the sums in lanes 0-7 and the
 // magnitudes in lanes 8-15 of one vector (one shuffle and add per level for
 // both). The binary64 fallback sums the columns in order.
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* r, double* out,
                 bool add) {
   static_assert(kBlockColumns == 2 * kProbeLanes);
@@ -124,7 +119,7 @@ void block_sums(const float* c, std::size_t ldc, std::size_t rows, const float* 
   }
 }
 
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void row_digests(const float* c, std::size_t ldc, std::size_t rows, std::size_t cols,
                  std::uint32_t* out, std::size_t out_stride, bool add) {
   using V16u = std::uint32_t __attribute__((vector_size(64)));
@@ -175,7 +170,7 @@ using V8l = std::int64_t __attribute__((vector_size(64)));
 // Eight columns k at a time in binary64 lanes, the rows j in order within
 // each lane (the order of a row-by-row loop); the last n % 8 columns in
 // scalar code, in the same order.
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void add_signed_rows(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
                      const float* signs, double* sum, double* mag) {
   std::size_t k = 0;
@@ -201,7 +196,7 @@ void add_signed_rows(const bf16* x, std::size_t ld, std::size_t rows, std::size_
 }
 
 // As the bf16 form: eight columns in binary64 lanes, rows in order.
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void add_signed_rows(const float* x, std::size_t ld, std::size_t rows, std::size_t n,
                      const float* signs, double* sum, double* mag) {
   using V8f = float __attribute__((vector_size(32)));
@@ -230,7 +225,7 @@ void add_signed_rows(const float* x, std::size_t ld, std::size_t rows, std::size
 
 // Per row: eight binary64 lanes over the columns (lane l: columns l, l + 8,
 // ... in order), the tail into lane 0, the lanes added in order.
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void signed_row_sums(const float* x, std::size_t ld, std::size_t rows, std::size_t n,
                      const float* signs, double* sum, double* mag) {
   using V8f = float __attribute__((vector_size(32)));
@@ -256,7 +251,7 @@ void signed_row_sums(const float* x, std::size_t ld, std::size_t rows, std::size
   }
 }
 
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void column_sides(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
                   const float* const y[2], const float* const z[2], double* const side[2]) {
   using V16h = std::uint16_t __attribute__((vector_size(32)));
@@ -309,7 +304,7 @@ void column_sides(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n
 
 // Eight rows at a time in binary64 lanes, each lane's terms in column
 // order from zero; the last rows % 8 rows in scalar code, in the same order.
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void signed_row_sums(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
                      const float* signs, double* sum, double* mag) {
   std::size_t i = 0;
@@ -337,7 +332,7 @@ void signed_row_sums(const bf16* x, std::size_t ld, std::size_t rows, std::size_
   }
 }
 
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, double& mag) {
   constexpr std::size_t kL = 8;
   double s[kL] = {}, m[kL] = {};
@@ -361,7 +356,7 @@ void signed_sums(const bf16* x, const float* r, std::size_t n, double& sum, doub
 // times the signs, then each k's four terms added to zero in column order
 // (+0 first, so that a sum of zeros is +0 as in the scalar loop); other
 // widths and an odd K's last k in scalar code, in the same order.
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 void pair_sides(const bf16* x, std::size_t ld, std::size_t k, std::size_t width, const float* r,
                 float* br, float* babs) {
   using V2d = double __attribute__((vector_size(16)));
@@ -396,7 +391,7 @@ void pair_sides(const bf16* x, std::size_t ld, std::size_t k, std::size_t width,
 
 }  // namespace detail
 
-MOECERT_PROBE_CLONES
+MOECERT_CLONES
 bool load_bf16(const bf16* p, std::size_t n, std::size_t run, std::size_t stride, float* row) {
   std::uint16_t denormal = 0;
   for (std::size_t k0 = 0; k0 < n; k0 += run, p += stride) {

@@ -116,7 +116,8 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
 
   // 4. Router path: dx += dz W_r, the router linear's gradients.
   std::optional<contracts::RouterLinearProbe> linear_probe;
-  if (opt.router_path && chk.will_check(clauses::layer::kBwdProbe))
+  if (opt.router_path && chk.will_check(clauses::layer::kBwdProbe) &&
+      contracts::RouterLinearProbe::due_in_layer())
     linear_probe.emplace(w.router_w, grads.dx);
   if (!grads.dx.empty() && opt.router_path) {
     if (judges.grads) judges.grads->reopen(grads.dx.data);  // dx is written again
