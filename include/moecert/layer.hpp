@@ -142,9 +142,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              backward's unselected-gradient clause holds
 ///                                              (FIELD_NOTES 1, 5)
 ///   layer.backward.probe        post  numeric  the experts' dh and dx row GEMMs against their
-///                                              probes, as experts.backward.probe, and the router
-///                                              linear's dx, dW_r and db as layer.router_linear.probe
-///                                              (audit)
+///                                              probes, as experts.backward.probe, and on one call in
+///                                              four the router linear's dx, dW_r and db as
+///                                              layer.router_linear.probe (audit)
 ///   layer.backward.within_bound post  numeric  every gradient, and M_A, M_G, within its derived
 ///                                              bound of the reference backward (full)
 /// and the clauses of the router backward it runs (dL/dw outside the router's domain is its
