@@ -172,7 +172,7 @@ void RouterLinearProbe::keep(const std::vector<verify::RowProbe>& v, const Probe
   if (!(r.max_ratio <= result_.max_ratio)) result_.max_ratio = r.max_ratio;
   if (r.pass) return;
   const double ratio = result_.max_ratio;
-  result_ = r, result_.max_ratio = ratio;
+  result_ = r, result_.max_ratio = ratio, result_.probe = nullptr;  // p does not outlive the call
   failure_ = fmt::format(fmt::runtime(what), r.row, r.j0, r.j0 + r.width);
 }
 
