@@ -160,19 +160,26 @@ using V8l = std::int64_t __attribute__((vector_size(64)));
   v = __builtin_convertvector(reinterpret_cast<V8f>(u), V8d);
 }
 
+// 8 binary32 values at p as binary64 (exact), into v.
+[[gnu::always_inline]] inline void load8(const float* p, V8d& v) {
+  using V8f = float __attribute__((vector_size(32)));
+  V8f f;
+  std::memcpy(&f, p, sizeof f);
+  v = __builtin_convertvector(f, V8d);
+}
+
 // m += |v|, lane-wise.
 [[gnu::always_inline]] inline void add_abs(V8d& m, const V8d& v) {
   m += reinterpret_cast<V8d>(reinterpret_cast<V8l>(v) & 0x7fffffffffffffff);
 }
 
-}  // namespace
-
 // Eight columns k at a time in binary64 lanes, the rows j in order within
 // each lane (the order of a row-by-row loop); the last n % 8 columns in
-// scalar code, in the same order.
-MOECERT_CLONES
-void add_signed_rows(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
-                     const float* signs, double* sum, double* mag) {
+// scalar code, in the same order. Inlined into each clone.
+template <class T>
+[[gnu::always_inline]] inline void add_signed_rows_of(const T* x, std::size_t ld, std::size_t rows,
+                                                      std::size_t n, const float* signs,
+                                                      double* sum, double* mag) {
   std::size_t k = 0;
   for (; k + 8 <= n; k += 8) {
     V8d s, m;
@@ -189,38 +196,24 @@ void add_signed_rows(const bf16* x, std::size_t ld, std::size_t rows, std::size_
   }
   for (; k < n; ++k)
     for (std::size_t j = 0; j < rows; ++j) {
-      const double v = x[j * ld + k].to_float();
+      const double v = verify::weight_value(x[j * ld + k]);
       sum[k] += static_cast<double>(signs[j]) * v;
       mag[k] += std::fabs(v);
     }
 }
 
-// As the bf16 form: eight columns in binary64 lanes, rows in order.
+}  // namespace
+
+MOECERT_CLONES
+void add_signed_rows(const bf16* x, std::size_t ld, std::size_t rows, std::size_t n,
+                     const float* signs, double* sum, double* mag) {
+  add_signed_rows_of(x, ld, rows, n, signs, sum, mag);
+}
+
 MOECERT_CLONES
 void add_signed_rows(const float* x, std::size_t ld, std::size_t rows, std::size_t n,
                      const float* signs, double* sum, double* mag) {
-  using V8f = float __attribute__((vector_size(32)));
-  std::size_t k = 0;
-  for (; k + 8 <= n; k += 8) {
-    V8d s, m;
-    std::memcpy(&s, sum + k, sizeof s);
-    std::memcpy(&m, mag + k, sizeof m);
-    for (std::size_t j = 0; j < rows; ++j) {
-      V8f f;
-      std::memcpy(&f, x + j * ld + k, sizeof f);
-      const V8d v = __builtin_convertvector(f, V8d);
-      s += static_cast<double>(signs[j]) * v;
-      add_abs(m, v);
-    }
-    std::memcpy(sum + k, &s, sizeof s);
-    std::memcpy(mag + k, &m, sizeof m);
-  }
-  for (; k < n; ++k)
-    for (std::size_t j = 0; j < rows; ++j) {
-      const double v = x[j * ld + k];
-      sum[k] += static_cast<double>(signs[j]) * v;
-      mag[k] += std::fabs(v);
-    }
+  add_signed_rows_of(x, ld, rows, n, signs, sum, mag);
 }
 
 // Per row: eight binary64 lanes over the columns (lane l: columns l, l + 8,
