@@ -427,6 +427,12 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
   auto fwd = [&](const Problem& q, std::vector<float>& out) {
     layer::forward(q.cfg, q.weights(), q.X(), {out.data(), q.T, q.H}, saved);
   };
+  // The forward's postconditions on y and saved as they stand.
+  auto post = [&] {
+    detail::Checker c{"layer.forward"};
+    contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H},
+                                  layer::saved_view(saved));
+  };
   SECTION("shape") {
     Problem& q = p;
     q.cfg.hidden = 31;
@@ -496,22 +502,11 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     const auto ref = contracts::layer_bounds(p.cfg, p.weights(), p.X(), nullptr,
                                              layer::saved_view(saved), {}, nullptr);
     y[3 * p.H + 1] = static_cast<float>(ref.y[3 * p.H + 1].v + 2 * ref.y[3 * p.H + 1].e);
-    auto v = test::expect_violation(
-        [&] {
-          detail::Checker c{"layer.forward"};
-          contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H},
-                                        layer::saved_view(saved));
-        },
-        "layer.forward.within_bound", Level::full);
+    auto v = test::expect_violation(post, "layer.forward.within_bound", Level::full);
     CHECK(v.location == "y[3, 1]");
   }
   SECTION("probe") {
     fwd(p, y);
-    auto post = [&] {
-      detail::Checker c{"layer.forward"};
-      contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H},
-                                    layer::saved_view(saved));
-    };
     {
       ContractScope s{Level::audit, Semantic::enforce};
       CHECK_NOTHROW(post());
@@ -528,13 +523,7 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     fwd(p, y);
     // A router bias unlike the one the op ran with: every row of z is off.
     p.b[1] += 1.0f;
-    auto v = test::expect_violation(
-        [&] {
-          detail::Checker c{"layer.forward"};
-          contracts::layer_forward_post(c, p.cfg, p.weights(), p.X(), {y.data(), p.T, p.H},
-                                        layer::saved_view(saved));
-        },
-        "layer.forward.probe", Level::audit);
+    auto v = test::expect_violation(post, "layer.forward.probe", Level::audit);
     CHECK(v.location == "z row 0 columns [0, 8)");
   }
 }
