@@ -157,6 +157,8 @@ def test_layer_arguments_checked_after_a_good_call(rng):
     with pytest.raises(moecert.InvalidArgument, match="router_w and x overlap in memory|x and router_w overlap"):
         ops.layer_forward(layer.config, layer._packed, layer.router_w.detach(), layer.router_b.detach(), over, None,
                           layer.lora())
+    with pytest.raises(moecert.InvalidArgument, match="router_w and x overlap in memory|x and router_w overlap"):
+        layer(over)  # the training step's check
 
 
 def test_observe_reports_and_continues(case, capfd):

@@ -146,3 +146,75 @@ def test_saved_states_are_reused_across_steps_and_a_stale_graph_is_refused(rng):
     assert len(pool._idle) == 1
     with pytest.raises(moecert.InvalidArgument, match="a second backward through one graph is not supported"):
         y.backward(dy)
+
+
+@pytest.mark.parametrize("frozen", ["nothing", "router and x", "lora", "base trained"])
+def test_moelayer_gradients_follow_what_requires_them(frozen, rng):
+    """A MoELayer step gives the gradients of exactly the tensors that require one, equal to the
+    ops' backward asked for those (bitwise), at two token counts through one kept step, with the
+    per-token statistics of a stats recorder."""
+    torch.manual_seed(11)
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T, train_base=frozen == "base trained")
+    with torch.no_grad():
+        for k in ("b_gate", "b_up", "b_down"):
+            getattr(layer, k).normal_(0, 0.3)
+    frozen_names = {"router and x": ("router_w", "router_b"), "lora": ops.LORA_NAMES}.get(frozen, ())
+    for k in frozen_names:
+        getattr(layer, k).requires_grad_(False)
+    named = ["router_w", "router_b"] + list(ops.LORA_NAMES) + list(ops.BASE_NAMES)
+    for tokens in (T, 3, T):
+        x = torch.randn(tokens, H, generator=rng).bfloat16().requires_grad_(frozen != "router and x")
+        dy = torch.randn(tokens, H, generator=rng)
+        for k in named:
+            getattr(layer, k).grad = None
+        st = mt.stats()
+        layer(x, stats=st).backward(dy)
+        wanted = {k for k in named if getattr(layer, k).requires_grad} | ({"dx"} if x.requires_grad else set())
+        p = {k: getattr(layer, k).detach() for k in named}
+        _, saved = ops.layer_forward(layer.config, layer._packed, p["router_w"], p["router_b"], x.detach(), None,
+                                     ops.Lora(*(p[k] for k in ops.LORA_NAMES), alpha=8.0))
+        g = ops.layer_backward(saved, dy, wanted | {"m_a", "m_g"}, dx_dtype=torch.bfloat16)
+        for k in named:
+            got = getattr(layer, k).grad
+            assert (got is None) == (k not in wanted), k
+            assert got is None or torch.equal(got, g[k].to(got.dtype)), k  # autograd casts to the dtype
+        assert (x.grad is None) == ("dx" not in wanted)
+        assert x.grad is None or torch.equal(x.grad, g["dx"])
+        assert torch.equal(st.m_a, g["m_a"]) and torch.equal(st.m_g, g["m_g"])
+    assert len(layer._steps) == 1  # one step kept for both token counts
+
+
+def test_layer_function_refuses_a_step_formed_for_other_gradients(rng):
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T)
+    layer(torch.randn(T, H, generator=rng).bfloat16())  # packs
+    trainable = [layer.router_w, layer.router_b] + [getattr(layer, k) for k in ops.LORA_NAMES]
+    step = ops.LayerStep(layer.config, layer._packed, (layer.router_w, layer.router_b, None) + layer.lora().factors(),
+                         (True,) * 9)
+    x = torch.randn(T, H, generator=rng).bfloat16()  # needs no gradient; the step was formed for dx
+    with pytest.raises(moecert.InvalidArgument, match=r"formed for gradients of \[x, router_w, .*\] but autograd "
+                                                      r"asks for \[router_w, "):
+        mt.LayerFunction.apply(step, None, x, *trainable)
+    with pytest.raises(moecert.InvalidArgument, match="needs: 3 flags, expected 9"):
+        ops.LayerStep(layer.config, layer._packed, (layer.router_w, layer.router_b, None) + layer.lora().factors(),
+                      (True,) * 3)
+
+
+@pytest.mark.parametrize("op", ["layer", "experts"])
+def test_gradients_under_create_graph_refuse_a_second_backward(op, rng):
+    """create_graph=True gives the same first-order gradients, and differentiating them again
+    raises (once_differentiable) instead of silently missing this op's second derivative."""
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T)
+    x = torch.randn(T, H, generator=rng).bfloat16().requires_grad_()
+    dy = torch.randn(T, H, generator=rng)
+    layer(x.detach())  # packs
+    if op == "layer":
+        run = lambda: layer(x)
+    else:
+        ids = torch.stack([torch.randperm(8, generator=rng)[:K] for _ in range(T)]).int()
+        w = torch.rand(T, K, generator=rng)
+        run = lambda: mt.experts(x, ids, w, layer._packed, layer.lora())
+    (plain,) = torch.autograd.grad(run(), x, dy)
+    (graphed,) = torch.autograd.grad(run(), x, dy.requires_grad_(), create_graph=True)
+    assert torch.equal(plain, graphed)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        graphed.float().sum().backward()

@@ -69,10 +69,9 @@ def test_layer(rng):
         return [y.detach(), xs.grad] + [p.grad for p in trainable]
 
     layer(x)  # packs
-    base = tuple(getattr(layer, k) for k in ops.BASE_NAMES)
-    function = step(lambda xs: fn.LayerFunction.apply(xs, layer.router_w, layer.router_b, None, *base,
-                                                      *layer.lora().factors(), layer.config, layer._packed, None,
-                                                      None))
+    plan = ops.LayerStep(layer.config, layer._packed, (layer.router_w, layer.router_b, None) + layer.lora().factors(),
+                         (True,) * (1 + len(trainable)))
+    function = step(lambda xs: fn.LayerFunction.apply(plan, None, xs, *trainable))
     for got in (registered_eagerly(lambda: step(layer)), step(torch.compile(layer, fullgraph=True))):
         assert all(torch.equal(a, b) for a, b in zip(function, got))
     mt.library.always = True  # what follows is the registered ops' state handling

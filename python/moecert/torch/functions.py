@@ -1,7 +1,10 @@
 """torch.autograd.Functions over moecert's ops (ops.py): the experts op with the
 caller's routing, the three routers and the layer. Each backward computes only
 the gradients autograd asks for (needs_input_grad); incoming gradients are
-taken as contiguous fp32. Double backward is not supported."""
+taken as contiguous fp32. Double backward is not supported: under
+create_graph=True the gradients refuse a second backward (once_differentiable)."""
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -22,6 +25,19 @@ class Stats:
 def stats():
     """A fresh Stats recorder: pass it as `stats=` to an op or a module's forward."""
     return Stats()
+
+
+def _first_order(backward):
+    """backward as is while the engine records no graph of the gradients (create_graph=False),
+    else under once_differentiable: its no_grad scope and output wrapping are left out of the
+    common step."""
+    once = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        return once(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+
+    return run
 
 
 def _wanted(needs, names, first):
@@ -52,7 +68,7 @@ class ExpertsFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, dy):
         ctx.saved_tensors  # raises if x or a factor was changed in place since the forward
         needs = ctx.needs_input_grad
@@ -164,37 +180,32 @@ def product_key(sx, sy, k, weights="softmax"):
 
 
 class LayerFunction(torch.autograd.Function):
-    """apply(x, router_w, router_b, router_bias, w_gate, w_up, w_down, a_gate .. b_down, cfg, packed,
-    stats, isa) -> y: the MoE layer (router linear + router + experts with LoRA)."""
+    """apply(step, stats, x, *tensors) -> y: the MoE layer (router linear + router + experts with
+    LoRA) through an ops.LayerStep; `tensors` are the weights step.inputs names, passed so
+    autograd routes their gradients, and x and they must need gradients as step.needs says."""
 
     @staticmethod
-    def forward(ctx, x, router_w, router_b, router_bias, w_gate, w_up, w_down, a_gate, b_gate, a_up, b_up, a_down,
-                b_down, cfg, packed, stats, isa):
-        packed.check_sources(w_gate, w_up, w_down)
-        factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
-        lora = ops.Lora(*factors, alpha=cfg.lora_alpha) if cfg.lora_rank else None
-        y, saved = ops.layer_forward(cfg, packed, router_w, router_b, x, router_bias, lora, packed.layer_pool.take(),
-                                     isa)
-        ctx.saved, ctx.generation, ctx.stats, ctx.has_lora = saved, saved.generation, stats, lora is not None
-        ctx.packed = packed
-        ctx.save_for_backward(x, router_w, router_b, *(f for f in factors if f is not None))
+    def forward(ctx, step, stats, x, *tensors):
+        if ctx.needs_input_grad[2:] != step.needs:
+            raise ops.InvalidArgument("the step was formed for gradients of {} but autograd asks for {}".format(
+                _names(step, step.needs), _names(step, ctx.needs_input_grad[2:])))
+        saved = step.packed.layer_pool.take()
+        y = step.forward(x, saved)
+        ctx.step, ctx.saved, ctx.generation, ctx.stats = step, saved, saved.generation, stats
+        ctx.save_for_backward(x, *tensors)
         return y
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, dy):
-        ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        want = _wanted(needs, ("dx", "router_w", "router_b"), 0) | _wanted(needs, BASE_NAMES, 4)
-        if ctx.has_lora:
-            want |= _wanted(needs, LORA_NAMES, 7)
-        if ctx.stats is not None:
-            want |= {"m_a", "m_g"}
-        router_side = {"dx", "router_w", "router_b"}
+        ctx.saved_tensors  # raises if x or a weight was changed in place since the forward
         ops.check_generation(ctx.saved, ctx.generation)
-        g = ops.layer_backward(ctx.saved, dy, want, expert_path=bool(want - {"router_w", "router_b"}),
-                               router_path=bool(want & router_side), dx_dtype=ctx.saved.x.dtype)
-        ctx.packed.layer_pool.give(ctx.saved)
-        _record(ctx.stats, g)
-        return ((g.get("dx"), g.get("router_w"), g.get("router_b"), None) + tuple(g.get(n) for n in BASE_NAMES) +
-                tuple(g.get(n) for n in LORA_NAMES) + (None,) * 4)
+        outs = ctx.step.backward(ctx.saved, dy)
+        ctx.step.packed.layer_pool.give(ctx.saved)
+        if ctx.stats is not None:
+            ctx.stats.m_a, ctx.stats.m_g = outs[-2], outs[-1]
+        return (None, None) + ctx.step.gradients(outs)
+
+
+def _names(step, needs):
+    return "[{}]".format(", ".join(n for n, w in zip(("x",) + step.inputs, needs) if w))

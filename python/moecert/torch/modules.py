@@ -6,7 +6,7 @@ from torch import nn
 
 from . import library, ops
 from .functions import LayerFunction
-from .ops import BASE_NAMES, LORA_NAMES
+from .ops import LORA_NAMES
 
 
 class MoELayer(nn.Module):
@@ -43,7 +43,8 @@ class MoELayer(nn.Module):
                                                                                       1 / math.sqrt(cols))))
             for name, rows in (("b_gate", I), ("b_up", I), ("b_down", H)):
                 setattr(self, name, nn.Parameter(torch.zeros(E, rows, rank)))
-        self._packed = None
+        self._inputs = ("router_w", "router_b") + (LORA_NAMES if rank else ())
+        self._packed, self._steps = None, {}
 
     def repack(self):
         """Packs the current base weights (after an optimizer step on them)."""
@@ -63,24 +64,41 @@ class MoELayer(nn.Module):
             self.repack()
         lead, H = x.shape[:-1], self.config.hidden
         x2 = x.reshape(-1, H) if x.dim() != 2 else x
-        base = tuple(getattr(self, n) for n in BASE_NAMES)
-        factors = self.lora().factors() if self.config.lora_rank else (None,) * 6
-        bias = self.router_bias
+        p = self._parameters
+        base = (p["w_gate"], p["w_up"], p["w_down"])
         if (library.in_graph() and stats is None and self.isa is None and x2.device.type == "cpu" and
                 not any(t.requires_grad for t in base)):
             if not library.compiling():
                 self._packed.check_sources(*base)
             return library.call_layer(x2, self, *self._keys).reshape(*lead, H)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
-                                           (x2, self.router_w, self.router_b) + base + factors):
-            y = LayerFunction.apply(x2, self.router_w, self.router_b, bias, *base, *factors, self.config,
-                                    self._packed, stats, self.isa)
-        else:
-            self._packed.check_sources(*base)
-            with torch.no_grad():
-                y, _ = ops.layer_forward(self.config, self._packed, self.router_w, self.router_b, x2, bias,
-                                         self.lora(), isa=self.isa, training=False)
+        self._packed.check_sources(*base)
+        if torch.is_grad_enabled():
+            tensors = [p[n] for n in self._inputs]
+            train_base = any(t.requires_grad for t in base)
+            if train_base:
+                tensors += base
+            needs = (x2.requires_grad,) + tuple(t.requires_grad for t in tensors)
+            if any(needs):
+                step = self._step(tensors, needs, train_base, stats is not None, x2.dtype)
+                y = LayerFunction.apply(step, stats, x2, *tensors)
+                return y if x2 is x else y.reshape(*lead, H)  # a reshape is a node of the graph
+        with torch.no_grad():
+            y, _ = ops.layer_forward(self.config, self._packed, p["router_w"], p["router_b"], x2, self.router_bias,
+                                     self.lora(), isa=self.isa, training=False)
         return y.reshape(*lead, H)
+
+    def _step(self, tensors, needs, train_base, stats, dx_dtype):
+        """The ops.LayerStep of these weights and wanted gradients: the one formed at an earlier
+        call while the weights are the tensors it was formed for, else a new one."""
+        key = (needs, train_base, stats, dx_dtype)
+        weights = tuple(tensors[:2]) + (self.router_bias,) + tuple(tensors[2:2 + len(self._inputs) - 2])
+        step = self._steps.get(key)
+        if step is None or step.packed is not self._packed or not step.holds(weights):
+            if len(self._steps) >= 8:
+                self._steps.clear()
+            step = self._steps[key] = ops.LayerStep(self.config, self._packed, weights, needs, train_base, stats,
+                                                    dx_dtype, self.isa)
+        return step
 
     def extra_repr(self):
         c = self.config

@@ -273,21 +273,32 @@ _LAYOUTS = {}
 def _fill(cls, names, shapes_of, want, dtype, dx_dtype=None, key=None):
     """(a fresh `cls` struct with the wanted outputs allocated into it, them by name; dx as
     dx_dtype if given); shapes_of() -> {name: shape}. With a `key` that fixes the other arguments,
-    the struct's bytes but the data addresses are formed once per key (a training loop's step
-    then writes only those; up to 64 keys are kept)."""
+    the struct's layout is formed once per key (up to 64 keys are kept)."""
     layout = _LAYOUTS.get(key) if key is not None else None
     if layout is None:
-        template, slots, shapes = cls(), [], shapes_of()
-        for name in names:
-            if name in want:
-                t = torch.empty(shapes[name], dtype=dx_dtype if name == "dx" and dx_dtype else dtype)
-                setattr(template, name, describe(t))
-                slots.append((name, getattr(cls, name).offset + _abi.Tensor.data.offset, t.shape, t.dtype))
-        layout = bytes(template), tuple(slots)
+        layout = _layout(cls, names, shapes_of(), want, dtype, dx_dtype)
         if key is not None:
             if len(_LAYOUTS) >= 64:
                 _LAYOUTS.clear()
             _LAYOUTS[key] = layout
+    return _allocate(cls, layout)
+
+
+def _layout(cls, names, shapes, want, dtype, dx_dtype=None):
+    """(the bytes of a `cls` struct describing the wanted outputs but for their data addresses,
+    (name, the address's offset, shape, dtype) of each): what a training loop's steps share."""
+    template, slots = cls(), []
+    for name in names:
+        if name in want:
+            t = torch.empty(shapes[name], dtype=dx_dtype if name == "dx" and dx_dtype else dtype)
+            setattr(template, name, describe(t))
+            slots.append((name, getattr(cls, name).offset + _abi.Tensor.data.offset, t.shape, t.dtype))
+    return bytes(template), tuple(slots)
+
+
+def _allocate(cls, layout):
+    """(a `cls` struct of `layout` with its outputs allocated and their addresses written, them by
+    name)."""
     struct, out = cls.from_buffer_copy(layout[0]), {}
     for name, offset, shape, dt in layout[1]:
         t = out[name] = torch.empty(shape, dtype=dt)
@@ -608,6 +619,73 @@ def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, 
     _abi.call("moecert_layer_backward", ctypes.byref(saved.cfg), ctypes.byref(saved.weights), ref(describe(saved.x)),
               ref(describe(dy)), saved.ptr, ref(g), int(expert_path), int(router_path))
     return out
+
+
+class LayerStep:
+    """A layer's training forward and backward with the ABI's argument structs formed once for
+    one (config, packed experts, router and LoRA weights, wanted outputs): a step forms only the
+    descriptors of x, y, dy and the outputs, as a C++ training loop passes the same structs.
+    MoELayer keeps one per set of wanted gradients and forms it again when `holds` says the
+    weights are no longer the tensors it was formed for (address, shape, strides, dtype).
+
+    inputs: the weights, by name, whose gradients autograd routes (router_w, router_b, the LoRA
+    factors, then the base weights when `base` is True); needs: whether x and each of `inputs`
+    get a gradient; stats: whether the backward also writes m_a, m_g."""
+
+    def __init__(self, cfg, packed, weights, needs, base=False, stats=False, dx_dtype=torch.bfloat16, isa=None):
+        router_w, router_b, router_bias, *factors = weights
+        lora = Lora(*factors, alpha=cfg.lora_alpha) if cfg.lora_rank else None
+        self.config, self.packed, self.cfg = cfg, packed, cfg.struct()
+        self.weights, self.keep, self.spans = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
+        self.signature = signature(weights)
+        self.inputs = ("router_w", "router_b") + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
+        if len(needs) != 1 + len(self.inputs):
+            raise InvalidArgument("needs: {} flags, expected {} (x, {})".format(len(needs), 1 + len(self.inputs),
+                                                                                ", ".join(self.inputs)))
+        self.needs = tuple(bool(n) for n in needs)
+        want = {n for n, w in zip(("dx",) + self.inputs, self.needs) if w} | ({"m_a", "m_g"} if stats else set())
+        self.paths = (int(bool(want - {"router_w", "router_b"})), int(bool(want & {"dx", "router_w", "router_b"})))
+        self.names = tuple(n for n in LAYER_GRADS if n in want)
+        self._dx_dtype, self._layouts = dx_dtype, {}
+        self._order = tuple(self.names.index(n) if w else None for n, w in zip(("dx",) + self.inputs, self.needs))
+        self._options = _options(isa)
+
+    def holds(self, weights):
+        """Whether `weights` (router_w, router_b, router_bias, the LoRA factors) are the tensors
+        this step was formed for."""
+        return signature(weights) == self.signature
+
+    def forward(self, x, saved):
+        """y [T, H] fp32 of x [T, H] bf16; the forward's state into `saved` (a LayerSaved)."""
+        check(x, "x", BF16, (None, self.config.hidden))
+        check_no_alias([("x", x)], self.spans)
+        y = torch.empty(x.shape[0], self.config.hidden, dtype=torch.float32)
+        _abi.call("moecert_layer_forward", ctypes.byref(self.cfg), ctypes.byref(self.weights), ref(describe(x)),
+                  ref(describe(y)), saved.ptr, ref(self._options))
+        saved.cfg, saved.weights, saved.keep, saved.x, saved.tokens = self.cfg, self.weights, self.keep, x, x.shape[0]
+        saved.config = self.config
+        saved.generation += 1
+        return y
+
+    def backward(self, saved, dy):
+        """The outputs `names` lists (dx, the weights' gradients, m_a, m_g) of the backward from
+        dy [T, H], in that order."""
+        T = saved.tokens
+        dy = grad_input(dy, "dy", (T, self.config.hidden))
+        layout = self._layouts.get(T)
+        if layout is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            layout = self._layouts[T] = _layout(_abi.LayerGrads, self.names, _layer_grad_shapes(self.config, T),
+                                                self.names, torch.float32, self._dx_dtype)
+        grads, outs = _allocate(_abi.LayerGrads, layout)
+        _abi.call("moecert_layer_backward", ctypes.byref(self.cfg), ctypes.byref(self.weights), ref(describe(saved.x)),
+                  ref(describe(dy)), saved.ptr, ref(grads), *self.paths)
+        return list(outs.values())
+
+    def gradients(self, outs):
+        """backward's outputs as autograd's gradients of (x, *inputs): None where not needed."""
+        return tuple(None if i is None else outs[i] for i in self._order)
 
 
 def layer_bounds(saved, dy=None, want=()):
