@@ -121,7 +121,7 @@ class SoftmaxTopk(_Router):
         return idx, w
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, _didx, dw):
         z, idx = ctx.saved_tensors
         return ops.softmax_topk_backward(z, idx, dw, ctx.extra), None, None
@@ -135,7 +135,7 @@ class SigmoidTopk(_Router):
         return idx, w
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, _didx, dw):
         z, idx = ctx.saved_tensors
         return (ops.sigmoid_topk_backward(z, idx, dw, *ctx.extra),) + (None,) * 5
@@ -149,7 +149,7 @@ class ProductKey(_Router):
         return idx, w
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, _didx, dw):
         sx, sy, idx = ctx.saved_tensors
         dsx, dsy = ops.product_key_backward(sx, sy, idx, dw, ctx.extra)
