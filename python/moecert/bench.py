@@ -26,7 +26,9 @@ difference relative to the largest magnitude of each output). Cases:
            at T = 48) leave cold for whatever code runs next. floor_share: the
            same measure for a bare autograd.Function making the same two C
            calls with every argument formed before the steps (torch's and
-           ctypes' own cost, the least any package over the ABI pays).
+           ctypes' own cost, the least any package over the ABI pays);
+           floor1_share: the same with x and one parameter as the Function's
+           only inputs (the least any autograd integration has).
            raw_ratio: MoELayer's step against those two C calls made back to
            back with their outputs reused, as the C++ bench runs the op
            (paired, alternating; raw_ms: their time; inside_ms: the time in
@@ -325,13 +327,16 @@ def raw_case(layer, x, dy, reps):
     return alternate(reps, _module_step(layer, x, dy), _RawCalls(layer, x, dy).run)
 
 
-def floor_share(layer, x, dy, reps):
+def floor_share(layer, x, dy, reps, inputs=None):
     """python_share's measure for the least a torch.autograd.Function can do around the same two C
     calls: every argument struct formed before the steps, per step only the outputs allocated and
-    their addresses written; what is left is torch's (autograd, allocation) and ctypes'."""
+    their addresses written; what is left is torch's (autograd, allocation) and ctypes'. inputs:
+    the parameters autograd sees besides x (default: the router's and the six LoRA factors; one
+    gives the least any autograd integration has, x and a single parameter)."""
     raw, inside = _RawCalls(layer, x, dy), [0.0]
     lora = layer.lora()
     trainable = [layer.router_w, layer.router_b] + list(lora.factors())
+    given = trainable[:inputs] if inputs else trainable
 
     class Bare(torch.autograd.Function):
         @staticmethod
@@ -348,9 +353,9 @@ def floor_share(layer, x, dy, reps):
             t0 = time.perf_counter()
             raw.backward(out)
             inside[0] += time.perf_counter() - t0
-            return tuple(out)
+            return tuple(out[:1 + len(given)])
 
-    return _shares(Bare.apply, trainable, x, dy, inside, reps)
+    return _shares(Bare.apply, given, x, dy, inside, reps)
 
 
 def python_alone(layer, x, dy, reps):
@@ -421,13 +426,15 @@ def main(argv=None):
         shares, inside = python_share(layer, x, dy, args.reps)
         over["python_share"], over["inside_ms"] = statistics.median(shares), statistics.median(inside)
         over["floor_share"] = statistics.median(floor_share(layer, x, dy, args.reps)[0])
+        over["floor1_share"] = statistics.median(floor_share(layer, x, dy, args.reps, inputs=1)[0])
         over["python_alone_ms"] = python_alone(layer, x, dy, args.reps)
         results.append(over)
         print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step; / raw C calls "
-              "({:.3f} ms): {:.3f}x; outside the C calls: {:.2%} of the time in them (a bare Function: {:.2%}); "
-              "Python alone {:.3f} ms".format(
+              "({:.3f} ms): {:.3f}x; outside the C calls: {:.2%} of the time in them (a bare Function: {:.2%}; with "
+              "x and one parameter: {:.2%}); Python alone {:.3f} ms".format(
                   "overhead", T, over["module_ms"], over["ops_ms"], over["paired_ratio"], over["raw_ms"],
-                  over["raw_ratio"], over["python_share"], over["floor_share"], over["python_alone_ms"]))
+                  over["raw_ratio"], over["python_share"], over["floor_share"], over["floor1_share"],
+                  over["python_alone_ms"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schema": "moecert-python-bench/1", "environment": env, "results": results}, f, indent=1)
