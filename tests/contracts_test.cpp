@@ -5,15 +5,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <thread>
 #include <vector>
 
+#include "contracts/checks.hpp"
 #include "contracts/clauses.hpp"
 #include "contracts/engine.hpp"
 #include "moecert/config.hpp"
@@ -338,5 +341,40 @@ TEST_CASE("core.contracts: every clause is documented next to its op and tested"
           std::string::npos);
     // At least one test names it.
     CHECK(tests.find("\"" + std::string(c.id) + "\"") != std::string::npos);
+  }
+}
+
+TEST_CASE("core.contracts: rows_finite finds +-inf and NaN anywhere in a strided block",
+          "[core][contracts]") {
+  // Blocks of several widths (whole 16-lane groups, a remainder, both) in a
+  // wider matrix; each non-finite value at each position, and the largest
+  // finite magnitudes and denormals, which are finite.
+  const std::size_t ld = 67, rows = 5;
+  const float bad[] = {std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity(),
+                       std::numeric_limits<float>::quiet_NaN(),
+                       -std::numeric_limits<float>::quiet_NaN(), std::bit_cast<float>(0x7f800001u)};
+  const float good[] = {std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                        std::numeric_limits<float>::denorm_min(), -0.0f};
+  for (const std::size_t cols :
+       {std::size_t{1}, std::size_t{16}, std::size_t{23}, std::size_t{48}}) {
+    std::vector<float> m(rows * ld, 1.5f);
+    const std::size_t c0 = 3;  // the block starts inside the row
+    REQUIRE(detail::rows_finite(m.data() + c0, ld, rows, cols));
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) {
+        float& at = m[i * ld + c0 + j];
+        for (const float v : good) {
+          at = v;
+          CHECK(detail::rows_finite(m.data() + c0, ld, rows, cols));
+        }
+        for (const float v : bad) {
+          at = v;
+          CHECK_FALSE(detail::rows_finite(m.data() + c0, ld, rows, cols));
+        }
+        at = 1.5f;
+      }
+    m[c0 - 1] = m[c0 + cols] = m[rows * ld - 1] = bad[2];  // outside the block: not read
+    CHECK(detail::rows_finite(m.data() + c0, ld, rows, cols));
   }
 }
