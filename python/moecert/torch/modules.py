@@ -43,7 +43,6 @@ class MoELayer(nn.Module):
                                                                                       1 / math.sqrt(cols))))
             for name, rows in (("b_gate", I), ("b_up", I), ("b_down", H)):
                 setattr(self, name, nn.Parameter(torch.zeros(E, rows, rank)))
-        self._inputs = ("router_w", "router_b") + (LORA_NAMES if rank else ())
         self._packed, self._steps = None, {}
 
     def repack(self):
@@ -73,13 +72,14 @@ class MoELayer(nn.Module):
             return library.call_layer(x2, self, *self._keys).reshape(*lead, H)
         self._packed.check_sources(*base)
         if torch.is_grad_enabled():
-            tensors = [p[n] for n in self._inputs]
+            router = (p["router_w"], p["router_b"])
+            factors = tuple(p[n] for n in LORA_NAMES) if self.config.lora_rank else ()
             train_base = any(t.requires_grad for t in base)
-            if train_base:
-                tensors += base
+            tensors = router + factors + (base if train_base else ())
             needs = (x2.requires_grad,) + tuple(t.requires_grad for t in tensors)
             if any(needs):
-                step = self._step(tensors, needs, train_base, stats is not None, x2.dtype)
+                step = self._step(router + (self.router_bias,) + factors, needs, train_base, stats is not None,
+                                  x2.dtype)
                 y = LayerFunction.apply(step, stats, x2, *tensors)
                 return y if x2 is x else y.reshape(*lead, H)  # a reshape is a node of the graph
         with torch.no_grad():
@@ -87,11 +87,11 @@ class MoELayer(nn.Module):
                                      self.lora(), isa=self.isa, training=False)
         return y.reshape(*lead, H)
 
-    def _step(self, tensors, needs, train_base, stats, dx_dtype):
-        """The ops.LayerStep of these weights and wanted gradients: the one formed at an earlier
-        call while the weights are the tensors it was formed for, else a new one."""
+    def _step(self, weights, needs, train_base, stats, dx_dtype):
+        """The ops.LayerStep of these weights (router_w, router_b, router_bias, the LoRA factors)
+        and wanted gradients: the one formed at an earlier call while the weights are the tensors
+        it was formed for, else a new one."""
         key = (needs, train_base, stats, dx_dtype)
-        weights = tuple(tensors[:2]) + (self.router_bias,) + tuple(tensors[2:2 + len(self._inputs) - 2])
         step = self._steps.get(key)
         if step is None or step.packed is not self._packed or not step.holds(weights):
             if len(self._steps) >= 8:

@@ -535,20 +535,25 @@ def layer_forward(cfg, packed, router_w, router_b, x, router_bias=None, lora=Non
                   training=True):
     """The MoE layer's forward: (y [T, H] fp32, saved). router_w [R, H], router_b [R] fp32
     (R = E, or 2n for product_key); router_bias [E] for sigmoid_topk."""
-    c = cfg.struct()
     saved = saved or LayerSaved()
     w, keep, spans = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise InvalidArgument("x: expected a [T, H] tensor")
+    return _layer_forward(cfg, w, keep, spans, x, saved, _options(isa, training)), saved
+
+
+def _layer_forward(cfg, weights, keep, spans, x, saved, options):
+    """y of x (checked, and apart from the weights' byte spans), the forward recorded in saved."""
     check(x, "x", BF16, (None, cfg.hidden))
     check_no_alias([("x", x)], spans)
+    c = cfg.struct()
     y = torch.empty(x.shape[0], cfg.hidden, dtype=torch.float32)
-    _abi.call("moecert_layer_forward", ctypes.byref(c), ctypes.byref(w), ref(describe(x)), ref(describe(y)), saved.ptr,
-              ref(_options(isa, training)))
-    saved.cfg, saved.weights, saved.keep, saved.x, saved.tokens = c, w, keep, x, x.shape[0]
+    _abi.call("moecert_layer_forward", ctypes.byref(c), ctypes.byref(weights), ref(describe(x)), ref(describe(y)),
+              saved.ptr, ref(options))
+    saved.cfg, saved.weights, saved.keep, saved.x, saved.tokens = c, weights, keep, x, x.shape[0]
     saved.config = cfg
     saved.generation += 1
-    return y, saved
+    return y
 
 
 def router_linear_forward(x, router_w, router_b, isa=None):
@@ -635,7 +640,7 @@ class LayerStep:
     def __init__(self, cfg, packed, weights, needs, base=False, stats=False, dx_dtype=torch.bfloat16, isa=None):
         router_w, router_b, router_bias, *factors = weights
         lora = Lora(*factors, alpha=cfg.lora_alpha) if cfg.lora_rank else None
-        self.config, self.packed, self.cfg = cfg, packed, cfg.struct()
+        self.config, self.packed = cfg, packed
         self.weights, self.keep, self.spans = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
         self.signature = signature(weights)
         self.inputs = ("router_w", "router_b") + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
@@ -657,15 +662,7 @@ class LayerStep:
 
     def forward(self, x, saved):
         """y [T, H] fp32 of x [T, H] bf16; the forward's state into `saved` (a LayerSaved)."""
-        check(x, "x", BF16, (None, self.config.hidden))
-        check_no_alias([("x", x)], self.spans)
-        y = torch.empty(x.shape[0], self.config.hidden, dtype=torch.float32)
-        _abi.call("moecert_layer_forward", ctypes.byref(self.cfg), ctypes.byref(self.weights), ref(describe(x)),
-                  ref(describe(y)), saved.ptr, ref(self._options))
-        saved.cfg, saved.weights, saved.keep, saved.x, saved.tokens = self.cfg, self.weights, self.keep, x, x.shape[0]
-        saved.config = self.config
-        saved.generation += 1
-        return y
+        return _layer_forward(self.config, self.weights, self.keep, self.spans, x, saved, self._options)
 
     def backward(self, saved, dy):
         """The outputs `names` lists (dx, the weights' gradients, m_a, m_g) of the backward from
@@ -679,8 +676,8 @@ class LayerStep:
             layout = self._layouts[T] = _layout(_abi.LayerGrads, self.names, _layer_grad_shapes(self.config, T),
                                                 self.names, torch.float32, self._dx_dtype)
         grads, outs = _allocate(_abi.LayerGrads, layout)
-        _abi.call("moecert_layer_backward", ctypes.byref(self.cfg), ctypes.byref(self.weights), ref(describe(saved.x)),
-                  ref(describe(dy)), saved.ptr, ref(grads), *self.paths)
+        _abi.call("moecert_layer_backward", ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
+                  ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(grads), *self.paths)
         return list(outs.values())
 
     def gradients(self, outs):
