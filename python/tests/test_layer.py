@@ -218,3 +218,25 @@ def test_gradients_under_create_graph_refuse_a_second_backward(op, rng):
     assert torch.equal(plain, graphed)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         graphed.float().sum().backward()
+
+
+def test_moelayer_two_forwards_before_one_backward(rng):
+    """Two micro-batches (different token counts) through one graph: each forward keeps its own
+    state, and the accumulated gradients are the sums of the two steps' (bitwise)."""
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T)
+    with torch.no_grad():
+        for k in ("b_gate", "b_up", "b_down"):
+            getattr(layer, k).normal_(0, 0.3)
+    named = ("router_w", "router_b") + ops.LORA_NAMES
+    xs = [torch.randn(n, H, generator=rng).bfloat16() for n in (T, 4)]
+    dys = [torch.randn(n, H, generator=rng) for n in (T, 4)]
+    alone = []
+    for x, dy in zip(xs, dys):
+        layer.zero_grad(set_to_none=True)
+        layer(x).backward(dy)
+        alone.append({k: getattr(layer, k).grad.clone() for k in named})
+    layer.zero_grad(set_to_none=True)
+    ys = [layer(x) for x in xs]
+    sum((y * dy).sum() for y, dy in zip(ys, dys)).backward()
+    for k in named:
+        assert torch.equal(getattr(layer, k).grad, alone[0][k] + alone[1][k]), k
