@@ -150,8 +150,11 @@ def test_registered_op_and_torch_compile_give_the_functions_bits(rng):
         y.backward(dy)
         return [y.detach(), xs.grad, ws.grad] + [f.grad for f in fs]
 
-    function = run(lambda xs, ws, l: mt.ExpertsFunction.apply(xs, ids, ws, None, None, None, *l.factors(), packed,
-                                                               l.alpha, None, None))
+    def function_of(xs, ws, lora):
+        step = ops.ExpertsStep(packed, lora, (True,) * 8)
+        return mt.ExpertsFunction.apply(step, None, xs, ids, ws, *lora.factors())
+
+    function = run(function_of)
     mt.library.always = True
     try:
         registered = run(lambda xs, ws, l: mt.experts(xs, ids, ws, packed, l))
@@ -161,3 +164,53 @@ def test_registered_op_and_torch_compile_give_the_functions_bits(rng):
     for a, b, c in zip(function, registered, compiled):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert not mt.library._in_flight  # every saved state released by its backward
+
+
+@pytest.mark.parametrize("frozen", ["nothing", "x and weights", "lora", "no lora"])
+def test_gradients_follow_what_requires_them(frozen, rng):
+    """moecert.torch.experts gives the gradients of exactly the tensors that require one, equal to
+    the ops' backward asked for those (bitwise), through one kept step at two token counts, and a
+    new step once a factor is another tensor."""
+    base, factors, _, _ = problem(rng, lora=frozen != "no lora")
+    packed = ops.PackedExperts(base["w_gate"], base["w_up"], base["w_down"])
+    lora = None if factors is None else ops.Lora(
+        *(getattr(factors, k).clone().requires_grad_(frozen != "lora") for k in ops.LORA_NAMES), alpha=factors.alpha)
+    for tokens in (T, 3, T):
+        x = torch.randn(tokens, H, generator=rng).bfloat16().requires_grad_(frozen != "x and weights")
+        ids = torch.stack([torch.randperm(E, generator=rng)[:K] for _ in range(tokens)]).int()
+        w = torch.rand(tokens, K, generator=rng).requires_grad_(frozen != "x and weights")
+        dy = torch.randn(tokens, H, generator=rng)
+        for f in (lora.factors() if lora is not None else ()):
+            f.grad = None
+        mt.experts(x, ids, w, packed, lora).backward(dy)
+        leaves = {"dx": x, "dweights": w, **({k: getattr(lora, k) for k in ops.LORA_NAMES} if lora else {})}
+        wanted = {k for k, t in leaves.items() if t.requires_grad}
+        plain = None if lora is None else ops.Lora(*(f.detach() for f in lora.factors()), alpha=lora.alpha)
+        _, saved = ops.experts_forward_train(packed, x.detach(), ids, w.detach(), plain)
+        g = ops.experts_backward(saved, dy, wanted, dx_dtype=torch.bfloat16)
+        for k, t in leaves.items():
+            assert (t.grad is None) == (k not in wanted), k
+            assert t.grad is None or torch.equal(t.grad, g[k]), k
+    assert len(packed.experts_steps) == 1
+    with torch.no_grad():  # the same step, no graph
+        y = mt.experts(x, ids, w, packed, lora)
+    assert not y.requires_grad and len(packed.experts_steps) == 1
+    if lora is not None:  # another tensor for a factor: a step of its own, the same bits
+        other = ops.Lora(*(f.detach().clone().requires_grad_(f.requires_grad) for f in lora.factors()),
+                         alpha=lora.alpha)
+        y_other = mt.experts(x, ids, w, packed, other)
+        y_kept = mt.experts(x, ids, w, packed, lora)
+        assert torch.equal(y_other, y_kept)
+        assert packed.experts_steps[next(iter(packed.experts_steps))].holds(lora)
+
+
+def test_experts_function_refuses_a_step_formed_for_other_gradients(rng):
+    base, factors, x, _ = problem(rng)
+    ids, w = routing("normal", rng)
+    packed = ops.PackedExperts(base["w_gate"], base["w_up"], base["w_down"])
+    step = ops.ExpertsStep(packed, factors, (True,) * 8)
+    with pytest.raises(moecert.InvalidArgument, match=r"formed for gradients of \[x, dweights, a_gate, .*\] but "
+                                                      r"autograd asks for \[\]"):
+        mt.ExpertsFunction.apply(step, None, x, ids, w, *factors.factors())
+    with pytest.raises(moecert.InvalidArgument, match="needs: 2 flags, expected 8"):
+        ops.ExpertsStep(packed, factors, (True, True))

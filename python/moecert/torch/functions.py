@@ -9,7 +9,6 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import library, ops
-from .ops import BASE_NAMES, LORA_NAMES
 
 
 class Stats:
@@ -40,49 +39,35 @@ def _first_order(backward):
     return run
 
 
-def _wanted(needs, names, first):
-    return {n for i, n in enumerate(names) if needs[first + i]}
-
-
-def _record(stats, grads):
-    if stats is not None:
-        stats.m_a, stats.m_g = grads.pop("m_a"), grads.pop("m_g")
-
-
 class ExpertsFunction(torch.autograd.Function):
-    """apply(x, expert_ids, weights, w_gate, w_up, w_down, a_gate, b_gate, a_up, b_up, a_down, b_down,
-    packed, alpha, stats, isa) -> y. w_gate, w_up, w_down: the tensors `packed` holds (or None),
-    passed so autograd can route their gradients; the LoRA factors None for no LoRA."""
+    """apply(step, stats, x, expert_ids, weights, *tensors) -> y: the experts op through an
+    ops.ExpertsStep; `tensors` are the LoRA factors and base weights step.inputs names after
+    dweights (the base weights: the tensors the packed experts hold), passed so autograd routes
+    their gradients, and x, weights and they must need gradients as step.needs says."""
 
     @staticmethod
-    def forward(ctx, x, expert_ids, weights, w_gate, w_up, w_down, a_gate, b_gate, a_up, b_up, a_down, b_down,
-                packed, alpha, stats, isa):
-        base = (w_gate, w_up, w_down)
-        if any(t is not None for t in base):
-            packed.check_sources(*base)
-        factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
-        lora = ops.Lora(*factors, alpha=alpha) if a_gate is not None else None
-        y, saved = ops.experts_forward_train(packed, x, expert_ids, weights, lora, packed.experts_pool.take(), isa)
-        ctx.saved, ctx.generation, ctx.stats, ctx.has_lora = saved, saved.generation, stats, lora is not None
-        ctx.save_for_backward(x, *(f for f in factors if f is not None))
+    def forward(ctx, step, stats, x, expert_ids, weights, *tensors):
+        needs = (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:]
+        if needs != step.needs:
+            raise ops.InvalidArgument("the step was formed for gradients of {} but autograd asks for {}".format(
+                _names(("x",) + step.inputs, step.needs), _names(("x",) + step.inputs, needs)))
+        saved = step.packed.experts_pool.take()
+        y = step.forward(x, expert_ids, weights, saved)
+        ctx.step, ctx.saved, ctx.generation, ctx.stats = step, saved, saved.generation, stats
+        ctx.save_for_backward(x, *tensors)
         return y
 
     @staticmethod
     @_first_order
     def backward(ctx, dy):
-        ctx.saved_tensors  # raises if x or a factor was changed in place since the forward
-        needs = ctx.needs_input_grad
-        want = _wanted(needs, ("dx",), 0) | _wanted(needs, ("dweights",), 2) | _wanted(needs, BASE_NAMES, 3)
-        if ctx.has_lora:
-            want |= _wanted(needs, LORA_NAMES, 6)
-        if ctx.stats is not None:
-            want |= {"m_a", "m_g"}
+        ctx.saved_tensors  # raises if x, a factor or a base weight was changed in place since the forward
         ops.check_generation(ctx.saved, ctx.generation)
-        g = ops.experts_backward(ctx.saved, dy, want, dx_dtype=ctx.saved.x.dtype)
-        ctx.saved.packed.experts_pool.give(ctx.saved)
-        _record(ctx.stats, g)
-        return ((g.get("dx"), None, g.get("dweights")) + tuple(g.get(n) for n in BASE_NAMES) +
-                tuple(g.get(n) for n in LORA_NAMES) + (None,) * 4)
+        outs = ctx.step.backward(ctx.saved, dy)
+        ctx.step.packed.experts_pool.give(ctx.saved)
+        if ctx.stats is not None:
+            ctx.stats.m_a, ctx.stats.m_g = outs[-2], outs[-1]
+        dx, *rest = ctx.step.gradients(outs)
+        return (None, None, dx, None) + tuple(rest)
 
 
 def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, isa=None):
@@ -97,10 +82,29 @@ def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, is
     eagerly, the autograd.Function (the same bits, less dispatch per call)."""
     if base is None and stats is None and isa is None and library.in_graph():
         return library.call_experts(x, expert_ids, weights, packed, lora)  # a torch.compile graph op
-    base = base if base is not None else (None, None, None)
-    factors = lora.factors() if lora is not None else (None,) * 6
-    alpha = lora.alpha if lora is not None else 0.0
-    return ExpertsFunction.apply(x, expert_ids, weights, *base, *factors, packed, alpha, stats, isa)
+    if base is not None:
+        if not isinstance(packed, ops.PackedExperts):
+            raise ops.InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
+        packed.check_sources(*base)
+    tensors = (weights,) + (lora.factors() if lora is not None else ()) + (tuple(base) if base is not None else ())
+    needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in (x,) + tensors)  # as autograd's
+    step = _experts_step(packed, lora, needs, base is not None, stats is not None,
+                         x.dtype if isinstance(x, torch.Tensor) else None, isa)
+    return ExpertsFunction.apply(step, stats, x, expert_ids, *tensors)
+
+
+def _experts_step(packed, lora, needs, base, stats, dx_dtype, isa):
+    """The ops.ExpertsStep of these factors and wanted gradients, kept on the packed experts: the
+    one formed at an earlier call while the factors are the tensors it was formed for."""
+    steps = getattr(packed, "experts_steps", None)
+    key = (needs, base, stats, dx_dtype, isa)
+    step = steps.get(key) if steps is not None else None
+    if step is None or not step.holds(lora):
+        step = ops.ExpertsStep(packed, lora, needs, base, stats, dx_dtype, isa)
+        if len(packed.experts_steps) >= 8:
+            packed.experts_steps.clear()
+        packed.experts_steps[key] = step
+    return step
 
 
 class _Router(torch.autograd.Function):
@@ -188,7 +192,7 @@ class LayerFunction(torch.autograd.Function):
     def forward(ctx, step, stats, x, *tensors):
         if ctx.needs_input_grad[2:] != step.needs:
             raise ops.InvalidArgument("the step was formed for gradients of {} but autograd asks for {}".format(
-                _names(step, step.needs), _names(step, ctx.needs_input_grad[2:])))
+                _names(("x",) + step.inputs, step.needs), _names(("x",) + step.inputs, ctx.needs_input_grad[2:])))
         saved = step.packed.layer_pool.take()
         y = step.forward(x, saved)
         ctx.step, ctx.saved, ctx.generation, ctx.stats = step, saved, saved.generation, stats
@@ -207,5 +211,5 @@ class LayerFunction(torch.autograd.Function):
         return (None, None) + ctx.step.gradients(outs)
 
 
-def _names(step, needs):
-    return "[{}]".format(", ".join(n for n, w in zip(("x",) + step.inputs, needs) if w))
+def _names(names, needs):
+    return "[{}]".format(", ".join(n for n, w in zip(names, needs) if w))

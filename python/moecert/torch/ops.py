@@ -82,6 +82,7 @@ class PackedExperts:
         self._sources = tuple((id(t), t._version) for t in (w_gate, w_up, w_down))
         self.experts_pool = SavedPool(ExpertsSaved)
         self.layer_pool = SavedPool(LayerSaved)
+        self.experts_steps = {}  # moecert.torch.experts' ExpertsSteps on these experts
         self._memo = {}
 
     def memo(self, name, key, make):
@@ -243,20 +244,34 @@ class ExpertsSaved:
 
 def experts_forward_train(packed, x, expert_ids, weights, lora=None, saved=None, isa=None, training=True):
     """Training forward: (y [T, H] fp32, saved). lora: Lora or None."""
-    T, K = _routing_shape(packed, x, expert_ids)
+    _routing_shape(packed, x, expert_ids)
+    saved = saved or ExpertsSaved()
+    return _experts_forward(packed, _experts_lora(packed, lora), x, expert_ids, weights, saved,
+                            _options(isa, training)), saved
+
+
+def _experts_lora(packed, lora):
+    """(the kernel's factors, their ABI struct, their byte spans) of lora, checked; the same
+    objects as at the last call while the factors stay where they were."""
+    return packed.memo("experts.lora", _lora_key(lora),
+                       lambda: _checked_lora(lora, packed.experts, packed.hidden, packed.inter))
+
+
+def _experts_forward(packed, lora_args, x, expert_ids, weights, saved, options):
+    """y of x (checked as _routing_shape does) routed by expert_ids and weights (checked, and apart
+    from each other and the factors' spans), the forward recorded in saved."""
+    T, K = x.shape[0], expert_ids.shape[1]
     ids = index_tensor(expert_ids, "expert_ids", (T, K))
     check(weights, "weights", F32, (T, K))
-    saved = saved or ExpertsSaved()
-    k, lora_struct, lora_spans = packed.memo("experts.lora", _lora_key(lora),
-                                             lambda: _checked_lora(lora, packed.experts, packed.hidden, packed.inter))
+    k, lora_struct, lora_spans = lora_args
     check_no_alias([("x", x), ("expert_ids", ids), ("weights", weights)], lora_spans)
     y = torch.empty(T, packed.hidden, dtype=torch.float32)
     _abi.call("moecert_experts_forward_train", packed.ptr, ref(lora_struct), ref(describe(x)), ref(describe(ids)),
-              ref(describe(weights)), ref(describe(y)), saved.ptr, ref(_options(isa, training)))
+              ref(describe(weights)), ref(describe(y)), saved.ptr, ref(options))
     saved.packed, saved.lora, saved.x, saved.tokens, saved.topk = packed, k, x, T, K
     saved.lora_descriptors(lora_struct)
     saved.generation += 1
-    return y, saved
+    return y
 
 
 def _experts_grad_shapes(p, T, K, r):
@@ -343,6 +358,63 @@ def experts_bounds(saved, dy=None, want=()):
     _abi.call("moecert_experts_bounds", saved.packed.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
               ref(describe(dy)), saved.ptr, ref(describe(out["y"])), ref(g))
     return out
+
+
+class ExpertsStep:
+    """The experts op's training forward and backward with the ABI's argument structs formed once
+    for one (packed experts, LoRA factors, wanted outputs): a call checks x, the routing and dy and
+    allocates the outputs, as LayerStep does for the layer. moecert.torch.experts keeps one per
+    set of wanted gradients on the packed experts and forms it again when `holds` says the factors
+    are no longer the tensors it was formed for.
+
+    inputs: the tensors, by gradient name, whose gradients autograd routes (dweights for the
+    routing weights, the LoRA factors with LoRA, then the base weights when `base` is True); needs:
+    whether x and each of `inputs` get a gradient; stats: whether the backward also writes m_a,
+    m_g."""
+
+    def __init__(self, packed, lora, needs, base=False, stats=False, dx_dtype=torch.bfloat16, isa=None):
+        if not isinstance(packed, PackedExperts):
+            raise InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
+        self.packed, self.key = packed, _lora_key(lora)
+        self.lora = _experts_lora(packed, lora)
+        self.inputs = ("dweights",) + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
+        if len(needs) != 1 + len(self.inputs):
+            raise InvalidArgument("needs: {} flags, expected {} (x, {})".format(len(needs), 1 + len(self.inputs),
+                                                                                ", ".join(self.inputs)))
+        self.needs = tuple(bool(n) for n in needs)
+        want = {n for n, w in zip(("dx",) + self.inputs, self.needs) if w} | ({"m_a", "m_g"} if stats else set())
+        self.names = tuple(n for n in EXPERTS_GRADS if n in want)
+        self._order = tuple(self.names.index(n) if w else None for n, w in zip(("dx",) + self.inputs, self.needs))
+        self._dx_dtype, self._layouts, self._options = dx_dtype, {}, _options(isa)
+
+    def holds(self, lora):
+        """Whether `lora` holds the factors (and alpha) this step was formed for."""
+        return self.key is not None and _lora_key(lora) == self.key
+
+    def forward(self, x, expert_ids, weights, saved):
+        """y [T, H] fp32; the forward's state into `saved` (an ExpertsSaved)."""
+        _routing_shape(self.packed, x, expert_ids)
+        return _experts_forward(self.packed, self.lora, x, expert_ids, weights, saved, self._options)
+
+    def backward(self, saved, dy):
+        """The outputs `names` lists of the backward from dy [T, H], in that order."""
+        p, T, K = self.packed, saved.tokens, saved.topk
+        dy = grad_input(dy, "dy", (T, p.hidden))
+        layout = self._layouts.get((T, K))
+        if layout is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            r = saved.lora.rank if saved.lora is not None else 0
+            layout = self._layouts[T, K] = _layout(_abi.ExpertsGrads, self.names, _experts_grad_shapes(p, T, K, r),
+                                                   self.names, torch.float32, self._dx_dtype)
+        grads, outs = _allocate(_abi.ExpertsGrads, layout)
+        _abi.call("moecert_experts_backward", p.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
+                  ref(describe(dy)), saved.ptr, ref(grads))
+        return list(outs.values())
+
+    def gradients(self, outs):
+        """backward's outputs as autograd's gradients of (x, *inputs): None where not needed."""
+        return tuple(None if i is None else outs[i] for i in self._order)
 
 
 # ---- routers -------------------------------------------------------------
