@@ -360,7 +360,42 @@ def experts_bounds(saved, dy=None, want=()):
     return out
 
 
-class ExpertsStep:
+class _Step:
+    """What LayerStep and ExpertsStep share: the outputs the backward writes for the gradients
+    autograd routes (`inputs`, by gradient name, after x's dx; `needs`: whether x and each of them
+    get one; m_a, m_g with `stats`), their layouts per shape, and their order as gradients."""
+
+    def _outputs(self, all_names, inputs, needs, stats, dx_dtype):
+        """Sets inputs, needs and names (the outputs, in all_names' order); returns the wanted set."""
+        self.inputs = inputs
+        if len(needs) != 1 + len(inputs):
+            raise InvalidArgument("needs: {} flags, expected {} (x, {})".format(len(needs), 1 + len(inputs),
+                                                                                ", ".join(inputs)))
+        self.needs = tuple(bool(n) for n in needs)
+        want = {n for n, w in zip(("dx",) + inputs, self.needs) if w} | ({"m_a", "m_g"} if stats else set())
+        self.names = tuple(n for n in all_names if n in want)
+        self._order = tuple(self.names.index(n) if w else None for n, w in zip(("dx",) + inputs, self.needs))
+        self._dx_dtype, self._layouts = dx_dtype, {}
+        return want
+
+    def _allocated(self, cls, key, shapes_of):
+        """(a `cls` struct with the outputs allocated into it, them in `names` order); the layout
+        formed once per key (the shape: up to 64 kept)."""
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            layout = self._layouts[key] = _layout(cls, self.names, shapes_of(), self.names, torch.float32,
+                                                  self._dx_dtype)
+        grads, outs = _allocate(cls, layout)
+        return grads, list(outs.values())
+
+    def gradients(self, outs):
+        """backward's outputs as autograd's gradients of (x, *inputs): None where not needed."""
+        return tuple(None if i is None else outs[i] for i in self._order)
+
+
+class ExpertsStep(_Step):
     """The experts op's training forward and backward with the ABI's argument structs formed once
     for one (packed experts, LoRA factors, wanted outputs): a call checks x, the routing and dy and
     allocates the outputs, as LayerStep does for the layer. moecert.torch.experts keeps one per
@@ -377,15 +412,9 @@ class ExpertsStep:
             raise InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
         self.packed, self.key = packed, _lora_key(lora)
         self.lora = _experts_lora(packed, lora)
-        self.inputs = ("dweights",) + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
-        if len(needs) != 1 + len(self.inputs):
-            raise InvalidArgument("needs: {} flags, expected {} (x, {})".format(len(needs), 1 + len(self.inputs),
-                                                                                ", ".join(self.inputs)))
-        self.needs = tuple(bool(n) for n in needs)
-        want = {n for n, w in zip(("dx",) + self.inputs, self.needs) if w} | ({"m_a", "m_g"} if stats else set())
-        self.names = tuple(n for n in EXPERTS_GRADS if n in want)
-        self._order = tuple(self.names.index(n) if w else None for n, w in zip(("dx",) + self.inputs, self.needs))
-        self._dx_dtype, self._layouts, self._options = dx_dtype, {}, _options(isa)
+        inputs = ("dweights",) + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
+        self._outputs(EXPERTS_GRADS, inputs, needs, stats, dx_dtype)
+        self._options = _options(isa)
 
     def holds(self, lora):
         """Whether `lora` holds the factors (and alpha) this step was formed for."""
@@ -400,21 +429,11 @@ class ExpertsStep:
         """The outputs `names` lists of the backward from dy [T, H], in that order."""
         p, T, K = self.packed, saved.tokens, saved.topk
         dy = grad_input(dy, "dy", (T, p.hidden))
-        layout = self._layouts.get((T, K))
-        if layout is None:
-            if len(self._layouts) >= 64:
-                self._layouts.clear()
-            r = saved.lora.rank if saved.lora is not None else 0
-            layout = self._layouts[T, K] = _layout(_abi.ExpertsGrads, self.names, _experts_grad_shapes(p, T, K, r),
-                                                   self.names, torch.float32, self._dx_dtype)
-        grads, outs = _allocate(_abi.ExpertsGrads, layout)
+        r = saved.lora.rank if saved.lora is not None else 0
+        grads, outs = self._allocated(_abi.ExpertsGrads, (T, K), lambda: _experts_grad_shapes(p, T, K, r))
         _abi.call("moecert_experts_backward", p.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
                   ref(describe(dy)), saved.ptr, ref(grads))
-        return list(outs.values())
-
-    def gradients(self, outs):
-        """backward's outputs as autograd's gradients of (x, *inputs): None where not needed."""
-        return tuple(None if i is None else outs[i] for i in self._order)
+        return outs
 
 
 # ---- routers -------------------------------------------------------------
@@ -698,7 +717,7 @@ def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, 
     return out
 
 
-class LayerStep:
+class LayerStep(_Step):
     """A layer's training forward and backward with the ABI's argument structs formed once for
     one (config, packed experts, router and LoRA weights, wanted outputs): a step forms only the
     descriptors of x, y, dy and the outputs, as a C++ training loop passes the same structs.
@@ -715,16 +734,9 @@ class LayerStep:
         self.config, self.packed = cfg, packed
         self.weights, self.keep, self.spans = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
         self.signature = signature(weights)
-        self.inputs = ("router_w", "router_b") + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
-        if len(needs) != 1 + len(self.inputs):
-            raise InvalidArgument("needs: {} flags, expected {} (x, {})".format(len(needs), 1 + len(self.inputs),
-                                                                                ", ".join(self.inputs)))
-        self.needs = tuple(bool(n) for n in needs)
-        want = {n for n, w in zip(("dx",) + self.inputs, self.needs) if w} | ({"m_a", "m_g"} if stats else set())
+        inputs = ("router_w", "router_b") + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
+        want = self._outputs(LAYER_GRADS, inputs, needs, stats, dx_dtype)
         self.paths = (int(bool(want - {"router_w", "router_b"})), int(bool(want & {"dx", "router_w", "router_b"})))
-        self.names = tuple(n for n in LAYER_GRADS if n in want)
-        self._dx_dtype, self._layouts = dx_dtype, {}
-        self._order = tuple(self.names.index(n) if w else None for n, w in zip(("dx",) + self.inputs, self.needs))
         self._options = _options(isa)
 
     def holds(self, weights):
@@ -741,20 +753,10 @@ class LayerStep:
         dy [T, H], in that order."""
         T = saved.tokens
         dy = grad_input(dy, "dy", (T, self.config.hidden))
-        layout = self._layouts.get(T)
-        if layout is None:
-            if len(self._layouts) >= 64:
-                self._layouts.clear()
-            layout = self._layouts[T] = _layout(_abi.LayerGrads, self.names, _layer_grad_shapes(self.config, T),
-                                                self.names, torch.float32, self._dx_dtype)
-        grads, outs = _allocate(_abi.LayerGrads, layout)
+        grads, outs = self._allocated(_abi.LayerGrads, T, lambda: _layer_grad_shapes(self.config, T))
         _abi.call("moecert_layer_backward", ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
                   ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(grads), *self.paths)
-        return list(outs.values())
-
-    def gradients(self, outs):
-        """backward's outputs as autograd's gradients of (x, *inputs): None where not needed."""
-        return tuple(None if i is None else outs[i] for i in self._order)
+        return outs
 
 
 def layer_bounds(saved, dy=None, want=()):
