@@ -28,13 +28,16 @@ difference relative to the largest magnitude of each output). Cases:
            calls with every argument formed before the steps (torch's and
            ctypes' own cost, the least any package over the ABI pays);
            floor1_share: the same with x and one parameter as the Function's
-           only inputs (the least any autograd integration has).
+           only inputs (the least any autograd integration has);
+           experts_share: python_share of moecert.torch.experts on the
+           caller's routing.
            raw_ratio: MoELayer's step against those two C calls made back to
            back with their outputs reused, as the C++ bench runs the op
            (paired, alternating; raw_ms: their time; inside_ms: the time in
            the C calls within MoELayer's step).
 """
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -229,8 +232,28 @@ def _module_step(layer, x, dy):
 def python_share(layer, x, dy, reps):
     """Per training step through MoELayer: the time outside moecert's C calls over the time in
     them (each ABI call timed where the package makes it), and that time (ms), per step."""
-    inside = [0.0]
-    real = _abi.call
+    with _timed_calls() as inside:
+        return _shares(lambda xm, *_: layer(xm), [p for p in layer.parameters() if p.requires_grad], x, dy,
+                       inside, reps)
+
+
+def experts_share(layer, x, dy, reps, gen):
+    """python_share's measure for moecert.torch.experts on the caller's routing (as the experts
+    case: K distinct experts per token, weights in [0, 1)), x, the weights and the LoRA factors
+    trained."""
+    c, T = layer.config, x.shape[0]
+    idx = torch.stack([torch.randperm(c.experts, generator=gen)[:c.topk] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, c.topk, generator=gen).requires_grad_(True)
+    lora = layer.lora()
+    with _timed_calls() as inside:
+        return _shares(lambda xm, *_: mt.experts(xm, idx, w, layer._packed, lora), [w] + list(lora.factors()), x,
+                       dy, inside, reps)
+
+
+@contextlib.contextmanager
+def _timed_calls():
+    """Within the block, each ABI call's time adds to inside[0] (the list yielded)."""
+    inside, real = [0.0], _abi.call
 
     def timed(name, *args):
         t0 = time.perf_counter()
@@ -241,8 +264,7 @@ def python_share(layer, x, dy, reps):
 
     _abi.call = timed
     try:
-        return _shares(lambda xm, *_: layer(xm), [p for p in layer.parameters() if p.requires_grad], x, dy,
-                       inside, reps)
+        yield inside
     finally:
         _abi.call = real
 
@@ -427,14 +449,15 @@ def main(argv=None):
         over["python_share"], over["inside_ms"] = statistics.median(shares), statistics.median(inside)
         over["floor_share"] = statistics.median(floor_share(layer, x, dy, args.reps)[0])
         over["floor1_share"] = statistics.median(floor_share(layer, x, dy, args.reps, inputs=1)[0])
+        over["experts_share"] = statistics.median(experts_share(layer, x, dy, args.reps, gen)[0])
         over["python_alone_ms"] = python_alone(layer, x, dy, args.reps)
         results.append(over)
         print("{:<10} {:>6} {:>12.3f} {:>12.3f} {:>7.3f}x  MoELayer step / bare ops step; / raw C calls "
               "({:.3f} ms): {:.3f}x; outside the C calls: {:.2%} of the time in them (a bare Function: {:.2%}; with "
-              "x and one parameter: {:.2%}); Python alone {:.3f} ms".format(
+              "x and one parameter: {:.2%}; moecert.torch.experts: {:.2%}); Python alone {:.3f} ms".format(
                   "overhead", T, over["module_ms"], over["ops_ms"], over["paired_ratio"], over["raw_ms"],
                   over["raw_ratio"], over["python_share"], over["floor_share"], over["floor1_share"],
-                  over["python_alone_ms"]))
+                  over["experts_share"], over["python_alone_ms"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schema": "moecert-python-bench/1", "environment": env, "results": results}, f, indent=1)
