@@ -82,25 +82,22 @@ def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, is
     eagerly, the autograd.Function (the same bits, less dispatch per call)."""
     if base is None and stats is None and isa is None and library.in_graph():
         return library.call_experts(x, expert_ids, weights, packed, lora)  # a torch.compile graph op
-    if base is not None:
-        if not isinstance(packed, ops.PackedExperts):
-            raise ops.InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
-        packed.check_sources(*base)
     tensors = (weights,) + (lora.factors() if lora is not None else ()) + (tuple(base) if base is not None else ())
     needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in (x,) + tensors)  # as autograd's
     step = _experts_step(packed, lora, needs, base is not None, stats is not None,
                          x.dtype if isinstance(x, torch.Tensor) else None, isa)
+    if base is not None:
+        packed.check_sources(*base)
     return ExpertsFunction.apply(step, stats, x, expert_ids, *tensors)
 
 
 def _experts_step(packed, lora, needs, base, stats, dx_dtype, isa):
     """The ops.ExpertsStep of these factors and wanted gradients, kept on the packed experts: the
     one formed at an earlier call while the factors are the tensors it was formed for."""
-    steps = getattr(packed, "experts_steps", None)
     key = (needs, base, stats, dx_dtype, isa)
-    step = steps.get(key) if steps is not None else None
+    step = packed.experts_steps.get(key) if isinstance(packed, ops.PackedExperts) else None
     if step is None or not step.holds(lora):
-        step = ops.ExpertsStep(packed, lora, needs, base, stats, dx_dtype, isa)
+        step = ops.ExpertsStep(packed, lora, needs, base, stats, dx_dtype, isa)  # checks packed
         if len(packed.experts_steps) >= 8:
             packed.experts_steps.clear()
         packed.experts_steps[key] = step

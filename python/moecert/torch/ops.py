@@ -400,12 +400,8 @@ class ExpertsStep(_Step):
     for one (packed experts, LoRA factors, wanted outputs): a call checks x, the routing and dy and
     allocates the outputs, as LayerStep does for the layer. moecert.torch.experts keeps one per
     set of wanted gradients on the packed experts and forms it again when `holds` says the factors
-    are no longer the tensors it was formed for.
-
-    inputs: the tensors, by gradient name, whose gradients autograd routes (dweights for the
-    routing weights, the LoRA factors with LoRA, then the base weights when `base` is True); needs:
-    whether x and each of `inputs` get a gradient; stats: whether the backward also writes m_a,
-    m_g."""
+    are no longer the tensors it was formed for. inputs (_Step): dweights (the routing weights),
+    the LoRA factors with LoRA, then the base weights when `base`."""
 
     def __init__(self, packed, lora, needs, base=False, stats=False, dx_dtype=torch.bfloat16, isa=None):
         if not isinstance(packed, PackedExperts):
@@ -723,10 +719,7 @@ class LayerStep(_Step):
     descriptors of x, y, dy and the outputs, as a C++ training loop passes the same structs.
     MoELayer keeps one per set of wanted gradients and forms it again when `holds` says the
     weights are no longer the tensors it was formed for (address, shape, strides, dtype).
-
-    inputs: the weights, by name, whose gradients autograd routes (router_w, router_b, the LoRA
-    factors, then the base weights when `base` is True); needs: whether x and each of `inputs`
-    get a gradient; stats: whether the backward also writes m_a, m_g."""
+    inputs (_Step): router_w, router_b, the LoRA factors, then the base weights when `base`."""
 
     def __init__(self, cfg, packed, weights, needs, base=False, stats=False, dx_dtype=torch.bfloat16, isa=None):
         router_w, router_b, router_bias, *factors = weights
