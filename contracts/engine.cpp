@@ -264,6 +264,13 @@ bool Checker::on(const ClauseInfo& clause) {
   return true;
 }
 
+namespace {
+ObservedPreconditions& observed_record() {
+  thread_local ObservedPreconditions record;
+  return record;
+}
+}  // namespace
+
 void Checker::fail(const ClauseInfo& clause, std::string location, std::string observed,
                    std::string expected, SourceLocation where) {
   Violation v;
@@ -285,8 +292,15 @@ void Checker::fail(const ClauseInfo& clause, std::string location, std::string o
   }
   g_handler.load()(v);
   if (settings_.semantic == Semantic::enforce) throw ContractViolation(std::move(v));
-  if (clause.kind == ClauseKind::pre) pre_failed_ = true;
+  if (clause.kind == ClauseKind::pre) {
+    pre_failed_ = true;
+    auto& o = observed_record();
+    ++o.count;
+    o.last = std::move(v);
+  }
 }
+
+const ObservedPreconditions& observed_preconditions() { return observed_record(); }
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(

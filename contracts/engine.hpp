@@ -65,6 +65,14 @@ class Checker {
   bool pre_failed_ = false;
 };
 
+/// The preconditions that failed under observe on this thread: how many,
+/// and the last one (the C ABI tells its caller that an op wrote nothing).
+struct ObservedPreconditions {
+  std::uint64_t count = 0;
+  Violation last;
+};
+const ObservedPreconditions& observed_preconditions();
+
 /// Adds the wall time from its construction to its destruction to
 /// `clause`'s ClauseCount::seconds (the cost of one evaluation, for
 /// `moecert bench --contracts ... --clause-times`).

@@ -30,7 +30,12 @@ typedef enum moecert_status {
   MOECERT_CONTRACT_VIOLATION = 1, /* a clause failed under enforce: moecert_last_error() has it */
   MOECERT_INVALID_ARGUMENT = 2,   /* a descriptor or handle the ABI rejects before any work */
   MOECERT_OUT_OF_MEMORY = 3,
-  MOECERT_INTERNAL_ERROR = 4 /* any other C++ exception, its what() in the message */
+  MOECERT_INTERNAL_ERROR = 4, /* any other C++ exception, its what() in the message */
+  /* A precondition failed under observe: the handler was called, the op wrote
+   * no output and a training forward saved no state (a backward from it
+   * fails experts.backward.state / layer.backward.state); moecert_last_error()
+   * has the violation. */
+  MOECERT_PRECONDITION_OBSERVED = 5
 } moecert_status;
 
 typedef enum moecert_dtype {
@@ -115,6 +120,10 @@ moecert_status moecert_experts_pack(int64_t experts, const moecert_tensor* w_gat
                                     const moecert_tensor* w_up, const moecert_tensor* w_down,
                                     int32_t backward, moecert_experts** out);
 void moecert_experts_free(moecert_experts* w);
+/* The weights moecert_experts_pack was given, bitwise, written into w_gate,
+ * w_up [E*I x H] and w_down [E*H x I] bf16 (three separate tensors). */
+moecert_status moecert_experts_unpack(const moecert_experts* w, const moecert_tensor* w_gate,
+                                      const moecert_tensor* w_up, const moecert_tensor* w_down);
 /* Any pointer may be NULL. */
 moecert_status moecert_experts_shape(const moecert_experts* w, int64_t* experts, int64_t* hidden,
                                      int64_t* inter, int32_t* backward, int64_t* bytes);

@@ -87,11 +87,24 @@ void set_error(moecert_status status, const char* op, const std::string& message
 /// Records a contract violation as this thread's last error.
 void set_violation(const Violation& v);
 
-/// Runs `body` for ABI function `op`, mapping every exception to a status.
-template <class F>
+/// How many preconditions failed under observe on this thread so far.
+std::uint64_t observed_preconditions();
+/// Records the last of them as this thread's last error.
+void set_observed_violation();
+
+/// Runs `body` for ABI function `op`, mapping every exception to a status;
+/// a precondition that failed under observe while it ran (the op wrote
+/// nothing) is MOECERT_PRECONDITION_OBSERVED, unless `judge` (a verdict on
+/// foreign data, where a failed clause is the result).
+template <bool judge = false, class F>
 moecert_status guarded(const char* op, F&& body) noexcept {
   try {
+    const std::uint64_t observed = judge ? 0 : observed_preconditions();
     std::forward<F>(body)();
+    if (!judge && observed_preconditions() != observed) {
+      set_observed_violation();
+      return MOECERT_PRECONDITION_OBSERVED;
+    }
     return MOECERT_OK;
   } catch (const ContractViolation& e) {
     set_violation(e.violation());

@@ -70,7 +70,7 @@ extern "C" {
 moecert_status moecert_check(const char* op, const moecert_named_tensor* inputs, size_t n_inputs,
                              const moecert_named_tensor* outputs, size_t n_outputs,
                              const char* const* params, size_t n_params, char** verdict_json) {
-  return capi::guarded("moecert_check", [&] {
+  return capi::guarded<true>("moecert_check", [&] {
     if (!op || !verdict_json) throw capi::InvalidArgument("op and verdict_json must not be NULL");
     judge::Params ps;
     for (size_t i = 0; i < n_params; ++i) {

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "contracts/engine.hpp"
 #include "moecert/moecert.h"
 #include "ops/capi/abi.hpp"
 
@@ -44,11 +45,39 @@ moecert_status moecert_experts_pack(int64_t experts, const moecert_tensor* w_gat
   return guarded("moecert_experts_pack", [&] {
     if (!out) throw InvalidArgument("out: null");
     if (experts < 1) throw InvalidArgument(fmt::format("experts {}, expected >= 1", experts));
+    const auto g = mat<const bf16>(w_gate, "w_gate"), u = mat<const bf16>(w_up, "w_up");
+    const auto d = mat<const bf16>(w_down, "w_down");
+    const auto E = static_cast<std::size_t>(experts);
+    const std::size_t H = g.cols, I = g.rows / E;
+    if (g.rows % E || !I || !H || u.rows != g.rows || u.cols != H || d.rows != E * H ||
+        d.cols != I)
+      throw InvalidArgument(fmt::format(
+          "w_gate {}x{}, w_up {}x{}, w_down {}x{} for {} experts, expected [E*I x H] twice and "
+          "[E*H x I] (I, H >= 1)",
+          g.rows, g.cols, u.rows, u.cols, d.rows, d.cols, E));
     auto h = std::make_unique<moecert_experts>();
-    h->packed = experts::PackedExperts::pack(
-        static_cast<std::size_t>(experts), mat<const bf16>(w_gate, "w_gate"),
-        mat<const bf16>(w_up, "w_up"), mat<const bf16>(w_down, "w_down"), backward != 0);
+    h->packed = experts::PackedExperts::pack(E, g, u, d, backward != 0);
     *out = h.release();
+  });
+}
+
+moecert_status moecert_experts_unpack(const moecert_experts* w, const moecert_tensor* w_gate,
+                                      const moecert_tensor* w_up, const moecert_tensor* w_down) {
+  return guarded("moecert_experts_unpack", [&] {
+    const auto& p = handle(w, "experts").packed;
+    const auto g = mat<bf16>(w_gate, "w_gate"), u = mat<bf16>(w_up, "w_up");
+    const auto d = mat<bf16>(w_down, "w_down");
+    const std::size_t E = p.experts(), H = p.hidden(), I = p.inter();
+    const auto shaped = [](MatView<bf16> m, std::size_t rows, std::size_t cols) {
+      return m.rows == rows && m.cols == cols;
+    };
+    if (!shaped(g, E * I, H) || !shaped(u, E * I, H) || !shaped(d, E * H, I))
+      throw InvalidArgument(fmt::format(
+          "w_gate {}x{}, w_up {}x{}, w_down {}x{}, expected {}x{}, {}x{}, {}x{}", g.rows, g.cols,
+          u.rows, u.cols, d.rows, d.cols, E * I, H, E * I, H, E * H, I));
+    const ByteRange r[] = {g.bytes(), u.bytes(), d.bytes()};
+    if (detail::first_overlap(r, 3)) throw InvalidArgument("w_gate, w_up, w_down: overlap in memory");
+    p.unpack(g, u, d);
   });
 }
 

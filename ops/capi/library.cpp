@@ -12,6 +12,7 @@
 #include "moecert/isa.hpp"
 #include "moecert/moecert.h"
 #include "moecert/moecert.hpp"
+#include "contracts/engine.hpp"
 #include "ops/capi/abi.hpp"
 
 namespace moecert::capi {
@@ -64,6 +65,14 @@ void set_violation(const Violation& v) {
   r.publish(MOECERT_CONTRACT_VIOLATION, static_cast<int>(v.source.line()));
 }
 
+std::uint64_t observed_preconditions() { return detail::observed_preconditions().count; }
+
+void set_observed_violation() {
+  set_violation(detail::observed_preconditions().last);
+  ErrorRecord& r = record();
+  r.publish(MOECERT_PRECONDITION_OBSERVED, r.view.line);
+}
+
 const char* dtype_name(std::int32_t dtype) {
   switch (dtype) {
     case MOECERT_BF16:
@@ -89,7 +98,9 @@ void check_descriptor(const moecert_tensor& t, moecert_dtype dtype, int ndim, co
   for (int d = 0; d < ndim; ++d) {
     if (t.shape[d] < 0)
       throw InvalidArgument(fmt::format("{}: shape[{}] = {}", name, d, t.shape[d]));
-    elements *= t.shape[d];
+    if (__builtin_mul_overflow(elements, t.shape[d], &elements))
+      throw InvalidArgument(fmt::format("{}: shape {} x {} has more than 2^63 elements", name,
+                                        t.shape[0], t.shape[1]));
   }
   if (t.stride[ndim - 1] != 1 && elements > 0)
     throw InvalidArgument(fmt::format("{}: stride[{}] = {}, expected 1 (rows contiguous)", name,

@@ -39,10 +39,10 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
                    Saved& saved, const TrainOptions& opt) {
   const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker chk{"experts.forward_train"};
+  Saved::Impl& s = saved.impl();
+  s.valid = false;  // a forward that fails a precondition under observe saves nothing
   contracts::experts_train_forward_pre(chk, w, lora, x, idx, weights, y);
   if (chk.stop()) return;
-  Saved::Impl& s = saved.impl();
-  s.valid = false;
   s.tokens = x.rows, s.topk = idx.cols;
   s.experts = w.experts(), s.hidden = w.hidden(), s.inter = w.inter(), s.rank = lora.rank,
   s.alpha = lora.alpha;

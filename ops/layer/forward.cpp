@@ -75,10 +75,10 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   validate(cfg);
   const moecert::detail::FpDefaults fp;  // round to nearest, no FTZ/DAZ, whatever the caller set
   detail::Checker chk{"layer.forward"};
+  Saved::Impl& s = saved.impl();
+  s.valid = false;  // a forward that fails a precondition under observe saves nothing
   contracts::layer_forward_pre(chk, cfg, w, x, y);
   if (chk.stop()) return;
-  Saved::Impl& s = saved.impl();
-  s.valid = false;
   s.cfg = cfg;
   s.tokens = x.rows, s.topk = static_cast<std::size_t>(cfg.topk);
   const std::size_t t_count = x.rows, k = static_cast<std::size_t>(cfg.topk);

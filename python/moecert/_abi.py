@@ -92,6 +92,7 @@ _PROTOTYPES = {
     "moecert_isa_name": ([c_int32], c_char_p),
     "moecert_experts_pack": ([c_int64, T, T, T, c_int32, OUT_H], c_int32),
     "moecert_experts_free": ([H], None),
+    "moecert_experts_unpack": ([H, T, T, T], c_int32),
     "moecert_experts_shape": ([H, POINTER(c_int64), POINTER(c_int64), POINTER(c_int64), POINTER(c_int32),
                                POINTER(c_int64)], c_int32),
     "moecert_experts_saved_new": ([OUT_H], c_int32),
@@ -154,11 +155,18 @@ def _load():
 lib = _load()
 
 
+PRECONDITION_OBSERVED = 5
+
+
 def call(name, *args):
-    """Calls a status-returning ABI function; raises on anything but OK."""
+    """Calls a status-returning ABI function: True on OK; False when a precondition failed under
+    observe (the handler reported it; the op wrote nothing); raises on any other status."""
     status = getattr(lib, name)(*args)
-    if status != 0:
-        raise_for(status, lib.moecert_last_error().contents)
+    if status == 0:
+        return True
+    if status == PRECONDITION_OBSERVED:
+        return False
+    raise_for(status, lib.moecert_last_error().contents)
 
 
 def new_handle(name):

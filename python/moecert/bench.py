@@ -414,11 +414,10 @@ def main(argv=None):
     shape = SHAPES[args.shape]
     gen = torch.Generator().manual_seed(5)
     torch.manual_seed(5)
-    layer = mt.MoELayer(**shape, max_tokens=max(args.tokens))
+    layer = mt.MoELayer(**shape, max_tokens=max(args.tokens), out_dtype=torch.float32)
     with torch.no_grad():
         for n in ("b_gate", "b_up", "b_down"):  # nonzero B: every LoRA product does work
             getattr(layer, n).normal_(0, 1 / math.sqrt(shape["rank"]))
-    layer.repack()
     peer = EagerMoE(layer)
     env = {"moecert": moecert.build_info(), "torch": torch.__version__, "python": sys.version.split()[0],
            "torch_threads": torch.get_num_threads(), "moecert_threads": moecert.num_threads(),

@@ -90,7 +90,7 @@ def test_autograd_function_gives_the_ops_bits(rng):
     lora = ops.Lora(*(getattr(factors, k).clone().requires_grad_() for k in ops.LORA_NAMES), alpha=factors.alpha)
     bs = tuple(base[k].requires_grad_() for k in ops.BASE_NAMES)
     st = mt.stats()
-    y = mt.experts(xs, ids.long(), ws, packed, lora, base=bs, stats=st)
+    y = mt.experts(xs, ids.long(), ws, None, lora, base=bs, stats=st)
     y.backward(dy)
     assert torch.equal(y, y0)
     assert torch.equal(xs.grad, g0["dx"].bfloat16())  # autograd casts dx to x's dtype

@@ -95,7 +95,7 @@ def test_moelayer_two_lora_steps_match_the_float64_loop(isa, rng):
     outputs within their bounds of float64 on the same parameters, and each update within lr times
     the gradient's bound (plus the two fp32 roundings of p - lr g) of the float64 update."""
     torch.manual_seed(7)
-    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T, isa=isa)
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T, isa=isa, out_dtype=torch.float32)
     with torch.no_grad():
         for k in ("b_gate", "b_up", "b_down"):  # B = 0 at init; nonzero to exercise every LoRA path
             getattr(layer, k).normal_(0, 0.3)
@@ -154,14 +154,15 @@ def test_moelayer_gradients_follow_what_requires_them(frozen, rng):
     ops' backward asked for those (bitwise), at two token counts through one kept step, with the
     per-token statistics of a stats recorder."""
     torch.manual_seed(11)
-    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T, train_base=frozen == "base trained")
+    layer = mt.MoELayer(8, H, I, K, rank=RANK, alpha=8.0, max_tokens=T, train_base=frozen == "base trained",
+                        out_dtype=torch.float32)
     with torch.no_grad():
         for k in ("b_gate", "b_up", "b_down"):
             getattr(layer, k).normal_(0, 0.3)
     frozen_names = {"router and x": ("router_w", "router_b"), "lora": ops.LORA_NAMES}.get(frozen, ())
     for k in frozen_names:
         getattr(layer, k).requires_grad_(False)
-    named = ["router_w", "router_b"] + list(ops.LORA_NAMES) + list(ops.BASE_NAMES)
+    named = ["router_w", "router_b"] + list(ops.LORA_NAMES) + (list(ops.BASE_NAMES) if layer.train_base else [])
     for tokens in (T, 3, T):
         x = torch.randn(tokens, H, generator=rng).bfloat16().requires_grad_(frozen != "router and x")
         dy = torch.randn(tokens, H, generator=rng)

@@ -169,9 +169,8 @@ def layer_worker(rank, world, port, out_dir):
                          "router_b": module.router_b.grad,
                          **{k: getattr(module.experts, k).grad for k in ops.LORA_NAMES + ops.BASE_NAMES}})
         results[router, one_rank] = runs
-        # An optimizer step on every parameter (the base weights repacked), then a second step.
+        # An optimizer step on every parameter (the base weights packed again by the forward), then a second step.
         torch.optim.SGD(module.parameters(), lr=0.05).step()
-        module.experts.repack()
         module.zero_grad(set_to_none=True)
         module(x[rows]).backward(dy[rows])
         results[router, one_rank, "stepped"] = {"router_w": module.router_w.detach().clone(),

@@ -73,11 +73,15 @@ def check_no_alias(named, checked=()):
 
 
 def index_tensor(t, name, shape):
-    """Expert ids as int32: int32 as is, int64 (torch.topk's) converted after a range check."""
+    """Expert ids as int32: int32 as is, int64 (torch.topk's) converted when every value fits int32
+    (the op then judges them as int32 ids); a value that does not fit is refused naming it."""
     check(t, name, (torch.int32, torch.int64), shape)
     if t.dtype == torch.int64:
-        if t.numel() and (t.min() < -1 or t.max() >= 2 ** 31):
-            raise InvalidArgument("{}: values outside int32".format(name))
+        wide = (t < -2 ** 31) | (t >= 2 ** 31)
+        if t.numel() and bool(wide.any()):
+            at = tuple(int(i) for i in torch.nonzero(wide)[0])
+            raise InvalidArgument("{}[{}] = {}: expected -1 <= id < the expert count (an int32)".format(
+                name, ", ".join(map(str, at)), int(t[at])))
         return t.to(torch.int32)
     return t
 

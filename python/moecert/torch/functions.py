@@ -71,23 +71,31 @@ class ExpertsFunction(torch.autograd.Function):
 
 
 def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, isa=None):
-    """The experts op with the caller's routing, differentiable in x, weights, the LoRA factors and
-    (when `base` = (w_gate, w_up, w_down), the tensors packed) the base weights.
+    """The experts op with the caller's routing, differentiable in x, weights, the LoRA factors and,
+    with `base`, the base weights.
 
     x [T, H] bf16, expert_ids [T, K] int32/int64 (-1 = empty slot, only at a row's tail), weights
-    [T, K] fp32 (0 at -1 slots), packed: PackedExperts, lora: ops.Lora or None. Returns y [T, H] fp32:
-    y_t = sum_j weights[t, j] * expert_{ids[t, j]}(x_t), the gradient of weights dL/dw[t, j] =
-    <dy_t, o_{t, j}>. Under torch.compile (torch 2.4 on), with neither base, stats nor isa given,
-    this is the registered op torch.ops.moecert.experts (library.py), which the graph keeps;
-    eagerly, the autograd.Function (the same bits, less dispatch per call)."""
+    [T, K] fp32 or bf16 (0 at -1 slots; bf16 is widened exactly), packed: PackedExperts (the
+    frozen base weights), lora: ops.Lora or None. base = (w_gate, w_up, w_down) bf16 trains the
+    base weights instead: they are packed at this call (pass packed=None), so the op always
+    computes with their current values. Returns y [T, H] fp32: y_t = sum_j weights[t, j] *
+    expert_{ids[t, j]}(x_t), the gradient of weights dL/dw[t, j] = <dy_t, o_{t, j}>. Under
+    torch.compile (torch 2.4 on), with neither base, stats nor isa given, this is the registered
+    op torch.ops.moecert.experts (library.py), which the graph keeps; eagerly, the
+    autograd.Function (the same bits, less dispatch per call)."""
+    if isinstance(weights, torch.Tensor) and weights.dtype == torch.bfloat16:
+        weights = weights.float()
+    if base is not None:
+        if packed is not None:
+            raise ops.InvalidArgument("packed and base: pass packed=None with base (the base weights are packed "
+                                      "at every call)")
+        packed = ops.PackedExperts(*(b.detach() if isinstance(b, torch.Tensor) else b for b in base))
     if base is None and stats is None and isa is None and library.in_graph():
         return library.call_experts(x, expert_ids, weights, packed, lora)  # a torch.compile graph op
     tensors = (weights,) + (lora.factors() if lora is not None else ()) + (tuple(base) if base is not None else ())
     needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in (x,) + tensors)  # as autograd's
     step = _experts_step(packed, lora, needs, base is not None, stats is not None,
                          x.dtype if isinstance(x, torch.Tensor) else None, isa)
-    if base is not None:
-        packed.check_sources(*base)
     return ExpertsFunction.apply(step, stats, x, expert_ids, *tensors)
 
 

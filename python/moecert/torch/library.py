@@ -256,9 +256,9 @@ def _resume(state):
     key, generation = int(state[0]), int(state[1])
     with _lock:
         saved = _all_states.get(key)
-    if saved is None or saved.generation != generation:
-        raise InvalidArgument("the forward's saved state was reused by a later forward after this graph's "
-                              "backward ran: a second backward through one graph is not supported")
+    if saved is None:
+        raise InvalidArgument("the forward kept no saved state (training=False): it has no backward")
+    ops.check_generation(saved, generation)
     return saved
 
 

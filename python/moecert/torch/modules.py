@@ -4,36 +4,129 @@ import math
 import torch
 from torch import nn
 
+from ..errors import InvalidArgument
 from . import library, ops
 from .functions import LayerFunction
-from .ops import LORA_NAMES
+from .ops import BASE_NAMES, LORA_NAMES
+
+NATIVE = (torch.bfloat16, torch.float32)  # the dtypes the kernels read LoRA factors in
+
+
+def _storage(t):
+    return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).data_ptr()
+
+
+class FrozenWeight(torch.Tensor):
+    """A read-only copy of base weights that live packed in a module (MoELayer.w_gate, ...):
+    computing with it works as with any tensor; an in-place change of it or of a view of it
+    (.data included) raises, since it would not reach the packed weights."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        mine = [a for a in args if isinstance(a, FrozenWeight)]
+        setter = getattr(getattr(func, "__self__", None), "__name__", "") if name == "__set__" else ""
+        if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+                setter in ("data", "requires_grad"):
+            name = setter or name
+            weight = getattr(mine[0], "weight_name", "base weight") if mine else "base weight"
+            raise InvalidArgument("{0}: a read-only copy of the packed base weights ({1} would not reach them); "
+                                  "assign layer.{0} = tensor, or use set_base_weights() or load_state_dict(), "
+                                  "or construct with train_base=True".format(weight, name))
+        with torch._C.DisableTorchFunction():
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.layout == torch.strided and mine and \
+                    _storage(out) == _storage(mine[0]):
+                view = out.as_subclass(cls)  # a view of the copy stays read-only
+                view.weight_name = getattr(mine[0], "weight_name", "base weight")
+                return view
+        return out
+
+
+def _frozen(t, name):
+    t = t.as_subclass(FrozenWeight)
+    t.weight_name = name
+    return t
+
+
+def _base_property(index, name, shape):
+    def get(self):
+        if self.train_base:
+            p = self._parameters.get(name)
+            if p is None:
+                raise AttributeError(name)
+            return p
+        return _frozen(self._packed.unpack()[index], name)
+
+    def set(self, value):
+        self.set_base_weights(**{name: value})
+
+    return property(get, set, doc="{} {} bf16: a parameter with train_base, else a read-only copy of the packed "
+                                  "weights (assigning packs the new value).".format(name, shape))
 
 
 class MoELayer(nn.Module):
-    """A Mixture-of-Experts layer: router linear (router_w [R, H], router_b [R], fp32), router
-    (softmax_topk, sigmoid_topk with router_bias [E], or product_key), E SwiGLU experts (w_gate,
-    w_up [E, I, H], w_down [E, H, I], bf16; frozen unless train_base) and LoRA of rank r on gate, up
-    and down (a_* [E, r, in], b_* [E, out, r], fp32 master weights, rounded to bf16 for the kernel;
-    b_* start at 0, so the layer starts as its base weights).
+    """A Mixture-of-Experts layer: router linear, router, E SwiGLU experts with LoRA.
 
-    forward(x [..., H] bf16) -> y [..., H] fp32. The experts are packed at the first forward; after
-    an optimizer step that changes the base weights, call repack() (a forward on stale packs
-    raises). Under torch.no_grad() (or with nothing requiring grad) it keeps no saved state."""
+    z = x router_w^T + router_b (fp32), routed by `router`; y_t = sum_j w[t, j] *
+    expert_{idx[t, j]}(x_t), expert_e(x) = (silu(x Wg^T) * (x Wu^T)) Wd^T with LoRA
+    W + (alpha / r) B A on gate, up and down.
+
+    Args:
+        experts, hidden, inter, topk: E, H, I, K.
+        rank, alpha: LoRA rank r (0: none) and alpha (default 2r); scale = alpha / r.
+        router: "softmax_topk" (renormalize: weights over the K selected), "sigmoid_topk"
+            (DeepSeek-V3: groups, topk_group, scaling, router_bias [E]) or "product_key" (E = n*n).
+        max_tokens: the most tokens one call takes.
+        train_base: train the base weights too (else they are frozen).
+        out_dtype: y's dtype (None: x's).
+        isa: force a kernel ("scalar", "avx512_bf16", "amx_bf16", "amx_emu", "avx2").
+
+    Parameters: router_w [R, H], router_b [R] (R = E, or 2n for product_key), fp32; the LoRA
+    factors a_gate, a_up [E, r, H], a_down [E, r, I], b_gate, b_up [E, I, r], b_down [E, H, r],
+    fp32 (b_* start at 0, so the layer starts as its base weights); buffer router_bias [E]
+    (sigmoid_topk). Base weights w_gate, w_up [E, I, H], w_down [E, H, I] bf16:
+
+    * frozen (default): the packed experts are their only storage. layer.w_gate reads a
+      read-only copy; `layer.w_gate = t`, set_base_weights() and load_state_dict() pack new
+      values; state_dict() holds them as plain tensors. Nothing can change them without
+      repacking, so a forward never computes with stale weights.
+    * train_base=True: they are parameters, packed again from their current values at every
+      forward (the optimizer, .data, load_state_dict and .to() all reach the next forward).
+
+    forward(x [..., H], stats=None) -> y [..., H]. x of any float dtype is rounded to bf16
+    (x.to(torch.bfloat16)) for the experts and the router linear; y is in out_dtype, else x's
+    dtype; dx in x's dtype (fp32 accumulated). Parameters of other dtypes (after .to(dtype),
+    .half(), .double()) are read as fp32 (bf16 LoRA factors as they are); the gradients reach
+    them in their own dtype. stats: a moecert.torch.Stats to receive M_A, M_G [T, E].
+
+    Raises moecert.InvalidArgument (a wrong shape, dtype or device; a CPU is required) and
+    moecert.ContractViolation (a clause failed under enforce: NaN input, overlap, ...) before
+    any work. Under semantic "observe" a failed precondition yields a y of NaN, and its
+    backward raises."""
+
+    w_gate = _base_property(0, "w_gate", "[E, I, H]")
+    w_up = _base_property(1, "w_up", "[E, I, H]")
+    w_down = _base_property(2, "w_down", "[E, H, I]")
 
     def __init__(self, experts, hidden, inter, topk, rank=0, alpha=None, router="softmax_topk", renormalize=True,
-                 groups=1, topk_group=1, scaling=1.0, max_tokens=4096, train_base=False, isa=None):
+                 groups=1, topk_group=1, scaling=1.0, max_tokens=4096, train_base=False, out_dtype=None, isa=None):
         super().__init__()
         alpha = float(alpha if alpha is not None else 2 * rank)
         self.config = ops.LayerConfig(experts, hidden, inter, topk, rank, alpha if rank else 0.0, router,
                                       renormalize, groups, topk_group, scaling, max_tokens)
         self.config.struct()  # validates
+        if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+            raise InvalidArgument("out_dtype {!r}: expected None or a floating torch.dtype".format(out_dtype))
         E, H, I, R = experts, hidden, inter, self.config.router_outputs()
-        self.isa = isa
-
-        def base(*shape, fan_in):
-            return nn.Parameter((torch.randn(*shape) / math.sqrt(fan_in)).to(torch.bfloat16), requires_grad=train_base)
-
-        self.w_gate, self.w_up, self.w_down = base(E, I, H, fan_in=H), base(E, I, H, fan_in=H), base(E, H, I, fan_in=I)
+        self.isa, self.out_dtype, self.train_base = isa, out_dtype, bool(train_base)
+        self._packed, self._steps, self._keys = None, {}, None
+        w = [(torch.randn(*s) / math.sqrt(s[2])).to(torch.bfloat16) for s in ((E, I, H), (E, I, H), (E, H, I))]
+        if self.train_base:
+            for name, t in zip(BASE_NAMES, w):
+                self.register_parameter(name, nn.Parameter(t))
+        else:
+            self._set_pack(ops.PackedExperts(*w, backward=True))
         self.router_w = nn.Parameter(torch.empty(R, H).uniform_(-1 / math.sqrt(H), 1 / math.sqrt(H)))
         self.router_b = nn.Parameter(torch.zeros(R))
         self.register_buffer("router_bias", torch.zeros(E) if router == "sigmoid_topk" else None)
@@ -43,64 +136,178 @@ class MoELayer(nn.Module):
                                                                                       1 / math.sqrt(cols))))
             for name, rows in (("b_gate", I), ("b_up", I), ("b_down", H)):
                 setattr(self, name, nn.Parameter(torch.zeros(E, rows, rank)))
-        self._packed, self._steps = None, {}
 
-    def repack(self):
-        """Packs the current base weights (after an optimizer step on them)."""
-        if self._packed is not None:
-            library.forget(self._packed)
-        self._packed = ops.PackedExperts(self.w_gate, self.w_up, self.w_down, backward=True)
+    # ---- base weights -----------------------------------------------------
+
+    def set_base_weights(self, w_gate=None, w_up=None, w_down=None):
+        """Replaces the base weights given (CPU tensors of their shapes, any float dtype, rounded to
+        bf16 by .to(torch.bfloat16)); frozen ones are packed at once, parameters copied into."""
+        c = self.config
+        shapes = {"w_gate": (c.experts, c.inter, c.hidden), "w_up": (c.experts, c.inter, c.hidden),
+                  "w_down": (c.experts, c.hidden, c.inter)}
+        given = {n: t for n, t in zip(BASE_NAMES, (w_gate, w_up, w_down)) if t is not None}
+        for name, t in given.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise InvalidArgument("{}: {}, expected a floating-point tensor".format(name, _what(t)))
+            if t.device.type != "cpu":
+                raise InvalidArgument("{}: on {}, expected a CPU tensor".format(name, t.device))
+            if tuple(t.shape) != shapes[name]:
+                raise InvalidArgument("size mismatch for {}: got {}, expected {}".format(
+                    name, list(t.shape), list(shapes[name])))
+        with torch.no_grad():
+            if self.train_base:
+                for name, t in given.items():
+                    self._parameters[name].copy_(t)
+                return
+            new = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in given.items()}
+            if len(new) < 3:
+                new = dict(zip(BASE_NAMES, self._packed.unpack()), **new)
+            self._set_pack(ops.PackedExperts(*(new[n] for n in BASE_NAMES), backward=True))
+
+    def _set_pack(self, packed):
+        old = self._packed
+        if old is not None:
+            library.forget(old)
+            packed.adopt_pools(old)
+        self._packed, self._steps = packed, {}
         if library.registered():  # the registered op's keys, formed outside any compiled region
+            self._keys = (library.config_key(self.config), library.key_of(packed))
+
+    def _pack_parameters(self):
+        """train_base: the parameters' current values, packed (every forward)."""
+        base = [self._parameters[n] for n in BASE_NAMES]
+        for name, t in zip(BASE_NAMES, base):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgument("{}: {}, expected a parameter".format(name, _what(t)))
+        with torch.no_grad():
+            self._set_pack(ops.PackedExperts(*(t.detach().to(torch.bfloat16).contiguous() for t in base),
+                                             backward=True))
+        return base
+
+    def __setattr__(self, name, value):
+        if name in BASE_NAMES and not self.__dict__.get("train_base", True):
+            self.set_base_weights(**{name: value})
+        else:
+            super().__setattr__(name, value)
+
+    # ---- torch conventions ----------------------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.train_base:
+            for name, t in zip(BASE_NAMES, self._packed.unpack()):
+                destination[prefix + name] = t
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if self.train_base:
+            return
+        given = {n: state_dict[prefix + n] for n in BASE_NAMES if prefix + n in state_dict}
+        unexpected_keys[:] = [k for k in unexpected_keys if k[len(prefix):] not in given or not k.startswith(prefix)]
+        missing_keys.extend(prefix + n for n in BASE_NAMES if n not in given)
+        try:
+            self.set_base_weights(**given)
+        except InvalidArgument as e:
+            error_msgs.append(str(e))
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_steps"], state["_keys"] = {}, None  # ABI structs; formed again at the next call
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self._packed is not None and library.registered():
             self._keys = (library.config_key(self.config), library.key_of(self._packed))
 
+    def _apply(self, fn, *args, **kwargs):
+        try:
+            device = fn(torch.zeros(1)).device
+        except Exception as e:  # e.g. torch without CUDA
+            raise InvalidArgument("MoELayer runs on the CPU only: {}".format(e)) from None
+        if device.type != "cpu":
+            raise InvalidArgument("MoELayer runs on the CPU only: cannot move it to {}".format(device))
+        return super()._apply(fn, *args, **kwargs)
+
+    # ---- forward --------------------------------------------------------------
+
     def lora(self):
+        """The LoRA factors as an ops.Lora (the parameters themselves), or None without LoRA."""
         if not self.config.lora_rank:
             return None
         return ops.Lora(*(getattr(self, n) for n in LORA_NAMES), alpha=self.config.lora_alpha)
 
     def forward(self, x, stats=None):
-        if self._packed is None:
-            self.repack()
-        lead, H = x.shape[:-1], self.config.hidden
+        """y [..., H] of x [..., H] (see the class docstring for dtypes and what raises)."""
+        H = self.config.hidden
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != H or not x.is_floating_point():
+            raise InvalidArgument("x: {}, expected a [..., {}] floating-point tensor".format(_what(x), H))
+        out_dtype = self.out_dtype or x.dtype
+        base = self._pack_parameters() if self.train_base else ()
+        lead = x.shape[:-1]
         x2 = x.reshape(-1, H) if x.dim() != 2 else x
         p = self._parameters
-        base = (p["w_gate"], p["w_up"], p["w_down"])
-        if (library.in_graph() and stats is None and self.isa is None and x2.device.type == "cpu" and
-                not any(t.requires_grad for t in base)):
-            if not library.compiling():
-                self._packed.check_sources(*base)
-            return library.call_layer(x2, self, *self._keys).reshape(*lead, H)
-        self._packed.check_sources(*base)
+        router = (p["router_w"], p["router_b"])
+        factors = tuple(p[n] for n in LORA_NAMES) if self.config.lora_rank else ()
+        if (library.in_graph() and stats is None and self.isa is None and x2.device.type == "cpu" and not base and
+                x2.dtype == torch.bfloat16 and all(t.dtype == torch.float32 for t in router + factors)):
+            return library.call_layer(x2, self, *self._keys).to(out_dtype).reshape(*lead, H)
+        weights = tuple(_f32(t) for t in router + (self.router_bias,)) + _kernel_factors(factors)
         if torch.is_grad_enabled():
-            router = (p["router_w"], p["router_b"])
-            factors = tuple(p[n] for n in LORA_NAMES) if self.config.lora_rank else ()
             train_base = any(t.requires_grad for t in base)
-            tensors = router + factors + (base if train_base else ())
+            tensors = router + factors + (tuple(base) if train_base else ())
             needs = (x2.requires_grad,) + tuple(t.requires_grad for t in tensors)
             if any(needs):
-                step = self._step(router + (self.router_bias,) + factors, needs, train_base, stats is not None,
-                                  x2.dtype)
+                step = self._step(weights, needs, train_base, stats is not None, x2.dtype, out_dtype)
                 y = LayerFunction.apply(step, stats, x2, *tensors)
                 return y if x2 is x else y.reshape(*lead, H)  # a reshape is a node of the graph
         with torch.no_grad():
-            y, _ = ops.layer_forward(self.config, self._packed, p["router_w"], p["router_b"], x2, self.router_bias,
-                                     self.lora(), isa=self.isa, training=False)
-        return y.reshape(*lead, H)
+            xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+            rw, rb, bias, *kf = weights
+            lora = ops.Lora(*kf, alpha=self.config.lora_alpha) if kf else None
+            y, _ = ops.layer_forward(self.config, self._packed, rw, rb, xb, bias, lora, isa=self.isa, training=False)
+        return y.to(out_dtype).reshape(*lead, H)
 
-    def _step(self, weights, needs, train_base, stats, dx_dtype):
-        """The ops.LayerStep of these weights (router_w, router_b, router_bias, the LoRA factors)
-        and wanted gradients: the one formed at an earlier call while the weights are the tensors
-        it was formed for, else a new one."""
-        key = (needs, train_base, stats, dx_dtype)
+    def _step(self, weights, needs, train_base, stats, x_dtype, out_dtype):
+        """The ops.LayerStep of these weights (router_w, router_b, router_bias, the LoRA factors, as
+        the kernels read them) and wanted gradients: the one formed at an earlier call while the
+        weights are the tensors it was formed for, else a new one."""
+        key = (needs, train_base, stats, x_dtype, out_dtype)
         step = self._steps.get(key)
         if step is None or step.packed is not self._packed or not step.holds(weights):
             if len(self._steps) >= 8:
                 self._steps.clear()
             step = self._steps[key] = ops.LayerStep(self.config, self._packed, weights, needs, train_base, stats,
-                                                    dx_dtype, self.isa)
+                                                    x_dtype, self.isa, out_dtype)
         return step
 
     def extra_repr(self):
         c = self.config
-        return "experts={}, hidden={}, inter={}, topk={}, rank={}, router={}".format(
-            c.experts, c.hidden, c.inter, c.topk, c.lora_rank, c.router)
+        return "experts={}, hidden={}, inter={}, topk={}, rank={}, router={}, train_base={}".format(
+            c.experts, c.hidden, c.inter, c.topk, c.lora_rank, c.router, self.train_base)
+
+
+def _what(t):
+    if isinstance(t, torch.Tensor):
+        return "{} {}".format(list(t.shape), str(t.dtype).replace("torch.", ""))
+    return type(t).__name__
+
+
+def _f32(t):
+    """t as the kernels read router parameters: fp32 (a detached copy of another float dtype)."""
+    if not isinstance(t, torch.Tensor) or t.dtype == torch.float32 or not t.is_floating_point():
+        return t
+    return t.detach().float()
+
+
+def _kernel_factors(factors):
+    """The LoRA factors as the kernels read them: all bf16 or all fp32 as they are, else fp32
+    detached copies."""
+    if not factors or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in factors):
+        return tuple(factors)
+    dtypes = {t.dtype for t in factors}
+    if len(dtypes) == 1 and dtypes <= set(NATIVE):
+        return tuple(factors)
+    return tuple(t.detach().float() for t in factors)

@@ -53,18 +53,35 @@ class SavedPool:
             self._idle.append(saved)
 
 
+def _op(name, outputs, *args):
+    """Calls op `name` of the ABI; when a precondition failed under observe (the handler reported
+    it and the op wrote nothing) fills `outputs` with NaN (-1 for indices) and returns the failed
+    clause's id, else None."""
+    if _abi.call(name, *args):
+        return None
+    for t in outputs:
+        if t is not None and t.numel():
+            t.fill_(-1 if not t.is_floating_point() else float("nan"))
+    return (_abi.lib.moecert_last_error().contents.clause or b"").decode() or name
+
+
 def check_generation(saved, generation):
-    """Raises unless `saved` still holds the forward that wrote `generation`."""
+    """Raises unless `saved` still holds the forward that wrote `generation`, and that forward
+    computed (it did not fail a precondition under observe)."""
+    if saved.failed is not None:
+        raise InvalidArgument("the forward failed {} under observe (its outputs are NaN): it has no "
+                              "backward".format(saved.failed))
     if saved.generation != generation:
         raise InvalidArgument("the forward's saved state was reused by a later forward after this graph's "
                               "backward ran: a second backward through one graph is not supported")
 
 
 class PackedExperts:
-    """Expert weights packed once for moecert's kernels (an immutable copy). w_gate, w_up [E, I, H],
-    w_down [E, H, I], bf16. backward=True also packs the orientations a backward multiplies by.
-    Remembers the sources' versions: an op given the sources after they changed in place raises
-    (repack after an optimizer step)."""
+    """Expert weights packed for moecert's kernels: the experts' storage. w_gate, w_up [E, I, H],
+    w_down [E, H, I] bf16 are copied in; later changes to those tensors do not reach the pack
+    (pack again, or let MoELayer hold the weights). backward=True also packs the orientations a
+    backward multiplies by. unpack() reads the weights back bitwise; a copy, a pickle or
+    torch.save of a PackedExperts holds them and packs them again when loaded."""
 
     def __init__(self, w_gate, w_up, w_down, backward=True):
         if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
@@ -76,14 +93,31 @@ class PackedExperts:
         self.experts, self.inter, self.hidden, self.backward = E, I, H, bool(backward)
         ptr = ctypes.c_void_p()
         with torch.no_grad():
-            _abi.call("moecert_experts_pack", E, ref(describe(w_gate)), ref(describe(w_up)),
-                      ref(describe(w_down)), int(backward), ctypes.byref(ptr))
+            packed = _abi.call("moecert_experts_pack", E, ref(describe(w_gate)), ref(describe(w_up)),
+                               ref(describe(w_down)), int(backward), ctypes.byref(ptr))
+        if not packed:
+            raise InvalidArgument("w_gate, w_up, w_down: packing failed {} under observe".format(
+                (_abi.lib.moecert_last_error().contents.clause or b"").decode()))
         self._handle = _abi.Handle(ptr, "moecert_experts_free")
-        self._sources = tuple((id(t), t._version) for t in (w_gate, w_up, w_down))
         self.experts_pool = SavedPool(ExpertsSaved)
         self.layer_pool = SavedPool(LayerSaved)
         self.experts_steps = {}  # moecert.torch.experts' ExpertsSteps on these experts
         self._memo = {}
+
+    def unpack(self):
+        """(w_gate, w_up, w_down): new bf16 tensors holding the packed weights, bitwise."""
+        E, I, H = self.experts, self.inter, self.hidden
+        out = (torch.empty(E, I, H, dtype=torch.bfloat16), torch.empty(E, I, H, dtype=torch.bfloat16),
+               torch.empty(E, H, I, dtype=torch.bfloat16))
+        _abi.call("moecert_experts_unpack", self.ptr, *(ref(describe(t)) for t in out))
+        return out
+
+    def __reduce__(self):
+        return PackedExperts, self.unpack() + (self.backward,)
+
+    def adopt_pools(self, other):
+        """Takes `other`'s idle saved states (their arenas stay allocated across a repack)."""
+        self.experts_pool, self.layer_pool = other.experts_pool, other.layer_pool
 
     def memo(self, name, key, make):
         """make(), or what it returned for `name` at the last call with an equal key (a key of
@@ -101,12 +135,6 @@ class PackedExperts:
     @property
     def ptr(self):
         return self._handle.ptr
-
-    def check_sources(self, w_gate, w_up, w_down):
-        """Raises InvalidArgument unless these are the tensors packed, unchanged since."""
-        for name, t, (tid, version) in zip(BASE_NAMES, (w_gate, w_up, w_down), self._sources):
-            if id(t) != tid or t._version != version:
-                raise InvalidArgument("{}: not the tensor packed, or changed since it was packed; repack".format(name))
 
     def nbytes(self):
         b = ctypes.c_int64()
@@ -195,8 +223,8 @@ def experts_forward(packed, x, expert_ids, weights, isa=None):
     check(weights, "weights", F32, (T, K))
     y = torch.empty(T, packed.hidden, dtype=torch.float32)
     check_no_alias([("x", x), ("expert_ids", ids), ("weights", weights)])
-    _abi.call("moecert_experts_forward", packed.ptr, ref(describe(x)), ref(describe(ids)), ref(describe(weights)),
-              ref(describe(y)), _isa(isa))
+    _op("moecert_experts_forward", (y,), packed.ptr, ref(describe(x)), ref(describe(ids)), ref(describe(weights)),
+        ref(describe(y)), _isa(isa))
     return y
 
 
@@ -217,7 +245,7 @@ class ExpertsSaved:
 
     def __init__(self):
         self._handle = _abi.Handle(_abi.new_handle("moecert_experts_saved_new"), "moecert_experts_saved_free")
-        self.packed = self._lora = self._lora_struct = self.x = None
+        self.packed = self._lora = self._lora_struct = self.x = self.failed = None
         self.tokens = self.topk = self.generation = 0
 
     @property
@@ -266,8 +294,8 @@ def _experts_forward(packed, lora_args, x, expert_ids, weights, saved, options):
     k, lora_struct, lora_spans = lora_args
     check_no_alias([("x", x), ("expert_ids", ids), ("weights", weights)], lora_spans)
     y = torch.empty(T, packed.hidden, dtype=torch.float32)
-    _abi.call("moecert_experts_forward_train", packed.ptr, ref(lora_struct), ref(describe(x)), ref(describe(ids)),
-              ref(describe(weights)), ref(describe(y)), saved.ptr, ref(options))
+    saved.failed = _op("moecert_experts_forward_train", (y,), packed.ptr, ref(lora_struct), ref(describe(x)),
+                       ref(describe(ids)), ref(describe(weights)), ref(describe(y)), saved.ptr, ref(options))
     saved.packed, saved.lora, saved.x, saved.tokens, saved.topk = packed, k, x, T, K
     saved.lora_descriptors(lora_struct)
     saved.generation += 1
@@ -341,8 +369,8 @@ def experts_backward(saved, dy, want=("dx", "dweights") + LORA_NAMES, dx_dtype=t
     p, T, K = saved.packed, saved.tokens, saved.topk
     g, out = _fill(_abi.ExpertsGrads, EXPERTS_GRADS, lambda: _experts_grad_shapes(p, T, K, r), want, torch.float32,
                    dx_dtype, key=("experts", p.experts, p.hidden, p.inter, T, K, r, frozenset(want), dx_dtype))
-    _abi.call("moecert_experts_backward", saved.packed.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
-              ref(describe(dy)), saved.ptr, ref(g))
+    _op("moecert_experts_backward", out.values(), saved.packed.ptr, ref(saved.lora_descriptors()),
+        ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(g))
     return out
 
 
@@ -355,8 +383,8 @@ def experts_bounds(saved, dy=None, want=()):
                    lambda: _experts_grad_shapes(saved.packed, saved.tokens, saved.topk, r), want, torch.float64)
     out["y"] = torch.empty(saved.tokens, saved.packed.hidden, dtype=torch.float64)
     dy = None if dy is None else grad_input(dy, "dy", (saved.tokens, saved.packed.hidden))
-    _abi.call("moecert_experts_bounds", saved.packed.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
-              ref(describe(dy)), saved.ptr, ref(describe(out["y"])), ref(g))
+    _op("moecert_experts_bounds", out.values(), saved.packed.ptr, ref(saved.lora_descriptors()),
+        ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(describe(out["y"])), ref(g))
     return out
 
 
@@ -427,8 +455,8 @@ class ExpertsStep(_Step):
         dy = grad_input(dy, "dy", (T, p.hidden))
         r = saved.lora.rank if saved.lora is not None else 0
         grads, outs = self._allocated(_abi.ExpertsGrads, (T, K), lambda: _experts_grad_shapes(p, T, K, r))
-        _abi.call("moecert_experts_backward", p.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
-                  ref(describe(dy)), saved.ptr, ref(grads))
+        _op("moecert_experts_backward", outs, p.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
+            ref(describe(dy)), saved.ptr, ref(grads))
         return outs
 
 
@@ -449,7 +477,8 @@ def softmax_topk(z, k, renormalize=True):
     """(idx [T, k] int32, w [T, k] fp32) of z [T, E] fp32 or bf16."""
     z = _scores(z, "z")
     idx, w = _router_outputs(z.shape[0], k)
-    _abi.call("moecert_softmax_topk_forward", ref(describe(z)), ref(describe(idx)), ref(describe(w)), int(renormalize))
+    _op("moecert_softmax_topk_forward", (idx, w), ref(describe(z)), ref(describe(idx)), ref(describe(w)),
+        int(renormalize))
     return idx, w
 
 
@@ -459,8 +488,8 @@ def softmax_topk_backward(z, idx, g, renormalize=True):
     idx = index_tensor(idx, "idx", (z.shape[0], None))
     g = grad_input(g, "g", tuple(idx.shape))
     dz = torch.empty(z.shape, dtype=torch.float32)
-    _abi.call("moecert_softmax_topk_backward", ref(describe(z)), ref(describe(idx)), ref(describe(g)), ref(describe(dz)),
-              int(renormalize))
+    _op("moecert_softmax_topk_backward", (dz,), ref(describe(z)), ref(describe(idx)), ref(describe(g)),
+        ref(describe(dz)), int(renormalize))
     return dz
 
 
@@ -469,8 +498,8 @@ def sigmoid_topk(z, bias, k, groups=1, topk_group=1, scaling=1.0):
     z = _scores(z, "z")
     check(bias, "bias", F32, (z.shape[1],))
     idx, w = _router_outputs(z.shape[0], k)
-    _abi.call("moecert_sigmoid_topk_forward", ref(describe(z)), ref(describe(bias)), groups, topk_group, scaling,
-              ref(describe(idx)), ref(describe(w)))
+    _op("moecert_sigmoid_topk_forward", (idx, w), ref(describe(z)), ref(describe(bias)), groups, topk_group, scaling,
+        ref(describe(idx)), ref(describe(w)))
     return idx, w
 
 
@@ -479,8 +508,8 @@ def sigmoid_topk_backward(z, idx, g, groups=1, topk_group=1, scaling=1.0):
     idx = index_tensor(idx, "idx", (z.shape[0], None))
     g = grad_input(g, "g", tuple(idx.shape))
     dz = torch.empty(z.shape, dtype=torch.float32)
-    _abi.call("moecert_sigmoid_topk_backward", ref(describe(z)), ref(describe(idx)), ref(describe(g)), groups,
-              topk_group, scaling, ref(describe(dz)))
+    _op("moecert_sigmoid_topk_backward", (dz,), ref(describe(z)), ref(describe(idx)), ref(describe(g)), groups,
+        topk_group, scaling, ref(describe(dz)))
     return dz
 
 
@@ -490,8 +519,8 @@ def product_key(sx, sy, k, weights="softmax"):
     if sy.shape != sx.shape or sy.dtype != sx.dtype:
         raise InvalidArgument("sy: {} {}, expected sx's {} {}".format(list(sy.shape), sy.dtype, list(sx.shape), sx.dtype))
     idx, w = _router_outputs(sx.shape[0], k)
-    _abi.call("moecert_product_key_forward", ref(describe(sx)), ref(describe(sy)), _key_mode(weights),
-              ref(describe(idx)), ref(describe(w)))
+    _op("moecert_product_key_forward", (idx, w), ref(describe(sx)), ref(describe(sy)), _key_mode(weights),
+        ref(describe(idx)), ref(describe(w)))
     return idx, w
 
 
@@ -507,8 +536,8 @@ def product_key_backward(sx, sy, idx, g, weights="softmax"):
     idx = index_tensor(idx, "idx", (sx.shape[0], None))
     g = grad_input(g, "g", tuple(idx.shape))
     dsx, dsy = torch.empty(sx.shape, dtype=torch.float32), torch.empty(sy.shape, dtype=torch.float32)
-    _abi.call("moecert_product_key_backward", ref(describe(sx)), ref(describe(sy)), ref(describe(idx)), ref(describe(g)),
-              _key_mode(weights), ref(describe(dsx)), ref(describe(dsy)))
+    _op("moecert_product_key_backward", (dsx, dsy), ref(describe(sx)), ref(describe(sy)), ref(describe(idx)),
+        ref(describe(g)), _key_mode(weights), ref(describe(dsx)), ref(describe(dsy)))
     return dsx, dsy
 
 
@@ -524,8 +553,8 @@ def router_bounds(router, param, z, idx, g=None):
     wb = torch.empty(idx.shape, dtype=torch.float64)
     db = torch.empty(z.shape, dtype=torch.float64) if g is not None else None
     g = None if g is None else grad_input(g, "g", tuple(idx.shape))
-    _abi.call("moecert_router_bounds", kind, float(param), ref(describe(z)), ref(describe(idx)), ref(describe(g)),
-              ref(describe(wb)), ref(describe(db)))
+    _op("moecert_router_bounds", (wb, db), kind, float(param), ref(describe(z)), ref(describe(idx)), ref(describe(g)),
+        ref(describe(wb)), ref(describe(db)))
     return wb, db
 
 
@@ -573,7 +602,7 @@ class LayerSaved:
 
     def __init__(self):
         self._handle = _abi.Handle(_abi.new_handle("moecert_layer_saved_new"), "moecert_layer_saved_free")
-        self.cfg = self.weights = self.x = None
+        self.cfg = self.weights = self.x = self.failed = None
         self.keep = ()
         self.tokens = self.generation = 0
 
@@ -635,8 +664,8 @@ def _layer_forward(cfg, weights, keep, spans, x, saved, options):
     check_no_alias([("x", x)], spans)
     c = cfg.struct()
     y = torch.empty(x.shape[0], cfg.hidden, dtype=torch.float32)
-    _abi.call("moecert_layer_forward", ctypes.byref(c), ctypes.byref(weights), ref(describe(x)), ref(describe(y)),
-              saved.ptr, ref(options))
+    saved.failed = _op("moecert_layer_forward", (y,), ctypes.byref(c), ctypes.byref(weights), ref(describe(x)),
+                       ref(describe(y)), saved.ptr, ref(options))
     saved.cfg, saved.weights, saved.keep, saved.x, saved.tokens = c, weights, keep, x, x.shape[0]
     saved.config = cfg
     saved.generation += 1
@@ -653,8 +682,8 @@ def router_linear_forward(x, router_w, router_b, isa=None):
     check(router_w, "router_w", F32, (None, x.shape[1]))
     check(router_b, "router_b", F32, (router_w.shape[0],))
     z = torch.empty(x.shape[0], router_w.shape[0], dtype=torch.float32)
-    _abi.call("moecert_router_linear_forward", ref(describe(x)), ref(describe(router_w)), ref(describe(router_b)),
-              ref(describe(z)), _isa(isa))
+    _op("moecert_router_linear_forward", (z,), ref(describe(x)), ref(describe(router_w)), ref(describe(router_b)),
+        ref(describe(z)), _isa(isa))
     return z
 
 
@@ -677,16 +706,16 @@ def router_linear_backward(x, router_w, dz, dx=None, want=("router_w", "router_b
             out[name] = torch.empty(shape, dtype=torch.float32)
     check_no_alias([("x", x), ("router_w", router_w), ("dz", dz)] +
                    [(n if n == "dx" else n + " grad", t) for n, t in out.items()])
-    _abi.call("moecert_router_linear_backward", ref(describe(x)), ref(describe(router_w)), ref(describe(dz)),
-              ref(describe(out.get("dx"))), ref(describe(out.get("router_w"))), ref(describe(out.get("router_b"))),
-              _isa(isa))
+    _op("moecert_router_linear_backward", [out.get("router_w"), out.get("router_b")], ref(describe(x)),
+        ref(describe(router_w)), ref(describe(dz)), ref(describe(out.get("dx"))), ref(describe(out.get("router_w"))),
+        ref(describe(out.get("router_b"))), _isa(isa))
     return out
 
 
 def layer_routing(saved):
     """(idx [T, K] int32, weights [T, K] fp32) the forward chose."""
     idx, w = _router_outputs(saved.tokens, saved.config.topk)
-    _abi.call("moecert_layer_saved_routing", saved.ptr, ref(describe(idx)), ref(describe(w)))
+    _op("moecert_layer_saved_routing", (idx, w), saved.ptr, ref(describe(idx)), ref(describe(w)))
     return idx, w
 
 
@@ -708,8 +737,8 @@ def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, 
     T = saved.tokens
     g, out = _fill(_abi.LayerGrads, LAYER_GRADS, lambda: _layer_grad_shapes(cfg, T), want, torch.float32, dx_dtype,
                    key=("layer", cfg, T, frozenset(want), dx_dtype))
-    _abi.call("moecert_layer_backward", ctypes.byref(saved.cfg), ctypes.byref(saved.weights), ref(describe(saved.x)),
-              ref(describe(dy)), saved.ptr, ref(g), int(expert_path), int(router_path))
+    _op("moecert_layer_backward", out.values(), ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
+        ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(g), int(expert_path), int(router_path))
     return out
 
 
@@ -719,10 +748,14 @@ class LayerStep(_Step):
     descriptors of x, y, dy and the outputs, as a C++ training loop passes the same structs.
     MoELayer keeps one per set of wanted gradients and forms it again when `holds` says the
     weights are no longer the tensors it was formed for (address, shape, strides, dtype).
-    inputs (_Step): router_w, router_b, the LoRA factors, then the base weights when `base`."""
+    inputs (_Step): router_w, router_b, the LoRA factors, then the base weights when `base`.
+    x_dtype: x's (dx is fp32 unless x is bf16 or fp32); out_dtype: y's."""
 
-    def __init__(self, cfg, packed, weights, needs, base=False, stats=False, dx_dtype=torch.bfloat16, isa=None):
+    def __init__(self, cfg, packed, weights, needs, base=False, stats=False, x_dtype=torch.bfloat16, isa=None,
+                 out_dtype=torch.float32):
         router_w, router_b, router_bias, *factors = weights
+        dx_dtype = x_dtype if x_dtype in (torch.bfloat16, torch.float32) else torch.float32
+        self.out_dtype = out_dtype
         lora = Lora(*factors, alpha=cfg.lora_alpha) if cfg.lora_rank else None
         self.config, self.packed = cfg, packed
         self.weights, self.keep, self.spans = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
@@ -738,8 +771,12 @@ class LayerStep(_Step):
         return signature(weights) == self.signature
 
     def forward(self, x, saved):
-        """y [T, H] fp32 of x [T, H] bf16; the forward's state into `saved` (a LayerSaved)."""
-        return _layer_forward(self.config, self.weights, self.keep, self.spans, x, saved, self._options)
+        """y [T, H] in out_dtype of x [T, H] (rounded to bf16 by x.to(torch.bfloat16) unless bf16);
+        the forward's state into `saved` (a LayerSaved)."""
+        if x.dtype != torch.bfloat16 and x.is_floating_point():
+            x = x.to(torch.bfloat16)
+        y = _layer_forward(self.config, self.weights, self.keep, self.spans, x, saved, self._options)
+        return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
     def backward(self, saved, dy):
         """The outputs `names` lists (dx, the weights' gradients, m_a, m_g) of the backward from
@@ -747,8 +784,8 @@ class LayerStep(_Step):
         T = saved.tokens
         dy = grad_input(dy, "dy", (T, self.config.hidden))
         grads, outs = self._allocated(_abi.LayerGrads, T, lambda: _layer_grad_shapes(self.config, T))
-        _abi.call("moecert_layer_backward", ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
-                  ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(grads), *self.paths)
+        _op("moecert_layer_backward", outs, ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
+            ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(grads), *self.paths)
         return outs
 
 
@@ -760,6 +797,6 @@ def layer_bounds(saved, dy=None, want=()):
     g, out = _fill(_abi.LayerGrads, LAYER_GRADS, lambda: _layer_grad_shapes(cfg, saved.tokens), want, torch.float64)
     out["y"] = torch.empty(saved.tokens, cfg.hidden, dtype=torch.float64)
     dy = None if dy is None else grad_input(dy, "dy", (saved.tokens, cfg.hidden))
-    _abi.call("moecert_layer_bounds", ctypes.byref(saved.cfg), ctypes.byref(saved.weights), ref(describe(saved.x)),
-              ref(describe(dy)), saved.ptr, ref(describe(out["y"])), ref(g))
+    _op("moecert_layer_bounds", out.values(), ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
+        ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(describe(out["y"])), ref(g))
     return out

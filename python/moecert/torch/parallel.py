@@ -159,9 +159,9 @@ class ExpertParallelMoE(torch.nn.Module):
     with rank > 0, LoRA factors of its experts as fp32 parameters (b_* from 0). forward(x [T, H]
     bf16, expert_ids [T, K] global ids, weights [T, K] fp32) -> y [T, H] fp32 for this rank's
     tokens; autograd gives dx, dL/dweights and the local experts' LoRA gradients, and with
-    train_base the base weights' (then parameters of this module: call repack() after an
-    optimizer step changed them; a forward on stale packs raises). Every rank calls forward and
-    backward together (collectives)."""
+    train_base the base weights' (then parameters of this module, packed again from their
+    current values at every forward). Without train_base the pack is the base weights' only
+    storage. Every rank calls forward and backward together (collectives)."""
 
     def __init__(self, num_experts, w_gate, w_up, w_down, rank=0, alpha=None, group=None, train_base=False):
         super().__init__()
@@ -212,16 +212,16 @@ class ExpertParallelMoE(torch.nn.Module):
             raise InvalidArgument("expert_ids[{}, {}] = {}: expected -1 <= id < {}".format(
                 t, j, int(expert_ids[t, j]), self.num_experts))
 
-    def repack(self):
-        """Packs the base weights again (train_base, after an optimizer step changed them)."""
-        self.packed = ops.PackedExperts(self.w_gate, self.w_up, self.w_down)
-
     def factors(self):
-        """The LoRA factors and the trained base weights as autograd inputs (None: absent)."""
+        """The LoRA factors and the trained base weights as autograd inputs (None: absent); with
+        train_base, the base weights' current values packed."""
         lora = tuple(getattr(self, n) for n in LORA_NAMES) if self.lora_rank else (None,) * 6
         base = tuple(getattr(self, n) for n in BASE_NAMES) if self.train_base else (None,) * 3
         if self.train_base:
-            self.packed.check_sources(*base)
+            with torch.no_grad():
+                packed = ops.PackedExperts(*(t.detach().to(torch.bfloat16).contiguous() for t in base))
+            packed.adopt_pools(self.packed)
+            self.packed = packed
         return lora + base
 
     def forward(self, x, expert_ids, weights):
@@ -298,7 +298,7 @@ class ExpertParallelMoELayer(torch.nn.Module):
     [R] fp32 (and router_bias [E] for sigmoid_topk) are data-parallel: every rank holds the same
     (checked at construction) and routes its own tokens; their gradients are the sum over the
     ranks' tokens, added in rank order, the same bits on every rank. train_base: the base weights
-    are trained too (`self.experts.w_gate` ...; `self.experts.repack()` after a step). forward(x
+    are trained too (`self.experts.w_gate` ..., packed at every forward). forward(x
     [T, H] bf16) -> y [T, H] fp32 for this rank's tokens; every rank calls forward and backward
     together."""
 
