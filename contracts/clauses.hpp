@@ -55,7 +55,7 @@ inline constexpr ClauseInfo kPackShape =
 inline constexpr ClauseInfo kPackWFinite =
     pre("gemm.pack.w_finite", Group::finite, "every W element finite");
 inline constexpr ClauseInfo kPackWRange =
-    pre("gemm.pack.w_range", Group::numeric, "W element 0 or 2^-60 <= |w| <= 2^60");
+    pre("gemm.pack.w_range", Group::numeric, "W element 0 or 2^-60 <= |w| <= 2^60", Level::audit);
 inline constexpr ClauseInfo kPackRoundtrip =
     post("gemm.pack.roundtrip", Group::memory, "every W element reads back from the packed layout");
 inline constexpr ClauseInfo kPackChecksum = {"gemm.pack.checksum", ClauseKind::invariant,
@@ -66,7 +66,7 @@ inline constexpr ClauseInfo kShape =
 inline constexpr ClauseInfo kAFinite =
     pre("gemm.matmul.a_finite", Group::finite, "every A element finite");
 inline constexpr ClauseInfo kARange =
-    pre("gemm.matmul.a_range", Group::numeric, "A element 0 or 2^-60 <= |a| <= 2^60");
+    pre("gemm.matmul.a_range", Group::numeric, "A element 0 or 2^-60 <= |a| <= 2^60", Level::audit);
 inline constexpr ClauseInfo kNoAlias =
     pre("gemm.matmul.no_alias", Group::alias, "C shares no byte with A or W");
 inline constexpr ClauseInfo kCFinite =
@@ -91,8 +91,8 @@ inline constexpr ClauseInfo kWeightFinite =
     pre("experts.forward.weight_finite", Group::finite, "weights finite, 0 at -1 slots");
 inline constexpr ClauseInfo kXFinite =
     pre("experts.forward.x_finite", Group::finite, "every x element finite");
-inline constexpr ClauseInfo kXRange =
-    pre("experts.forward.x_range", Group::numeric, "x element 0 or 2^-60 <= |x| <= 2^60");
+inline constexpr ClauseInfo kXRange = pre("experts.forward.x_range", Group::numeric,
+                                          "x element 0 or 2^-60 <= |x| <= 2^60", Level::audit);
 inline constexpr ClauseInfo kNoAlias =
     pre("experts.forward.no_alias", Group::alias, "y shares no byte with any input");
 inline constexpr ClauseInfo kPermutation = {"experts.forward.permutation", ClauseKind::invariant,
@@ -125,9 +125,14 @@ inline constexpr ClauseInfo kFwdIdxUnique =
 inline constexpr ClauseInfo kFwdWeightFinite =
     pre("experts.forward_train.weight_finite", Group::finite, "weights finite, 0 at -1 slots");
 inline constexpr ClauseInfo kFwdXFinite =
-    pre("experts.forward_train.x_finite", Group::finite, "x finite, 0 or 2^-60 <= |x| <= 2^60");
-inline constexpr ClauseInfo kFwdLoraFinite = pre("experts.forward_train.lora_finite", Group::finite,
-                                                 "LoRA finite, 0 or 2^-60 <= |a| <= 2^60");
+    pre("experts.forward_train.x_finite", Group::finite, "every x element finite");
+inline constexpr ClauseInfo kFwdXRange = pre("experts.forward_train.x_range", Group::numeric,
+                                             "x element 0 or 2^-60 <= |x| <= 2^60", Level::audit);
+inline constexpr ClauseInfo kFwdLoraFinite =
+    pre("experts.forward_train.lora_finite", Group::finite, "every LoRA element finite");
+inline constexpr ClauseInfo kFwdLoraRange =
+    pre("experts.forward_train.lora_range", Group::numeric,
+        "LoRA element 0 or 2^-60 <= |a| <= 2^60", Level::audit);
 inline constexpr ClauseInfo kFwdScale = pre("experts.forward_train.scale_finite", Group::numeric,
                                             "s = float(alpha / r) in [2^-60, 2^60]");
 inline constexpr ClauseInfo kFwdNoAlias =
@@ -179,12 +184,12 @@ inline constexpr ClauseInfo kBwdSpread =
     post("experts.backward.spread_explained", Group::numeric,
          "outputs within the declared precision's probabilistic bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,      kFwdIdxInRange,  kFwdIdxUnique,   kFwdWeightFinite, kFwdXFinite,
-    kFwdLoraFinite, kFwdScale,       kFwdNoAlias,     kFwdLoraPadding,  kFwdYFinite,
-    kFwdProbe,      kFwdWithin,      kBwdState,       kBwdShape,        kBwdDyFinite,
-    kBwdNoAlias,    kBwdSavedFinite, kBwdSavedIntact, kBwdGradFinite,   kBwdEmptyZero,
-    kBwdDwMasked,   kBwdProbe,       kBwdWithin,      kFwdRounding,     kBwdRounding,
-    kFwdSpread,     kBwdSpread};
+    kFwdShape,       kFwdIdxInRange, kFwdIdxUnique, kFwdWeightFinite, kFwdXFinite,
+    kFwdXRange,      kFwdLoraFinite, kFwdLoraRange, kFwdScale,        kFwdNoAlias,
+    kFwdLoraPadding, kFwdYFinite,    kFwdProbe,     kFwdWithin,       kBwdState,
+    kBwdShape,       kBwdDyFinite,   kBwdNoAlias,   kBwdSavedFinite,  kBwdSavedIntact,
+    kBwdGradFinite,  kBwdEmptyZero,  kBwdDwMasked,  kBwdProbe,        kBwdWithin,
+    kFwdRounding,    kBwdRounding,   kFwdSpread,    kBwdSpread};
 }  // namespace experts_train
 
 namespace router {
@@ -325,8 +330,13 @@ inline constexpr ClauseInfo kFwdShape = pre(
     "layer.forward.shape", Group::shape, "x, y T x H; router, LoRA, packed experts of the config");
 inline constexpr ClauseInfo kFwdXFinite =
     pre("layer.forward.x_finite", Group::finite, "x, router weights and bias finite");
+inline constexpr ClauseInfo kFwdXRange = pre("layer.forward.x_range", Group::numeric,
+                                             "x element 0 or 2^-60 <= |x| <= 2^60", Level::audit);
 inline constexpr ClauseInfo kFwdLoraFinite =
-    pre("layer.forward.lora_finite", Group::finite, "LoRA finite, 0 or 2^-60 <= |a| <= 2^60");
+    pre("layer.forward.lora_finite", Group::finite, "every LoRA element finite");
+inline constexpr ClauseInfo kFwdLoraRange =
+    pre("layer.forward.lora_range", Group::numeric, "LoRA element 0 or 2^-60 <= |a| <= 2^60",
+        Level::audit);
 inline constexpr ClauseInfo kFwdScale =
     pre("layer.forward.scale_finite", Group::numeric, "s = float(alpha / r) finite, > 0");
 inline constexpr ClauseInfo kFwdNoAlias =
@@ -370,6 +380,8 @@ inline constexpr ClauseInfo kRlShape =
         "x T x H, W_r R x H, b R; z, dz T x R; grads of their shapes");
 inline constexpr ClauseInfo kRlFinite =
     pre("layer.router_linear.finite", Group::finite, "x, W_r, b (forward), dz (backward) finite");
+inline constexpr ClauseInfo kRlXRange = pre("layer.router_linear.x_range", Group::numeric,
+                                            "x element 0 or 2^-60 <= |x| <= 2^60", Level::audit);
 inline constexpr ClauseInfo kRlNoAlias = pre("layer.router_linear.no_alias", Group::alias,
                                              "outputs disjoint from each other and the inputs");
 inline constexpr ClauseInfo kRlOutFinite =
@@ -379,11 +391,11 @@ inline constexpr ClauseInfo kRlProbe = post("layer.router_linear.probe", Group::
 inline constexpr ClauseInfo kRlWithin = post("layer.router_linear.within_bound", Group::numeric,
                                              "every output within bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,   kFwdXFinite,     kFwdLoraFinite,  kFwdScale,      kFwdNoAlias,   kFwdLoraPadding,
-    kFwdYFinite, kFwdProbe,       kFwdWithin,      kBwdState,      kBwdShape,     kBwdDyFinite,
-    kBwdNoAlias, kBwdSavedFinite, kBwdSavedIntact, kBwdGradFinite, kBwdEmptyZero, kBwdRouterMasked,
-    kBwdProbe,   kBwdWithin,      kRlShape,        kRlFinite,      kRlNoAlias,    kRlOutFinite,
-    kRlProbe,    kRlWithin};
+    kFwdShape,     kFwdXFinite,      kFwdXRange,   kFwdLoraFinite,  kFwdLoraRange,   kFwdScale,
+    kFwdNoAlias,   kFwdLoraPadding,  kFwdYFinite,  kFwdProbe,       kFwdWithin,      kBwdState,
+    kBwdShape,     kBwdDyFinite,     kBwdNoAlias,  kBwdSavedFinite, kBwdSavedIntact, kBwdGradFinite,
+    kBwdEmptyZero, kBwdRouterMasked, kBwdProbe,    kBwdWithin,      kRlShape,        kRlFinite,
+    kRlXRange,     kRlNoAlias,       kRlOutFinite, kRlProbe,        kRlWithin};
 }  // namespace layer
 
 }  // namespace moecert::clauses

@@ -101,9 +101,10 @@ void lora_padding(detail::Checker& c, const ClauseInfo& clause,
   if (i < factors.size()) fail_padding(c, clause, factors[i]);
 }
 
-LoraFiniteScan::LoraFiniteScan(const experts::Lora& l, std::size_t experts)
-    : lora_(l), experts_(experts) {
-  for (auto& f : first_) f = SIZE_MAX;
+LoraFiniteScan::LoraFiniteScan(const experts::Lora& l, std::size_t experts, bool range_on)
+    : lora_(l), experts_(experts), range_on_(range_on) {
+  for (auto& f : first_finite_) f = SIZE_MAX;
+  for (auto& f : first_range_) f = SIZE_MAX;
 }
 
 void LoraFiniteScan::expert(std::size_t e) {
@@ -112,25 +113,39 @@ void LoraFiniteScan::expert(std::size_t e) {
     const MatView<const bf16> v = lora_views(lora_)[i];
     const std::size_t per = v.rows / experts_;
     const MatView<const bf16> rows(v.row(e * per), per, v.cols, v.stride);
-    const std::size_t at =
-        detail::first_failing_element(rows, [](bf16 x) { return detail::bf16_in_range(x); });
-    if (at == per * v.cols) continue;
-    keep_least(first_[i], (e * per + at / v.cols) * v.cols + at % v.cols);
+    const auto first = [&](std::atomic<std::size_t>& into, std::size_t at) {
+      if (at < per * v.cols) keep_least(into, (e * per + at / v.cols) * v.cols + at % v.cols);
+    };
+    first(first_finite_[i],
+          detail::first_failing_element(rows, [](bf16 x) { return detail::finite_bits(x); }));
+    if (range_on_)
+      first(first_range_[i],
+            detail::first_failing_element(rows, [](bf16 x) { return detail::bf16_in_range(x); }));
   }
 }
 
-void LoraFiniteScan::report(detail::Checker& c, const ClauseInfo& clause) {
-  detail::add_clause_seconds(clause, static_cast<double>(ns_.load()) * 1e-9);
+bool LoraFiniteScan::fail_first(detail::Checker& c, const ClauseInfo& clause,
+                                const std::array<std::atomic<std::size_t>, 6>& first,
+                                std::string_view expected) {
   const auto names = lora_shapes(0, 0, 0, 0);
   for (std::size_t i = 0; i < 6; ++i) {
-    if (first_[i] == SIZE_MAX) continue;
+    if (first[i] == SIZE_MAX) continue;
     const MatView<const bf16> v = lora_views(lora_)[i];
-    const std::size_t row = first_[i] / v.cols, col = first_[i] % v.cols;
+    const std::size_t row = first[i] / v.cols, col = first[i] % v.cols;
     c.fail(clause, fmt::format("lora.{}[{}, {}]", names[i].name, row, col),
            fmt::format("lora.{}={}", names[i].name, static_cast<double>(v(row, col).to_float())),
-           "finite, 0 or 2^-60 <= |a| <= 2^60");
-    return;
+           std::string(expected));
+    return true;
   }
+  return false;
+}
+
+void LoraFiniteScan::report(detail::Checker& c, const ClauseInfo& finite, const ClauseInfo& range) {
+  const double seconds = static_cast<double>(ns_.load()) * 1e-9;
+  detail::add_clause_seconds(finite, range_on_ ? seconds / 2 : seconds);
+  if (range_on_) detail::add_clause_seconds(range, seconds / 2);
+  if (fail_first(c, finite, first_finite_, "finite") || c.stop() || !range_on_) return;
+  fail_first(c, range, first_range_, "0 or 2^-60 <= |a| <= 2^60");
 }
 
 void LoraPaddingScan::expert(std::span<const PackedFactor, 8> factors) {

@@ -326,12 +326,10 @@ void experts_train_forward_pre(detail::Checker& c, const experts::PackedExperts&
     routing_weights(c, k::kFwdWeightFinite, idx, weights);
   }
   if (c.stop()) return;
-  MOECERT_CONTRACT(c, k::kFwdXFinite) {
-    detail::scan(
-        c, k::kFwdXFinite, "x", x, [](bf16 v) { return detail::bf16_in_range(v); },
-        "finite, 0 or 2^-60 <= |x| <= 2^60");
-  }
-  // lora_finite: judged as the factors are packed (LoraFiniteScan).
+  MOECERT_CONTRACT(c, k::kFwdXFinite) { detail::scan_finite(c, k::kFwdXFinite, "x", x); }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kFwdXRange) { detail::scan_bf16_range(c, k::kFwdXRange, "x", x); }
+  // lora_finite, lora_range: judged as the factors are packed (LoraFiniteScan).
   MOECERT_CONTRACT(c, k::kFwdScale) { lora_scale(c, k::kFwdScale, lora.rank, lora.alpha); }
   MOECERT_CONTRACT(c, k::kFwdNoAlias) {
     const NamedRanges outs{{"y", y.bytes()}};

@@ -72,22 +72,27 @@ void lora_scale(detail::Checker& c, const ClauseInfo& clause, std::size_t rank, 
 void lora_padding(detail::Checker& c, const ClauseInfo& clause,
                   std::span<const PackedFactor> factors);
 
-/// lora_finite (every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60),
-/// judged while the factors are packed: expert(e) scans expert
-/// e's rows of the six factors on the thread that packs them (the pack has
-/// just read them) and keeps each factor's first offender; report() fails
-/// `clause` at the first factor's, as lora_finite does, and adds the time
-/// spent in expert() to the clause's.
+/// lora_finite (every LoRA element finite) and lora_range (0 or
+/// 2^-60 <= |a| <= 2^60), judged while the factors are packed: expert(e)
+/// scans expert e's rows of the six factors on the thread that packs them
+/// (the pack has just read them) and keeps each factor's first offender of
+/// each; report() fails `finite` at the first factor's non-finite element,
+/// else `range` (when `range_on`) at the first factor's out-of-range one,
+/// and adds the time spent in expert() to the clauses'.
 class LoraFiniteScan {
  public:
-  LoraFiniteScan(const experts::Lora& l, std::size_t experts);
+  LoraFiniteScan(const experts::Lora& l, std::size_t experts, bool range_on);
   void expert(std::size_t e);  // thread-safe
-  void report(detail::Checker& c, const ClauseInfo& clause);
+  void report(detail::Checker& c, const ClauseInfo& finite, const ClauseInfo& range);
 
  private:
+  bool fail_first(detail::Checker& c, const ClauseInfo& clause,
+                  const std::array<std::atomic<std::size_t>, 6>& first, std::string_view expected);
   const experts::Lora& lora_;
   std::size_t experts_;
-  std::array<std::atomic<std::size_t>, 6> first_;  // i * cols + j of each factor; SIZE_MAX: none
+  bool range_on_;
+  // i * cols + j of each factor's first offender; SIZE_MAX: none
+  std::array<std::atomic<std::size_t>, 6> first_finite_, first_range_;
   std::atomic<std::int64_t> ns_{0};
 };
 

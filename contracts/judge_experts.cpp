@@ -27,15 +27,15 @@ constexpr const char* kLoraNames[] = {"a_gate", "b_gate", "a_up", "b_up", "a_dow
 // The clause ids of the two forward ops: experts.forward (no LoRA) and
 // experts.forward_train.
 struct ForwardClauses {
-  const ClauseInfo &shape, &idx_in_range, &idx_unique, &weight_finite, &x_finite, &y_finite,
-      &within, &rounding, &spread;
+  const ClauseInfo &shape, &idx_in_range, &idx_unique, &weight_finite, &x_finite, &x_range,
+      &y_finite, &within, &rounding, &spread;
 };
-constexpr ForwardClauses kForward{kf::kShape,        kf::kIdxInRange, kf::kIdxUnique,
-                                  kf::kWeightFinite, kf::kXFinite,    kf::kYFinite,
-                                  kf::kWithinBound,  kf::kRounding,   kf::kSpread};
-constexpr ForwardClauses kForwardTrain{kt::kFwdShape,        kt::kFwdIdxInRange, kt::kFwdIdxUnique,
-                                       kt::kFwdWeightFinite, kt::kFwdXFinite,    kt::kFwdYFinite,
-                                       kt::kFwdWithin,       kt::kFwdRounding,   kt::kFwdSpread};
+constexpr ForwardClauses kForward{kf::kShape,    kf::kIdxInRange, kf::kIdxUnique, kf::kWeightFinite,
+                                  kf::kXFinite,  kf::kXRange,     kf::kYFinite,   kf::kWithinBound,
+                                  kf::kRounding, kf::kSpread};
+constexpr ForwardClauses kForwardTrain{
+    kt::kFwdShape,  kt::kFwdIdxInRange, kt::kFwdIdxUnique, kt::kFwdWeightFinite, kt::kFwdXFinite,
+    kt::kFwdXRange, kt::kFwdYFinite,    kt::kFwdWithin,    kt::kFwdRounding,     kt::kFwdSpread};
 constexpr const char* kSpreadProof = "probabilistic, proofs/bounds.md §12";
 
 // Finite, and 0 or within [2^-60, 2^60] (the bounds' range, proofs/bounds.md §0).
@@ -106,6 +106,28 @@ bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* n
   return detail::scan(c, clause, name, m, in_range, "finite, 0 or 2^-60 <= |v| <= 2^60");
 }
 
+bool finite_then_range(detail::Checker& c, const ClauseInfo& finite, const ClauseInfo& range,
+                       const char* name, MatView<const float> m) {
+  // The clauses are arguments here (not constants): their cap and settings
+  // checked as MOECERT_CONTRACT does.
+  if (detail::cap_allows(finite.level) && c.on(finite)) {
+    const detail::ClauseTimer timer{finite};
+    if (!detail::scan_finite(c, finite, name, m)) return false;
+  }
+  if (detail::cap_allows(range.level) && c.on(range)) {
+    const detail::ClauseTimer timer{range};
+    return scan_range(c, range, name, m);
+  }
+  return true;
+}
+
+bool scan_range(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                MatView<const float> m) {
+  return detail::scan(
+      c, clause, name, m, [](float v) { return !std::isfinite(v) || in_range(v); },
+      "0 or 2^-60 <= |v| <= 2^60");
+}
+
 bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name,
                   MatView<const float> m, const std::vector<Tracked>& ref,
                   const bounds::Precision& p, const char* proof) {
@@ -142,10 +164,11 @@ void base_weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
   }
 }
 
-bool lora_in_range(detail::Checker& c, const ClauseInfo& clause, const ExpertsTensors& t) {
+bool lora_in_range(detail::Checker& c, const ClauseInfo& finite, const ClauseInfo& range,
+                   const ExpertsTensors& t) {
   const MatView<const float> f[] = {t.a_gate, t.b_gate, t.a_up, t.b_up, t.a_down, t.b_down};
   for (std::size_t i = 0; i < 6; ++i)
-    if (!finite_in_range(c, clause, kLoraNames[i], f[i])) return false;
+    if (!finite_then_range(c, finite, range, kLoraNames[i], f[i])) return false;
   return true;
 }
 
@@ -235,8 +258,8 @@ void input_clauses(detail::Checker& c, const ExpertsTensors& t) {
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k.idx_unique) { routing_unique(c, k.idx_unique, t.idx); }
   MOECERT_CONTRACT(c, k.weight_finite) { routing_weights(c, k.weight_finite, t.idx, t.weights); }
-  MOECERT_CONTRACT(c, k.x_finite) { finite_in_range(c, k.x_finite, "x", t.x); }
-  weight_clauses<kt::kFwdLoraFinite, kt::kFwdScale>(c, t);  // LoRA only where given
+  finite_then_range(c, k.x_finite, k.x_range, "x", t.x);
+  weight_clauses<kt::kFwdLoraFinite, kt::kFwdLoraRange, kt::kFwdScale>(c, t);  // LoRA where given
 }
 
 template <const ForwardClauses& k, bool lora>
@@ -364,7 +387,8 @@ std::map<std::string, OpEntry> experts_entries() {
        {backward,
         {"experts.backward.", "experts.forward_train.idx_in_range",
          "experts.forward_train.idx_unique", "experts.forward_train.weight_finite",
-         "experts.forward_train.x_finite", "experts.forward_train.lora_finite",
+         "experts.forward_train.x_finite", "experts.forward_train.x_range",
+         "experts.forward_train.lora_finite", "experts.forward_train.lora_range",
          "experts.forward_train.scale_finite", "gemm.pack.w_finite", "gemm.pack.w_range"}}}};
 }
 

@@ -32,16 +32,27 @@ bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* n
 
 /// The base weights by gemm.pack.w_finite and w_range.
 void base_weight_clauses(detail::Checker& c, const ExpertsTensors& t);
+/// m finite by `finite`, then in the bounds' range by `range` (each where
+/// its level is on); false when one failed.
+bool finite_then_range(detail::Checker& c, const ClauseInfo& finite, const ClauseInfo& range,
+                       const char* name, MatView<const float> m);
+
+/// Every finite element of m in the bounds' range (0 or 2^-60 <= |v| <=
+/// 2^60); false when one is not.
+bool scan_range(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                MatView<const float> m);
+
 /// Every LoRA factor finite and in range; false when one failed.
-bool lora_in_range(detail::Checker& c, const ClauseInfo& clause, const ExpertsTensors& t);
+bool lora_in_range(detail::Checker& c, const ClauseInfo& finite, const ClauseInfo& range,
+                   const ExpertsTensors& t);
 
 /// The base weights' clauses; with LoRA, its factors by `lora_finite` and
-/// its scale by `scale`.
-template <const ClauseInfo& lora_finite, const ClauseInfo& scale>
+/// `lora_range` and its scale by `scale`.
+template <const ClauseInfo& lora_finite, const ClauseInfo& lora_range, const ClauseInfo& scale>
 void weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
   base_weight_clauses(c, t);
   if (t.r == 0) return;
-  MOECERT_CONTRACT(c, lora_finite) { lora_in_range(c, lora_finite, t); }
+  lora_in_range(c, lora_finite, lora_range, t);
   MOECERT_CONTRACT(c, scale) { lora_scale(c, scale, t.r, t.alpha); }
 }
 

@@ -106,13 +106,15 @@ struct Halves {
 // layer's input clauses).
 void input_clauses(detail::Checker& c, const LayerTensors& t) {
   MOECERT_CONTRACT(c, kl::kFwdXFinite) {
-    finite_in_range(c, kl::kFwdXFinite, "x", t.ex.x) &&
+    detail::scan_finite(c, kl::kFwdXFinite, "x", t.ex.x) &&
         detail::scan_finite(c, kl::kFwdXFinite, "router_w", t.router_w) &&
         detail::scan_finite(c, kl::kFwdXFinite, "router_b", row_of(t.router_b)) &&
         (t.router_bias.size == 0 ||
          detail::scan_finite(c, kl::kFwdXFinite, "router_bias", row_of(t.router_bias)));
   }
-  weight_clauses<kl::kFwdLoraFinite, kl::kFwdScale>(c, t.ex);
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, kl::kFwdXRange) { scan_range(c, kl::kFwdXRange, "x", t.ex.x); }
+  weight_clauses<kl::kFwdLoraFinite, kl::kFwdLoraRange, kl::kFwdScale>(c, t.ex);
 }
 
 // The larger bound of two models of one value.
@@ -378,12 +380,14 @@ std::vector<std::string> backward_router(const Params& p) {
 std::map<std::string, OpEntry> layer_entries() {
   const std::vector<std::string> weights = {"gemm.pack.w_finite", "gemm.pack.w_range"};
   std::vector<std::string> fwd = {
-      "layer.forward.x_finite",         "layer.forward.lora_finite",
+      "layer.forward.x_finite",         "layer.forward.x_range",
+      "layer.forward.lora_finite",      "layer.forward.lora_range",
       "layer.forward.scale_finite",     "layer.forward.shape",
       "layer.forward.y_finite",         "layer.forward.within_bound",
       "layer.router_linear.out_finite", "layer.router_linear.within_bound"};
   std::vector<std::string> bwd = {
-      "layer.forward.x_finite",      "layer.forward.lora_finite",
+      "layer.forward.x_finite",      "layer.forward.x_range",
+      "layer.forward.lora_finite",   "layer.forward.lora_range",
       "layer.forward.scale_finite",  "layer.backward.shape",
       "layer.backward.saved_finite", "layer.backward.dy_finite",
       "layer.backward.grad_finite",  "layer.backward.router_masked",

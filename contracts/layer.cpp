@@ -123,9 +123,7 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kFwdXFinite) {
-    detail::scan(
-        c, k::kFwdXFinite, "x", x, [](bf16 v) { return detail::bf16_in_range(v); },
-        "finite, 0 or 2^-60 <= |x| <= 2^60") &&
+    detail::scan_finite(c, k::kFwdXFinite, "x", x) &&
         detail::scan_finite(c, k::kFwdXFinite, "router_w", w.router_w) &&
         detail::scan_finite(
             c, k::kFwdXFinite, "router_b",
@@ -134,7 +132,9 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
             c, k::kFwdXFinite, "router_bias",
             MatView<const float>(w.router_bias.data, 1, w.router_bias.size, w.router_bias.size));
   }
-  // lora_finite: judged as the factors are packed (LoraFiniteScan).
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kFwdXRange) { detail::scan_bf16_range(c, k::kFwdXRange, "x", x); }
+  // lora_finite, lora_range: judged as the factors are packed (LoraFiniteScan).
   MOECERT_CONTRACT(c, k::kFwdScale) { lora_scale(c, k::kFwdScale, d.r, cfg.lora_alpha); }
   MOECERT_CONTRACT(c, k::kFwdNoAlias) {
     std::vector<std::pair<std::string, ByteRange>> in{{"x", x.bytes()},

@@ -23,9 +23,7 @@ namespace {
 MatView<const float> row_of(View<const float> v) { return {v.data, 1, v.size, v.size}; }
 
 bool inputs_finite(detail::Checker& c, MatView<const bf16> x, MatView<const float> w) {
-  return detail::scan(
-             c, k::kRlFinite, "x", x, [](bf16 v) { return detail::bf16_in_range(v); },
-             "finite, 0 or 2^-60 <= |x| <= 2^60") &&
+  return detail::scan_finite(c, k::kRlFinite, "x", x) &&
          detail::scan_finite(c, k::kRlFinite, "router_w", w);
 }
 
@@ -45,6 +43,8 @@ void router_linear_forward_pre(detail::Checker& c, MatView<const bf16> x, MatVie
   MOECERT_CONTRACT(c, k::kRlFinite) {
     inputs_finite(c, x, w) && detail::scan_finite(c, k::kRlFinite, "router_b", row_of(b));
   }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kRlXRange) { detail::scan_bf16_range(c, k::kRlXRange, "x", x); }
   MOECERT_CONTRACT(c, k::kRlNoAlias) {
     detail::no_overlap(c, k::kRlNoAlias, {{"z", z.bytes()}},
                        {{"x", x.bytes()}, {"router_w", w.bytes()}, {"router_b", b.bytes()}});
@@ -101,6 +101,8 @@ void router_linear_backward_pre(detail::Checker& c, MatView<const bf16> x, MatVi
     inputs_finite(c, x, w) && detail::scan_finite(c, k::kRlFinite, "dz", dz) &&
         (g.dx.empty() || detail::scan_finite(c, k::kRlFinite, "dx", MatView<const float>(g.dx)));
   }
+  if (c.stop()) return;
+  MOECERT_CONTRACT(c, k::kRlXRange) { detail::scan_bf16_range(c, k::kRlXRange, "x", x); }
   MOECERT_CONTRACT(c, k::kRlNoAlias) {
     std::vector<std::pair<std::string, ByteRange>> out;
     if (!g.dx.empty()) out.emplace_back("dx", g.dx.bytes());

@@ -372,10 +372,37 @@ TEST_CASE("experts.forward_train: preconditions fire and leave y untouched",
     q.x[17] = bf16(INFINITY);
     expect(q, "experts.forward_train.x_finite", q.lora_view());
   }
+  SECTION("x_range: at audit; any finite x at check") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
+    q.x[17] = bf16(0x1p-70f);
+    test::expect_violation(fwd(q, q.lora_view()), "experts.forward_train.x_range", Level::audit);
+    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
+    q.x[17] = bf16(0x1p70f);
+    test::expect_violation(fwd(q, q.lora_view()), "experts.forward_train.x_range", Level::audit);
+    q.x[17] = bf16(0x1p-70f);
+    ContractScope check{Level::check, Semantic::enforce};
+    fwd(q, q.lora_view())();
+    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return std::isfinite(v); }));
+  }
   SECTION("lora_finite") {
     Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
     q.lora[3][5] = bf16(NAN);
     expect(q, "experts.forward_train.lora_finite", q.lora_view());
+  }
+  SECTION("lora_range: at audit, after lora_finite; any finite factor at check") {
+    Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
+    q.lora[2][7] = bf16(0x1p-70f);
+    q.lora[0][9] = bf16(0x1p70f);
+    const auto v = test::expect_violation(fwd(q, q.lora_view()), "experts.forward_train.lora_range",
+                                          Level::audit);
+    CHECK(v.location == fmt::format("lora.a_gate[{}, {}]", 9 / q.H, 9 % q.H));
+    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
+    q.lora[4][1] = bf16(NAN);  // a non-finite factor is lora_finite's, whatever comes first
+    test::expect_violation(fwd(q, q.lora_view()), "experts.forward_train.lora_finite",
+                           Level::audit);
+    q.lora[4][1] = bf16(0.5f);
+    ContractScope check{Level::check, Semantic::enforce};
+    fwd(q, q.lora_view())();
   }
   SECTION("lora_finite: the first factor's first offender, whichever expert is packed first") {
     Problem q = make(8, 40, 24, 3, 4, 13, Routing::tail);
@@ -386,7 +413,7 @@ TEST_CASE("experts.forward_train: preconditions fire and leave y untouched",
     q.lora[4][3] = bf16(NAN);
     const auto v = test::expect_violation(fwd(q, q.lora_view()),
                                           "experts.forward_train.lora_finite", Level::check);
-    CHECK(v.location == fmt::format("lora.b_gate[{}, 1]", 2 * q.I + 5));
+    CHECK(v.location == fmt::format("lora.b_gate[{}, 2]", 6 * q.I + 1));
     CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
   }
   SECTION("scale_finite") {

@@ -445,6 +445,26 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     test::expect_violation([&] { fwd(q, y); }, "layer.forward.x_finite", Level::check);
     CHECK(y == before);
   }
+  SECTION("x_range: at audit; any finite x at check") {
+    Problem& q = p;
+    q.x[5] = bf16(0x1p-80f);
+    const auto v =
+        test::expect_violation([&] { fwd(q, y); }, "layer.forward.x_range", Level::audit);
+    CHECK(v.location == "x[0, 5]");
+    CHECK(y == before);
+    ContractScope check{Level::check, Semantic::enforce};
+    fwd(q, y);
+    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return std::isfinite(v); }));
+  }
+  SECTION("lora_range: at audit; any finite factor at check") {
+    Problem& q = p;
+    q.lora[5][3] = bf16(0x1p80f);
+    auto v = test::expect_violation([&] { fwd(q, y); }, "layer.forward.lora_range", Level::audit);
+    CHECK(v.location == "lora.b_down[0, 3]");
+    CHECK(y == before);
+    ContractScope check{Level::check, Semantic::enforce};
+    fwd(q, y);
+  }
   SECTION("lora_finite") {
     Problem& q = p;
     q.lora[5][3] = bf16(INFINITY);
@@ -781,6 +801,18 @@ TEST_CASE("layer.router_linear: clauses", "[layer][router_linear][contracts]") {
     CHECK(v.location == "x[0, 5]");
     p.x[5] = bf16(1.0f), dz[2 * p.R + 1] = INFINITY;
     test::expect_violation([&] { bwd(all); }, "layer.router_linear.finite", Level::check);
+  }
+  SECTION("x_range") {
+    p.x[5] = bf16(0x1p-90f);
+    const auto v = test::expect_violation(
+        [&] {
+          fwd({z.data(), p.T, p.R});
+        },
+        "layer.router_linear.x_range", Level::audit);
+    CHECK(v.location == "x[0, 5]");
+    test::expect_violation([&] { bwd(all); }, "layer.router_linear.x_range", Level::audit);
+    ContractScope check{Level::check, Semantic::enforce};
+    fwd({z.data(), p.T, p.R});
   }
   SECTION("no_alias") {
     test::expect_violation(

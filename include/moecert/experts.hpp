@@ -99,7 +99,8 @@ struct ForwardStats {
 ///   experts.forward.idx_unique     pre   index    no expert twice in a row
 ///   experts.forward.weight_finite  pre   finite   every weight finite; 0 at -1 slots
 ///   experts.forward.x_finite       pre   finite   every x element finite
-///   experts.forward.x_range        pre   numeric  every x element 0 or 2^-60 <= |x| <= 2^60
+///   experts.forward.x_range        pre   numeric  every x element 0 or 2^-60 <= |x| <= 2^60, the range
+///                                                 the bounds hold in (audit)
 ///   experts.forward.no_alias       pre   alias    y shares no byte with x, idx, weights or packed weights
 ///   experts.forward.permutation    invariant index  the grouping holds every valid slot exactly once,
 ///                                                 histogram sums to the routed rows
@@ -200,9 +201,13 @@ struct TrainOptions {
 ///   experts.forward_train.idx_in_range   pre   index    -1 <= idx[t,j] < E, and -1 only at the tail of a row
 ///   experts.forward_train.idx_unique     pre   index    no expert twice in a row
 ///   experts.forward_train.weight_finite  pre   finite   every weight finite; 0 at -1 slots
-///   experts.forward_train.x_finite       pre   finite   every x element finite and 0 or 2^-60 <= |x| <= 2^60
-///   experts.forward_train.lora_finite    pre   finite   every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60
-///                                                       (judged per expert while its factors are packed)
+///   experts.forward_train.x_finite       pre   finite   every x element finite
+///   experts.forward_train.x_range        pre   numeric  every x element 0 or 2^-60 <= |x| <= 2^60, the range
+///                                                       the bounds hold in (audit)
+///   experts.forward_train.lora_finite    pre   finite   every LoRA element finite (judged per expert while
+///                                                       its factors are packed)
+///   experts.forward_train.lora_range     pre   numeric  every LoRA element 0 or 2^-60 <= |a| <= 2^60 (audit;
+///                                                       judged as lora_finite is)
 ///   experts.forward_train.scale_finite   pre   numeric  alpha finite and s = float(alpha / r) in [2^-60, 2^60]
 ///   experts.forward_train.no_alias       pre   alias    y shares no byte with x, idx, weights, LoRA or
 ///                                                       packed weights

@@ -35,7 +35,8 @@ namespace gemm {
 ///   gemm.pack.shape      pre  shape    stride >= cols; `second` absent or of w's shape
 ///   gemm.pack.w_finite   pre  finite   every W element finite
 ///   gemm.pack.w_range    pre  numeric  every W element 0 or 2^-60 <= |w| <= 2^60 (no product of
-///                                      two in-range bf16 underflows or overflows; proofs/bounds.md §0)
+///                                      two in-range bf16 underflows or overflows; proofs/bounds.md §0;
+///                                      audit)
 ///   gemm.pack.roundtrip  post memory   every W element reads back from the packed layout (at());
 ///                                      pack_transposed: every wt[k][n] as W[n][k]
 ///   gemm.pack.checksum   invariant memory  the packed bytes still hash to the pack-time checksums,
@@ -121,7 +122,7 @@ class PackedWeights {
 /// Clauses (contracts/gemm.cpp):
 ///   gemm.matmul.shape      pre   shape    a.cols == w.k(), c.rows == a.rows, c.cols == w.n()
 ///   gemm.matmul.a_finite   pre   finite   every A element finite
-///   gemm.matmul.a_range    pre   numeric  every A element 0 or 2^-60 <= |a| <= 2^60
+///   gemm.matmul.a_range    pre   numeric  every A element 0 or 2^-60 <= |a| <= 2^60 (audit)
 ///   gemm.matmul.no_alias   pre   alias    C shares no byte with A or the packed weights
 ///   gemm.matmul.c_finite   post  finite   every C element finite
 ///   gemm.matmul.probe      post  numeric  Freivalds probes within their bound (audit): every row

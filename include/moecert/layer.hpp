@@ -99,8 +99,12 @@ struct BackwardOptions {
 ///                                              bias R; LoRA views of their shapes; packed experts of
 ///                                              this config
 ///   layer.forward.x_finite      pre   finite   every x, router weight and bias element finite
-///   layer.forward.lora_finite   pre   finite   every LoRA element finite and 0 or 2^-60 <= |a| <= 2^60
-///                                              (judged per expert while its factors are packed)
+///   layer.forward.x_range       pre   numeric  every x element 0 or 2^-60 <= |x| <= 2^60, the range
+///                                              the bounds hold in (audit)
+///   layer.forward.lora_finite   pre   finite   every LoRA element finite (judged per expert while its
+///                                              factors are packed)
+///   layer.forward.lora_range    pre   numeric  every LoRA element 0 or 2^-60 <= |a| <= 2^60 (audit;
+///                                              judged as lora_finite is)
 ///   layer.forward.scale_finite  pre   numeric  s = float(alpha / r) finite and > 0 (r > 0)
 ///   layer.forward.no_alias      pre   alias    y shares no byte with x or any weight
 ///   layer.forward.lora_padding  invariant numeric  the packed LoRA factors' depth padding (k >= r of
@@ -172,8 +176,9 @@ struct RouterLinearGrads {
 /// Clauses (contracts/layer_router_linear.cpp; bounds: proofs/layer.md §4):
 ///   layer.router_linear.shape        pre   shape    x T x H; W_r R x H; b R (forward); z, dz T x R;
 ///                                                   every given gradient of its shape
-///   layer.router_linear.finite       pre   finite   every x (finite, 0 or 2^-60 <= |x| <= 2^60), W_r,
-///                                                   b (forward) and dz (backward) element finite
+///   layer.router_linear.finite       pre   finite   every x, W_r, b (forward) and dz (backward) element
+///                                                   finite
+///   layer.router_linear.x_range      pre   numeric  every x element 0 or 2^-60 <= |x| <= 2^60 (audit)
 ///   layer.router_linear.no_alias     pre   alias    the outputs share no byte with each other or
 ///                                                   any input
 ///   layer.router_linear.out_finite   post  finite   every output element finite

@@ -51,8 +51,8 @@ void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16>
                             opt.training, opt.memory_cap, chk);
   if (plan.buffers.empty()) return;  // a plan clause failed under observe
   namespace k = clauses::experts_train;
-  if (!pack_lora<k::kFwdLoraFinite, k::kFwdLoraPadding>(lora, s.experts, s.hidden, s.inter,
-                                                        opt.training, s.lora, chk))
+  if (!pack_lora<k::kFwdLoraFinite, k::kFwdLoraRange, k::kFwdLoraPadding>(
+          lora, s.experts, s.hidden, s.inter, opt.training, s.lora, chk))
     return;
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);

@@ -105,21 +105,24 @@ PackedLora::Hook judge_packs(contracts::LoraFiniteScan* finite,
                              contracts::LoraPaddingScan* padding);
 
 /// Packs `lora` for E experts of H -> I -> H into `into` (reusing its
-/// memory), judging the op's clauses `finite` (lora_finite) and `padding`
-/// (lora_padding) per expert while its factors are packed, on the packing
-/// thread. False when a precondition failed under observe: the op returns.
-template <const ClauseInfo& finite, const ClauseInfo& padding>
+/// memory), judging the op's clauses `finite` (lora_finite), `range`
+/// (lora_range) and `padding` (lora_padding) per expert while its factors are
+/// packed, on the packing thread. False when a precondition failed under
+/// observe: the op returns.
+template <const ClauseInfo& finite, const ClauseInfo& range, const ClauseInfo& padding>
 bool pack_lora(const Lora& lora, std::size_t E, std::size_t H, std::size_t I, bool backward,
                PackedLora& into, detail::Checker& chk) {
-  contracts::LoraFiniteScan finite_scan(lora, E);
-  contracts::LoraPaddingScan padding_scan;
-  bool judge_finite = false, judge_padding = false;
+  bool judge_finite = false, judge_range = false, judge_padding = false;
   MOECERT_CONTRACT(chk, finite) { judge_finite = true; }
+  MOECERT_CONTRACT(chk, range) { judge_range = true; }
   MOECERT_CONTRACT(chk, padding) { judge_padding = true; }
+  contracts::LoraFiniteScan finite_scan(lora, E, judge_range);
+  contracts::LoraPaddingScan padding_scan;
+  const bool scan = judge_finite || judge_range;
   into = PackedLora::pack(
       lora, E, H, I, backward, std::move(into),
-      judge_packs(judge_finite ? &finite_scan : nullptr, judge_padding ? &padding_scan : nullptr));
-  if (judge_finite) finite_scan.report(chk, finite);
+      judge_packs(scan ? &finite_scan : nullptr, judge_padding ? &padding_scan : nullptr));
+  if (scan) finite_scan.report(chk, finite, range);
   if (chk.stop()) return false;
   if (judge_padding) padding_scan.report(chk, padding);
   return true;

@@ -90,8 +90,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   const auto E = static_cast<std::size_t>(cfg.experts), H = static_cast<std::size_t>(cfg.hidden);
   const auto I = static_cast<std::size_t>(cfg.inter);
   const experts::Lora lora = cfg.lora_rank ? w.lora : experts::Lora{};
-  if (!experts::pack_lora<clauses::layer::kFwdLoraFinite, clauses::layer::kFwdLoraPadding>(
-          lora, E, H, I, opt.training, s.lora, chk))
+  if (!experts::pack_lora<clauses::layer::kFwdLoraFinite, clauses::layer::kFwdLoraRange,
+                          clauses::layer::kFwdLoraPadding>(lora, E, H, I, opt.training, s.lora,
+                                                           chk))
     return;
   s.arena.bind(plan, chk);
   s.arena.enter(workspace::f_route, chk);

@@ -31,7 +31,7 @@ from ..errors import InvalidArgument
 from . import ops
 
 _lock = threading.Lock()
-_packed = {}  # key -> PackedExperts
+_packed = weakref.WeakValueDictionary()  # key -> PackedExperts, while its owner holds it
 _in_flight = {}                          # key -> saved state whose backward has not run
 _all_states = weakref.WeakValueDictionary()  # key -> every saved state alive (pooled ones too)
 _next = itertools.count(1)
@@ -39,7 +39,7 @@ _WANTED = ("dx", "dweights") + ops.LORA_NAMES
 
 
 def key_of(packed):
-    """The key naming `packed` for the ops; the registry holds it until forget(packed)."""
+    """The key naming `packed` for the ops, while `packed` lives or until forget(packed)."""
     key = getattr(packed, "_library_key", None)
     if key is None:
         with _lock:
@@ -50,7 +50,7 @@ def key_of(packed):
 
 
 def forget(packed):
-    """Drops `packed` from the registry (MoELayer.repack does it for the pack it replaces)."""
+    """Drops `packed` from the registry (MoELayer does it for the pack it replaces)."""
     key = getattr(packed, "_library_key", None)
     if key is not None:
         with _lock:
@@ -337,7 +337,7 @@ def compiling():
 
 def call_layer(x, layer, config, packed_key):
     """MoELayer's forward through the registered op (LoRA and router parameters trained);
-    config and packed_key as MoELayer.repack formed them."""
+    config and packed_key as MoELayer formed them when it packed its base weights."""
     factors = tuple(getattr(layer, n) for n in ops.LORA_NAMES) if layer.config.lora_rank else (None,) * 6
     params = (x, layer.router_w, layer.router_b) + factors
     needs = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)

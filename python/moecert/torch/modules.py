@@ -24,7 +24,7 @@ class FrozenWeight(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        mine = [a for a in args if isinstance(a, FrozenWeight)]
+        mine = [a for a in tuple(args) + tuple((kwargs or {}).values()) if isinstance(a, FrozenWeight)]
         setter = getattr(getattr(func, "__self__", None), "__name__", "") if name == "__set__" else ""
         if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
                 setter in ("data", "requires_grad"):
@@ -111,6 +111,9 @@ class MoELayer(nn.Module):
 
     def __init__(self, experts, hidden, inter, topk, rank=0, alpha=None, router="softmax_topk", renormalize=True,
                  groups=1, topk_group=1, scaling=1.0, max_tokens=4096, train_base=False, out_dtype=None, isa=None):
+        """Builds the layer (arguments in the class docstring): base weights N(0, 1/fan_in) rounded
+        to bf16, router_w and a_* uniform in +-1/sqrt(fan_in), router_b and b_* zero. Raises
+        moecert.InvalidArgument or ContractViolation (config.*) for an invalid configuration."""
         super().__init__()
         alpha = float(alpha if alpha is not None else 2 * rank)
         self.config = ops.LayerConfig(experts, hidden, inter, topk, rank, alpha if rank else 0.0, router,
