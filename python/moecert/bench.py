@@ -258,7 +258,7 @@ def _timed_calls():
     def timed(name, *args):
         t0 = time.perf_counter()
         try:
-            real(name, *args)
+            return real(name, *args)
         finally:
             inside[0] += time.perf_counter() - t0
 

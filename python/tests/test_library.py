@@ -52,7 +52,7 @@ def test_routers(router, rng):
 
 def test_layer(rng):
     torch.manual_seed(3)
-    layer = mt.MoELayer(8, 32, 48, 2, rank=4, alpha=8.0, max_tokens=T)
+    layer = mt.MoELayer(8, 32, 48, 2, rank=4, alpha=8.0, max_tokens=T, out_dtype=torch.float32)
     with torch.no_grad():
         for k in ("b_gate", "b_up", "b_down"):
             getattr(layer, k).normal_(0, 0.3)
@@ -74,6 +74,10 @@ def test_layer(rng):
     function = step(lambda xs: fn.LayerFunction.apply(plan, None, xs, *trainable))
     for got in (registered_eagerly(lambda: step(layer)), step(torch.compile(layer, fullgraph=True))):
         assert all(torch.equal(a, b) for a, b in zip(function, got))
+    layer.out_dtype = None  # y in x's dtype: the graph's y rounded
+    y_bf16 = registered_eagerly(lambda: torch.compile(layer, fullgraph=True)(x))
+    assert y_bf16.dtype == torch.bfloat16 and torch.equal(y_bf16, function[0].bfloat16())
+    layer.out_dtype = torch.float32
     mt.library.always = True  # what follows is the registered ops' state handling
     y = layer(x)
     y.backward(dy, retain_graph=True)
