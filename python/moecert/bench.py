@@ -386,7 +386,7 @@ def python_alone(layer, x, dy, reps):
     xm = x.clone().requires_grad_(True)
     trainable = [p for p in layer.parameters() if p.requires_grad]
     real, times = _abi.call, []
-    _abi.call = lambda name, *args: None
+    _abi.call = lambda name, *args: True  # "OK", nothing written
     try:
         for i in range(20 * reps + 5):
             for p in trainable + [xm]:
