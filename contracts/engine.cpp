@@ -79,7 +79,8 @@ void read_environment() {
     s.semantic = *sem;
   }
   if (const char* env = std::getenv("MOECERT_CONTRACT_GROUPS"); env && *env) {
-    std::string_view v = env;
+    const std::string_view whole = env;
+    std::string_view v = whole;
     std::uint32_t groups = 0;
     if (v == "all") {
       groups = (1u << kGroupCount) - 1;
@@ -90,9 +91,9 @@ void read_environment() {
         const auto g = parse_group(name);
         if (!g)
           throw std::invalid_argument(
-              fmt::format("MOECERT_CONTRACT_GROUPS: unknown group '{}', expected all, none or "
+              fmt::format("MOECERT_CONTRACT_GROUPS={}: unknown group '{}', expected all, none or "
                           "a comma-separated list of {}",
-                          name, join_names(kGroupNames, kGroupCount)));
+                          whole, name, join_names(kGroupNames, kGroupCount)));
         groups |= 1u << static_cast<int>(*g);
         v = comma == std::string_view::npos ? std::string_view{} : v.substr(comma + 1);
       }

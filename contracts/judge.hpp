@@ -27,6 +27,9 @@ struct Options {
   double output_unit = 0;            // unit roundoff of the outputs' storage: 2^-8 bf16, 2^-11 fp16
   double output_tiny = 0;            // half its least denormal: 2^-134 bf16, 2^-25 fp16
   std::vector<Tie>* ties = nullptr;  // where ties are recorded, if anywhere
+  // Rows a clause skipped because an index clause rejected their expert
+  // ids (it would read scores through them), if recorded anywhere.
+  std::vector<std::size_t>* skipped_rows = nullptr;
 };
 
 /// The calling thread's options (the router clauses run on it).
@@ -61,6 +64,13 @@ inline bool allow_tie(std::size_t t, std::int32_t a, std::int32_t b, double scor
 inline void record_near_tie(std::size_t t, std::int32_t a, std::int32_t b, double score) {
   Options& o = current();
   if (o.ties) o.ties->push_back({t, a, b, score, true});
+}
+
+/// Records that a clause skipped row t (its ids failed an index clause).
+inline void skip_row(std::size_t t) {
+  Options& o = current();
+  if (o.skipped_rows && (o.skipped_rows->empty() || o.skipped_rows->back() != t))
+    o.skipped_rows->push_back(t);
 }
 
 /// Bound e on a value with exact magnitude ref_abs, widened by the

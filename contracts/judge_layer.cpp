@@ -167,6 +167,21 @@ void router_forward(detail::Checker& c, const LayerTensors& t, const Params& p) 
   }
 }
 
+// Whether every row of the router's ids is in [-1, E) (the experts' model
+// reads the weights through them); the rows that are not are recorded as
+// skipped (the router's index clause reported them).
+bool routable(MatView<const std::int32_t> idx, std::size_t experts) {
+  bool all = true;
+  for (std::size_t t = 0; t < idx.rows; ++t)
+    for (std::size_t j = 0; j < idx.cols; ++j)
+      if (idx(t, j) < -1 || idx(t, j) >= static_cast<std::int64_t>(experts)) {
+        judge::skip_row(t);
+        all = false;
+        break;
+      }
+  return all;
+}
+
 void layer_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
                    const Params& params) {
   const Precision p = precision_of(params);
@@ -190,8 +205,10 @@ void layer_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
   router_forward(c, t, params);
   if (c.stop()) return;
   MOECERT_CONTRACT(c, kl::kFwdYFinite) { detail::scan_finite(c, kl::kFwdYFinite, "y", y); }
+  // y's model on ids the router's index clauses rejected is not computed.
   MOECERT_CONTRACT(c, kl::kFwdWithin) {
-    within_model(c, kl::kFwdWithin, "y", y, experts_model_forward(t.ex, p), p, kProof);
+    if (routable(t.ex.idx, t.ex.E))
+      within_model(c, kl::kFwdWithin, "y", y, experts_model_forward(t.ex, p), p, kProof);
   }
 }
 

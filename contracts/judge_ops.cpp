@@ -2,6 +2,9 @@
 // observe at level full, its violations collected per clause.
 #include "contracts/judge_ops.hpp"
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <mutex>
 #include <nlohmann/json.hpp>
 
@@ -37,6 +40,29 @@ Options options_for(const Tensors& out) {
   return o;
 }
 
+// The parameters op reads (docs/JUDGE.md): a name outside them is refused
+// rather than ignored (a misspelt one would change the verdict silently).
+std::vector<std::string> accepted_params(const std::string& op) {
+  const std::vector<std::string> router = {"renormalize", "groups", "topk_group", "scaling",
+                                           "weights"};
+  auto starts = [&](const char* prefix) { return op.rfind(prefix, 0) == 0; };
+  if (starts("router.softmax_topk.")) return {"precision", "renormalize"};
+  if (starts("router.sigmoid_topk.")) return {"precision", "groups", "topk_group", "scaling"};
+  if (starts("router.product_key.")) return {"precision", "weights"};
+  if (starts("experts.")) return {"precision", "alpha", "audit"};
+  std::vector<std::string> layer = {"precision", "router", "alpha"};
+  layer.insert(layer.end(), router.begin(), router.end());
+  return layer;
+}
+
+void check_params(const std::string& op, const Params& params) {
+  const auto accepted = accepted_params(op);
+  for (const auto& [name, value] : params)
+    if (std::find(accepted.begin(), accepted.end(), name) == accepted.end())
+      throw std::invalid_argument(fmt::format("{}: unknown parameter {}={}, expected one of {}", op,
+                                              name, value, fmt::join(accepted, ", ")));
+}
+
 }  // namespace
 
 bool Verdict::passed() const {
@@ -57,9 +83,11 @@ Verdict judge_op(const std::string& op, const Tensors& in, const Tensors& out,
   if (it == ops().end())
     throw std::invalid_argument(fmt::format("{}: not an op the judge reads from tensors", op));
   const OpEntry& entry = it->second;
-  Verdict v{op, {}, {}};
+  check_params(op, params);
+  Verdict v{op, {}, {}, {}};
   Options options = options_for(out);
   options.ties = &v.ties;
+  options.skipped_rows = &v.skipped_rows;
   // One judgement at a time: the handler and the clause counts are the
   // process's (a violation another thread meets meanwhile is recorded in
   // that thread's list, not printed, and still raised under enforce).
@@ -81,6 +109,9 @@ Verdict judge_op(const std::string& op, const Tensors& in, const Tensors& out,
     }
     set_violation_handler(previous);
   }
+  std::sort(v.skipped_rows.begin(), v.skipped_rows.end());
+  v.skipped_rows.erase(std::unique(v.skipped_rows.begin(), v.skipped_rows.end()),
+                       v.skipped_rows.end());
   std::map<std::string, std::uint64_t> after;
   for (const auto& cc : clause_counts()) after[cc.id] = cc.checked;
   std::vector<std::string> families = entry.families;
@@ -122,11 +153,9 @@ std::string verdict_json(const Verdict& v, const Params& about) {
                     {"other", t.b},
                     {"score", t.score},
                     {"kind", t.near ? "near" : "exact"}});
-  nlohmann::json j{{"schema", "moecert-check/1"},
-                   {"op", v.op},
-                   {"verdict", v.passed() ? "pass" : "fail"},
-                   {"clauses", clauses},
-                   {"ties", ties}};
+  nlohmann::json j{
+      {"schema", "moecert-check/1"}, {"op", v.op},   {"verdict", v.passed() ? "pass" : "fail"},
+      {"clauses", clauses},          {"ties", ties}, {"skipped_rows", v.skipped_rows}};
   for (const auto& [k, val] : about) j[k] = val;
   return j.dump();
 }

@@ -42,6 +42,9 @@ struct Verdict {
   std::string op;
   std::vector<ClauseResult> clauses;  // every clause of the op, in the registry's order
   std::vector<Tie> ties;              // (near) ties the implementation ordered its own way
+  // Rows whose expert ids an index clause rejected, which the clauses that
+  // read scores or weights through the ids skipped (ascending, distinct).
+  std::vector<std::size_t> skipped_rows;
   bool passed() const;
 };
 

@@ -208,7 +208,7 @@ int run_bench(const BenchArgs& a) {
     env["versions"].as_object()["onednn"] = bench::OnednnExperts::version();
     boost::json::object doc{
         {"schema", "moecert-bench/1"}, {"environment", env}, {"cases", results}};
-    std::ofstream(*path) << boost::json::serialize(doc) << "\n";
+    write_file(*path, boost::json::serialize(doc) + "\n");
   }
   return 0;
 }
@@ -231,7 +231,8 @@ void add_bench(CLI::App& app, Command& run) {
   sub->add_option("--contracts", a->contracts,
                   "check, audit or full: time moecert at off and at each level, alternating");
   sub->add_option("--clause-times", a->clause_times,
-                  "with --contracts: print each level's N costliest clauses (ms per op call)");
+                  "with --contracts: print each level's N costliest clauses (ms per op call)")
+      ->check(CLI::NonNegativeNumber);
   sub->add_flag("--list", a->list, "print the case names and stop");
   sub->callback([a, &run] { run = [a] { return run_bench(*a); }; });
 }

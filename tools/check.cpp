@@ -59,11 +59,10 @@ judge::Tensors tensors(const Files& f) {
 
 void write_reports(const judge::Verdict& v, const CheckArgs& a) {
   namespace fs = std::filesystem;
-  fs::create_directories(a.out);
-  std::ofstream(fs::path(a.out) / "report.json")
-      << judge::verdict_json(
-             v, {{"inputs", a.inputs}, {"outputs", a.outputs}, {"precision", a.precision}})
-      << "\n";
+  write_file(fs::path(a.out) / "report.json",
+             judge::verdict_json(
+                 v, {{"inputs", a.inputs}, {"outputs", a.outputs}, {"precision", a.precision}}) +
+                 "\n");
   std::string md = fmt::format(
       "# moecert check: {} — {}\n\ninputs `{}`, outputs `{}`, precision {}\n\n"
       "| clause | verdict | first failure |\n|---|---|---|\n",
@@ -80,6 +79,11 @@ void write_reports(const judge::Verdict& v, const CheckArgs& a) {
                                       : fmt::format("<failure message=\"{}\"/>", escape_xml(why)));
     failures += !c.passed;
   }
+  if (!v.skipped_rows.empty())
+    md += fmt::format(
+        "\nRows whose expert ids an index clause rejected, skipped by the clauses that read "
+        "through the ids: {}\n",
+        fmt::join(v.skipped_rows, ", "));
   md += fmt::format("\nTies the implementation ordered its own way (allowed): {}\n", v.ties.size());
   for (const auto& t : v.ties)
     md += t.near ? fmt::format(
@@ -88,14 +92,14 @@ void write_reports(const judge::Verdict& v, const CheckArgs& a) {
                        t.t, t.a, t.b, t.score)
                  : fmt::format("- t={}: expert {} before expert {}, both score {:.9g}\n", t.t, t.a,
                                t.b, t.score);
-  std::ofstream(fs::path(a.out) / "report.md") << md;
-  std::ofstream(fs::path(a.out) / "junit.xml") << fmt::format(
-      "<?xml version=\"1.0\" encoding=\"UTF-8\"?><testsuite name=\"moecert check {}\" "
-      "tests=\"{}\" failures=\"{}\">{}</testsuite>\n",
-      v.op, v.clauses.size(), failures, junit);
-  std::ofstream(fs::path(a.out) / "report.html")
-      << "<!doctype html><meta charset=\"utf-8\"><title>moecert check</title><pre>"
-      << escape_xml(md) << "</pre>\n";
+  write_file(fs::path(a.out) / "report.md", md);
+  write_file(fs::path(a.out) / "junit.xml",
+             fmt::format("<?xml version=\"1.0\" encoding=\"UTF-8\"?><testsuite name=\"moecert "
+                         "check {}\" tests=\"{}\" failures=\"{}\">{}</testsuite>\n",
+                         v.op, v.clauses.size(), failures, junit));
+  write_file(fs::path(a.out) / "report.html",
+             "<!doctype html><meta charset=\"utf-8\"><title>moecert check</title><pre>" +
+                 escape_xml(md) + "</pre>\n");
 }
 
 int run_check(const CheckArgs& a) {
@@ -103,7 +107,12 @@ int run_check(const CheckArgs& a) {
   if (std::find(ops.begin(), ops.end(), a.op) == ops.end())
     throw std::invalid_argument(
         fmt::format("{}: not an op check judges ({})", a.op, fmt::join(ops, ", ")));
-  const Files in = read_safetensors(a.inputs), out = read_safetensors(a.outputs);
+  Files in, out;
+  try {  // a file that cannot be read is a file error: exit 2 (docs/JUDGE.md)
+    in = read_safetensors(a.inputs), out = read_safetensors(a.outputs);
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(e.what());
+  }
   judge::Params params = parse_params(a.params);
   if (!a.precision.empty()) params["precision"] = a.precision;
   const judge::Verdict v = judge::judge_op(a.op, tensors(in), tensors(out), params);

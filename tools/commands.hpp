@@ -4,7 +4,9 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
 #include <functional>
+#include <string>
 
 namespace moecert::tools {
 
@@ -15,5 +17,10 @@ void add_conform(CLI::App& app, Command& run);
 void add_bench(CLI::App& app, Command& run);
 void add_plan(CLI::App& app, Command& run);
 void add_check(CLI::App& app, Command& run);
+
+/// Writes `text` to `path` (replacing it), creating its folder; a folder or
+/// file that cannot be written (read-only, full, a directory in the way) is
+/// std::invalid_argument naming the path and the system's reason (exit 2).
+void write_file(const std::filesystem::path& path, const std::string& text);
 
 }  // namespace moecert::tools

@@ -4,6 +4,7 @@
 #include <exception>
 #include <string>
 
+#include "moecert/memory.hpp"
 #include "tools/commands.hpp"
 
 int main(int argc, char** argv) {
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = app.get_subcommands().front()->get_name();
   try {
+    moecert::check_guard_pages_environment();
     return run();
   } catch (const std::invalid_argument& e) {
     fmt::print(stderr, "moecert {}: {}\n", cmd, e.what());

@@ -111,7 +111,8 @@ void add_plan(CLI::App& app, Command& run) {
       ->capture_default_str();
   sub->add_option("--groups", c.groups, "expert groups (grouped top-k)");
   sub->add_option("--topk-group", a->topk_group, "groups kept per token (default: all)");
-  sub->add_option("--cap", a->cap, "memory cap in bytes; a plan over it is a violation");
+  sub->add_option("--cap", a->cap, "memory cap in bytes; a plan over it is a violation")
+      ->check(CLI::NonNegativeNumber);
   sub->add_flag("--forward-only", a->forward_only, "plan the forward only (no training buffers)");
   sub->add_flag("--json", a->json, "JSON (schema moecert-plan/1) instead of a table");
   sub->callback([a, &run] { run = [a] { return run_plan(*a); }; });

@@ -2,10 +2,13 @@
 #include "tools/tensor_file.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -42,6 +45,11 @@ float half_to_float(std::uint16_t h) {
   return h & 0x8000 ? -magnitude : magnitude;
 }
 
+// The largest dimension a tensor may declare: its data's size in bytes, or
+// 2^16 for a tensor of no elements (e.g. [0, 64]: zero tokens), so that no
+// shape asks the judge for more memory than the file justifies.
+constexpr std::uint64_t kEmptyDimension = std::uint64_t{1} << 16;
+
 Tensor parse_entry(const std::string& path, const std::string& name, const nlohmann::json& e,
                    const std::vector<std::uint8_t>& data) {
   Tensor t;
@@ -51,14 +59,23 @@ Tensor parse_entry(const std::string& path, const std::string& name, const nlohm
   const std::size_t width = dtype_bytes(t.dtype);
   if (width == 0)
     throw std::runtime_error(fmt::format("{}: {}: unknown dtype {}", path, name, t.dtype));
-  for (auto d : t.shape)
-    if (d < 0) throw std::runtime_error(fmt::format("{}: {}: negative dimension", path, name));
   if (off.size() != 2 || off[0] > off[1] || off[1] > data.size())
     throw std::runtime_error(fmt::format("{}: {}: data_offsets outside the file's {} data bytes",
                                          path, name, data.size()));
-  if (off[1] - off[0] != t.elements() * width)
-    throw std::runtime_error(fmt::format("{}: {}: {} bytes for {} elements of {}", path, name,
-                                         off[1] - off[0], t.elements(), t.dtype));
+  // Elements and bytes in checked 64-bit arithmetic: a shape whose product
+  // wraps is refused, not read as another shape.
+  const std::uint64_t stored = off[1] - off[0];
+  std::uint64_t elements = 1, bytes = 0;
+  for (auto d : t.shape) {
+    if (d < 0) throw std::runtime_error(fmt::format("{}: {}: negative dimension", path, name));
+    if (static_cast<std::uint64_t>(d) > std::max(stored, kEmptyDimension) ||
+        __builtin_mul_overflow(elements, static_cast<std::uint64_t>(d), &elements))
+      throw std::runtime_error(fmt::format("{}: {}: shape {} larger than its {} data bytes", path,
+                                           name, fmt::join(t.shape, "x"), stored));
+  }
+  if (__builtin_mul_overflow(elements, std::uint64_t{width}, &bytes) || bytes != stored)
+    throw std::runtime_error(fmt::format("{}: {}: {} bytes for shape {} of {}", path, name, stored,
+                                         fmt::join(t.shape, "x"), t.dtype));
   t.bytes.assign(data.begin() + static_cast<std::ptrdiff_t>(off[0]),
                  data.begin() + static_cast<std::ptrdiff_t>(off[1]));
   return t;
@@ -66,7 +83,7 @@ Tensor parse_entry(const std::string& path, const std::string& name, const nlohm
 
 }  // namespace
 
-std::size_t Tensor::elements() const {
+std::size_t Tensor::elements() const {  // checked against the data when read
   std::size_t n = 1;
   for (auto d : shape) n *= static_cast<std::size_t>(d);
   return n;
@@ -79,9 +96,20 @@ std::size_t Tensor::cols() const {
 }
 
 std::map<std::string, Tensor> read_safetensors(const std::string& path) {
+  // A regular file only, read to its size: a FIFO, a device (/dev/zero) or
+  // a directory is refused before any read.
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec) throw std::runtime_error(fmt::format("{}: cannot open: {}", path, ec.message()));
+  if (!std::filesystem::is_regular_file(status))
+    throw std::runtime_error(fmt::format("{}: not a regular file", path));
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) throw std::runtime_error(fmt::format("{}: cannot open: {}", path, ec.message()));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(fmt::format("{}: cannot open", path));
-  std::vector<std::uint8_t> all((std::istreambuf_iterator<char>(f)), {});
+  std::vector<std::uint8_t> all(static_cast<std::size_t>(size));
+  if (!f.read(reinterpret_cast<char*>(all.data()), static_cast<std::streamsize>(size)))
+    throw std::runtime_error(fmt::format("{}: cannot read its {} bytes", path, size));
   if (all.size() < 8) throw std::runtime_error(fmt::format("{}: shorter than a header", path));
   const auto n = load<std::uint64_t>(all.data());
   if (n > all.size() - 8)

@@ -81,11 +81,25 @@ inline std::size_t valid_slots(MatView<const std::int32_t> idx, std::size_t t) {
 }
 
 // Every index of row t in [-1, e): rows that are not are the index clauses'
-// to report (under observe the order clauses still run, and skip them).
-inline bool row_in_range(MatView<const std::int32_t> idx, std::size_t t, std::size_t e) {
+// to report (under observe the other clauses still run, and skip them; with
+// `record`, the judge's verdict lists the rows skipped).
+inline bool row_in_range(MatView<const std::int32_t> idx, std::size_t t, std::size_t e,
+                         bool record = true) {
   for (std::size_t j = 0; j < idx.cols; ++j)
-    if (idx(t, j) < -1 || idx(t, j) >= static_cast<std::int64_t>(e)) return false;
+    if (idx(t, j) < -1 || idx(t, j) >= static_cast<std::int64_t>(e)) {
+      if (record) judge::skip_row(t);
+      return false;
+    }
   return true;
+}
+
+// Row t's first slot holds an expert (not -1) and every slot is in range:
+// what a clause that reads the row's scores through its first id needs
+// (`record` as row_in_range's; off on the op's worker threads).
+inline bool row_led_by_expert(MatView<const std::int32_t> idx, std::size_t t, std::size_t e,
+                              bool record = true) {
+  if (idx.cols == 0 || idx(t, 0) < 0) return false;
+  return row_in_range(idx, t, e, record);
 }
 
 // How expert a of a row ranks against expert b under the declared order:
@@ -192,10 +206,11 @@ void order_rows(detail::Checker& c, const ClauseInfo& sorted, const ClauseInfo* 
   order_rows_by(c, sorted, topk, idx, e, rank, score, eligible, true);
 }
 
-// Weights of a row: each within [0, hi]; their sum within [lo_sum, hi_sum].
+// Weights of a row: each within [0, hi] (0 at -1 slots); their sum within
+// [lo_sum, hi_sum]. Rows with an id outside [-1, e) are skipped.
 inline void weight_rows(detail::Checker& c, const ClauseInfo& clause,
-                        MatView<const std::int32_t> idx, MatView<const float> w, double hi,
-                        double lo_sum, double hi_sum) {
+                        MatView<const std::int32_t> idx, std::size_t e, MatView<const float> w,
+                        double hi, double lo_sum, double hi_sum) {
   // Stored in a narrower type (judge::stored; 0 for fp32): each weight
   // within its rounding of the range, the sum within the K roundings.
   hi += judge::stored(hi, 0);
@@ -203,6 +218,7 @@ inline void weight_rows(detail::Checker& c, const ClauseInfo& clause,
   if (lo_sum > 0) lo_sum -= slack;
   hi_sum += slack;
   auto row = [&](std::size_t t, auto&& fail) {
+    if (!row_in_range(idx, t, e, false)) return true;
     double sum = 0;
     for (std::size_t j = 0; j < w.cols; ++j) {
       const float v = w(t, j);
@@ -234,10 +250,7 @@ void within_reference(detail::Checker& c, const ClauseInfo& clause, MatView<cons
                       std::size_t experts, std::size_t cols, bool finite_only, const char* section,
                       Row row, Value value, Name name) {
   for (std::size_t t = 0; t < idx.rows; ++t) {
-    bool in_range = true;
-    for (std::size_t j = 0; j < idx.cols; ++j)
-      in_range = in_range && idx(t, j) >= -1 && idx(t, j) < static_cast<std::int64_t>(experts);
-    if (!in_range) continue;
+    if (!row_in_range(idx, t, experts)) continue;
     const auto [ref, bound] = row(t);
     for (std::size_t i = 0; i < cols; ++i) {
       const double got = value(t, i);

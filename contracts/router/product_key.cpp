@@ -108,13 +108,14 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
     if (mode == router::KeyWeights::softmax) {
       double shift = 0;
       for (std::size_t t = 0; t < idx.rows; ++t) {
+        if (!row_led_by_expert(idx, t, e) || valid_slots(idx, t) < idx.cols) continue;
         const std::int32_t ni = static_cast<std::int32_t>(n);
         const double top = double(sx(t, idx(t, 0) / ni)) + sy(t, idx(t, 0) % ni);
         for (std::size_t j = 0; j < idx.cols; ++j)
           shift = std::max(shift, top - (double(sx(t, idx(t, j) / ni)) + sy(t, idx(t, j) % ni)));
       }
       const double eps = bounds::softmax_rel(idx.cols, shift) + 2 * idx.cols * bounds::kMinNormal32;
-      weight_rows(c, k::kPkWeights, idx, w, 1 + eps, 1 - eps, 1 + eps);
+      weight_rows(c, k::kPkWeights, idx, e, w, 1 + eps, 1 - eps, 1 + eps);
     } else {
       detail::scan_finite(c, k::kPkWeights, "w", w);
     }

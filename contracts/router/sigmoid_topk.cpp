@@ -172,7 +172,7 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
       // Kept groups by definition: group score = sum of the top two selection
       // scores; the topk_group best groups (score desc, index asc).
       for (std::size_t t = 0; t < idx.rows && !c.stop(); ++t)
-        for (std::size_t j = 0; j < valid_slots(idx, t); ++j)
+        for (std::size_t j = 0; row_in_range(idx, t, e) && j < valid_slots(idx, t); ++j)
           if (!ranking.may_be_kept(t, static_cast<std::size_t>(idx(t, j)))) {
             c.fail(k::kSgTopk, fmt::format("t={} j={}", t, j),
                    fmt::format("expert {} of group {}, which {} groups outrank", idx(t, j),
@@ -192,7 +192,7 @@ void sigmoid_topk_post(detail::Checker& c, MatView<const float> z, View<const fl
     // router_fuzzer with c = 9e-41).
     const double rel = bounds::renormalized_rel(idx.cols, bounds::gamma(bounds::kExpUlps + 2), 1);
     const double eta = bounds::kMinNormal32;
-    weight_rows(c, k::kSgWeights, idx, w, p.scaling * (1 + rel) + eta, 0,
+    weight_rows(c, k::kSgWeights, idx, e, w, p.scaling * (1 + rel) + eta, 0,
                 p.scaling * (1 + rel) + idx.cols * eta);
   }
   // z exact, sigma within §4; every weight within bounds::sigmoid_topk_weights_row

@@ -50,13 +50,15 @@ void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const
         oneapi::tbb::blocked_range<std::size_t>(0, z.rows, 256), 0.0,
         [&](const oneapi::tbb::blocked_range<std::size_t>& r, double m) {
           for (std::size_t t = r.begin(); t < r.end(); ++t)
-            for (std::size_t i = 0; i < e; ++i) m = std::max(m, double(z(t, idx(t, 0))) - z(t, i));
+            if (row_led_by_expert(idx, t, e, false))  // rows the index clauses rejected: skipped
+              for (std::size_t i = 0; i < e; ++i)
+                m = std::max(m, double(z(t, idx(t, 0))) - z(t, i));
           return m;
         },
         [](double a, double b) { return std::max(a, b); });
     const double eps =
         bounds::softmax_rel(renormalize ? kk : e, shift) + 2 * kk * bounds::kMinNormal32;
-    weight_rows(c, k::kSmWeights, idx, w, 1 + eps, renormalize ? 1 - eps : 0, 1 + eps);
+    weight_rows(c, k::kSmWeights, idx, e, w, 1 + eps, renormalize ? 1 - eps : 0, 1 + eps);
   }
   // z exact; every weight within bounds::softmax_topk_weights_row of its own
   // slot's binary64 reference; proofs/router.md §3.

@@ -24,6 +24,11 @@ enum class GuardPages { off, end, start };
 /// whatever the mode is by then. Thread-safe.
 void set_guard_pages(GuardPages mode);
 GuardPages guard_pages();
+/// Throws std::invalid_argument naming MOECERT_GUARD_PAGES and the valid
+/// values if it holds anything else (guard_pages() is then off); moecert's
+/// allocations and the moecert tool call it, so a mistyped test mode stops
+/// the run instead of passing it unguarded.
+void check_guard_pages_environment();
 
 /// Parses "off", "end" or "start"; false for anything else.
 bool parse_guard_pages(const char* text, GuardPages& out);

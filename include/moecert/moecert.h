@@ -84,7 +84,11 @@ const char* moecert_build_info(void); /* one line: build type, compiler, commit,
 /* Contract settings (contracts.hpp). level: 0 off, 1 check, 2 audit, 3 full;
  * semantic: 0 ignore, 1 observe, 2 enforce; groups: bit i = group i (shape,
  * index, alias, finite, numeric, memory). The getters give what is in effect
- * on this thread (innermost scope, level clamped to the cap). */
+ * on this thread (innermost scope, level clamped to the cap); -1 (groups:
+ * UINT32_MAX) when MOECERT_CONTRACTS or MOECERT_CONTRACT_GROUPS does not
+ * parse, moecert_last_error() naming it (MOECERT_INVALID_ARGUMENT), as every
+ * op call then reports. Malformed MOECERT_GUARD_PAGES and MOECERT_ISA are
+ * reported the same way by the ops (and moecert_default_isa returns -1). */
 moecert_status moecert_set_contract_level(int32_t level);
 moecert_status moecert_set_contract_semantic(int32_t semantic);
 moecert_status moecert_set_contract_groups(uint32_t groups);

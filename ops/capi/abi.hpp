@@ -109,7 +109,7 @@ moecert_status guarded(const char* op, F&& body) noexcept {
   } catch (const ContractViolation& e) {
     set_violation(e.violation());
     return MOECERT_CONTRACT_VIOLATION;
-  } catch (const InvalidArgument& e) {
+  } catch (const std::invalid_argument& e) {  // InvalidArgument, or a malformed MOECERT_* setting
     set_error(MOECERT_INVALID_ARGUMENT, op, e.what());
     return MOECERT_INVALID_ARGUMENT;
   } catch (const std::bad_alloc&) {

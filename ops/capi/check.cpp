@@ -72,6 +72,13 @@ moecert_status moecert_check(const char* op, const moecert_named_tensor* inputs,
                              const char* const* params, size_t n_params, char** verdict_json) {
   return capi::guarded<true>("moecert_check", [&] {
     if (!op || !verdict_json) throw capi::InvalidArgument("op and verdict_json must not be NULL");
+    const std::pair<const void*, size_t> arrays[] = {
+        {inputs, n_inputs}, {outputs, n_outputs}, {params, n_params}};
+    const char* names[] = {"inputs", "outputs", "params"};
+    for (int i = 0; i < 3; ++i)
+      if (!arrays[i].first && arrays[i].second)
+        throw capi::InvalidArgument(
+            fmt::format("{}: NULL with a count of {}", names[i], arrays[i].second));
     judge::Params ps;
     for (size_t i = 0; i < n_params; ++i) {
       const std::string p = params[i] ? params[i] : "";

@@ -8,11 +8,11 @@
 #include <new>
 #include <vector>
 
+#include "contracts/engine.hpp"
 #include "moecert/contracts.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/moecert.h"
 #include "moecert/moecert.hpp"
-#include "contracts/engine.hpp"
 #include "ops/capi/abi.hpp"
 
 namespace moecert::capi {
@@ -176,13 +176,26 @@ moecert_status moecert_set_contract_groups(uint32_t groups) {
   });
 }
 
+// The getters run inside the guard too: the first reads the environment,
+// whose malformed values are an error (-1, or UINT32_MAX for the groups,
+// with moecert_last_error() naming the variable), never an exception.
 int32_t moecert_contract_level(void) {
-  return static_cast<int32_t>(effective_contract_settings().level);
+  int32_t out = -1;
+  guarded("moecert_contract_level",
+          [&] { out = static_cast<int32_t>(effective_contract_settings().level); });
+  return out;
 }
 int32_t moecert_contract_semantic(void) {
-  return static_cast<int32_t>(effective_contract_settings().semantic);
+  int32_t out = -1;
+  guarded("moecert_contract_semantic",
+          [&] { out = static_cast<int32_t>(effective_contract_settings().semantic); });
+  return out;
 }
-uint32_t moecert_contract_groups(void) { return effective_contract_settings().groups; }
+uint32_t moecert_contract_groups(void) {
+  uint32_t out = UINT32_MAX;
+  guarded("moecert_contract_groups", [&] { out = effective_contract_settings().groups; });
+  return out;
+}
 int32_t moecert_contract_level_cap(void) { return static_cast<int32_t>(contract_level_cap()); }
 
 moecert_status moecert_contract_scope_push(int32_t level, int32_t semantic, uint32_t groups) {
@@ -218,10 +231,17 @@ int32_t moecert_num_threads(void) {
       oneapi::tbb::global_control::max_allowed_parallelism));
 }
 
-int32_t moecert_default_isa(void) { return static_cast<int32_t>(default_isa()); }
+int32_t moecert_default_isa(void) {
+  int32_t out = -1;  // a malformed MOECERT_ISA
+  guarded("moecert_default_isa", [&] { out = static_cast<int32_t>(default_isa()); });
+  return out;
+}
 
 int32_t moecert_isa_usable(int32_t isa) {
-  return capi::valid_isa(isa) && isa_usable(static_cast<Isa>(isa)) ? 1 : 0;
+  int32_t out = 0;
+  guarded("moecert_isa_usable",
+          [&] { out = capi::valid_isa(isa) && isa_usable(static_cast<Isa>(isa)) ? 1 : 0; });
+  return out;
 }
 
 const char* moecert_isa_name(int32_t isa) {

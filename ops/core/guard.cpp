@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "moecert/memory.hpp"
 
@@ -24,15 +26,17 @@ constexpr std::size_t kPage = 4096;
 constexpr std::size_t kRegionSizes[] = {std::size_t{1} << 40, std::size_t{1} << 36,
                                         std::size_t{1} << 32};
 
+// MOECERT_GUARD_PAGES when it does not parse (then the mode is off), else
+// null: check_guard_pages_environment() reports it (a test mode silently
+// off would pass for tested; aborting in operator new would crash the
+// caller).
+const char* g_bad_environment = nullptr;
+
 std::atomic<GuardPages>& mode_ref() {
   static std::atomic<GuardPages> mode{[] {
     GuardPages m = GuardPages::off;
     const char* env = std::getenv("MOECERT_GUARD_PAGES");
-    if (env && *env &&
-        !parse_guard_pages(env, m)) {  // a test mode silently off would pass for tested
-      std::fprintf(stderr, "MOECERT_GUARD_PAGES=%s: expected off, end or start\n", env);
-      std::abort();
-    }
+    if (env && *env && !parse_guard_pages(env, m)) g_bad_environment = env, m = GuardPages::off;
     return m;
   }()};
   return mode;
@@ -92,6 +96,13 @@ bool parse_guard_pages(const char* text, GuardPages& out) {
 
 void set_guard_pages(GuardPages mode) { mode_ref().store(mode, std::memory_order_relaxed); }
 GuardPages guard_pages() { return mode_ref().load(std::memory_order_relaxed); }
+
+void check_guard_pages_environment() {
+  mode_ref();
+  if (g_bad_environment)
+    throw std::invalid_argument(std::string("MOECERT_GUARD_PAGES=") + g_bad_environment +
+                                ": expected off, end or start");
+}
 
 namespace detail {
 

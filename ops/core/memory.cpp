@@ -20,6 +20,7 @@
 namespace moecert::detail {
 
 void* allocate(std::size_t bytes) {
+  check_guard_pages_environment();
   if (guard_pages() != GuardPages::off)
     if (void* p = guard_allocate(bytes, 64)) return p;
   constexpr std::size_t kHuge = std::size_t{2} << 20;

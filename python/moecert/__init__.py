@@ -68,15 +68,15 @@ def set_contract_groups(groups):
 
 def contract_level():
     """The level in effect on this thread (innermost `contracts` block, clamped to the cap)."""
-    return LEVELS[_abi.lib.moecert_contract_level()]
+    return LEVELS[_abi.value("moecert_contract_level")]
 
 
 def contract_semantic():
-    return SEMANTICS[_abi.lib.moecert_contract_semantic()]
+    return SEMANTICS[_abi.value("moecert_contract_semantic")]
 
 
 def contract_groups():
-    mask = _abi.lib.moecert_contract_groups()
+    mask = _abi.value("moecert_contract_groups", 2 ** 32 - 1)
     return tuple(g for i, g in enumerate(GROUPS) if mask >> i & 1)
 
 
@@ -111,7 +111,7 @@ def num_threads():
 
 def default_isa():
     """The kernel moecert uses by default on this machine."""
-    return ISAS[_abi.lib.moecert_default_isa()]
+    return ISAS[_abi.value("moecert_default_isa")]
 
 
 def isa_usable(isa):

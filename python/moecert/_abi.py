@@ -175,6 +175,16 @@ def new_handle(name):
     return h
 
 
+def value(name, failed=-1):
+    """Calls a getter of the ABI; its failure value (a malformed MOECERT_* setting) raises the
+    error it recorded."""
+    v = getattr(lib, name)()
+    if v == failed:
+        err = lib.moecert_last_error().contents
+        raise_for(err.status, err)
+    return v
+
+
 class Handle:
     """Owns one opaque handle; frees it with `free` when collected."""
 

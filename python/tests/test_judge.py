@@ -388,3 +388,61 @@ def test_cli_judges_the_layer(tmp_path):
     # A y off by far more than its bound.
     routers.save(str(tmp_path / "forward" / "outputs.safetensors"), **dict(fwd, y=fwd["y"] + 1))
     assert failed(check(tmp_path, "forward", "layer.forward", *params)) == ["layer.forward.within_bound"]
+
+
+# ---- untrusted outputs: out-of-range expert ids never read through ----
+
+@pytest.mark.parametrize("bad", [10 ** 8, 12, -2, -(2 ** 31)])
+def test_an_out_of_range_id_fails_its_index_clause_and_its_row_is_skipped(bad):
+    """An implementation's id outside [-1, E) (far outside, E itself, -2) fails the index clause
+    of each router's forward and of the layer's; the clauses that read scores or weights through
+    the ids skip that row (the verdict lists it) instead of reading outside the tensors."""
+    import moecert.check as check
+    gen = torch.Generator().manual_seed(3)
+    t, e, k = 5, 12, 3
+    z = torch.randn(t, e, generator=gen)
+    w, idx = torch.topk(torch.softmax(z, 1), k)
+    w = w / w.sum(1, keepdim=True)
+    idx = idx.int()
+    idx[2, 0] = bad
+    v = check.softmax_topk_forward(z, idx, w)
+    assert v.failed == ["router.softmax_topk.idx_valid"], v.failed
+    assert v.report["skipped_rows"] == [2]
+    bias = torch.zeros(e)
+    s = torch.sigmoid(z)
+    sw, sidx = torch.topk(s, k)
+    sidx = sidx.int()
+    sidx[2, 1] = bad
+    v = check.sigmoid_topk_forward(z, bias, sidx, sw / sw.sum(1, keepdim=True))
+    assert "router.sigmoid_topk.idx_valid" in v.failed and 2 in v.report["skipped_rows"]
+    n = 4
+    sx, sy = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
+    scores = (sx[:, :, None] + sy[:, None, :]).reshape(t, n * n)
+    pw, pidx = torch.topk(scores, k)
+    pidx = pidx.int()
+    pidx[2, 2] = bad if bad != 12 else n * n
+    v = check.product_key_forward(sx, sy, pidx, torch.softmax(pw, 1))
+    assert "router.product_key.idx_valid" in v.failed and 2 in v.report["skipped_rows"]
+
+
+def test_the_layer_judge_skips_y_on_rejected_ids():
+    import moecert.check as check
+    case = layer.random_case()
+    inputs, fwd, _, _ = layer.layer_step(case, torch.float32)
+    params = dict(precision="fp32", router="softmax_topk", alpha=case["alpha"])
+    idx = fwd["idx"].clone()
+    idx[1, 0] = 10 ** 8
+    v = check.judge("layer.forward", inputs, dict(fwd, idx=idx), **params)
+    assert v.failed == ["router.softmax_topk.idx_valid"], v.failed
+    assert 1 in v.report["skipped_rows"]
+
+
+def test_unknown_parameters_are_refused_with_the_valid_names():
+    import moecert
+    import moecert.check as check
+    z = torch.randn(4, 8)
+    w, idx = torch.topk(torch.softmax(z, 1), 2)
+    with pytest.raises(moecert.InvalidArgument, match="unknown parameter renormalise=false, expected one of "
+                                                      "precision, renormalize"):
+        check.judge("router.softmax_topk.forward", {"z": z}, {"idx": idx.int(), "w": w / w.sum(1, keepdim=True)},
+                    renormalise=False)

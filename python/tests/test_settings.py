@@ -68,3 +68,31 @@ def test_threads_and_kernels():
     assert moecert.num_threads() == before
     assert moecert.isa_usable("scalar") and moecert.isa_usable("amx_emu")
     assert moecert.default_isa() in moecert.ISAS
+
+
+@pytest.mark.parametrize("name, value", [("MOECERT_CONTRACTS", "bogus"), ("MOECERT_CONTRACTS", "of"),
+                                         ("MOECERT_CONTRACT_GROUPS", "shap"), ("MOECERT_GUARD_PAGES", "End"),
+                                         ("MOECERT_ISA", "avx3"), ("MOECERT_NUM_THREADS", "lots")])
+def test_a_malformed_environment_setting_is_an_invalid_argument_naming_it(name, value):
+    """Never an abort and never a silent default: the first call that reads the setting (the
+    import for MOECERT_NUM_THREADS, the getters, the first op) raises InvalidArgument naming the
+    variable and what it accepts."""
+    import os
+    import subprocess
+    import sys
+    script = "\n".join([
+        "import moecert",
+        "try:",
+        "    import torch, moecert.torch as mt",
+        "    moecert.contract_level(); moecert.contract_groups(); moecert.default_isa()",
+        "    mt.MoELayer(4, 16, 8, 2, max_tokens=4)(torch.randn(4, 16))",
+        "    print('ran')",
+        "except moecert.InvalidArgument as e:",
+        "    print('InvalidArgument:', e)",
+    ])
+    env = dict(os.environ, **{name: value})
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("InvalidArgument:") and "{}={}".format(name, value) in run.stdout.replace(
+        "'", ""), run.stdout
+    assert "expected" in run.stdout

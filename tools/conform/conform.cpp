@@ -177,7 +177,9 @@ void add_conform(CLI::App& app, Command& run) {
   sub->add_option("--threads", a->threads, "oneTBB threads")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  sub->add_option("--seed", a->seed, "data seed")->capture_default_str();
+  sub->add_option("--seed", a->seed, "data seed")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   sub->add_option("--guard-pages", a->guard_pages,
                   "inaccessible pages after (end) or before (start) every case allocation")
       ->check(CLI::IsMember({"off", "end", "start"}));

@@ -5,7 +5,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <stdexcept>
@@ -51,12 +53,6 @@ std::string escape_md(std::string_view s) {
       out += c;
   }
   return out;
-}
-
-void write_file(const std::filesystem::path& p, const std::string& text) {
-  std::ofstream f(p, std::ios::binary);
-  f << text;
-  if (!f) throw std::runtime_error(fmt::format("cannot write {}", p.string()));
 }
 
 // The outputs of the cases that compare each one: error and utilisation
@@ -420,8 +416,20 @@ boost::json::object to_json(const Report& r) {
           {"clauses", clauses}};
 }
 
+void write_file(const std::filesystem::path& p, const std::string& text) {
+  std::error_code ec;
+  if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path(), ec);
+  if (ec) throw std::invalid_argument(fmt::format("cannot write {}: {}", p.string(), ec.message()));
+  errno = 0;
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f << text;
+  f.close();  // a full disk shows here, when the buffer is written
+  if (!f)
+    throw std::invalid_argument(fmt::format("cannot write {}: {}", p.string(),
+                                            errno ? std::strerror(errno) : "write failed"));
+}
+
 void write_report(const Report& r, const std::filesystem::path& dir) {
-  std::filesystem::create_directories(dir);
   write_file(dir / "report.json", boost::json::serialize(to_json(r)) + "\n");
   write_file(dir / "report.md", md(r));
   write_file(dir / "report.html", html(r));

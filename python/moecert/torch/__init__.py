@@ -16,6 +16,7 @@ import os
 import torch
 
 from .. import set_num_threads
+from ..errors import InvalidArgument
 from . import library, ops
 from .functions import ExpertsFunction, LayerFunction, Stats, experts, product_key, sigmoid_topk, softmax_topk, stats
 from .modules import MoELayer
@@ -25,4 +26,20 @@ __all__ = ["ops", "library", "experts", "softmax_topk", "sigmoid_topk", "product
            "LayerFunction", "MoELayer", "PackedExperts", "Lora", "LayerConfig"]
 
 library.register()
-set_num_threads(int(os.environ.get("MOECERT_NUM_THREADS", torch.get_num_threads())))
+
+
+def _threads():
+    """MOECERT_NUM_THREADS (an integer >= 0), else torch's intra-op thread count."""
+    text = os.environ.get("MOECERT_NUM_THREADS")
+    if text is None:
+        return torch.get_num_threads()
+    try:
+        threads = int(text)
+    except ValueError:
+        threads = -1
+    if threads < 0:
+        raise InvalidArgument("MOECERT_NUM_THREADS={!r}: expected an integer >= 0 (0: every core)".format(text))
+    return threads
+
+
+set_num_threads(_threads())
