@@ -202,6 +202,30 @@ def test_the_c_abi_rejects_bad_descriptors(case):
                   ctypes.byref(describe(y[:, :1].contiguous())), 1)
 
 
+def test_the_c_abi_checks_counts_arrays_and_pack_shapes(case):
+    """An element count that wraps in 64 bits (it would pass a NULL-data check as 0 elements),
+    NULL arrays with counts, and base weights of inconsistent shapes are refused before any work."""
+    packed = case[0]
+    idx, w = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    y = torch.zeros(3, H)
+    wrap = _abi.Tensor(None, _abi.BF16, 2, (2 ** 62, 4), (4, 1))
+    with pytest.raises(moecert.InvalidArgument, match=r"x: shape 4611686018427387904 x 4 has more than 2\^63"):
+        _abi.call("moecert_experts_forward", packed.ptr, ctypes.byref(wrap), ctypes.byref(describe(idx)),
+                  ctypes.byref(describe(w)), ctypes.byref(describe(y)), -1)
+    verdict = ctypes.c_void_p()
+    for args, name in (((None, 2, None, 0, None, 0), "inputs: NULL with a count of 2"),
+                       ((None, 0, None, 1, None, 0), "outputs: NULL with a count of 1"),
+                       ((None, 0, None, 0, None, 3), "params: NULL with a count of 3")):
+        with pytest.raises(moecert.InvalidArgument, match=name):
+            _abi.call("moecert_check", b"router.softmax_topk.forward", *args, ctypes.byref(verdict))
+    g = torch.zeros(3, 32, H, dtype=torch.bfloat16)
+    d = torch.zeros(3 * 32 * H // 64, 64, dtype=torch.bfloat16)  # H = 85.3 for w_down: no I fits both
+    out = ctypes.c_void_p()
+    with pytest.raises(moecert.InvalidArgument, match="expected \\[E\\*I x H\\] twice and \\[E\\*H x I\\]"):
+        _abi.call("moecert_experts_pack", 3, ctypes.byref(describe(g)), ctypes.byref(describe(g)),
+                  ctypes.byref(describe(d)), 1, ctypes.byref(out))
+
+
 def test_lora_factors_in_one_dtype_and_the_backward_on_the_forwards(case):
     packed, lora, x, ids, weights = case
     mixed = ops.Lora(lora.a_gate.float(), *lora.factors()[1:], alpha=8.0)
@@ -212,3 +236,31 @@ def test_lora_factors_in_one_dtype_and_the_backward_on_the_forwards(case):
     saved.lora = ops.Lora(*(f.clone() for f in fp32.factors()), alpha=8.0)  # equal values, other tensors
     with pytest.raises(moecert.InvalidArgument, match="fp32 factors other than the forward's"):
         ops.experts_backward(saved, torch.zeros(T, H))
+
+
+@pytest.mark.parametrize("level", ["off", "check", "audit", "full"])
+def test_zero_tokens_end_to_end(level):
+    """T = 0: forward and backward of every op and the layer (each router) at every level give
+    empty outputs and gradients of the right shapes (an empty gradient's strides are torch's to
+    choose, e.g. 0 for an expanded one)."""
+    with moecert.contracts(level):
+        for router, experts in (("softmax_topk", 8), ("sigmoid_topk", 8), ("product_key", 16)):
+            layer = mt.MoELayer(experts, H, I, K, rank=RANK, router=router, max_tokens=T)
+            x = torch.randn(0, H).requires_grad_()
+            y = layer(x)
+            assert y.shape == (0, H)
+            y.sum().backward()
+            assert x.grad.shape == (0, H) and layer.a_up.grad is not None and not layer.a_up.grad.any()
+            with torch.no_grad():
+                assert layer(torch.randn(0, H)).shape == (0, H)
+        w = [torch.randn(8, I, H).bfloat16(), torch.randn(8, I, H).bfloat16(), torch.randn(8, H, I).bfloat16()]
+        xb, wt = torch.randn(0, H).bfloat16().requires_grad_(), torch.rand(0, K).requires_grad_()
+        mt.experts(xb, torch.zeros(0, K, dtype=torch.int32), wt, ops.PackedExperts(*w)).sum().backward()
+        assert xb.grad.shape == (0, H) and wt.grad.shape == (0, K)
+        z = torch.randn(0, 8).requires_grad_()
+        for idx, wr in (mt.softmax_topk(z, K), mt.sigmoid_topk(z, torch.zeros(8), K)):
+            assert idx.shape == (0, K)
+            wr.sum().backward()
+        sx, sy = torch.randn(0, 4).requires_grad_(), torch.randn(0, 4).requires_grad_()
+        mt.product_key(sx, sy, K)[1].sum().backward()
+        assert z.grad.shape == (0, 8) and sx.grad.shape == (0, 4)

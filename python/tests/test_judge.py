@@ -446,3 +446,44 @@ def test_unknown_parameters_are_refused_with_the_valid_names():
                                                       "precision, renormalize"):
         check.judge("router.softmax_topk.forward", {"z": z}, {"idx": idx.int(), "w": w / w.sum(1, keepdim=True)},
                     renormalise=False)
+
+
+def _raw_safetensors(path, header, data):
+    import struct
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
+
+
+@needs_cli
+def test_cli_refuses_untrusted_files_and_params_with_exit_2(cases, tmp_path):
+    """Files that are not regular (a device, a FIFO with no writer, a directory), shapes whose
+    element count wraps or exceeds the data, a misspelt --param and a report that cannot be
+    written: each exits 2 with its reason, at once (no read of /dev/zero, no wait on the FIFO,
+    no allocation beyond the file), never passing."""
+    d = cases / "product_key_forward"
+    good_in, good_out = str(d / "inputs.safetensors"), str(d / "outputs.safetensors")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    wrap, huge = tmp_path / "wrap.safetensors", tmp_path / "huge.safetensors"
+    _raw_safetensors(wrap, {"sx": {"dtype": "F32", "shape": [2305843009213693956, 8], "data_offsets": [0, 128]}},
+                     bytes(128))
+    _raw_safetensors(huge, {"sx": {"dtype": "F32", "shape": [2 ** 31, 0], "data_offsets": [0, 0]}}, bytes(200))
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "report.json").mkdir()  # a directory where a report file goes
+    runs = {
+        "device": (["--inputs", "/dev/zero", "--outputs", good_out], "/dev/zero: not a regular file"),
+        "fifo": (["--inputs", str(fifo), "--outputs", good_out], "fifo: not a regular file"),
+        "directory": (["--inputs", str(tmp_path), "--outputs", good_out], "not a regular file"),
+        "wrap": (["--inputs", str(wrap), "--outputs", good_out], "larger than its 128 data bytes"),
+        "huge": (["--inputs", str(huge), "--outputs", good_out], "larger than its 0 data bytes"),
+        "param": (["--inputs", good_in, "--outputs", good_out, "--param", "renormalise=false"],
+                  "unknown parameter renormalise=false, expected one of precision, weights"),
+        "report": (["--inputs", good_in, "--outputs", good_out, "--out", str(tmp_path / "blocked")],
+                   "cannot write"),
+    }
+    for name, (args, message) in runs.items():
+        r = subprocess.run([CLI, "check", "router.product_key.forward", "--out", str(tmp_path / "r" / name)] + args
+                           if name != "report" else [CLI, "check", "router.product_key.forward"] + args,
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and message in r.stderr, (name, r.returncode, r.stderr)

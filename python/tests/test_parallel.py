@@ -10,6 +10,7 @@ parameters) likewise for the three routers: y, dx and the LoRA gradients
 bitwise those of one process, the router gradients the same on every rank and
 in every run and within the derived bound of the exact value."""
 import datetime
+import math
 import os
 import socket
 import tempfile
@@ -24,20 +25,21 @@ from moecert.torch import ops
 
 E, H, I, K, RANK, T = 8, 32, 48, 2, 4, 13
 KINDS = ("normal", "tails", "one_rank")
+WIDE_K = (6, 8)
 SHARES = {2: [5, 8], 4: [2, 4, 3, 4]}  # tokens per rank, uneven
 
 
-def problem(kind, world):
+def problem(kind, world, k=K):
     g = torch.Generator().manual_seed(11)
     n = lambda *s, sd=1.0: torch.randn(*s, generator=g) * sd
     base = [n(E, I, H, sd=H ** -0.5).bfloat16(), n(E, I, H, sd=H ** -0.5).bfloat16(), n(E, H, I, sd=I ** -0.5).bfloat16()]
     shapes = ops._lora_shapes(E, H, I, RANK)
     lora = ops.Lora(*(n(*shapes[k], sd=0.3) for k in ops.LORA_NAMES), alpha=8.0)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     if kind == "one_rank":  # every slot on the last rank's experts
         per = E // world
-        ids = torch.stack([torch.randperm(per, generator=g)[:K] for _ in range(T)]) + (world - 1) * per
-    w = torch.rand(T, K, generator=g)
+        ids = torch.stack([torch.randperm(per, generator=g)[:k] for _ in range(T)]) + (world - 1) * per
+    w = torch.rand(T, k, generator=g)
     if kind == "tails":
         ids[2, 1] = ids[7, 1] = -1
         ids[9, :] = -1
@@ -64,6 +66,18 @@ def worker(rank, world, port, out_dir):
         y.backward(dy[rows])
         results[kind] = {"y": y.detach(), "dx": xs.grad, "dweights": ws.grad,
                          **{k: getattr(module, k).grad for k in ops.LORA_NAMES}}
+    for k in WIDE_K:  # real models' K: a token's slots on several ranks, combined in slot order
+        base, lora, x, ids, w, dy = problem("normal", world, k)
+        mine = slice(rank * per, (rank + 1) * per)
+        module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0)
+        with torch.no_grad():
+            for name in ops.LORA_NAMES:
+                getattr(module, name).copy_(getattr(lora, name)[mine])
+        xs, ws = x[rows].clone().requires_grad_(), w[rows].clone().requires_grad_()
+        y = module(xs, ids[rows].contiguous(), ws)
+        y.backward(dy[rows])
+        results["K", k] = {"y": y.detach(), "dx": xs.grad, "dweights": ws.grad,
+                           **{name: getattr(module, name).grad for name in ops.LORA_NAMES}}
     base, lora, x, ids, w, dy = problem("tails", world)  # base weights trained as well
     mine = slice(rank * per, (rank + 1) * per)
     module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0, train_base=True)
@@ -98,6 +112,9 @@ def faults(rank, world, per, rows):
     # The ranks disagree on alpha: the same error on every rank, before any exchange.
     attempt("config", lambda: ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK,
                                                 alpha=8.0 if rank else 16.0))
+    # One ulp apart: compared bitwise.
+    attempt("alpha ulp", lambda: ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK,
+                                                   alpha=8.0 if rank else math.nextafter(8.0, 9.0)))
     module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0)
     bad_ids = ids[rows].clone()
     if rank == world - 1:
@@ -197,6 +214,15 @@ def layer_worker(rank, world, port, out_dir):
         results["mismatch"] = ("none", "")
     except moecert.Error as e:
         results["mismatch"] = (type(e).__name__, str(e))
+    # The ranks disagree on the router kind (router parameters of other sizes): the same error
+    # on every rank, no collective of mismatched sizes.
+    cfg, p, x, dy = layer_problem("sigmoid_topk" if rank == 0 else "softmax_topk")
+    try:
+        ExpertParallelMoELayer(cfg, *(p[k][rank * per:(rank + 1) * per].contiguous() for k in ops.BASE_NAMES),
+                               p["router_w"], p["router_b"], p["router_bias"])
+        results["kind"] = ("none", "")
+    except moecert.Error as e:
+        results["kind"] = (type(e).__name__, str(e))
     torch.save(results, os.path.join(out_dir, "{}.pt".format(rank)))
     dist.destroy_process_group()
 
@@ -276,6 +302,19 @@ def test_bitwise_equal_to_one_process(world):
     faults = [dict((name, (kind, what)) for name, kind, what in r["faults"]) for r in ranks]
     assert len({f["config"] for f in faults}) == 1  # the same error on every rank
     assert faults[0]["config"][0] == "InvalidArgument" and "alpha" in faults[0]["config"][1]
+    assert len({f["alpha ulp"] for f in faults}) == 1
+    assert faults[0]["alpha ulp"][0] == "InvalidArgument" and "alpha 8.0..8.000000000000002" in faults[0]["alpha ulp"][1]
+    for k in WIDE_K:
+        base, lora, x, ids, w, dy = problem("normal", world, k)
+        packed = ops.PackedExperts(*base)
+        y, saved = ops.experts_forward_train(packed, x, ids, w, lora)
+        g = ops.experts_backward(saved, dy, ("dx", "dweights") + ops.LORA_NAMES)
+        cat = lambda name: torch.cat([r["K", k][name] for r in ranks])
+        assert torch.equal(cat("y"), y), k
+        assert torch.equal(cat("dx"), g["dx"].bfloat16()), k
+        assert torch.equal(cat("dweights"), g["dweights"]), k
+        for name in ops.LORA_NAMES:
+            assert torch.equal(cat(name), g[name]), (k, name)
     assert faults[-1]["expert id"][0] == "InvalidArgument" and "expert_ids[0, 0] = 8" in faults[-1]["expert id"][1]
     assert all(f["expert id"][0] == "Error" and "another rank" in f["expert id"][1] for f in faults[:-1])
     assert any(f["nan"] == ("ContractViolation", "experts.forward_train.x_finite") for f in faults)
@@ -336,3 +375,6 @@ def test_layer_bitwise_equal_to_one_process_router_grads_within_bound(world):
     mismatch = [r["mismatch"] for r in ranks]
     assert len(set(mismatch)) == 1 and mismatch[0][0] == "InvalidArgument", mismatch
     assert "router parameters" in mismatch[0][1]
+    kind = [r["kind"] for r in ranks]
+    assert len(set(kind)) == 1 and kind[0][0] == "InvalidArgument", kind
+    assert "router 0..1" in kind[0][1] and "router parameter count" in kind[0][1], kind

@@ -39,6 +39,8 @@ def describe(t):
     if t.dim() == 3:
         E, m, n = t.shape
         return _abi.Tensor(data, DTYPES[t.dtype], 2, (E * m, n), (n, 1))
+    if not t.numel():  # no elements: torch's strides are arbitrary (an expanded gradient's are 0)
+        return _abi.Tensor(None, DTYPES[t.dtype], t.dim(), tuple(t.shape), (t.shape[-1], 1)[-t.dim():])
     return _abi.Tensor(data, DTYPES[t.dtype], t.dim(), tuple(t.shape), t.stride())
 
 

@@ -8,6 +8,8 @@ results do not depend on the other rows of its batch, the experts' gradient
 sums run over the same rows in the same order, and the home rank combines y
 and dx in slot order from 0 exactly as the one-process op does.
 """
+import struct
+
 import torch
 import torch.distributed as dist
 
@@ -40,6 +42,19 @@ def _agree(ok, group):
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
     _collective(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _bits(x):
+    """A float's binary64 bits as an int64 (ranks compare floats bitwise)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _disagreement(name, low, high):
+    """"name low..high" of a handshake field (floats as their values: alpha, scaling)."""
+    if name in ("alpha", "scaling"):
+        low, high = (struct.unpack("<d", struct.pack("<q", int(v)))[0] for v in (low, high))
+        return "{} {!r}..{!r} (bitwise)".format(name, low, high)
+    return "{} {}..{}".format(name, int(low), int(high))
 
 
 def _extremes(values, group):
@@ -191,12 +206,12 @@ class ExpertParallelMoE(torch.nn.Module):
     def _handshake(self, inter):
         """Every rank holds the same shape of the layer (E, H, I, r, alpha, group size) and
         its own block of experts, or every rank raises the same error before any exchange."""
-        mine = torch.tensor([self.num_experts, self.hidden, inter, self.lora_rank, int(self.alpha * 2 ** 20),
+        mine = torch.tensor([self.num_experts, self.hidden, inter, self.lora_rank, _bits(self.alpha),
                              self.world], dtype=torch.int64)
         low, high = _extremes(mine, self.group)
         if not torch.equal(low, high):
-            names = ("num_experts", "hidden", "inter", "rank", "alpha * 2^20", "group size")
-            diff = ["{} {}..{}".format(n, int(a), int(b)) for n, a, b in zip(names, low, high) if a != b]
+            names = ("num_experts", "hidden", "inter", "rank", "alpha", "group size")
+            diff = [_disagreement(n, a, b) for n, a, b in zip(names, low, high) if a != b]
             raise InvalidArgument("ExpertParallelMoE: the ranks disagree on " + ", ".join(diff))
 
     def check_inputs(self, x, expert_ids, weights):
@@ -326,17 +341,21 @@ class ExpertParallelMoELayer(torch.nn.Module):
     def _handshake(self):
         """Every rank holds the same router (kind, K, its parameters bit for bit), or every rank
         raises the same error before any exchange."""
+        # Fixed-length fields first (the same tensor length on every rank whatever they hold),
+        # then, where they agree, the parameters' bits (whose length they fix): any
+        # disagreement is the same error on every rank, never a collective of mismatched sizes.
         c = self.config
-        fields = torch.tensor([ops.ROUTERS.index(c.router), c.topk, int(c.renormalize), c.groups, c.topk_group,
-                               int(c.scaling * 2 ** 20)], dtype=torch.int64)
         params = [self.router_w, self.router_b] + ([self.router_bias] if self.router_bias is not None else [])
-        bits = torch.cat([p.detach().reshape(-1).view(torch.int32).to(torch.int64) for p in params])
-        mine = torch.cat([fields, bits])
-        low, high = _extremes(mine, self.group)
-        names = ("router", "topk", "renormalize", "groups", "topk_group", "scaling * 2^20")
-        diff = ["{} {}..{}".format(n, int(a), int(b)) for n, a, b in zip(names, low, high) if a != b]
-        if not torch.equal(low[len(names):], high[len(names):]):
-            diff.append("the router parameters (router_w, router_b, router_bias) differ")
+        fields = torch.tensor([ops.ROUTERS.index(c.router), c.topk, int(c.renormalize), c.groups, c.topk_group,
+                               _bits(c.scaling), sum(p.numel() for p in params)], dtype=torch.int64)
+        low, high = _extremes(fields, self.group)
+        names = ("router", "topk", "renormalize", "groups", "topk_group", "scaling", "router parameter count")
+        diff = [_disagreement(n, a, b) for n, a, b in zip(names, low, high) if a != b]
+        if not diff:
+            bits = torch.cat([p.detach().reshape(-1).view(torch.int32).to(torch.int64) for p in params])
+            low, high = _extremes(bits, self.group)
+            if not torch.equal(low, high):
+                diff.append("the router parameters (router_w, router_b, router_bias) differ")
         if diff:
             raise InvalidArgument("ExpertParallelMoELayer: the ranks disagree on " + ", ".join(diff))
 
