@@ -110,6 +110,11 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path) {
   std::vector<std::uint8_t> all(static_cast<std::size_t>(size));
   if (!f.read(reinterpret_cast<char*>(all.data()), static_cast<std::streamsize>(size)))
     throw std::runtime_error(fmt::format("{}: cannot read its {} bytes", path, size));
+  return parse_safetensors(all, path);
+}
+
+std::map<std::string, Tensor> parse_safetensors(const std::vector<std::uint8_t>& all,
+                                                const std::string& path) {
   if (all.size() < 8) throw std::runtime_error(fmt::format("{}: shorter than a header", path));
   const auto n = load<std::uint64_t>(all.data());
   if (n > all.size() - 8)
@@ -124,12 +129,25 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path) {
   }
   const std::vector<std::uint8_t> data(all.begin() + 8 + static_cast<std::ptrdiff_t>(n), all.end());
   std::map<std::string, Tensor> out;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
   try {
-    for (const auto& [name, e] : header.items())
-      if (name != "__metadata__") out.emplace(name, parse_entry(path, name, e, data));
+    for (const auto& [name, e] : header.items()) {
+      if (name == "__metadata__") continue;
+      out.emplace(name, parse_entry(path, name, e, data));
+      const auto off = e.at("data_offsets").get<std::vector<std::uint64_t>>();
+      if (off[1] > off[0]) ranges.emplace_back(off[0], off[1]);
+    }
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(fmt::format("{}: malformed header entry: {}", path, e.what()));
   }
+  // No byte in two tensors (the format's rule): the tensors hold at most the
+  // file's bytes.
+  std::sort(ranges.begin(), ranges.end());
+  for (std::size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second)
+      throw std::runtime_error(fmt::format("{}: two tensors share data bytes [{}, {})", path,
+                                           ranges[i].first,
+                                           std::min(ranges[i].second, ranges[i - 1].second)));
   return out;
 }
 

@@ -24,8 +24,15 @@ struct Tensor {
 };
 
 /// All tensors of a safetensors file by name; std::runtime_error naming
-/// the file and what is wrong when it is not one.
+/// the file and what is wrong when it is not one, or not a regular file.
 std::map<std::string, Tensor> read_safetensors(const std::string& path);
+
+/// The tensors of a safetensors file's bytes (`path` names it in errors):
+/// every shape's element count in checked arithmetic and equal to its byte
+/// range, every dimension at most its data's bytes (2^16 for no elements),
+/// every range inside the data; else std::runtime_error.
+std::map<std::string, Tensor> parse_safetensors(const std::vector<std::uint8_t>& all,
+                                                const std::string& path);
 
 /// The values as fp32: F32 as stored, BF16 and F16 widened exactly, F64
 /// rounded to nearest. Other dtypes: std::invalid_argument.
