@@ -5,10 +5,10 @@
 // with counts, out-of-range enums and settings: every call returns a status
 // of the enum, never crashes (ASan), never lets an exception out (it would
 // abort), and every failure leaves a last error with a message. Data
-// pointers always cover what their descriptor claims when the claim is a
-// valid layout of at most 64 Ki elements (the caller's side of the
-// contract); any other claim gets NULL or one element, which the ABI must
-// refuse before reading.
+// pointers cover what their descriptor claims when the claim is a valid
+// layout of at most 64 Ki elements (the caller's side of the contract); a
+// larger valid layout gets NULL, an invalid one NULL or one element, which
+// the ABI must refuse before reading.
 #include <fmt/format.h>
 
 #include <cstring>
@@ -79,13 +79,14 @@ moecert_tensor make(fuzz::Decoder& d, Arena& a, std::int32_t dtype, std::int64_t
     default:
       break;
   }
-  const bool layout =
-      t.ndim >= 1 && t.ndim <= 2 && t.shape[0] >= 0 &&
-      (t.ndim == 1 || (t.shape[1] >= 0 && t.stride[1] == 1 && t.stride[0] >= t.shape[1]));
+  // A layout the ABI documents as valid (one row reads no row stride).
+  const bool layout = t.ndim >= 1 && t.ndim <= 2 && t.shape[0] >= 0 &&
+                      (t.ndim == 1 || (t.shape[1] >= 0 && t.stride[1] == 1 &&
+                                       (t.shape[0] <= 1 || t.stride[0] >= t.shape[1])));
   __int128 extent = 0;
   if (layout) {
     const __int128 r = t.shape[0], c = t.ndim == 2 ? t.shape[1] : 1;
-    extent = r && c ? (r - 1) * (t.ndim == 2 ? t.stride[0] : 1) + c : 0;
+    extent = r && c ? (r - 1) * (t.ndim == 2 && r > 1 ? t.stride[0] : 1) + c : 0;
   }
   if ((d.u8() & 63) == 0) return t;  // NULL data whatever the shape
   if (layout && extent <= (1 << 16)) {
@@ -94,8 +95,8 @@ moecert_tensor make(fuzz::Decoder& d, Arena& a, std::int32_t dtype, std::int64_t
     auto* p = static_cast<std::uint8_t*>(t.data);
     for (std::size_t i = 0; i < static_cast<std::size_t>(extent) * w && d.remaining(); ++i)
       p[i] = d.u8();
-  } else if (d.flag()) {
-    t.data = a.get(8);  // one element under a claim the ABI must refuse
+  } else if (!layout && d.flag()) {
+    t.data = a.get(8);  // one element under a layout the ABI must refuse
   }
   return t;
 }

@@ -45,6 +45,24 @@ float half_to_float(std::uint16_t h) {
   return h & 0x8000 ? -magnitude : magnitude;
 }
 
+// The array `key` of entry e as unsigned 64-bit integers: a negative,
+// fractional or too large number is refused here (a JSON number beyond
+// 2^64 is stored as a double, and converting it would be undefined).
+std::vector<std::uint64_t> naturals(const std::string& path, const std::string& name,
+                                    const nlohmann::json& e, const char* key) {
+  const nlohmann::json& a = e.at(key);
+  if (!a.is_array())
+    throw std::runtime_error(fmt::format("{}: {}: {} is not an array", path, name, key));
+  std::vector<std::uint64_t> out;
+  for (const auto& v : a) {
+    if (!v.is_number_unsigned())
+      throw std::runtime_error(fmt::format("{}: {}: {} holds {}, expected integers 0 to 2^64 - 1",
+                                           path, name, key, v.dump()));
+    out.push_back(v.get<std::uint64_t>());
+  }
+  return out;
+}
+
 // The largest dimension a tensor may declare: its data's size in bytes, or
 // 2^16 for a tensor of no elements (e.g. [0, 64]: zero tokens), so that no
 // shape asks the judge for more memory than the file justifies.
@@ -54,8 +72,12 @@ Tensor parse_entry(const std::string& path, const std::string& name, const nlohm
                    const std::vector<std::uint8_t>& data) {
   Tensor t;
   t.dtype = e.at("dtype").get<std::string>();
-  t.shape = e.at("shape").get<std::vector<std::int64_t>>();
-  const auto off = e.at("data_offsets").get<std::vector<std::uint64_t>>();
+  for (std::uint64_t d : naturals(path, name, e, "shape")) {
+    if (d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      throw std::runtime_error(fmt::format("{}: {}: dimension {} out of range", path, name, d));
+    t.shape.push_back(static_cast<std::int64_t>(d));
+  }
+  const auto off = naturals(path, name, e, "data_offsets");
   const std::size_t width = dtype_bytes(t.dtype);
   if (width == 0)
     throw std::runtime_error(fmt::format("{}: {}: unknown dtype {}", path, name, t.dtype));
@@ -67,7 +89,6 @@ Tensor parse_entry(const std::string& path, const std::string& name, const nlohm
   const std::uint64_t stored = off[1] - off[0];
   std::uint64_t elements = 1, bytes = 0;
   for (auto d : t.shape) {
-    if (d < 0) throw std::runtime_error(fmt::format("{}: {}: negative dimension", path, name));
     if (static_cast<std::uint64_t>(d) > std::max(stored, kEmptyDimension) ||
         __builtin_mul_overflow(elements, static_cast<std::uint64_t>(d), &elements))
       throw std::runtime_error(fmt::format("{}: {}: shape {} larger than its {} data bytes", path,

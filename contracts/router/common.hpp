@@ -48,6 +48,7 @@ inline void disjoint(detail::Checker& c, const ClauseInfo& clause,
 inline void index_rows(detail::Checker& c, const ClauseInfo& valid, const ClauseInfo& unique,
                        MatView<const std::int32_t> idx, std::size_t e, bool allow_empty,
                        bool check_valid, bool check_unique) {
+  if (idx.rows == 0) return;  // (e may be any size then: no row to read it for)
   std::vector<char> seen(e, 0);
   for (std::size_t t = 0; t < idx.rows; ++t) {
     bool tail = false;
