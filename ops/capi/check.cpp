@@ -35,7 +35,8 @@ judge::Tensor tensor_of(const moecert_named_tensor& n) {
   switch (t->dtype) {
     case MOECERT_I32: {
       const auto m = capi::mat<const std::int32_t>(t, name);
-      for (std::size_t r = 0; r < m.rows; ++r) j.i.insert(j.i.end(), m.row(r), m.row(r) + m.cols);
+      for (std::size_t r = 0; r < m.rows && m.cols; ++r)  // no row of no columns: data may be NULL
+        j.i.insert(j.i.end(), m.row(r), m.row(r) + m.cols);
       break;
     }
     case MOECERT_BF16:

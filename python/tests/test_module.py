@@ -348,6 +348,11 @@ def test_packed_experts_copy_and_unpack_bitwise():
                                                                                        packed))
 
 
+def test_jit_trace_is_refused_with_a_message():
+    with pytest.raises(moecert.InvalidArgument, match="torch.jit.trace cannot record moecert's ops"):
+        torch.jit.trace(make(), x_of())
+
+
 def test_docstrings_read_like_torch_modules():
     text = mt.MoELayer.__doc__
     for word in ("Args:", "train_base", "out_dtype", "state_dict", "observe", "InvalidArgument"):

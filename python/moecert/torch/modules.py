@@ -100,7 +100,8 @@ class MoELayer(nn.Module):
     .half(), .double()) are read as fp32 (bf16 LoRA factors as they are); the gradients reach
     them in their own dtype. stats: a moecert.torch.Stats to receive M_A, M_G [T, E].
 
-    Raises moecert.InvalidArgument (a wrong shape, dtype or device; a CPU is required) and
+    Raises moecert.InvalidArgument (a wrong shape, dtype or device; a CPU is required; under
+    torch.jit.trace, which cannot record the ops) and
     moecert.ContractViolation (a clause failed under enforce: NaN input, overlap, ...) before
     any work. Under semantic "observe" a failed precondition yields a y of NaN, and its
     backward raises."""
@@ -245,6 +246,9 @@ class MoELayer(nn.Module):
     def forward(self, x, stats=None):
         """y [..., H] of x [..., H] (see the class docstring for dtypes and what raises)."""
         H = self.config.hidden
+        if torch.jit.is_tracing():
+            raise InvalidArgument("MoELayer: torch.jit.trace cannot record moecert's ops (ctypes calls); use "
+                                  "eager mode or torch.compile (torch 2.4 on)")
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != H or not x.is_floating_point():
             raise InvalidArgument("x: {}, expected a [..., {}] floating-point tensor".format(_what(x), H))
         out_dtype = self.out_dtype or x.dtype
