@@ -74,7 +74,8 @@ def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, is
     """The experts op with the caller's routing, differentiable in x, weights, the LoRA factors and,
     with `base`, the base weights.
 
-    x [T, H] bf16, expert_ids [T, K] int32/int64 (-1 = empty slot, only at a row's tail), weights
+    x [T, H] bf16 (another float dtype is rounded to bf16 by x.to(torch.bfloat16); dx comes in x's
+    dtype), expert_ids [T, K] int32/int64 (-1 = empty slot, only at a row's tail), weights
     [T, K] fp32 or bf16 (0 at -1 slots; bf16 is widened exactly), packed: PackedExperts (the
     frozen base weights), lora: ops.Lora or None. base = (w_gate, w_up, w_down) bf16 trains the
     base weights instead: they are packed at this call (pass packed=None), so the op always
@@ -90,7 +91,8 @@ def experts(x, expert_ids, weights, packed, lora=None, base=None, stats=None, is
             raise ops.InvalidArgument("packed and base: pass packed=None with base (the base weights are packed "
                                       "at every call)")
         packed = ops.PackedExperts(*(b.detach() if isinstance(b, torch.Tensor) else b for b in base))
-    if base is None and stats is None and isa is None and library.in_graph():
+    if (base is None and stats is None and isa is None and library.in_graph() and isinstance(x, torch.Tensor) and
+            x.dtype == torch.bfloat16):
         return library.call_experts(x, expert_ids, weights, packed, lora)  # a torch.compile graph op
     tensors = (weights,) + (lora.factors() if lora is not None else ()) + (tuple(base) if base is not None else ())
     needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in (x,) + tensors)  # as autograd's

@@ -49,23 +49,163 @@ def _frozen(t, name):
     return t
 
 
-def _base_property(index, name, shape):
+def _base_property(name):
     def get(self):
         if self.train_base:
             p = self._parameters.get(name)
             if p is None:
                 raise AttributeError(name)
             return p
-        return _frozen(self._packed.unpack()[index], name)
+        return _frozen(self._stored(self._packed.unpack())[name], name)
 
     def set(self, value):
         self.set_base_weights(**{name: value})
 
-    return property(get, set, doc="{} {} bf16: a parameter with train_base, else a read-only copy of the packed "
-                                  "weights (assigning packs the new value).".format(name, shape))
+    return property(get, set, doc="{} bf16: a parameter with train_base, else a read-only copy of the packed weights "
+                                  "(assigning packs the new value).".format(name))
 
 
-class MoELayer(nn.Module):
+class PackedBase(nn.Module):
+    """A module whose SwiGLU experts' base weights (stored under the names BASE, in the shapes
+    base_shapes() gives; split() maps them to w_gate, w_up [E, I, H], w_down [E, H, I] and
+    stored() back) live in moecert's packed experts:
+
+    * frozen (train_base=False): the pack is their only storage. Reading one gives a read-only
+      copy (FrozenWeight); assigning one, set_base_weights() and load_state_dict() pack new
+      values; state_dict() holds them as plain bf16 tensors. Nothing changes them without
+      packing, so no forward computes with stale weights.
+    * train_base=True: they are parameters, packed again from their current values at every
+      forward (pack_parameters()).
+
+    deepcopy, pickle and torch.save keep them (the copy packs them again); moving the module off
+    the CPU raises."""
+
+    BASE = BASE_NAMES
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in cls.BASE:
+            if name not in cls.__dict__:
+                setattr(cls, name, _base_property(name))
+
+    def _init_base(self, named, train_base):
+        """Stores the base weights `named` (stored names -> tensors, any float dtype, rounded to
+        bf16) as parameters (train_base) or as the pack."""
+        self.train_base = bool(train_base)
+        self._packed, self._steps, self._keys = None, {}, None
+        named = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in named.items()}
+        if self.train_base:
+            for name in self.BASE:
+                self.register_parameter(name, nn.Parameter(named[name]))
+        else:
+            self._set_pack(ops.PackedExperts(*self.split(named), backward=True))
+
+    def base_shapes(self):
+        """{stored name: shape}."""
+        raise NotImplementedError
+
+    def split(self, named):
+        """(w_gate, w_up, w_down) of the stored tensors `named`."""
+        return tuple(named[n] for n in BASE_NAMES)
+
+    def _stored(self, base):
+        """{stored name: tensor} of (w_gate, w_up, w_down)."""
+        return dict(zip(BASE_NAMES, base))
+
+    def set_base_weights(self, **named):
+        """Replaces the base weights given by their names (CPU tensors of their shapes, any float
+        dtype, rounded to bf16 by .to(torch.bfloat16)); frozen ones are packed at once,
+        parameters copied into."""
+        shapes = self.base_shapes()
+        for name, t in named.items():
+            if name not in shapes:
+                raise InvalidArgument("{}: not a base weight, expected one of {}".format(name, ", ".join(shapes)))
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise InvalidArgument("{}: {}, expected a floating-point tensor".format(name, _what(t)))
+            if t.device.type != "cpu":
+                raise InvalidArgument("{}: on {}, expected a CPU tensor".format(name, t.device))
+            if tuple(t.shape) != tuple(shapes[name]):
+                raise InvalidArgument("size mismatch for {}: got {}, expected {}".format(
+                    name, list(t.shape), list(shapes[name])))
+        with torch.no_grad():
+            if self.train_base:
+                for name, t in named.items():
+                    self._parameters[name].copy_(t)
+                return
+            new = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in named.items()}
+            if len(new) < len(self.BASE):
+                new = dict(self._stored(self._packed.unpack()), **new)
+            self._set_pack(ops.PackedExperts(*self.split(new), backward=True))
+
+    def _set_pack(self, packed):
+        old = self._packed
+        if old is not None:
+            library.forget(old)
+            packed.adopt_pools(old)
+        self._packed, self._steps = packed, {}
+        self._pack_keys()
+
+    def _pack_keys(self):
+        """The registered ops' key of the pack (formed outside any compiled region)."""
+
+    def pack_parameters(self):
+        """train_base: the base parameters' current values, packed; returns the parameters."""
+        base = [self._parameters[n] for n in self.BASE]
+        for name, t in zip(self.BASE, base):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgument("{}: {}, expected a parameter".format(name, _what(t)))
+        with torch.no_grad():
+            named = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in zip(self.BASE, base)}
+            self._set_pack(ops.PackedExperts(*self.split(named), backward=True))
+        return base
+
+    def __setattr__(self, name, value):
+        if name in self.BASE and not self.__dict__.get("train_base", True):
+            self.set_base_weights(**{name: value})
+        else:
+            super().__setattr__(name, value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.train_base:
+            for name, t in self._stored(self._packed.unpack()).items():
+                destination[prefix + name] = t
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if self.train_base:
+            return
+        given = {n: state_dict[prefix + n] for n in self.BASE if prefix + n in state_dict}
+        unexpected_keys[:] = [k for k in unexpected_keys if k[len(prefix):] not in given or not k.startswith(prefix)]
+        missing_keys.extend(prefix + n for n in self.BASE if n not in given)
+        try:
+            self.set_base_weights(**given)
+        except InvalidArgument as e:
+            error_msgs.append(str(e))
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_steps"], state["_keys"] = {}, None  # ABI structs; formed again at the next call
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self._packed is not None:
+            self._pack_keys()
+
+    def _apply(self, fn, *args, **kwargs):
+        try:
+            device = fn(torch.zeros(1)).device
+        except Exception as e:  # e.g. torch without CUDA
+            raise InvalidArgument("{} runs on the CPU only: {}".format(type(self).__name__, e)) from None
+        if device.type != "cpu":
+            raise InvalidArgument("{} runs on the CPU only: cannot move it to {}".format(type(self).__name__, device))
+        return super()._apply(fn, *args, **kwargs)
+
+
+class MoELayer(PackedBase):
     """A Mixture-of-Experts layer: router linear, router, E SwiGLU experts with LoRA.
 
     z = x router_w^T + router_b (fp32), routed by `router`; y_t = sum_j w[t, j] *
@@ -106,10 +246,6 @@ class MoELayer(nn.Module):
     any work. Under semantic "observe" a failed precondition yields a y of NaN, and its
     backward raises."""
 
-    w_gate = _base_property(0, "w_gate", "[E, I, H]")
-    w_up = _base_property(1, "w_up", "[E, I, H]")
-    w_down = _base_property(2, "w_down", "[E, H, I]")
-
     def __init__(self, experts, hidden, inter, topk, rank=0, alpha=None, router="softmax_topk", renormalize=True,
                  groups=1, topk_group=1, scaling=1.0, max_tokens=4096, train_base=False, out_dtype=None, isa=None):
         """Builds the layer (arguments in the class docstring): base weights N(0, 1/fan_in) rounded
@@ -123,14 +259,9 @@ class MoELayer(nn.Module):
         if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
             raise InvalidArgument("out_dtype {!r}: expected None or a floating torch.dtype".format(out_dtype))
         E, H, I, R = experts, hidden, inter, self.config.router_outputs()
-        self.isa, self.out_dtype, self.train_base = isa, out_dtype, bool(train_base)
-        self._packed, self._steps, self._keys = None, {}, None
-        w = [(torch.randn(*s) / math.sqrt(s[2])).to(torch.bfloat16) for s in ((E, I, H), (E, I, H), (E, H, I))]
-        if self.train_base:
-            for name, t in zip(BASE_NAMES, w):
-                self.register_parameter(name, nn.Parameter(t))
-        else:
-            self._set_pack(ops.PackedExperts(*w, backward=True))
+        self.isa, self.out_dtype = isa, out_dtype
+        self._init_base({n: torch.randn(*shape) / math.sqrt(shape[2]) for n, shape in self.base_shapes().items()},
+                        train_base)
         self.router_w = nn.Parameter(torch.empty(R, H).uniform_(-1 / math.sqrt(H), 1 / math.sqrt(H)))
         self.router_b = nn.Parameter(torch.zeros(R))
         self.register_buffer("router_bias", torch.zeros(E) if router == "sigmoid_topk" else None)
@@ -141,99 +272,20 @@ class MoELayer(nn.Module):
             for name, rows in (("b_gate", I), ("b_up", I), ("b_down", H)):
                 setattr(self, name, nn.Parameter(torch.zeros(E, rows, rank)))
 
-    # ---- base weights -----------------------------------------------------
+    def base_shapes(self):
+        c = self.config
+        return {"w_gate": (c.experts, c.inter, c.hidden), "w_up": (c.experts, c.inter, c.hidden),
+                "w_down": (c.experts, c.hidden, c.inter)}
 
     def set_base_weights(self, w_gate=None, w_up=None, w_down=None):
         """Replaces the base weights given (CPU tensors of their shapes, any float dtype, rounded to
         bf16 by .to(torch.bfloat16)); frozen ones are packed at once, parameters copied into."""
-        c = self.config
-        shapes = {"w_gate": (c.experts, c.inter, c.hidden), "w_up": (c.experts, c.inter, c.hidden),
-                  "w_down": (c.experts, c.hidden, c.inter)}
         given = {n: t for n, t in zip(BASE_NAMES, (w_gate, w_up, w_down)) if t is not None}
-        for name, t in given.items():
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise InvalidArgument("{}: {}, expected a floating-point tensor".format(name, _what(t)))
-            if t.device.type != "cpu":
-                raise InvalidArgument("{}: on {}, expected a CPU tensor".format(name, t.device))
-            if tuple(t.shape) != shapes[name]:
-                raise InvalidArgument("size mismatch for {}: got {}, expected {}".format(
-                    name, list(t.shape), list(shapes[name])))
-        with torch.no_grad():
-            if self.train_base:
-                for name, t in given.items():
-                    self._parameters[name].copy_(t)
-                return
-            new = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in given.items()}
-            if len(new) < 3:
-                new = dict(zip(BASE_NAMES, self._packed.unpack()), **new)
-            self._set_pack(ops.PackedExperts(*(new[n] for n in BASE_NAMES), backward=True))
+        super().set_base_weights(**given)
 
-    def _set_pack(self, packed):
-        old = self._packed
-        if old is not None:
-            library.forget(old)
-            packed.adopt_pools(old)
-        self._packed, self._steps = packed, {}
-        if library.registered():  # the registered op's keys, formed outside any compiled region
-            self._keys = (library.config_key(self.config), library.key_of(packed))
-
-    def _pack_parameters(self):
-        """train_base: the parameters' current values, packed (every forward)."""
-        base = [self._parameters[n] for n in BASE_NAMES]
-        for name, t in zip(BASE_NAMES, base):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidArgument("{}: {}, expected a parameter".format(name, _what(t)))
-        with torch.no_grad():
-            self._set_pack(ops.PackedExperts(*(t.detach().to(torch.bfloat16).contiguous() for t in base),
-                                             backward=True))
-        return base
-
-    def __setattr__(self, name, value):
-        if name in BASE_NAMES and not self.__dict__.get("train_base", True):
-            self.set_base_weights(**{name: value})
-        else:
-            super().__setattr__(name, value)
-
-    # ---- torch conventions ----------------------------------------------------
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if not self.train_base:
-            for name, t in zip(BASE_NAMES, self._packed.unpack()):
-                destination[prefix + name] = t
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        if self.train_base:
-            return
-        given = {n: state_dict[prefix + n] for n in BASE_NAMES if prefix + n in state_dict}
-        unexpected_keys[:] = [k for k in unexpected_keys if k[len(prefix):] not in given or not k.startswith(prefix)]
-        missing_keys.extend(prefix + n for n in BASE_NAMES if n not in given)
-        try:
-            self.set_base_weights(**given)
-        except InvalidArgument as e:
-            error_msgs.append(str(e))
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_steps"], state["_keys"] = {}, None  # ABI structs; formed again at the next call
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        if self._packed is not None and library.registered():
+    def _pack_keys(self):
+        if library.registered():
             self._keys = (library.config_key(self.config), library.key_of(self._packed))
-
-    def _apply(self, fn, *args, **kwargs):
-        try:
-            device = fn(torch.zeros(1)).device
-        except Exception as e:  # e.g. torch without CUDA
-            raise InvalidArgument("MoELayer runs on the CPU only: {}".format(e)) from None
-        if device.type != "cpu":
-            raise InvalidArgument("MoELayer runs on the CPU only: cannot move it to {}".format(device))
-        return super()._apply(fn, *args, **kwargs)
 
     # ---- forward --------------------------------------------------------------
 
@@ -252,7 +304,7 @@ class MoELayer(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != H or not x.is_floating_point():
             raise InvalidArgument("x: {}, expected a [..., {}] floating-point tensor".format(_what(x), H))
         out_dtype = self.out_dtype or x.dtype
-        base = self._pack_parameters() if self.train_base else ()
+        base = self.pack_parameters() if self.train_base else ()
         lead = x.shape[:-1]
         x2 = x.reshape(-1, H) if x.dim() != 2 else x
         p = self._parameters

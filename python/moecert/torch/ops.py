@@ -432,6 +432,7 @@ class ExpertsStep(_Step):
     the LoRA factors with LoRA, then the base weights when `base`."""
 
     def __init__(self, packed, lora, needs, base=False, stats=False, dx_dtype=torch.bfloat16, isa=None):
+        dx_dtype = dx_dtype if dx_dtype in (torch.bfloat16, torch.float32) else torch.float32
         if not isinstance(packed, PackedExperts):
             raise InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
         self.packed, self.key = packed, _lora_key(lora)
@@ -445,7 +446,10 @@ class ExpertsStep(_Step):
         return self.key is not None and _lora_key(lora) == self.key
 
     def forward(self, x, expert_ids, weights, saved):
-        """y [T, H] fp32; the forward's state into `saved` (an ExpertsSaved)."""
+        """y [T, H] fp32 of x [T, H] (rounded to bf16 by x.to(torch.bfloat16) unless bf16); the
+        forward's state into `saved` (an ExpertsSaved)."""
+        if isinstance(x, torch.Tensor) and x.dtype != torch.bfloat16 and x.is_floating_point():
+            x = x.to(torch.bfloat16)
         _routing_shape(self.packed, x, expert_ids)
         return _experts_forward(self.packed, self.lora, x, expert_ids, weights, saved, self._options)
 

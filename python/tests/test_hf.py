@@ -1,0 +1,167 @@
+"""moecert.hf on transformers 5's own MoE models (tiny random configurations of each family):
+the patched experts within moecert's derived bound of a float64 evaluation of the same weights,
+the model's own router and load-balancing loss untouched, a LoRA training step, gradient
+checkpointing (the op recomputed gives the same gradients bitwise), state_dict in transformers'
+names and layout, deepcopy; families moecert cannot compute refused. Skipped without
+transformers (Debian's Python); run on the AMX machine."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import moecert  # noqa: E402
+import moecert.hf as hf  # noqa: E402
+from moecert.torch import ops  # noqa: E402
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8)
+MLA = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+           num_key_value_heads=4)  # multi-head latent attention: as many key/value heads as heads
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32, norm_topk_prob=False)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1,
+                         first_k_dense_replace=0, n_shared_experts=1, **MLA)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0,
+                         n_shared_experts=1, **MLA)),
+}
+
+
+def model_of(family, dtype=torch.float32, **config):
+    cfg_name, model_name, extra = FAMILIES[family]
+    if not hasattr(transformers, cfg_name):
+        pytest.skip("transformers {} has no {}".format(transformers.__version__, cfg_name))
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_name)(**dict(COMMON, **extra, **config))
+    return getattr(transformers, model_name)(cfg).to(dtype)
+
+
+def ids():
+    return torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def first_experts(model):
+    return next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+
+
+def reference(experts, x, idx, w):
+    """float64 sum_j w * (silu(x Wg^T) * (x Wu^T)) Wd^T of the bf16 weights and x, LoRA included."""
+    gate_up = experts.gate_up_proj.detach().double()
+    down = experts.down_proj.detach().double()
+    I = gate_up.shape[1] // 2
+    x = x.detach().bfloat16().double()
+    y = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            g, u = gate_up[e, :I] @ x[t], gate_up[e, I:] @ x[t]
+            y[t] += float(w[t, j]) * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return y
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_patched_experts_within_the_derived_bound_and_the_model_trains(family):
+    model = model_of(family)
+    seen = {}
+    hook = first_experts(model).register_forward_hook(lambda m, args, out: seen.update(args=args) or None)
+    with torch.no_grad():
+        model(ids())
+    hook.remove()
+    names = hf.patch(model)
+    assert len(names) == 2 and all(n.endswith("mlp.experts") for n in names)
+    experts = first_experts(model)
+    assert isinstance(experts, hf.Experts) and not list(experts.parameters())  # the pack is the storage
+    x, idx, w = seen["args"]
+    with torch.no_grad():
+        y = experts(x, idx, w)
+    assert y.dtype == x.dtype
+    # The bound: the ops' own derivation for this routing (proofs/experts.md).
+    _, saved = ops.experts_forward_train(experts._packed, x.bfloat16(), idx, w.float())
+    bound = ops.experts_bounds(saved)["y"]
+    err = (y.double() - reference(experts, x, idx, w.float())).abs()
+    assert torch.all(err <= bound), float((err - bound).max())
+    # The model's own router and auxiliary loss, a LoRA step.
+    model = model_of(family)
+    hf.patch(model, rank=4)
+    out = model(ids(), labels=ids(), output_router_logits=True)
+    if not family.startswith("deepseek"):  # DeepSeek's model has no auxiliary loss in transformers
+        assert len(out.router_logits) == 2 and torch.isfinite(out.aux_loss)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    b = first_experts(model).b_up
+    assert b.grad is not None and torch.isfinite(b.grad).all() and b.grad.abs().sum() > 0
+    before = out.loss.item()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+    assert model(ids(), labels=ids()).loss.item() != before
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_gradient_checkpointing_gives_the_same_gradients(family):
+    model = model_of(family)
+    hf.patch(model, rank=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("b_gate", "b_up", "b_down")):
+                p.normal_(0, 0.1)
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable()
+    model.train(), checkpointed.train()
+    for m in (model, checkpointed):
+        m(ids(), labels=ids()).loss.backward()
+    for (n, p), q in zip(model.named_parameters(), checkpointed.parameters()):
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), n
+
+
+def test_state_dict_in_transformers_layout_and_copies():
+    model = model_of("qwen3_moe")
+    original = {k: v.clone() for k, v in model.state_dict().items() if k.endswith(hf.BASE)}
+    hf.patch(model, rank=2)
+    sd = model.state_dict()
+    for k, v in original.items():
+        assert torch.equal(sd[k], v.bfloat16()), k
+    fresh = model_of("qwen3_moe")
+    missing, unexpected = fresh.load_state_dict(sd, strict=False)
+    assert not missing and all(k.rsplit(".", 1)[1] in ops.LORA_NAMES for k in unexpected)
+    again = model_of("qwen3_moe")
+    hf.patch(again, rank=2)
+    again.load_state_dict(sd)
+    assert torch.equal(again(ids()).logits, model(ids()).logits)
+    assert torch.equal(copy.deepcopy(model)(ids()).logits, model(ids()).logits)
+    with pytest.raises(moecert.InvalidArgument, match="read-only copy"):
+        first_experts(model).gate_up_proj.data.mul_(2)
+
+
+def test_bf16_model_and_train_base():
+    model = model_of("mixtral", torch.bfloat16)
+    hf.patch(model, rank=2, train_base=True)
+    out = model(ids(), labels=ids())
+    assert out.logits.dtype == torch.bfloat16
+    out.loss.backward()
+    experts = first_experts(model)
+    assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.dtype == torch.bfloat16
+
+
+def test_what_moecert_cannot_compute_is_refused():
+    model = model_of("qwen3_moe", hidden_act="gelu")
+    with pytest.raises(moecert.InvalidArgument, match="activation .*moecert computes SwiGLU with silu"):
+        hf.patch(model)
+    assert not isinstance(first_experts(model), hf.Experts)  # nothing replaced
+    if hasattr(transformers, "GptOssConfig"):
+        torch.manual_seed(0)
+        cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                        num_experts_per_tok=2)
+        with pytest.raises(moecert.InvalidArgument, match="besides gate_up_proj and down_proj|clamped"):
+            hf.patch(transformers.GptOssForCausalLM(cfg))
+    with pytest.raises(moecert.InvalidArgument, match="no sparse-MoE block"):
+        hf.patch(torch.nn.Linear(4, 4))
