@@ -118,6 +118,9 @@ class Experts(PackedBase):
 
 def _refusal(experts):
     """Why moecert cannot compute these experts (None: it can)."""
+    devices = {p.device.type for p in experts.parameters(recurse=False)}
+    if devices - {"cpu"}:
+        return "on {}: moecert computes on the CPU".format(", ".join(sorted(devices - {"cpu"})))
     extra = [n for n, _ in experts.named_parameters(recurse=False) if n not in BASE]
     if extra:
         return "parameters {} besides gate_up_proj and down_proj (biases: moecert's experts have none)".format(

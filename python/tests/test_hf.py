@@ -165,3 +165,6 @@ def test_what_moecert_cannot_compute_is_refused():
             hf.patch(transformers.GptOssForCausalLM(cfg))
     with pytest.raises(moecert.InvalidArgument, match="no sparse-MoE block"):
         hf.patch(torch.nn.Linear(4, 4))
+    meta = model_of("olmoe").to("meta")
+    with pytest.raises(moecert.InvalidArgument, match="on meta: moecert computes on the CPU"):
+        hf.patch(meta)
