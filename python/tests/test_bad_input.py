@@ -34,7 +34,7 @@ def unchanged(*tensors):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda a: a.update(x=a["x"].float()), "x: dtype float32, expected bfloat16"),
+    (lambda a: a.update(x=a["x"].to(torch.int32)), "x: dtype int32, expected bfloat16"),
     (lambda a: a.update(x=torch.empty(T, H, dtype=torch.bfloat16, device="meta")), "x: on meta, expected a CPU tensor"),
     (lambda a: a.update(x=torch.zeros(H, T, dtype=torch.bfloat16).t()), "x: not contiguous"),
     (lambda a: a.update(x=torch.zeros(T, H + 1, dtype=torch.bfloat16)), "x: shape [6, 33], expected [? x 32]"),
