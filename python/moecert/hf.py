@@ -34,7 +34,8 @@ class Experts(PackedBase):
         gate_up_proj: [E, 2I, H], the gate's I rows then the up projection's (any float dtype:
             rounded to bf16, what the kernels compute with).
         down_proj: [E, H, I].
-        rank, alpha: LoRA rank (0: none) and alpha (default 2r); factors a_gate, a_up [E, r, H],
+        rank, alpha: LoRA rank (0: none) and alpha (default 2r), scale alpha / r (alpha / sqrt(r)
+            with rslora, rank-stabilised LoRA); factors a_gate, a_up [E, r, H],
             a_down [E, r, I] (uniform in +-1/sqrt(in)), b_gate, b_up [E, I, r], b_down [E, H, r]
             (zero: the module starts as its base weights), fp32 parameters.
         train_base: the base weights are parameters too (packed at every forward); else the
@@ -45,11 +46,12 @@ class Experts(PackedBase):
     hidden_states' dtype: sum_j w[t, j] * expert_{idx[t, j]}(x_t), x rounded to bf16, the
     weights widened to fp32; differentiable in hidden_states, top_k_weights and the LoRA factors
     (and the base weights with train_base). state_dict() holds gate_up_proj and down_proj (bf16,
-    transformers' names and layout) and the LoRA factors."""
+    transformers' names and layout) and the LoRA factors. After each forward, `token_counts` [E]
+    int64 holds how many (token, slot) pairs each expert received."""
 
     BASE = BASE
 
-    def __init__(self, gate_up_proj, down_proj, rank=0, alpha=None, train_base=False, isa=None):
+    def __init__(self, gate_up_proj, down_proj, rank=0, alpha=None, train_base=False, isa=None, rslora=False):
         """See the class docstring; raises moecert.InvalidArgument for shapes that do not fit."""
         super().__init__()
         if not isinstance(gate_up_proj, torch.Tensor) or gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
@@ -60,6 +62,9 @@ class Experts(PackedBase):
             raise InvalidArgument("down_proj: {}, expected [{}, {}, {}]".format(_what(down_proj), E, H, I))
         self.num_experts, self.hidden, self.inter, self.isa = E, H, I, isa
         self.rank, self.alpha = int(rank), float(alpha if alpha is not None else 2 * rank)
+        # The kernels' scale is alpha / r: rank-stabilised LoRA's alpha / sqrt(r) is alpha sqrt(r) / r.
+        self._kernel_alpha = self.alpha * math.sqrt(self.rank) if rslora and self.rank else self.alpha
+        self.rslora, self.token_counts = bool(rslora), None
         self._init_base({"gate_up_proj": gate_up_proj, "down_proj": down_proj}, train_base)
         if self.rank:
             for name, shape in ops._lora_shapes(E, H, I, self.rank).items():
@@ -91,7 +96,7 @@ class Experts(PackedBase):
         factors = tuple(getattr(self, n) for n in ops.LORA_NAMES)
         if len({t.dtype for t in factors}) != 1 or factors[0].dtype not in NATIVE:
             factors = tuple(t.float() for t in factors)
-        return ops.Lora(*factors, alpha=self.alpha)
+        return ops.Lora(*factors, alpha=self._kernel_alpha)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         """[T, H] in hidden_states' dtype (see the class docstring)."""
@@ -102,6 +107,11 @@ class Experts(PackedBase):
         weights = top_k_weights
         if isinstance(weights, torch.Tensor) and weights.dtype not in (torch.float32, torch.bfloat16):
             weights = weights.float()
+        with torch.no_grad():
+            ids = top_k_index.reshape(-1) if isinstance(top_k_index, torch.Tensor) else None
+            if ids is not None and not ids.is_floating_point():
+                valid = ids[(ids >= 0) & (ids < self.num_experts)].long()
+                self.token_counts = torch.bincount(valid, minlength=self.num_experts)
         if self.train_base:  # packed at this call from the parameters' values
             gate_up, down = self.gate_up_proj, self.down_proj
             base = (gate_up[:, :self.inter].to(torch.bfloat16).contiguous(),
@@ -143,10 +153,11 @@ def _stacked_experts(module):
             isinstance(getattr(module, "down_proj", None), torch.Tensor))
 
 
-def patch(model, rank=0, alpha=None, train_base=False, isa=None):
+def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False):
     """Replaces the routed experts of every sparse-MoE block of `model` (transformers 5: a
     block's `experts` module with stacked gate_up_proj and down_proj) by an Experts holding the
-    same weights (rounded to bf16; the originals are released), with LoRA of `rank` and `alpha`.
+    same weights (rounded to bf16; the originals are released), with LoRA of `rank` and `alpha`
+    (rslora: scale alpha / sqrt(r)).
     Returns the names of the modules replaced. Raises moecert.InvalidArgument naming the block
     and what is missing when a block's experts are not a plain SwiGLU (nothing is replaced then),
     or when the model has no such block (transformers 4's ModuleList of experts included)."""
@@ -166,5 +177,5 @@ def patch(model, rank=0, alpha=None, train_base=False, isa=None):
             type(model).__name__))
     for name, module, experts in found:
         with torch.no_grad():
-            module.experts = Experts(experts.gate_up_proj, experts.down_proj, rank, alpha, train_base, isa)
+            module.experts = Experts(experts.gate_up_proj, experts.down_proj, rank, alpha, train_base, isa, rslora)
     return [(name + ".experts") if name else "experts" for name, _, _ in found]
