@@ -60,13 +60,13 @@ std::string join_names(const std::string_view* names, std::size_t n) {
   return fmt::format("{}", fmt::join(names, names + n, "|"));
 }
 
-// Reads MOECERT_CONTRACTS and MOECERT_CONTRACT_GROUPS once. A value that
-// does not parse is refused: running with checks the user did not ask for
-// is worse than stopping.
-void read_environment() {
-  ContractSettings s = unpack(g_settings.load());
-  if (const char* env = std::getenv("MOECERT_CONTRACTS"); env && *env) {
-    std::string_view v = env;
+}  // namespace
+
+namespace detail {
+
+ContractSettings parse_settings(const char* contracts, const char* groups, ContractSettings s) {
+  if (contracts && *contracts) {
+    const std::string_view v = contracts;
     const auto colon = v.find(':');
     const auto level = parse_level(v.substr(0, colon));
     std::optional<Semantic> sem = s.semantic;
@@ -78,12 +78,12 @@ void read_environment() {
     s.level = *level;
     s.semantic = *sem;
   }
-  if (const char* env = std::getenv("MOECERT_CONTRACT_GROUPS"); env && *env) {
-    const std::string_view whole = env;
+  if (groups && *groups) {
+    const std::string_view whole = groups;
     std::string_view v = whole;
-    std::uint32_t groups = 0;
+    std::uint32_t mask = 0;
     if (v == "all") {
-      groups = (1u << kGroupCount) - 1;
+      mask = (1u << kGroupCount) - 1;
     } else if (v != "none") {
       while (!v.empty()) {
         const auto comma = v.find(',');
@@ -94,13 +94,26 @@ void read_environment() {
               fmt::format("MOECERT_CONTRACT_GROUPS={}: unknown group '{}', expected all, none or "
                           "a comma-separated list of {}",
                           whole, name, join_names(kGroupNames, kGroupCount)));
-        groups |= 1u << static_cast<int>(*g);
+        mask |= 1u << static_cast<int>(*g);
         v = comma == std::string_view::npos ? std::string_view{} : v.substr(comma + 1);
       }
     }
-    s.groups = groups;
+    s.groups = mask;
   }
-  g_settings.store(pack(s));
+  return s;
+}
+
+}  // namespace detail
+
+namespace {
+
+// Reads MOECERT_CONTRACTS and MOECERT_CONTRACT_GROUPS once. A value that
+// does not parse is refused: running with checks the user did not ask for
+// is worse than stopping.
+void read_environment() {
+  g_settings.store(pack(detail::parse_settings(std::getenv("MOECERT_CONTRACTS"),
+                                               std::getenv("MOECERT_CONTRACT_GROUPS"),
+                                               unpack(g_settings.load()))));
 }
 
 ContractSettings global_settings() {

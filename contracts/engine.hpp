@@ -65,6 +65,13 @@ class Checker {
   bool pre_failed_ = false;
 };
 
+/// The settings MOECERT_CONTRACTS (LEVEL[:SEMANTIC]) and
+/// MOECERT_CONTRACT_GROUPS (all, none or a comma-separated list of groups)
+/// give on top of `base` (a null or empty value changes nothing);
+/// std::invalid_argument naming the variable and the values it takes for
+/// anything else.
+ContractSettings parse_settings(const char* contracts, const char* groups, ContractSettings base);
+
 /// The preconditions that failed under observe on this thread: how many,
 /// and the last one (the C ABI tells its caller that an op wrote nothing).
 struct ObservedPreconditions {
