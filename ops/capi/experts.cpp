@@ -49,8 +49,7 @@ moecert_status moecert_experts_pack(int64_t experts, const moecert_tensor* w_gat
     const auto d = mat<const bf16>(w_down, "w_down");
     const auto E = static_cast<std::size_t>(experts);
     const std::size_t H = g.cols, I = g.rows / E;
-    if (g.rows % E || !I || !H || u.rows != g.rows || u.cols != H || d.rows != E * H ||
-        d.cols != I)
+    if (g.rows % E || !I || !H || u.rows != g.rows || u.cols != H || d.rows != E * H || d.cols != I)
       throw InvalidArgument(fmt::format(
           "w_gate {}x{}, w_up {}x{}, w_down {}x{} for {} experts, expected [E*I x H] twice and "
           "[E*H x I] (I, H >= 1)",
@@ -76,7 +75,8 @@ moecert_status moecert_experts_unpack(const moecert_experts* w, const moecert_te
           "w_gate {}x{}, w_up {}x{}, w_down {}x{}, expected {}x{}, {}x{}, {}x{}", g.rows, g.cols,
           u.rows, u.cols, d.rows, d.cols, E * I, H, E * I, H, E * H, I));
     const ByteRange r[] = {g.bytes(), u.bytes(), d.bytes()};
-    if (detail::first_overlap(r, 3)) throw InvalidArgument("w_gate, w_up, w_down: overlap in memory");
+    if (detail::first_overlap(r, 3))
+      throw InvalidArgument("w_gate, w_up, w_down: overlap in memory");
     p.unpack(g, u, d);
   });
 }

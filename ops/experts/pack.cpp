@@ -50,19 +50,18 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
   return out;
 }
 
-void PackedExperts::unpack(MatView<bf16> w_gate, MatView<bf16> w_up,
-                           MatView<bf16> w_down) const {
+void PackedExperts::unpack(MatView<bf16> w_gate, MatView<bf16> w_up, MatView<bf16> w_down) const {
   const std::size_t I = inter_, H = hidden_;
-  oneapi::tbb::parallel_for(
-      std::size_t{0}, experts(), moecert::detail::task([&](std::size_t e) {
-        for (std::size_t i = 0; i < I; ++i)
-          for (std::size_t h = 0; h < H; ++h) {
-            w_gate(e * I + i, h) = gate(e, i, h);
-            w_up(e * I + i, h) = up(e, i, h);
-          }
-        for (std::size_t h = 0; h < H; ++h)
-          for (std::size_t i = 0; i < I; ++i) w_down(e * H + h, i) = down(e, h, i);
-      }));
+  oneapi::tbb::parallel_for(std::size_t{0}, experts(), moecert::detail::task([&](std::size_t e) {
+                              for (std::size_t i = 0; i < I; ++i)
+                                for (std::size_t h = 0; h < H; ++h) {
+                                  w_gate(e * I + i, h) = gate(e, i, h);
+                                  w_up(e * I + i, h) = up(e, i, h);
+                                }
+                              for (std::size_t h = 0; h < H; ++h)
+                                for (std::size_t i = 0; i < I; ++i)
+                                  w_down(e * H + h, i) = down(e, h, i);
+                            }));
 }
 
 bf16 PackedExperts::gate(std::size_t e, std::size_t i, std::size_t h) const {
