@@ -95,8 +95,28 @@ static void experts_op(void) {
   EXPECT(strcmp(err->location, "x[1, 2]") == 0);
   EXPECT(strcmp(err->kind, "pre") == 0 && strcmp(err->group, "finite") == 0);
   EXPECT(y[0] == -7.0f && y[T * H - 1] == -7.0f);
-  x[1 * H + 2] = saved_x;
   OK(moecert_contract_scope_pop());
+
+  /* The same under observe: reported, nothing written, no state saved. */
+  OK(moecert_contract_scope_push(1, 1, 0x3f));
+  EXPECT(moecert_experts_forward_train(packed, &l, &tx, &ti, &tw, &ty, saved, NULL) ==
+         MOECERT_PRECONDITION_OBSERVED);
+  EXPECT(moecert_last_error()->status == MOECERT_PRECONDITION_OBSERVED);
+  EXPECT(strcmp(moecert_last_error()->clause, "experts.forward_train.x_finite") == 0);
+  EXPECT(y[0] == -7.0f && y[T * H - 1] == -7.0f);
+  EXPECT(moecert_experts_backward(packed, &l, &tx, &tdy, saved, &g) ==
+         MOECERT_PRECONDITION_OBSERVED);
+  EXPECT(strcmp(moecert_last_error()->clause, "experts.backward.state") == 0);
+  OK(moecert_contract_scope_pop());
+  x[1 * H + 2] = saved_x;
+
+  /* The packed weights read back bitwise. */
+  static uint16_t bg_[E * I * H], bu_[E * I * H], bd_[E * H * I];
+  moecert_tensor rg = mat(bg_, MOECERT_BF16, E * I, H), ru = mat(bu_, MOECERT_BF16, E * I, H);
+  moecert_tensor rd = mat(bd_, MOECERT_BF16, E * H, I);
+  OK(moecert_experts_unpack(packed, &rg, &ru, &rd));
+  EXPECT(memcmp(bg_, wg, sizeof wg) == 0 && memcmp(bu_, wu, sizeof wu) == 0 &&
+         memcmp(bd_, wd, sizeof wd) == 0);
 
   /* A descriptor of the wrong dtype: rejected before any work. */
   moecert_tensor bad = mat(w, MOECERT_F32, T, H);
