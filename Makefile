@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 .PHONY: check report python bootstrap format format-check debug release tsan stress fuzz clean
 FUZZ_SECONDS ?= 60
 FUZZ_SEED ?= 1
-FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer judge_fuzzer safetensors_fuzzer settings_fuzzer capi_fuzzer
+FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer judge_fuzzer safetensors_fuzzer settings_fuzzer capi_fuzzer cli_fuzzer
 
 # The interpreter for the Python package: Debian's /usr/bin/python3, else the
 # first python3 on PATH, that imports torch (a `python3` on PATH may lack
