@@ -54,8 +54,10 @@ def worker(rank, world, port, out_dir):
     per, off = E // world, sum(SHARES[world][:rank])
     rows = slice(off, off + SHARES[world][rank])
     results = {}
-    for kind in KINDS:
-        base, lora, x, ids, w, dy = problem(kind, world)
+
+    def one_step(problem_args):
+        """This rank's outputs and gradients of one forward and backward on a problem."""
+        base, lora, x, ids, w, dy = problem(*problem_args)
         mine = slice(rank * per, (rank + 1) * per)
         module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0)
         with torch.no_grad():
@@ -64,20 +66,13 @@ def worker(rank, world, port, out_dir):
         xs, ws = x[rows].clone().requires_grad_(), w[rows].clone().requires_grad_()
         y = module(xs, ids[rows].contiguous(), ws)
         y.backward(dy[rows])
-        results[kind] = {"y": y.detach(), "dx": xs.grad, "dweights": ws.grad,
-                         **{k: getattr(module, k).grad for k in ops.LORA_NAMES}}
+        return {"y": y.detach(), "dx": xs.grad, "dweights": ws.grad,
+                **{k: getattr(module, k).grad for k in ops.LORA_NAMES}}
+
+    for kind in KINDS:
+        results[kind] = one_step((kind, world))
     for k in WIDE_K:  # real models' K: a token's slots on several ranks, combined in slot order
-        base, lora, x, ids, w, dy = problem("normal", world, k)
-        mine = slice(rank * per, (rank + 1) * per)
-        module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0)
-        with torch.no_grad():
-            for name in ops.LORA_NAMES:
-                getattr(module, name).copy_(getattr(lora, name)[mine])
-        xs, ws = x[rows].clone().requires_grad_(), w[rows].clone().requires_grad_()
-        y = module(xs, ids[rows].contiguous(), ws)
-        y.backward(dy[rows])
-        results["K", k] = {"y": y.detach(), "dx": xs.grad, "dweights": ws.grad,
-                           **{name: getattr(module, name).grad for name in ops.LORA_NAMES}}
+        results["K", k] = one_step(("normal", world, k))
     base, lora, x, ids, w, dy = problem("tails", world)  # base weights trained as well
     mine = slice(rank * per, (rank + 1) * per)
     module = ExpertParallelMoE(E, *(b[mine].contiguous() for b in base), rank=RANK, alpha=8.0, train_base=True)
@@ -277,18 +272,19 @@ def test_bitwise_equal_to_one_process(world):
     with tempfile.TemporaryDirectory() as out_dir:
         run_world(world, out_dir)
         ranks = [torch.load(os.path.join(out_dir, "{}.pt".format(r))) for r in range(world)]
-    for kind in KINDS:
-        base, lora, x, ids, w, dy = problem(kind, world)
-        packed = ops.PackedExperts(*base)
-        y, saved = ops.experts_forward_train(packed, x, ids, w, lora)
-        want = ("dx", "dweights") + ops.LORA_NAMES
-        g = ops.experts_backward(saved, dy, want)
-        cat = lambda name: torch.cat([r[kind][name] for r in ranks])
-        assert torch.equal(cat("y"), y), kind
-        assert torch.equal(cat("dx"), g["dx"].bfloat16()), kind  # autograd stores dx as x's dtype
-        assert torch.equal(cat("dweights"), g["dweights"]), kind
+    def same_as_one_process(key, problem_args):
+        base, lora, x, ids, w, dy = problem(*problem_args)
+        y, saved = ops.experts_forward_train(ops.PackedExperts(*base), x, ids, w, lora)
+        g = ops.experts_backward(saved, dy, ("dx", "dweights") + ops.LORA_NAMES)
+        cat = lambda name: torch.cat([r[key][name] for r in ranks])
+        assert torch.equal(cat("y"), y), key
+        assert torch.equal(cat("dx"), g["dx"].bfloat16()), key  # autograd stores dx as x's dtype
+        assert torch.equal(cat("dweights"), g["dweights"]), key
         for k in ops.LORA_NAMES:
-            assert torch.equal(cat(k), g[k]), (kind, k)
+            assert torch.equal(cat(k), g[k]), (key, k)
+
+    for kind in KINDS:
+        same_as_one_process(kind, (kind, world))
         if kind == "one_rank":  # the other ranks' experts are idle: their gradients exactly 0
             assert all(torch.all(ranks[r][kind][k] == 0) for r in range(world - 1) for k in ops.LORA_NAMES)
         assert sum(len(r[kind]["y"]) for r in ranks) == T
@@ -305,16 +301,7 @@ def test_bitwise_equal_to_one_process(world):
     assert len({f["alpha ulp"] for f in faults}) == 1
     assert faults[0]["alpha ulp"][0] == "InvalidArgument" and "alpha 8.0..8.000000000000002" in faults[0]["alpha ulp"][1]
     for k in WIDE_K:
-        base, lora, x, ids, w, dy = problem("normal", world, k)
-        packed = ops.PackedExperts(*base)
-        y, saved = ops.experts_forward_train(packed, x, ids, w, lora)
-        g = ops.experts_backward(saved, dy, ("dx", "dweights") + ops.LORA_NAMES)
-        cat = lambda name: torch.cat([r["K", k][name] for r in ranks])
-        assert torch.equal(cat("y"), y), k
-        assert torch.equal(cat("dx"), g["dx"].bfloat16()), k
-        assert torch.equal(cat("dweights"), g["dweights"]), k
-        for name in ops.LORA_NAMES:
-            assert torch.equal(cat(name), g[name]), (k, name)
+        same_as_one_process(("K", k), ("normal", world, k))
     assert faults[-1]["expert id"][0] == "InvalidArgument" and "expert_ids[0, 0] = 8" in faults[-1]["expert id"][1]
     assert all(f["expert id"][0] == "Error" and "another rank" in f["expert id"][1] for f in faults[:-1])
     assert any(f["nan"] == ("ContractViolation", "experts.forward_train.x_finite") for f in faults)
