@@ -1,18 +1,22 @@
 """moecert.hf.Experts on tensors built here (no transformers needed; CI runs it): transformers 5's
 stacked layout (gate_up_proj [E, 2I, H]: the gate's rows then the up projection's; down_proj
-[E, H, I]) read right — y with LoRA within the op's derived bound of a float64 evaluation of the
-same maths — stored back bitwise, the LoRA scale (alpha / r, rank-stabilised alpha / sqrt(r)),
-the per-expert token counts."""
+[E, H, I]) read right and stored back bitwise; LoRA in PEFT's parametrisation (one A shared by
+gate and up) within the op's derived bound of a float64 evaluation, its scale (alpha / r,
+rank-stabilised alpha / sqrt(r)), its targets and initialisations; adapters in PEFT's tensor
+layout (evaluated here by PEFT's documented formula, not moecert's conversion), read back
+bitwise and refused when malformed; merge and unmerge; the per-expert token counts."""
 import math
 
 import pytest
 import torch
+from torch import nn
 
 import moecert
 import moecert.hf as hf
 from moecert.torch import ops
 
 E, H, I, K, T, R = 6, 32, 24, 2, 9, 4
+PATH = "model.layers.0.mlp.experts"
 
 
 def case(seed=3):
@@ -25,42 +29,231 @@ def case(seed=3):
     return gate_up, down, x, idx, w
 
 
-def reference(gate_up, down, lora, scale, x, idx, w):
-    """float64 y of the bf16-rounded weights, x and LoRA factors: per slot
-    w * ((silu(g) * u) Wd^T + scale (h Ad^T) Bd^T), g = x Wg^T + scale (x Ag^T) Bg^T, likewise u."""
-    d = lambda t: t.detach().bfloat16().double()
-    gu, dn, x = d(gate_up), d(down), d(x)
-    f = {n: d(getattr(lora, n)) for n in ops.LORA_NAMES}
+def evaluate(gate_up, down, x, idx, w):
+    """float64 sum_j w * (h Wd^T), h = silu(x Wg^T) * (x Wu^T) rounded to bf16 (the kernel feeds
+    bf16 h to down), of float64 weights (gate_up's first I rows: the gate)."""
+    x = x.detach().bfloat16().double()
     y = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
         for j in range(K):
             e = int(idx[t, j])
-            g = gu[e, :I] @ x[t] + scale * f["b_gate"][e] @ (f["a_gate"][e] @ x[t])
-            u = gu[e, I:] @ x[t] + scale * f["b_up"][e] @ (f["a_up"][e] @ x[t])
-            h = (torch.nn.functional.silu(g) * u).bfloat16().double()  # the kernel feeds bf16 h to down
-            y[t] += float(w[t, j]) * (dn[e] @ h + scale * f["b_down"][e] @ (f["a_down"][e] @ h))
+            g, u = gate_up[e, :I] @ x[t], gate_up[e, I:] @ x[t]
+            h = (torch.nn.functional.silu(g) * u).bfloat16().double()
+            y[t] += float(w[t, j]) * (down[e] @ h)
     return y
+
+
+def d(t):
+    return t.detach().bfloat16().double()
+
+
+def lora_weights(gate_up, down, experts, scale):
+    """The effective float64 weights W + scale B A of the module's factors (bf16-rounded, as the
+    kernels read them), from the factors' own names."""
+    a, bg, bu = d(experts.lora_A_gate_up), d(experts.lora_B_gate), d(experts.lora_B_up)
+    gu = d(gate_up) + scale * torch.cat([bg @ a, bu @ a], 1)
+    return gu, d(down) + scale * d(experts.lora_B_down) @ d(experts.lora_A_down)
+
+
+def peft_weights(gate_up, down, tensors, key, scale, r=R):
+    """The effective float64 weights by PEFT's formula for LoRA on 3-D expert parameters:
+    ΔW[e] = scale B.reshape(out, r, E)[:, :, e] A.reshape(E, r, in)[e]."""
+    out = []
+    for base, prefix in ((gate_up, key + ".base_layer."), (down, key + ".")):
+        A, B = d(tensors[prefix + "lora_A.weight"]), d(tensors[prefix + "lora_B.weight"])
+        A3, B3 = A.reshape(E, r, A.shape[1]), B.reshape(B.shape[0], r, E)
+        out.append(d(base) + scale * torch.stack([B3[:, :, e] @ A3[e] for e in range(E)]))
+    return out
+
+
+def trained(experts, std=0.3):
+    with torch.no_grad():
+        for n, p in experts.named_parameters():
+            if n.startswith("lora_B"):
+                p.normal_(0, std)
+    return experts
+
+
+def bound_of(experts, x, idx, w):
+    if experts.train_base:
+        experts.pack_parameters()  # the parameters' current values, packed
+    _, saved = ops.experts_forward_train(experts._packed, x.bfloat16(), idx, w, experts.lora())
+    return ops.experts_bounds(saved)["y"]
+
+
+class Model(nn.Module):
+    """A module tree with a patched experts module where transformers' Qwen3-MoE has it."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([nn.Module()])
+        self.model.layers[0].mlp = nn.Module()
+        self.model.layers[0].mlp.experts = experts
 
 
 @pytest.mark.parametrize("rslora", [False, True])
 def test_stacked_layout_and_lora_within_the_bound(rslora):
     gate_up, down, x, idx, w = case()
-    experts = hf.Experts(gate_up, down, rank=R, alpha=8.0, rslora=rslora)
-    with torch.no_grad():
-        for n in ("b_gate", "b_up", "b_down"):
-            getattr(experts, n).normal_(0, 0.3)
+    experts = trained(hf.Experts(gate_up, down, rank=R, alpha=8.0, rslora=rslora))
     y = experts(x, idx, w)
     assert y.dtype == torch.float32
     scale = 8.0 / math.sqrt(R) if rslora else 8.0 / R
-    lora = experts.lora()
-    _, saved = ops.experts_forward_train(experts._packed, x.bfloat16(), idx, w, lora)
-    bound = ops.experts_bounds(saved)["y"]
-    err = (y.double() - reference(gate_up, down, lora, scale, x, idx, w)).abs()
+    assert experts.scale == pytest.approx(scale)
+    bound = bound_of(experts, x, idx, w)
+    err = (y.double() - evaluate(*lora_weights(gate_up, down, experts, scale), x, idx, w)).abs()
     assert torch.all(err <= bound), float((err - bound).max())
     # (the scale matters: the other one's reference is outside the bound)
     other = 8.0 / R if rslora else 8.0 / math.sqrt(R)
-    assert not torch.all((y.double() - reference(gate_up, down, lora, other, x, idx, w)).abs() <= bound)
+    assert not torch.all((y.double() - evaluate(*lora_weights(gate_up, down, experts, other), x, idx, w)).abs()
+                         <= bound)
     assert torch.equal(experts.token_counts, torch.bincount(idx.reshape(-1), minlength=E))
+
+
+def test_the_shared_a_gets_the_gradients_of_gate_and_up_within_their_bounds():
+    gate_up, down, x, idx, w = case()
+    experts = trained(hf.Experts(gate_up, down, rank=R, alpha=8.0))
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+    experts(x, idx, w).backward(dy)
+    # float64 autograd of the same maths, A used by gate and up
+    f = {n: d(getattr(experts, n)).requires_grad_() for n in hf.experts.FACTORS}
+    gu = d(gate_up) + 2.0 * torch.cat([f["lora_B_gate"] @ f["lora_A_gate_up"], f["lora_B_up"] @ f["lora_A_gate_up"]], 1)
+    dn = d(down) + 2.0 * f["lora_B_down"] @ f["lora_A_down"]
+    xs = x.bfloat16().double()
+    y = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(K):
+            e = int(idx[t, j])
+            h = torch.nn.functional.silu(gu[e, :I] @ xs[t]) * (gu[e, I:] @ xs[t])
+            y = y.index_add(0, torch.tensor([t]), (float(w[t, j]) * (dn[e] @ h))[None])
+    (y * dy.double()).sum().backward()
+    _, saved = ops.experts_forward_train(experts._packed, x.bfloat16(), idx, w, experts.lora())
+    bounds = ops.experts_bounds(saved, dy, want=("a_gate", "a_up", "b_down"))
+    err = (experts.lora_A_gate_up.grad.double() - f["lora_A_gate_up"].grad).abs()
+    assert torch.all(err <= bounds["a_gate"] + bounds["a_up"]), float((err - bounds["a_gate"] - bounds["a_up"]).max())
+    err = (experts.lora_B_down.grad.double() - f["lora_B_down"].grad).abs()
+    assert torch.all(err <= bounds["b_down"])
+
+
+def test_adapters_in_peft_layout_evaluate_to_the_module_and_read_back_bitwise():
+    gate_up, down, x, idx, w = case()
+    model = Model(trained(hf.Experts(gate_up, down, rank=R, alpha=8.0)))
+    experts = model.model.layers[0].mlp.experts
+    tensors, config = hf.adapter_state_dict(model)
+    key = "base_model.model." + PATH
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        key + ".base_layer.lora_A.weight": (E * R, H), key + ".base_layer.lora_B.weight": (2 * I, R * E),
+        key + ".lora_A.weight": (E * R, I), key + ".lora_B.weight": (H, R * E)}
+    assert config["target_parameters"] == ["gate_up_proj", "down_proj"] and config["r"] == R
+    assert config["lora_alpha"] == 8 and config["target_modules"] == [] and config["peft_type"] == "LORA"
+    y = experts(x, idx, w)
+    err = (y.double() - evaluate(*peft_weights(gate_up, down, tensors, key, 2.0), x, idx, w)).abs()
+    bound = bound_of(experts, x, idx, w)
+    assert torch.all(err <= bound), float((err - bound).max())
+    fresh = Model(hf.Experts(gate_up, down))
+    hf.load_adapter_state_dict(fresh, tensors, config)
+    again = fresh.model.layers[0].mlp.experts
+    assert again.rank == R and again.targets == hf.PROJECTIONS
+    assert torch.equal(again(x, idx, w), y)
+    for n, p in experts.named_parameters():
+        assert torch.equal(getattr(again, n), p) and getattr(again, n).requires_grad, n
+
+
+@pytest.mark.parametrize("targets,parameters", [(("gate",), ["gate_up_proj"]), (("down",), ["down_proj"]),
+                                                (("up", "down"), ["gate_up_proj", "down_proj"])])
+def test_targets_choose_the_adapted_projections(targets, parameters):
+    gate_up, down, x, idx, w = case()
+    experts = trained(hf.Experts(gate_up, down, rank=R, targets=targets, init=False))
+    assert {n.split("_", 2)[2] for n, _ in experts.named_parameters()} <= {"gate_up", "gate", "up", "down"}
+    for n, buf in experts.named_buffers():  # the factors of projections not adapted: zero, not trained
+        assert not buf.any() and not set(hf.experts.FACTORS[n][1]) & set(targets), n
+    tensors, config = hf.adapter_state_dict(Model(experts))
+    assert config["target_parameters"] == parameters
+    assert len(tensors) == 2 * len(parameters)
+    if targets == ("gate",):  # PEFT's gate_up_proj adapter with the up rows of B zero
+        b = tensors["base_model.model." + PATH + ".lora_B.weight"]
+        assert not b[I:].any() and b[:I].any()
+
+
+def test_initialisations():
+    gate_up, down, _, _, _ = case()
+    torch.manual_seed(0)
+    zero_b = hf.Experts(gate_up, down, rank=R)
+    assert not zero_b.lora_B_gate.any() and zero_b.lora_A_down.abs().max() <= 1 / math.sqrt(I)
+    assert zero_b.lora_A_gate_up.abs().max() <= 1 / math.sqrt(H) and zero_b.lora_A_gate_up.std() > 0.5 / math.sqrt(3 * H)
+    gaussian = hf.Experts(gate_up, down, rank=R, init="gaussian")
+    assert not gaussian.lora_B_down.any() and abs(float(gaussian.lora_A_gate_up.std()) - 1 / R) < 0.05
+    random_b = hf.Experts(gate_up, down, rank=R, init=False)
+    assert random_b.lora_B_up.any() and random_b.lora_B_up.abs().max() <= 1 / math.sqrt(R * E)
+    for kwargs, match in ((dict(dropout=0.1), "dropout=0.1: LoRA dropout"), (dict(init="pissa"), "init='pissa'"),
+                          (dict(targets=("q_proj",)), "targets: 'q_proj', expected some of gate, up, down"),
+                          (dict(rank=-1), "rank=-1")):
+        with pytest.raises(moecert.InvalidArgument, match=match):
+            hf.Experts(gate_up, down, **dict(dict(rank=R), **kwargs))
+
+
+def test_malformed_adapters_are_refused_and_change_nothing():
+    gate_up, down, x, idx, w = case()
+    tensors, config = hf.adapter_state_dict(Model(trained(hf.Experts(gate_up, down, rank=R))))
+    key = "base_model.model." + PATH + ".lora_A.weight"
+    target = Model(trained(hf.Experts(gate_up, down, rank=2), 0.1))
+    before = target.model.layers[0].mlp.experts(x, idx, w)
+    bad = [(dict(tensors, **{key: tensors[key][:-1]}), config, "lora_A.weight: shape .* expected .* \\[24, 24\\]"),
+           (dict(tensors, **{key: tensors[key] * float("nan")}), config, "lora_A.weight: not finite"),
+           ({k: v for k, v in tensors.items() if k != key}, config, "missing .*experts.lora_A.weight"),
+           (dict(tensors, extra=tensors[key]), config, "1 unexpected key \\(extra\\)"),
+           (tensors, dict(config, lora_dropout=0.1), "lora_dropout=0.1"),
+           (tensors, dict(config, use_dora=True), "use_dora=True"),
+           (tensors, dict(config, target_modules=["q_proj"]), "target_modules=\\['q_proj'\\]"),
+           (tensors, dict(config, rank_pattern={"x": 2}), "rank_pattern"),
+           (tensors, dict(config, r=0), "r=0"),
+           (tensors, dict(config, target_parameters=["w1"]), "target_parameters=\\['w1'\\]"),
+           (tensors, dict(config, peft_type="IA3"), "peft_type 'IA3'")]
+    for t, c, match in bad:
+        with pytest.raises(moecert.InvalidArgument, match=match):
+            hf.load_adapter_state_dict(target, t, c)
+        assert target.model.layers[0].mlp.experts.rank == 2
+        assert torch.equal(target.model.layers[0].mlp.experts(x, idx, w), before)
+
+
+@pytest.mark.parametrize("train_base", [False, True])
+def test_merge_folds_the_adapter_and_unmerge_restores_it_bitwise(train_base):
+    gate_up, down, x, idx, w = case()
+    experts = trained(hf.Experts(gate_up, down, rank=R, alpha=8.0, train_base=train_base))
+    y, state = experts(x, idx, w), {k: v.clone() for k, v in experts.state_dict().items()}
+    factors = dict(experts.named_parameters())
+    gu, dn = lora_weights(gate_up, down, experts, 2.0)
+    experts.merge()
+    assert experts.merged and experts.lora() is None
+    merged = experts.state_dict()  # what the module computes: merged weights, no factors
+    assert not any(k.startswith("lora") for k in merged)
+    assert torch.equal(merged["gate_up_proj"], gu.bfloat16()) and torch.equal(merged["down_proj"], dn.bfloat16())
+    y_merged = experts(x, idx, w)
+    bound = bound_of(experts, x, idx, w)
+    err = (y_merged.double() - evaluate(gu.bfloat16().double(), dn.bfloat16().double(), x, idx, w)).abs()
+    assert torch.all(err <= bound), float((err - bound).max())
+    experts.unmerge()
+    assert not experts.merged and torch.equal(experts(x, idx, w), y)
+    for k, v in experts.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert all(getattr(experts, n) is p for n, p in factors.items())  # the same parameters, for an optimizer
+    experts.merge(keep=False)
+    assert experts.rank == 0 and torch.equal(experts(x, idx, w), y_merged)
+    with pytest.raises(moecert.InvalidArgument, match="merged with keep=False"):
+        experts.unmerge()
+
+
+def test_a_broken_adapter_is_not_merged():
+    gate_up, down, x, idx, w = case()
+    experts = trained(hf.Experts(gate_up, down, rank=R))
+    with torch.no_grad():
+        experts.lora_B_down[0, 0, 0] = 1e38
+        experts.lora_A_down.fill_(1e10)
+    before = experts.state_dict()
+    with pytest.raises(moecert.InvalidArgument, match="down_proj: the merged weights are not finite"):
+        experts.merge()
+    assert not experts.merged
+    assert all(torch.equal(v, before[k]) for k, v in experts.state_dict().items())
 
 
 def test_the_layout_is_stored_back_bitwise():
@@ -69,7 +262,7 @@ def test_the_layout_is_stored_back_bitwise():
     sd = experts.state_dict()
     assert torch.equal(sd["gate_up_proj"], gate_up.bfloat16()) and torch.equal(sd["down_proj"], down.bfloat16())
     assert torch.equal(experts.gate_up_proj, gate_up.bfloat16())
-    trained = hf.Experts(gate_up, down, train_base=True)
-    assert torch.equal(trained(x, idx, w), experts(x, idx, w))
+    trained_base = hf.Experts(gate_up, down, train_base=True)
+    assert torch.equal(trained_base(x, idx, w), experts(x, idx, w))
     with pytest.raises(moecert.InvalidArgument, match="down_proj: .* expected \\[6, 32, 24\\]"):
         hf.Experts(gate_up, down.transpose(1, 2))

@@ -204,9 +204,14 @@ def _lora_key(lora):
 
 
 def _checked_lora(lora, E, H, I):
-    """(the kernel's factors, their ABI struct, their byte spans), the factors checked."""
+    """(the kernel's factors, their ABI struct, their byte spans), the factors checked. a_up may be
+    a_gate itself (one A shared by gate and up, as PEFT's gate_up_proj adapter has): the op only
+    reads them; any other overlap between factors is refused."""
     k = kernel_lora(lora, E, H, I)
-    spans = check_no_alias([("lora." + n, getattr(k, n)) for n in LORA_NAMES]) if k is not None else []
+    if k is None:
+        return k, _lora_struct(k), []
+    shared = signature((k.a_gate,)) == signature((k.a_up,))
+    spans = check_no_alias([("lora." + n, getattr(k, n)) for n in LORA_NAMES if not (shared and n == "a_up")])
     return k, _lora_struct(k), spans
 
 

@@ -1,0 +1,98 @@
+"""Hugging Face transformers' sparse-MoE blocks with their routed experts on moecert's kernels.
+
+    import moecert.hf
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+    moecert.hf.patch(model, rank=8)   # each block's `experts` -> moecert.hf.Experts (LoRA r = 8)
+
+transformers 5 keeps a block's routed experts in one module with stacked parameters,
+gate_up_proj [E, 2I, H] (the gate's I rows, then the up projection's) and down_proj [E, H, I],
+called as experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) by the block
+after its router (`gate`). patch() replaces that module only: the router stays the model's own
+(its softmax or sigmoid, norm_topk_prob, e_score_correction_bias, routed_scaling_factor, its
+dtype), and so do attention, norms and shared experts; output_router_logits and the model's
+load-balancing loss see the same router logits. Families whose experts are not a plain SwiGLU
+(an activation other than silu, biases, a clamped gate as gpt-oss's) are refused, naming what
+moecert does not compute.
+"""
+import torch
+from torch import nn
+
+from ..errors import InvalidArgument
+from ..torch.modules import _what
+from .experts import BASE, PROJECTIONS, Experts, check_lora_arguments, experts_of
+from .peft import adapter_state_dict, load_adapter, load_adapter_state_dict, save_adapter
+
+__all__ = ["BASE", "PROJECTIONS", "Experts", "patch", "merge", "unmerge", "save_adapter", "load_adapter",
+           "adapter_state_dict", "load_adapter_state_dict"]
+
+
+def _refusal(experts):
+    """Why moecert cannot compute these experts (None: it can)."""
+    devices = {p.device.type for p in experts.parameters(recurse=False)}
+    if devices - {"cpu"}:
+        return "on {}: moecert computes on the CPU".format(", ".join(sorted(devices - {"cpu"})))
+    extra = [n for n, _ in experts.named_parameters(recurse=False) if n not in BASE]
+    if extra:
+        return "parameters {} besides gate_up_proj and down_proj (biases: moecert's experts have none)".format(
+            ", ".join(extra))
+    if any(hasattr(experts, a) for a in ("limit", "swiglu_limit")):
+        return "a clamped SwiGLU (gpt-oss style); moecert computes silu(g) * u"
+    act = getattr(experts, "act_fn", None)
+    if act is None or not (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")):
+        return "activation {}, moecert computes SwiGLU with silu".format(type(act).__name__)
+    for name in BASE:
+        p = getattr(experts, name, None)
+        if not isinstance(p, torch.Tensor) or p.dim() != 3:
+            return "{}: {}, expected a stacked 3-D tensor".format(name, _what(p))
+    return None
+
+
+def _stacked_experts(module):
+    """Whether `module` is a transformers 5 experts module (stacked gate_up_proj and down_proj)."""
+    return (not isinstance(module, Experts) and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) and
+            isinstance(getattr(module, "down_proj", None), torch.Tensor))
+
+
+def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, targets=PROJECTIONS, init=True,
+          dropout=0.0):
+    """Replaces the routed experts of every sparse-MoE block of `model` (transformers 5: a
+    block's `experts` module with stacked gate_up_proj and down_proj) by an Experts holding the
+    same weights (rounded to bf16; the originals are released), with LoRA of `rank`, `alpha`,
+    `rslora`, `targets`, `init` and `dropout` as Experts documents them.
+    Returns the names of the modules replaced. Raises moecert.InvalidArgument naming the block
+    and what is missing when a block's experts are not a plain SwiGLU (nothing is replaced then),
+    or when the model has no such block (transformers 4's ModuleList of experts included)."""
+    found = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, nn.Module) and _stacked_experts(experts):
+            why = _refusal(experts)
+            if why is not None:
+                raise InvalidArgument("{}.experts ({}): {}".format(name, type(experts).__name__, why))
+            found.append((name, module, experts))
+        elif isinstance(experts, nn.ModuleList):
+            raise InvalidArgument("{}.experts: a ModuleList of experts (transformers 4's layout); moecert.hf reads "
+                                  "transformers 5's stacked gate_up_proj and down_proj".format(name))
+    if not found:
+        raise InvalidArgument("{}: no sparse-MoE block with stacked experts (gate_up_proj, down_proj)".format(
+            type(model).__name__))
+    check_lora_arguments(rank, targets, init, dropout)
+    for name, module, experts in found:
+        order = [n for n, _ in experts.named_parameters(recurse=False) if n in BASE]
+        with torch.no_grad():
+            module.experts = Experts(experts.gate_up_proj, experts.down_proj, rank, alpha, train_base, isa, rslora,
+                                     targets, init, dropout)
+        module.experts.peft_order = order  # PEFT nests its wrappers in the parameters' declaration order
+    return [(name + ".experts") if name else "experts" for name, _, _ in found]
+
+
+def merge(model, keep=True):
+    """Experts.merge(keep) on every patched experts module of `model`."""
+    for _, experts in experts_of(model):
+        experts.merge(keep)
+
+
+def unmerge(model):
+    """Experts.unmerge() on every patched experts module of `model`."""
+    for _, experts in experts_of(model):
+        experts.unmerge()
