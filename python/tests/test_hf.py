@@ -2,7 +2,8 @@
 the patched experts within moecert's derived bound of a float64 evaluation of the same weights,
 the model's own router and load-balancing loss untouched, a LoRA training step, gradient
 checkpointing (the op recomputed gives the same gradients bitwise), state_dict in transformers'
-names and layout, deepcopy; families moecert cannot compute refused. Skipped without
+names and layout, deepcopy; adapters exchanged with PEFT both ways (PEFT's own merged float64
+weights as the reference); families moecert cannot compute refused. Skipped without
 transformers (Debian's Python); run on the AMX machine."""
 import copy
 
@@ -97,7 +98,7 @@ def test_patched_experts_within_the_derived_bound_and_the_model_trains(family):
         assert len(out.router_logits) == 2 and torch.isfinite(out.aux_loss)
     assert torch.isfinite(out.loss)
     out.loss.backward()
-    b = first_experts(model).b_up
+    b = first_experts(model).lora_B_up
     assert b.grad is not None and torch.isfinite(b.grad).all() and b.grad.abs().sum() > 0
     before = out.loss.item()
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
@@ -110,7 +111,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
     hf.patch(model, rank=4)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith(("b_gate", "b_up", "b_down")):
+            if "lora_B" in n:
                 p.normal_(0, 0.1)
     checkpointed = copy.deepcopy(model)
     checkpointed.gradient_checkpointing_enable()
@@ -131,7 +132,7 @@ def test_state_dict_in_transformers_layout_and_copies():
         assert torch.equal(sd[k], v.bfloat16()), k
     fresh = model_of("qwen3_moe")
     missing, unexpected = fresh.load_state_dict(sd, strict=False)
-    assert not missing and all(k.rsplit(".", 1)[1] in ops.LORA_NAMES for k in unexpected)
+    assert not missing and unexpected and all(k.rsplit(".", 1)[1].startswith("lora_") for k in unexpected)
     again = model_of("qwen3_moe")
     hf.patch(again, rank=2)
     again.load_state_dict(sd)
@@ -168,3 +169,84 @@ def test_what_moecert_cannot_compute_is_refused():
     meta = model_of("olmoe").to("meta")
     with pytest.raises(moecert.InvalidArgument, match="on meta: moecert computes on the CPU"):
         hf.patch(meta)
+
+
+def bf16_valued(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().to(p.dtype))
+    return model
+
+
+def expert_inputs(model):
+    """(x, idx, w) the first experts module receives in a forward of ids()."""
+    seen = {}
+    hook = first_experts(model).register_forward_hook(lambda m, args, out: seen.update(args=args) or None)
+    with torch.no_grad():
+        model(ids())
+    hook.remove()
+    return seen["args"]
+
+
+def peft_merged_experts(family, directory):
+    """The first experts module of the family's model with PEFT's adapter from `directory`
+    merged by PEFT into its weights, in float64."""
+    peft = pytest.importorskip("peft")
+    model = peft.PeftModel.from_pretrained(bf16_valued(model_of(family)).double(), str(directory))
+    return first_experts(model.merge_and_unload())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_adapters_round_trip_with_peft(family, tmp_path):
+    peft = pytest.importorskip("peft")
+    x, idx, w = expert_inputs(bf16_valued(model_of(family)))
+    # moecert -> PEFT: what moecert computes is what PEFT computes from the saved adapter
+    model = bf16_valued(model_of(family))
+    hf.patch(model, rank=4, alpha=8, init=False)
+    bf16_valued(model)  # LoRA factors too: PEFT's fp32 factors then equal what the kernels read
+    hf.save_adapter(model, tmp_path / "ours")
+    ours = first_experts(model)
+    merged = peft_merged_experts(family, tmp_path / "ours")
+    y = ours(x, idx, w)
+    _, saved = ops.experts_forward_train(ours._packed, x.bfloat16(), idx, w.float(), ours.lora())
+    bound = ops.experts_bounds(saved)["y"]
+    err = (y.double() - reference(merged, x, idx, w.float())).abs()
+    assert torch.all(err <= bound), float((err - bound).max())
+    # PEFT -> moecert, the same key names
+    torch.manual_seed(4)
+    theirs = peft.get_peft_model(bf16_valued(model_of(family)), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=[], target_parameters=["gate_up_proj", "down_proj"],
+        init_lora_weights=False))
+    bf16_valued(theirs)
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    from safetensors.torch import load_file
+    assert set(load_file(str(tmp_path / "theirs" / "adapter_model.safetensors"))) == set(
+        load_file(str(tmp_path / "ours" / "adapter_model.safetensors")))
+    model = bf16_valued(model_of(family))
+    hf.patch(model)
+    hf.load_adapter(model, tmp_path / "theirs")
+    loaded = first_experts(model)
+    assert loaded.rank == 4 and loaded.scale == 2.0
+    merged = peft_merged_experts(family, tmp_path / "theirs")
+    y = loaded(x, idx, w)
+    _, saved = ops.experts_forward_train(loaded._packed, x.bfloat16(), idx, w.float(), loaded.lora())
+    bound = ops.experts_bounds(saved)["y"]
+    err = (y.double() - reference(merged, x, idx, w.float())).abs()
+    assert torch.all(err <= bound), float((err - bound).max())
+    # (PEFT's adapter differs from moecert's: the check can fail)
+    assert not torch.all((y.double() - reference(peft_merged_experts(family, tmp_path / "ours"), x, idx,
+                                                 w.float())).abs() <= bound)
+
+
+def test_merged_model_saves_as_a_plain_transformers_checkpoint(tmp_path):
+    model = model_of("qwen3_moe")
+    hf.patch(model, rank=4, init=False)
+    hf.merge(model)
+    logits = model(ids()).logits
+    model.save_pretrained(str(tmp_path))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert not isinstance(first_experts(plain), hf.Experts)
+    hf.patch(plain)
+    assert torch.equal(plain(ids()).logits, logits)
+    hf.unmerge(model)
+    assert any("lora_" in n for n, _ in model.named_parameters())

@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import InvalidArgument
 from ..torch.modules import _what
 from .experts import BASE, PROJECTIONS, Experts, check_lora_arguments, experts_of
-from .peft import adapter_state_dict, load_adapter, load_adapter_state_dict, save_adapter
+from .adapters import adapter_state_dict, load_adapter, load_adapter_state_dict, save_adapter
 
 __all__ = ["BASE", "PROJECTIONS", "Experts", "patch", "merge", "unmerge", "save_adapter", "load_adapter",
            "adapter_state_dict", "load_adapter_state_dict"]

@@ -162,7 +162,7 @@ def save_adapter(model, directory):
     directory/adapter_config.json, as PEFT's save_pretrained does for LoRA on expert parameters:
     PeftModel.from_pretrained(model, directory) loads them."""
     tensors, config = adapter_state_dict(model)
-    save_file = _safetensors().save_file
+    save_file, directory = _safetensors().save_file, os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(directory, CONFIG), "w") as f:
@@ -173,6 +173,7 @@ def save_adapter(model, directory):
 def load_adapter(model, directory):
     """Reads an adapter PEFT saved for LoRA on expert parameters (or save_adapter() wrote) into
     a patched model (load_adapter_state_dict)."""
+    directory = os.fspath(directory)
     try:
         with open(os.path.join(directory, CONFIG)) as f:
             config = json.load(f)
