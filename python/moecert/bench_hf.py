@@ -99,8 +99,7 @@ def with_moecert(family, large, adapter):
 def with_peft(family, large, adapter, dtype, experts="eager"):
     import peft
     model = build(family, large).to(dtype)
-    if experts != "eager":
-        model.set_experts_implementation(experts)  # transformers' ExpertsInterface
+    model.set_experts_implementation(experts)  # transformers' ExpertsInterface (its default may be grouped_mm)
     return peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
 
 
