@@ -38,7 +38,9 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, head_dim=16)
 LARGE = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, head_dim=128)
-MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+# multi-head latent attention: as many key/value heads as heads; the rotary part is head_dim wide
+MLA = {False: dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
+       True: dict(kv_lora_rank=256, q_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128)}
 FAMILIES = {  # (config, model, {size: experts' configuration})
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   lambda e, i: dict(num_experts=e, num_experts_per_tok=8 if e > 8 else 2, moe_intermediate_size=i,
@@ -52,10 +54,10 @@ FAMILIES = {  # (config, model, {size: experts' configuration})
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     lambda e, i: dict(n_routed_experts=e, num_experts_per_tok=8 if e > 8 else 2, moe_intermediate_size=i,
                                       n_group=4 if e > 8 else 2, topk_group=2 if e > 8 else 1, first_k_dense_replace=0,
-                                      n_shared_experts=1, **MLA)),
+                                      n_shared_experts=1)),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
                     lambda e, i: dict(n_routed_experts=e, num_experts_per_tok=8 if e > 8 else 2,
-                                      moe_intermediate_size=i, first_k_dense_replace=0, n_shared_experts=1, **MLA)),
+                                      moe_intermediate_size=i, first_k_dense_replace=0, n_shared_experts=1)),
 }
 
 
@@ -65,7 +67,8 @@ def build(family, large, seed=0):
     cfg_name, model_name, experts = FAMILIES[family]
     dims = dict(LARGE if large else SMALL, **experts(64 if large else 8, 384 if large else 32))
     if family.startswith("deepseek"):
-        dims["num_key_value_heads"] = dims["num_attention_heads"]  # multi-head latent attention
+        dims.update(MLA[large], num_key_value_heads=dims["num_attention_heads"],
+                    head_dim=MLA[large]["qk_rope_head_dim"])
     if family == "mixtral" and large:
         dims["intermediate_size"] = 384
     torch.manual_seed(seed)
@@ -121,7 +124,7 @@ def train(model, data):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
