@@ -93,6 +93,8 @@ def test_patched_experts_within_the_derived_bound_and_the_model_trains(family):
     # The model's own router and auxiliary loss, a LoRA step.
     model = model_of(family)
     hf.patch(model, rank=4)
+    trains = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trains) == 2 * 5 and all(".mlp.experts.lora_" in n for n in trains)  # the rest frozen, as PEFT does
     out = model(ids(), labels=ids(), output_router_logits=True)
     if not family.startswith("deepseek"):  # DeepSeek's model has no auxiliary loss in transformers
         assert len(out.router_logits) == 2 and torch.isfinite(out.aux_loss)
@@ -144,7 +146,8 @@ def test_state_dict_in_transformers_layout_and_copies():
 
 def test_bf16_model_and_train_base():
     model = model_of("mixtral", torch.bfloat16)
-    hf.patch(model, rank=2, train_base=True)
+    hf.patch(model, rank=2, train_base=True, freeze=False)
+    assert model.model.embed_tokens.weight.requires_grad
     out = model(ids(), labels=ids())
     assert out.logits.dtype == torch.bfloat16
     out.loss.backward()

@@ -54,11 +54,13 @@ def _stacked_experts(module):
 
 
 def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, targets=PROJECTIONS, init=True,
-          dropout=0.0):
+          dropout=0.0, freeze=True):
     """Replaces the routed experts of every sparse-MoE block of `model` (transformers 5: a
     block's `experts` module with stacked gate_up_proj and down_proj) by an Experts holding the
     same weights (rounded to bf16; the originals are released), with LoRA of `rank`, `alpha`,
-    `rslora`, `targets`, `init` and `dropout` as Experts documents them.
+    `rslora`, `targets`, `init` and `dropout` as Experts documents them. With `freeze` (as PEFT's
+    get_peft_model), every other parameter of the model stops requiring gradients, so what
+    requires them is the experts' adapters (and their base weights with train_base).
     Returns the names of the modules replaced. Raises moecert.InvalidArgument naming the block
     and what is missing when a block's experts are not a plain SwiGLU (nothing is replaced then),
     or when the model has no such block (transformers 4's ModuleList of experts included)."""
@@ -77,6 +79,9 @@ def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, t
         raise InvalidArgument("{}: no sparse-MoE block with stacked experts (gate_up_proj, down_proj)".format(
             type(model).__name__))
     check_lora_arguments(rank, targets, init, dropout)
+    if freeze:
+        for p in model.parameters():
+            p.requires_grad_(False)
     for name, module, experts in found:
         order = [n for n, _ in experts.named_parameters(recurse=False) if n in BASE]
         with torch.no_grad():
