@@ -230,7 +230,8 @@ def main(argv=None):
     import transformers
     env = {"moecert": moecert.build_info(), "torch": torch.__version__, "transformers": transformers.__version__,
            "peft": peft.__version__, "python": sys.version.split()[0], "torch_threads": torch.get_num_threads(),
-           "moecert_threads": moecert.num_threads(), "isa": moecert.default_isa(), "rank": RANK, "alpha": ALPHA,
+           "moecert_threads": moecert.num_threads(), "isa": moecert.default_isa(),
+           "contract_level": moecert.contract_level(), "rank": RANK, "alpha": ALPHA,
            "reps": args.reps}
     print("# " + " ".join("{}={}".format(k, v) for k, v in env.items()), flush=True)
     results = {"accuracy": [], "speed": []}
