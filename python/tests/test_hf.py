@@ -253,3 +253,43 @@ def test_merged_model_saves_as_a_plain_transformers_checkpoint(tmp_path):
     assert torch.equal(plain(ids()).logits, logits)
     hf.unmerge(model)
     assert any("lora_" in n for n, _ in model.named_parameters())
+
+
+def exact_weights(gate, logits, ids):
+    """float64 weights of the family's router maths for the selected ids, from its logits."""
+    z = logits.detach().double()
+    if hasattr(gate, "e_score_correction_bias"):  # DeepSeek-V3: sigmoid, renormalised, scaled
+        s = torch.sigmoid(z).gather(1, ids)
+        return float(gate.routed_scaling_factor) * s / s.sum(1, keepdim=True), "sigmoid_topk", float(
+            gate.routed_scaling_factor)
+    p = torch.softmax(z, -1).gather(1, ids)
+    renorm = bool(getattr(gate, "norm_topk_prob", True)) and not hasattr(gate, "topk_method")
+    scaling = float(getattr(gate, "routed_scaling_factor", 1.0))
+    return scaling * (p / p.sum(1, keepdim=True) if renorm else p), "softmax_topk", renorm
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_moecert_router_computes_the_familys_router(family):
+    model = model_of(family)
+    gate = next(m for n, m in model.named_modules() if n.endswith("mlp.gate"))
+    seen = {}
+    hook = gate.register_forward_hook(lambda m, args, out: seen.update(x=args[0]) or None)
+    with torch.no_grad():
+        model(ids())
+    hook.remove()
+    hf.patch(model, rank=2, router="moecert")
+    assert all(m.routed_by == "moecert" for _, m in hf.experts.experts_of(model))
+    logits, w, idx = gate(seen["x"])
+    logits0, w0, idx0 = gate.forward(seen["x"])  # the model's own (forward hooks bypassed)
+    assert torch.equal(logits, logits0) and idx.dtype == idx0.dtype and w.dtype == w0.dtype
+    assert torch.equal(idx.sort(1)[0], idx0.sort(1)[0])  # random fp32 logits: no ties
+    exact, kind, param = exact_weights(gate, logits, idx)
+    bound, _ = ops.router_bounds(kind, param if kind == "softmax_topk" else param, logits.float(), idx)
+    if kind == "softmax_topk" and hasattr(gate, "topk_method"):
+        bound = bound * float(gate.routed_scaling_factor) + exact.abs() * 2.0 ** -24  # the scaling in fp32
+    assert torch.all((w.double() - exact).abs() <= bound), float(((w.double() - exact).abs() - bound).max())
+    out = model(ids(), labels=ids(), output_router_logits=True)  # trains through moecert's router
+    out.loss.backward()
+    if not family.startswith("deepseek"):
+        assert len(out.router_logits) == 2 and torch.isfinite(out.aux_loss)
+    assert first_experts(model).lora_B_down.grad.abs().sum() > 0

@@ -266,3 +266,92 @@ def test_the_layout_is_stored_back_bitwise():
     assert torch.equal(trained_base(x, idx, w), experts(x, idx, w))
     with pytest.raises(moecert.InvalidArgument, match="down_proj: .* expected \\[6, 32, 24\\]"):
         hf.Experts(gate_up, down.transpose(1, 2))
+
+
+class Qwen3MoeTopKRouter(nn.Module):
+    """A gate with the name, attributes and outputs of transformers 5's Qwen3-MoE router; its
+    own selection deliberately wrong (the last K experts), so only moecert's can pass."""
+
+    def __init__(self, norm_topk_prob, dtype=torch.float32):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = K, norm_topk_prob
+        self.weight = nn.Parameter(torch.randn(E, H, generator=torch.Generator().manual_seed(7)).to(dtype))
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        ids = torch.arange(E - K, E).expand(x.shape[0], K)
+        return logits, torch.full((x.shape[0], K), 0.5, dtype=logits.dtype), ids
+
+
+class DeepseekV3TopkRouter(Qwen3MoeTopKRouter):
+    def __init__(self):
+        super().__init__(True)
+        self.num_group, self.topk_group, self.routed_scaling_factor = 2, 1, 2.5
+        self.register_buffer("e_score_correction_bias", torch.linspace(-0.1, 0.1, E))
+
+
+class Block(nn.Module):
+    def __init__(self, gate, experts):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+
+    def forward(self, x):
+        _, w, ids = self.gate(x)
+        return self.experts(x, ids, w)
+
+
+def test_a_registered_router_is_computed_by_moecert_on_the_gates_logits():
+    gate_up, down, x, _, _ = case()
+    for gate, renorm in ((Qwen3MoeTopKRouter(True), True), (Qwen3MoeTopKRouter(False), False),
+                         (Qwen3MoeTopKRouter(True, torch.bfloat16), True), (DeepseekV3TopkRouter(), None)):
+        model = nn.Sequential(Block(gate, nn.Module()))
+        model[0].experts.gate_up_proj, model[0].experts.down_proj = nn.Parameter(gate_up), nn.Parameter(down)
+        model[0].experts.act_fn = nn.SiLU()
+        hf.patch(model, router="moecert")
+        assert model[0].experts.routed_by == "moecert"
+        xs = x.to(gate.weight.dtype)
+        logits, w, ids = gate(xs)
+        assert w.dtype == (torch.float32 if renorm is None else logits.dtype) and ids.dtype == torch.int64
+        z = logits.detach().double()
+        if renorm is None:  # DeepSeek-V3: sigmoid, bias for the choice within the best group, scaled
+            s = torch.sigmoid(z)
+            choice = (s + gate.e_score_correction_bias.double()).reshape(T, 2, E // 2)
+            group = choice.topk(2, dim=-1)[0].sum(-1).argmax(-1)
+            expected = torch.stack([choice[t, group[t]].topk(K)[1] + group[t] * (E // 2) for t in range(T)])
+            exact = 2.5 * s.gather(1, ids) / s.gather(1, ids).sum(1, keepdim=True)
+            param, kind = 2.5, "sigmoid_topk"
+        else:
+            p = torch.softmax(z, -1)
+            expected = p.topk(K)[1]
+            exact = p.gather(1, ids) / (p.gather(1, ids).sum(1, keepdim=True) if renorm else 1)
+            param, kind = renorm, "softmax_topk"
+        assert torch.equal(ids.sort(1)[0], expected.sort(1)[0])
+        bound, _ = ops.router_bounds(kind, param, logits.float(), ids)
+        if w.dtype == torch.bfloat16:  # the family casts its weights to the logits' dtype
+            bound = bound + exact.abs() * 2.0 ** -8
+        assert torch.all((w.double() - exact).abs() <= bound)
+        y = model[0](xs)  # the experts get moecert's routing
+        assert torch.equal(y, model[0].experts(xs, ids, w))
+        assert torch.equal(model[0].experts.token_counts, torch.bincount(ids.reshape(-1), minlength=E))
+
+
+def test_routers_moecert_does_not_compute_are_kept_or_refused():
+    gate_up, down, x, idx, w = case()
+
+    def model_with(gate):
+        block = Block(gate, nn.Module())
+        block.experts.gate_up_proj, block.experts.down_proj = nn.Parameter(gate_up), nn.Parameter(down)
+        block.experts.act_fn = nn.SiLU()
+        return nn.Sequential(block)
+
+    odd = DeepseekV3TopkRouter()
+    odd.norm_topk_prob = False
+    with pytest.raises(moecert.InvalidArgument, match="0.gate: norm_topk_prob=False .*use router='model'"):
+        hf.patch(model_with(odd), router="moecert")
+    model = model_with(odd)
+    hf.patch(model)  # auto: the model's own router
+    assert model[0].experts.routed_by == "model"
+    assert torch.equal(model[0].gate(x)[2], torch.arange(E - K, E).expand(T, K))
+    with pytest.raises(moecert.InvalidArgument, match="router 'mine', expected one of auto, moecert, model|"
+                                                      "router='mine'"):
+        hf.patch(model_with(Qwen3MoeTopKRouter(True)), router="mine")

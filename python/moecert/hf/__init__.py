@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import InvalidArgument
 from ..torch.modules import _what
 from .experts import BASE, PROJECTIONS, Experts, check_lora_arguments, experts_of
+from . import routers
 from .adapters import adapter_state_dict, load_adapter, load_adapter_state_dict, save_adapter
 
 __all__ = ["BASE", "PROJECTIONS", "Experts", "patch", "merge", "unmerge", "save_adapter", "load_adapter",
@@ -54,16 +55,20 @@ def _stacked_experts(module):
 
 
 def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, targets=PROJECTIONS, init=True,
-          dropout=0.0, freeze=True):
+          dropout=0.0, freeze=True, router="auto"):
     """Replaces the routed experts of every sparse-MoE block of `model` (transformers 5: a
     block's `experts` module with stacked gate_up_proj and down_proj) by an Experts holding the
     same weights (rounded to bf16; the originals are released), with LoRA of `rank`, `alpha`,
     `rslora`, `targets`, `init` and `dropout` as Experts documents them. With `freeze` (as PEFT's
     get_peft_model), every other parameter of the model stops requiring gradients, so what
     requires them is the experts' adapters (and their base weights with train_base).
+    router: "auto" puts moecert's router op on the blocks whose router maths it computes (on the
+    model's own logits: moecert.hf.routers), "moecert" requires it of every block, "model"
+    keeps the model's; each Experts' `routed_by` says which ran.
     Returns the names of the modules replaced. Raises moecert.InvalidArgument naming the block
     and what is missing when a block's experts are not a plain SwiGLU (nothing is replaced then),
     or when the model has no such block (transformers 4's ModuleList of experts included)."""
+    routers.check_mode(router)
     found = []
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
@@ -71,6 +76,8 @@ def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, t
             why = _refusal(experts)
             if why is not None:
                 raise InvalidArgument("{}.experts ({}): {}".format(name, type(experts).__name__, why))
+            if router == "moecert":
+                routers.attach_check(name, getattr(module, "gate", None))
             found.append((name, module, experts))
         elif isinstance(experts, nn.ModuleList):
             raise InvalidArgument("{}.experts: a ModuleList of experts (transformers 4's layout); moecert.hf reads "
@@ -88,6 +95,7 @@ def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, t
             module.experts = Experts(experts.gate_up_proj, experts.down_proj, rank, alpha, train_base, isa, rslora,
                                      targets, init, dropout)
         module.experts.peft_order = order  # PEFT nests its wrappers in the parameters' declaration order
+        module.experts.routed_by = "moecert" if routers.attach(name, getattr(module, "gate", None), router) else "model"
     return [(name + ".experts") if name else "experts" for name, _, _ in found]
 
 

@@ -87,6 +87,7 @@ class Experts(PackedBase):
     int64 holds how many (token, slot) pairs each expert received."""
 
     BASE = BASE
+    routed_by = "caller"  # patch() sets "moecert" or "model": whose router chose the experts
 
     def __init__(self, gate_up_proj, down_proj, rank=0, alpha=None, train_base=False, isa=None, rslora=False,
                  targets=PROJECTIONS, init=True, dropout=0.0):
