@@ -7,12 +7,13 @@
 transformers 5 keeps a block's routed experts in one module with stacked parameters,
 gate_up_proj [E, 2I, H] (the gate's I rows, then the up projection's) and down_proj [E, H, I],
 called as experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) by the block
-after its router (`gate`). patch() replaces that module only: the router stays the model's own
-(its softmax or sigmoid, norm_topk_prob, e_score_correction_bias, routed_scaling_factor, its
-dtype), and so do attention, norms and shared experts; output_router_logits and the model's
+after its router (`gate`). patch() replaces that module and, where moecert's router ops compute
+the family's router maths (moecert.hf.routers), the gate's selection on the gate's own logits;
+attention, norms and shared experts stay the model's, and output_router_logits and the model's
 load-balancing loss see the same router logits. Families whose experts are not a plain SwiGLU
 (an activation other than silu, biases, a clamped gate as gpt-oss's) are refused, naming what
-moecert does not compute.
+moecert does not compute. The adapters are PEFT's LoRA on expert parameters, saved and loaded in
+its format (moecert.hf.adapters).
 """
 import torch
 from torch import nn
