@@ -355,3 +355,41 @@ def test_routers_moecert_does_not_compute_are_kept_or_refused():
     with pytest.raises(moecert.InvalidArgument, match="router 'mine', expected one of auto, moecert, model|"
                                                       "router='mine'"):
         hf.patch(model_with(Qwen3MoeTopKRouter(True)), router="mine")
+
+
+def stored_as(gate_up, down, transposed, concatenated):
+    """transformers' other layouts of the same weights: gate and up rows interleaved
+    (is_concatenated=False), [E, in, out] (is_transposed)."""
+    if not concatenated:
+        gate_up = torch.stack([gate_up[:, :I], gate_up[:, I:]], 2).reshape(E, 2 * I, H)
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    return gate_up, down
+
+
+@pytest.mark.parametrize("transposed,concatenated", [(True, True), (False, False), (True, False)])
+def test_transposed_and_interleaved_layouts_are_the_same_experts(transposed, concatenated):
+    gate_up, down, x, idx, w = case()
+    canonical = trained(hf.Experts(gate_up, down, rank=R, init=False))
+    stored = stored_as(gate_up, down, transposed, concatenated)
+    other = hf.Experts(*stored, rank=R, transposed=transposed, concatenated=concatenated)
+    with torch.no_grad():
+        for n, p in canonical.named_parameters():
+            getattr(other, n).copy_(p)
+    assert torch.equal(other(x, idx, w), canonical(x, idx, w))
+    sd = other.state_dict()
+    assert torch.equal(sd["gate_up_proj"], stored[0].bfloat16()) and torch.equal(sd["down_proj"], stored[1].bfloat16())
+    ours, _ = hf.adapter_state_dict(Model(canonical))
+    theirs, _ = hf.adapter_state_dict(Model(other))
+    key = "base_model.model." + PATH + ".base_layer.lora_B.weight"  # gate_up_proj's B: rows in the stored order
+    b = ours[key] if concatenated else torch.stack([ours[key][:I], ours[key][I:]], 1).reshape(2 * I, -1)
+    assert torch.equal(theirs[key], b) and all(torch.equal(theirs[k], v) for k, v in ours.items() if k != key)
+    canonical.merge(), other.merge()
+    merged = stored_as(canonical.state_dict()["gate_up_proj"], canonical.state_dict()["down_proj"], transposed,
+                       concatenated)
+    assert torch.equal(other.state_dict()["gate_up_proj"], merged[0])
+    assert torch.equal(other.state_dict()["down_proj"], merged[1])
+    trains = hf.Experts(*stored, transposed=transposed, concatenated=concatenated, train_base=True)
+    assert torch.equal(trains(x, idx, w), hf.Experts(gate_up, down)(x, idx, w))
+    with pytest.raises(moecert.InvalidArgument, match="down_proj: .* expected"):
+        hf.Experts(stored[0], stored[1].transpose(1, 2), transposed=transposed, concatenated=concatenated)

@@ -37,6 +37,8 @@ def _refusal(experts):
     if extra:
         return "parameters {} besides gate_up_proj and down_proj (biases: moecert's experts have none)".format(
             ", ".join(extra))
+    if getattr(experts, "has_bias", False):
+        return "biases (has_bias): moecert's experts have none"
     if any(hasattr(experts, a) for a in ("limit", "swiglu_limit")):
         return "a clamped SwiGLU (gpt-oss style); moecert computes silu(g) * u"
     act = getattr(experts, "act_fn", None)
@@ -94,7 +96,8 @@ def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, t
         order = [n for n, _ in experts.named_parameters(recurse=False) if n in BASE]
         with torch.no_grad():
             module.experts = Experts(experts.gate_up_proj, experts.down_proj, rank, alpha, train_base, isa, rslora,
-                                     targets, init, dropout)
+                                     targets, init, dropout, getattr(experts, "is_transposed", False),
+                                     getattr(experts, "is_concatenated", True))
         module.experts.peft_order = order  # PEFT nests its wrappers in the parameters' declaration order
         module.experts.routed_by = "moecert" if routers.attach(name, getattr(module, "gate", None), router) else "model"
     return [(name + ".experts") if name else "experts" for name, _, _ in found]

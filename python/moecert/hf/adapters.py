@@ -7,7 +7,8 @@ targeted: the parameter declared first (gate_up_proj) is wrapped first, so its f
 `base_layer.` deeper. For a parameter of E experts stored [E, out, in] the factors are
 lora_A.weight [E r, in] (row e r + k: expert e's k-th row of A) and lora_B.weight [out, r E]
 (column k E + e: expert e's k-th column of B), ΔW[e] = s B[:, k E + e] A[e r + k] summed over k;
-gate_up_proj's out rows are the gate's I then the up projection's I, so gate and up share A."""
+gate_up_proj's out rows are the gate's and the up projection's (Experts.gate_up_rows), so gate and
+up share A. A parameter stored transposed ([E, in, out]) has the same factors."""
 import json
 import os
 
@@ -45,7 +46,9 @@ def _to_peft(experts, parameter):
     """(lora_A.weight, lora_B.weight) of one parameter in PEFT's layout."""
     f = {n: getattr(experts, n).detach() for n in FACTORS}
     if parameter == "gate_up_proj":
-        a, b = f["lora_A_gate_up"], torch.cat([f["lora_B_gate"], f["lora_B_up"]], 1)
+        gate, up = experts.gate_up_rows()
+        a, b = f["lora_A_gate_up"], f["lora_B_gate"].new_empty((experts.num_experts, 2 * experts.inter, experts.rank))
+        b[:, gate], b[:, up] = f["lora_B_gate"], f["lora_B_up"]
     else:
         a, b = f["lora_A_down"], f["lora_B_down"]
     E, r = a.shape[0], a.shape[1]
@@ -114,7 +117,8 @@ def _from_peft(experts, parameter, a, b, r, key):
             raise InvalidArgument("{}{}.weight: not finite".format(key, what))
     a3, b3 = a.reshape(E, r, inp), b.reshape(out, r, E).permute(2, 0, 1)
     if parameter == "gate_up_proj":
-        return {"lora_A_gate_up": a3, "lora_B_gate": b3[:, :I], "lora_B_up": b3[:, I:]}
+        gate, up = experts.gate_up_rows()
+        return {"lora_A_gate_up": a3, "lora_B_gate": b3[:, gate], "lora_B_up": b3[:, up]}
     return {"lora_A_down": a3, "lora_B_down": b3}
 
 

@@ -62,6 +62,9 @@ class Experts(PackedBase):
         gate_up_proj: [E, 2I, H], the gate's I rows then the up projection's (any float dtype:
             rounded to bf16, what the kernels compute with).
         down_proj: [E, H, I].
+        transposed: the two are stored [E, H, 2I] and [E, I, H] (transformers' is_transposed).
+        concatenated: False when gate_up_proj's 2I outputs interleave the gate's and the up
+            projection's (gate 0, up 0, gate 1, ...; transformers' is_concatenated).
         rank, alpha: LoRA rank (0: none) and alpha (default 2r); scale alpha / r, or
             alpha / sqrt(r) with rslora (rank-stabilised LoRA).
         targets: the projections with LoRA, some of "gate", "up", "down" (PEFT's
@@ -90,16 +93,19 @@ class Experts(PackedBase):
     routed_by = "caller"  # patch() sets "moecert" or "model": whose router chose the experts
 
     def __init__(self, gate_up_proj, down_proj, rank=0, alpha=None, train_base=False, isa=None, rslora=False,
-                 targets=PROJECTIONS, init=True, dropout=0.0):
+                 targets=PROJECTIONS, init=True, dropout=0.0, transposed=False, concatenated=True):
         """See the class docstring; raises moecert.InvalidArgument for shapes that do not fit."""
         super().__init__()
-        if not isinstance(gate_up_proj, torch.Tensor) or gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
-            raise InvalidArgument("gate_up_proj: {}, expected [E, 2I, H]".format(_what(gate_up_proj)))
-        E, two_i, H = gate_up_proj.shape
-        I = two_i // 2
-        if not isinstance(down_proj, torch.Tensor) or tuple(down_proj.shape) != (E, H, I):
-            raise InvalidArgument("down_proj: {}, expected [{}, {}, {}]".format(_what(down_proj), E, H, I))
+        self.transposed, self.concatenated = bool(transposed), bool(concatenated)
+        two = (2, 1) if self.transposed else (1, 2)  # the dimension of 2I, then that of H
+        if not isinstance(gate_up_proj, torch.Tensor) or gate_up_proj.dim() != 3 or gate_up_proj.shape[two[0]] % 2:
+            raise InvalidArgument("gate_up_proj: {}, expected {}".format(
+                _what(gate_up_proj), "[E, H, 2I]" if self.transposed else "[E, 2I, H]"))
+        E, I, H = gate_up_proj.shape[0], gate_up_proj.shape[two[0]] // 2, gate_up_proj.shape[two[1]]
         self.num_experts, self.hidden, self.inter, self.isa = E, H, I, isa
+        if not isinstance(down_proj, torch.Tensor) or tuple(down_proj.shape) != self.base_shapes()["down_proj"]:
+            raise InvalidArgument("down_proj: {}, expected {}".format(
+                _what(down_proj), list(self.base_shapes()["down_proj"])))
         self.token_counts, self._aside, self._unloaded = None, None, False
         self._init_base({"gate_up_proj": gate_up_proj, "down_proj": down_proj}, train_base)
         self.set_lora(rank, alpha, rslora, targets, init, dropout)
@@ -141,15 +147,33 @@ class Experts(PackedBase):
 
     def base_shapes(self):
         E, H, I = self.num_experts, self.hidden, self.inter
+        if self.transposed:
+            return {"gate_up_proj": (E, H, 2 * I), "down_proj": (E, I, H)}
         return {"gate_up_proj": (E, 2 * I, H), "down_proj": (E, H, I)}
 
+    def gate_up_rows(self):
+        """(the gate's rows, the up projection's rows) of gate_up_proj's 2I outputs: the first I
+        and the last I (concatenated), or the even and the odd ones (interleaved)."""
+        I = self.inter
+        if self.concatenated:
+            return slice(0, I), slice(I, 2 * I)
+        return slice(0, 2 * I, 2), slice(1, 2 * I, 2)
+
     def split(self, named):
-        gate_up, I = named["gate_up_proj"], self.inter
-        return gate_up[:, :I].contiguous(), gate_up[:, I:].contiguous(), named["down_proj"]
+        gate_up, down = named["gate_up_proj"], named["down_proj"]
+        if self.transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        gate, up = self.gate_up_rows()
+        return gate_up[:, gate].contiguous(), gate_up[:, up].contiguous(), down.contiguous()
 
     def _stored(self, base):
         w_gate, w_up, w_down = base
-        return {"gate_up_proj": torch.cat([w_gate, w_up], 1), "down_proj": w_down}
+        gate, up = self.gate_up_rows()
+        gate_up = w_gate.new_empty((self.num_experts, 2 * self.inter, self.hidden))
+        gate_up[:, gate], gate_up[:, up] = w_gate, w_up
+        if self.transposed:
+            return {"gate_up_proj": gate_up.transpose(1, 2).contiguous(), "down_proj": w_down.transpose(1, 2).contiguous()}
+        return {"gate_up_proj": gate_up, "down_proj": w_down}
 
     def _pack_keys(self):
         if library.registered():
@@ -169,12 +193,12 @@ class Experts(PackedBase):
                         alpha=self._kernel_alpha)
 
     def delta_weights(self):
-        """{"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}: the adapter's ΔW in float64 of
-        the factors as the kernels read them (rounded to bf16), s B A per expert."""
+        """{"gate_up_proj", "down_proj"}: the adapter's ΔW in the base weights' layout, in float64
+        of the factors as the kernels read them (rounded to bf16), s B A per expert."""
         f = {n: getattr(self, n).detach().to(torch.bfloat16).double() for n in FACTORS}
         s, a = self.scale, f["lora_A_gate_up"]
-        gate_up = torch.cat([torch.bmm(f["lora_B_gate"], a), torch.bmm(f["lora_B_up"], a)], 1) * s
-        return {"gate_up_proj": gate_up, "down_proj": torch.bmm(f["lora_B_down"], f["lora_A_down"]) * s}
+        return self._stored((torch.bmm(f["lora_B_gate"], a) * s, torch.bmm(f["lora_B_up"], a) * s,
+                             torch.bmm(f["lora_B_down"], f["lora_A_down"]) * s))
 
     def merge(self, keep=True):
         """Folds the adapter into the base weights: W + ΔW (float64, delta_weights()) rounded to
@@ -248,9 +272,7 @@ class Experts(PackedBase):
                 valid = ids[(ids >= 0) & (ids < self.num_experts)].long()
                 self.token_counts = torch.bincount(valid, minlength=self.num_experts)
         if self.train_base:  # packed at this call from the parameters' values
-            gate_up, down = self.gate_up_proj, self.down_proj
-            base = (gate_up[:, :self.inter].to(torch.bfloat16).contiguous(),
-                    gate_up[:, self.inter:].to(torch.bfloat16).contiguous(), down.to(torch.bfloat16).contiguous())
+            base = tuple(t.to(torch.bfloat16) for t in self.split({n: getattr(self, n) for n in BASE}))
             y = functions.experts(x, top_k_index, weights, None, self.lora(), base=base, isa=self.isa)
         else:
             y = functions.experts(x, top_k_index, weights, self._packed, self.lora(), isa=self.isa)
