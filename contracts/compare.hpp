@@ -68,7 +68,7 @@ std::uint64_t ulp_distance(float a, float b);
 std::uint64_t ulp_distance(bf16 a, bf16 b);
 
 /// Tie-aware top-k comparison of a candidate selection with the reference
-/// one (DESIGN.md "Reference and bounds"). Per token row of `scores` [T x E]
+/// one (docs/DESIGN.md "Reference and bounds"). Per token row of `scores` [T x E]
 /// (the scores selection ranks by), idx rows [T x K] with -1 tail slots:
 ///  - -1 slots appear only at the tail and equally often in both;
 ///  - candidate indices lie in [0, E) and are distinct within a row;

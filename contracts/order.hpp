@@ -1,5 +1,5 @@
 // The routers' total order as the judge computes it, written here from the
-// definition (DESIGN.md, proofs/router.md §2) and not shared with the
+// definition (docs/DESIGN.md, proofs/router.md §2) and not shared with the
 // kernels, so that a kernel whose order is wrong meets a clause that is not.
 #pragma once
 

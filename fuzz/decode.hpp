@@ -71,7 +71,7 @@ class Decoder {
 
 /// One kernel's outcome on an input: the clause it violated (empty: none)
 /// and its output. The AMX hardware and its tile model (amx_emu) must agree
-/// on both, bit for bit (DESIGN.md, Kernels).
+/// on both, bit for bit (docs/DESIGN.md, Kernels).
 struct Outcome {
   std::string clause;
   std::vector<float> out;

@@ -28,7 +28,7 @@ float dot_pairwise(const float* p, std::size_t n) {
   return dot_pairwise(p, n / 2) + dot_pairwise(p + n / 2, n - n / 2);
 }
 // AMX TDPBF16PS per 32-term block: even and odd FMA chains from zero with
-// flushing, then C + (even + odd) (KERNEL_NOTES.md).
+// flushing, then C + (even + odd) (docs/DESIGN.md, Kernels).
 float dot_amx(const float* a, const float* b, std::size_t n) {
   float c = 0;
   for (std::size_t k0 = 0; k0 < n; k0 += 32) {

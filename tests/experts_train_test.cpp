@@ -666,7 +666,7 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
         "experts.backward.no_alias", Level::check);
     untouched();
   }
-  SECTION("saved_finite: a saved buffer overwritten (FIELD_NOTES 3)") {
+  SECTION("saved_finite: a saved buffer overwritten (failure mode 3)") {
     saved.impl().st.c1[saved.impl().st.grouping.begin[1] * saved.impl().st.ldc1] = NAN;
     if (saved.impl().st.grouping.count[1]) {
       test::expect_violation(bwd(p.DY(), p.lora_view()), "experts.backward.saved_finite",
@@ -704,7 +704,7 @@ TEST_CASE("experts.backward: preconditions fire and leave the gradients untouche
 
 TEST_CASE("experts.backward: saved_intact catches a finite change to the saved gate/up rows",
           "[experts][train][memory]") {
-  // FIELD_NOTES 3 with a finite writer: another buffer's values land on c1
+  // failure mode 3 with a finite writer: another buffer's values land on c1
   // between the forward and the backward. One ulp is finite and within any
   // bound; the block digests the audited forward recorded still differ.
   for (const Isa isa : kernel_isas()) DYNAMIC_SECTION(isa_name(isa)) {

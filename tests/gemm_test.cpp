@@ -45,7 +45,7 @@ std::vector<float> run(Isa isa, const std::vector<bf16>& a, std::size_t m, std::
   return c;
 }
 
-// Plain models of two accumulation orders (KERNEL_NOTES.md).
+// Plain models of two accumulation orders (docs/DESIGN.md, Kernels).
 float model_amx(const bf16* a, const bf16* b, std::size_t k) {
   using gemm::amx_model::ftz;
   float c = 0;

@@ -156,7 +156,7 @@ TEST_CASE("layer.forward, layer.backward: each stage's error is named by its cla
   auto far_off = [](jg::Tensor& t, std::size_t i) { t.f[i] += 100; };
   CHECK(backward_with("b_down_grad", 7, far_off) == Ids{"layer.backward.within_bound"});
   CHECK(backward_with("w_gate_grad", 7, far_off) == Ids{"layer.backward.within_bound"});
-  // A gradient at an unselected expert (FIELD_NOTES 5; any nonzero value,
+  // A gradient at an unselected expert (failure mode 5; any nonzero value,
   // the mask asks for exactly 0): the router's mask.
   const auto masked =
       backward_with("dz", unselected, [](jg::Tensor& t, std::size_t i) { t.f[i] = 1e-3f; });

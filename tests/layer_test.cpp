@@ -660,7 +660,7 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
         "layer.backward.empty_expert_zero", Level::check);
     CHECK(v.location == fmt::format("expert {} w_up grad ({}, 3)", idle, idle * p.I + 2));
     g.wu[(idle * p.I + 2) * p.H + 3] = 0;
-    // FIELD_NOTES 1: a gradient reaching a -1 slot.
+    // failure mode 1: a gradient reaching a -1 slot.
     auto& s = saved.impl();
     const auto dropped = static_cast<std::size_t>(s.idx[p.K - 1]);
     g.m_a[dropped] = g.m_g[dropped] =
@@ -897,7 +897,7 @@ TEST_CASE("layer.router_linear: clauses", "[layer][router_linear][contracts]") {
   }
 }
 
-TEST_CASE("layer: FIELD_NOTES 3, two co-live buffers made to share memory",
+TEST_CASE("layer: failure mode 3, two co-live buffers made to share memory",
           "[layer][contracts][memory]") {
   const Problem p = make(RouterKind::softmax_topk, 8, 32, 24, 2, 4, 12);
   const auto w = p.weights();

@@ -353,7 +353,7 @@ TEST_CASE(
 
 TEST_CASE("router.product_key.forward: 1024 tokens x 4096 experts with ties everywhere",
           "[router][product_key][index]") {
-  // FIELD_NOTES 2: scores drawn from a few values, so ties are everywhere.
+  // failure mode 2: scores drawn from a few values, so ties are everywhere.
   std::mt19937_64 rng(77);
   const std::size_t t = 1024, n = 64, k = 16;
   const float values[] = {-1.0f, -0.5f, 0.0f, 0.25f, 0.5f, 1.0f};
@@ -431,7 +431,7 @@ TEST_CASE(
 
 TEST_CASE("router.product_key.backward: -1 slots add nothing; never-selected keys get exactly 0",
           "[router][product_key][index]") {
-  // FIELD_NOTES 1: with idx = -1, a truncating ix = idx / n, iy = idx - ix n
+  // failure mode 1: with idx = -1, a truncating ix = idx / n, iy = idx - ix n
   // lands the gradient on expert (0, -1). Here every row has -1 tail slots.
   std::mt19937_64 rng(78);
   const std::size_t t = 64, n = 8, k = 6;

@@ -1,5 +1,5 @@
 // Workspace planner and arena: the plan's invariants on concrete configs,
-// its clauses, guard zones, poison, and the alias hook of FIELD_NOTES 3.
+// its clauses, guard zones, poison, and the alias hook of failure mode 3.
 #include "contracts/workspace.hpp"
 
 #include <algorithm>
@@ -18,7 +18,7 @@ using workspace::Plan;
 namespace {
 
 MoeConfig big_config() {
-  // FIELD_NOTES 4: the config a peer kernel needed 48 GB for.
+  // failure mode 4: the config a peer kernel needed 48 GB for.
   return {.experts = 256,
           .hidden = 7168,
           .inter = 2048,
@@ -60,7 +60,7 @@ void check_plan(const Plan& p) {
 
 }  // namespace
 
-TEST_CASE("workspace.plan: FIELD_NOTES 4 config fits in 16 GiB besides packed weights",
+TEST_CASE("workspace.plan: failure mode 4 config fits in 16 GiB besides packed weights",
           "[workspace]") {
   ContractScope s{Level::check, Semantic::enforce};
   const Plan p = workspace::plan(big_config(), 25600);
@@ -248,7 +248,7 @@ TEST_CASE("workspace.arena: guards, poison, and the alias hook", "[workspace][co
                                     "workspace.arena.guard", Level::check);
     CHECK(v.location == "after router.idx, at forward.gather");
   }
-  SECTION("FIELD_NOTES 3: two co-live buffers made to share memory") {
+  SECTION("failure mode 3: two co-live buffers made to share memory") {
     workspace::Arena bad;
     bad.alias_for_testing("experts.c1", "lora.xa");
     auto v =

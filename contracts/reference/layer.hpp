@@ -204,7 +204,7 @@ LayerResult<S> layer_reference(const LayerData<S>& d, bool backward, Paths paths
 
 namespace layer_detail {
 
-/// Per-token statistics of pair (t, e) (DESIGN.md): m_a = ||[x, h]||, and
+/// Per-token statistics of pair (t, e) (docs/DESIGN.md): m_a = ||[x, h]||, and
 /// m_g the rank-1 norm of the pair's gradient of each trainable matrix.
 template <class S>
 std::pair<S, S> pair_stats(const LayerData<S>& d, const S* x, const S* dy, const S& wt,

@@ -2,12 +2,12 @@
 
     product_key_forward          correct: top-K of sx[ix] + sy[iy], ties by expert index
     product_key_forward_ties     correct too, but breaks exact ties towards the higher index
-                                 (FIELD_NOTES 2: two correct kernels "disagree")
-    product_key_backward_minus1  decodes a -1 slot as ix = 0, iy = -1 (FIELD_NOTES 1): the
+                                 (failure mode 2: two correct kernels "disagree")
+    product_key_backward_minus1  decodes a -1 slot as ix = 0, iy = -1 (failure mode 1): the
                                  gradient lands on a real expert
     product_key_backward         correct: -1 slots skipped
     softmax_topk_backward_unmasked  renormalised softmax top-k backward that forgets the mask
-                                 (FIELD_NOTES 5): unselected experts get -p * sum(w g)
+                                 (failure mode 5): unselected experts get -p * sum(w g)
     softmax_topk_forward, softmax_topk_backward   correct
     sigmoid_topk_forward         correct: DeepSeek-V3 group-limited routing in fp32 with
                                  torch.topk (its own order among equal scores)

@@ -185,7 +185,7 @@ struct TrainOptions {
 };
 
 /// Training forward with LoRA: y = sum_j w[t,j] E_{idx[t,j]}(x_t) where each
-/// expert's gate, up and down carry their LoRA term s (. A^T) B^T (DESIGN.md;
+/// expert's gate, up and down carry their LoRA term s (. A^T) B^T (docs/DESIGN.md;
 /// the kernel's rounding points: include/moecert/layer.hpp). x [T x H] bf16,
 /// idx [T x K] int32 (-1 = empty slot, only at the tail of a row), weights
 /// [T x K] fp32 (the router's, any real values; 0 at -1 slots), y [T x H]
@@ -249,7 +249,7 @@ struct Gradients {
 /// Backward from dy [T x H] fp32 with the forward's `saved`, the same w,
 /// lora and x. Two parts, each run only when one of its outputs is asked
 /// for: the expert path (do = w dy_t through each routed expert: dx, the
-/// LoRA and base-weight gradients, M_A and M_G; DESIGN.md) and dweights
+/// LoRA and base-weight gradients, M_A and M_G; docs/DESIGN.md) and dweights
 /// (dL/dw = <dy_t, o_{t,j}> in binary64 rounded once, the router's input
 /// gradient). It leaves `saved` as it found it: a backward may run again.
 ///
@@ -264,7 +264,7 @@ struct Gradients {
 ///                                                     LoRA factors, packed weights or the saved state
 ///   experts.backward.saved_finite      pre   finite   the saved activations and weights read by the
 ///                                                     backward are finite, the idx copy in range
-///                                                     (FIELD_NOTES 3); judged as the backward reads
+///                                                     (failure mode 3); judged as the backward reads
 ///                                                     them, before it writes an output
 ///                                                     (proofs/experts.md §7)
 ///   experts.backward.saved_intact      pre   memory   the saved gate/up rows hold the bits the forward
@@ -276,7 +276,7 @@ struct Gradients {
 ///   experts.backward.empty_expert_zero post  numeric  an expert with no routed token has LoRA and
 ///                                                     base-weight gradients exactly 0; M_A, M_G are 0
 ///                                                     wherever t is not routed to e
-///   experts.backward.dweights_masked   post  numeric  dweights exactly 0 at -1 slots (FIELD_NOTES 1, 5)
+///   experts.backward.dweights_masked   post  numeric  dweights exactly 0 at -1 slots (failure modes 1, 5)
 ///   experts.backward.probe             post  numeric  Freivalds probes of the two row GEMMs (audit),
 ///                                                     judged inside the op: dh = dy W_d
 ///                                                     (+ bf16(s dyb) A_d) and dyb = dy B_d; the dx

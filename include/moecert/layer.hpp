@@ -1,6 +1,6 @@
 // The MoE layer: router linear + router + SwiGLU experts with LoRA, forward
 // and backward. The backward splits into the expert path and the router
-// path (DESIGN.md, FIELD_NOTES 5), each callable and checkable on its own.
+// path (docs/DESIGN.md, failure mode 5), each callable and checkable on its own.
 //
 //   z = x W_r^T + b                  router logits [T x R] (R = E, or 2n for product_key)
 //   idx, w = router(z)               softmax_topk | sigmoid_topk | product_key (softmax weights)
@@ -58,7 +58,7 @@ struct Gradients {
   View<float> router_b;                                       // [R]
   MatView<float> a_gate, b_gate, a_up, b_up, a_down, b_down;  // LoRA
   MatView<float> w_gate, w_up, w_down;  // base: [E*I x H], [E*I x H], [E*H x I]
-  MatView<float> m_a, m_g;              // per-token statistics (DESIGN.md)
+  MatView<float> m_a, m_g;              // per-token statistics (docs/DESIGN.md)
 };
 
 /// What a forward keeps for the backward: the workspace arena with the
@@ -134,7 +134,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              or the saved activations
 ///   layer.backward.saved_finite pre   finite   the saved activations read by the backward are finite
 ///                                              (a NaN there names the buffer: read-before-write,
-///                                              FIELD_NOTES 3); judged as the backward reads them,
+///                                              failure mode 3); judged as the backward reads them,
 ///                                              before it writes an output (proofs/experts.md §7)
 ///   layer.backward.saved_intact pre   memory   the saved gate/up rows hold the bits the forward wrote
 ///                                              (audit, where the forward ran at audit; as
@@ -144,7 +144,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              base-weight gradients exactly 0
 ///   layer.backward.router_masked post numeric  router path: dL/dw is 0 at -1 slots, and the router
 ///                                              backward's unselected-gradient clause holds
-///                                              (FIELD_NOTES 1, 5)
+///                                              (failure modes 1, 5)
 ///   layer.backward.probe        post  numeric  the experts' dh and dx row GEMMs against their
 ///                                              probes, as experts.backward.probe, and on one call in
 ///                                              four the router linear's dx, dW_r and db as

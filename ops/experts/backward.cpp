@@ -425,7 +425,7 @@ void base_grads(const Ctx& c, MatView<const bf16> x, MatView<const float> dy, co
       }));
 }
 
-// Per-token statistics (DESIGN.md, proofs/layer.md §5): M_A[t,e] =
+// Per-token statistics (docs/DESIGN.md, proofs/layer.md §5): M_A[t,e] =
 // sqrt(|x_t|^2 + |h|^2), M_G[t,e] from the rank-1 norms of each trainable
 // matrix's per-token gradient, in binary64; 0 where t is not routed to e.
 void token_stats(const Ctx& c, MatView<const bf16> x, MatView<const float> dy, const bf16* dgu,

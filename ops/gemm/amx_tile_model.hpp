@@ -1,5 +1,5 @@
 // A software model of the AMX tile unit (palette 1: 8 tiles of at most 16
-// rows x 64 bytes), bit-exact with TDPBF16PS as measured (KERNEL_NOTES.md):
+// rows x 64 bytes), bit-exact with TDPBF16PS as measured (docs/DESIGN.md, Kernels):
 // per output element two FMA chains from zero over the even and the odd bf16
 // pairs, every input and intermediate result that is denormal flushed to
 // signed zero, round to nearest even; then C + (even + odd), each addition

@@ -3,7 +3,7 @@
 //
 // Per k pair kk: two zmm loads of B (two panels, 16 column pairs each), and
 // for each row a 32-bit broadcast of A's pair (A[i][2kk], A[i][2kk+1]) and
-// two VDPBF16PS. Accumulation order per element (KERNEL_NOTES.md):
+// two VDPBF16PS. Accumulation order per element (docs/DESIGN.md, Kernels):
 // acc = fma(a_odd, b_odd, acc), then acc = fma(a_even, b_even, acc), with
 // denormal inputs and results flushed; one chain over k from 0 (or from C).
 // Rows never meet, so a row's bits do not depend on how many rows the call

@@ -77,7 +77,7 @@ class Arena {
   const Plan& plan() const { return plan_; }
   std::size_t capacity() const { return capacity_; }
 
-  /// Test hook (FIELD_NOTES 3): from the next bind on, buffer `b` shares
+  /// Test hook (failure mode 3): from the next bind on, buffer `b` shares
   /// `a`'s memory (b no larger than a).
   void alias_for_testing(std::string_view a, std::string_view b);
 

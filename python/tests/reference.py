@@ -1,5 +1,5 @@
 """The maths of moecert's ops in float64 PyTorch autograd, written from
-DESIGN.md independently of moecert (the tests' reference)."""
+docs/DESIGN.md independently of moecert (the tests' reference)."""
 import numpy as np
 import torch
 import torch.nn.functional as F

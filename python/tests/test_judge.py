@@ -1,6 +1,6 @@
 """`moecert check` judges four small PyTorch router implementations (examples/judge/routers.py):
 the correct ones and the one that only orders ties its own way pass (the ties named), the ones
-with FIELD_NOTES 1's -1 decoding and FIELD_NOTES 5's missing mask fail on the clause that names
+with failure mode 1's -1 decoding and failure mode 5's missing mask fail on the clause that names
 the bug. The command is the build's (MOECERT_CLI, set by ctest)."""
 import json
 import os
@@ -367,7 +367,7 @@ def test_torch_layer_bugs_fail_on_their_stage():
     assert v.failed == ["layer.backward.within_bound"]
     fail = next(c for c in v.clauses if c["verdict"] == "fail")
     assert fail["location"].startswith("dx[")
-    # The softmax over all experts, then renormalised: dz at unselected experts is not 0 (FIELD_NOTES 5).
+    # The softmax over all experts, then renormalised: dz at unselected experts is not 0 (failure mode 5).
     _, _, bwd_in, bwd_out = layer.layer_step(case, torch.float32, softmax_all=True)
     fwd_named = {k: bwd_in[k] for k in ("z", "idx", "weights", "dy")}
     v = check.layer_backward(**base, **fwd_named, **bwd_out, **kw)

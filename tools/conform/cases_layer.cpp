@@ -1,6 +1,6 @@
 // Conformance cases of the MoE layer (forward + backward with LoRA, two
 // training steps on one saved state: the LoRA factors change between them)
-// and of the workspace plan of FIELD_NOTES 4.
+// and of the workspace plan of failure mode 4.
 #include <fmt/format.h>
 #include <oneapi/tbb/global_control.h>
 
@@ -269,9 +269,9 @@ CaseResult router_linear_case(RouterKind kind, Isa isa, const RunContext& ctx) {
   return r;
 }
 
-// FIELD_NOTES 3's layer at its real size (E64 H2048 I1408 K6 r8), T = 48:
+// failure mode 3's layer at its real size (E64 H2048 I1408 K6 r8), T = 48:
 // uniform data at the fan-in scales; the experts packed for the backward.
-Layer field_notes_3_layer(std::uint64_t seed) {
+Layer failure_mode_3_layer(std::uint64_t seed) {
   constexpr std::size_t E = 64, H = 2048, I = 1408, K = 6, r = 8, T = 48;
   Layer l = Layer::shaped(fixture::layer_config(RouterKind::softmax_topk, E, H, I, K, r, T), T);
   const float sh = 1.7f / std::sqrt(float(H)), si = 1.7f / std::sqrt(float(I));
@@ -337,13 +337,13 @@ SampledRows sampled_rows(const Layer& l, const contracts::LayerSaved& s,
   return o;
 }
 
-// One training step of FIELD_NOTES 3's layer at level check, then y and
+// One training step of failure mode 3's layer at level check, then y and
 // dL/dw of sampled tokens against the judge's mixed-precision model on the
 // kernel's routing (proofs/experts.md §4-5; the full reference of every
 // output would take minutes at this size).
-CaseResult field_notes_3_case(const RunContext& ctx) {
+CaseResult failure_mode_3_case(const RunContext& ctx) {
   CaseResult r;
-  const Layer l = field_notes_3_layer(ctx.seed + 17);
+  const Layer l = failure_mode_3_layer(ctx.seed + 17);
   std::vector<float> y(l.T * l.H, NAN), dx(l.T * l.H, NAN);
   layer::Saved saved;
   const auto w = l.weights();
@@ -387,14 +387,14 @@ CaseResult plan_case(const RunContext&) {
   r.detail = fmt::format("total {:.2f} GiB (target <= 16 GiB), lower bound {:.2f} GiB",
                          p.total_bytes / 0x1p30, p.peak_live_bytes / 0x1p30);
   expect(r, p.total_bytes <= (std::uint64_t{16} << 30),
-         "FIELD_NOTES 4 config over 16 GiB: " + r.detail);
+         "failure mode 4 config over 16 GiB: " + r.detail);
   return r;
 }
 
 }  // namespace
 
 void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
-  out.push_back({"workspace.plan", "field_notes_4", "any", "E256_H7168_I2048_K8_r16_T25600", "-",
+  out.push_back({"workspace.plan", "failure_mode_4", "any", "E256_H7168_I2048_K8_r16_T25600", "-",
                  Suite::smoke, Level::check, plan_case});
   for (RouterKind kind :
        {RouterKind::softmax_topk, RouterKind::sigmoid_topk, RouterKind::product_key})
@@ -435,8 +435,8 @@ void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
            "small:E8_H40_K3_T13", "normal", Suite::smoke, Level::full,
            [kind, isa](const RunContext& ctx) { return router_linear_case(kind, isa, ctx); }});
   out.push_back({"layer.forward_backward", "softmax_topk", "default",
-                 "field_notes_3:E64_H2048_I1408_K6_r8_T48", "uniform", Suite::def, Level::check,
-                 field_notes_3_case});
+                 "failure_mode_3:E64_H2048_I1408_K6_r8_T48", "uniform", Suite::def, Level::check,
+                 failure_mode_3_case});
   for (Isa isa : isas)
     out.push_back({"layer.forward_backward", "softmax_topk", std::string(isa_name(isa)),
                    "realistic:E16_H512_I384_K4_r8_T64", "normal", Suite::def, Level::full,

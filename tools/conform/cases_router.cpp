@@ -210,7 +210,7 @@ CaseResult product_key_case(const Shape& s, Data data, bool backward, const RunC
       std::vector<double> rx, ry;
       ref::product_key_grad<double>(&sx[t * n], &sy[t * n], n, &idx[t * s.k], &g[t * s.k], s.k,
                                     router::KeyWeights::raw, rx, ry);
-      // Never-selected keys must be exactly 0 (FIELD_NOTES 1): a zero bound.
+      // Never-selected keys must be exactly 0 (failure mode 1): a zero bound.
       const auto b = bounds::product_key_grad_row(&sx[t * n], &sy[t * n], n, &idx[t * s.k],
                                                   &g[t * s.k], s.k, router::KeyWeights::raw);
       for (std::size_t i = 0; i < n; ++i)

@@ -12,7 +12,7 @@ from . import library, ops
 
 
 class Stats:
-    """Receives the per-token statistics M_A, M_G [T, E] (DESIGN.md) of the backward of the op it
+    """Receives the per-token statistics M_A, M_G [T, E] (docs/DESIGN.md) of the backward of the op it
     is passed to: m_a[t, e] = ||activations of t in expert e||, m_g[t, e] = the norm of t's
     gradient of e's trainable matrices (LoRA factors, or base weights without LoRA); 0 where t is
     not routed to e. None until that backward ran."""

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The repository stands on its own: no tracked file refers to documents it does
+# not contain (design notes kept elsewhere, a sibling folder), and the design
+# document is cited by its path here, docs/DESIGN.md. Prints each offending
+# line; exit 1 if there is one.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+self=scripts/check_self_contained.sh
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  files=$(git ls-files | grep -v -x -e "$self")
+else
+  files=$(find . -type f -not -path './build/*' -not -path './.git/*' -not -path "./$self" | sed 's|^\./||')
+fi
+outside='FIELD_NOTES|KERNEL_NOTES|STYLE\.md|\.\./shared'
+bare_design='(^|[^/[:alnum:]_.-])DESIGN\.md'
+found=0
+while IFS= read -r f; do
+  [ -f "$f" ] || continue
+  grep -I -n -E "$outside" "$f" /dev/null && found=1
+  case "$f" in
+    docs/*) ;;
+    *) grep -I -n -E "$bare_design" "$f" /dev/null && found=1 ;;
+  esac
+done <<< "$files"
+[ $found -eq 0 ] && echo "check_self_contained: no reference outside the repository"
+exit $found
