@@ -1,6 +1,7 @@
 /* The C ABI from a C program: version, settings, the experts op forward and
  * backward, a router and the judge on its outputs, the layer, a contract
- * violation (status, record, outputs untouched) and a rejected descriptor.
+ * violation (status, record, outputs untouched) and a rejected descriptor; the
+ * header's enums and their names.
  * Exit status 0: all passed. */
 #include <math.h>
 #include <stdio.h>
@@ -194,11 +195,43 @@ static void layer(void) {
   moecert_experts_free(packed);
 }
 
+/* The header's enums and their names: every value named, in order, none past
+ * the last. */
+static void enums(void) {
+  static const int last[] = {MOECERT_PRECONDITION_OBSERVED,
+                             MOECERT_F64,
+                             MOECERT_LEVEL_FULL,
+                             MOECERT_SEMANTIC_ENFORCE,
+                             MOECERT_GROUP_MEMORY,
+                             MOECERT_ISA_AVX2,
+                             MOECERT_ROUTER_PRODUCT_KEY,
+                             MOECERT_KEY_WEIGHTS_SOFTMAX};
+  for (int which = MOECERT_ENUM_STATUS; which <= MOECERT_ENUM_KEY_WEIGHTS; ++which) {
+    EXPECT(moecert_enum_name(-1, which) != NULL);
+    for (int v = 0; v <= last[which]; ++v) EXPECT(moecert_enum_name(which, v) != NULL);
+    EXPECT(moecert_enum_name(which, last[which] + 1) == NULL &&
+           moecert_enum_name(which, -1) == NULL);
+  }
+  EXPECT(moecert_enum_name(-1, MOECERT_ENUM_KEY_WEIGHTS + 1) == NULL);
+  EXPECT(moecert_enum_name(MOECERT_ENUM_KEY_WEIGHTS + 1, 0) == NULL);
+  EXPECT(strcmp(moecert_enum_name(-1, MOECERT_ENUM_ROUTER), "router") == 0);
+  EXPECT(strcmp(moecert_enum_name(MOECERT_ENUM_ROUTER, MOECERT_ROUTER_SIGMOID_TOPK),
+                "sigmoid_topk") == 0);
+  EXPECT(strcmp(moecert_enum_name(MOECERT_ENUM_LEVEL, MOECERT_LEVEL_AUDIT), "audit") == 0);
+  EXPECT(strcmp(moecert_enum_name(MOECERT_ENUM_STATUS, MOECERT_INVALID_ARGUMENT),
+                "invalid_argument") == 0);
+  EXPECT(strcmp(moecert_enum_name(MOECERT_ENUM_ISA, MOECERT_ISA_AMX_EMU),
+                moecert_isa_name(MOECERT_ISA_AMX_EMU)) == 0);
+}
+
 int main(void) {
   EXPECT(moecert_abi_version() == MOECERT_ABI_VERSION);
   EXPECT(strlen(moecert_version()) > 0);
-  EXPECT(moecert_isa_usable(0) == 1 && strcmp(moecert_isa_name(3), "amx_emu") == 0);
-  EXPECT(strcmp(moecert_isa_name(4), "avx2") == 0 && strcmp(moecert_isa_name(5), "") == 0);
+  enums();
+  EXPECT(moecert_isa_usable(MOECERT_ISA_SCALAR) == 1 &&
+         strcmp(moecert_isa_name(MOECERT_ISA_AMX_EMU), "amx_emu") == 0);
+  EXPECT(strcmp(moecert_isa_name(MOECERT_ISA_AVX2), "avx2") == 0 &&
+         strcmp(moecert_isa_name(5), "") == 0);
   EXPECT(moecert_isa_usable(5) == 0);
   OK(moecert_set_num_threads(2));
   EXPECT(moecert_num_threads() == 2);

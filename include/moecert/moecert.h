@@ -45,6 +45,73 @@ typedef enum moecert_dtype {
   MOECERT_F64 = 3
 } moecert_dtype;
 
+/* Contract levels, semantics and clause groups (moecert::Level, Semantic,
+ * Group in contracts.hpp); a groups mask has bit i set for group i. */
+typedef enum moecert_level {
+  MOECERT_LEVEL_OFF = 0,
+  MOECERT_LEVEL_CHECK = 1,
+  MOECERT_LEVEL_AUDIT = 2,
+  MOECERT_LEVEL_FULL = 3
+} moecert_level;
+
+typedef enum moecert_semantic {
+  MOECERT_SEMANTIC_IGNORE = 0,
+  MOECERT_SEMANTIC_OBSERVE = 1,
+  MOECERT_SEMANTIC_ENFORCE = 2
+} moecert_semantic;
+
+typedef enum moecert_group {
+  MOECERT_GROUP_SHAPE = 0,
+  MOECERT_GROUP_INDEX = 1,
+  MOECERT_GROUP_ALIAS = 2,
+  MOECERT_GROUP_FINITE = 3,
+  MOECERT_GROUP_NUMERIC = 4,
+  MOECERT_GROUP_MEMORY = 5
+} moecert_group;
+
+/* Kernels (moecert::Isa); MOECERT_ISA_DEFAULT in an isa argument: the best
+ * usable one, or MOECERT_ISA's. */
+typedef enum moecert_isa {
+  MOECERT_ISA_DEFAULT = -1,
+  MOECERT_ISA_SCALAR = 0,
+  MOECERT_ISA_AVX512_BF16 = 1,
+  MOECERT_ISA_AMX_BF16 = 2,
+  MOECERT_ISA_AMX_EMU = 3,
+  MOECERT_ISA_AVX2 = 4
+} moecert_isa;
+
+/* Router kinds (moecert::RouterKind) and product-key weights
+ * (moecert::router::KeyWeights). */
+typedef enum moecert_router {
+  MOECERT_ROUTER_SOFTMAX_TOPK = 0,
+  MOECERT_ROUTER_SIGMOID_TOPK = 1,
+  MOECERT_ROUTER_PRODUCT_KEY = 2
+} moecert_router;
+
+typedef enum moecert_key_weights {
+  MOECERT_KEY_WEIGHTS_RAW = 0,
+  MOECERT_KEY_WEIGHTS_EXP = 1,
+  MOECERT_KEY_WEIGHTS_SOFTMAX = 2
+} moecert_key_weights;
+
+/* The enums above, for moecert_enum_name. */
+typedef enum moecert_enum {
+  MOECERT_ENUM_STATUS = 0,
+  MOECERT_ENUM_DTYPE = 1,
+  MOECERT_ENUM_LEVEL = 2,
+  MOECERT_ENUM_SEMANTIC = 3,
+  MOECERT_ENUM_GROUP = 4,
+  MOECERT_ENUM_ISA = 5,
+  MOECERT_ENUM_ROUTER = 6,
+  MOECERT_ENUM_KEY_WEIGHTS = 7
+} moecert_enum;
+
+/* The name of value `value` of enum `which` (a moecert_enum) as the C++ API,
+ * the reports and the Python package spell it ("softmax_topk", "audit",
+ * "bf16", ...); with which = -1, the name of enum `value` ("status", "dtype",
+ * "level", ...). NULL when out of range; values run from 0 without gaps. */
+const char* moecert_enum_name(int32_t which, int32_t value);
+
 typedef struct moecert_tensor {
   void* data;    /* may be NULL only when the tensor has no elements */
   int32_t dtype; /* moecert_dtype */
@@ -81,9 +148,8 @@ int32_t moecert_abi_version(void);    /* MOECERT_ABI_VERSION of the library */
 const char* moecert_version(void);    /* e.g. "0.1.0" */
 const char* moecert_build_info(void); /* one line: build type, compiler, commit, contract cap */
 
-/* Contract settings (contracts.hpp). level: 0 off, 1 check, 2 audit, 3 full;
- * semantic: 0 ignore, 1 observe, 2 enforce; groups: bit i = group i (shape,
- * index, alias, finite, numeric, memory). The getters give what is in effect
+/* Contract settings (contracts.hpp): level a moecert_level, semantic a
+ * moecert_semantic, groups a mask of moecert_group bits. The getters give what is in effect
  * on this thread (innermost scope, level clamped to the cap); -1 (groups:
  * UINT32_MAX) when MOECERT_CONTRACTS or MOECERT_CONTRACT_GROUPS does not
  * parse, moecert_last_error() naming it (MOECERT_INVALID_ARGUMENT), as every
@@ -107,8 +173,7 @@ moecert_status moecert_contract_scope_pop(void);
 moecert_status moecert_set_num_threads(int32_t threads);
 int32_t moecert_num_threads(void);
 
-/* Kernels: 0 scalar, 1 avx512_bf16, 2 amx_bf16, 3 amx_emu, 4 avx2; -1 in an
- * isa argument: the default. */
+/* Kernels: an isa argument is a moecert_isa. */
 int32_t moecert_default_isa(void);
 int32_t moecert_isa_usable(int32_t isa);
 const char* moecert_isa_name(int32_t isa); /* "" if out of range */
@@ -201,7 +266,7 @@ moecert_status moecert_sigmoid_topk_backward(const moecert_tensor* z, const moec
                                              const moecert_tensor* g, int64_t groups,
                                              int64_t topk_group, float scaling,
                                              const moecert_tensor* dz);
-/* sx, sy [T x n] f32 or bf16 (backward: f32); mode: 0 raw, 1 exp, 2 softmax. */
+/* sx, sy [T x n] f32 or bf16 (backward: f32); mode: a moecert_key_weights. */
 moecert_status moecert_product_key_forward(const moecert_tensor* sx, const moecert_tensor* sy,
                                            int32_t mode, const moecert_tensor* idx,
                                            const moecert_tensor* w);
@@ -212,7 +277,7 @@ moecert_status moecert_product_key_backward(const moecert_tensor* sx, const moec
 
 /* ---- layer (layer.hpp) ------------------------------------------------- */
 
-/* MoeConfig. router: 0 softmax_topk, 1 sigmoid_topk, 2 product_key. */
+/* MoeConfig. router: a moecert_router. */
 typedef struct moecert_config {
   int64_t experts, hidden, inter, topk, lora_rank;
   double lora_alpha;
@@ -289,8 +354,8 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
                                     const moecert_tensor* x, const moecert_tensor* dy,
                                     const moecert_layer_saved* saved, const moecert_tensor* y,
                                     const moecert_layer_grads* grads);
-/* kind: 0 softmax_topk (param: renormalize), 1 sigmoid_topk (scaling), 2
- * product_key (mode; z = [sx | sy], [T x 2n]); z f32 as the kernel read it;
+/* kind: a moecert_router; param: renormalize (softmax_topk), scaling
+ * (sigmoid_topk) or a moecert_key_weights (product_key; z = [sx | sy], [T x 2n]); z f32 as the kernel read it;
  * idx the kernel's selection; w_bound [T x K]; with g, dz_bound [T x E] (product_key:
  * [T x 2n], dsx then dsy). */
 moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_tensor* z,

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 #include "moecert/types.hpp"
 
@@ -120,6 +121,19 @@ enum class KeyWeights : std::uint8_t {
   exp = 1,      // w = exp(s) (halves given as log-probabilities)
   softmax = 2,  // w = softmax over the K selected s
 };
+
+/// "raw", "exp" or "softmax".
+constexpr std::string_view key_weights_name(KeyWeights w) {
+  switch (w) {
+    case KeyWeights::raw:
+      return "raw";
+    case KeyWeights::exp:
+      return "exp";
+    case KeyWeights::softmax:
+      return "softmax";
+  }
+  return "";
+}
 
 /// product_key, forward. sx, sy [T x n], E = n*n; expert e = ix*n + iy has
 /// score sx[ix] + sy[iy], ranked by the exact sum (the fp32 sum can round

@@ -19,10 +19,11 @@ __all__ = ["ContractViolation", "Error", "InvalidArgument", "LEVELS", "SEMANTICS
            "contract_semantic", "contract_groups", "contract_level_cap", "contracts", "set_num_threads",
            "num_threads", "default_isa", "isa_usable"]
 
-LEVELS = ("off", "check", "audit", "full")
-SEMANTICS = ("ignore", "observe", "enforce")
-GROUPS = ("shape", "index", "alias", "finite", "numeric", "memory")
-ISAS = ("scalar", "avx512_bf16", "amx_bf16", "amx_emu", "avx2")  # the C ABI's numbering
+# Names in the C ABI's numbering, read from the library.
+LEVELS = _abi.names("level")
+SEMANTICS = _abi.names("semantic")
+GROUPS = _abi.names("group")
+ISAS = _abi.names("isa")
 
 __version__ = _abi.lib.moecert_version().decode()
 

@@ -13,8 +13,6 @@ from .errors import raise_for
 
 ABI_VERSION = 1
 
-BF16, F32, I32, F64 = 0, 1, 2, 3
-
 
 class Tensor(Structure):
     _fields_ = [("data", c_void_p), ("dtype", c_int32), ("ndim", c_int32), ("shape", c_int64 * 2),
@@ -90,6 +88,7 @@ _PROTOTYPES = {
     "moecert_default_isa": ([], c_int32),
     "moecert_isa_usable": ([c_int32], c_int32),
     "moecert_isa_name": ([c_int32], c_char_p),
+    "moecert_enum_name": ([c_int32, c_int32], c_char_p),
     "moecert_experts_pack": ([c_int64, T, T, T, c_int32, OUT_H], c_int32),
     "moecert_experts_free": ([H], None),
     "moecert_experts_unpack": ([H, T, T, T], c_int32),
@@ -155,7 +154,32 @@ def _load():
 lib = _load()
 
 
-PRECONDITION_OBSERVED = 5
+def _names(which):
+    out = []
+    while True:
+        name = lib.moecert_enum_name(which, len(out))
+        if name is None:
+            return tuple(out)
+        out.append(name.decode())
+
+
+ENUMS = _names(-1)
+
+
+def names(enum):
+    """The names of the values of the C header's enum `enum` ("status", "dtype", "level",
+    "semantic", "group", "isa", "router", "key_weights"), in value order: read from the library,
+    which static_asserts them against the C++ enums."""
+    return _names(ENUMS.index(enum))
+
+
+STATUS = names("status")
+BF16, F32, I32, F64 = (names("dtype").index(n) for n in ("bf16", "f32", "i32", "f64"))
+PRECONDITION_OBSERVED = STATUS.index("precondition_observed")
+
+
+def status_name(status):
+    return STATUS[status] if 0 <= status < len(STATUS) else "status {}".format(status)
 
 
 def call(name, *args):
@@ -166,7 +190,7 @@ def call(name, *args):
         return True
     if status == PRECONDITION_OBSERVED:
         return False
-    raise_for(status, lib.moecert_last_error().contents)
+    raise_for(status_name(status), lib.moecert_last_error().contents)
 
 
 def new_handle(name):
@@ -181,7 +205,7 @@ def value(name, failed=-1):
     v = getattr(lib, name)()
     if v == failed:
         err = lib.moecert_last_error().contents
-        raise_for(err.status, err)
+        raise_for(status_name(err.status), err)
     return v
 
 

@@ -327,7 +327,7 @@ class _RawCalls:
         self.yd.data = y.data_ptr()
         status = self.fwd(*self.args_f)
         if status:
-            _abi.raise_for(status, _abi.lib.moecert_last_error().contents)
+            _abi.raise_for(_abi.status_name(status), _abi.lib.moecert_last_error().contents)
 
     def backward(self, outs):
         self.grads.dx.data = outs[0].data_ptr()
@@ -335,7 +335,7 @@ class _RawCalls:
             getattr(self.grads, n).data = t.data_ptr()
         status = self.bwd(*self.args_b)
         if status:
-            _abi.raise_for(status, _abi.lib.moecert_last_error().contents)
+            _abi.raise_for(_abi.status_name(status), _abi.lib.moecert_last_error().contents)
 
     def run(self):
         self.forward(self.y)

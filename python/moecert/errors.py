@@ -29,14 +29,15 @@ class ContractViolation(Error):
 
 
 def raise_for(status, err):
-    """Raises the exception for ABI status `status` with record `err` (moecert_error)."""
+    """Raises the exception for ABI status `status` (its name in the C header) with record `err`
+    (moecert_error)."""
     text = {n: (getattr(err, n) or b"").decode("utf-8", "replace") for n in (
         "op", "clause", "kind", "group", "level", "location", "observed", "expected", "message", "file")}
     text["line"] = int(err.line)
-    if status == 1:
+    if status == "contract_violation":
         raise ContractViolation(text)
-    if status == 2:
+    if status == "invalid_argument":
         raise InvalidArgument(text["message"], text["op"])
-    if status == 3:
+    if status == "out_of_memory":
         raise MemoryError(text["message"])
     raise Error(text["message"], text["op"])

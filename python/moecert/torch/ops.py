@@ -21,8 +21,8 @@ from ._tensors import check, check_no_alias, describe, grad_input, index_tensor,
 BF16, F32 = (torch.bfloat16,), (torch.float32,)
 LORA_NAMES = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")
 BASE_NAMES = ("w_gate", "w_up", "w_down")
-ROUTERS = ("softmax_topk", "sigmoid_topk", "product_key")
-KEY_WEIGHTS = ("raw", "exp", "softmax")
+ROUTERS = _abi.names("router")  # the C ABI's numbering
+KEY_WEIGHTS = _abi.names("key_weights")
 
 
 def _isa(isa):

@@ -4,9 +4,9 @@
 
 #include <fmt/format.h>
 
+#include "capi/abi.hpp"
 #include "contracts/engine.hpp"
 #include "moecert/moecert.h"
-#include "ops/capi/abi.hpp"
 
 using namespace moecert;
 using capi::guarded;

@@ -3,8 +3,8 @@
 
 #include <fmt/format.h>
 
+#include "capi/abi.hpp"
 #include "moecert/moecert.h"
-#include "ops/capi/abi.hpp"
 
 using namespace moecert;
 using capi::guarded;

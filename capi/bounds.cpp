@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "capi/abi.hpp"
 #include "contracts/bounds/experts.hpp"
 #include "contracts/bounds/router.hpp"
 #include "contracts/bounds/tracked.hpp"
@@ -15,7 +16,6 @@
 #include "contracts/reference/layer.hpp"
 #include "contracts/reference/router.hpp"
 #include "moecert/moecert.h"
-#include "ops/capi/abi.hpp"
 #include "ops/layer/state.hpp"
 
 using namespace moecert;

@@ -8,12 +8,12 @@
 #include <new>
 #include <vector>
 
+#include "capi/abi.hpp"
 #include "contracts/engine.hpp"
 #include "moecert/contracts.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/moecert.h"
 #include "moecert/moecert.hpp"
-#include "ops/capi/abi.hpp"
 
 namespace moecert::capi {
 namespace {

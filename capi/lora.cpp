@@ -5,7 +5,7 @@
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 
-#include "ops/capi/abi.hpp"
+#include "capi/abi.hpp"
 
 namespace moecert::capi {
 namespace {

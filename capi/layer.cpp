@@ -3,9 +3,9 @@
 
 #include <fmt/format.h>
 
+#include "capi/abi.hpp"
 #include "moecert/config.hpp"
 #include "moecert/moecert.h"
-#include "ops/capi/abi.hpp"
 
 using namespace moecert;
 using capi::guarded;

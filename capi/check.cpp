@@ -4,9 +4,9 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "capi/abi.hpp"
 #include "contracts/judge_ops.hpp"
 #include "moecert/moecert.h"
-#include "ops/capi/abi.hpp"
 
 using namespace moecert;
 namespace judge = contracts::judge;
