@@ -13,14 +13,11 @@ else
 fi
 outside='FIELD_NOTES|KERNEL_NOTES|STYLE\.md|\.\./shared'
 bare_design='(^|[^/[:alnum:]_.-])DESIGN\.md'
-found=0
-while IFS= read -r f; do
-  [ -f "$f" ] || continue
-  grep -I -n -E "$outside" "$f" /dev/null && found=1
-  case "$f" in
-    docs/*) ;;
-    *) grep -I -n -E "$bare_design" "$f" /dev/null && found=1 ;;
-  esac
-done <<< "$files"
-[ $found -eq 0 ] && echo "check_self_contained: no reference outside the repository"
-exit $found
+list() { printf '%s\n' "$files" | grep -v -e '^$' "$@"; }
+hits=$( { list | xargs -d '\n' grep -I -n -E "$outside" /dev/null
+          list -e '^docs/' -v | xargs -d '\n' grep -I -n -E "$bare_design" /dev/null; } )
+if [ -n "$hits" ]; then
+  printf '%s\n' "$hits"
+  exit 1
+fi
+echo "check_self_contained: no reference outside the repository"
