@@ -6,6 +6,7 @@
 
 set(MOECERT_SOURCES
   contracts/engine.cpp
+  contracts/json.cpp
   contracts/config.cpp
   contracts/registry.cpp
   contracts/compare.cpp
@@ -106,8 +107,7 @@ function(moecert_add_library name)
   target_include_directories(${name} PRIVATE ${PROJECT_BINARY_DIR}/generated)
   add_dependencies(${name} moecert_git_commit)
   # Boost is header-only and used privately: not part of the installed interface.
-  target_link_libraries(${name} PUBLIC fmt::fmt TBB::tbb PRIVATE $<BUILD_INTERFACE:Boost::headers>
-                        $<BUILD_INTERFACE:nlohmann_json::nlohmann_json>)
+  target_link_libraries(${name} PUBLIC fmt::fmt TBB::tbb PRIVATE $<BUILD_INTERFACE:Boost::headers>)
   if(MOECERT_FUZZ)  # coverage for libFuzzer; the sanitizer runtime's no-op hooks elsewhere
     target_compile_options(${name} PRIVATE -fsanitize=fuzzer-no-link)
   endif()

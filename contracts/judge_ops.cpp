@@ -5,8 +5,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <boost/json.hpp>
 #include <mutex>
-#include <nlohmann/json.hpp>
 
 #include "contracts/judge_tensors.hpp"
 
@@ -131,15 +131,16 @@ Verdict judge_op(const std::string& op, const Tensors& in, const Tensors& out,
 }
 
 std::string verdict_json(const Verdict& v, const Params& about) {
-  nlohmann::json clauses = nlohmann::json::array(), ties = nlohmann::json::array();
+  namespace json = boost::json;
+  json::array clauses, ties;
   for (const auto& c : v.clauses) {
-    nlohmann::json o{{"id", c.info.id},
-                     {"kind", clause_kind_name(c.info.kind)},
-                     {"group", group_name(c.info.group)},
-                     {"condition", c.info.text},
-                     {"verdict", !c.evaluated ? "not evaluated"
-                                 : c.passed   ? "pass"
-                                              : "fail"}};
+    json::object o{{"id", c.info.id},
+                   {"kind", clause_kind_name(c.info.kind)},
+                   {"group", group_name(c.info.group)},
+                   {"condition", c.info.text},
+                   {"verdict", !c.evaluated ? "not evaluated"
+                               : c.passed   ? "pass"
+                                            : "fail"}};
     if (!c.passed) {
       const Violation& f = c.violations.front();
       o["location"] = f.location, o["observed"] = f.observed, o["expected"] = f.expected;
@@ -148,16 +149,19 @@ std::string verdict_json(const Verdict& v, const Params& about) {
     clauses.push_back(std::move(o));
   }
   for (const auto& t : v.ties)
-    ties.push_back({{"t", t.t},
-                    {"chosen", t.a},
-                    {"other", t.b},
-                    {"score", t.score},
-                    {"kind", t.near ? "near" : "exact"}});
-  nlohmann::json j{
-      {"schema", "moecert-check/1"}, {"op", v.op},   {"verdict", v.passed() ? "pass" : "fail"},
-      {"clauses", clauses},          {"ties", ties}, {"skipped_rows", v.skipped_rows}};
+    ties.push_back(json::object{{"t", t.t},
+                                {"chosen", t.a},
+                                {"other", t.b},
+                                {"score", t.score},
+                                {"kind", t.near ? "near" : "exact"}});
+  json::object j{{"schema", "moecert-check/1"},
+                 {"op", v.op},
+                 {"verdict", v.passed() ? "pass" : "fail"},
+                 {"clauses", std::move(clauses)},
+                 {"ties", std::move(ties)},
+                 {"skipped_rows", json::value_from(v.skipped_rows)}};
   for (const auto& [k, val] : about) j[k] = val;
-  return j.dump();
+  return json::serialize(j);
 }
 
 }  // namespace moecert::contracts::judge

@@ -7,7 +7,7 @@ packages=(
   build-essential cmake git pkg-config
   catch2 libfmt-dev libboost1.81-dev libtbb-dev libz3-dev
   clang libclang-rt-14-dev libdnnl-dev libmpfr-dev
-  valgrind clang-format libcli11-dev nlohmann-json3-dev
+  valgrind clang-format libcli11-dev
   python3-torch python3-numpy python3-pytest
 )
 

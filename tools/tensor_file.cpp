@@ -6,12 +6,12 @@
 
 #include <algorithm>
 #include <bit>
+#include <boost/json.hpp>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 #include "moecert/types.hpp"
@@ -45,20 +45,32 @@ float half_to_float(std::uint16_t h) {
   return h & 0x8000 ? -magnitude : magnitude;
 }
 
+namespace json = boost::json;
+
+// Field `key` of entry e; a missing one is refused naming it.
+const json::value& field(const std::string& path, const std::string& name, const json::object& e,
+                         const char* key) {
+  const json::value* v = e.if_contains(key);
+  if (!v) throw std::runtime_error(fmt::format("{}: {}: no {}", path, name, key));
+  return *v;
+}
+
 // The array `key` of entry e as unsigned 64-bit integers: a negative,
 // fractional or too large number is refused here (a JSON number beyond
 // 2^64 is stored as a double, and converting it would be undefined).
 std::vector<std::uint64_t> naturals(const std::string& path, const std::string& name,
-                                    const nlohmann::json& e, const char* key) {
-  const nlohmann::json& a = e.at(key);
-  if (!a.is_array())
-    throw std::runtime_error(fmt::format("{}: {}: {} is not an array", path, name, key));
+                                    const json::object& e, const char* key) {
+  const json::array* a = field(path, name, e, key).if_array();
+  if (!a) throw std::runtime_error(fmt::format("{}: {}: {} is not an array", path, name, key));
   std::vector<std::uint64_t> out;
-  for (const auto& v : a) {
-    if (!v.is_number_unsigned())
+  for (const auto& v : *a) {
+    if (v.is_uint64())
+      out.push_back(v.get_uint64());
+    else if (v.is_int64() && v.get_int64() >= 0)
+      out.push_back(static_cast<std::uint64_t>(v.get_int64()));
+    else
       throw std::runtime_error(fmt::format("{}: {}: {} holds {}, expected integers 0 to 2^64 - 1",
-                                           path, name, key, v.dump()));
-    out.push_back(v.get<std::uint64_t>());
+                                           path, name, key, json::serialize(v)));
   }
   return out;
 }
@@ -68,16 +80,20 @@ std::vector<std::uint64_t> naturals(const std::string& path, const std::string& 
 // shape asks the judge for more memory than the file justifies.
 constexpr std::uint64_t kEmptyDimension = std::uint64_t{1} << 16;
 
-Tensor parse_entry(const std::string& path, const std::string& name, const nlohmann::json& e,
+Tensor parse_entry(const std::string& path, const std::string& name, const json::value& entry,
                    const std::vector<std::uint8_t>& data) {
+  const json::object* e = entry.if_object();
+  if (!e) throw std::runtime_error(fmt::format("{}: {}: not a JSON object", path, name));
+  const json::string* dtype = field(path, name, *e, "dtype").if_string();
+  if (!dtype) throw std::runtime_error(fmt::format("{}: {}: dtype is not a string", path, name));
   Tensor t;
-  t.dtype = e.at("dtype").get<std::string>();
-  for (std::uint64_t d : naturals(path, name, e, "shape")) {
+  t.dtype = std::string(*dtype);
+  for (std::uint64_t d : naturals(path, name, *e, "shape")) {
     if (d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
       throw std::runtime_error(fmt::format("{}: {}: dimension {} out of range", path, name, d));
     t.shape.push_back(static_cast<std::int64_t>(d));
   }
-  const auto off = naturals(path, name, e, "data_offsets");
+  const auto off = naturals(path, name, *e, "data_offsets");
   const std::size_t width = dtype_bytes(t.dtype);
   if (width == 0)
     throw std::runtime_error(fmt::format("{}: {}: unknown dtype {}", path, name, t.dtype));
@@ -141,25 +157,22 @@ std::map<std::string, Tensor> parse_safetensors(const std::vector<std::uint8_t>&
   if (n > all.size() - 8)
     throw std::runtime_error(
         fmt::format("{}: header of {} bytes in a {}-byte file", path, n, all.size()));
-  nlohmann::json header;
-  try {
-    header =
-        nlohmann::json::parse(all.begin() + 8, all.begin() + 8 + static_cast<std::ptrdiff_t>(n));
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(fmt::format("{}: header is not JSON: {}", path, e.what()));
-  }
+  std::error_code ec;
+  const json::value header = json::parse(
+      json::string_view(reinterpret_cast<const char*>(all.data()) + 8, static_cast<std::size_t>(n)),
+      ec);
+  if (ec) throw std::runtime_error(fmt::format("{}: header is not JSON: {}", path, ec.message()));
+  const json::object* entries = header.if_object();
+  if (!entries) throw std::runtime_error(fmt::format("{}: header is not a JSON object", path));
   const std::vector<std::uint8_t> data(all.begin() + 8 + static_cast<std::ptrdiff_t>(n), all.end());
   std::map<std::string, Tensor> out;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-  try {
-    for (const auto& [name, e] : header.items()) {
-      if (name == "__metadata__") continue;
-      out.emplace(name, parse_entry(path, name, e, data));
-      const auto off = e.at("data_offsets").get<std::vector<std::uint64_t>>();
-      if (off[1] > off[0]) ranges.emplace_back(off[0], off[1]);
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(fmt::format("{}: malformed header entry: {}", path, e.what()));
+  for (const auto& [key, e] : *entries) {
+    const std::string name(key);
+    if (name == "__metadata__") continue;
+    out.insert_or_assign(name, parse_entry(path, name, e, data));
+    const auto off = naturals(path, name, e.as_object(), "data_offsets");  // checked by parse_entry
+    if (off[1] > off[0]) ranges.emplace_back(off[0], off[1]);
   }
   // No byte in two tensors (the format's rule): the tensors hold at most the
   // file's bytes.

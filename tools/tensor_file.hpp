@@ -1,7 +1,7 @@
 // Tensors from a safetensors file (https://huggingface.co/docs/safetensors:
 // an 8-byte little-endian header length, a JSON header naming each tensor's
 // dtype, shape and byte range, then the data), for `moecert check`. The
-// header is parsed with nlohmann/json; every range is checked against the
+// header is parsed with Boost.JSON; every range is checked against the
 // file before any byte is read.
 #pragma once
 
