@@ -88,3 +88,31 @@ def test_layer(rng):
     with pytest.raises(moecert.InvalidArgument, match="a second backward through one graph is not supported"):
         y.backward(dy)
     mt.library.always = False
+
+
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck needs torch >= 2.4")
+def test_opcheck(rng):
+    """torch.library.opcheck on each registered op: its schema (no input mutated or aliased by
+    an output), its autograd registration, its fake kernel's shapes and dtypes against the real
+    one's. (test_aot_dispatch_dynamic compares two runs' outputs, and the stateful ops name a new
+    saved state at each run.)"""
+    z = torch.randn(T, 16, generator=rng, requires_grad=True)
+    bias = torch.randn(16, generator=rng) * 0.1
+    half = torch.randn(T, 4, generator=rng, requires_grad=True)
+    cases = [(torch.ops.moecert.softmax_topk.default, (z, 4, True)),
+             (torch.ops.moecert.sigmoid_topk.default, (z, bias, 4, 4, 2, 1.5)),
+             (torch.ops.moecert.product_key.default, (half, half.detach().clone().requires_grad_(), 4, "softmax"))]
+    packed = ops.PackedExperts(*(torch.randn(4, 24, 32, generator=rng).bfloat16() for _ in range(2)),
+                               torch.randn(4, 32, 24, generator=rng).bfloat16())
+    x = torch.randn(T, 32, generator=rng).bfloat16().requires_grad_()
+    ids = torch.stack([torch.randperm(4, generator=rng)[:2] for _ in range(T)]).int()
+    w = torch.rand(T, 2, generator=rng, requires_grad=True)
+    factors = [t.requires_grad_() for t in (torch.randn(4, 2, 32), torch.randn(4, 24, 2), torch.randn(4, 2, 32),
+                                            torch.randn(4, 24, 2), torch.randn(4, 2, 24), torch.randn(4, 32, 2))]
+    cases.append((torch.ops.moecert.experts.default,
+                  (x, ids, w, *factors, 4.0, mt.library.key_of(packed), True)))
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=OPCHECKS)
