@@ -82,7 +82,7 @@ std::vector<std::size_t> parts_due(const detail::Checker& c,
   std::vector<std::size_t> part(packs.size());
   if (c.level() >= Level::full) return part;
   for (std::size_t i = 0; i < packs.size(); ++i)
-    if (auto* st = packs[i]->audit_state(); st && packs[i]->checksum_parts())
+    if (auto* st = detail::PackAccess::audit(*packs[i]); st && packs[i]->checksum_parts())
       part[i] =
           st->checksum_calls.fetch_add(1, std::memory_order_relaxed) % packs[i]->checksum_parts();
   return part;
@@ -160,7 +160,7 @@ PackProbes pack_probes(const gemm::PackedWeights& w) {
   constexpr std::uint64_t kSeed = 0x5eed;
   auto b = [&w](std::size_t j, std::size_t kk) { return w.at(j, kk); };
   PackProbes p;
-  detail::PackAudit* st = w.audit_state();
+  detail::PackAudit* st = detail::PackAccess::audit(w);
   MOECERT_ASSERT(st != nullptr);
   {
     const std::lock_guard lock(st->mutex);

@@ -14,6 +14,7 @@
 
 #include "contracts/checks.hpp"
 #include "contracts/compare.hpp"
+#include "contracts/pack_audit.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
@@ -401,7 +402,8 @@ TEST_CASE("experts.forward: packed weights changed after packing are caught",
           "[experts][forward][memory]") {
   expect_pre(
       [](Problem& p, MatView<float>&) {
-        p.packed.mutable_down_for_testing(1).mutable_data_for_testing()[0] = bf16(9.0f);
+        detail::PackAccess::data(const_cast<gemm::PackedWeights&>(p.packed.down(1)))[0] =
+            bf16(9.0f);
       },
       "gemm.pack.checksum");
 }

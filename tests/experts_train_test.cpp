@@ -15,6 +15,7 @@
 #include "contracts/compare.hpp"
 #include "contracts/judge_experts.hpp"
 #include "contracts/judge_ops.hpp"
+#include "contracts/pack_audit.hpp"
 #include "contracts/reference/experts_model.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
@@ -440,7 +441,7 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
   SECTION("lora_padding") {
     auto l = experts::PackedLora::pack(p.lora_view(), p.E, p.H, p.I, true);
     auto& w = l.experts[2].b_d;  // column 0's last depth-padding element
-    w.mutable_data_for_testing()[(w.kp() / 2 - 1) * 2 * gemm::PackedWeights::kPanel + 1] =
+    detail::PackAccess::data(w)[(w.kp() / 2 - 1) * 2 * gemm::PackedWeights::kPanel + 1] =
         bf16(1.0f);
     auto v = test::expect_violation(
         [&] {
@@ -461,7 +462,7 @@ TEST_CASE("experts.forward_train: the packed LoRA's rank padding and the result 
                                   [&](std::size_t e, const experts::PackedLoraExpert& packs) {
                                     if (e == 2 || e == 5) {  // the lower expert is named
                                       auto& w = const_cast<gemm::PackedWeights&>(packs.a_d_t);
-                                      w.mutable_data_for_testing()[w.size() - 1] = bf16(-2.0f);
+                                      detail::PackAccess::data(w)[w.size() - 1] = bf16(-2.0f);
                                     }
                                     judge(e, packs);
                                   });

@@ -14,10 +14,12 @@
 #include "contracts/bounds/basic.hpp"
 #include "contracts/checks.hpp"
 #include "contracts/compare.hpp"
+#include "contracts/pack_audit.hpp"
 #include "contracts/reference/basic.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/memory.hpp"
+#include "ops/core/aligned.hpp"
 #include "ops/gemm/amx_tile_model.hpp"
 #include "ops/gemm/exp_poly.hpp"
 #include "ops/gemm/loops.hpp"
@@ -362,10 +364,10 @@ TEST_CASE("gemm.pack: roundtrip catches a packed element that is not the input's
   auto w = gemm::PackedWeights::pack(gv, uv);  // interleaved: a correct pack passes
   // Swap one VNNI pair of up-row 17 (column 16 + 16 + 1 of the packed W).
   const std::size_t n = 2 * gemm::kPanel + gemm::kPanel + 1, k = 6;
-  std::swap(w.mutable_data_for_testing()[(n / gemm::kPanel) * w.kp() * gemm::kPanel +
-                                         (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2],
-            w.mutable_data_for_testing()[(n / gemm::kPanel) * w.kp() * gemm::kPanel +
-                                         (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2 + 1]);
+  std::swap(detail::PackAccess::data(w)[(n / gemm::kPanel) * w.kp() * gemm::kPanel +
+                                        (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2],
+            detail::PackAccess::data(w)[(n / gemm::kPanel) * w.kp() * gemm::kPanel +
+                                        (k / 2) * 2 * gemm::kPanel + (n % gemm::kPanel) * 2 + 1]);
   auto v = test::expect_violation(
       [&] {
         detail::Checker c{"gemm.pack"};
@@ -438,7 +440,7 @@ TEST_CASE("gemm.pack: pack_transposed's clauses", "[gemm][pack][finite]") {
   ContractScope s{Level::check, Semantic::enforce};
   auto w = gemm::PackedWeights::pack_transposed(wt, {});
   const std::size_t n = 3, k = 2, at = (k / 2) * 2 * gemm::kPanel + n * 2;
-  std::swap(w.mutable_data_for_testing()[at], w.mutable_data_for_testing()[at + 1]);
+  std::swap(detail::PackAccess::data(w)[at], detail::PackAccess::data(w)[at + 1]);
   auto r = test::expect_violation(
       [&] {
         detail::Checker c{"gemm.pack"};
@@ -453,7 +455,7 @@ TEST_CASE("gemm.pack: checksum clause catches packed weights changed after packi
   std::vector<bf16> a(4, bf16(1.0f)), wv(2 * 4, bf16(1.0f));
   auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), 2, 4));
   std::vector<float> c(2, 7.0f);
-  w.mutable_data_for_testing()[1] = bf16(2.0f);  // a stale or overwritten packed copy
+  detail::PackAccess::data(w)[1] = bf16(2.0f);  // a stale or overwritten packed copy
   test::expect_violation(
       [&] {
         gemm::matmul(MatView<const bf16>(a.data(), 1, 4), w, MatView<float>(c.data(), 1, 2),
@@ -470,7 +472,7 @@ TEST_CASE("gemm.pack: at audit the checksum verifies one part per call in rotati
   std::vector<bf16> a(k, bf16(1.0f)), wv(n * k, bf16(0.5f));
   auto w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));
   REQUIRE(w.checksum_parts() == gemm::PackedWeights::kChecksumParts);
-  w.mutable_data_for_testing()[w.size() - 1] = bf16(2.0f);  // a weight in the last panel
+  detail::PackAccess::data(w)[w.size() - 1] = bf16(2.0f);  // a weight in the last panel
   std::vector<float> c(n);
   auto call = [&] {
     gemm::matmul(MatView<const bf16>(a.data(), 1, k), w, MatView<float>(c.data(), 1, n),
@@ -484,7 +486,7 @@ TEST_CASE("gemm.pack: at audit the checksum verifies one part per call in rotati
   auto v = test::expect_violation(call, "gemm.pack.checksum", Level::audit);  // part 63
   CHECK(v.location == "w part 63 of 64");
   w = gemm::PackedWeights::pack(MatView<const bf16>(wv.data(), n, k));  // a fresh rotation
-  w.mutable_data_for_testing()[w.size() - 1] = bf16(2.0f);
+  detail::PackAccess::data(w)[w.size() - 1] = bf16(2.0f);
   test::expect_violation(call, "gemm.pack.checksum", Level::full);  // every part, first call
 }
 

@@ -18,6 +18,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer_router_linear.hpp"
+#include "contracts/pack_audit.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "ops/layer/state.hpp"
@@ -492,7 +493,7 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
   SECTION("lora_padding") {
     auto l = experts::PackedLora::pack(p.weights().lora, p.E, p.H, p.I, true);
     auto& w = l.experts[3].b_d;  // column 0's last depth-padding element
-    w.mutable_data_for_testing()[(w.kp() / 2 - 1) * 2 * gemm::PackedWeights::kPanel + 1] =
+    detail::PackAccess::data(w)[(w.kp() / 2 - 1) * 2 * gemm::PackedWeights::kPanel + 1] =
         bf16(1.0f);
     auto v = test::expect_violation(
         [&] {

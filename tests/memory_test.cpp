@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "moecert/gemm.hpp"
+#include "ops/core/aligned.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;

@@ -38,7 +38,6 @@ class PackedExperts {
   bool has_backward() const { return !down_t_.empty(); }
   const gemm::PackedWeights& down_t(std::size_t e) const { return down_t_[e]; }
   const gemm::PackedWeights& gate_up_t(std::size_t e) const { return gate_up_t_[e]; }
-  gemm::PackedWeights& mutable_down_for_testing(std::size_t e) { return down_[e]; }
   /// The weights pack() was given, read back from the packed layout into
   /// w_gate, w_up [E*I x H] and w_down [E*H x I] (bitwise those weights).
   void unpack(MatView<bf16> w_gate, MatView<bf16> w_up, MatView<bf16> w_down) const;

@@ -11,16 +11,14 @@
 
 namespace moecert {
 namespace detail {
-/// Storage of packed weights and workspaces (ops/core/memory.cpp): 64-byte
-/// aligned; 2 MiB or more: 2 MiB aligned and advised as huge pages.
-void* allocate(std::size_t bytes);
-void deallocate(void* p) noexcept;
+/// Frees a pack's storage (ops/core/memory.cpp).
 struct AlignedFree {
-  void operator()(bf16* p) const { deallocate(p); }
+  void operator()(bf16* p) const;
 };
-/// What the contracts keep beside one pack between calls
-/// (contracts/pack_audit.hpp).
+/// What the contracts keep beside one pack between calls, and the library's
+/// own access to it (contracts/pack_audit.hpp).
 struct PackAudit;
+struct PackAccess;
 }  // namespace detail
 
 namespace gemm {
@@ -95,13 +93,9 @@ class PackedWeights {
   std::size_t checksum_parts() const { return part_checksums_.size(); }
   std::uint64_t part_checksum(std::size_t part) const { return part_checksums_[part]; }
   std::uint64_t compute_part_checksum(std::size_t part) const;
-  /// The contracts' state for this pack, fresh with every pack (null for a
-  /// default-constructed one).
-  moecert::detail::PackAudit* audit_state() const { return audit_.get(); }
-  /// Test hook: lets a test corrupt the packed bytes (mutable access).
-  bf16* mutable_data_for_testing() { return data_.get(); }
 
  private:
+  friend struct moecert::detail::PackAccess;
   // Sizes for W of `rows` x `depth` (two interleaved: 2x the columns) and
   // storage (`storage`'s where the size matches); panels not yet written.
   static PackedWeights sized(std::size_t rows, std::size_t depth, bool interleaved,

@@ -33,13 +33,4 @@ void check_guard_pages_environment();
 /// Parses "off", "end" or "start"; false for anything else.
 bool parse_guard_pages(const char* text, GuardPages& out);
 
-namespace detail {
-/// `bytes` at `align` (a power of two up to 4096) against a guard page in
-/// the current mode (which must not be off); nullptr if the guarded region
-/// is exhausted or the system refuses (the caller falls back).
-void* guard_allocate(std::size_t bytes, std::size_t align) noexcept;
-/// Frees p if guard_allocate made it and returns true; false otherwise.
-bool guard_deallocate(void* p) noexcept;
-}  // namespace detail
-
 }  // namespace moecert

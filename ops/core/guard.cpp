@@ -3,6 +3,8 @@
 // pages, with an inaccessible page after it (mode end) or before it (start).
 // Addresses are handed out once, in order, and never reused; a freed block's
 // pages are replaced by fresh inaccessible ones (memory returned).
+#include "ops/core/guard.hpp"
+
 #include <sys/mman.h>
 
 #include <algorithm>

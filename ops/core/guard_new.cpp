@@ -8,6 +8,7 @@
 #include <new>
 
 #include "moecert/memory.hpp"
+#include "ops/core/guard.hpp"
 
 namespace {
 

@@ -11,7 +11,10 @@
 #include <cstdlib>
 #include <new>
 
+#include "moecert/gemm.hpp"
 #include "moecert/types.hpp"
+#include "ops/core/aligned.hpp"
+#include "ops/core/guard.hpp"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -38,5 +41,7 @@ void* allocate(std::size_t bytes) {
 void deallocate(void* p) noexcept {
   if (!guard_deallocate(p)) std::free(p);
 }
+
+void AlignedFree::operator()(bf16* p) const { deallocate(p); }
 
 }  // namespace moecert::detail

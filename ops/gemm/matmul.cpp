@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "contracts/gemm.hpp"
+#include "ops/core/aligned.hpp"
 #include "ops/core/task.hpp"
 #include "ops/gemm/loops.hpp"
 

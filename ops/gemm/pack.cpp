@@ -6,6 +6,7 @@
 #include "contracts/gemm.hpp"
 #include "contracts/pack_audit.hpp"
 #include "moecert/gemm.hpp"
+#include "ops/core/aligned.hpp"
 #include "ops/core/task.hpp"
 #include "ops/gemm/ukernel.hpp"
 

@@ -12,6 +12,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/workspace.hpp"
 #include "moecert/gemm.hpp"
+#include "ops/core/aligned.hpp"
 #include "ops/gemm/stream.hpp"
 #include "ops/workspace/planner.hpp"
 
