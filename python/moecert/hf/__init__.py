@@ -99,7 +99,7 @@ def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, t
                                      targets, init, dropout, getattr(experts, "is_transposed", False),
                                      getattr(experts, "is_concatenated", True))
         module.experts.peft_order = order  # PEFT nests its wrappers in the parameters' declaration order
-        module.experts.routed_by = "moecert" if routers.attach(name, getattr(module, "gate", None), router) else "model"
+        module.experts.routed_by = "moecert" if routers.attach(getattr(module, "gate", None), router) else "model"
     return [(name + ".experts") if name else "experts" for name, _, _ in found]
 
 

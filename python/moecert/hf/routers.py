@@ -104,7 +104,7 @@ def attach_check(block_name, gate):
         raise InvalidArgument("{}.gate: {}; use router='model'".format(block_name, why))
 
 
-def attach(block_name, gate, mode):
+def attach(gate, mode):
     """Puts moecert's router on `gate` per `mode` (MODES; "moecert" checked by attach_check
     first); returns whether it did."""
     routing, _ = _routing(gate) if mode != "model" else (None, None)
