@@ -1,6 +1,7 @@
 // Clauses of MoeConfig validation (op core.config.validate).
 #include "moecert/config.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "contracts/clauses.hpp"
@@ -23,6 +24,12 @@ void check_range(detail::Checker& chk, const ClauseInfo& c, std::string_view fie
 std::string_view router_kind_name(RouterKind k) {
   const auto i = static_cast<std::size_t>(k);
   return i < 3 ? kRouterNames[i] : "invalid";
+}
+
+std::size_t router_width(const MoeConfig& cfg) {
+  const auto e = static_cast<std::size_t>(std::max<std::int64_t>(cfg.experts, 0));
+  if (cfg.router != RouterKind::product_key) return e;
+  return 2 * static_cast<std::size_t>(std::llround(std::sqrt(static_cast<double>(e))));
 }
 
 std::optional<RouterKind> parse_router_kind(std::string_view s) {

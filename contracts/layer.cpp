@@ -86,13 +86,6 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
 
 }  // namespace
 
-std::size_t router_width(const MoeConfig& cfg) {
-  const auto e = static_cast<std::size_t>(std::max<std::int64_t>(cfg.experts, 0));
-  if (cfg.router != RouterKind::product_key) return e;
-  const auto n = static_cast<std::size_t>(std::llround(std::sqrt(static_cast<double>(e))));
-  return 2 * n;
-}
-
 void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::Weights& w,
                        MatView<const bf16> x, MatView<float> y) {
   const Dims d = dims(cfg);

@@ -132,8 +132,4 @@ struct PackedFactor {
   const gemm::PackedWeights* packed = nullptr;
 };
 
-/// The router linear layer's outputs R for a config: E, or 2 n for a
-/// product-key router of n^2 experts.
-std::size_t router_width(const MoeConfig& cfg);
-
 }  // namespace moecert::contracts

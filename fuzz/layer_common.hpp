@@ -57,7 +57,7 @@ inline LayerInput decode_layer(Decoder& d, bool with_dy) {
   if (in.cfg.router == RouterKind::sigmoid_topk) {
     in.cfg.groups = 1, in.cfg.topk_group = 1, in.cfg.scaling = 2.0;
   }
-  in.R = static_cast<std::size_t>(workspace::router_outputs(in.cfg));
+  in.R = router_width(in.cfg);
   const bool special = (d.u8() & 7) == 0;  // this input may carry special values
   auto fill = [&](std::vector<bf16>& v, std::size_t n, bool specials, bool& ok) {
     v.resize(n);

@@ -2,6 +2,7 @@
 // sized from it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -14,6 +15,11 @@ enum class RouterKind : std::uint8_t { softmax_topk = 0, sigmoid_topk = 1, produ
 
 std::string_view router_kind_name(RouterKind);
 std::optional<RouterKind> parse_router_kind(std::string_view);
+
+struct MoeConfig;
+/// Outputs R of the router's linear layer: E, or 2n for a product-key router
+/// of n^2 experts.
+std::size_t router_width(const MoeConfig& cfg);
 
 /// Limits every valid config stays within (the workspace proof covers them).
 inline constexpr std::int64_t kMaxExperts = 65536;

@@ -60,7 +60,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   if (chk.stop()) return;
   Saved::Impl& s = saved.impl();
   const std::size_t T = x.rows, K = static_cast<std::size_t>(cfg.topk);
-  const std::size_t R = static_cast<std::size_t>(workspace::router_outputs(cfg));
+  const std::size_t R = router_width(cfg);
   const gemm::KernelInfo& kernel = gemm::kernel_info(s.isa);
   workspace::Arena& arena = s.arena;
 

@@ -31,8 +31,7 @@ MatView<const float> Saved::weights() const { return impl_->weights_view(); }
 Weights Weights::stacked(const MoeConfig& cfg, const experts::PackedExperts& experts,
                          const float* router_w, const float* router_b, const float* router_bias,
                          const Lora& lora) {
-  const auto R = static_cast<std::size_t>(workspace::router_outputs(cfg)),
-             H = static_cast<std::size_t>(cfg.hidden);
+  const auto R = router_width(cfg), H = static_cast<std::size_t>(cfg.hidden);
   Weights w;
   w.experts = &experts;
   w.router_w = {router_w, R, H};
@@ -82,7 +81,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   s.cfg = cfg;
   s.tokens = x.rows, s.topk = static_cast<std::size_t>(cfg.topk);
   const std::size_t t_count = x.rows, k = static_cast<std::size_t>(cfg.topk);
-  const std::size_t outs = static_cast<std::size_t>(workspace::router_outputs(cfg));
+  const std::size_t outs = router_width(cfg);
   const workspace::Plan plan =
       workspace::plan(cfg, static_cast<std::int64_t>(t_count),
                       {.training = opt.training, .memory_cap = opt.memory_cap});

@@ -17,9 +17,6 @@
 
 namespace moecert::workspace {
 
-/// Outputs of the router linear layer: E, or 2 n for a product-key router (E = n^2).
-std::int64_t router_outputs(const MoeConfig& cfg);
-
 /// A layer call's dimensions, for plan_shape.
 struct Shape {
   std::uint64_t experts, hidden, inter, topk, rank, tokens, router_out;

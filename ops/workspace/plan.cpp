@@ -58,13 +58,6 @@ const Buffer* Plan::find(std::string_view name) const {
   return nullptr;
 }
 
-std::int64_t router_outputs(const MoeConfig& cfg) {
-  if (cfg.router != RouterKind::product_key) return cfg.experts;
-  const auto n = static_cast<std::int64_t>(
-      std::llround(std::sqrt(static_cast<double>(std::max<std::int64_t>(cfg.experts, 0)))));
-  return 2 * n;
-}
-
 Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail::Checker& chk) {
   auto n = [](std::uint64_t x) { return Checked{x}; };
   const Dims<Checked> d{n(s.experts), n(s.hidden), n(s.inter),     n(s.topk),
@@ -98,8 +91,8 @@ Plan plan(const MoeConfig& cfg, std::int64_t tokens, const PlanOptions& options)
   contracts::plan_pre(chk, cfg, tokens);
   if (chk.stop()) return {};
   auto u = [](std::int64_t x) { return static_cast<std::uint64_t>(std::max<std::int64_t>(x, 0)); };
-  const Shape s{u(cfg.experts),   u(cfg.hidden), u(cfg.inter),          u(cfg.topk),
-                u(cfg.lora_rank), u(tokens),     u(router_outputs(cfg))};
+  const Shape s{u(cfg.experts),   u(cfg.hidden), u(cfg.inter),     u(cfg.topk),
+                u(cfg.lora_rank), u(tokens),     router_width(cfg)};
   return plan_shape(s, options.training, options.memory_cap, chk);
 }
 
