@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 
 #include "contracts/clauses.hpp"
 #include "contracts/engine.hpp"
@@ -11,6 +12,7 @@ namespace moecert {
 
 namespace {
 constexpr std::string_view kRouterNames[] = {"softmax_topk", "sigmoid_topk", "product_key"};
+static_assert(std::size(kRouterNames) == kRouterKinds);
 
 // Checks lo <= v <= hi for clause `c`, naming the field.
 template <class T>
@@ -23,7 +25,7 @@ void check_range(detail::Checker& chk, const ClauseInfo& c, std::string_view fie
 
 std::string_view router_kind_name(RouterKind k) {
   const auto i = static_cast<std::size_t>(k);
-  return i < 3 ? kRouterNames[i] : "invalid";
+  return i < kRouterKinds ? kRouterNames[i] : "invalid";
 }
 
 std::size_t router_width(const MoeConfig& cfg) {
@@ -33,7 +35,7 @@ std::size_t router_width(const MoeConfig& cfg) {
 }
 
 std::optional<RouterKind> parse_router_kind(std::string_view s) {
-  for (std::size_t i = 0; i < 3; ++i)
+  for (std::size_t i = 0; i < kRouterKinds; ++i)
     if (kRouterNames[i] == s) return static_cast<RouterKind>(i);
   return std::nullopt;
 }

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <boost/json.hpp>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "moecert/contracts.hpp"
 #include "moecert/workspace.hpp"
@@ -33,6 +35,14 @@ struct PlanArgs {
 };
 
 void print_json(const MoeConfig& cfg, std::int64_t tokens, const workspace::Plan& p);
+
+// The router kinds' names, in their order (the --router option's choices).
+std::vector<std::string> router_kind_names() {
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < kRouterKinds; ++i)
+    names.emplace_back(router_kind_name(static_cast<RouterKind>(i)));
+  return names;
+}
 void print_table(const MoeConfig& cfg, std::int64_t tokens, const workspace::Plan& p);
 
 int run_plan(PlanArgs a) {
@@ -107,7 +117,7 @@ void add_plan(CLI::App& app, Command& run) {
   sub->add_option("--rank", c.lora_rank, "r, LoRA rank (0: no LoRA)");
   sub->add_option("--alpha", a->alpha, "LoRA alpha (default 2r)");
   sub->add_option("--router", a->router, "router kind")
-      ->check(CLI::IsMember({"softmax_topk", "sigmoid_topk", "product_key"}))
+      ->check(CLI::IsMember(router_kind_names()))
       ->capture_default_str();
   sub->add_option("--groups", c.groups, "expert groups (grouped top-k)");
   sub->add_option("--topk-group", a->topk_group, "groups kept per token (default: all)");

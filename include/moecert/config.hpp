@@ -12,6 +12,7 @@
 namespace moecert {
 
 enum class RouterKind : std::uint8_t { softmax_topk = 0, sigmoid_topk = 1, product_key = 2 };
+inline constexpr std::size_t kRouterKinds = 3;  // values 0 .. kRouterKinds - 1
 
 std::string_view router_kind_name(RouterKind);
 std::optional<RouterKind> parse_router_kind(std::string_view);
