@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MOECERT_ABI_VERSION 1
+#define MOECERT_ABI_VERSION 2
 
 typedef enum moecert_status {
   MOECERT_OK = 0,

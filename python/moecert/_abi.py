@@ -11,7 +11,7 @@ from ctypes import (POINTER, Structure, c_char_p, c_double, c_float, c_int32, c_
 
 from .errors import raise_for
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class Tensor(Structure):
@@ -142,12 +142,13 @@ def _load():
     else:
         raise ImportError("moecert: libmoecert_c.so not found (tried {}); run `make python` or set "
                           "MOECERT_LIBRARY".format(", ".join(tried)))
-    for name, (args, res) in _PROTOTYPES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
+    lib.moecert_abi_version.argtypes, lib.moecert_abi_version.restype = [], c_int32
     if lib.moecert_abi_version() != ABI_VERSION:
         raise ImportError("moecert: {} has ABI version {}, this package expects {}".format(
             lib._name, lib.moecert_abi_version(), ABI_VERSION))
+    for name, (args, res) in _PROTOTYPES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     return lib
 
 
