@@ -6,6 +6,7 @@ rank-stabilised alpha / sqrt(r)), its targets and initialisations; adapters in P
 layout (evaluated here by PEFT's documented formula, not moecert's conversion), read back
 bitwise and refused when malformed; merge and unmerge; the per-expert token counts."""
 import math
+import pickle
 
 import pytest
 import torch
@@ -332,6 +333,8 @@ def test_a_registered_router_is_computed_by_moecert_on_the_gates_logits():
         assert torch.all((w.double() - exact).abs() <= bound)
         y = model[0](xs)  # the experts get moecert's routing
         assert torch.equal(y, model[0].experts(xs, ids, w))
+        again = pickle.loads(pickle.dumps(model))  # the routing hook travels with the model
+        assert torch.equal(again[0](xs), y) and again[0].experts.routed_by == "moecert"
         assert torch.equal(model[0].experts.token_counts, torch.bincount(ids.reshape(-1), minlength=E))
 
 
