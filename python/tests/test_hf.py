@@ -54,6 +54,14 @@ def first_experts(model):
     return next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
 
 
+def y_and_bound(experts, x, idx, w):
+    """The patched experts' y on (x, idx, w) and the op's derived bound of its error for that
+    routing (proofs/experts.md)."""
+    y = experts(x, idx, w)
+    _, saved = ops.experts_forward_train(experts._packed, x.bfloat16(), idx, w.float(), experts.lora())
+    return y, ops.experts_bounds(saved)["y"]
+
+
 def reference(experts, x, idx, w):
     """float64 sum_j w * (silu(x Wg^T) * (x Wu^T)) Wd^T of the bf16 weights and x, LoRA included."""
     gate_up = experts.gate_up_proj.detach().double()
@@ -83,11 +91,8 @@ def test_patched_experts_within_the_derived_bound_and_the_model_trains(family):
     assert isinstance(experts, hf.Experts) and not list(experts.parameters())  # the pack is the storage
     x, idx, w = seen["args"]
     with torch.no_grad():
-        y = experts(x, idx, w)
+        y, bound = y_and_bound(experts, x, idx, w)
     assert y.dtype == x.dtype
-    # The bound: the ops' own derivation for this routing (proofs/experts.md).
-    _, saved = ops.experts_forward_train(experts._packed, x.bfloat16(), idx, w.float())
-    bound = ops.experts_bounds(saved)["y"]
     err = (y.double() - reference(experts, x, idx, w.float())).abs()
     assert torch.all(err <= bound), float((err - bound).max())
     # The model's own router and auxiliary loss, a LoRA step.
@@ -210,9 +215,7 @@ def test_adapters_round_trip_with_peft(family, tmp_path):
     hf.save_adapter(model, tmp_path / "ours")
     ours = first_experts(model)
     merged = peft_merged_experts(family, tmp_path / "ours")
-    y = ours(x, idx, w)
-    _, saved = ops.experts_forward_train(ours._packed, x.bfloat16(), idx, w.float(), ours.lora())
-    bound = ops.experts_bounds(saved)["y"]
+    y, bound = y_and_bound(ours, x, idx, w)
     err = (y.double() - reference(merged, x, idx, w.float())).abs()
     assert torch.all(err <= bound), float((err - bound).max())
     # PEFT -> moecert, the same key names
@@ -231,9 +234,7 @@ def test_adapters_round_trip_with_peft(family, tmp_path):
     loaded = first_experts(model)
     assert loaded.rank == 4 and loaded.scale == 2.0
     merged = peft_merged_experts(family, tmp_path / "theirs")
-    y = loaded(x, idx, w)
-    _, saved = ops.experts_forward_train(loaded._packed, x.bfloat16(), idx, w.float(), loaded.lora())
-    bound = ops.experts_bounds(saved)["y"]
+    y, bound = y_and_bound(loaded, x, idx, w)
     err = (y.double() - reference(merged, x, idx, w.float())).abs()
     assert torch.all(err <= bound), float((err - bound).max())
     # (PEFT's adapter differs from moecert's: the check can fail)

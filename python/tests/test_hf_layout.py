@@ -292,9 +292,14 @@ class DeepseekV3TopkRouter(Qwen3MoeTopKRouter):
 
 
 class Block(nn.Module):
-    def __init__(self, gate, experts):
+    """A transformers 5 sparse-MoE block: `gate`, then stacked SwiGLU `experts` of case()'s weights."""
+
+    def __init__(self, gate):
         super().__init__()
-        self.gate, self.experts = gate, experts
+        gate_up, down = case()[:2]
+        self.gate, self.experts = gate, nn.Module()
+        self.experts.gate_up_proj, self.experts.down_proj = nn.Parameter(gate_up), nn.Parameter(down)
+        self.experts.act_fn = nn.SiLU()
 
     def forward(self, x):
         _, w, ids = self.gate(x)
@@ -302,12 +307,10 @@ class Block(nn.Module):
 
 
 def test_a_registered_router_is_computed_by_moecert_on_the_gates_logits():
-    gate_up, down, x, _, _ = case()
+    x = case()[2]
     for gate, renorm in ((Qwen3MoeTopKRouter(True), True), (Qwen3MoeTopKRouter(False), False),
                          (Qwen3MoeTopKRouter(True, torch.bfloat16), True), (DeepseekV3TopkRouter(), None)):
-        model = nn.Sequential(Block(gate, nn.Module()))
-        model[0].experts.gate_up_proj, model[0].experts.down_proj = nn.Parameter(gate_up), nn.Parameter(down)
-        model[0].experts.act_fn = nn.SiLU()
+        model = nn.Sequential(Block(gate))
         hf.patch(model, router="moecert")
         assert model[0].experts.routed_by == "moecert"
         xs = x.to(gate.weight.dtype)
@@ -339,25 +342,18 @@ def test_a_registered_router_is_computed_by_moecert_on_the_gates_logits():
 
 
 def test_routers_moecert_does_not_compute_are_kept_or_refused():
-    gate_up, down, x, idx, w = case()
-
-    def model_with(gate):
-        block = Block(gate, nn.Module())
-        block.experts.gate_up_proj, block.experts.down_proj = nn.Parameter(gate_up), nn.Parameter(down)
-        block.experts.act_fn = nn.SiLU()
-        return nn.Sequential(block)
-
+    x = case()[2]
     odd = DeepseekV3TopkRouter()
     odd.norm_topk_prob = False
     with pytest.raises(moecert.InvalidArgument, match="0.gate: norm_topk_prob=False .*use router='model'"):
-        hf.patch(model_with(odd), router="moecert")
-    model = model_with(odd)
+        hf.patch(nn.Sequential(Block(odd)), router="moecert")
+    model = nn.Sequential(Block(odd))
     hf.patch(model)  # auto: the model's own router
     assert model[0].experts.routed_by == "model"
     assert torch.equal(model[0].gate(x)[2], torch.arange(E - K, E).expand(T, K))
     with pytest.raises(moecert.InvalidArgument, match="router 'mine', expected one of auto, moecert, model|"
                                                       "router='mine'"):
-        hf.patch(model_with(Qwen3MoeTopKRouter(True)), router="mine")
+        hf.patch(nn.Sequential(Block(Qwen3MoeTopKRouter(True))), router="mine")
 
 
 def stored_as(gate_up, down, transposed, concatenated):
