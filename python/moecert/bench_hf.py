@@ -26,12 +26,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 import moecert
 import moecert.hf as hf
+from moecert.bench import settled
 
 RANK, ALPHA, LR = 8, 16, 1e-3
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -161,9 +161,6 @@ def accuracy(family, steps):
     return out
 
 
-SETTLE_S = 0.020
-
-
 def stepper(model, ids):
     opt = torch.optim.AdamW(trainable(model), lr=LR, weight_decay=0.0)
 
@@ -172,16 +169,6 @@ def stepper(model, ids):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
-
-
-def settled(step):
-    until = time.perf_counter() + SETTLE_S
-    step()
-    while time.perf_counter() < until:
-        step()
-    t0 = time.perf_counter()
-    step()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def speed(family, tokens, reps):
