@@ -80,8 +80,11 @@ std::vector<std::uint64_t> naturals(const std::string& path, const std::string& 
 // shape asks the judge for more memory than the file justifies.
 constexpr std::uint64_t kEmptyDimension = std::uint64_t{1} << 16;
 
+// Entry `name` of the header, its bytes copied from `data`; its non-empty
+// byte range is appended to `ranges`.
 Tensor parse_entry(const std::string& path, const std::string& name, const json::value& entry,
-                   const std::vector<std::uint8_t>& data) {
+                   const std::vector<std::uint8_t>& data,
+                   std::vector<std::pair<std::uint64_t, std::uint64_t>>& ranges) {
   const json::object* e = entry.if_object();
   if (!e) throw std::runtime_error(fmt::format("{}: {}: not a JSON object", path, name));
   const json::string* dtype = field(path, name, *e, "dtype").if_string();
@@ -113,6 +116,7 @@ Tensor parse_entry(const std::string& path, const std::string& name, const json:
   if (__builtin_mul_overflow(elements, std::uint64_t{width}, &bytes) || bytes != stored)
     throw std::runtime_error(fmt::format("{}: {}: {} bytes for shape {} of {}", path, name, stored,
                                          fmt::join(t.shape, "x"), t.dtype));
+  if (off[1] > off[0]) ranges.emplace_back(off[0], off[1]);
   t.bytes.assign(data.begin() + static_cast<std::ptrdiff_t>(off[0]),
                  data.begin() + static_cast<std::ptrdiff_t>(off[1]));
   return t;
@@ -170,9 +174,7 @@ std::map<std::string, Tensor> parse_safetensors(const std::vector<std::uint8_t>&
   for (const auto& [key, e] : *entries) {
     const std::string name(key);
     if (name == "__metadata__") continue;
-    out.insert_or_assign(name, parse_entry(path, name, e, data));
-    const auto off = naturals(path, name, e.as_object(), "data_offsets");  // checked by parse_entry
-    if (off[1] > off[0]) ranges.emplace_back(off[0], off[1]);
+    out.insert_or_assign(name, parse_entry(path, name, e, data, ranges));
   }
   // No byte in two tensors (the format's rule): the tensors hold at most the
   // file's bytes.
