@@ -14,7 +14,7 @@
 #include "contracts/experts_train.hpp"
 #include "contracts/layer.hpp"
 #include "contracts/reference/layer.hpp"
-#include "contracts/reference/router.hpp"
+#include "contracts/router/kind.hpp"
 #include "moecert/moecert.h"
 #include "ops/layer/state.hpp"
 
@@ -69,55 +69,6 @@ void put_weights(const G& g, const ref::LayerResult<Tracked>& r, std::size_t E, 
   put(&g.w_gate, r.dwg, E * I, H, "w_gate bound"), put(&g.w_up, r.dwu, E * I, H, "w_up bound");
   put(&g.w_down, r.dwd, E * H, I, "w_down bound");
 }
-
-// A router's rows: weights bound [K] and, with g, dz bound [cols].
-struct RouterRows {
-  std::int32_t kind;
-  double param;
-  MatView<const float> z;
-  MatView<const std::int32_t> idx;
-  MatView<const float> g;
-
-  bounds::WeightsRow weights(std::size_t t) const {
-    const std::size_t k = idx.cols;
-    switch (kind) {
-      case 0:
-        return bounds::softmax_topk_weights_row(z.row(t), z.cols, idx.row(t), k, param != 0);
-      case 1:
-        return bounds::sigmoid_topk_weights_row(z.row(t), idx.row(t), k, param);
-      default: {
-        const std::size_t n = z.cols / 2;
-        return bounds::product_key_weights_row(z.row(t), z.row(t) + n, n, idx.row(t), k, mode());
-      }
-    }
-  }
-  std::pair<std::vector<double>, std::vector<double>> grads(std::size_t t) const {
-    const std::size_t k = idx.cols, e = z.cols;
-    switch (kind) {
-      case 0: {
-        const auto r =
-            ref::softmax_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), k, param != 0);
-        return {r, bounds::softmax_topk_grad_row(z.row(t), e, idx.row(t), g.row(t), k, param != 0)};
-      }
-      case 1: {
-        const auto r = ref::sigmoid_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), k, param);
-        return {r, bounds::sigmoid_topk_grad_row(z.row(t), e, idx.row(t), g.row(t), k, param)};
-      }
-      default: {
-        const std::size_t n = e / 2;
-        std::vector<double> rx, ry;
-        ref::product_key_grad<double>(z.row(t), z.row(t) + n, n, idx.row(t), g.row(t), k, mode(),
-                                      rx, ry);
-        rx.insert(rx.end(), ry.begin(), ry.end());
-        return {rx, bounds::product_key_grad_row(z.row(t), z.row(t) + n, n, idx.row(t), g.row(t), k,
-                                                 mode())};
-      }
-    }
-  }
-  router::KeyWeights mode() const {
-    return static_cast<router::KeyWeights>(static_cast<int>(param));
-  }
-};
 
 // x and dy (optional) as views, after checking that `saved` holds a training
 // forward of their T.
@@ -203,34 +154,39 @@ moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_t
                                      const moecert_tensor* w_bound,
                                      const moecert_tensor* dz_bound) {
   return guarded("moecert_router_bounds", [&] {
-    if (kind < 0 || kind > 2) throw InvalidArgument(fmt::format("kind {}, expected 0..2", kind));
-    const RouterRows rows{kind, param, mat<const float>(z, "z"),
-                          mat<const std::int32_t>(idx, "idx"), mat<const float>(g, "g", false)};
-    const std::size_t T = rows.z.rows, K = rows.idx.cols, C = rows.z.cols;
-    const std::size_t experts = kind == 2 ? (C / 2) * (C / 2) : C;
-    if (rows.idx.rows != T || (rows.g.data && (rows.g.rows != T || rows.g.cols != K)))
+    if (kind < 0 || static_cast<std::size_t>(kind) >= kRouterKinds)
+      throw InvalidArgument(fmt::format("kind {}, expected 0..{}", kind, kRouterKinds - 1));
+    const auto& info = contracts::router_kind(static_cast<RouterKind>(kind));
+    const contracts::RouterSettings settings = info.abi_settings(param);
+    const auto zv = mat<const float>(z, "z");
+    const auto iv = mat<const std::int32_t>(idx, "idx");
+    const auto gv = mat<const float>(g, "g", false);
+    const std::size_t T = zv.rows, K = iv.cols, C = zv.cols;
+    const std::size_t experts = info.experts_of(C);
+    if (iv.rows != T || (gv.data && (gv.rows != T || gv.cols != K)))
       throw InvalidArgument(
-          fmt::format("idx {}x{} or g {}x{}, expected {} rows and g of idx's shape", rows.idx.rows,
-                      K, rows.g.rows, rows.g.cols, T));
+          fmt::format("idx {}x{} or g {}x{}, expected {} rows and g of idx's shape", iv.rows, K,
+                      gv.rows, gv.cols, T));
     for (std::size_t t = 0; t < T; ++t)
       for (std::size_t j = 0; j < K; ++j)
-        if (rows.idx(t, j) < -1 || rows.idx(t, j) >= static_cast<std::int64_t>(experts))
-          throw InvalidArgument(fmt::format("idx[{}, {}] = {}, expected -1 <= idx < {}", t, j,
-                                            rows.idx(t, j), experts));
+        if (iv(t, j) < -1 || iv(t, j) >= static_cast<std::int64_t>(experts))
+          throw InvalidArgument(
+              fmt::format("idx[{}, {}] = {}, expected -1 <= idx < {}", t, j, iv(t, j), experts));
     const auto wb = mat<double>(w_bound, "w_bound", false);
     const auto db = mat<double>(dz_bound, "dz_bound", false);
     if ((wb.data && (wb.rows != T || wb.cols != K)) ||
-        (db.data && (db.rows != T || db.cols != C || !rows.g.data)))
+        (db.data && (db.rows != T || db.cols != C || !gv.data)))
       throw InvalidArgument(
           fmt::format("w_bound {}x{} (expected {}x{}), dz_bound {}x{} (expected {}x{}, with g)",
                       wb.rows, wb.cols, T, K, db.rows, db.cols, T, C));
     for (std::size_t t = 0; t < T; ++t) {
       if (wb.data) {
-        const auto [ref, bound] = rows.weights(t);
+        const auto [ref, bound] = info.weights_row(zv.row(t), C, iv.row(t), K, settings);
         for (std::size_t j = 0; j < K; ++j) wb(t, j) = with_reference(bound[j], ref[j]);
       }
       if (db.data) {
-        const auto [ref, bound] = rows.grads(t);
+        const auto ref = info.dz_reference(zv.row(t), C, iv.row(t), gv.row(t), K, settings);
+        const auto bound = info.dz_rounding(zv.row(t), C, iv.row(t), gv.row(t), K, settings);
         for (std::size_t i = 0; i < C; ++i) db(t, i) = with_reference(bound[i], ref[i]);
       }
     }

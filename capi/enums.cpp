@@ -60,8 +60,8 @@ constexpr int kLast[] = {MOECERT_PRECONDITION_OBSERVED,
                          MOECERT_LEVEL_FULL,
                          MOECERT_SEMANTIC_ENFORCE,
                          MOECERT_GROUP_MEMORY,
-                         MOECERT_ISA_AVX2,
-                         MOECERT_ROUTER_PRODUCT_KEY,
+                         static_cast<int>(kIsaCount) - 1,
+                         static_cast<int>(kRouterKinds) - 1,
                          MOECERT_KEY_WEIGHTS_SOFTMAX};
 static_assert(sizeof(kLast) / sizeof(kLast[0]) == MOECERT_ENUM_KEY_WEIGHTS + 1);
 static_assert(sizeof(kEnums) / sizeof(kEnums[0]) == MOECERT_ENUM_KEY_WEIGHTS + 1);

@@ -18,8 +18,9 @@ namespace moecert::capi {
 
 MoeConfig config_of(const moecert_config* c) {
   const auto& in = handle(c, "cfg");
-  if (in.router < 0 || in.router > 2)
-    throw InvalidArgument(fmt::format("cfg.router {}, expected 0..2", in.router));
+  if (in.router < 0 || static_cast<std::size_t>(in.router) >= kRouterKinds)
+    throw InvalidArgument(
+        fmt::format("cfg.router {}, expected 0..{}", in.router, kRouterKinds - 1));
   MoeConfig cfg;
   cfg.experts = in.experts, cfg.hidden = in.hidden, cfg.inter = in.inter, cfg.topk = in.topk;
   cfg.lora_rank = in.lora_rank, cfg.lora_alpha = in.lora_alpha,

@@ -20,10 +20,12 @@ set(MOECERT_SOURCES
   contracts/experts_scans.cpp
   contracts/experts_backward_probe.cpp
   contracts/verify.cpp
+  contracts/router/kinds.cpp
   contracts/router/softmax_topk.cpp contracts/router/sigmoid_topk.cpp contracts/router/product_key.cpp
   contracts/judge_ops.cpp contracts/judge_router.cpp contracts/judge_experts.cpp
   contracts/judge_layer.cpp
   contracts/reference/experts_model.cpp
+  ops/router/kinds.cpp
   ops/router/softmax_topk.cpp
   ops/router/sigmoid_topk.cpp
   ops/router/product_key.cpp

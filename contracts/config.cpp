@@ -7,12 +7,11 @@
 
 #include "contracts/clauses.hpp"
 #include "contracts/engine.hpp"
+#include "contracts/router/kind.hpp"
 
 namespace moecert {
 
 namespace {
-constexpr std::string_view kRouterNames[] = {"softmax_topk", "sigmoid_topk", "product_key"};
-static_assert(std::size(kRouterNames) == kRouterKinds);
 
 // Checks lo <= v <= hi for clause `c`, naming the field.
 template <class T>
@@ -22,23 +21,6 @@ void check_range(detail::Checker& chk, const ClauseInfo& c, std::string_view fie
     chk.fail(c, "", fmt::format("{}={}", field, v), fmt::format("{} <= {} <= {}", lo, field, hi));
 }
 }  // namespace
-
-std::string_view router_kind_name(RouterKind k) {
-  const auto i = static_cast<std::size_t>(k);
-  return i < kRouterKinds ? kRouterNames[i] : "invalid";
-}
-
-std::size_t router_width(const MoeConfig& cfg) {
-  const auto e = static_cast<std::size_t>(std::max<std::int64_t>(cfg.experts, 0));
-  if (cfg.router != RouterKind::product_key) return e;
-  return 2 * static_cast<std::size_t>(std::llround(std::sqrt(static_cast<double>(e))));
-}
-
-std::optional<RouterKind> parse_router_kind(std::string_view s) {
-  for (std::size_t i = 0; i < kRouterKinds; ++i)
-    if (kRouterNames[i] == s) return static_cast<RouterKind>(i);
-  return std::nullopt;
-}
 
 void validate(const MoeConfig& cfg) {
   namespace c = clauses::config;
@@ -68,38 +50,12 @@ void validate(const MoeConfig& cfg) {
     check_range<std::int64_t>(chk, c::kTokensRange, "T_max", cfg.max_tokens, 1, kMaxTokens);
   }
   MOECERT_CONTRACT(chk, c::kRouterKind) {
-    if (static_cast<unsigned>(cfg.router) > 2)
+    if (static_cast<std::size_t>(cfg.router) >= kRouterKinds)
       chk.fail(c::kRouterKind, "", fmt::format("router={}", static_cast<unsigned>(cfg.router)),
-               "softmax_topk (0), sigmoid_topk (1) or product_key (2)");
+               contracts::router_kind_list());
   }
-  if (cfg.router == RouterKind::product_key) {
-    MOECERT_CONTRACT(chk, c::kProductKeySquare) {
-      const auto n = static_cast<std::int64_t>(
-          std::llround(std::sqrt(static_cast<double>(std::max<std::int64_t>(cfg.experts, 0)))));
-      if (cfg.experts < 1 || n * n != cfg.experts)
-        chk.fail(c::kProductKeySquare, "", fmt::format("E={}", cfg.experts), "E = n*n");
-    }
-  }
-  if (cfg.router == RouterKind::sigmoid_topk) {
-    MOECERT_CONTRACT(chk, c::kGroupsDivide) {
-      if (cfg.groups < 1 || cfg.experts % cfg.groups != 0)
-        chk.fail(c::kGroupsDivide, "", fmt::format("G={} E={}", cfg.groups, cfg.experts),
-                 "G >= 1 dividing E");
-    }
-    MOECERT_CONTRACT(chk, c::kTopkGroupRange) {
-      const std::int64_t per_group = cfg.groups >= 1 ? cfg.experts / cfg.groups : 0;
-      if (cfg.topk_group < 1 || cfg.topk_group > cfg.groups ||
-          cfg.topk > cfg.topk_group * per_group)
-        chk.fail(c::kTopkGroupRange, "",
-                 fmt::format("topk_group={} G={} K={}", cfg.topk_group, cfg.groups, cfg.topk),
-                 fmt::format("1 <= topk_group <= G and K <= topk_group * E / G = {}",
-                             cfg.topk_group * per_group));
-    }
-    MOECERT_CONTRACT(chk, c::kScalingFinite) {
-      if (!std::isfinite(cfg.scaling) || !(cfg.scaling > 0))
-        chk.fail(c::kScalingFinite, "", fmt::format("c={}", cfg.scaling), "finite c > 0");
-    }
-  }
+  if (static_cast<std::size_t>(cfg.router) < kRouterKinds)
+    contracts::router_kind(cfg.router).validate(chk, cfg);
 }
 
 }  // namespace moecert

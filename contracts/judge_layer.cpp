@@ -12,7 +12,7 @@
 #include "contracts/clauses.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/judge_experts.hpp"
-#include "contracts/router.hpp"
+#include "contracts/router/kind.hpp"
 #include "moecert/config.hpp"
 
 namespace moecert::contracts::judge {
@@ -28,11 +28,10 @@ RouterKind router_of(const Params& p) {
   const auto it = p.find("router");
   if (it == p.end())
     throw std::invalid_argument(
-        "router: name the layer's router (softmax_topk, sigmoid_topk or "
-        "product_key)");
+        fmt::format("router: name the layer's router ({})", router_kind_list()));
   if (const auto k = parse_router_kind(it->second)) return *k;
   throw std::invalid_argument(
-      fmt::format("router={}: expected softmax_topk, sigmoid_topk or product_key", it->second));
+      fmt::format("router={}: expected {}", it->second, router_kind_list()));
 }
 
 std::vector<std::string> router_families(const Params& p, const char* suffix) {
@@ -55,7 +54,7 @@ LayerTensors read_layer(const Tensors& in, const Tensors& routed, const char* si
   t.kind = router_of(p), t.ex = experts_tensors(in, p, true);
   t.router_w = values(in, "inputs", "router_w");
   t.router_b = vector_of(in, "inputs", "router_b");
-  if (t.kind == RouterKind::sigmoid_topk) t.router_bias = vector_of(in, "inputs", "router_bias");
+  if (router_kind(t.kind).expert_bias) t.router_bias = vector_of(in, "inputs", "router_bias");
   t.z = values(routed, side, "z");
   t.ex.idx = indices(routed, side, "idx");
   t.ex.weights = values(routed, side, "weights");
@@ -68,18 +67,14 @@ LayerTensors read_layer(const Tensors& in, const Tensors& routed, const char* si
 std::string layer_shape_error(const LayerTensors& t, const char* y_name, MatView<const float> y) {
   if (std::string bad = experts_shape_error(t.ex, y_name, y); !bad.empty()) return bad;
   const std::size_t E = t.ex.E, T = t.ex.x.rows;
-  std::size_t R = E;
-  if (t.kind == RouterKind::product_key) {
-    std::size_t n = 1;
-    while (n * n < E) ++n;
-    if (n * n != E) return fmt::format("E={} experts, not n*n for product_key", E);
-    R = 2 * n;
-  }
+  const RouterKindInfo& kind = router_kind(t.kind);
+  const std::size_t R = kind.width(E);
+  if (R == 0) return fmt::format("E={} experts, not a count {} routes", E, kind.name);
   if (t.router_w.rows != R || t.router_w.cols != t.ex.H)
     return fmt::format("router_w {}x{}, expected {}x{}", t.router_w.rows, t.router_w.cols, R,
                        t.ex.H);
   if (t.router_b.size != R) return fmt::format("router_b {}, expected {}", t.router_b.size, R);
-  if (t.kind == RouterKind::sigmoid_topk && t.router_bias.size != E)
+  if (kind.expert_bias && t.router_bias.size != E)
     return fmt::format("router_bias {}, expected {}", t.router_bias.size, E);
   if (t.z.rows != T || t.z.cols != R)
     return fmt::format("z {}x{}, expected {}x{}", t.z.rows, t.z.cols, T, R);
@@ -87,20 +82,6 @@ std::string layer_shape_error(const LayerTensors& t, const char* y_name, MatView
 }
 
 MatView<const float> row_of(View<const float> v) { return {v.data, 1, v.size, v.size}; }
-
-// product_key's halves of z (sx, sy) or dz (dsx, dsy), each contiguous: the
-// router's clauses take them as separate arrays.
-struct Halves {
-  std::vector<float> first, second;
-  std::size_t rows, n;
-  explicit Halves(MatView<const float> m) : rows(m.rows), n(m.cols / 2) {
-    first.reserve(rows * n), second.reserve(rows * n);
-    for (std::size_t i = 0; i < rows; ++i)
-      for (std::size_t j = 0; j < n; ++j) first.push_back(m(i, j)), second.push_back(m(i, n + j));
-  }
-  MatView<const float> x() const { return {first.data(), rows, n}; }
-  MatView<const float> y() const { return {second.data(), rows, n}; }
-};
 
 // x, the router's and the experts' weights finite and in range (the
 // layer's input clauses).
@@ -141,30 +122,8 @@ std::vector<Tracked> logits_model(const LayerTensors& t, const Precision& p) {
 
 // The router's forward clauses on the implementation's z, idx and weights.
 void router_forward(detail::Checker& c, const LayerTensors& t, const Params& p) {
-  const MatView<const float> z = t.z, w = t.ex.weights;
-  const MatView<const std::int32_t> idx = t.ex.idx;
-  switch (t.kind) {
-    case RouterKind::softmax_topk: {
-      const bool renorm = flag_param(p, "renormalize", true);
-      softmax_topk_pre(c, z, z.bytes(), writable(idx), writable(w));
-      if (!c.stop()) softmax_topk_post(c, z, idx, w, renorm);
-      return;
-    }
-    case RouterKind::sigmoid_topk: {
-      const auto params = sigmoid_params(p);
-      sigmoid_topk_pre(c, z, z.bytes(), t.router_bias, params, writable(idx), writable(w));
-      if (!c.stop()) sigmoid_topk_post(c, z, t.router_bias, params, idx, w);
-      return;
-    }
-    case RouterKind::product_key: {
-      const Halves s(z);
-      const auto sx = s.x(), sy = s.y();
-      const auto mode = key_weights(p);
-      product_key_pre(c, sx, sy, sx.bytes(), sy.bytes(), mode, writable(idx), writable(w));
-      if (!c.stop()) product_key_post(c, sx, sy, mode, idx, w);
-      return;
-    }
-  }
+  const RouterKindInfo& kind = router_kind(t.kind);
+  kind.forward_clauses(c, t.z, t.router_bias, kind.judge_settings(p), t.ex.idx, t.ex.weights);
 }
 
 // Whether every row of the router's ids is in [-1, E) (the experts' model
@@ -262,29 +221,8 @@ void saved_clauses(detail::Checker& c, const LayerTensors& t) {
 // The router backward's clauses on the implementation's z, idx, dL/dw and dz.
 void router_backward(detail::Checker& c, const LayerTensors& t, const LayerGrads& g,
                      const Params& p) {
-  const MatView<const float> z = t.z;
-  const MatView<const std::int32_t> idx = t.ex.idx;
-  switch (t.kind) {
-    case RouterKind::softmax_topk: {
-      const bool renorm = flag_param(p, "renormalize", true);
-      softmax_topk_backward_pre(c, z, idx, g.dweights, writable(g.dz));
-      if (!c.stop()) softmax_topk_backward_post(c, z, idx, g.dweights, g.dz, renorm);
-      return;
-    }
-    case RouterKind::sigmoid_topk: {
-      sigmoid_topk_backward_pre(c, z, idx, g.dweights, writable(g.dz));
-      if (!c.stop()) sigmoid_topk_backward_post(c, z, idx, g.dweights, sigmoid_params(p), g.dz);
-      return;
-    }
-    case RouterKind::product_key: {
-      const Halves s(z), ds(g.dz);
-      const auto sx = s.x(), sy = s.y(), dsx = ds.x(), dsy = ds.y();
-      product_key_backward_pre(c, sx, sy, idx, g.dweights, writable(dsx), writable(dsy));
-      if (!c.stop())
-        product_key_backward_post(c, sx, sy, idx, g.dweights, key_weights(p), dsx, dsy);
-      return;
-    }
-  }
+  const RouterKindInfo& kind = router_kind(t.kind);
+  kind.backward_clauses(c, t.z, t.ex.idx, g.dweights, kind.judge_settings(p), g.dz);
 }
 
 // dx = the experts' dx + dz W_r: the router linear's sum accumulated into

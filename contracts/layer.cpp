@@ -21,6 +21,7 @@
 #include "contracts/experts_backward_probe.hpp"
 #include "contracts/experts_train.hpp"
 #include "contracts/layer_router_linear.hpp"
+#include "contracts/router/kind.hpp"
 
 namespace moecert::contracts {
 
@@ -91,7 +92,10 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
   const Dims d = dims(cfg);
   MOECERT_CONTRACT(c, k::kFwdShape) {
     std::string bad;
-    if (!detail::has_shape(x, x.rows, d.H) || x.rows > static_cast<std::size_t>(cfg.max_tokens))
+    if (static_cast<std::size_t>(cfg.router) >= kRouterKinds)  // core.config.router_kind observed
+      bad = fmt::format("router kind {}", static_cast<unsigned>(cfg.router));
+    else if (!detail::has_shape(x, x.rows, d.H) ||
+             x.rows > static_cast<std::size_t>(cfg.max_tokens))
       bad = fmt::format("x {}x{}", x.rows, x.cols);
     else if (!detail::has_shape(y, x.rows, d.H))
       bad = fmt::format("y {}x{}", y.rows, y.cols);
@@ -102,7 +106,7 @@ void layer_forward_pre(detail::Checker& c, const MoeConfig& cfg, const layer::We
       bad = fmt::format("router_w {}x{}", w.router_w.rows, w.router_w.cols);
     else if (w.router_b.size != d.R)
       bad = fmt::format("router_b {}", w.router_b.size);
-    else if (cfg.router == RouterKind::sigmoid_topk && w.router_bias.size != d.E)
+    else if (router_kind(cfg.router).expert_bias && w.router_bias.size != d.E)
       bad = fmt::format("router_bias {}", w.router_bias.size);
     else if (d.r && (w.lora.rank != d.r || w.lora.alpha != cfg.lora_alpha))
       bad = fmt::format("lora r={} alpha={}, config r={} alpha={}", w.lora.rank, w.lora.alpha, d.r,

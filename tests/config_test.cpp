@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "contracts/router/kind.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;
@@ -120,6 +121,36 @@ TEST_CASE("core.config.validate: router_kind", "[core][config][shape]") {
   spoiled(
       typical(), [](MoeConfig& c) { c.router = static_cast<RouterKind>(3); },
       "core.config.router_kind");
+}
+
+TEST_CASE("core.config: the router kind table names, sizes and orders every kind",
+          "[core][config]") {
+  const auto kinds = contracts::router_kinds();
+  REQUIRE(kinds.size() == kRouterKinds);
+  std::string list;
+  for (std::size_t i = 0; i < kinds.size(); ++i) {
+    const contracts::RouterKindInfo& k = *kinds[i];
+    CHECK(static_cast<std::size_t>(k.kind) == i);
+    CHECK(router_kind_name(k.kind) == k.name);
+    CHECK(parse_router_kind(k.name) == k.kind);
+    CHECK(&contracts::router_kind(k.kind) == &k);
+    for (std::size_t e = 1; e <= 300; ++e)  // width and experts_of are inverse where E routes
+      if (const std::size_t r = k.width(e)) CHECK(k.experts_of(r) == e);
+    MoeConfig c = typical();
+    c.router = k.kind;
+    CHECK(router_width(c) == k.width(64));
+    list += std::string(i ? ", " : "") + std::string(k.name);
+  }
+  CHECK(contracts::router_kind(RouterKind::product_key).width(10) == 0);  // not n*n
+  CHECK(router_kind_name(static_cast<RouterKind>(kRouterKinds)) == "invalid");
+  CHECK_FALSE(parse_router_kind("softmax"));
+  const std::string named = contracts::router_kind_list();
+  CHECK(named.starts_with("softmax_topk, "));
+  CHECK(named.ends_with(" or " + std::string(kinds.back()->name)));
+  auto v = spoiled(
+      typical(), [](MoeConfig& c) { c.router = static_cast<RouterKind>(kRouterKinds); },
+      "core.config.router_kind");
+  CHECK(v.expected == named);
 }
 
 TEST_CASE("core.config.validate: product_key_square", "[core][config][shape]") {

@@ -446,6 +446,18 @@ TEST_CASE("layer: forward clauses", "[layer][contracts]") {
     test::expect_violation([&] { fwd(q, y); }, "layer.forward.x_finite", Level::check);
     CHECK(y == before);
   }
+  SECTION("shape: an unknown router kind observed stops the forward before it routes") {
+    Problem& q = p;
+    q.cfg.router = static_cast<RouterKind>(kRouterKinds);
+    const auto count = violation_count("layer.forward.shape");
+    {
+      ContractScope scope{Level::check, Semantic::observe};
+      fwd(q, y);
+    }
+    CHECK(violation_count("layer.forward.shape") == count + 1);
+    CHECK_FALSE(saved.valid());
+    CHECK(y == before);
+  }
   SECTION("x_range: at audit; any finite x at check") {
     Problem& q = p;
     q.x[5] = bf16(0x1p-80f);

@@ -133,8 +133,8 @@ bench::Options options(const BenchArgs& a) {
   if (a.isa) {
     const auto isa = parse_isa(*a.isa);
     if (!isa)
-      throw std::invalid_argument(fmt::format(
-          "--isa {}: unknown, expected scalar, avx2, avx512_bf16, amx_bf16 or amx_emu", *a.isa));
+      throw std::invalid_argument(
+          fmt::format("--isa {}: unknown, expected {}", *a.isa, isa_name_list()));
     if (!isa_usable(*isa))
       throw std::invalid_argument(fmt::format("--isa {}: not usable on this machine", *a.isa));
     opt.isa = *isa;
@@ -220,8 +220,7 @@ void add_bench(CLI::App& app, Command& run) {
   auto a = std::make_shared<BenchArgs>();
   sub->add_option("--case", a->cases, "cases whose name contains one of these (default: all)");
   sub->add_option("--json", a->json, "also write the results (schema moecert-bench/1) here");
-  sub->add_option("--isa", a->isa,
-                  "scalar, avx2, avx512_bf16, amx_bf16 or amx_emu (default: best)");
+  sub->add_option("--isa", a->isa, isa_name_list() + " (default: best)");
   sub->add_option("--threads", a->threads, "oneTBB threads")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

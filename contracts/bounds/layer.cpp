@@ -1,35 +1,14 @@
 // The layer's bounded reference (contracts/bounds/layer.hpp): the layer
 // reference over bounds::Tracked on the kernel's routing, plus the router
-// backward kernel's own rounding of dz (proofs/router.md §4).
+// backward kernel's own rounding of dz (the kind's, proofs/router.md §4).
 #include "contracts/bounds/layer.hpp"
 
-#include "contracts/bounds/router.hpp"
 #include "contracts/experts_train.hpp"
+#include "contracts/router/kind.hpp"
 
 namespace moecert::contracts {
 
 using bounds::Tracked;
-
-namespace {
-
-// The router backward kernel's own rounding, given the g it was fed
-// (proofs/router.md §4), per element of the row's dz.
-std::vector<double> router_rounding(const ref::LayerData<Tracked>& d, const float* z,
-                                    const std::int32_t* ir, std::size_t v, const float* g) {
-  if (v == 0) return std::vector<double>(d.R, 0.0);
-  switch (d.kind) {
-    case RouterKind::sigmoid_topk:
-      return bounds::sigmoid_topk_grad_row(z, d.R, ir, g, v, d.scaling);
-    case RouterKind::softmax_topk:
-      return bounds::softmax_topk_grad_row(z, d.R, ir, g, v, d.renormalize);
-    case RouterKind::product_key:
-      break;
-  }
-  const std::size_t n = d.R / 2;
-  return bounds::product_key_grad_row(z, z + n, n, ir, g, v, router::KeyWeights::softmax);
-}
-
-}  // namespace
 
 template <class S>
 ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
@@ -60,12 +39,18 @@ ref::LayerResult<Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weight
                                        MatView<const bf16> x, const float* dy, const LayerSaved& s,
                                        ref::Paths paths, const float* dw_kernel) {
   const auto d = layer_data<Tracked>(cfg, w, x, dy, s);
+  const RouterKindInfo& kind = router_kind(cfg.router);
+  const RouterSettings settings = router_settings(cfg);
   return ref::layer_reference(
       d, dy != nullptr, paths, [&](std::size_t t, std::vector<Tracked>& dz) {
         if (!dw_kernel) return;
+        // The router backward kernel's own rounding, given the g it was fed
+        // (proofs/router.md §4).
         const std::int32_t* ir = s.train.idx + t * d.K;
-        const auto extra = router_rounding(d, s.logits + t * d.R, ir, ref::valid_prefix(ir, d.K),
-                                           dw_kernel + t * d.K);
+        const std::size_t v = ref::valid_prefix(ir, d.K);
+        if (v == 0) return;
+        const auto extra =
+            kind.dz_rounding(s.logits + t * d.R, d.R, ir, dw_kernel + t * d.K, v, settings);
         for (std::size_t i = 0; i < d.R; ++i) dz[i].e += extra[i];
       });
 }

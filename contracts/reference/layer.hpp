@@ -21,6 +21,7 @@
 
 #include "contracts/bounds/tracked.hpp"
 #include "contracts/reference/layer_pair.hpp"
+#include "contracts/reference/layer_router.hpp"
 #include "contracts/reference/router.hpp"
 #include "contracts/tbb_sync.hpp"
 #include "moecert/config.hpp"
@@ -74,94 +75,21 @@ S sqrt_of(const S& a) {
   }
 }
 
-template <class S>
-S exp_of(const S& a) {
-  if constexpr (std::is_same_v<S, bounds::Tracked>)
-    return {std::exp(a.v), 0};
-  else
-    return exp(a);
-}
-
 }  // namespace layer_detail
 
 /// Router weights of one row from its logits zr (R values), for the
-/// selected idx (valid prefix v).
+/// selected idx (valid prefix v): the kind's (contracts/reference/layer_router.hpp).
 template <class S>
 std::vector<S> router_weights(const LayerData<S>& d, const S* zr, const std::int32_t* ir,
                               std::size_t v) {
-  using layer_detail::exp_of;
-  std::vector<S> w(d.K, S(0));
-  if (v == 0) return w;
-  if (d.kind == RouterKind::softmax_topk) {
-    S m = zr[ir[0]];
-    for (std::size_t i = 0; i < d.E; ++i)
-      if (to_double(zr[i]) > to_double(m)) m = zr[i];
-    S sum = 0;
-    if (d.renormalize)
-      for (std::size_t j = 0; j < v; ++j) sum += exp_of(S(zr[ir[j]] - m));
-    else
-      for (std::size_t i = 0; i < d.E; ++i) sum += exp_of(S(zr[i] - m));
-    for (std::size_t j = 0; j < v; ++j) w[j] = exp_of(S(zr[ir[j]] - m)) / sum;
-  } else if (d.kind == RouterKind::sigmoid_topk) {
-    S sum = 0;
-    for (std::size_t j = 0; j < v; ++j) sum += sig(zr[ir[j]]);
-    for (std::size_t j = 0; j < v; ++j) w[j] = S(d.scaling) * sig(zr[ir[j]]) / sum;
-  } else {
-    const std::size_t n = d.R / 2;
-    std::vector<S> s(v);
-    S m = 0;
-    for (std::size_t j = 0; j < v; ++j) {
-      s[j] = zr[static_cast<std::size_t>(ir[j]) / n] + zr[n + static_cast<std::size_t>(ir[j]) % n];
-      if (j == 0 || to_double(s[j]) > to_double(m)) m = s[j];
-    }
-    S sum = 0;
-    for (std::size_t j = 0; j < v; ++j) sum += exp_of(S(s[j] - m));
-    for (std::size_t j = 0; j < v; ++j) w[j] = exp_of(S(s[j] - m)) / sum;
-  }
-  return w;
+  return with_router_reference(d.kind, [&](auto kind) { return kind.weights(d, zr, ir, v); });
 }
 
 /// dz of one row (R values) from g = dL/dw (K values), exact math.
 template <class S>
 std::vector<S> router_grad(const LayerData<S>& d, const S* zr, const std::int32_t* ir,
                            std::size_t v, const S* g) {
-  std::vector<S> dz(d.R, S(0));
-  if (v == 0) return dz;
-  if (d.kind == RouterKind::sigmoid_topk) {
-    S sum = 0, dot = 0;
-    for (std::size_t j = 0; j < v; ++j) sum += sig(zr[ir[j]]);
-    for (std::size_t j = 0; j < v; ++j) dot += g[j] * sig(zr[ir[j]]) / sum;
-    for (std::size_t j = 0; j < v; ++j) {
-      const S s = sig(zr[ir[j]]);
-      dz[static_cast<std::size_t>(ir[j])] = s * (S(1) - s) * (S(d.scaling) / sum) * (g[j] - dot);
-    }
-    return dz;
-  }
-  const std::vector<S> w = router_weights(d, zr, ir, v);
-  S dot = 0;
-  for (std::size_t j = 0; j < v; ++j) dot += w[j] * g[j];
-  if (d.kind == RouterKind::softmax_topk && !d.renormalize) {
-    // p over every expert; dz_i = p_i (g^_i - sum_S p g).
-    std::vector<S> p(d.E);
-    S m = zr[0], sum = 0;
-    for (std::size_t i = 0; i < d.E; ++i)
-      if (to_double(zr[i]) > to_double(m)) m = zr[i];
-    for (std::size_t i = 0; i < d.E; ++i) sum += layer_detail::exp_of(S(zr[i] - m));
-    for (std::size_t i = 0; i < d.E; ++i) dz[i] = -(layer_detail::exp_of(S(zr[i] - m)) / sum) * dot;
-    for (std::size_t j = 0; j < v; ++j) dz[static_cast<std::size_t>(ir[j])] += w[j] * g[j];
-    return dz;
-  }
-  for (std::size_t j = 0; j < v; ++j) {
-    const S ds = w[j] * (g[j] - dot);
-    if (d.kind == RouterKind::softmax_topk) {
-      dz[static_cast<std::size_t>(ir[j])] = ds;
-    } else {
-      const std::size_t n = d.R / 2;
-      dz[static_cast<std::size_t>(ir[j]) / n] += ds;
-      dz[n + static_cast<std::size_t>(ir[j]) % n] += ds;
-    }
-  }
-  return dz;
+  return with_router_reference(d.kind, [&](auto kind) { return kind.grad(d, zr, ir, v, g); });
 }
 
 /// The router path after dL/dw: dz per row (dz_hook adds the router

@@ -1,5 +1,7 @@
 // Clauses of router.product_key, forward and backward (include/moecert/router.hpp).
+#include "contracts/judge_tensors.hpp"
 #include "contracts/router/common.hpp"
+#include "contracts/router/kind.hpp"
 
 namespace moecert::contracts {
 
@@ -212,5 +214,114 @@ void product_key_backward_post(detail::Checker& c, MatView<const float> sx, MatV
         });
   }
 }
+
+// product_key in the layer: z = [sx | sy], R = 2n for E = n^2 experts;
+// dz is stored as dsx's block then dsy's (T x n each). The judge's clauses
+// take each half as its own contiguous array.
+namespace {
+
+using judge::writable;
+
+std::size_t product_key_width(std::size_t experts) {
+  const auto n = static_cast<std::size_t>(std::llround(std::sqrt(static_cast<double>(experts))));
+  return n * n == experts ? 2 * n : 0;
+}
+
+void product_key_validate(detail::Checker& chk, const MoeConfig& cfg) {
+  namespace c = clauses::config;
+  MOECERT_CONTRACT(chk, c::kProductKeySquare) {
+    const auto n = static_cast<std::int64_t>(
+        std::llround(std::sqrt(static_cast<double>(std::max<std::int64_t>(cfg.experts, 0)))));
+    if (cfg.experts < 1 || n * n != cfg.experts)
+      chk.fail(c::kProductKeySquare, "", fmt::format("E={}", cfg.experts), "E = n*n");
+  }
+}
+
+// z's (or dz's) two halves, each copied into its own contiguous T x n array.
+struct Halves {
+  std::vector<float> first, second;
+  std::size_t rows, n;
+  explicit Halves(MatView<const float> m) : rows(m.rows), n(m.cols / 2) {
+    first.reserve(rows * n), second.reserve(rows * n);
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < n; ++j) first.push_back(m(i, j)), second.push_back(m(i, n + j));
+  }
+  MatView<const float> x() const { return {first.data(), rows, n}; }
+  MatView<const float> y() const { return {second.data(), rows, n}; }
+};
+
+RouterSettings product_key_judge_settings(const judge::Params& p) {
+  RouterSettings s;
+  s.keys = judge::key_weights(p);
+  return s;
+}
+
+void product_key_forward_clauses(detail::Checker& c, MatView<const float> z, View<const float>,
+                                 const RouterSettings& s, MatView<const std::int32_t> idx,
+                                 MatView<const float> w) {
+  const Halves h(z);
+  const auto sx = h.x(), sy = h.y();
+  product_key_pre(c, sx, sy, sx.bytes(), sy.bytes(), s.keys, writable(idx), writable(w));
+  if (!c.stop()) product_key_post(c, sx, sy, s.keys, idx, w);
+}
+
+void product_key_backward_clauses(detail::Checker& c, MatView<const float> z,
+                                  MatView<const std::int32_t> idx, MatView<const float> g,
+                                  const RouterSettings& s, MatView<const float> dz) {
+  const Halves h(z), dh(dz);
+  const auto sx = h.x(), sy = h.y(), dsx = dh.x(), dsy = dh.y();
+  product_key_backward_pre(c, sx, sy, idx, g, writable(dsx), writable(dsy));
+  if (!c.stop()) product_key_backward_post(c, sx, sy, idx, g, s.keys, dsx, dsy);
+}
+
+std::vector<double> product_key_dz_rounding(const float* z, std::size_t R, const std::int32_t* idx,
+                                            const float* g, std::size_t v,
+                                            const RouterSettings& s) {
+  const std::size_t n = R / 2;
+  return bounds::product_key_grad_row(z, z + n, n, idx, g, v, s.keys);
+}
+
+std::size_t product_key_experts(std::size_t width) { return (width / 2) * (width / 2); }
+
+RouterSettings product_key_abi_settings(double param) {
+  RouterSettings s;
+  s.keys = static_cast<router::KeyWeights>(static_cast<int>(param));
+  return s;
+}
+
+bounds::WeightsRow product_key_weights_row(const float* z, std::size_t R, const std::int32_t* idx,
+                                           std::size_t k, const RouterSettings& s) {
+  const std::size_t n = R / 2;
+  return bounds::product_key_weights_row(z, z + n, n, idx, k, s.keys);
+}
+
+std::vector<double> product_key_dz_reference(const float* z, std::size_t R, const std::int32_t* idx,
+                                             const float* g, std::size_t k,
+                                             const RouterSettings& s) {
+  const std::size_t n = R / 2;
+  std::vector<double> rx, ry;
+  ref::product_key_grad<double>(z, z + n, n, idx, g, k, s.keys, rx, ry);
+  rx.insert(rx.end(), ry.begin(), ry.end());
+  return rx;
+}
+
+}  // namespace
+
+extern const RouterKindInfo kProductKeyKind = {
+    .kind = RouterKind::product_key,
+    .name = "product_key",
+    .width = product_key_width,
+    .experts_of = product_key_experts,
+    .expert_bias = false,
+    .split_dz = true,
+    .validate = product_key_validate,
+    .judge_settings = product_key_judge_settings,
+    .abi_settings = product_key_abi_settings,
+    .forward_clauses = product_key_forward_clauses,
+    .backward_clauses = product_key_backward_clauses,
+    .dz_rounding = product_key_dz_rounding,
+    .weights_row = product_key_weights_row,
+    .dz_reference = product_key_dz_reference,
+};
 
 }  // namespace moecert::contracts

@@ -1,6 +1,8 @@
 // Clauses of router.sigmoid_topk, forward and backward (include/moecert/router.hpp).
 #include "contracts/bounds/experts.hpp"
+#include "contracts/judge_tensors.hpp"
 #include "contracts/router/common.hpp"
+#include "contracts/router/kind.hpp"
 
 namespace moecert::contracts {
 
@@ -250,5 +252,100 @@ void sigmoid_topk_backward_post(detail::Checker& c, MatView<const float> z,
         [](std::size_t i) { return fmt::format("dz[{}]", i); });
   }
 }
+
+// sigmoid_topk in the layer: R = E logits, a per-expert selection bias,
+// dz T x R.
+namespace {
+
+using judge::writable;
+
+std::size_t sigmoid_topk_width(std::size_t experts) { return experts; }
+
+void sigmoid_topk_validate(detail::Checker& chk, const MoeConfig& cfg) {
+  namespace c = clauses::config;
+  MOECERT_CONTRACT(chk, c::kGroupsDivide) {
+    if (cfg.groups < 1 || cfg.experts % cfg.groups != 0)
+      chk.fail(c::kGroupsDivide, "", fmt::format("G={} E={}", cfg.groups, cfg.experts),
+               "G >= 1 dividing E");
+  }
+  MOECERT_CONTRACT(chk, c::kTopkGroupRange) {
+    const std::int64_t per_group = cfg.groups >= 1 ? cfg.experts / cfg.groups : 0;
+    if (cfg.topk_group < 1 || cfg.topk_group > cfg.groups || cfg.topk > cfg.topk_group * per_group)
+      chk.fail(c::kTopkGroupRange, "",
+               fmt::format("topk_group={} G={} K={}", cfg.topk_group, cfg.groups, cfg.topk),
+               fmt::format("1 <= topk_group <= G and K <= topk_group * E / G = {}",
+                           cfg.topk_group * per_group));
+  }
+  MOECERT_CONTRACT(chk, c::kScalingFinite) {
+    if (!std::isfinite(cfg.scaling) || !(cfg.scaling > 0))
+      chk.fail(c::kScalingFinite, "", fmt::format("c={}", cfg.scaling), "finite c > 0");
+  }
+}
+
+RouterSettings sigmoid_topk_judge_settings(const judge::Params& p) {
+  RouterSettings s;
+  s.sigmoid = judge::sigmoid_params(p);
+  s.scaling = s.sigmoid.scaling;
+  return s;
+}
+
+void sigmoid_topk_forward_clauses(detail::Checker& c, MatView<const float> z,
+                                  View<const float> bias, const RouterSettings& s,
+                                  MatView<const std::int32_t> idx, MatView<const float> w) {
+  sigmoid_topk_pre(c, z, z.bytes(), bias, s.sigmoid, writable(idx), writable(w));
+  if (!c.stop()) sigmoid_topk_post(c, z, bias, s.sigmoid, idx, w);
+}
+
+void sigmoid_topk_backward_clauses(detail::Checker& c, MatView<const float> z,
+                                   MatView<const std::int32_t> idx, MatView<const float> g,
+                                   const RouterSettings& s, MatView<const float> dz) {
+  sigmoid_topk_backward_pre(c, z, idx, g, writable(dz));
+  if (!c.stop()) sigmoid_topk_backward_post(c, z, idx, g, s.sigmoid, dz);
+}
+
+std::vector<double> sigmoid_topk_dz_rounding(const float* z, std::size_t R, const std::int32_t* idx,
+                                             const float* g, std::size_t v,
+                                             const RouterSettings& s) {
+  return bounds::sigmoid_topk_grad_row(z, R, idx, g, v, s.scaling);
+}
+
+std::size_t sigmoid_topk_experts(std::size_t width) { return width; }
+
+RouterSettings sigmoid_topk_abi_settings(double param) {
+  RouterSettings s;
+  s.sigmoid.scaling = static_cast<float>(param);
+  s.scaling = param;
+  return s;
+}
+
+bounds::WeightsRow sigmoid_topk_weights_row(const float* z, std::size_t, const std::int32_t* idx,
+                                            std::size_t k, const RouterSettings& s) {
+  return bounds::sigmoid_topk_weights_row(z, idx, k, s.scaling);
+}
+
+std::vector<double> sigmoid_topk_dz_reference(const float* z, std::size_t R,
+                                              const std::int32_t* idx, const float* g,
+                                              std::size_t k, const RouterSettings& s) {
+  return ref::sigmoid_topk_grad<double>(z, R, idx, g, k, s.scaling);
+}
+
+}  // namespace
+
+extern const RouterKindInfo kSigmoidTopkKind = {
+    .kind = RouterKind::sigmoid_topk,
+    .name = "sigmoid_topk",
+    .width = sigmoid_topk_width,
+    .experts_of = sigmoid_topk_experts,
+    .expert_bias = true,
+    .split_dz = false,
+    .validate = sigmoid_topk_validate,
+    .judge_settings = sigmoid_topk_judge_settings,
+    .abi_settings = sigmoid_topk_abi_settings,
+    .forward_clauses = sigmoid_topk_forward_clauses,
+    .backward_clauses = sigmoid_topk_backward_clauses,
+    .dz_rounding = sigmoid_topk_dz_rounding,
+    .weights_row = sigmoid_topk_weights_row,
+    .dz_reference = sigmoid_topk_dz_reference,
+};
 
 }  // namespace moecert::contracts

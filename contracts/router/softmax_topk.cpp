@@ -2,7 +2,9 @@
 #include <algorithm>
 #include <vector>
 
+#include "contracts/judge_tensors.hpp"
 #include "contracts/router/common.hpp"
+#include "contracts/router/kind.hpp"
 
 namespace moecert::contracts {
 
@@ -149,5 +151,78 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
         [](std::size_t i) { return fmt::format("dz[{}]", i); });
   }
 }
+
+// softmax_topk in the layer: R = E logits, dz T x R.
+namespace {
+
+using judge::writable;
+
+std::size_t softmax_topk_width(std::size_t experts) { return experts; }
+
+void softmax_topk_validate(detail::Checker&, const MoeConfig&) {}
+
+RouterSettings softmax_topk_judge_settings(const judge::Params& p) {
+  RouterSettings s;
+  s.renormalize = judge::flag_param(p, "renormalize", true);
+  return s;
+}
+
+void softmax_topk_forward_clauses(detail::Checker& c, MatView<const float> z, View<const float>,
+                                  const RouterSettings& s, MatView<const std::int32_t> idx,
+                                  MatView<const float> w) {
+  softmax_topk_pre(c, z, z.bytes(), writable(idx), writable(w));
+  if (!c.stop()) softmax_topk_post(c, z, idx, w, s.renormalize);
+}
+
+void softmax_topk_backward_clauses(detail::Checker& c, MatView<const float> z,
+                                   MatView<const std::int32_t> idx, MatView<const float> g,
+                                   const RouterSettings& s, MatView<const float> dz) {
+  softmax_topk_backward_pre(c, z, idx, g, writable(dz));
+  if (!c.stop()) softmax_topk_backward_post(c, z, idx, g, dz, s.renormalize);
+}
+
+std::vector<double> softmax_topk_dz_rounding(const float* z, std::size_t R, const std::int32_t* idx,
+                                             const float* g, std::size_t v,
+                                             const RouterSettings& s) {
+  return bounds::softmax_topk_grad_row(z, R, idx, g, v, s.renormalize);
+}
+
+std::size_t softmax_topk_experts(std::size_t width) { return width; }
+
+RouterSettings softmax_topk_abi_settings(double param) {
+  RouterSettings s;
+  s.renormalize = param != 0;
+  return s;
+}
+
+bounds::WeightsRow softmax_topk_weights_row(const float* z, std::size_t R, const std::int32_t* idx,
+                                            std::size_t k, const RouterSettings& s) {
+  return bounds::softmax_topk_weights_row(z, R, idx, k, s.renormalize);
+}
+
+std::vector<double> softmax_topk_dz_reference(const float* z, std::size_t R,
+                                              const std::int32_t* idx, const float* g,
+                                              std::size_t k, const RouterSettings& s) {
+  return ref::softmax_topk_grad<double>(z, R, idx, g, k, s.renormalize);
+}
+
+}  // namespace
+
+extern const RouterKindInfo kSoftmaxTopkKind = {
+    .kind = RouterKind::softmax_topk,
+    .name = "softmax_topk",
+    .width = softmax_topk_width,
+    .experts_of = softmax_topk_experts,
+    .expert_bias = false,
+    .split_dz = false,
+    .validate = softmax_topk_validate,
+    .judge_settings = softmax_topk_judge_settings,
+    .abi_settings = softmax_topk_abi_settings,
+    .forward_clauses = softmax_topk_forward_clauses,
+    .backward_clauses = softmax_topk_backward_clauses,
+    .dz_rounding = softmax_topk_dz_rounding,
+    .weights_row = softmax_topk_weights_row,
+    .dz_reference = softmax_topk_dz_reference,
+};
 
 }  // namespace moecert::contracts

@@ -49,4 +49,8 @@ std::vector<Isa> usable_isas();
 
 std::optional<Isa> parse_isa(std::string_view name);
 
+/// Every level's name in the ISA table's order, as messages list them:
+/// "scalar, avx2, avx512_bf16, amx_bf16 or amx_emu".
+std::string isa_name_list();
+
 }  // namespace moecert

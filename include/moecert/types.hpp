@@ -2,9 +2,11 @@
 // for alias checks, and the ISA enum.
 #pragma once
 
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string_view>
 #include <type_traits>
 
@@ -106,42 +108,57 @@ struct MatView {
 /// C ABI's (moecert.h); avx2 came last, so it is 4.
 enum class Isa : std::uint8_t { scalar = 0, avx512_bf16 = 1, amx_bf16 = 2, amx_emu = 3, avx2 = 4 };
 
+/// The ISA table: every level once, lowest first (the order `isa_rank`
+/// gives, amx_emu last), with its name. A new level is one row here, its
+/// `Isa` value, its microkernel file and its row in the kernel table
+/// (ops/gemm/dispatch.cpp).
+struct IsaInfo {
+  Isa isa;
+  std::string_view name;
+  bool hardware;  // runs on the CPU's own instructions (not scalar, not a model)
+};
+
+inline constexpr IsaInfo kIsaTable[] = {
+    {Isa::scalar, "scalar", false},          {Isa::avx2, "avx2", true},
+    {Isa::avx512_bf16, "avx512_bf16", true}, {Isa::amx_bf16, "amx_bf16", true},
+    {Isa::amx_emu, "amx_emu", false},
+};
+
+inline constexpr std::size_t kIsaCount = std::size(kIsaTable);
+
 /// Every level, lowest first (amx_emu last).
-inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512_bf16, Isa::amx_bf16,
-                                   Isa::amx_emu};
+inline constexpr auto kAllIsas = [] {
+  std::array<Isa, kIsaCount> a{};
+  for (std::size_t i = 0; i < kIsaCount; ++i) a[i] = kIsaTable[i].isa;
+  return a;
+}();
 
 /// The hardware levels' order: scalar < avx2 < avx512_bf16 < amx_bf16
-/// (amx_emu: above them all, as it is listed last).
+/// (amx_emu: above them all, as it is listed last); -1 for a value that is
+/// no level.
 constexpr int isa_rank(Isa isa) {
-  switch (isa) {
-    case Isa::scalar:
-      return 0;
-    case Isa::avx2:
-      return 1;
-    case Isa::avx512_bf16:
-      return 2;
-    case Isa::amx_bf16:
-      return 3;
-    case Isa::amx_emu:
-      return 4;
-  }
-  return 0;
+  for (std::size_t i = 0; i < kIsaCount; ++i)
+    if (kIsaTable[i].isa == isa) return static_cast<int>(i);
+  return -1;
 }
 
 constexpr std::string_view isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::scalar:
-      return "scalar";
-    case Isa::avx2:
-      return "avx2";
-    case Isa::avx512_bf16:
-      return "avx512_bf16";
-    case Isa::amx_bf16:
-      return "amx_bf16";
-    case Isa::amx_emu:
-      return "amx_emu";
-  }
-  return "unknown";
+  const int i = isa_rank(isa);
+  return i < 0 ? "unknown" : kIsaTable[i].name;
 }
+
+// Each value 0 .. kIsaCount-1 is in the table once (the C ABI's numbers and
+// the kernel table's rows are these values), each name once.
+static_assert([] {
+  for (std::size_t v = 0; v < kIsaCount; ++v) {
+    int seen = 0;
+    for (const IsaInfo& i : kIsaTable) seen += static_cast<std::size_t>(i.isa) == v;
+    if (seen != 1) return false;
+  }
+  for (std::size_t i = 0; i < kIsaCount; ++i)
+    for (std::size_t j = i + 1; j < kIsaCount; ++j)
+      if (kIsaTable[i].name == kIsaTable[j].name) return false;
+  return true;
+}());
 
 }  // namespace moecert

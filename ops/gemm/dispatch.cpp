@@ -10,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "contracts/engine.hpp"
 #include "moecert/isa.hpp"
 #include "ops/gemm/ukernel.hpp"
 
@@ -119,8 +120,8 @@ std::optional<Isa> resolve_forced_isa(const char* env) {
   if (!env || !*env) return std::nullopt;
   const auto isa = parse_isa(env);
   if (!isa)
-    throw std::invalid_argument(fmt::format(
-        "MOECERT_ISA={}: unknown, expected scalar, avx2, avx512_bf16, amx_bf16 or amx_emu", env));
+    throw std::invalid_argument(
+        fmt::format("MOECERT_ISA={}: unknown, expected {}", env, isa_name_list()));
   if (!hw_detected(*isa)) {
     std::string here;
     for (Isa i : kAllIsas)
@@ -153,15 +154,16 @@ bool isa_detected(Isa isa) { return hw_detected(isa); }
 bool isa_usable(Isa isa) {
   if (!hw_detected(isa)) return false;
   const auto& f = forced_isa();
-  if (!f || isa == Isa::amx_emu || isa == Isa::scalar) return true;
+  const int rank = isa_rank(isa);
+  if (!f || rank < 0 || !kIsaTable[rank].hardware) return true;
   if (*f == Isa::amx_emu) return false;  // only scalar and the emulator
   return isa_rank(isa) <= isa_rank(*f);
 }
 
 Isa default_isa() {
   if (const auto& f = forced_isa()) return *f;
-  for (Isa isa : {Isa::amx_bf16, Isa::avx512_bf16, Isa::avx2})
-    if (hw_detected(isa)) return isa;
+  for (std::size_t i = kIsaCount; i-- > 0;)  // the highest detected hardware level
+    if (kIsaTable[i].hardware && hw_detected(kIsaTable[i].isa)) return kIsaTable[i].isa;
   return Isa::scalar;
 }
 
@@ -228,14 +230,25 @@ const KernelInfo& kernel_info(Isa isa) {
           for (Isa i : usable_isas()) s += (s.empty() ? "" : ", ") + std::string(isa_name(i));
           return s;
         }()));
-  return table[static_cast<int>(isa)];
+  const KernelInfo& k = table[static_cast<int>(isa)];
+  MOECERT_ASSERT(k.isa == isa);  // the rows are in the Isa values' order
+  return k;
 }
 }  // namespace gemm
 
 std::optional<Isa> parse_isa(std::string_view name) {
-  for (Isa isa : kAllIsas)
-    if (isa_name(isa) == name) return isa;
+  for (const IsaInfo& i : kIsaTable)
+    if (i.name == name) return i.isa;
   return std::nullopt;
+}
+
+std::string isa_name_list() {
+  std::string s;
+  for (std::size_t i = 0; i < kIsaCount; ++i) {
+    if (i > 0) s.append(i + 1 == kIsaCount ? " or " : ", ");
+    s.append(kIsaTable[i].name);
+  }
+  return s;
 }
 
 }  // namespace moecert

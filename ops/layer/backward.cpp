@@ -19,37 +19,10 @@
 #include "ops/gemm/row_sums.hpp"
 #include "ops/layer/router_linear.hpp"
 #include "ops/layer/state.hpp"
+#include "ops/router/kinds.hpp"
 #include "ops/workspace/planner.hpp"
 
 namespace moecert::layer {
-
-namespace {
-
-// The router's backward from g = dL/dw into dz.
-void router_backward(const MoeConfig& cfg, MatView<const float> z, MatView<const std::int32_t> idx,
-                     MatView<const float> g, float* dz, std::size_t T, std::size_t R) {
-  const std::size_t half = R / 2;
-  switch (cfg.router) {
-    case RouterKind::softmax_topk:
-      router::softmax_topk_backward(z, idx, g, MatView<float>(dz, T, R, R), cfg.renormalize);
-      break;
-    case RouterKind::sigmoid_topk:
-      router::sigmoid_topk_backward(
-          z, idx, g,
-          {static_cast<std::size_t>(cfg.groups), static_cast<std::size_t>(cfg.topk_group),
-           static_cast<float>(cfg.scaling)},
-          MatView<float>(dz, T, R, R));
-      break;
-    case RouterKind::product_key:
-      router::product_key_backward(MatView<const float>(z.data, T, half, R),
-                                   MatView<const float>(z.data + half, T, half, R), idx, g,
-                                   router::KeyWeights::softmax, MatView<float>(dz, T, half, half),
-                                   MatView<float>(dz + T * half, T, half, half));
-      break;
-  }
-}
-
-}  // namespace
 
 void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
               MatView<const float> dy, Saved& saved, const Gradients& grads,
@@ -102,9 +75,11 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   // 2. Router path: the router's backward from dL/dw, into dz.
   arena.enter(workspace::b_router, chk);
   float* const dz_rows = arena.get<float>("router.dz", T * R);
-  const linear::Dz dz{dz_rows, T, R, cfg.router == RouterKind::product_key};
+  const linear::Dz dz{dz_rows, T, R, contracts::router_kind(cfg.router).split_dz};
   if (opt.router_path)
-    router_backward(cfg, MatView<const float>(s.logits, T, R, R), saved.idx(), dw, dz_rows, T, R);
+    router::router_ops(cfg.router)
+        .backward(contracts::router_settings(cfg), MatView<const float>(s.logits, T, R, R),
+                  saved.idx(), dw, dz_rows);
   else
     std::fill(dz_rows, dz_rows + T * R, 0.0f);
 

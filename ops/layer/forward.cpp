@@ -15,6 +15,7 @@
 #include "ops/core/task.hpp"
 #include "ops/layer/router_linear.hpp"
 #include "ops/layer/state.hpp"
+#include "ops/router/kinds.hpp"
 #include "ops/workspace/planner.hpp"
 
 namespace moecert::layer {
@@ -36,38 +37,12 @@ Weights Weights::stacked(const MoeConfig& cfg, const experts::PackedExperts& exp
   w.experts = &experts;
   w.router_w = {router_w, R, H};
   w.router_b = {router_b, R};
-  if (cfg.router == RouterKind::sigmoid_topk)
+  if (static_cast<std::size_t>(cfg.router) < kRouterKinds &&
+      contracts::router_kind(cfg.router).expert_bias)
     w.router_bias = {router_bias, static_cast<std::size_t>(cfg.experts)};
   if (cfg.lora_rank) w.lora = lora;
   return w;
 }
-
-namespace {
-
-void run_router(const MoeConfig& cfg, const Weights& w, MatView<const float> z,
-                MatView<std::int32_t> idx, MatView<float> weights) {
-  switch (cfg.router) {
-    case RouterKind::softmax_topk:
-      router::softmax_topk_forward(z, idx, weights, cfg.renormalize);
-      break;
-    case RouterKind::sigmoid_topk:
-      router::sigmoid_topk_forward(
-          z, w.router_bias,
-          {static_cast<std::size_t>(cfg.groups), static_cast<std::size_t>(cfg.topk_group),
-           static_cast<float>(cfg.scaling)},
-          idx, weights);
-      break;
-    case RouterKind::product_key: {
-      const std::size_t n = z.cols / 2;
-      router::product_key_forward(MatView<const float>(z.data, z.rows, n, z.stride),
-                                  MatView<const float>(z.data + n, z.rows, n, z.stride),
-                                  router::KeyWeights::softmax, idx, weights);
-      break;
-    }
-  }
-}
-
-}  // namespace
 
 void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y,
              Saved& saved, const ForwardOptions& opt) {
@@ -101,8 +76,10 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   const MatView<float> z(s.logits, t_count, outs, outs);
   s.isa = opt.isa.value_or(default_isa());
   linear::router_linear(gemm::kernel_info(s.isa), x, w.router_w, w.router_b, z);
-  run_router(cfg, w, z, MatView<std::int32_t>(s.idx, t_count, k, k),
-             MatView<float>(s.weights, t_count, k, k));
+  router::router_ops(cfg.router)
+      .forward(contracts::router_settings(cfg), z, w.router_bias,
+               MatView<std::int32_t>(s.idx, t_count, k, k),
+               MatView<float>(s.weights, t_count, k, k));
   std::optional<contracts::ExpertsProbe> probe;
   if (chk.will_check(clauses::layer::kFwdProbe)) probe.emplace(*w.experts, s.probe_sums, &lora);
   experts::train_forward_steps(*w.experts, s, x, y, opt.training, probe ? &*probe : nullptr);

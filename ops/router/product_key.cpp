@@ -7,6 +7,7 @@
 #include "contracts/router.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
+#include "ops/router/kinds.hpp"
 #include "ops/router/select.hpp"
 
 namespace moecert::router {
@@ -133,5 +134,29 @@ void product_key_backward(MatView<const float> sx, MatView<const float> sy,
       }));
   contracts::product_key_backward_post(c, sx, sy, idx, g, mode, dsx, dsy);
 }
+
+namespace {
+
+// z = [sx | sy]; dz: dsx's T x n block, then dsy's.
+void product_key_layer_forward(const contracts::RouterSettings& s, MatView<const float> z,
+                               View<const float>, MatView<std::int32_t> idx, MatView<float> w) {
+  const std::size_t n = z.cols / 2;
+  product_key_forward(MatView<const float>(z.data, z.rows, n, z.stride),
+                      MatView<const float>(z.data + n, z.rows, n, z.stride), s.keys, idx, w);
+}
+
+void product_key_layer_backward(const contracts::RouterSettings& s, MatView<const float> z,
+                                MatView<const std::int32_t> idx, MatView<const float> g,
+                                float* dz) {
+  const std::size_t T = z.rows, n = z.cols / 2;
+  product_key_backward(MatView<const float>(z.data, T, n, z.stride),
+                       MatView<const float>(z.data + n, T, n, z.stride), idx, g, s.keys,
+                       MatView<float>(dz, T, n, n), MatView<float>(dz + T * n, T, n, n));
+}
+
+}  // namespace
+
+extern const RouterOps kProductKeyOps = {RouterKind::product_key, product_key_layer_forward,
+                                         product_key_layer_backward};
 
 }  // namespace moecert::router

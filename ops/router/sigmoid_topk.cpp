@@ -6,6 +6,7 @@
 #include "contracts/router.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
+#include "ops/router/kinds.hpp"
 #include "ops/router/select.hpp"
 
 namespace moecert::router {
@@ -124,5 +125,24 @@ void sigmoid_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
                             }));
   contracts::sigmoid_topk_backward_post(c, z, idx, g, p, dz);
 }
+
+namespace {
+
+void sigmoid_topk_layer_forward(const contracts::RouterSettings& s, MatView<const float> z,
+                                View<const float> bias, MatView<std::int32_t> idx,
+                                MatView<float> w) {
+  sigmoid_topk_forward(z, bias, s.sigmoid, idx, w);
+}
+
+void sigmoid_topk_layer_backward(const contracts::RouterSettings& s, MatView<const float> z,
+                                 MatView<const std::int32_t> idx, MatView<const float> g,
+                                 float* dz) {
+  sigmoid_topk_backward(z, idx, g, s.sigmoid, MatView<float>(dz, z.rows, z.cols, z.cols));
+}
+
+}  // namespace
+
+extern const RouterOps kSigmoidTopkOps = {RouterKind::sigmoid_topk, sigmoid_topk_layer_forward,
+                                          sigmoid_topk_layer_backward};
 
 }  // namespace moecert::router

@@ -7,6 +7,7 @@
 #include "contracts/router.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
+#include "ops/router/kinds.hpp"
 #include "ops/router/select.hpp"
 
 namespace moecert::router {
@@ -98,5 +99,23 @@ void softmax_topk_backward(MatView<const float> z, MatView<const std::int32_t> i
       }));
   contracts::softmax_topk_backward_post(c, z, idx, g, dz, renormalize);
 }
+
+namespace {
+
+void softmax_topk_layer_forward(const contracts::RouterSettings& s, MatView<const float> z,
+                                View<const float>, MatView<std::int32_t> idx, MatView<float> w) {
+  softmax_topk_forward(z, idx, w, s.renormalize);
+}
+
+void softmax_topk_layer_backward(const contracts::RouterSettings& s, MatView<const float> z,
+                                 MatView<const std::int32_t> idx, MatView<const float> g,
+                                 float* dz) {
+  softmax_topk_backward(z, idx, g, MatView<float>(dz, z.rows, z.cols, z.cols), s.renormalize);
+}
+
+}  // namespace
+
+extern const RouterOps kSoftmaxTopkOps = {RouterKind::softmax_topk, softmax_topk_layer_forward,
+                                          softmax_topk_layer_backward};
 
 }  // namespace moecert::router

@@ -11,6 +11,7 @@
 
 #include "contracts/bounds/layer.hpp"
 #include "contracts/reference/experts_model.hpp"
+#include "contracts/router/kind.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "moecert/workspace.hpp"
@@ -37,7 +38,8 @@ enum class Data { normal, wide, hot_expert };
 constexpr const char* kDataNames[] = {"normal", "wide_exponent", "all_on_one_expert"};
 
 Layer make(RouterKind kind, std::uint64_t seed, Dims d, Data data = Data::normal) {
-  const std::size_t E = kind == RouterKind::product_key ? (d.E == 8 ? 9 : 16) : d.E;
+  std::size_t E = d.E;  // the fewest experts from d.E up that the kind routes
+  while (contracts::router_kind(kind).width(E) == 0) ++E;
   Layer l =
       fixture::random_layer(fixture::layer_config(kind, E, d.H, d.I, d.K, d.r, d.T), d.T, seed);
   l.b[l.R / 2 - 1] = -50;  // an output no token selects: idle experts (their LoRA gradients: 0)
@@ -394,10 +396,11 @@ CaseResult plan_case(const RunContext&) {
 }  // namespace
 
 void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
+  std::vector<RouterKind> kinds;  // every registered kind
+  for (const contracts::RouterKindInfo* k : contracts::router_kinds()) kinds.push_back(k->kind);
   out.push_back({"workspace.plan", "failure_mode_4", "any", "E256_H7168_I2048_K8_r16_T25600", "-",
                  Suite::smoke, Level::check, plan_case});
-  for (RouterKind kind :
-       {RouterKind::softmax_topk, RouterKind::sigmoid_topk, RouterKind::product_key})
+  for (const RouterKind kind : kinds)
     for (Isa isa : isas)
       out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)),
                      std::string(isa_name(isa)), "small:E8_H40_I24_K3_r4_T13", "normal",
@@ -406,8 +409,7 @@ void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas) {
                      }});
   // One token; every token on one expert; (softmax_topk: the sigmoid's
   // logits must stay >= -87) exponents spread over 2^-8 .. 2^8.
-  for (RouterKind kind :
-       {RouterKind::softmax_topk, RouterKind::sigmoid_topk, RouterKind::product_key})
+  for (const RouterKind kind : kinds)
     for (Isa isa : isas) {
       out.push_back({"layer.forward_backward", std::string(router_kind_name(kind)),
                      std::string(isa_name(isa)), "one_token:E8_H40_I24_K3_r4_T1", "normal",

@@ -130,8 +130,8 @@ int run_conform(const ConformArgs& a) {
   for (const auto& name : a.isas) {
     const auto isa = parse_isa(name);
     if (!isa)
-      throw std::invalid_argument(fmt::format(
-          "--isa {}: unknown, expected scalar, avx2, avx512_bf16, amx_bf16 or amx_emu", name));
+      throw std::invalid_argument(
+          fmt::format("--isa {}: unknown, expected {}", name, isa_name_list()));
     ctx.isas.push_back(*isa);  // kept even if unusable here: its cases are reported as skip
     isa_used += (isa_used.empty() ? "" : ",") + name;
   }
@@ -171,9 +171,7 @@ void add_conform(CLI::App& app, Command& run) {
       ->capture_default_str();
   sub->add_option("--out", a->out, "report folder (report.json, .md, .html, junit.xml)")
       ->capture_default_str();
-  sub->add_option(
-      "--isa", a->isas,
-      "scalar, avx2, avx512_bf16, amx_bf16, amx_emu (default: all; unusable ones skip)");
+  sub->add_option("--isa", a->isas, isa_name_list() + " (default: all; unusable ones skip)");
   sub->add_option("--threads", a->threads, "oneTBB threads")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
