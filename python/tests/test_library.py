@@ -6,7 +6,7 @@ import torch
 import moecert
 import moecert.torch as mt
 from moecert.torch import functions as fn
-from moecert.torch import ops
+from moecert.torch import ops, routers
 
 pytestmark = pytest.mark.skipif(not mt.library.registered(), reason="torch.library.custom_op needs torch >= 2.4")
 T = 9
@@ -35,15 +35,15 @@ def test_routers(router, rng):
     g = torch.randn(T, 4, generator=rng)
     bias = torch.randn(16, generator=rng) * 0.1
     if router == "softmax_topk":
-        inputs, ours, function = [z], lambda a: mt.softmax_topk(a, 4), lambda a: fn.SoftmaxTopk.apply(a, 4, True)
+        inputs, ours, function = [z], lambda a: mt.softmax_topk(a, 4), lambda a: routers.SOFTMAX_TOPK.function.apply(a, 4, True)
     elif router == "sigmoid_topk":
         inputs = [z]
         ours = lambda a: mt.sigmoid_topk(a, bias, 4, 4, 2, 1.5)
-        function = lambda a: fn.SigmoidTopk.apply(a, bias, 4, 4, 2, 1.5)
+        function = lambda a: routers.SIGMOID_TOPK.function.apply(a, bias, 4, 4, 2, 1.5)
     else:
         inputs = [z[:, :4], z[:, 4:8]]
         ours = lambda a, b: mt.product_key(a, b, 4, "softmax")
-        function = lambda a, b: fn.ProductKey.apply(a, b, 4, "softmax")
+        function = lambda a, b: routers.PRODUCT_KEY.function.apply(a, b, 4, "softmax")
     want = grads_of(function, inputs, g)
     for got in (registered_eagerly(lambda: grads_of(ours, inputs, g)),
                 grads_of(torch.compile(ours, fullgraph=True), inputs, g)):

@@ -10,7 +10,7 @@ is unspecified; the weights' slot order is moecert's (score descending)."""
 import torch
 
 from ..errors import InvalidArgument
-from ..torch import functions
+from ..torch import routers
 
 MODES = ("auto", "moecert", "model")
 
@@ -30,7 +30,7 @@ class SoftmaxRouting(Routing):
         self.renormalize, self.cast, self.scaling = renormalize, cast, scaling
 
     def route(self, gate, logits):
-        ids, w = functions.softmax_topk(logits.float(), gate.top_k, self.renormalize)
+        ids, w = routers.softmax_topk(logits.float(), gate.top_k, self.renormalize)
         if self.scaling is not None:
             w = w * self.scaling
         return (w.to(logits.dtype) if self.cast else w), ids
@@ -42,7 +42,7 @@ class SigmoidRouting(Routing):
 
     def route(self, gate, logits):
         bias = gate.e_score_correction_bias.detach().float()
-        ids, w = functions.sigmoid_topk(logits.float(), bias, gate.top_k, self.groups, self.topk_group, self.scaling)
+        ids, w = routers.sigmoid_topk(logits.float(), bias, gate.top_k, self.groups, self.topk_group, self.scaling)
         return w, ids
 
 

@@ -17,12 +17,13 @@ import torch
 
 from .. import set_num_threads
 from ..errors import InvalidArgument
-from . import library, ops
-from .functions import ExpertsFunction, LayerFunction, Stats, experts, product_key, sigmoid_topk, softmax_topk, stats
+from . import library, ops, routers
+from .functions import ExpertsFunction, LayerFunction, Stats, experts, stats
 from .modules import MoELayer
+from .routers import product_key, sigmoid_topk, softmax_topk
 from .ops import LayerConfig, Lora, PackedExperts
 
-__all__ = ["ops", "library", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats", "Stats", "ExpertsFunction",
+__all__ = ["ops", "library", "routers", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats", "Stats", "ExpertsFunction",
            "LayerFunction", "MoELayer", "PackedExperts", "Lora", "LayerConfig"]
 
 library.register()

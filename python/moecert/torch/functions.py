@@ -1,14 +1,12 @@
 """torch.autograd.Functions over moecert's ops (ops.py): the experts op with the
-caller's routing, the three routers and the layer. Each backward computes only
+caller's routing and the layer (the routers: routers.py). Each backward computes only
 the gradients autograd asks for (needs_input_grad); incoming gradients are
 taken as contiguous fp32. Double backward is not supported: under
 create_graph=True the gradients refuse a second backward (once_differentiable)."""
-import functools
-
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import library, ops
+from .define import first_order
 
 
 class Stats:
@@ -24,19 +22,6 @@ class Stats:
 def stats():
     """A fresh Stats recorder: pass it as `stats=` to an op or a module's forward."""
     return Stats()
-
-
-def _first_order(backward):
-    """backward as is while the engine records no graph of the gradients (create_graph=False),
-    else under once_differentiable: its no_grad scope and output wrapping are left out of the
-    common step."""
-    once = once_differentiable(backward)
-
-    @functools.wraps(backward)
-    def run(ctx, *grads):
-        return once(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
-
-    return run
 
 
 class ExpertsFunction(torch.autograd.Function):
@@ -58,7 +43,7 @@ class ExpertsFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, dy):
         ctx.saved_tensors  # raises if x, a factor or a base weight was changed in place since the forward
         ops.check_generation(ctx.saved, ctx.generation)
@@ -114,82 +99,6 @@ def _experts_step(packed, lora, needs, base, stats, dx_dtype, isa):
     return step
 
 
-class _Router(torch.autograd.Function):
-    """Shared backward plumbing: idx is not differentiable; dz from g = dL/dw."""
-
-    @staticmethod
-    def setup(ctx, inputs, idx, extra):
-        ctx.mark_non_differentiable(idx)
-        ctx.save_for_backward(*inputs, idx)
-        ctx.extra = extra
-
-
-class SoftmaxTopk(_Router):
-    @staticmethod
-    def forward(ctx, z, k, renormalize):
-        idx, w = ops.softmax_topk(z, k, renormalize)
-        _Router.setup(ctx, (z,), idx, renormalize)
-        return idx, w
-
-    @staticmethod
-    @_first_order
-    def backward(ctx, _didx, dw):
-        z, idx = ctx.saved_tensors
-        return ops.softmax_topk_backward(z, idx, dw, ctx.extra), None, None
-
-
-class SigmoidTopk(_Router):
-    @staticmethod
-    def forward(ctx, z, bias, k, groups, topk_group, scaling):
-        idx, w = ops.sigmoid_topk(z, bias, k, groups, topk_group, scaling)
-        _Router.setup(ctx, (z,), idx, (groups, topk_group, scaling))
-        return idx, w
-
-    @staticmethod
-    @_first_order
-    def backward(ctx, _didx, dw):
-        z, idx = ctx.saved_tensors
-        return (ops.sigmoid_topk_backward(z, idx, dw, *ctx.extra),) + (None,) * 5
-
-
-class ProductKey(_Router):
-    @staticmethod
-    def forward(ctx, sx, sy, k, weights):
-        idx, w = ops.product_key(sx, sy, k, weights)
-        _Router.setup(ctx, (sx, sy), idx, weights)
-        return idx, w
-
-    @staticmethod
-    @_first_order
-    def backward(ctx, _didx, dw):
-        sx, sy, idx = ctx.saved_tensors
-        dsx, dsy = ops.product_key_backward(sx, sy, idx, dw, ctx.extra)
-        return dsx, dsy, None, None
-
-
-def softmax_topk(z, k, renormalize=True):
-    """(idx [T, k] int32, w [T, k] fp32): top-k of softmax(z) (z [T, E] fp32 or bf16), weights
-    renormalised over the k selected or not; differentiable in z through w. Under torch.compile
-    (torch 2.4 on) the routers are the registered ops torch.ops.moecert.*."""
-    if library.in_graph():
-        return tuple(torch.ops.moecert.softmax_topk(z, k, renormalize))
-    return SoftmaxTopk.apply(z, k, renormalize)
-
-
-def sigmoid_topk(z, bias, k, groups=1, topk_group=1, scaling=1.0):
-    """DeepSeek-V3 group-limited sigmoid top-k; bias [E] fp32 for selection only."""
-    if library.in_graph():
-        return tuple(torch.ops.moecert.sigmoid_topk(z, bias, k, groups, topk_group, float(scaling)))
-    return SigmoidTopk.apply(z, bias, k, groups, topk_group, scaling)
-
-
-def product_key(sx, sy, k, weights="softmax"):
-    """Product-key top-k over E = n*n experts (e = ix*n + iy) from halves sx, sy [T, n]."""
-    if library.in_graph():
-        return tuple(torch.ops.moecert.product_key(sx, sy, k, weights))
-    return ProductKey.apply(sx, sy, k, weights)
-
-
 class LayerFunction(torch.autograd.Function):
     """apply(step, stats, x, *tensors) -> y: the MoE layer (router linear + router + experts with
     LoRA) through an ops.LayerStep; `tensors` are the weights step.inputs names, passed so
@@ -207,7 +116,7 @@ class LayerFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, dy):
         ctx.saved_tensors  # raises if x or a weight was changed in place since the forward
         ops.check_generation(ctx.saved, ctx.generation)

@@ -6,9 +6,10 @@
     torch.ops.moecert.experts_backward(dy, state, x, weights, a_gate, .., b_down, alpha, wanted)
         -> [dx, dweights, d a_gate, .., d b_down]  (empty where not wanted)
 
-and likewise moecert::softmax_topk, sigmoid_topk, product_key (-> [idx, w])
-and moecert::layer (-> [y, state]) with their *_backward ops, each joined to
-its forward by register_autograd. Packed weights, layer configs and saved
+and likewise moecert::layer (-> [y, state]) with its backward op, each joined
+to its forward by register_autograd; the routers moecert::softmax_topk,
+sigmoid_topk and product_key (-> [idx, w]) are registered from their single
+definitions (routers.py, define.py). Packed weights, layer configs and saved
 states are Python objects, which a schema cannot carry: the ops take the
 packed weights and the config by key (`key_of(packed)`, `config_key(cfg)`)
 and return the saved state as an int64 tensor [key, generation] naming it;
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InvalidArgument
-from . import ops
+from . import define, ops, routers
 
 _lock = threading.Lock()
 _packed = weakref.WeakValueDictionary()  # key -> PackedExperts, while its owner holds it
@@ -111,58 +112,6 @@ def _backward(ctx, grads):
     out = [t if w else None for t, w in zip(g, wanted)]
     return (out[0], None, out[1], *out[2:], None, None, None)
 
-
-
-# ---- routers -----------------------------------------------------------------
-
-def _router_fake(z, k):
-    return [z.new_empty((z.shape[0], k), dtype=torch.int32), z.new_empty((z.shape[0], k), dtype=torch.float32)]
-
-
-def softmax_topk(z: Tensor, k: int, renormalize: bool) -> List[Tensor]:
-    return list(ops.softmax_topk(z, k, renormalize))
-
-
-def softmax_topk_backward(z: Tensor, idx: Tensor, g: Tensor, renormalize: bool) -> Tensor:
-    return ops.softmax_topk_backward(z, idx, g, renormalize).to(z.dtype)
-
-
-def sigmoid_topk(z: Tensor, bias: Tensor, k: int, groups: int, topk_group: int, scaling: float) -> List[Tensor]:
-    return list(ops.sigmoid_topk(z, bias, k, groups, topk_group, scaling))
-
-
-def sigmoid_topk_backward(z: Tensor, idx: Tensor, g: Tensor, groups: int, topk_group: int, scaling: float) -> Tensor:
-    return ops.sigmoid_topk_backward(z, idx, g, groups, topk_group, scaling).to(z.dtype)
-
-
-def product_key(sx: Tensor, sy: Tensor, k: int, weights: str) -> List[Tensor]:
-    return list(ops.product_key(sx, sy, k, weights))
-
-
-def product_key_backward(sx: Tensor, sy: Tensor, idx: Tensor, g: Tensor, weights: str) -> List[Tensor]:
-    dsx, dsy = ops.product_key_backward(sx, sy, idx, g, weights)
-    return [dsx.to(sx.dtype), dsy.to(sy.dtype)]
-
-
-def _save_router(ctx, inputs, output, n_scores, extra):
-    ctx.save_for_backward(*inputs[:n_scores], output[0])
-    ctx.extra = extra(inputs)
-
-
-def _softmax_backward(ctx, grads):
-    z, idx = ctx.saved_tensors
-    return torch.ops.moecert.softmax_topk_backward(z, idx, grads[1], ctx.extra), None, None
-
-
-def _sigmoid_backward(ctx, grads):
-    z, idx = ctx.saved_tensors
-    return (torch.ops.moecert.sigmoid_topk_backward(z, idx, grads[1], *ctx.extra),) + (None,) * 5
-
-
-def _product_key_backward(ctx, grads):
-    sx, sy, idx = ctx.saved_tensors
-    dsx, dsy = torch.ops.moecert.product_key_backward(sx, sy, idx, grads[1], ctx.extra)
-    return dsx, dsy, None, None
 
 
 # ---- layer -------------------------------------------------------------------
@@ -286,34 +235,14 @@ def register():
     bwd = lib.custom_op("moecert::experts_backward", mutates_args=())(experts_backward)
     bwd.register_fake(_backward_fake)
     lib.register_autograd("moecert::experts", _backward, setup_context=_setup_context)
-    _register_routers_and_layer(lib)
+    layer_op = lib.custom_op("moecert::layer", mutates_args=())(layer)
+    layer_op.register_fake(_layer_fake)
+    layer_bwd = lib.custom_op("moecert::layer_backward", mutates_args=())(layer_backward)
+    layer_bwd.register_fake(_layer_backward_fake)
+    lib.register_autograd("moecert::layer", _layer_backward, setup_context=_layer_setup)
+    define.register(lib, routers.DEFINITIONS)
     _registered = True
     return True
-
-
-def _register_routers_and_layer(lib):
-    def op(name, fn, fake):
-        o = lib.custom_op("moecert::" + name, mutates_args=())(fn)
-        o.register_fake(fake)
-        return o
-
-    op("softmax_topk", softmax_topk, lambda z, k, renormalize: _router_fake(z, k))
-    op("softmax_topk_backward", softmax_topk_backward, lambda z, idx, g, renormalize: torch.empty_like(z))
-    op("sigmoid_topk", sigmoid_topk, lambda z, bias, k, groups, topk_group, scaling: _router_fake(z, k))
-    op("sigmoid_topk_backward", sigmoid_topk_backward,
-       lambda z, idx, g, groups, topk_group, scaling: torch.empty_like(z))
-    op("product_key", product_key, lambda sx, sy, k, weights: _router_fake(sx, k))
-    op("product_key_backward", product_key_backward,
-       lambda sx, sy, idx, g, weights: [torch.empty_like(sx), torch.empty_like(sy)])
-    lib.register_autograd("moecert::softmax_topk", _softmax_backward, setup_context=lambda ctx, inputs, output:
-                          _save_router(ctx, inputs, output, 1, lambda i: i[2]))
-    lib.register_autograd("moecert::sigmoid_topk", _sigmoid_backward, setup_context=lambda ctx, inputs, output:
-                          _save_router(ctx, inputs, output, 1, lambda i: tuple(i[3:6])))
-    lib.register_autograd("moecert::product_key", _product_key_backward, setup_context=lambda ctx, inputs, output:
-                          _save_router(ctx, inputs, output, 2, lambda i: i[3]))
-    op("layer", layer, _layer_fake)
-    op("layer_backward", layer_backward, _layer_backward_fake)
-    lib.register_autograd("moecert::layer", _layer_backward, setup_context=_layer_setup)
 
 
 def registered():
