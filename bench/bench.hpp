@@ -12,7 +12,7 @@
 
 #include "moecert/contracts.hpp"
 #include "moecert/types.hpp"
-#include "tests/fixture/layer_problem.hpp"
+#include "support/layer_problem.hpp"
 
 namespace moecert::bench {
 
@@ -104,6 +104,6 @@ struct Difference {
 };
 Difference difference(const std::vector<float>& ours, const std::vector<float>& peer);
 
-using fixture::fill_uniform;  // (tests/fixture/layer_problem.hpp)
+using fixture::fill_uniform;  // (support/layer_problem.hpp)
 
 }  // namespace moecert::bench

@@ -15,7 +15,7 @@
 #include "bench/onednn_layer_peer.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
-#include "tests/fixture/layer_problem.hpp"
+#include "support/layer_problem.hpp"
 
 namespace moecert::bench {
 namespace {

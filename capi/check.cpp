@@ -1,11 +1,11 @@
-// The C ABI of the judge (contracts/judge_ops.hpp).
+// The C ABI of the judge (contracts/judge/ops.hpp).
 #include <fmt/format.h>
 
 #include <cstdlib>
 #include <cstring>
 
 #include "capi/abi.hpp"
-#include "contracts/judge_ops.hpp"
+#include "contracts/judge/ops.hpp"
 #include "moecert/moecert.h"
 
 using namespace moecert;

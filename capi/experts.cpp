@@ -5,7 +5,7 @@
 #include <fmt/format.h>
 
 #include "capi/abi.hpp"
-#include "contracts/engine.hpp"
+#include "contracts/engine/engine.hpp"
 #include "moecert/moecert.h"
 
 using namespace moecert;

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "capi/abi.hpp"
-#include "contracts/engine.hpp"
+#include "contracts/engine/engine.hpp"
 #include "moecert/contracts.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/moecert.h"

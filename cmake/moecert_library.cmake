@@ -5,25 +5,25 @@
 # (set_source_files_properties) are scoped to the directory that sets them.
 
 set(MOECERT_SOURCES
-  contracts/engine.cpp
-  contracts/json.cpp
-  contracts/config.cpp
-  contracts/registry.cpp
-  contracts/compare.cpp
+  contracts/engine/engine.cpp
+  contracts/engine/json.cpp
+  contracts/layer/config.cpp
+  contracts/engine/registry.cpp
+  contracts/engine/compare.cpp
   ops/core/build_info.cpp
   ops/core/memory.cpp
   ops/core/guard.cpp
-  contracts/gemm.cpp
-  contracts/experts.cpp
-  contracts/reference/experts.cpp
-  contracts/experts_train.cpp
-  contracts/experts_scans.cpp
-  contracts/experts_backward_probe.cpp
-  contracts/verify.cpp
+  contracts/gemm/gemm.cpp
+  contracts/experts/experts.cpp
+  contracts/bounds/experts_forward.cpp
+  contracts/experts/train.cpp
+  contracts/experts/scans.cpp
+  contracts/experts/backward_probe.cpp
+  contracts/probes/verify.cpp
   contracts/router/kinds.cpp
   contracts/router/softmax_topk.cpp contracts/router/sigmoid_topk.cpp contracts/router/product_key.cpp
-  contracts/judge_ops.cpp contracts/judge_router.cpp contracts/judge_experts.cpp
-  contracts/judge_layer.cpp
+  contracts/judge/ops.cpp contracts/judge/router.cpp contracts/judge/experts.cpp
+  contracts/judge/layer.cpp
   contracts/reference/experts_model.cpp
   ops/router/kinds.cpp
   ops/router/softmax_topk.cpp
@@ -39,13 +39,13 @@ set(MOECERT_SOURCES
   ops/layer/forward.cpp
   ops/layer/router_linear.cpp
   ops/layer/backward.cpp
-  contracts/layer.cpp
-  contracts/bounds/layer.cpp
-  contracts/layer_router_linear.cpp
-  contracts/layer_router_linear_probe.cpp
+  contracts/layer/layer.cpp
+  contracts/layer/bounds.cpp
+  contracts/layer/router_linear.cpp
+  contracts/layer/router_linear_probe.cpp
   ops/workspace/plan.cpp
   ops/workspace/arena.cpp
-  contracts/workspace.cpp
+  contracts/workspace/workspace.cpp
   ops/gemm/dispatch.cpp
   ops/gemm/pack.cpp
   ops/gemm/loops.cpp

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#include "contracts/checks.hpp"
+#include "contracts/engine/checks.hpp"
 #include "fuzz/decode.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"

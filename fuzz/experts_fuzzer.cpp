@@ -12,7 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#include "contracts/checks.hpp"
+#include "contracts/engine/checks.hpp"
 #include "fuzz/decode.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"

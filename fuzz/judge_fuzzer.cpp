@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "contracts/judge_ops.hpp"
+#include "contracts/judge/ops.hpp"
 #include "fuzz/decode.hpp"
 
 using namespace moecert;

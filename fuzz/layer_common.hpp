@@ -7,11 +7,11 @@
 #include <cmath>
 #include <vector>
 
-#include "contracts/checks.hpp"
+#include "contracts/engine/checks.hpp"
 #include "fuzz/decode.hpp"
 #include "moecert/layer.hpp"
 #include "ops/workspace/arena.hpp"
-#include "tests/fixture/layer_problem.hpp"
+#include "support/layer_problem.hpp"
 
 namespace moecert::fuzz {
 

@@ -9,8 +9,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "contracts/engine.hpp"
-#include "contracts/judge_ops.hpp"
+#include "contracts/engine/engine.hpp"
+#include "contracts/judge/ops.hpp"
 #include "fuzz/decode.hpp"
 #include "moecert/memory.hpp"
 #include "ops/gemm/dispatch.hpp"

@@ -6,8 +6,8 @@
 #include <random>
 #include <vector>
 
-#include "contracts/bounds/basic.hpp"
-#include "contracts/reference/basic.hpp"
+#include "contracts/numeric/functions.hpp"
+#include "contracts/numeric/rounding.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;

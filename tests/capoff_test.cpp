@@ -1,7 +1,7 @@
 // Built against the library compiled at contract cap `off` (and with the
 // cap off in this file): checks must be absent, not merely skipped.
-#include "contracts/clauses.hpp"
-#include "contracts/engine.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/engine/engine.hpp"
 #include "moecert/config.hpp"
 #include "test_util.hpp"
 

@@ -1,5 +1,5 @@
 // Comparison: bound utilisation, ULP distance, tie-aware top-k.
-#include "contracts/compare.hpp"
+#include "contracts/engine/compare.hpp"
 
 #include <bit>
 #include <cmath>

@@ -16,9 +16,9 @@
 #include <thread>
 #include <vector>
 
-#include "contracts/checks.hpp"
-#include "contracts/clauses.hpp"
-#include "contracts/engine.hpp"
+#include "contracts/engine/checks.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/engine/engine.hpp"
 #include "moecert/config.hpp"
 #include "test_util.hpp"
 

@@ -1,6 +1,6 @@
 // Grouped expert forward: every usable ISA within the chained bound over odd
 // shapes and routing classes; determinism across thread counts; clauses.
-#include "contracts/experts.hpp"
+#include "contracts/experts/experts.hpp"
 
 #include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/task_arena.h>
@@ -12,9 +12,9 @@
 #include <random>
 #include <vector>
 
-#include "contracts/checks.hpp"
-#include "contracts/compare.hpp"
-#include "contracts/pack_audit.hpp"
+#include "contracts/engine/checks.hpp"
+#include "contracts/engine/compare.hpp"
+#include "contracts/gemm/pack_audit.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"

@@ -1,8 +1,6 @@
 // experts.forward_train and experts.backward: within the derived bounds on
 // every ISA and routing class, bitwise the layer's expert part, each part
 // callable alone, deterministic, and every clause fired.
-#include "contracts/experts_train.hpp"
-
 #include <oneapi/tbb/global_control.h>
 
 #include <cmath>
@@ -11,11 +9,12 @@
 #include <vector>
 
 #include "contracts/bounds/experts.hpp"
-#include "contracts/clauses.hpp"
-#include "contracts/compare.hpp"
-#include "contracts/judge_experts.hpp"
-#include "contracts/judge_ops.hpp"
-#include "contracts/pack_audit.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/engine/compare.hpp"
+#include "contracts/experts/train.hpp"
+#include "contracts/gemm/pack_audit.hpp"
+#include "contracts/judge/experts.hpp"
+#include "contracts/judge/ops.hpp"
 #include "contracts/reference/experts_model.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"

@@ -1,7 +1,7 @@
 // GEMM: every usable ISA against the reference within bounds over odd
 // shapes; bit-exact models of the AMX and AVX-512 accumulation orders;
 // determinism across thread counts; every gemm clause.
-#include "contracts/gemm.hpp"
+#include "contracts/gemm/gemm.hpp"
 
 #include <oneapi/tbb/global_control.h>
 
@@ -11,11 +11,11 @@
 #include <random>
 #include <vector>
 
-#include "contracts/bounds/basic.hpp"
-#include "contracts/checks.hpp"
-#include "contracts/compare.hpp"
-#include "contracts/pack_audit.hpp"
-#include "contracts/reference/basic.hpp"
+#include "contracts/engine/checks.hpp"
+#include "contracts/engine/compare.hpp"
+#include "contracts/gemm/pack_audit.hpp"
+#include "contracts/numeric/functions.hpp"
+#include "contracts/numeric/rounding.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/memory.hpp"

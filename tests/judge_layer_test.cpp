@@ -1,4 +1,4 @@
-// The layer judged from tensors (contracts/judge_layer.cpp): moecert's own
+// The layer judged from tensors (contracts/judge/layer.cpp): moecert's own
 // layer, handed over as another implementation would hand its tensors, lies
 // within the `mixed` model on every ISA and router; each stage's error is
 // named by that stage's clause.
@@ -8,13 +8,13 @@
 #include <string>
 #include <vector>
 
-#include "contracts/experts_train.hpp"
-#include "contracts/judge_ops.hpp"
+#include "contracts/experts/train.hpp"
+#include "contracts/judge/ops.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "ops/layer/state.hpp"
+#include "support/layer_judged.hpp"
 #include "test_util.hpp"
-#include "tests/fixture/layer_judged.hpp"
 
 using namespace moecert;
 namespace jg = contracts::judge;

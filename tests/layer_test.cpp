@@ -2,7 +2,7 @@
 // ISA and router, determinism, the reference's gradients against 50-digit
 // central finite differences (each path on its own), per-token statistics
 // against a brute-force one-token-at-a-time backward, and every clause.
-#include "contracts/layer.hpp"
+#include "contracts/layer/layer.hpp"
 
 #include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/task_arena.h>
@@ -15,16 +15,16 @@
 #include <vector>
 
 #include "contracts/bounds/experts.hpp"
-#include "contracts/clauses.hpp"
-#include "contracts/experts_train.hpp"
-#include "contracts/layer_router_linear.hpp"
-#include "contracts/pack_audit.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/experts/train.hpp"
+#include "contracts/gemm/pack_audit.hpp"
+#include "contracts/layer/router_linear.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/arena.hpp"
+#include "support/layer_problem.hpp"
 #include "test_util.hpp"
-#include "tests/fixture/layer_problem.hpp"
 
 using namespace moecert;
 using ref::Hp;

@@ -4,7 +4,7 @@
 #include <random>
 #include <vector>
 
-#include "contracts/reference/basic.hpp"
+#include "contracts/numeric/functions.hpp"
 #include "contracts/reference/gemm.hpp"
 #include "test_util.hpp"
 

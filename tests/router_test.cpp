@@ -12,10 +12,10 @@
 #include <random>
 #include <vector>
 
-#include "contracts/compare.hpp"
-#include "contracts/judge.hpp"
+#include "contracts/engine/compare.hpp"
+#include "contracts/engine/judging.hpp"
 #include "contracts/reference/router.hpp"
-#include "contracts/router.hpp"
+#include "contracts/router/clauses.hpp"
 #include "moecert/router.hpp"
 #include "ops/router/select.hpp"
 #include "test_util.hpp"

@@ -1,6 +1,6 @@
 // The audit probe: no false alarm on correct products, and wrong products
 // (one term dropped, one element moved by one bf16 ulp) caught at K = 1024.
-#include "contracts/verify.hpp"
+#include "contracts/probes/verify.hpp"
 
 #include <array>
 #include <bit>
@@ -11,8 +11,8 @@
 #include <random>
 #include <vector>
 
-#include "contracts/gemm.hpp"
-#include "contracts/reference/basic.hpp"
+#include "contracts/gemm/gemm.hpp"
+#include "contracts/numeric/functions.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;

@@ -1,6 +1,6 @@
 // Workspace planner and arena: the plan's invariants on concrete configs,
 // its clauses, guard zones, poison, and the alias hook of failure mode 3.
-#include "contracts/workspace.hpp"
+#include "contracts/workspace/workspace.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -14,7 +14,7 @@
 #include "bench/onednn_peer.hpp"
 #include "moecert/isa.hpp"
 #include "tools/commands.hpp"
-#include "tools/environment.hpp"
+#include "tools/conform/environment.hpp"
 
 namespace moecert::tools {
 namespace {

@@ -9,7 +9,7 @@
 #include <fstream>
 #include <map>
 
-#include "contracts/judge_ops.hpp"
+#include "contracts/judge/ops.hpp"
 #include "tools/commands.hpp"
 #include "tools/conform/report.hpp"
 #include "tools/tensor_file.hpp"

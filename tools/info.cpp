@@ -4,7 +4,7 @@
 
 #include "moecert/moecert.hpp"
 #include "tools/commands.hpp"
-#include "tools/environment.hpp"
+#include "tools/conform/environment.hpp"
 
 namespace moecert::tools {
 

@@ -4,7 +4,7 @@
 
 #include <cstddef>
 
-#include "contracts/bounds/basic.hpp"
+#include "contracts/numeric/rounding.hpp"
 
 namespace moecert::bounds {
 

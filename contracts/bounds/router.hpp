@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "contracts/bounds/basic.hpp"
+#include "contracts/numeric/rounding.hpp"
 #include "contracts/reference/router.hpp"
 
 namespace moecert::bounds {

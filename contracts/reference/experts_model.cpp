@@ -7,7 +7,7 @@
 
 #include <cmath>
 
-#include "contracts/tbb_sync.hpp"
+#include "contracts/engine/tbb_sync.hpp"
 
 namespace moecert::contracts {
 

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "contracts/bounds/precision.hpp"
+#include "contracts/numeric/precision.hpp"
 #include "moecert/types.hpp"
 
 namespace moecert::contracts {

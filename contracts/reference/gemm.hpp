@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "contracts/reference/basic.hpp"
+#include "contracts/numeric/functions.hpp"
 
 namespace moecert::ref {
 

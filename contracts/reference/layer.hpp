@@ -19,11 +19,11 @@
 #include <utility>
 #include <vector>
 
-#include "contracts/bounds/tracked.hpp"
+#include "contracts/engine/tbb_sync.hpp"
+#include "contracts/numeric/tracked.hpp"
 #include "contracts/reference/layer_pair.hpp"
 #include "contracts/reference/layer_router.hpp"
 #include "contracts/reference/router.hpp"
-#include "contracts/tbb_sync.hpp"
 #include "moecert/config.hpp"
 
 namespace moecert::ref {

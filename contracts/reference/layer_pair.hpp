@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "contracts/bounds/tracked.hpp"
+#include "contracts/numeric/tracked.hpp"
 #include "contracts/reference/router.hpp"
 
 namespace moecert::ref {

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "contracts/bounds/tracked.hpp"
+#include "contracts/numeric/tracked.hpp"
 #include "moecert/config.hpp"
 
 namespace moecert::ref {

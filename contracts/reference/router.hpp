@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "contracts/reference/basic.hpp"
+#include "contracts/numeric/functions.hpp"
 #include "moecert/router.hpp"
 
 namespace moecert::ref {

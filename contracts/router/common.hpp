@@ -10,13 +10,13 @@
 #include <string_view>
 #include <vector>
 
-#include "contracts/bounds/basic.hpp"
 #include "contracts/bounds/router.hpp"
-#include "contracts/checks.hpp"
-#include "contracts/clauses.hpp"
-#include "contracts/judge.hpp"
-#include "contracts/order.hpp"
-#include "contracts/router.hpp"
+#include "contracts/engine/checks.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/engine/judging.hpp"
+#include "contracts/engine/order.hpp"
+#include "contracts/numeric/rounding.hpp"
+#include "contracts/router/clauses.hpp"
 
 namespace moecert::contracts::router_detail {
 

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "contracts/engine.hpp"
+#include "contracts/engine/engine.hpp"
 #include "moecert/config.hpp"
 #include "moecert/router.hpp"
 

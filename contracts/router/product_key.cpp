@@ -1,5 +1,4 @@
 // Clauses of router.product_key, forward and backward (include/moecert/router.hpp).
-#include "contracts/judge_tensors.hpp"
 #include "contracts/router/common.hpp"
 #include "contracts/router/kind.hpp"
 
@@ -215,12 +214,18 @@ void product_key_backward_post(detail::Checker& c, MatView<const float> sx, MatV
   }
 }
 
+router::KeyWeights key_weights(const Params& m) {
+  const auto it = m.find("weights");
+  if (it == m.end() || it->second == "softmax") return router::KeyWeights::softmax;
+  if (it->second == "exp") return router::KeyWeights::exp;
+  if (it->second == "raw") return router::KeyWeights::raw;
+  throw std::invalid_argument(fmt::format("weights={}: expected softmax, exp or raw", it->second));
+}
+
 // product_key in the layer: z = [sx | sy], R = 2n for E = n^2 experts;
 // dz is stored as dsx's block then dsy's (T x n each). The judge's clauses
 // take each half as its own contiguous array.
 namespace {
-
-using judge::writable;
 
 std::size_t product_key_width(std::size_t experts) {
   const auto n = static_cast<std::size_t>(std::llround(std::sqrt(static_cast<double>(experts))));
@@ -250,9 +255,9 @@ struct Halves {
   MatView<const float> y() const { return {second.data(), rows, n}; }
 };
 
-RouterSettings product_key_judge_settings(const judge::Params& p) {
+RouterSettings product_key_judge_settings(const Params& p) {
   RouterSettings s;
-  s.keys = judge::key_weights(p);
+  s.keys = key_weights(p);
   return s;
 }
 

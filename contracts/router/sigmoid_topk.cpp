@@ -1,6 +1,5 @@
 // Clauses of router.sigmoid_topk, forward and backward (include/moecert/router.hpp).
 #include "contracts/bounds/experts.hpp"
-#include "contracts/judge_tensors.hpp"
 #include "contracts/router/common.hpp"
 #include "contracts/router/kind.hpp"
 
@@ -253,11 +252,14 @@ void sigmoid_topk_backward_post(detail::Checker& c, MatView<const float> z,
   }
 }
 
+router::SigmoidTopkParams sigmoid_params(const Params& m) {
+  return {count_param(m, "groups", 1), count_param(m, "topk_group", 1),
+          static_cast<float>(number_param(m, "scaling", 1.0))};
+}
+
 // sigmoid_topk in the layer: R = E logits, a per-expert selection bias,
 // dz T x R.
 namespace {
-
-using judge::writable;
 
 std::size_t sigmoid_topk_width(std::size_t experts) { return experts; }
 
@@ -282,9 +284,9 @@ void sigmoid_topk_validate(detail::Checker& chk, const MoeConfig& cfg) {
   }
 }
 
-RouterSettings sigmoid_topk_judge_settings(const judge::Params& p) {
+RouterSettings sigmoid_topk_judge_settings(const Params& p) {
   RouterSettings s;
-  s.sigmoid = judge::sigmoid_params(p);
+  s.sigmoid = sigmoid_params(p);
   s.scaling = s.sigmoid.scaling;
   return s;
 }

@@ -2,7 +2,6 @@
 #include <algorithm>
 #include <vector>
 
-#include "contracts/judge_tensors.hpp"
 #include "contracts/router/common.hpp"
 #include "contracts/router/kind.hpp"
 
@@ -155,15 +154,13 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
 // softmax_topk in the layer: R = E logits, dz T x R.
 namespace {
 
-using judge::writable;
-
 std::size_t softmax_topk_width(std::size_t experts) { return experts; }
 
 void softmax_topk_validate(detail::Checker&, const MoeConfig&) {}
 
-RouterSettings softmax_topk_judge_settings(const judge::Params& p) {
+RouterSettings softmax_topk_judge_settings(const Params& p) {
   RouterSettings s;
-  s.renormalize = judge::flag_param(p, "renormalize", true);
+  s.renormalize = flag_param(p, "renormalize", true);
   return s;
 }
 

@@ -52,7 +52,7 @@ struct MoeConfig {
 };
 
 /// Validates `cfg` (op `core.config.validate`, level check, group shape).
-/// Clauses (contracts/config.cpp):
+/// Clauses (contracts/layer/config.cpp):
 ///   core.config.experts_range     pre  shape  1 <= E <= 65536
 ///   core.config.hidden_range      pre  shape  1 <= H <= 65536
 ///   core.config.inter_range       pre  shape  1 <= I <= 65536

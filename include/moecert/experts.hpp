@@ -92,7 +92,7 @@ struct ForwardStats {
 /// w[t,j] o_{t,j} in slot order j = 0..K-1 in fp32. Bitwise identical for
 /// any thread count.
 ///
-/// Clauses (contracts/experts.cpp; bounds in proofs/bounds.md §10):
+/// Clauses (contracts/experts/experts.cpp; bounds in proofs/bounds.md §10):
 ///   experts.forward.shape          pre   shape    x T x H, idx and weights T x K, y T x H; H matches
 ///   experts.forward.idx_in_range   pre   index    -1 <= idx[t,j] < E, and -1 only at the tail of a row
 ///   experts.forward.idx_unique     pre   index    no expert twice in a row
@@ -193,7 +193,7 @@ struct TrainOptions {
 /// for the backward. The same code as the layer's expert part: the layer is
 /// router linear + router + this op.
 ///
-/// Clauses (contracts/experts_train.cpp; bounds: proofs/experts.md):
+/// Clauses (contracts/experts/train.cpp; bounds: proofs/experts.md):
 ///   experts.forward_train.shape          pre   shape    x T x H (T <= 2^20), idx and weights T x K
 ///                                                       (1 <= K <= min(E, 64)), y T x H; r <= 256 and
 ///                                                       LoRA views of their shapes
@@ -252,7 +252,7 @@ struct Gradients {
 /// (dL/dw = <dy_t, o_{t,j}> in binary64 rounded once, the router's input
 /// gradient). It leaves `saved` as it found it: a backward may run again.
 ///
-/// Clauses (contracts/experts_train.cpp; bounds: proofs/experts.md):
+/// Clauses (contracts/experts/train.cpp; bounds: proofs/experts.md):
 ///   experts.backward.state             pre   shape    saved holds a training forward of these
 ///                                                     shapes (E, H, I, K, r, alpha) and T (not: backward
 ///                                                     before forward, another config, another T), w packed

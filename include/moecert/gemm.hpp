@@ -16,7 +16,7 @@ struct AlignedFree {
   void operator()(bf16* p) const;
 };
 /// What the contracts keep beside one pack between calls, and the library's
-/// own access to it (contracts/pack_audit.hpp).
+/// own access to it (contracts/gemm/pack_audit.hpp).
 struct PackAudit;
 struct PackAccess;
 }  // namespace detail
@@ -29,7 +29,7 @@ namespace gemm {
 /// Checksums of the packed bytes are taken at pack time, one per part of
 /// the panels (up to kChecksumParts parts).
 ///
-/// Clauses (contracts/gemm.cpp):
+/// Clauses (contracts/gemm/gemm.cpp):
 ///   gemm.pack.shape      pre  shape    stride >= cols; `second` absent or of w's shape
 ///   gemm.pack.w_finite   pre  finite   every W element finite
 ///   gemm.pack.w_range    pre  numeric  every W element 0 or 2^-60 <= |w| <= 2^60 (no product of
@@ -113,7 +113,7 @@ class PackedWeights {
 /// C [M x N] = A [M x K] W^T in fp32 on kernel `isa` (every element written;
 /// one writer each; the same bits for any thread count).
 ///
-/// Clauses (contracts/gemm.cpp):
+/// Clauses (contracts/gemm/gemm.cpp):
 ///   gemm.matmul.shape      pre   shape    a.cols == w.k(), c.rows == a.rows, c.cols == w.n()
 ///   gemm.matmul.a_finite   pre   finite   every A element finite
 ///   gemm.matmul.a_range    pre   numeric  every A element 0 or 2^-60 <= |a| <= 2^60 (audit)

@@ -94,7 +94,7 @@ struct BackwardOptions {
 
 /// Forward. x [T x H] bf16, y [T x H] fp32 (written). Saves into `saved`.
 ///
-/// Clauses (contracts/layer.cpp; bounds: proofs/layer.md):
+/// Clauses (contracts/layer/layer.cpp; bounds: proofs/layer.md):
 ///   layer.forward.shape         pre   shape    x T x H with T <= T_max; y T x H; router weights R x H,
 ///                                              bias R; LoRA views of their shapes; packed experts of
 ///                                              this config
@@ -173,7 +173,7 @@ struct RouterLinearGrads {
 /// fp32 into `grads`: dx's sums run over the R outputs in order, dW_r's and
 /// db's over the tokens in order.
 ///
-/// Clauses (contracts/layer_router_linear.cpp; bounds: proofs/layer.md §4):
+/// Clauses (contracts/layer/router_linear.cpp; bounds: proofs/layer.md §4):
 ///   layer.router_linear.shape        pre   shape    x T x H; W_r R x H; b R (forward); z, dz T x R;
 ///                                                   every given gradient of its shape
 ///   layer.router_linear.finite       pre   finite   every x, W_r, b (forward) and dz (backward) element

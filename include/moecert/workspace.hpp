@@ -42,7 +42,7 @@ int step_count();
 /// Plans a layer call of `tokens` tokens for `cfg` (validated first: the
 /// core.config clauses). Nothing is allocated.
 ///
-/// Clauses (contracts/workspace.cpp; proofs/workspace.md):
+/// Clauses (contracts/workspace/workspace.cpp; proofs/workspace.md):
 ///   workspace.plan.tokens_range pre   shape   0 <= tokens <= cfg.max_tokens
 ///   workspace.plan.overflow     pre   memory  no size or offset overflows 64 bits (reachable only
 ///                                             past the config limits, under observe)

@@ -19,8 +19,8 @@
 #include <xmmintrin.h>
 #endif
 
-#include "contracts/engine.hpp"
-#include "contracts/tbb_sync.hpp"
+#include "contracts/engine/engine.hpp"
+#include "contracts/engine/tbb_sync.hpp"
 
 namespace moecert::detail {
 

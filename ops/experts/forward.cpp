@@ -10,8 +10,8 @@
 #include <optional>
 #include <vector>
 
-#include "contracts/clauses.hpp"
-#include "contracts/experts.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/experts/experts.hpp"
 #include "moecert/isa.hpp"
 #include "ops/core/prefetch.hpp"
 #include "ops/core/task.hpp"

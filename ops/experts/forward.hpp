@@ -6,8 +6,8 @@
 #include <cstddef>
 #include <vector>
 
-#include "contracts/gemm.hpp"
-#include "contracts/saved.hpp"
+#include "contracts/engine/saved.hpp"
+#include "contracts/gemm/gemm.hpp"
 #include "moecert/experts.hpp"
 #include "ops/core/tiles.hpp"
 #include "ops/experts/grouping.hpp"

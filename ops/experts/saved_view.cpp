@@ -1,6 +1,6 @@
-// The experts op's state as its contracts read it (contracts/saved.hpp):
+// The experts op's state as its contracts read it (contracts/engine/saved.hpp):
 // plain views of the grouping, the saved rows and the packed LoRA factors.
-#include "contracts/saved.hpp"
+#include "contracts/engine/saved.hpp"
 #include "ops/experts/train.hpp"
 
 namespace moecert::experts {

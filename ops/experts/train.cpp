@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <optional>
 
-#include "contracts/clauses.hpp"
-#include "contracts/experts.hpp"
-#include "contracts/experts_train.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/experts/experts.hpp"
+#include "contracts/experts/train.hpp"
 #include "moecert/isa.hpp"
 #include "ops/core/task.hpp"
 #include "ops/workspace/planner.hpp"

@@ -8,8 +8,8 @@
 #include <optional>
 #include <vector>
 
-#include "contracts/experts_backward_probe.hpp"
-#include "contracts/experts_train.hpp"
+#include "contracts/experts/backward_probe.hpp"
+#include "contracts/experts/train.hpp"
 #include "moecert/experts.hpp"
 #include "ops/experts/forward.hpp"
 #include "ops/experts/lora.hpp"

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "contracts/engine.hpp"
+#include "contracts/engine/engine.hpp"
 #include "moecert/isa.hpp"
 #include "ops/gemm/ukernel.hpp"
 

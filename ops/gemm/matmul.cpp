@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <memory>
 
-#include "contracts/gemm.hpp"
+#include "contracts/gemm/gemm.hpp"
 #include "ops/core/aligned.hpp"
 #include "ops/core/task.hpp"
 #include "ops/gemm/loops.hpp"

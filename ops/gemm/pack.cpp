@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "contracts/gemm.hpp"
-#include "contracts/pack_audit.hpp"
+#include "contracts/gemm/gemm.hpp"
+#include "contracts/gemm/pack_audit.hpp"
 #include "moecert/gemm.hpp"
 #include "ops/core/aligned.hpp"
 #include "ops/core/task.hpp"

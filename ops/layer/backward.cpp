@@ -9,10 +9,10 @@
 #include <optional>
 #include <vector>
 
-#include "contracts/clauses.hpp"
-#include "contracts/experts_train.hpp"
-#include "contracts/layer.hpp"
-#include "contracts/layer_router_linear_probe.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/experts/train.hpp"
+#include "contracts/layer/layer.hpp"
+#include "contracts/layer/router_linear_probe.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
 #include "ops/core/views.hpp"

@@ -6,10 +6,10 @@
 #include <cmath>
 #include <optional>
 
-#include "contracts/clauses.hpp"
-#include "contracts/experts.hpp"
-#include "contracts/experts_train.hpp"
-#include "contracts/layer.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/experts/experts.hpp"
+#include "contracts/experts/train.hpp"
+#include "contracts/layer/layer.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"

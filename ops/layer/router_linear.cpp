@@ -8,9 +8,9 @@
 #include <optional>
 #include <vector>
 
-#include "contracts/clauses.hpp"
-#include "contracts/experts_train.hpp"
-#include "contracts/layer_router_linear.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/experts/train.hpp"
+#include "contracts/layer/router_linear.hpp"
 #include "moecert/isa.hpp"
 #include "moecert/layer.hpp"
 #include "ops/core/task.hpp"

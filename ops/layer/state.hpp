@@ -2,7 +2,7 @@
 // (arena, grouping, packed LoRA, idx and weights) and the router's logits.
 #pragma once
 
-#include "contracts/saved.hpp"
+#include "contracts/engine/saved.hpp"
 #include "moecert/layer.hpp"
 #include "ops/experts/train.hpp"
 

@@ -3,7 +3,7 @@
 
 #include <vector>
 
-#include "contracts/router.hpp"
+#include "contracts/router/clauses.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
 #include "ops/router/kinds.hpp"

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 
-#include "contracts/router.hpp"
+#include "contracts/router/clauses.hpp"
 #include "moecert/router.hpp"
 #include "ops/core/task.hpp"
 #include "ops/router/kinds.hpp"

@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "contracts/clauses.hpp"
-#include "contracts/workspace.hpp"
+#include "contracts/engine/clauses.hpp"
+#include "contracts/workspace/workspace.hpp"
 #include "moecert/gemm.hpp"
 #include "ops/core/aligned.hpp"
 #include "ops/gemm/stream.hpp"

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "contracts/engine.hpp"
+#include "contracts/engine/engine.hpp"
 #include "moecert/workspace.hpp"
 
 namespace moecert::workspace {

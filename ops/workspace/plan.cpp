@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "contracts/workspace.hpp"
+#include "contracts/workspace/workspace.hpp"
 #include "moecert/workspace.hpp"
 #include "ops/workspace/arena.hpp"
 #include "ops/workspace/planner.hpp"

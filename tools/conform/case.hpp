@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "contracts/bounds/tracked.hpp"
-#include "contracts/compare.hpp"
+#include "contracts/engine/compare.hpp"
+#include "contracts/numeric/tracked.hpp"
 #include "moecert/contracts.hpp"
 #include "moecert/types.hpp"
 

@@ -9,7 +9,7 @@
 #include <random>
 
 #include "contracts/bounds/experts.hpp"
-#include "contracts/clauses.hpp"
+#include "contracts/engine/clauses.hpp"
 #include "moecert/moecert.hpp"
 #include "tools/conform/case.hpp"
 

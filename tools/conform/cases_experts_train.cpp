@@ -9,8 +9,8 @@
 #include <cstring>
 #include <random>
 
-#include "contracts/experts_train.hpp"
-#include "contracts/judge_ops.hpp"
+#include "contracts/experts/train.hpp"
+#include "contracts/judge/ops.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/isa.hpp"
 #include "ops/experts/train.hpp"

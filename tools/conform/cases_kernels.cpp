@@ -9,11 +9,11 @@
 #include <cstring>
 #include <random>
 
-#include "contracts/checks.hpp"
-#include "contracts/compare.hpp"
-#include "contracts/experts.hpp"
-#include "contracts/judge_ops.hpp"
-#include "contracts/verify.hpp"
+#include "contracts/engine/checks.hpp"
+#include "contracts/engine/compare.hpp"
+#include "contracts/experts/experts.hpp"
+#include "contracts/judge/ops.hpp"
+#include "contracts/probes/verify.hpp"
 #include "moecert/experts.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"

@@ -9,7 +9,7 @@
 #include <random>
 #include <type_traits>
 
-#include "contracts/bounds/layer.hpp"
+#include "contracts/layer/bounds.hpp"
 #include "contracts/reference/experts_model.hpp"
 #include "contracts/router/kind.hpp"
 #include "moecert/isa.hpp"
@@ -17,7 +17,7 @@
 #include "moecert/workspace.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/arena.hpp"
-#include "tests/fixture/layer_judged.hpp"
+#include "support/layer_judged.hpp"
 #include "tools/conform/case.hpp"
 
 namespace moecert::tools {

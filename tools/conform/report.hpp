@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "tools/conform/case.hpp"
-#include "tools/environment.hpp"
+#include "tools/conform/environment.hpp"
 
 namespace moecert::tools {
 

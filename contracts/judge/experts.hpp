@@ -1,0 +1,86 @@
+// The experts op's judge pieces the layer's judge composes
+// (contracts/judge/experts.cpp, contracts/judge/layer.cpp).
+#pragma once
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "contracts/experts/train.hpp"
+#include "contracts/judge/tensors.hpp"
+#include "contracts/numeric/precision.hpp"
+#include "contracts/reference/experts_model.hpp"
+
+namespace moecert::contracts::judge {
+
+/// The declared arithmetic (param `precision`: fp32, mixed or bf16).
+bounds::Precision precision_of(const Params& p);
+
+/// x and the experts' weights by name, LoRA (a_*, b_* and param alpha)
+/// when given and `lora_allowed`; idx and weights are left to the caller.
+/// E = rows(w_gate) / I, r = rows(a_gate) / E.
+ExpertsTensors experts_tensors(const Tensors& in, const Params& p, bool lora_allowed);
+
+/// The first of idx, weights, y (named `y_name`), the weights and the LoRA
+/// factors whose shape is not the one E, H, I, r, T, K imply, or "".
+std::string experts_shape_error(const ExpertsTensors& t, const char* y_name,
+                                MatView<const float> y);
+
+/// Every value finite and 0 or within [2^-60, 2^60] (the bounds' range).
+bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                     MatView<const float> m);
+
+/// The base weights by gemm.pack.w_finite and w_range.
+void base_weight_clauses(detail::Checker& c, const ExpertsTensors& t);
+/// m finite by `finite`, then in the bounds' range by `range` (each where
+/// its level is on); false when one failed.
+bool finite_then_range(detail::Checker& c, const ClauseInfo& finite, const ClauseInfo& range,
+                       const char* name, MatView<const float> m);
+
+/// Every finite element of m in the bounds' range (0 or 2^-60 <= |v| <=
+/// 2^60); false when one is not.
+bool scan_range(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                MatView<const float> m);
+
+/// Every LoRA factor finite and in range; false when one failed.
+bool lora_in_range(detail::Checker& c, const ClauseInfo& finite, const ClauseInfo& range,
+                   const ExpertsTensors& t);
+
+/// The base weights' clauses; with LoRA, its factors by `lora_finite` and
+/// `lora_range` and its scale by `scale`.
+template <const ClauseInfo& lora_finite, const ClauseInfo& lora_range, const ClauseInfo& scale>
+void weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
+  base_weight_clauses(c, t);
+  if (t.r == 0) return;
+  lora_in_range(c, lora_finite, lora_range, t);
+  MOECERT_CONTRACT(c, scale) { lora_scale(c, scale, t.r, t.alpha); }
+}
+
+/// An output against the model: |v - ref| <= its bound, widened by the
+/// output's storage; false when it failed.
+bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                  MatView<const float> m, const std::vector<bounds::Tracked>& ref,
+                  const bounds::Precision& p, const char* proof);
+
+/// The weight gradients among the outputs (`a_gate_grad`, `b_gate_grad`,
+/// `a_up_grad`, `b_up_grad`, `a_down_grad`, `b_down_grad`, `w_gate_grad`,
+/// `w_up_grad`, `w_down_grad`: grad_shapes' order); a null view where one
+/// is not given.
+using WeightGrads = std::array<MatView<const float>, kWeightGrads>;
+WeightGrads weight_grad_outputs(const Tensors& out);
+bool any_weight_grad(const WeightGrads& g);
+
+/// The first weight gradient given whose shape is not its weight's, or "".
+std::string weight_grads_shape_error(const ExpertsTensors& t, const WeightGrads& g);
+
+/// Every weight gradient given finite; false when one failed.
+bool weight_grads_finite(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g);
+/// An expert without tokens has every weight gradient given exactly 0.
+void weight_grads_idle_zero(detail::Checker& c, const ClauseInfo& clause, const ExpertsTensors& t,
+                            const WeightGrads& g);
+/// Every weight gradient given within the model's bound; false when one failed.
+bool weight_grads_within(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g,
+                         const ExpertsBackward& model, const bounds::Precision& p,
+                         const char* proof);
+
+}  // namespace moecert::contracts::judge

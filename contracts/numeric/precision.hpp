@@ -1,0 +1,118 @@
+// The arithmetic an implementation declares (`moecert check --precision`):
+// where it rounds and to which format. The judge's model references mark
+// those points; each mark adds the rounding's error bound (proofs/experts.md
+// §4). Every GEMM accumulates in fp32, in any order and summation tree.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <optional>
+#include <string_view>
+
+#include "contracts/numeric/tracked.hpp"
+#include "moecert/types.hpp"
+
+namespace moecert::bounds {
+
+struct Precision {
+  std::string_view name;
+  double mid_unit;     // unit roundoff of an intermediate's storage
+  bool bf16_operands;  // what a GEMM reads (inputs, activations) is rounded to bf16
+  double lambda = 0;   // > 0: accumulations bounded probabilistically (probable())
+};
+
+/// The judge's probabilistic bounds (proofs/bounds.md §12): lambda = 10
+/// makes every accumulation's bound fail with probability at most
+/// 2 exp(-lambda^2 (1 - u)^2 / 2) < 2^-71 under the model of independent,
+/// mean-zero rounding errors, so fewer than 2^40 accumulations in one
+/// judgement fail together with probability below 2^-31.
+inline constexpr double kProbableLambda = 10;
+
+/// The declaration p with its accumulations bounded probabilistically.
+constexpr Precision probable(Precision p) {
+  p.lambda = kProbableLambda;
+  return p;
+}
+
+/// The bound on n roundings of unit u accumulated: gamma_n, or with
+/// p.lambda > 0 Higham and Mary's exp(lambda sqrt(n) u + n u^2 / (1 - u)) - 1
+/// where it is the smaller.
+inline double accumulated(double n, double u, const Precision& p) {
+  const double worst = gamma(n, u);
+  if (p.lambda <= 0) return worst;
+  return std::min(worst, std::expm1(p.lambda * std::sqrt(n) * u + n * u * u / (1 - u)));
+}
+
+/// fp32: intermediates and GEMM operands in fp32.
+inline constexpr Precision kFp32{"fp32", kU32, false};
+/// mixed: GEMM operands in bf16, other intermediates in fp32 (moecert's
+/// kernels; AMX and AVX-512 BF16 GEMMs read bf16).
+inline constexpr Precision kMixed{"mixed", kU32, true};
+/// bf16: every intermediate stored in bf16, GEMM operands bf16 (PyTorch
+/// eager on bf16 tensors: each op rounds its result).
+inline constexpr Precision kBf16{"bf16", kUbf16, true};
+
+/// The declaration named `name`, if it is one of the three.
+inline std::optional<Precision> precision_named(std::string_view name) {
+  for (const Precision& p : {kFp32, kMixed, kBf16})
+    if (p.name == name) return p;
+  return std::nullopt;
+}
+
+/// An intermediate stored: relative mid_unit, plus the flush of a result
+/// below the normal fp32 range (which also covers a bf16 denormal's half ulp).
+inline Tracked mid(Tracked a, const Precision& p) {
+  return {a.v, a.e + p.mid_unit * a.mag() + kMinNormal32};
+}
+
+/// An activation a GEMM reads (§2 when rounded to bf16).
+inline Tracked operand(Tracked a, const Precision& p) {
+  return p.bf16_operands ? Tracked{a.v, bf16_store(std::fabs(a.v), a.e)} : a;
+}
+
+/// An input value as the implementation reads it: exact, unless it is
+/// read as a GEMM operand in bf16 and is not a bf16 value.
+inline Tracked input(float v, const Precision& p) {
+  if (!p.bf16_operands || bf16(v).to_float() == v) return {v, 0};
+  return {v, bf16_store(std::fabs(v), 0)};
+}
+
+/// An fp32-accumulated sum of n_terms products a(i) b(i), i < count, in
+/// any order (bounds.md §1 with `accumulated` for gamma_n): the propagated
+/// errors, the accumulation's, the flushes.
+template <class A, class B>
+Tracked dot_accumulated(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p) {
+  const ref::DotTerms d = ref::dot_terms(count, a, b);
+  const double n = static_cast<double>(n_terms);
+  return {d.v, d.propagated + accumulated(n, kU32, p) * d.mag + 3 * n * kMinNormal32 + d.flushed};
+}
+
+/// An fp32-accumulated sum of n_terms products, stored as an intermediate.
+template <class A, class B>
+Tracked dot_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p) {
+  return mid(dot_accumulated(count, a, b, n_terms, p), p);
+}
+
+/// An fp32-accumulated sum of n_terms elementwise products that may each
+/// be stored first (a reduction of a stored product tensor), then stored.
+template <class A, class B>
+Tracked dot_products_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p) {
+  Tracked d = dot_accumulated(count, a, b, n_terms, p);
+  double mag = 0;
+  for (std::size_t i = 0; i < count; ++i) mag += a(i).mag() * b(i).mag();
+  d.e += p.mid_unit * mag + static_cast<double>(count) * kMinNormal32;
+  return mid(d, p);
+}
+
+/// A sum of n terms each a product rounded to the intermediate format, in
+/// that format, in any order: gamma_n at mid_unit over sum |terms|, plus
+/// the flush of each product and each sum.
+inline Tracked sum_stored(Tracked exact_sum, double sum_abs_terms, std::size_t n,
+                          const Precision& p) {
+  return {exact_sum.v, exact_sum.e +
+                           accumulated(static_cast<double>(n), p.mid_unit, p) * sum_abs_terms +
+                           2 * static_cast<double>(n) * kMinNormal32};
+}
+
+}  // namespace moecert::bounds
