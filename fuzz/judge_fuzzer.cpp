@@ -141,14 +141,14 @@ judge::Tensor make(fuzz::Decoder& d, const Spec& s, const Sizes& z) {
 
 judge::Params params(fuzz::Decoder& d, const std::string& op, const std::string& router) {
   static const char* const precisions[] = {"fp32", "mixed", "bf16", "fp64"};
-  static const char* const names[] = {"renormalize", "groups", "topk_group", "scaling",
-                                      "weights",     "alpha",  "audit",      "renormalise"};
+  static const char* const names[] = {"renormalize", "groups", "topk_group",  "scaling", "weights",
+                                      "alpha",       "audit",  "renormalise", "sorted"};
   static const char* const values[] = {"true", "false",   "1",   "2", "0",
                                        "-1",   "softmax", "raw", "x", "1e300"};
   judge::Params p;
   p["precision"] = precisions[d.u8() % 4];
   if (op.rfind("layer.", 0) == 0) p["router"] = router;
-  for (std::size_t i = d.range(0, 3); i > 0; --i) p[names[d.u8() % 8]] = values[d.u8() % 10];
+  for (std::size_t i = d.range(0, 3); i > 0; --i) p[names[d.u8() % 9]] = values[d.u8() % 10];
   return p;
 }
 

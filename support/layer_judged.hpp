@@ -46,6 +46,7 @@ inline jg::Tensors layer_inputs(const LayerProblem& p) {
 inline jg::Params layer_params(const LayerProblem& p) {
   return {{"precision", "mixed"},
           {"router", std::string(router_kind_name(p.cfg.router))},
+          {"sorted", "true"},  // moecert's slots follow the declared order
           {"renormalize", p.cfg.renormalize ? "true" : "false"},
           {"alpha", fmt::format("{}", p.cfg.lora_alpha)},
           {"groups", fmt::format("{}", p.cfg.groups)},

@@ -109,6 +109,43 @@ TEST_CASE("layer.forward, layer.backward: moecert's layer judged from tensors pa
     }
 }
 
+TEST_CASE("layer.forward, layer.backward: slots in another order pass unless declared sorted",
+          "[layer][judge]") {
+  for (RouterKind kind : kKinds) {
+    INFO(router_kind_name(kind));
+    const Problem p = fixture::random_layer(
+        fixture::layer_config(kind, kind == RouterKind::product_key ? 9 : 8, 40, 24, 3, 4, 21), 21,
+        5);
+    const Step s = layer_step(p, Isa::scalar);
+    // Every row's slots reversed, each id with its own weight (and dL/dw).
+    auto reversed = [](jg::Tensors t, std::initializer_list<const char*> names) {
+      for (const char* name : names) {
+        jg::Tensor& m = t.at(name);
+        for (std::size_t r = 0; r < m.rows; ++r) {
+          if (!m.i.empty()) std::reverse(m.i.begin() + r * m.cols, m.i.begin() + (r + 1) * m.cols);
+          if (!m.f.empty()) std::reverse(m.f.begin() + r * m.cols, m.f.begin() + (r + 1) * m.cols);
+        }
+      }
+      return t;
+    };
+    const jg::Tensors fwd_out = reversed(s.forward_out, {"idx", "weights"});
+    jg::Params any_order = s.params;
+    any_order.erase("sorted");
+    CHECK(failures(jg::judge_op("layer.forward", s.in, fwd_out, any_order)).empty());
+    CHECK_FALSE(evaluated(jg::judge_op("layer.forward", s.in, fwd_out, any_order),
+                          "router." + std::string(router_kind_name(kind)) + ".sorted"));
+    CHECK(failures(jg::judge_op("layer.forward", s.in, fwd_out, s.params)) ==
+          std::vector<std::string>{"router." + std::string(router_kind_name(kind)) + ".sorted"});
+    const jg::Tensors bwd_in = reversed(s.backward_in, {"idx", "weights"});
+    const jg::Tensors bwd_out = reversed(s.backward_out, {"dweights"});
+    CHECK(failures(jg::judge_op("layer.backward", bwd_in, bwd_out, any_order)).empty());
+    // Weights kept in the sorted slots while the ids are reversed: each id reads another's weight.
+    jg::Tensors unpaired = reversed(s.forward_out, {"idx"});
+    CHECK(has(failures(jg::judge_op("layer.forward", s.in, unpaired, any_order)),
+              "router." + std::string(router_kind_name(kind)) + ".within_bound"));
+  }
+}
+
 TEST_CASE("layer.forward, layer.backward: each stage's error is named by its clause",
           "[layer][judge]") {
   const Problem p = fixture::random_layer(

@@ -24,6 +24,9 @@ struct Tie {
 
 struct Options {
   bool ties_any_order = false;
+  // The slots of a row in any order: the selection is judged as a set, each
+  // id with its own weight (`sorted` is evaluated only when declared).
+  bool slots_any_order = false;
   double output_unit = 0;            // unit roundoff of the outputs' storage: 2^-8 bf16, 2^-11 fp16
   double output_tiny = 0;            // half its least denormal: 2^-134 bf16, 2^-25 fp16
   std::vector<Tie>* ties = nullptr;  // where ties are recorded, if anywhere

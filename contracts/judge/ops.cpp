@@ -46,11 +46,17 @@ std::vector<std::string> accepted_params(const std::string& op) {
   const std::vector<std::string> router = {"renormalize", "groups", "topk_group", "scaling",
                                            "weights"};
   auto starts = [&](const char* prefix) { return op.rfind(prefix, 0) == 0; };
-  if (starts("router.softmax_topk.")) return {"precision", "renormalize"};
-  if (starts("router.sigmoid_topk.")) return {"precision", "groups", "topk_group", "scaling"};
-  if (starts("router.product_key.")) return {"precision", "weights"};
+  const bool forward = op.ends_with(".forward");  // a router's forward: its slots' order
+  auto with_sorted = [&](std::vector<std::string> v) {
+    if (forward) v.push_back("sorted");
+    return v;
+  };
+  if (starts("router.softmax_topk.")) return with_sorted({"precision", "renormalize"});
+  if (starts("router.sigmoid_topk."))
+    return with_sorted({"precision", "groups", "topk_group", "scaling"});
+  if (starts("router.product_key.")) return with_sorted({"precision", "weights"});
   if (starts("experts.")) return {"precision", "alpha", "audit"};
-  std::vector<std::string> layer = {"precision", "router", "alpha"};
+  std::vector<std::string> layer = {"precision", "router", "alpha", "sorted"};
   layer.insert(layer.end(), router.begin(), router.end());
   return layer;
 }
@@ -86,6 +92,7 @@ Verdict judge_op(const std::string& op, const Tensors& in, const Tensors& out,
   check_params(op, params);
   Verdict v{op, {}, {}, {}};
   Options options = options_for(out);
+  options.slots_any_order = !flag_param(params, "sorted", false);
   options.ties = &v.ties;
   options.skipped_rows = &v.skipped_rows;
   // One judgement at a time: the handler and the clause counts are the

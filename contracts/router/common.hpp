@@ -136,9 +136,10 @@ bool order_row(std::size_t t, const ClauseInfo& sorted, const ClauseInfo* topk,
                Eligible& eligible, bool record, Fail&& fail) {
   if (!row_in_range(idx, t, e)) return true;
   const std::size_t valid = valid_slots(idx, t);
+  const bool any_order = judge::current().slots_any_order;
   // (The top-k pass checks the order again, without naming its ties a
   // second time.)
-  for (std::size_t j = 1; j < valid; ++j) {
+  for (std::size_t j = 1; j < valid && !any_order; ++j) {
     const std::int32_t a = idx(t, j - 1), b = idx(t, j);
     if (!may_precede(rank(t, a, b), t, a, b, score(t, a), record && topk == nullptr)) {
       fail(sorted, fmt::format("t={} j={}", t, j),
@@ -150,7 +151,10 @@ bool order_row(std::size_t t, const ClauseInfo& sorted, const ClauseInfo* topk,
   }
   if (!topk || valid == 0) return true;
   const std::int32_t* row = idx.row(t);
-  const std::int32_t kth = row[valid - 1];
+  std::int32_t kth = row[valid - 1];
+  if (any_order)  // the lowest-ranked of the selected
+    for (std::size_t j = 0; j < valid; ++j)
+      if (rank(t, kth, row[j]) == Rank::before) kth = row[j];
   for (std::size_t i = 0; i < e; ++i) {
     const auto ii = static_cast<std::int32_t>(i);
     if (std::find(row, row + valid, ii) != row + valid || !eligible(t, i)) continue;

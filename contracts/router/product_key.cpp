@@ -60,22 +60,24 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
   auto score = [&](std::size_t t, std::int32_t i) {
     return order::pair_sum(sx(t, i / ni), sy(t, i % ni));
   };
-  MOECERT_CONTRACT(c, k::kPkSorted) {
-    [&] {  // a failure ends this clause, not the others (observe goes on)
-      // The total order on the exact sum (then the expert index).
-      for (std::size_t t = 0; t < idx.rows; ++t)
-        for (std::size_t j = 1; row_in_range(idx, t, e) && j < valid_slots(idx, t); ++j) {
-          const std::int32_t a = idx(t, j - 1), b = idx(t, j);
-          const int cmp = order::compare(score(t, a), score(t, b));
-          if (!(cmp > 0 || (cmp == 0 && a < b)) &&
-              !(cmp == 0 && judge::allow_tie(t, a, b, score(t, a).hi))) {
-            c.fail(k::kPkSorted, fmt::format("t={} j={}", t, j),
-                   fmt::format("expert {} before expert {}", a, b),
-                   "exact score descending, then index ascending");
-            return;
+  if (!judge::current().slots_any_order) {
+    MOECERT_CONTRACT(c, k::kPkSorted) {
+      [&] {  // a failure ends this clause, not the others (observe goes on)
+        // The total order on the exact sum (then the expert index).
+        for (std::size_t t = 0; t < idx.rows; ++t)
+          for (std::size_t j = 1; row_in_range(idx, t, e) && j < valid_slots(idx, t); ++j) {
+            const std::int32_t a = idx(t, j - 1), b = idx(t, j);
+            const int cmp = order::compare(score(t, a), score(t, b));
+            if (!(cmp > 0 || (cmp == 0 && a < b)) &&
+                !(cmp == 0 && judge::allow_tie(t, a, b, score(t, a).hi))) {
+              c.fail(k::kPkSorted, fmt::format("t={} j={}", t, j),
+                     fmt::format("expert {} before expert {}", a, b),
+                     "exact score descending, then index ascending");
+              return;
+            }
           }
-        }
-    }();
+      }();
+    }
   }
   MOECERT_CONTRACT(c, k::kPkTopk) {
     [&] {  // a failure ends this clause, not the others (observe goes on)
@@ -86,7 +88,12 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
         const std::size_t valid = valid_slots(idx, t);
         if (!row_in_range(idx, t, e) || valid == 0) continue;
         for (std::size_t j = 0; j < valid; ++j) chosen[static_cast<std::size_t>(idx(t, j))] = 1;
-        const std::int32_t kth = idx(t, valid - 1);
+        std::int32_t kth = idx(t, valid - 1);
+        if (judge::current().slots_any_order)  // the lowest-ranked of the selected
+          for (std::size_t j = 0; j < valid; ++j) {
+            const int cmp = order::compare(score(t, kth), score(t, idx(t, j)));
+            if (cmp > 0 || (cmp == 0 && kth < idx(t, j))) kth = idx(t, j);
+          }
         for (std::size_t i = 0; i < e; ++i) {
           const auto ii = static_cast<std::int32_t>(i);
           const int cmp = order::compare(score(t, ii), score(t, kth));
@@ -111,7 +118,9 @@ void product_key_post(detail::Checker& c, MatView<const float> sx, MatView<const
       for (std::size_t t = 0; t < idx.rows; ++t) {
         if (!row_led_by_expert(idx, t, e) || valid_slots(idx, t) < idx.cols) continue;
         const std::int32_t ni = static_cast<std::int32_t>(n);
-        const double top = double(sx(t, idx(t, 0) / ni)) + sy(t, idx(t, 0) % ni);
+        double top = double(sx(t, idx(t, 0) / ni)) + sy(t, idx(t, 0) % ni);  // slot 0's when sorted
+        for (std::size_t j = 1; j < idx.cols; ++j)
+          top = std::max(top, double(sx(t, idx(t, j) / ni)) + sy(t, idx(t, j) % ni));
         for (std::size_t j = 0; j < idx.cols; ++j)
           shift = std::max(shift, top - (double(sx(t, idx(t, j) / ni)) + sy(t, idx(t, j) % ni)));
       }

@@ -9,6 +9,12 @@
     softmax_topk_backward_unmasked  renormalised softmax top-k backward that forgets the mask
                                  (failure mode 5): unselected experts get -p * sum(w g)
     softmax_topk_forward, softmax_topk_backward   correct
+    softmax_topk_forward_dense   correct, written as transformers' Qwen and Mixtral blocks: a
+                                 softmax over every expert, torch.topk(sorted=False), the K
+                                 weights renormalised; slots in whatever order topk leaves them
+                                 (here lowest score first)
+    softmax_topk_forward_unpaired  the same with each row's weights in the reverse slot order
+                                 of its ids: every weight belongs to another expert
     sigmoid_topk_forward         correct: DeepSeek-V3 group-limited routing in fp32 with
                                  torch.topk (its own order among equal scores)
     sigmoid_topk_forward_bias_in_weights   weights from sigma(z) + bias instead of sigma(z)
@@ -98,6 +104,17 @@ def softmax_topk_forward(z, k):
     idx = torch.tensor([sorted(range(e), key=lambda i: (-row[i].item(), i))[:k] for row in z])
     w = torch.softmax(torch.gather(z.double(), 1, idx), dim=1).float()
     return idx, w
+
+
+def softmax_topk_forward_dense(z, k, unpaired=False):
+    """Top-K of softmax(z) over all E by torch.topk(sorted=False), renormalised over the K, slots
+    reversed (any order is the implementation's to choose)."""
+    p = torch.softmax(z, dim=1)
+    w, idx = torch.topk(p, k, dim=1, sorted=False)
+    w = w / w.sum(dim=1, keepdim=True)
+    order = torch.argsort(torch.gather(z, 1, idx), dim=1, stable=True)  # lowest logit first
+    idx, w = torch.gather(idx, 1, order), torch.gather(w, 1, order)
+    return idx, (w.flip(1) if unpaired else w)
 
 
 def softmax_topk_backward(z, idx, g):

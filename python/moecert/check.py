@@ -119,17 +119,20 @@ def judge(op, inputs, outputs, **params):
         _abi.lib.moecert_free_string(result)
 
 
-def softmax_topk_forward(z, idx, w, renormalize=True):
-    return judge("router.softmax_topk.forward", {"z": z}, {"idx": idx, "w": w}, renormalize=renormalize)
+def softmax_topk_forward(z, idx, w, renormalize=True, sorted=False):
+    """sorted=True declares each row's slots in the total order (score descending, then index):
+    router.softmax_topk.sorted is judged only then; otherwise the selection is judged as a set."""
+    return judge("router.softmax_topk.forward", {"z": z}, {"idx": idx, "w": w}, renormalize=renormalize,
+                 sorted=sorted)
 
 
 def softmax_topk_backward(z, idx, g, dz, renormalize=True):
     return judge("router.softmax_topk.backward", {"z": z, "idx": idx, "g": g}, {"dz": dz}, renormalize=renormalize)
 
 
-def sigmoid_topk_forward(z, bias, idx, w, groups=1, topk_group=1, scaling=1.0):
+def sigmoid_topk_forward(z, bias, idx, w, groups=1, topk_group=1, scaling=1.0, sorted=False):
     return judge("router.sigmoid_topk.forward", {"z": z, "bias": bias}, {"idx": idx, "w": w}, groups=groups,
-                 topk_group=topk_group, scaling=scaling)
+                 topk_group=topk_group, scaling=scaling, sorted=sorted)
 
 
 def sigmoid_topk_backward(z, idx, g, dz, scaling=1.0):
@@ -163,8 +166,9 @@ def experts_backward(x, idx, weights, w_gate, w_up, w_down, dy, precision, dx=No
     return judge("experts.backward", inputs, outputs, **params)
 
 
-def product_key_forward(sx, sy, idx, w, weights="softmax"):
-    return judge("router.product_key.forward", {"sx": sx, "sy": sy}, {"idx": idx, "w": w}, weights=weights)
+def product_key_forward(sx, sy, idx, w, weights="softmax", sorted=False):
+    return judge("router.product_key.forward", {"sx": sx, "sy": sy}, {"idx": idx, "w": w}, weights=weights,
+                 sorted=sorted)
 
 
 def product_key_backward(sx, sy, idx, g, dsx, dsy, weights="softmax"):
@@ -187,7 +191,8 @@ def layer_forward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights, 
     """layer.forward judged stage by stage on the implementation's own intermediates: its logits z
     against x W_r^T + b, its selection idx and weights by the router's clauses on that z, y by the
     experts model on that selection. router: softmax_topk (renormalize), sigmoid_topk (router_bias;
-    groups, topk_group, scaling) or product_key (weights); precision: fp32, mixed or bf16."""
+    groups, topk_group, scaling) or product_key (weights); precision: fp32, mixed or bf16; sorted=True
+    declares the slots in the router's total order (judged then; otherwise any order)."""
     params = dict(router_params, precision=precision, router=router)
     if lora is not None:
         params["alpha"] = alpha

@@ -52,11 +52,12 @@ def failed(report):
 
 @needs_cli
 def test_correct_product_key_forward_passes(cases):
-    r = check(cases, "product_key_forward", "router.product_key.forward")
-    assert r["verdict"] == "pass" and r["ties"] == []
-    evaluated = {c["id"] for c in r["clauses"] if c["verdict"] == "pass"}
-    assert {"router.product_key.sorted", "router.product_key.topk_property",
-            "router.product_key.within_bound"} <= evaluated
+    for declared in ((), ("sorted=true",)):  # its slots are sorted: also when it declares so
+        r = check(cases, "product_key_forward", "router.product_key.forward", *declared)
+        assert r["verdict"] == "pass" and r["ties"] == []
+        evaluated = {c["id"] for c in r["clauses"] if c["verdict"] == "pass"}
+        assert {"router.product_key.topk_property", "router.product_key.within_bound"} <= evaluated
+        assert ("router.product_key.sorted" in evaluated) == bool(declared)
 
 
 @needs_cli
@@ -174,13 +175,37 @@ def test_python_check_judges_a_torch_sigmoid_router(near_ties):
     swapped[:, [0, 2]] = swapped[:, [2, 0]]
     w2 = w.clone()
     w2[:, [0, 2]] = w2[:, [2, 0]]
-    v = check.sigmoid_topk_forward(z, bias, swapped, w2, groups=4, topk_group=2, scaling=2.5)
+    v = check.sigmoid_topk_forward(z, bias, swapped, w2, groups=4, topk_group=2, scaling=2.5, sorted=True)
     assert "router.sigmoid_topk.sorted" in v.failed
+    v = check.sigmoid_topk_forward(z, bias, swapped, w2, groups=4, topk_group=2, scaling=2.5)
+    assert v.passed, v.failed  # undeclared, the slots' order is the implementation's
     # The bias in the weights: within_bound names it.
     idx, w = routers.sigmoid_topk_forward(z, bias, 3, groups=4, topk_group=2, scaling=2.5,
                                           bias_in_weights=True)
     v = check.sigmoid_topk_forward(z, bias, idx, w, groups=4, topk_group=2, scaling=2.5)
     assert "router.sigmoid_topk.within_bound" in v.failed
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_a_dense_softmax_with_unsorted_topk_passes_unless_it_declares_sorted(k):
+    """transformers' way (softmax over all experts, topk(sorted=False), renormalised): the
+    selection is judged as a set with each id's own weight; `sorted` only when declared."""
+    import moecert.check as check
+    z = torch.randn(24, 12, generator=torch.Generator().manual_seed(5))
+    idx, w = routers.softmax_topk_forward_dense(z, k)
+    v = check.softmax_topk_forward(z, idx.int(), w)
+    assert v.passed, v.failed
+    assert "router.softmax_topk.sorted" not in {c["id"] for c in v.clauses if c["verdict"] in ("pass", "fail")}
+    if k > 1:
+        assert "router.softmax_topk.sorted" in check.softmax_topk_forward(z, idx.int(), w, sorted=True).failed
+        # A weight paired with another slot's id fails the weights' bound, sorted or not.
+        idx, w = routers.softmax_topk_forward_dense(z, k, unpaired=True)
+        assert "router.softmax_topk.within_bound" in check.softmax_topk_forward(z, idx.int(), w).failed
+    # A wrong selection still fails the top-k property in any order.
+    idx, w = routers.softmax_topk_forward_dense(z, k)
+    wrong = idx.clone()
+    wrong[:, 0] = torch.argsort(z, dim=1)[:, 0]  # the row's lowest logit in place of its K-th
+    assert "router.softmax_topk.topk_property" in check.softmax_topk_forward(z, wrong.int(), w).failed
 
 
 def test_python_check_numpy_and_bf16_outputs(tmp_path):
