@@ -6,13 +6,13 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "contracts/engine/engine.hpp"
+#include "contracts/engine/params.hpp"
 #include "moecert/config.hpp"
 #include "moecert/router.hpp"
 
@@ -45,12 +45,12 @@ struct RouterKindInfo {
   /// The experts E that R router outputs route (width's inverse).
   std::size_t (*experts_of)(std::size_t width);
   bool expert_bias;  // reads a per-expert selection bias router_bias (E values)
-  bool split_dz;
+  bool split_dz;     // dz stored as the halves' two T x R/2 blocks
   /// The kind's clauses of core.config.validate (include/moecert/config.hpp).
   void (*validate)(detail::Checker&, const MoeConfig&);
   /// The kind's settings from the judge's params (docs/JUDGE.md); a
   /// malformed value throws std::invalid_argument naming it.
-  RouterSettings (*judge_settings)(const std::map<std::string, std::string>& params);
+  RouterSettings (*judge_settings)(const Params& params);
   /// The kind's settings from the C ABI's one number (moecert_router_bounds'
   /// param, include/moecert/moecert.h).
   RouterSettings (*abi_settings)(double param);

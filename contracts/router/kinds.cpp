@@ -1,9 +1,7 @@
 // The router kind table and what is derived from it: names, widths, the
 // layer's settings.
-#include <fmt/format.h>
-
+#include <algorithm>
 #include <array>
-#include <cmath>
 
 #include "contracts/router/kind.hpp"
 
