@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "contracts/judge/tensors.hpp"
+#include "contracts/router/kind.hpp"
 
 namespace moecert::contracts::judge {
 namespace {
@@ -43,21 +44,18 @@ Options options_for(const Tensors& out) {
 // The parameters op reads (docs/JUDGE.md): a name outside them is refused
 // rather than ignored (a misspelt one would change the verdict silently).
 std::vector<std::string> accepted_params(const std::string& op) {
-  const std::vector<std::string> router = {"renormalize", "groups", "topk_group", "scaling",
-                                           "weights"};
-  auto starts = [&](const char* prefix) { return op.rfind(prefix, 0) == 0; };
-  const bool forward = op.ends_with(".forward");  // a router's forward: its slots' order
-  auto with_sorted = [&](std::vector<std::string> v) {
-    if (forward) v.push_back("sorted");
-    return v;
-  };
-  if (starts("router.softmax_topk.")) return with_sorted({"precision", "renormalize"});
-  if (starts("router.sigmoid_topk."))
-    return with_sorted({"precision", "groups", "topk_group", "scaling"});
-  if (starts("router.product_key.")) return with_sorted({"precision", "weights"});
+  auto starts = [&](std::string_view prefix) { return op.starts_with(prefix); };
+  for (const RouterKindInfo* k : router_kinds())
+    if (starts(fmt::format("router.{}.", k->name))) {
+      std::vector<std::string> v = {"precision"};
+      v.insert(v.end(), k->judge_params.begin(), k->judge_params.end());
+      if (op.ends_with(".forward")) v.emplace_back("sorted");  // its slots' order
+      return v;
+    }
   if (starts("experts.")) return {"precision", "alpha", "audit"};
   std::vector<std::string> layer = {"precision", "router", "alpha", "sorted"};
-  layer.insert(layer.end(), router.begin(), router.end());
+  for (const RouterKindInfo* k : router_kinds())  // the layer's router's params
+    layer.insert(layer.end(), k->judge_params.begin(), k->judge_params.end());
   return layer;
 }
 

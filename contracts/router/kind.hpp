@@ -51,6 +51,8 @@ struct RouterKindInfo {
   /// The kind's settings from the judge's params (docs/JUDGE.md); a
   /// malformed value throws std::invalid_argument naming it.
   RouterSettings (*judge_settings)(const Params& params);
+  /// The names of the params judge_settings reads.
+  std::span<const std::string_view> judge_params;
   /// The kind's settings from the C ABI's one number (moecert_router_bounds'
   /// param, include/moecert/moecert.h).
   RouterSettings (*abi_settings)(double param);

@@ -264,6 +264,8 @@ struct Halves {
   MatView<const float> y() const { return {second.data(), rows, n}; }
 };
 
+constexpr std::string_view kProductKeyParams[] = {"weights"};
+
 RouterSettings product_key_judge_settings(const Params& p) {
   RouterSettings s;
   s.keys = key_weights(p);
@@ -330,6 +332,7 @@ extern const RouterKindInfo kProductKeyKind = {
     .split_dz = true,
     .validate = product_key_validate,
     .judge_settings = product_key_judge_settings,
+    .judge_params = kProductKeyParams,
     .abi_settings = product_key_abi_settings,
     .forward_clauses = product_key_forward_clauses,
     .backward_clauses = product_key_backward_clauses,

@@ -286,6 +286,8 @@ void sigmoid_topk_validate(detail::Checker& chk, const MoeConfig& cfg) {
   }
 }
 
+constexpr std::string_view kSigmoidTopkParams[] = {"groups", "topk_group", "scaling"};
+
 RouterSettings sigmoid_topk_judge_settings(const Params& p) {
   RouterSettings s;
   s.sigmoid = sigmoid_params(p);
@@ -344,6 +346,7 @@ extern const RouterKindInfo kSigmoidTopkKind = {
     .split_dz = false,
     .validate = sigmoid_topk_validate,
     .judge_settings = sigmoid_topk_judge_settings,
+    .judge_params = kSigmoidTopkParams,
     .abi_settings = sigmoid_topk_abi_settings,
     .forward_clauses = sigmoid_topk_forward_clauses,
     .backward_clauses = sigmoid_topk_backward_clauses,

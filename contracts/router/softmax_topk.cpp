@@ -163,6 +163,8 @@ std::size_t softmax_topk_width(std::size_t experts) { return experts; }
 
 void softmax_topk_validate(detail::Checker&, const MoeConfig&) {}
 
+constexpr std::string_view kSoftmaxTopkParams[] = {"renormalize"};
+
 RouterSettings softmax_topk_judge_settings(const Params& p) {
   RouterSettings s;
   s.renormalize = flag_param(p, "renormalize", true);
@@ -219,6 +221,7 @@ extern const RouterKindInfo kSoftmaxTopkKind = {
     .split_dz = false,
     .validate = softmax_topk_validate,
     .judge_settings = softmax_topk_judge_settings,
+    .judge_params = kSoftmaxTopkParams,
     .abi_settings = softmax_topk_abi_settings,
     .forward_clauses = softmax_topk_forward_clauses,
     .backward_clauses = softmax_topk_backward_clauses,
