@@ -142,11 +142,16 @@ static void router(void) {
   double bound[2 * 2];
   moecert_tensor tb = mat(bound, MOECERT_F64, 2, 2), none = {0};
   OK(moecert_router_bounds(0, 1.0, &tz, &ts, &none, &tb, &none));
+  /* product_key's param is a key weights mode; another number is refused. */
+  EXPECT(moecert_router_bounds(MOECERT_ROUTER_PRODUCT_KEY, 7.0, &tz, &ts, &none, &tb, &none) ==
+         MOECERT_INVALID_ARGUMENT);
+  EXPECT(strstr(moecert_last_error()->message, "expected a key weights mode") != NULL);
   const double exact[2 * 2] = {1 / (1 + exp(-1.0)), 1 / (1 + exp(1.0)), 1 / (1 + exp(-3.5)),
                                1 / (1 + exp(3.5))};
   for (int i = 0; i < 4; ++i) EXPECT(fabs(sw[i] - exact[i]) <= bound[i]);
   /* The judge on the same outputs: they pass; with the slots of row 0
-   * swapped, router.softmax_topk.sorted fails (the verdict names it). */
+   * swapped (each id with its weight), they pass in any order, and fail
+   * router.softmax_topk.sorted where the params declare sorted slots. */
   moecert_named_tensor in[1] = {{"z", tz, 0}}, out[2] = {{"idx", ts, 0}, {"w", tsw, 0}};
   const char* params[1] = {"renormalize=true"};
   char* verdict = NULL;
@@ -154,10 +159,15 @@ static void router(void) {
   EXPECT(verdict && strstr(verdict, "\"verdict\":\"pass\"") != NULL);
   moecert_free_string(verdict);
   const int32_t first = sel[0];
-  sel[0] = sel[1], sel[1] = first;
+  const float first_w = sw[0];
+  sel[0] = sel[1], sel[1] = first, sw[0] = sw[1], sw[1] = first_w;
   OK(moecert_check("router.softmax_topk.forward", in, 1, out, 2, params, 1, &verdict));
+  EXPECT(verdict && strstr(verdict, "\"verdict\":\"pass\"") != NULL);
+  moecert_free_string(verdict);
+  const char* sorted[2] = {"renormalize=true", "sorted=true"};
+  OK(moecert_check("router.softmax_topk.forward", in, 1, out, 2, sorted, 2, &verdict));
   EXPECT(verdict && strstr(verdict, "\"verdict\":\"fail\"") != NULL &&
-         strstr(verdict, "router.softmax_topk.sorted") != NULL);
+         strstr(verdict, "router.softmax_topk.sorted failed") != NULL);
   moecert_free_string(verdict);
   EXPECT(moecert_check("router.nope", in, 1, out, 2, params, 1, &verdict) ==
          MOECERT_INVALID_ARGUMENT);

@@ -300,6 +300,9 @@ std::vector<double> product_key_dz_rounding(const float* z, std::size_t R, const
 std::size_t product_key_experts(std::size_t width) { return (width / 2) * (width / 2); }
 
 RouterSettings product_key_abi_settings(double param) {
+  if (!(param == 0 || param == 1 || param == 2))
+    throw std::invalid_argument(
+        fmt::format("param {}: expected a key weights mode (0 raw, 1 exp, 2 softmax)", param));
   RouterSettings s;
   s.keys = static_cast<router::KeyWeights>(static_cast<int>(param));
   return s;
