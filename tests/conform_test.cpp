@@ -291,3 +291,21 @@ TEST_CASE("tools.tensor_file: F16 widened exactly, every bit pattern", "[tools]"
     REQUIRE(v[h | 0x8000] == -v[h]);
   }
 }
+
+TEST_CASE("tools.conform: the router linear's cases report each output's bound utilisation",
+          "[tools][conform]") {
+  RunContext ctx = context();
+  ctx.isas = {Isa::scalar};
+  std::vector<CaseDef> defs;
+  add_layer_cases(defs, ctx.isas);
+  std::erase_if(defs, [](const CaseDef& d) { return d.op != "layer.router_linear"; });
+  REQUIRE(defs.size() == 2);  // softmax_topk (R = E) and product_key (R = 2n)
+  const Report r = run_cases(defs, ctx, "smoke", "scalar");
+  for (const auto& c : r.cases) {
+    INFO(c.def.id());
+    CHECK(c.result.verdict == Verdict::pass);
+    REQUIRE(c.result.outputs.size() == 4);  // z, dx, router_w grad, router_b grad
+    for (const auto& o : c.result.outputs) CHECK((o.count > 0 && o.max_utilization <= 1));
+    CHECK(c.result.max_bound_utilization > 0);
+  }
+}

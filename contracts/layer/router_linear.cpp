@@ -121,6 +121,45 @@ std::vector<float> router_linear_dx_before(detail::Checker& c, MatView<const flo
   return before;
 }
 
+// dz taken as exact; dW_r, db: fp32 sums over T, dx: the caller's value plus R
+// products; bounds::dot via Tracked for any summation order; proofs/layer.md §4.
+RouterLinearGradsReference router_linear_grads_reference(MatView<const bf16> x,
+                                                         MatView<const float> w,
+                                                         MatView<const float> dz,
+                                                         const std::vector<float>& dx_before) {
+  const std::size_t T = x.rows, H = x.cols, R = w.rows;
+  RouterLinearGradsReference ref;
+  // dx: the caller's value plus a sum of R products, R + 1 terms in all.
+  if (!dx_before.empty()) {
+    ref.dx.resize(T * H);
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t h = 0; h < H; ++h) {
+        double v = dx_before[t * H + h], mag = std::fabs(v);
+        for (std::size_t e = 0; e < R; ++e) {
+          const double p = double(dz(t, e)) * w(e, h);
+          v += p, mag += std::fabs(p);
+        }
+        ref.dx[t * H + h] = {v, bounds::dot(R + 1, mag)};
+      }
+  }
+  // dW_r and db: sums of T products.
+  ref.router_w.resize(R * H), ref.router_b.resize(R);
+  for (std::size_t e = 0; e < R; ++e) {
+    double bv = 0, bmag = 0;
+    for (std::size_t t = 0; t < T; ++t) bv += dz(t, e), bmag += std::fabs(dz(t, e));
+    ref.router_b[e] = {bv, bounds::dot(T, bmag)};
+    for (std::size_t h = 0; h < H; ++h) {
+      double v = 0, mag = 0;
+      for (std::size_t t = 0; t < T; ++t) {
+        const double p = double(dz(t, e)) * x(t, h).to_float();
+        v += p, mag += std::fabs(p);
+      }
+      ref.router_w[e * H + h] = {v, bounds::dot(T, mag)};
+    }
+  }
+  return ref;
+}
+
 void router_linear_backward_post(detail::Checker& c, MatView<const bf16> x, MatView<const float> w,
                                  MatView<const float> dz, const layer::RouterLinearGrads& g,
                                  const std::vector<float>& dx_before,
@@ -136,45 +175,19 @@ void router_linear_backward_post(detail::Checker& c, MatView<const bf16> x, MatV
   MOECERT_CONTRACT(c, k::kRlProbe) {
     if (probe) probe->report(c, k::kRlProbe);
   }
-  // dz taken as exact; dW_r, db: fp32 sums over T, dx: the caller's value plus R
-  // products; bounds::dot via Tracked for any summation order; proofs/layer.md §4.
+  // Each gradient within its bound of router_linear_grads_reference.
   MOECERT_CONTRACT(c, k::kRlWithin) {
     constexpr const char* kProof = "proofs/layer.md §4";
-    // dx: the caller's value plus a sum of R products, R + 1 terms in all.
-    if (!g.dx.empty()) {
-      std::vector<Tracked> ref(T * H);
-      for (std::size_t t = 0; t < T; ++t)
-        for (std::size_t h = 0; h < H; ++h) {
-          double v = dx_before[t * H + h], mag = std::fabs(v);
-          for (std::size_t e = 0; e < R; ++e) {
-            const double p = double(dz(t, e)) * w(e, h);
-            v += p, mag += std::fabs(p);
-          }
-          ref[t * H + h] = {v, bounds::dot(R + 1, mag)};
-        }
-      if (!within(c, k::kRlWithin, "dx", H, values(MatView<const float>(g.dx)), ref, kProof))
-        return;
-    }
-    // dW_r and db: sums of T products.
-    std::vector<Tracked> dwr(R * H), db(R);
-    for (std::size_t e = 0; e < R; ++e) {
-      double bv = 0, bmag = 0;
-      for (std::size_t t = 0; t < T; ++t) bv += dz(t, e), bmag += std::fabs(dz(t, e));
-      db[e] = {bv, bounds::dot(T, bmag)};
-      for (std::size_t h = 0; h < H; ++h) {
-        double v = 0, mag = 0;
-        for (std::size_t t = 0; t < T; ++t) {
-          const double p = double(dz(t, e)) * x(t, h).to_float();
-          v += p, mag += std::fabs(p);
-        }
-        dwr[e * H + h] = {v, bounds::dot(T, mag)};
-      }
-    }
-    if (!g.router_w.empty() && !within(c, k::kRlWithin, "router_w grad", H,
-                                       values(MatView<const float>(g.router_w)), dwr, kProof))
+    const RouterLinearGradsReference ref = router_linear_grads_reference(x, w, dz, dx_before);
+    if (!g.dx.empty() &&
+        !within(c, k::kRlWithin, "dx", H, values(MatView<const float>(g.dx)), ref.dx, kProof))
+      return;
+    if (!g.router_w.empty() &&
+        !within(c, k::kRlWithin, "router_w grad", H, values(MatView<const float>(g.router_w)),
+                ref.router_w, kProof))
       return;
     if (!g.router_b.empty())
-      within(c, k::kRlWithin, "router_b grad", R, values(row_of(g.router_b)), db, kProof);
+      within(c, k::kRlWithin, "router_b grad", R, values(row_of(g.router_b)), ref.router_b, kProof);
   }
 }
 

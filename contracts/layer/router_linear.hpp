@@ -31,4 +31,16 @@ void router_linear_backward_post(detail::Checker& c, MatView<const bf16> x, MatV
 std::vector<bounds::Tracked> router_logits_reference(MatView<const bf16> x, MatView<const float> w,
                                                      View<const float> b);
 
+/// The backward's outputs exactly (binary64) with each element's bound, dz
+/// taken as exact: dx = dx_before + dz W_r (R + 1 terms; empty without
+/// dx_before), dW_r = dz^T x and db = the column sums of dz (T terms each);
+/// proofs/layer.md §4.
+struct RouterLinearGradsReference {
+  std::vector<bounds::Tracked> dx, router_w, router_b;
+};
+RouterLinearGradsReference router_linear_grads_reference(MatView<const bf16> x,
+                                                         MatView<const float> w,
+                                                         MatView<const float> dz,
+                                                         const std::vector<float>& dx_before);
+
 }  // namespace moecert::contracts

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "contracts/layer/bounds.hpp"
+#include "contracts/layer/router_linear.hpp"
 #include "contracts/reference/experts_model.hpp"
 #include "contracts/router/kind.hpp"
 #include "moecert/isa.hpp"
@@ -226,21 +227,51 @@ CaseResult layer_case(RouterKind kind, Isa isa, Dims dims, bool base, const RunC
 
 // The router linear alone, forward and backward (dx accumulated into a
 // nonzero dx), contracts at full: every output within its sum's bound.
+// The router linear's inputs: the layer's x, W_r, b, and dz and the dx the
+// backward accumulates into, both made from dy.
+struct RouterLinearInputs {
+  std::vector<float> dz, dx_before;
+  explicit RouterLinearInputs(const Layer& l) : dz(l.T * l.R), dx_before(l.T * l.H) {
+    for (std::size_t i = 0; i < dx_before.size(); ++i) dx_before[i] = l.dy[i] * 0.5f;
+    for (std::size_t i = 0; i < dz.size(); ++i) dz[i] = l.dy[i % l.dy.size()] * 0.25f;
+  }
+};
+
+// z, dx, dW_r, db of the router linear forward and backward, one after another.
 std::vector<float> router_linear_run(const Layer& l, Isa isa) {
-  std::vector<float> z(l.T * l.R, NAN), dx(l.T * l.H), dwr(l.R * l.H, NAN), db(l.R, NAN),
-      dz(l.T * l.R);
-  for (std::size_t i = 0; i < dx.size(); ++i) dx[i] = l.dy[i] * 0.5f;
-  for (std::size_t i = 0; i < dz.size(); ++i) dz[i] = l.dy[i % l.dy.size()] * 0.25f;
+  RouterLinearInputs in(l);
+  std::vector<float> z(l.T * l.R, NAN), dx = in.dx_before, dwr(l.R * l.H, NAN), db(l.R, NAN);
   const MatView<const float> w{l.wr.data(), l.R, l.H};
   const MatView<const bf16> x{l.x.data(), l.T, l.H};
   layer::router_linear_forward(x, w, {l.b.data(), l.R}, {z.data(), l.T, l.R}, isa);
-  layer::router_linear_backward(x, w, {dz.data(), l.T, l.R},
+  layer::router_linear_backward(x, w, {in.dz.data(), l.T, l.R},
                                 {.dx = {dx.data(), l.T, l.H},
                                  .router_w = {dwr.data(), l.R, l.H},
                                  .router_b = {db.data(), l.R}},
                                 isa);
   for (auto* v : {&dx, &dwr, &db}) z.insert(z.end(), v->begin(), v->end());
   return z;
+}
+
+// Each output of router_linear_run against its bounded reference: errors
+// and bound utilisation in the report.
+void compare_router_linear(CaseResult& r, const Layer& l, const std::vector<float>& run) {
+  const RouterLinearInputs in(l);
+  const MatView<const float> w{l.wr.data(), l.R, l.H};
+  const MatView<const bf16> x{l.x.data(), l.T, l.H};
+  const auto grads =
+      contracts::router_linear_grads_reference(x, w, {in.dz.data(), l.T, l.R}, in.dx_before);
+  const std::pair<const char*, std::vector<bounds::Tracked>> refs[] = {
+      {"z", contracts::router_logits_reference(x, w, {l.b.data(), l.R})},
+      {"dx", grads.dx},
+      {"router_w grad", grads.router_w},
+      {"router_b grad", grads.router_b}};
+  std::size_t at = 0;
+  for (const auto& [name, ref] : refs) {
+    compare_output(r, name, std::vector<float>(run.begin() + at, run.begin() + at + ref.size()),
+                   ref, false);
+    at += ref.size();
+  }
 }
 
 CaseResult router_linear_case(RouterKind kind, Isa isa, const RunContext& ctx) {
@@ -260,8 +291,9 @@ CaseResult router_linear_case(RouterKind kind, Isa isa, const RunContext& ctx) {
   r.deterministic = many == one;
   r.digest = digest_of(many);
   expect(r, r.deterministic, "results differ between 1 and N threads");
+  compare_router_linear(r, l, many);
   if (r.verdict == Verdict::pass) {
-    r.detail = "z, dx, dW_r, db within proofs/layer.md §4 (level full)";
+    r.detail = "z, dx, dW_r, db within proofs/layer.md §4 (level full; per output below)";
     if (isa == Isa::amx_bf16) {
       const bool exact = router_linear_run(l, Isa::amx_emu) == many;
       r.detail += exact ? "; bit-exact with amx_emu" : "";
