@@ -220,7 +220,7 @@ class MoELayer(PackedBase):
         max_tokens: the most tokens one call takes.
         train_base: train the base weights too (else they are frozen).
         out_dtype: y's dtype (None: x's).
-        isa: force a kernel ("scalar", "avx512_bf16", "amx_bf16", "amx_emu", "avx2").
+        isa: force a kernel (a name in moecert.ISAS, e.g. "amx_emu"; moecert.isa_usable tells which run here).
 
     Parameters: router_w [R, H], router_b [R] (R = E, or 2n for product_key), fp32; the LoRA
     factors a_gate, a_up [E, r, H], a_down [E, r, I], b_gate, b_up [E, I, r], b_down [E, H, r],
