@@ -114,5 +114,11 @@ def test_opcheck(rng):
                                             torch.randn(4, 24, 2), torch.randn(4, 2, 24), torch.randn(4, 32, 2))]
     cases.append((torch.ops.moecert.experts.default,
                   (x, ids, w, *factors, 4.0, mt.library.key_of(packed), True)))
+    layer = mt.MoELayer(4, 32, 24, 2, rank=2, alpha=4.0, max_tokens=T, out_dtype=torch.float32)
+    layer(x.detach())  # packs
+    lora = tuple(getattr(layer, n) for n in ops.LORA_NAMES)
+    cases.append((torch.ops.moecert.layer.default,
+                  (x, layer.router_w, layer.router_b, None, *lora, mt.library.config_key(layer.config),
+                   mt.library.key_of(layer._packed), True)))
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=OPCHECKS)
