@@ -2,6 +2,7 @@
 // (contracts/judge/ops.hpp).
 #include "contracts/judge/tensors.hpp"
 #include "contracts/router/clauses.hpp"
+#include "contracts/router/kind.hpp"
 
 namespace moecert::contracts::judge {
 namespace {
@@ -17,43 +18,29 @@ void require_fp32(const Params& m) {
         it->second));
 }
 
-void softmax_forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
+// A router whose clauses read the logits z whole (softmax_topk,
+// sigmoid_topk): its kind's forward and backward clauses
+// (contracts/router/kind.hpp) on the tensors.
+template <RouterKind K>
+void whole_forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
   require_fp32(p);
-  const bool renorm = flag_param(p, "renormalize", true);
+  const RouterKindInfo& kind = router_kind(K);
+  const RouterSettings settings = kind.judge_settings(p);
   const auto z = values(in, "inputs", "z"), w = values(out, "outputs", "w");
+  const auto bias = kind.expert_bias ? vector_of(in, "inputs", "bias") : View<const float>{};
   const auto idx = indices(out, "outputs", "idx");
-  softmax_topk_pre(c, z, z.bytes(), writable(idx), writable(w));
-  if (!c.stop()) softmax_topk_post(c, z, idx, w, renorm);
+  kind.forward_clauses(c, z, bias, settings, idx, w);
 }
 
-void softmax_backward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
+template <RouterKind K>
+void whole_backward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
   require_fp32(p);
-  const bool renorm = flag_param(p, "renormalize", true);
+  const RouterKindInfo& kind = router_kind(K);
+  const RouterSettings settings = kind.judge_settings(p);
   const auto z = values(in, "inputs", "z"), g = values(in, "inputs", "g");
   const auto dz = values(out, "outputs", "dz");
   const auto idx = indices(in, "inputs", "idx");
-  softmax_topk_backward_pre(c, z, idx, g, writable(dz));
-  if (!c.stop()) softmax_topk_backward_post(c, z, idx, g, dz, renorm);
-}
-
-void sigmoid_forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
-  require_fp32(p);
-  const auto params = sigmoid_params(p);
-  const auto z = values(in, "inputs", "z"), w = values(out, "outputs", "w");
-  const auto bias = vector_of(in, "inputs", "bias");
-  const auto idx = indices(out, "outputs", "idx");
-  sigmoid_topk_pre(c, z, z.bytes(), bias, params, writable(idx), writable(w));
-  if (!c.stop()) sigmoid_topk_post(c, z, bias, params, idx, w);
-}
-
-void sigmoid_backward(detail::Checker& c, const Tensors& in, const Tensors& out, const Params& p) {
-  require_fp32(p);
-  const auto params = sigmoid_params(p);
-  const auto z = values(in, "inputs", "z"), g = values(in, "inputs", "g");
-  const auto dz = values(out, "outputs", "dz");
-  const auto idx = indices(in, "inputs", "idx");
-  sigmoid_topk_backward_pre(c, z, idx, g, writable(dz));
-  if (!c.stop()) sigmoid_topk_backward_post(c, z, idx, g, params, dz);
+  kind.backward_clauses(c, z, idx, g, settings, dz);
 }
 
 void product_key_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
@@ -83,10 +70,14 @@ void product_key_backward(detail::Checker& c, const Tensors& in, const Tensors& 
 
 std::map<std::string, OpEntry> router_entries() {
   return {
-      {"router.softmax_topk.forward", {softmax_forward, {"router.softmax_topk."}}},
-      {"router.softmax_topk.backward", {softmax_backward, {"router.softmax_topk_backward."}}},
-      {"router.sigmoid_topk.forward", {sigmoid_forward, {"router.sigmoid_topk."}}},
-      {"router.sigmoid_topk.backward", {sigmoid_backward, {"router.sigmoid_topk_backward."}}},
+      {"router.softmax_topk.forward",
+       {whole_forward<RouterKind::softmax_topk>, {"router.softmax_topk."}}},
+      {"router.softmax_topk.backward",
+       {whole_backward<RouterKind::softmax_topk>, {"router.softmax_topk_backward."}}},
+      {"router.sigmoid_topk.forward",
+       {whole_forward<RouterKind::sigmoid_topk>, {"router.sigmoid_topk."}}},
+      {"router.sigmoid_topk.backward",
+       {whole_backward<RouterKind::sigmoid_topk>, {"router.sigmoid_topk_backward."}}},
       {"router.product_key.forward", {product_key_forward, {"router.product_key."}}},
       {"router.product_key.backward", {product_key_backward, {"router.product_key_backward."}}}};
 }

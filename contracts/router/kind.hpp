@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <span>
 #include <string>
 #include <string_view>
@@ -79,6 +80,15 @@ struct RouterKindInfo {
   std::vector<double> (*dz_reference)(const float* z, std::size_t R, const std::int32_t* idx,
                                       const float* g, std::size_t k, const RouterSettings&);
 };
+
+/// Whether each entry of a table of kinds (descriptions, ops) sits at its
+/// kind's value.
+template <class Table>
+bool in_kind_order(const Table& table) {
+  for (std::size_t i = 0; i < std::size(table); ++i)
+    if (static_cast<std::size_t>(table[i]->kind) != i) return false;
+  return true;
+}
 
 /// The kind table, in RouterKind's order.
 std::span<const RouterKindInfo* const> router_kinds();

@@ -24,16 +24,10 @@ const std::array<const RouterKindInfo*, kRouterKinds> kTable = {
     &kProductKeyKind,
 };
 
-bool in_order() {
-  for (std::size_t i = 0; i < kTable.size(); ++i)
-    if (static_cast<std::size_t>(kTable[i]->kind) != i) return false;
-  return true;
-}
-
 }  // namespace
 
 std::span<const RouterKindInfo* const> router_kinds() {
-  static const bool ordered = in_order();
+  static const bool ordered = in_kind_order(kTable);
   MOECERT_ASSERT(ordered);
   return kTable;
 }

@@ -18,16 +18,10 @@ const std::array<const RouterOps*, kRouterKinds> kTable = {
     &kProductKeyOps,
 };
 
-bool in_order() {
-  for (std::size_t i = 0; i < kTable.size(); ++i)
-    if (static_cast<std::size_t>(kTable[i]->kind) != i) return false;
-  return true;
-}
-
 }  // namespace
 
 const RouterOps& router_ops(RouterKind kind) {
-  static const bool ordered = in_order();
+  static const bool ordered = contracts::in_kind_order(kTable);
   MOECERT_ASSERT(ordered);
   const auto i = static_cast<std::size_t>(kind);
   MOECERT_ASSERT(i < kRouterKinds);
