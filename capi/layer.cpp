@@ -57,6 +57,15 @@ moecert_status moecert_config_validate(const moecert_config* cfg) {
   return guarded("moecert_config_validate", [&] { validate(capi::config_of(cfg)); });
 }
 
+moecert_status moecert_config_router_width(const moecert_config* cfg, int64_t* width) {
+  return guarded("moecert_config_router_width", [&] {
+    if (!width) throw InvalidArgument("width: null");
+    const MoeConfig c = capi::config_of(cfg);
+    validate(c);
+    *width = static_cast<std::int64_t>(router_width(c));
+  });
+}
+
 moecert_status moecert_layer_saved_new(moecert_layer_saved** out) {
   return guarded("moecert_layer_saved_new", [&] {
     if (!out) throw InvalidArgument("out: null");

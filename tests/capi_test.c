@@ -180,6 +180,14 @@ static void layer(void) {
   OK(moecert_experts_pack(E, &tg, &tu, &td, 1, &packed));
   moecert_config cfg = {E, H, I, 1, R, 4.0, 0, 1, 1, 1, 1.0, T};
   OK(moecert_config_validate(&cfg));
+  int64_t width = 0;
+  OK(moecert_config_router_width(&cfg, &width));
+  EXPECT(width == E);
+  moecert_config key_cfg = cfg;
+  key_cfg.experts = 16, key_cfg.router = MOECERT_ROUTER_PRODUCT_KEY;
+  OK(moecert_config_router_width(&key_cfg, &width));
+  EXPECT(width == 8);
+  EXPECT(moecert_config_router_width(&cfg, NULL) == MOECERT_INVALID_ARGUMENT);
   static float rw[E * H], rb[E], drw[E * H];
   for (int i = 0; i < E * H; ++i) rw[i] = 0.1f * cosf((float)i);
   moecert_layer_weights lw;

@@ -290,6 +290,9 @@ typedef struct moecert_config {
 
 moecert_status moecert_config_validate(const moecert_config* cfg);
 
+/* The router linear's width R of a valid config: E, or 2n for product_key. */
+moecert_status moecert_config_router_width(const moecert_config* cfg, int64_t* width);
+
 /* router_w [R x H] f32, router_b [R] f32, router_bias [E] f32 (sigmoid_topk;
  * absent otherwise); R = E, or 2n for product_key. */
 typedef struct moecert_layer_weights {

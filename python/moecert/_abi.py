@@ -106,6 +106,7 @@ _PROTOTYPES = {
     "moecert_product_key_forward": ([T, T, c_int32, T, T], c_int32),
     "moecert_product_key_backward": ([T, T, T, T, c_int32, T, T], c_int32),
     "moecert_config_validate": ([POINTER(Config)], c_int32),
+    "moecert_config_router_width": ([POINTER(Config), POINTER(c_int64)], c_int32),
     "moecert_layer_saved_new": ([OUT_H], c_int32),
     "moecert_layer_saved_free": ([H], None),
     "moecert_layer_saved_routing": ([H, T, T], c_int32),

@@ -1,11 +1,14 @@
 """The experts op with the caller's routing against float64 PyTorch autograd,
 within moecert's derived bounds, on every usable kernel and routing class."""
+import gc
+import weakref
+
 import pytest
 import torch
 
 import moecert
 import moecert.torch as mt
-from moecert.torch import ops
+from moecert.torch import keys, ops
 
 import reference as R
 from conftest import ISAS, within
@@ -150,11 +153,8 @@ def test_registered_op_and_torch_compile_give_the_functions_bits(rng):
         y.backward(dy)
         return [y.detach(), xs.grad, ws.grad] + [f.grad for f in fs]
 
-    def function_of(xs, ws, lora):
-        step = ops.ExpertsStep(packed, lora, (True,) * 8)
-        return mt.ExpertsFunction.apply(step, None, xs, ids, ws, *lora.factors())
-
-    function = run(function_of)
+    function = run(lambda xs, ws, lora: mt.EXPERTS.function.apply(
+        xs, ids, ws, *lora.factors(), None, None, None, lora.alpha, packed.key, 0, -1, True)[0])
     mt.library.always = True
     try:
         registered = run(lambda xs, ws, l: mt.experts(xs, ids, ws, packed, l))
@@ -163,14 +163,13 @@ def test_registered_op_and_torch_compile_give_the_functions_bits(rng):
     compiled = run(torch.compile(lambda xs, ws, l: mt.experts(xs, ids, ws, packed, l), fullgraph=True))
     for a, b, c in zip(function, registered, compiled):
         assert torch.equal(a, b) and torch.equal(a, c)
-    assert not mt.library._in_flight  # every saved state released by its backward
 
 
 @pytest.mark.parametrize("frozen", ["nothing", "x and weights", "lora", "no lora"])
 def test_gradients_follow_what_requires_them(frozen, rng):
     """moecert.torch.experts gives the gradients of exactly the tensors that require one, equal to
-    the ops' backward asked for those (bitwise), through one kept step at two token counts, and a
-    new step once a factor is another tensor."""
+    the ops' backward asked for those (bitwise), at two token counts, and the same y once a factor
+    is another tensor of the same values."""
     base, factors, _, _ = problem(rng, lora=frozen != "no lora")
     packed = ops.PackedExperts(base["w_gate"], base["w_up"], base["w_down"])
     lora = None if factors is None else ops.Lora(
@@ -191,26 +190,33 @@ def test_gradients_follow_what_requires_them(frozen, rng):
         for k, t in leaves.items():
             assert (t.grad is None) == (k not in wanted), k
             assert t.grad is None or torch.equal(t.grad, g[k]), k
-    assert len(packed.experts_steps) == 1
-    with torch.no_grad():  # the same step, no graph
+    with torch.no_grad():
         y = mt.experts(x, ids, w, packed, lora)
-    assert not y.requires_grad and len(packed.experts_steps) == 1
-    if lora is not None:  # another tensor for a factor: a step of its own, the same bits
+    assert not y.requires_grad
+    if lora is not None:  # another tensor for a factor: the same bits
         other = ops.Lora(*(f.detach().clone().requires_grad_(f.requires_grad) for f in lora.factors()),
                          alpha=lora.alpha)
-        y_other = mt.experts(x, ids, w, packed, other)
-        y_kept = mt.experts(x, ids, w, packed, lora)
-        assert torch.equal(y_other, y_kept)
-        assert packed.experts_steps[next(iter(packed.experts_steps))].holds(lora)
+        assert torch.equal(mt.experts(x, ids, w, packed, other), mt.experts(x, ids, w, packed, lora))
 
 
-def test_experts_function_refuses_a_step_formed_for_other_gradients(rng):
-    base, factors, x, _ = problem(rng)
+def test_a_saved_state_lives_as_long_as_its_graph(rng):
+    """A training forward's saved state (its activations) is owned by the graph: dropped with a
+    graph whose backward never runs (evaluation with grad mode on), back in the pool after a
+    backward, and a state tensor that outlives its state names nothing."""
+    base, factors, x, dy = problem(rng)
     ids, w = routing("normal", rng)
     packed = ops.PackedExperts(base["w_gate"], base["w_up"], base["w_down"])
-    step = ops.ExpertsStep(packed, factors, (True,) * 8)
-    with pytest.raises(moecert.InvalidArgument, match=r"formed for gradients of \[x, dweights, a_gate, .*\] but "
-                                                      r"autograd asks for \[\]"):
-        mt.ExpertsFunction.apply(step, None, x, ids, w, *factors.factors())
-    with pytest.raises(moecert.InvalidArgument, match="needs: 2 flags, expected 8"):
-        ops.ExpertsStep(packed, factors, (True, True))
+    xs = x.clone().requires_grad_()
+    y, state = mt.EXPERTS.function.apply(xs, ids, w, *(None,) * 9, 0.0, packed.key, 0, -1, True)
+    saved = weakref.ref(keys.resume(state, ops.check_generation))
+    del y, state
+    gc.collect()
+    assert saved() is None and not packed.experts_pool._idle
+    mt.experts(xs, ids, w, packed).backward(dy)
+    assert len(packed.experts_pool._idle) == 1
+    state = keys.hold(ops.ExpertsSaved())
+    copy = state.clone()  # the numbers alone, not the storage that owns the state
+    del state
+    gc.collect()
+    with pytest.raises(moecert.InvalidArgument, match="kept no saved state"):
+        keys.resume(copy, ops.check_generation)

@@ -5,7 +5,6 @@ import torch
 
 import moecert
 import moecert.torch as mt
-from moecert.torch import functions as fn
 from moecert.torch import ops, routers
 
 pytestmark = pytest.mark.skipif(not mt.library.registered(), reason="torch.library.custom_op needs torch >= 2.4")
@@ -68,10 +67,7 @@ def test_layer(rng):
         y.backward(dy)
         return [y.detach(), xs.grad] + [p.grad for p in trainable]
 
-    layer(x)  # packs
-    plan = ops.LayerStep(layer.config, layer._packed, (layer.router_w, layer.router_b, None) + layer.lora().factors(),
-                         (True,) * (1 + len(trainable)))
-    function = step(lambda xs: fn.LayerFunction.apply(plan, None, xs, *trainable))
+    function = step(layer)  # eagerly: the definition's autograd.Function
     for got in (registered_eagerly(lambda: step(layer)), step(torch.compile(layer, fullgraph=True))):
         assert all(torch.equal(a, b) for a, b in zip(function, got))
     layer.out_dtype = None  # y in x's dtype: the graph's y rounded
@@ -113,12 +109,12 @@ def test_opcheck(rng):
     factors = [t.requires_grad_() for t in (torch.randn(4, 2, 32), torch.randn(4, 24, 2), torch.randn(4, 2, 32),
                                             torch.randn(4, 24, 2), torch.randn(4, 2, 24), torch.randn(4, 32, 2))]
     cases.append((torch.ops.moecert.experts.default,
-                  (x, ids, w, *factors, 4.0, mt.library.key_of(packed), True)))
+                  (x, ids, w, *factors, None, None, None, 4.0, packed.key, 0, -1, True)))
     layer = mt.MoELayer(4, 32, 24, 2, rank=2, alpha=4.0, max_tokens=T, out_dtype=torch.float32)
     layer(x.detach())  # packs
     lora = tuple(getattr(layer, n) for n in ops.LORA_NAMES)
     cases.append((torch.ops.moecert.layer.default,
-                  (x, layer.router_w, layer.router_b, None, *lora, mt.library.config_key(layer.config),
-                   mt.library.key_of(layer._packed), True)))
+                  (x, layer.router_w, layer.router_b, None, *lora, None, None, None, layer._config_key,
+                   layer._packed.key, 0, -1, True)))
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=OPCHECKS)

@@ -244,13 +244,10 @@ def test_x_dtypes_and_y_dtype():
     assert y32.dtype == torch.float32 and torch.equal(y32, fp32_out(xb))
     dy = torch.randn(T, H)
     y32.backward(dy)
-    xb2 = xb.clone().requires_grad_()
-    step = ops.LayerStep(fp32_out.config, fp32_out._packed, (fp32_out.router_w, fp32_out.router_b, None) +
-                         fp32_out.lora().factors(), (True,) + (False,) * 8, x_dtype=torch.float32)
-    saved = ops.LayerSaved()
-    with torch.no_grad():
-        step.forward(xb2, saved)
-    dx = step.backward(saved, dy)[0]
+    p = {n: getattr(fp32_out, n).detach() for n in ("router_w", "router_b") + ops.LORA_NAMES}
+    _, saved = ops.layer_forward(fp32_out.config, fp32_out._packed, p["router_w"], p["router_b"], xb, None,
+                                 ops.Lora(*(p[n] for n in ops.LORA_NAMES), alpha=fp32_out.config.lora_alpha))
+    dx = ops.layer_backward(saved, dy, {"dx"}, dx_dtype=torch.float32)["dx"]
     assert x32.grad.dtype == torch.float32 and torch.equal(x32.grad, dx)
     assert layer(xb).dtype == torch.bfloat16 and torch.equal(layer(xb), fp32_out(xb).bfloat16())
     x64 = xb.double().reshape(2, T // 2, H)

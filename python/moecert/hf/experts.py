@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument
-from ..torch import functions, library, ops
-from ..torch.modules import NATIVE, PackedBase, _what
+from ..torch import functions, ops
+from ..torch.modules import PackedBase, _what
 
 BASE = ("gate_up_proj", "down_proj")
 PROJECTIONS = ("gate", "up", "down")
@@ -175,19 +175,12 @@ class Experts(PackedBase):
             return {"gate_up_proj": gate_up.transpose(1, 2).contiguous(), "down_proj": w_down.transpose(1, 2).contiguous()}
         return {"gate_up_proj": gate_up, "down_proj": w_down}
 
-    def _pack_keys(self):
-        if library.registered():
-            self._keys = library.key_of(self._packed)
-
     def lora(self):
-        """The LoRA factors as the kernels read them (ops.Lora; all bf16 or all fp32, else fp32
-        through a differentiable cast; a_up is a_gate: the shared A), or None (no adapter, or
-        merged)."""
+        """The LoRA factors (ops.Lora of the module's tensors; a_up is a_gate: the shared A), or
+        None (no adapter, or merged)."""
         if not self.rank or self.merged:
             return None
         f = {n: getattr(self, n) for n in FACTORS}
-        if len({t.dtype for t in f.values()}) != 1 or f["lora_A_gate_up"].dtype not in NATIVE:
-            f = {n: t.float() for n, t in f.items()}
         a = f["lora_A_gate_up"]
         return ops.Lora(a, f["lora_B_gate"], a, f["lora_B_up"], f["lora_A_down"], f["lora_B_down"],
                         alpha=self._kernel_alpha)

@@ -17,14 +17,14 @@ import torch
 
 from .. import set_num_threads
 from ..errors import InvalidArgument
-from . import library, ops, routers
-from .functions import ExpertsFunction, LayerFunction, Stats, experts, stats
+from . import functions, library, ops, routers
+from .functions import EXPERTS, LAYER, Stats, experts, stats
 from .modules import MoELayer
 from .routers import product_key, sigmoid_topk, softmax_topk
 from .ops import LayerConfig, Lora, PackedExperts
 
-__all__ = ["ops", "library", "routers", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats", "Stats", "ExpertsFunction",
-           "LayerFunction", "MoELayer", "PackedExperts", "Lora", "LayerConfig"]
+__all__ = ["ops", "functions", "library", "routers", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats",
+           "Stats", "EXPERTS", "LAYER", "MoELayer", "PackedExperts", "Lora", "LayerConfig"]
 
 library.register()
 

@@ -34,10 +34,13 @@ def first_order(backward):
 class OpDef:
     """One op. forward(*inputs) -> list of outputs; keep(inputs, outputs) -> (tensors, extras):
     what the backward reads (tensors saved by autograd, extras any schema-typed values);
-    backward(*tensors, *grads, *extras) -> one gradient per entry of `grads_of`, where grads are
-    the incoming gradients of the outputs `from_outputs`; fake and backward_fake: the same
-    signatures, returning empty tensors of the outputs' shapes and dtypes. `schema` and
-    `backward_schema` are the custom ops' (torch.library) argument lists and results."""
+    backward(*tensors, *grads, *extras[, wanted]) -> one gradient per entry of `grads_of`, where
+    grads are the incoming gradients of the outputs `from_outputs`; a `selective` backward also
+    takes `wanted` (a bool per entry of grads_of: autograd's needs_input_grad) and computes only
+    those (any tensor where not wanted); results after the gradients go to `receive`. fake and
+    backward_fake: the same signatures, returning empty tensors of the outputs' shapes and
+    dtypes. `schema` and `backward_schema` are the custom ops' (torch.library) argument lists and
+    results."""
     name: str
     schema: str
     backward_schema: str
@@ -49,6 +52,8 @@ class OpDef:
     grads_of: Tuple[int, ...]      # the inputs that get gradients
     from_outputs: Tuple[int, ...]  # the outputs whose gradients the backward reads
     integer_outputs: Tuple[int, ...] = ()
+    selective: bool = False  # the backward's last argument: which of grads_of autograd asks for
+    receive: Callable = None  # receive(extras, rest): the backward's results after the gradients
     function: type = None
 
     def __post_init__(self):
@@ -60,11 +65,21 @@ class OpDef:
             return tuple(getattr(torch.ops.moecert, self.name)(*inputs))
         return self.function.apply(*inputs)
 
-    def gradients(self, n_inputs, grads):
-        """The backward's results placed at their inputs' positions (None elsewhere)."""
-        out = [None] * n_inputs
-        for i, g in zip(self.grads_of, grads):
-            out[i] = g
+    def run_backward(self, call, ctx, grads):
+        """autograd's gradients of the inputs (None where not asked for) from call(*arguments),
+        the definition's backward or its registered op, over what ctx kept."""
+        if len(grads) == 1 and isinstance(grads[0], (list, tuple)):
+            grads = tuple(grads[0])
+        args = list(ctx.saved_tensors) + [grads[i] for i in self.from_outputs] + list(ctx.extras)
+        wanted = [bool(ctx.needs_input_grad[i]) for i in self.grads_of]
+        if self.selective:
+            args.append(wanted)
+        results = call(*args)
+        if self.receive is not None:
+            self.receive(ctx.extras, results[len(self.grads_of):])
+        out = [None] * ctx.n_inputs
+        for i, g, w in zip(self.grads_of, results, wanted):
+            out[i] = g if w else None
         return tuple(out)
 
 
@@ -81,8 +96,7 @@ def _function(d):
 
     @first_order
     def backward(ctx, *grads):
-        g = d.backward(*ctx.saved_tensors, *(grads[i] for i in d.from_outputs), *ctx.extras)
-        return d.gradients(ctx.n_inputs, g)
+        return d.run_backward(d.backward, ctx, grads)
 
     name = "".join(part.capitalize() for part in d.name.split("_"))
     return type(name, (torch.autograd.Function,), {
@@ -110,9 +124,6 @@ def _register(lib, d):
         ctx.n_inputs = len(inputs)
 
     def autograd_backward(ctx, *grads):
-        if len(grads) == 1 and isinstance(grads[0], (list, tuple)):
-            grads = tuple(grads[0])
-        g = op_backward(*ctx.saved_tensors, *(grads[i] for i in d.from_outputs), *ctx.extras)
-        return d.gradients(ctx.n_inputs, g)
+        return d.run_backward(op_backward, ctx, grads)
 
     lib.register_autograd("moecert::" + d.name, autograd_backward, setup_context=setup_context)

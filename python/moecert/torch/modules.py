@@ -5,11 +5,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument
-from . import library, ops
-from .functions import LayerFunction
+from . import functions, keys, ops
 from .ops import BASE_NAMES, LORA_NAMES
-
-NATIVE = (torch.bfloat16, torch.float32)  # the dtypes the kernels read LoRA factors in
 
 
 def _storage(t):
@@ -92,7 +89,7 @@ class PackedBase(nn.Module):
         """Stores the base weights `named` (stored names -> tensors, any float dtype, rounded to
         bf16) as parameters (train_base) or as the pack."""
         self.train_base = bool(train_base)
-        self._packed, self._steps, self._keys = None, {}, None
+        self._packed = None
         named = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in named.items()}
         if self.train_base:
             for name in self.BASE:
@@ -138,15 +135,9 @@ class PackedBase(nn.Module):
             self._set_pack(ops.PackedExperts(*self.split(new), backward=True))
 
     def _set_pack(self, packed):
-        old = self._packed
-        if old is not None:
-            library.forget(old)
-            packed.adopt_pools(old)
-        self._packed, self._steps = packed, {}
-        self._pack_keys()
-
-    def _pack_keys(self):
-        """The registered ops' key of the pack (formed outside any compiled region)."""
+        if self._packed is not None:
+            packed.adopt_pools(self._packed)
+        self._packed = packed
 
     def pack_parameters(self):
         """train_base: the base parameters' current values, packed; returns the parameters."""
@@ -184,16 +175,6 @@ class PackedBase(nn.Module):
             self.set_base_weights(**given)
         except InvalidArgument as e:
             error_msgs.append(str(e))
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_steps"], state["_keys"] = {}, None  # ABI structs; formed again at the next call
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        if self._packed is not None:
-            self._pack_keys()
 
     def _apply(self, fn, *args, **kwargs):
         try:
@@ -256,6 +237,7 @@ class MoELayer(PackedBase):
         self.config = ops.LayerConfig(experts, hidden, inter, topk, rank, alpha if rank else 0.0, router,
                                       renormalize, groups, topk_group, scaling, max_tokens)
         self.config.struct()  # validates
+        self._config_key = keys.config_key(self.config)
         if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
             raise InvalidArgument("out_dtype {!r}: expected None or a floating torch.dtype".format(out_dtype))
         E, H, I, R = experts, hidden, inter, self.config.router_outputs()
@@ -283,10 +265,6 @@ class MoELayer(PackedBase):
         given = {n: t for n, t in zip(BASE_NAMES, (w_gate, w_up, w_down)) if t is not None}
         super().set_base_weights(**given)
 
-    def _pack_keys(self):
-        if library.registered():
-            self._keys = (library.config_key(self.config), library.key_of(self._packed))
-
     # ---- forward --------------------------------------------------------------
 
     def lora(self):
@@ -304,43 +282,15 @@ class MoELayer(PackedBase):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != H or not x.is_floating_point():
             raise InvalidArgument("x: {}, expected a [..., {}] floating-point tensor".format(_what(x), H))
         out_dtype = self.out_dtype or x.dtype
-        base = self.pack_parameters() if self.train_base else ()
+        base = self.pack_parameters() if self.train_base else None
         lead = x.shape[:-1]
         x2 = x.reshape(-1, H) if x.dim() != 2 else x
         p = self._parameters
-        router = (p["router_w"], p["router_b"])
-        factors = tuple(p[n] for n in LORA_NAMES) if self.config.lora_rank else ()
-        if (library.in_graph() and stats is None and self.isa is None and x2.device.type == "cpu" and not base and
-                x2.dtype == torch.bfloat16 and all(t.dtype == torch.float32 for t in router + factors)):
-            return library.call_layer(x2, self, *self._keys).to(out_dtype).reshape(*lead, H)
-        weights = tuple(_f32(t) for t in router + (self.router_bias,)) + _kernel_factors(factors)
-        if torch.is_grad_enabled():
-            train_base = any(t.requires_grad for t in base)
-            tensors = router + factors + (tuple(base) if train_base else ())
-            needs = (x2.requires_grad,) + tuple(t.requires_grad for t in tensors)
-            if any(needs):
-                step = self._step(weights, needs, train_base, stats is not None, x2.dtype, out_dtype)
-                y = LayerFunction.apply(step, stats, x2, *tensors)
-                return y if x2 is x else y.reshape(*lead, H)  # a reshape is a node of the graph
-        with torch.no_grad():
-            xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
-            rw, rb, bias, *kf = weights
-            lora = ops.Lora(*kf, alpha=self.config.lora_alpha) if kf else None
-            y, _ = ops.layer_forward(self.config, self._packed, rw, rb, xb, bias, lora, isa=self.isa, training=False)
-        return y.to(out_dtype).reshape(*lead, H)
-
-    def _step(self, weights, needs, train_base, stats, x_dtype, out_dtype):
-        """The ops.LayerStep of these weights (router_w, router_b, router_bias, the LoRA factors, as
-        the kernels read them) and wanted gradients: the one formed at an earlier call while the
-        weights are the tensors it was formed for, else a new one."""
-        key = (needs, train_base, stats, x_dtype, out_dtype)
-        step = self._steps.get(key)
-        if step is None or step.packed is not self._packed or not step.holds(weights):
-            if len(self._steps) >= 8:
-                self._steps.clear()
-            step = self._steps[key] = ops.LayerStep(self.config, self._packed, weights, needs, train_base, stats,
-                                                    x_dtype, self.isa, out_dtype)
-        return step
+        factors = tuple(p[n] for n in LORA_NAMES) if self.config.lora_rank else None
+        y = functions.layer(x2, self._config_key, self._packed, p["router_w"], p["router_b"], self.router_bias,
+                            factors, base, stats, self.isa)
+        y = y if y.dtype == out_dtype else y.to(out_dtype)
+        return y if x2 is x else y.reshape(*lead, H)  # a reshape is a node of the graph
 
     def extra_repr(self):
         c = self.config
@@ -352,21 +302,3 @@ def _what(t):
     if isinstance(t, torch.Tensor):
         return "{} {}".format(list(t.shape), str(t.dtype).replace("torch.", ""))
     return type(t).__name__
-
-
-def _f32(t):
-    """t as the kernels read router parameters: fp32 (a detached copy of another float dtype)."""
-    if not isinstance(t, torch.Tensor) or t.dtype == torch.float32 or not t.is_floating_point():
-        return t
-    return t.detach().float()
-
-
-def _kernel_factors(factors):
-    """The LoRA factors as the kernels read them: all bf16 or all fp32 as they are, else fp32
-    detached copies."""
-    if not factors or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in factors):
-        return tuple(factors)
-    dtypes = {t.dtype for t in factors}
-    if len(dtypes) == 1 and dtypes <= set(NATIVE):
-        return tuple(factors)
-    return tuple(t.detach().float() for t in factors)

@@ -16,6 +16,7 @@ import torch
 from .. import _abi
 from .._abi import EXPERTS_GRADS, LAYER_GRADS
 from ..errors import InvalidArgument
+from . import keys
 from ._tensors import check, check_no_alias, describe, grad_input, index_tensor, ref, signature
 
 BF16, F32 = (torch.bfloat16,), (torch.float32,)
@@ -25,9 +26,13 @@ ROUTERS = _abi.names("router")  # the C ABI's numbering
 KEY_WEIGHTS = _abi.names("key_weights")
 
 
-def _isa(isa):
+def isa_number(isa):
+    """The C ABI's number of a kernel level named in moecert.ISAS (None: -1, the default); a
+    number is returned as it is."""
     if isa is None:
         return -1
+    if isinstance(isa, int):
+        return isa
     from .. import ISAS
     if isa not in ISAS:
         raise InvalidArgument("isa {!r}: expected one of {}".format(isa, ", ".join(ISAS)))
@@ -101,8 +106,13 @@ class PackedExperts:
         self._handle = _abi.Handle(ptr, "moecert_experts_free")
         self.experts_pool = SavedPool(ExpertsSaved)
         self.layer_pool = SavedPool(LayerSaved)
-        self.experts_steps = {}  # moecert.torch.experts' ExpertsSteps on these experts
         self._memo = {}
+        keys.key_of(self)
+
+    @property
+    def key(self):
+        """The key naming these packed experts in the ops' schemas (keys.py)."""
+        return self._key
 
     def unpack(self):
         """(w_gate, w_up, w_down): new bf16 tensors holding the packed weights, bitwise."""
@@ -216,7 +226,7 @@ def _checked_lora(lora, E, H, I):
 
 
 def _options(isa, training=True):
-    return _abi.TrainOptions(_isa(isa), int(training), 0)
+    return _abi.TrainOptions(isa_number(isa), int(training), 0)
 
 
 # ---- experts --------------------------------------------------------------
@@ -229,7 +239,7 @@ def experts_forward(packed, x, expert_ids, weights, isa=None):
     y = torch.empty(T, packed.hidden, dtype=torch.float32)
     check_no_alias([("x", x), ("expert_ids", ids), ("weights", weights)])
     _op("moecert_experts_forward", (y,), packed.ptr, ref(describe(x)), ref(describe(ids)), ref(describe(weights)),
-        ref(describe(y)), _isa(isa))
+        ref(describe(y)), isa_number(isa))
     return y
 
 
@@ -393,82 +403,6 @@ def experts_bounds(saved, dy=None, want=()):
     return out
 
 
-class _Step:
-    """What LayerStep and ExpertsStep share: the outputs the backward writes for the gradients
-    autograd routes (`inputs`, by gradient name, after x's dx; `needs`: whether x and each of them
-    get one; m_a, m_g with `stats`), their layouts per shape, and their order as gradients."""
-
-    def _outputs(self, all_names, inputs, needs, stats, dx_dtype):
-        """Sets inputs, needs and names (the outputs, in all_names' order); returns the wanted set."""
-        self.inputs = inputs
-        if len(needs) != 1 + len(inputs):
-            raise InvalidArgument("needs: {} flags, expected {} (x, {})".format(len(needs), 1 + len(inputs),
-                                                                                ", ".join(inputs)))
-        self.needs = tuple(bool(n) for n in needs)
-        want = {n for n, w in zip(("dx",) + inputs, self.needs) if w} | ({"m_a", "m_g"} if stats else set())
-        self.names = tuple(n for n in all_names if n in want)
-        self._order = tuple(self.names.index(n) if w else None for n, w in zip(("dx",) + inputs, self.needs))
-        self._dx_dtype, self._layouts = dx_dtype, {}
-        return want
-
-    def _allocated(self, cls, key, shapes_of):
-        """(a `cls` struct with the outputs allocated into it, them in `names` order); the layout
-        formed once per key (the shape: up to 64 kept)."""
-        layout = self._layouts.get(key)
-        if layout is None:
-            if len(self._layouts) >= 64:
-                self._layouts.clear()
-            layout = self._layouts[key] = _layout(cls, self.names, shapes_of(), self.names, torch.float32,
-                                                  self._dx_dtype)
-        grads, outs = _allocate(cls, layout)
-        return grads, list(outs.values())
-
-    def gradients(self, outs):
-        """backward's outputs as autograd's gradients of (x, *inputs): None where not needed."""
-        return tuple(None if i is None else outs[i] for i in self._order)
-
-
-class ExpertsStep(_Step):
-    """The experts op's training forward and backward with the ABI's argument structs formed once
-    for one (packed experts, LoRA factors, wanted outputs): a call checks x, the routing and dy and
-    allocates the outputs, as LayerStep does for the layer. moecert.torch.experts keeps one per
-    set of wanted gradients on the packed experts and forms it again when `holds` says the factors
-    are no longer the tensors it was formed for. inputs (_Step): dweights (the routing weights),
-    the LoRA factors with LoRA, then the base weights when `base`."""
-
-    def __init__(self, packed, lora, needs, base=False, stats=False, dx_dtype=torch.bfloat16, isa=None):
-        dx_dtype = dx_dtype if dx_dtype in (torch.bfloat16, torch.float32) else torch.float32
-        if not isinstance(packed, PackedExperts):
-            raise InvalidArgument("packed: {}, expected moecert.torch.PackedExperts".format(type(packed).__name__))
-        self.packed, self.key = packed, _lora_key(lora)
-        self.lora = _experts_lora(packed, lora)
-        inputs = ("dweights",) + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
-        self._outputs(EXPERTS_GRADS, inputs, needs, stats, dx_dtype)
-        self._options = _options(isa)
-
-    def holds(self, lora):
-        """Whether `lora` holds the factors (and alpha) this step was formed for."""
-        return self.key is not None and _lora_key(lora) == self.key
-
-    def forward(self, x, expert_ids, weights, saved):
-        """y [T, H] fp32 of x [T, H] (rounded to bf16 by x.to(torch.bfloat16) unless bf16); the
-        forward's state into `saved` (an ExpertsSaved)."""
-        if isinstance(x, torch.Tensor) and x.dtype != torch.bfloat16 and x.is_floating_point():
-            x = x.to(torch.bfloat16)
-        _routing_shape(self.packed, x, expert_ids)
-        return _experts_forward(self.packed, self.lora, x, expert_ids, weights, saved, self._options)
-
-    def backward(self, saved, dy):
-        """The outputs `names` lists of the backward from dy [T, H], in that order."""
-        p, T, K = self.packed, saved.tokens, saved.topk
-        dy = grad_input(dy, "dy", (T, p.hidden))
-        r = saved.lora.rank if saved.lora is not None else 0
-        grads, outs = self._allocated(_abi.ExpertsGrads, (T, K), lambda: _experts_grad_shapes(p, T, K, r))
-        _op("moecert_experts_backward", outs, p.ptr, ref(saved.lora_descriptors()), ref(describe(saved.x)),
-            ref(describe(dy)), saved.ptr, ref(grads))
-        return outs
-
-
 # ---- routers -------------------------------------------------------------
 
 def _scores(z, name, bf16_ok=True):
@@ -587,10 +521,15 @@ class LayerConfig:
     max_tokens: int = 4096
 
     def router_outputs(self):
-        """R: the router linear's outputs (E, or 2n for product_key)."""
-        if self.router == "product_key":
-            return 2 * int(round(self.experts ** 0.5))
-        return self.experts
+        """R: the router linear's outputs (E, or 2n for product_key), as the library's router kind
+        defines it (the config validated)."""
+        width = self.__dict__.get("_width")
+        if width is None:
+            w = ctypes.c_int64()
+            _abi.call("moecert_config_router_width", ctypes.byref(self.struct()), ctypes.byref(w))
+            width = w.value
+            object.__setattr__(self, "_width", width)
+        return width
 
     def struct(self):
         """The ABI's struct, validated (at the first call; the config is immutable)."""
@@ -692,7 +631,7 @@ def router_linear_forward(x, router_w, router_b, isa=None):
     check(router_b, "router_b", F32, (router_w.shape[0],))
     z = torch.empty(x.shape[0], router_w.shape[0], dtype=torch.float32)
     _op("moecert_router_linear_forward", (z,), ref(describe(x)), ref(describe(router_w)), ref(describe(router_b)),
-        ref(describe(z)), _isa(isa))
+        ref(describe(z)), isa_number(isa))
     return z
 
 
@@ -717,7 +656,7 @@ def router_linear_backward(x, router_w, dz, dx=None, want=("router_w", "router_b
                    [(n if n == "dx" else n + " grad", t) for n, t in out.items()])
     _op("moecert_router_linear_backward", [out.get("router_w"), out.get("router_b")], ref(describe(x)),
         ref(describe(router_w)), ref(describe(dz)), ref(describe(out.get("dx"))), ref(describe(out.get("router_w"))),
-        ref(describe(out.get("router_b"))), _isa(isa))
+        ref(describe(out.get("router_b"))), isa_number(isa))
     return out
 
 
@@ -749,53 +688,6 @@ def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, 
     _op("moecert_layer_backward", out.values(), ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
         ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(g), int(expert_path), int(router_path))
     return out
-
-
-class LayerStep(_Step):
-    """A layer's training forward and backward with the ABI's argument structs formed once for
-    one (config, packed experts, router and LoRA weights, wanted outputs): a step forms only the
-    descriptors of x, y, dy and the outputs, as a C++ training loop passes the same structs.
-    MoELayer keeps one per set of wanted gradients and forms it again when `holds` says the
-    weights are no longer the tensors it was formed for (address, shape, strides, dtype).
-    inputs (_Step): router_w, router_b, the LoRA factors, then the base weights when `base`.
-    x_dtype: x's (dx is fp32 unless x is bf16 or fp32); out_dtype: y's."""
-
-    def __init__(self, cfg, packed, weights, needs, base=False, stats=False, x_dtype=torch.bfloat16, isa=None,
-                 out_dtype=torch.float32):
-        router_w, router_b, router_bias, *factors = weights
-        dx_dtype = x_dtype if x_dtype in (torch.bfloat16, torch.float32) else torch.float32
-        self.out_dtype = out_dtype
-        lora = Lora(*factors, alpha=cfg.lora_alpha) if cfg.lora_rank else None
-        self.config, self.packed = cfg, packed
-        self.weights, self.keep, self.spans = _layer_weights(cfg, packed, router_w, router_b, router_bias, lora)
-        self.signature = signature(weights)
-        inputs = ("router_w", "router_b") + (LORA_NAMES if lora is not None else ()) + (BASE_NAMES if base else ())
-        want = self._outputs(LAYER_GRADS, inputs, needs, stats, dx_dtype)
-        self.paths = (int(bool(want - {"router_w", "router_b"})), int(bool(want & {"dx", "router_w", "router_b"})))
-        self._options = _options(isa)
-
-    def holds(self, weights):
-        """Whether `weights` (router_w, router_b, router_bias, the LoRA factors) are the tensors
-        this step was formed for."""
-        return signature(weights) == self.signature
-
-    def forward(self, x, saved):
-        """y [T, H] in out_dtype of x [T, H] (rounded to bf16 by x.to(torch.bfloat16) unless bf16);
-        the forward's state into `saved` (a LayerSaved)."""
-        if x.dtype != torch.bfloat16 and x.is_floating_point():
-            x = x.to(torch.bfloat16)
-        y = _layer_forward(self.config, self.weights, self.keep, self.spans, x, saved, self._options)
-        return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
-
-    def backward(self, saved, dy):
-        """The outputs `names` lists (dx, the weights' gradients, m_a, m_g) of the backward from
-        dy [T, H], in that order."""
-        T = saved.tokens
-        dy = grad_input(dy, "dy", (T, self.config.hidden))
-        grads, outs = self._allocated(_abi.LayerGrads, T, lambda: _layer_grad_shapes(self.config, T))
-        _op("moecert_layer_backward", outs, ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
-            ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(grads), *self.paths)
-        return outs
 
 
 def layer_bounds(saved, dy=None, want=()):

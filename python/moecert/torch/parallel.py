@@ -14,8 +14,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import Error, InvalidArgument
-from . import ops
+from . import ops, routers
+from .functions import EXPERTS
 from .ops import BASE_NAMES, LORA_NAMES
+
+ROWS = torch.empty(0, dtype=torch.float32)  # the rows' dx dtype for the backward: fp32, summed at home
 
 
 def _collective(fn, *args, **kwargs):
@@ -116,39 +119,36 @@ class _Routes:
         return out
 
 
-def _experts_forward(module, x, expert_ids, weights, factors):
-    """The experts op over the group on this rank's tokens: (y [T, H] fp32, what
-    _experts_backward needs)."""
+def _experts_forward(module, x, expert_ids, weights, tensors):
+    """The experts op (its definition) over the group on this rank's tokens: (y [T, H] fp32, what
+    _experts_backward needs); tensors: the six LoRA factors and three base weights (None: not
+    trained)."""
     g = module.group
     routes = _Routes(expert_ids, module.per_rank, module.world, g)
-    x_in = routes.there(x[routes.tokens], g)
-    w_in = routes.there(weights.reshape(-1)[routes.slots].reshape(-1, 1), g)
-    ids_in = routes.there(routes.local_ids.reshape(-1, 1), g)
-    lora = ops.Lora(*factors, alpha=module.alpha) if factors[0] is not None else None
-    y_in, saved = _on_every_rank(lambda: ops.experts_forward_train(
-        module.packed, x_in.contiguous(), ids_in.contiguous(), w_in.contiguous(), lora,
-        module.packed.experts_pool.take()), g, "experts.forward_train")
-    y = routes.combine(routes.back(y_in, g), x.shape[1])
-    return y, (routes, saved, lora is not None)
+    x_in = routes.there(x[routes.tokens], g).contiguous()
+    w_in = routes.there(weights.reshape(-1)[routes.slots].reshape(-1, 1), g).contiguous()
+    ids_in = routes.there(routes.local_ids.reshape(-1, 1), g).contiguous()
+    inputs = (x_in, ids_in, w_in) + tuple(tensors) + (module.alpha, module.packed.key, 0, -1, True)
+    outputs = _on_every_rank(lambda: EXPERTS.forward(*inputs), g, "experts.forward_train")
+    y = routes.combine(routes.back(outputs[0], g), x.shape[1])
+    kept, extras = EXPERTS.keep(inputs, outputs)
+    wanted = [True, True] + [t is not None for t in tensors]
+    return y, (routes, (kept[0], ROWS) + kept[2:], extras, wanted)
 
 
 def _experts_backward(module, state, dy):
     """(dx [T, H] fp32, dL/dweights [T, K], the local experts' six LoRA and three base-weight
     gradients, Nones where not trained)."""
-    routes, saved, has_lora = state
+    routes, kept, extras, wanted = state
     g = module.group
     dy = dy.to(torch.float32).contiguous()
-    dy_in = routes.there(dy[routes.tokens], g)
-    want = {"dx", "dweights"} | (set(LORA_NAMES) if has_lora else set()) | \
-        (set(BASE_NAMES) if module.train_base else set())
-    grads = _on_every_rank(lambda: ops.experts_backward(saved, dy_in.contiguous(), want), g, "experts.backward")
-    module.packed.experts_pool.give(saved)
-    dx = routes.combine(routes.back(grads["dx"], g), dy.shape[1])
-    dw_rows = routes.back(grads["dweights"], g).reshape(-1)
+    dy_in = routes.there(dy[routes.tokens], g).contiguous()
+    grads = _on_every_rank(lambda: EXPERTS.backward(*kept, dy_in, *extras, wanted), g, "experts.backward")
+    dx = routes.combine(routes.back(grads[0], g), dy.shape[1])
+    dw_rows = routes.back(grads[1], g).reshape(-1)
     dweights = torch.zeros(routes.T * routes.K, dtype=torch.float32)
     dweights[routes.slots] = dw_rows
-    lora_grads = tuple(grads.get(n) for n in LORA_NAMES) if has_lora else (None,) * 6
-    return dx, dweights.reshape(routes.T, routes.K), lora_grads + tuple(grads.get(n) for n in BASE_NAMES)
+    return dx, dweights.reshape(routes.T, routes.K), tuple(t if w else None for t, w in zip(grads[2:], wanted[2:]))
 
 
 class _ExpertParallel(torch.autograd.Function):
@@ -156,7 +156,8 @@ class _ExpertParallel(torch.autograd.Function):
     def forward(ctx, x, weights, a_gate, b_gate, a_up, b_up, a_down, b_down, w_gate, w_up, w_down, expert_ids,
                 module):
         _on_every_rank(lambda: module.check_inputs(x, expert_ids, weights), module.group, "inputs")
-        y, ctx.state = _experts_forward(module, x, expert_ids, weights, (a_gate, b_gate, a_up, b_up, a_down, b_down))
+        y, ctx.state = _experts_forward(module, x, expert_ids, weights,
+                                        (a_gate, b_gate, a_up, b_up, a_down, b_down, w_gate, w_up, w_down))
         ctx.module = module
         return y
 
@@ -243,27 +244,6 @@ class ExpertParallelMoE(torch.nn.Module):
         return _ExpertParallel.apply(x, weights, *self.factors(), expert_ids, self)
 
 
-def _route(cfg, z, bias):
-    """(idx, w) of the layer's router on the logits z [T, R], as the layer routes."""
-    if cfg.router == "softmax_topk":
-        return ops.softmax_topk(z, cfg.topk, cfg.renormalize)
-    if cfg.router == "sigmoid_topk":
-        return ops.sigmoid_topk(z, bias, cfg.topk, cfg.groups, cfg.topk_group, cfg.scaling)
-    n = z.shape[1] // 2
-    return ops.product_key(z[:, :n].contiguous(), z[:, n:].contiguous(), cfg.topk, "softmax")
-
-
-def _route_backward(cfg, z, idx, g):
-    """dz [T, R] from g = dL/dw, as the layer's router path computes it."""
-    if cfg.router == "softmax_topk":
-        return ops.softmax_topk_backward(z, idx, g, cfg.renormalize)
-    if cfg.router == "sigmoid_topk":
-        return ops.sigmoid_topk_backward(z, idx, g, cfg.groups, cfg.topk_group, cfg.scaling)
-    n = z.shape[1] // 2
-    dsx, dsy = ops.product_key_backward(z[:, :n].contiguous(), z[:, n:].contiguous(), idx, g, "softmax")
-    return torch.cat([dsx, dsy], dim=1)
-
-
 def _sum_over_ranks(t, group, world):
     """The sum of every rank's t, added in rank order (rank 0's, then + rank 1's, ...): the same
     bits on every rank, in every run (an all_reduce leaves the order to the backend)."""
@@ -283,10 +263,10 @@ class _ExpertParallelLayer(torch.autograd.Function):
                 module):
         cfg, g = module.config, module.group
         z = _on_every_rank(lambda: module.logits(x, router_w, router_b), g, "layer.router_linear")
-        idx, w = _on_every_rank(lambda: _route(cfg, z, module.router_bias), g, "router")
-        factors = (a_gate, b_gate, a_up, b_up, a_down, b_down)
-        y, ctx.state = _experts_forward(module.experts, x, idx, w, factors)
-        ctx.module, ctx.z, ctx.idx = module, z, idx
+        (idx, w), ctx.route = _on_every_rank(lambda: routers.layer_route(cfg, z, module.router_bias), g, "router")
+        tensors = (a_gate, b_gate, a_up, b_up, a_down, b_down, w_gate, w_up, w_down)
+        y, ctx.state = _experts_forward(module.experts, x, idx, w, tensors)
+        ctx.module = module
         ctx.save_for_backward(x, router_w)
         return y
 
@@ -295,7 +275,8 @@ class _ExpertParallelLayer(torch.autograd.Function):
         m = ctx.module
         x, router_w = ctx.saved_tensors
         dx, dweights, expert_grads = _experts_backward(m.experts, ctx.state, dy)
-        dz = _on_every_rank(lambda: _route_backward(m.config, ctx.z, ctx.idx, dweights), m.group, "router backward")
+        dz = _on_every_rank(lambda: routers.layer_route_backward(m.config, ctx.route, dweights), m.group,
+                            "router backward")
         grads = _on_every_rank(lambda: ops.router_linear_backward(x, router_w, dz, dx=dx), m.group,
                                "layer.router_linear backward")
         R, H = router_w.shape

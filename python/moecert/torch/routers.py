@@ -2,6 +2,9 @@
 product_key, differentiable in their scores through the weights (the ids are
 integers). Under torch.compile (torch >= 2.4) they are the registered ops
 torch.ops.moecert.*; eagerly, their autograd.Functions, with the same bits."""
+import dataclasses
+from typing import Callable
+
 import torch
 
 from . import ops
@@ -71,3 +74,44 @@ def sigmoid_topk(z, bias, k, groups=1, topk_group=1, scaling=1.0):
 def product_key(sx, sy, k, weights="softmax"):
     """Product-key top-k over E = n*n experts (e = ix*n + iy) from halves sx, sy [T, n]."""
     return PRODUCT_KEY(sx, sy, k, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRouter:
+    """A router kind as the layer uses it: its definition, the definition's inputs from the layer
+    config, the logits z [T, R] and the selection bias, and dz [T, R] from the definition's
+    gradients. The layer's router in Python (expert parallelism)
+    runs the definition's forward and backward through these."""
+    definition: OpDef
+    inputs: Callable
+    dz: Callable
+
+
+def _halves(z):
+    n = z.shape[1] // 2
+    return z[:, :n].contiguous(), z[:, n:].contiguous()
+
+
+LAYER_ROUTERS = {
+    "softmax_topk": LayerRouter(SOFTMAX_TOPK, lambda c, z, bias: (z, c.topk, c.renormalize),
+                                lambda grads: grads[0]),
+    "sigmoid_topk": LayerRouter(SIGMOID_TOPK, lambda c, z, bias: (z, bias, c.topk, c.groups, c.topk_group, c.scaling),
+                                lambda grads: grads[0]),
+    "product_key": LayerRouter(PRODUCT_KEY, lambda c, z, bias: _halves(z) + (c.topk, "softmax"),
+                               lambda grads: torch.cat(grads, dim=1)),
+}
+
+
+def layer_route(cfg, z, bias):
+    """((idx, w), what layer_route_backward needs) of the layer's router on the logits z [T, R]."""
+    r = LAYER_ROUTERS[cfg.router]
+    inputs = r.inputs(cfg, z, bias)
+    outputs = r.definition.forward(*inputs)
+    return tuple(outputs), r.definition.keep(inputs, outputs)
+
+
+def layer_route_backward(cfg, kept, g):
+    """dz [T, R] from g = dL/dw, as the layer's router path computes it."""
+    r = LAYER_ROUTERS[cfg.router]
+    tensors, extras = kept
+    return r.dz(r.definition.backward(*tensors, g, *extras))
