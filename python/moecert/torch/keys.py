@@ -79,7 +79,7 @@ def no_state():
 
 def resume(state, check_generation):
     """The saved state a state tensor names, after check_generation(saved, generation)."""
-    key, generation = int(state[0]), int(state[1])
+    key, generation = state.tolist()
     saved = _objects.get(key) if key else None
     if saved is None:
         raise InvalidArgument("the forward kept no saved state (training=False): it has no backward")

@@ -225,8 +225,16 @@ def _checked_lora(lora, E, H, I):
     return k, _lora_struct(k), spans
 
 
+_OPTIONS = {}
+
+
 def _options(isa, training=True):
-    return _abi.TrainOptions(isa_number(isa), int(training), 0)
+    """The ABI's TrainOptions (one struct per value; the ABI only reads it)."""
+    key = (isa, bool(training))
+    options = _OPTIONS.get(key)
+    if options is None:
+        options = _OPTIONS[key] = _abi.TrainOptions(isa_number(isa), int(training), 0)
+    return options
 
 
 # ---- experts --------------------------------------------------------------
@@ -684,7 +692,8 @@ def layer_backward(saved, dy, want=("dx", "router_w", "router_b") + LORA_NAMES, 
     dy = grad_input(dy, "dy", (saved.tokens, cfg.hidden))
     T = saved.tokens
     g, out = _fill(_abi.LayerGrads, LAYER_GRADS, lambda: _layer_grad_shapes(cfg, T), want, torch.float32, dx_dtype,
-                   key=("layer", cfg, T, frozenset(want), dx_dtype))
+                   key=("layer", cfg.experts, cfg.hidden, cfg.inter, cfg.router_outputs(), cfg.lora_rank, T,
+                        frozenset(want), dx_dtype))
     _op("moecert_layer_backward", out.values(), ctypes.byref(saved.cfg), ctypes.byref(saved.weights),
         ref(describe(saved.x)), ref(describe(dy)), saved.ptr, ref(g), int(expert_path), int(router_path))
     return out
