@@ -14,6 +14,8 @@ set(MOECERT_SOURCES
   ops/core/memory.cpp
   ops/core/guard.cpp
   contracts/gemm/gemm.cpp
+  contracts/gemm/formats.cpp
+  contracts/gemm/pack_quantized.cpp
   contracts/experts/experts.cpp
   contracts/bounds/experts_forward.cpp
   contracts/experts/train.cpp
@@ -48,6 +50,8 @@ set(MOECERT_SOURCES
   contracts/workspace/workspace.cpp
   ops/gemm/dispatch.cpp
   ops/gemm/pack.cpp
+  ops/gemm/pack_quantized.cpp
+  ops/gemm/formats.cpp
   ops/gemm/loops.cpp
   ops/gemm/matmul.cpp
   ops/gemm/stream.cpp

@@ -58,6 +58,13 @@ inline constexpr ClauseInfo kPackWRange =
     pre("gemm.pack.w_range", Group::numeric, "W element 0 or 2^-60 <= |w| <= 2^60", Level::audit);
 inline constexpr ClauseInfo kPackRoundtrip =
     post("gemm.pack.roundtrip", Group::memory, "every W element reads back from the packed layout");
+inline constexpr ClauseInfo kPackQShape =
+    pre("gemm.pack.q_shape", Group::shape,
+        "quantized format; stride >= row bytes; scale_stride >= scale columns; second alike");
+inline constexpr ClauseInfo kPackQCode =
+    pre("gemm.pack.q_code", Group::numeric, "integer codes in the format's range; e4m3 not NaN");
+inline constexpr ClauseInfo kPackQScale =
+    pre("gemm.pack.q_scale", Group::finite, "every scale finite and > 0");
 inline constexpr ClauseInfo kPackChecksum = {"gemm.pack.checksum", ClauseKind::invariant,
                                              Group::memory, Level::audit,
                                              "packed bytes hash to the pack-time checksum"};
@@ -75,9 +82,10 @@ inline constexpr ClauseInfo kProbe =
     post("gemm.matmul.probe", Group::numeric, "Freivalds probe within bound", Level::audit);
 inline constexpr ClauseInfo kWithinBound =
     post("gemm.matmul.within_bound", Group::numeric, "|C - ref| <= bounds::dot", Level::full);
-inline constexpr ClauseInfo kAll[] = {kPackShape,    kPackWFinite, kPackWRange, kPackRoundtrip,
-                                      kPackChecksum, kShape,       kAFinite,    kARange,
-                                      kNoAlias,      kCFinite,     kProbe,      kWithinBound};
+inline constexpr ClauseInfo kAll[] = {kPackShape,  kPackWFinite, kPackWRange, kPackRoundtrip,
+                                      kPackQShape, kPackQCode,   kPackQScale, kPackChecksum,
+                                      kShape,      kAFinite,     kARange,     kNoAlias,
+                                      kCFinite,    kProbe,       kWithinBound};
 }  // namespace gemm
 
 namespace experts {

@@ -147,8 +147,19 @@ verify::Probe panel_probe(const gemm::PackedWeights& w, std::size_t j0, std::siz
   constexpr std::size_t kPanel = gemm::PackedWeights::kPanel;
   MOECERT_ASSERT(j0 % kPanel + width <= kPanel && j0 + width <= w.n());
   // Column j0 + j of K pair kk / 2 at panel[(kk / 2) 2 kPanel + 2 j + kk % 2]:
-  // a pair's 2 width values are adjacent, one line per pair.
-  const bf16* panel = w.data() + (j0 / kPanel) * w.kp() * kPanel + (j0 % kPanel) * 2;
+  // a pair's 2 width values are adjacent, one line per pair. A quantized
+  // pack's panel: its weights as at() reads them, in that layout.
+  std::vector<bf16> decoded;
+  if (w.quantized()) {
+    decoded.resize(w.kp() * kPanel);
+    const std::size_t n0 = j0 - j0 % kPanel;
+    for (std::size_t kk = 0; kk < w.kp(); ++kk)
+      for (std::size_t j = 0; j < kPanel; ++j)
+        decoded[(kk / 2) * 2 * kPanel + 2 * j + kk % 2] = w.at(n0 + j, kk);
+  }
+  const bf16* panel =
+      (w.quantized() ? decoded.data() : w.data() + (j0 / kPanel) * w.kp() * kPanel) +
+      (j0 % kPanel) * 2;
   verify::Probe p{j0, width, verify::probe_signs(width, seed), std::vector<float>(w.k()),
                   std::vector<float>(w.k())};
   verify::detail::pair_sides(panel, 2 * kPanel, w.k(), width, p.r.data(), p.br.data(),
@@ -208,8 +219,7 @@ void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::Pack
   }
   if (c.stop()) return;
   MOECERT_CONTRACT(c, k::kNoAlias) {
-    const ByteRange wr{reinterpret_cast<std::uintptr_t>(w.data()),
-                       reinterpret_cast<std::uintptr_t>(w.data() + w.size())};
+    const ByteRange wr = w.storage();
     if (overlaps(out.bytes(), a.bytes()) || overlaps(out.bytes(), wr))
       c.fail(k::kNoAlias, "",
              fmt::format("c {} overlaps {}", detail::format_range(out.bytes()),

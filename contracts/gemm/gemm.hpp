@@ -22,6 +22,12 @@ void gemm_pack_post(detail::Checker& c, MatView<const bf16> w, MatView<const bf1
                     const gemm::PackedWeights& out);
 void gemm_pack_transposed_post(detail::Checker& c, MatView<const bf16> wt,
                                const gemm::PackedWeights& out);
+/// The gemm.pack clauses of a quantized pack (pack: W = w, or the fused pair
+/// of w and second; transposed: W = [w; second]^T, second optional).
+void gemm_pack_quantized_pre(detail::Checker& c, const QuantView& w, const QuantView& second,
+                             bool transposed);
+void gemm_pack_quantized_post(detail::Checker& c, const QuantView& w, const QuantView& second,
+                              bool transposed, const gemm::PackedWeights& out);
 void gemm_matmul_pre(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w,
                      MatView<float> out);
 void gemm_matmul_post(detail::Checker& c, MatView<const bf16> a, const gemm::PackedWeights& w,

@@ -26,6 +26,7 @@ struct PackAudit {
 struct PackAccess {
   static PackAudit* audit(const gemm::PackedWeights& w) { return w.audit_.get(); }
   static bf16* data(gemm::PackedWeights& w) { return w.data_.get(); }
+  static float* scales(gemm::PackedWeights& w) { return w.scales_.data(); }
 };
 
 }  // namespace moecert::detail

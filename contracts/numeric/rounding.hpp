@@ -41,6 +41,11 @@ constexpr double dot(std::size_t n, double sum_abs_products, double flushed_inpu
          3 * static_cast<double>(n) * kMinNormal32 + flushed_inputs;
 }
 
+/// §13: a quantized weight w = code * scale as the kernels compute with it,
+/// bf16(fp32(w)): |w_hat - w| <= (u_bf16 + u_32 + u_bf16 u_32) |w| wherever
+/// w_hat is normal (gemm.pack.w_range).
+constexpr double dequantized(double abs_w) { return (kUbf16 + kU32 + kUbf16 * kU32) * abs_w; }
+
 /// True for an input a kernel may flush to zero (a nonzero denormal).
 constexpr bool flushable(double a) { return a != 0 && (a < 0 ? -a : a) < kMinNormal32; }
 

@@ -7,6 +7,7 @@
 #include <new>
 #include <vector>
 
+#include "moecert/formats.hpp"
 #include "moecert/types.hpp"
 
 namespace moecert {
@@ -27,7 +28,8 @@ namespace gemm {
 /// every kernel: 16-column panels of VNNI pairs, N padded to a multiple of
 /// 32 and K to a multiple of 32, padding zero (ops/gemm/ukernel.hpp).
 /// Checksums of the packed bytes are taken at pack time, one per part of
-/// the panels (up to kChecksumParts parts).
+/// the panels (up to kChecksumParts parts; a quantized pack has one more,
+/// over its scales).
 ///
 /// Clauses (contracts/gemm/gemm.cpp):
 ///   gemm.pack.shape      pre  shape    stride >= cols; `second` absent or of w's shape
@@ -36,7 +38,15 @@ namespace gemm {
 ///                                      two in-range bf16 underflows or overflows; proofs/bounds.md §0;
 ///                                      audit)
 ///   gemm.pack.roundtrip  post memory   every W element reads back from the packed layout (at());
-///                                      pack_transposed: every wt[k][n] as W[n][k]
+///                                      pack_transposed: every wt[k][n] as W[n][k]; quantized:
+///                                      as bf16(fp32(code * scale)), padding 0
+///   gemm.pack.q_shape    pre  shape    quantized packs: a format other than bf16, codes and
+///                                      scales present, stride >= the row's code bytes,
+///                                      scale_stride >= scale columns; second of w's format and
+///                                      shape (pack_transposed: of wt's columns)
+///   gemm.pack.q_code     pre  numeric  int8 codes in [-127, 127], int4 in [-7, 7]; no e4m3 NaN
+///   gemm.pack.q_scale    pre  finite   every scale finite and > 0
+/// (quantized packs: w_finite and w_range judge the dequantized weights)
 ///   gemm.pack.checksum   invariant memory  the packed bytes still hash to the pack-time checksums,
 ///                                      verified by the ops that read them: at audit one part
 ///                                      per call in rotation (every byte within kChecksumParts
@@ -73,18 +83,44 @@ class PackedWeights {
   /// pack() without them: for an operand whose elements the calling op's own
   /// clauses have judged.
   static PackedWeights pack_transposed_operand(MatView<const bf16> wt, PackedWeights&& storage);
+  /// Packs quantized W (a format other than bf16): its codes in the panel
+  /// order of the bf16 layout (a byte per element; int4: a byte per VNNI
+  /// pair, k even in the low nibble), zero codes as padding, its scales as
+  /// the source has them. The loops decode a work item's panels into bf16,
+  /// bf16(fp32(code * scale)), before the kernel multiplies (decode_panels),
+  /// and at() reads the decoded weights. With `second` (codes set), the
+  /// fused pair of pack(w, second). The gemm.pack clauses on the codes,
+  /// scales and decoded weights.
+  static PackedWeights pack(const QuantView& w, const QuantView& second = {});
+  /// W = [wt; below]^T for quantized wt (below, if set, of wt's format and
+  /// columns: its rows under wt's), as pack_transposed() for bf16.
+  static PackedWeights pack_transposed(const QuantView& wt, const QuantView& below = {});
 
   std::size_t n() const { return n_; }    // logical columns (rows of W; 2x for a fused pair)
   std::size_t k() const { return k_; }    // logical depth
   std::size_t np() const { return np_; }  // padded columns (multiple of 32)
   std::size_t kp() const { return kp_; }  // padded depth (multiple of 32)
   bool interleaved() const { return interleaved_; }
-  const bf16* data() const { return data_.get(); }
+  WeightFormat format() const { return format_; }
+  bool quantized() const { return format_ != WeightFormat::bf16; }
+  /// The bf16 panels (bf16 format; null for a quantized pack).
+  const bf16* data() const { return quantized() ? nullptr : data_.get(); }
   std::size_t size() const { return np_ * kp_; }  // elements
-  /// W[n][k] read back from the packed layout (n < np, k < kp).
+  /// Bytes the pack holds: the packed values or codes, and the scales with
+  /// their row index.
+  std::size_t bytes() const;
+  /// The byte range of the packed values or codes.
+  ByteRange storage() const;
+  /// W[n][k] read back from the packed layout (n < np, k < kp): a quantized
+  /// pack's decoded weight.
   bf16 at(std::size_t n, std::size_t k) const {
-    return data_[(n / kPanel) * kp_ * kPanel + (k / 2) * 2 * kPanel + (n % kPanel) * 2 + (k % 2)];
+    const std::size_t e =
+        (n / kPanel) * kp_ * kPanel + (k / 2) * 2 * kPanel + (n % kPanel) * 2 + (k % 2);
+    return quantized() ? decoded(n, k, e) : data_[e];
   }
+  /// Panels [p0, p1) of a quantized pack decoded into dst in the bf16 layout
+  /// ((p1 - p0) kp 16 elements), bit for bit the at() values.
+  void decode_panels(std::size_t p0, std::size_t p1, bf16* dst) const;
   /// The pack-time checksum of all packed bytes (the parts' folded).
   std::uint64_t checksum() const;
   /// The same, of the bytes as they are now.
@@ -102,10 +138,29 @@ class PackedWeights {
                              PackedWeights&& storage);
   // The part checksums of the packed bytes and a fresh PackAudit.
   void take_checksums();
+  // Storage for `bytes` of packed values or codes.
+  void allocate(std::size_t bytes, PackedWeights&& storage);
+  // A quantized pack's weight (n, k) decoded; e: its element index.
+  bf16 decoded(std::size_t n, std::size_t k, std::size_t e) const;
+  // Its scale: the scale table's row of the packed column n (or, transposed,
+  // of the packed depth k) and column of k (n) over the block width.
+  float scale_of(std::size_t n, std::size_t k) const {
+    return transposed_ ? scales_[srow_[k] * sstride_ + n / sblock_]
+                       : scales_[srow_[n] * sstride_ + k / sblock_];
+  }
 
   std::unique_ptr<bf16[], moecert::detail::AlignedFree> data_;
   std::size_t n_ = 0, k_ = 0, np_ = 0, kp_ = 0;
   bool interleaved_ = false;
+  WeightFormat format_ = WeightFormat::bf16;
+  std::size_t storage_bytes_ = 0;
+  // Quantized: the scale table (the sources' rows, columns over the padded
+  // dimension), the table row of each packed column (transposed: packed
+  // depth), the block width along the other dimension.
+  bool transposed_ = false;
+  std::vector<float> scales_;
+  std::vector<std::uint32_t> srow_;
+  std::size_t sstride_ = 0, sblock_ = 1;
   std::vector<std::uint64_t> part_checksums_;
   std::shared_ptr<moecert::detail::PackAudit> audit_;
 };

@@ -74,10 +74,8 @@ bf16 PackedExperts::up(std::size_t e, std::size_t i, std::size_t h) const {
 
 std::size_t PackedExperts::bytes() const {
   std::size_t b = 0;
-  for (std::size_t e = 0; e < experts(); ++e)
-    b += (gate_up_[e].size() + down_[e].size()) * sizeof(bf16);
-  for (std::size_t e = 0; e < down_t_.size(); ++e)
-    b += (down_t_[e].size() + gate_up_t_[e].size()) * sizeof(bf16);
+  for (std::size_t e = 0; e < experts(); ++e) b += gate_up_[e].bytes() + down_[e].bytes();
+  for (std::size_t e = 0; e < down_t_.size(); ++e) b += down_t_[e].bytes() + gate_up_t_[e].bytes();
   return b;
 }
 

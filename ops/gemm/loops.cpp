@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
+#include "ops/core/aligned.hpp"
 #include "ops/core/prefetch.hpp"
 
 namespace moecert::gemm {
@@ -60,16 +62,36 @@ void pack_a_f32(const KernelInfo& kernel, const float* src, std::size_t ld,
 
 namespace {
 
+// B's panels from panel p0 on, as the kernels read them: a bf16 pack's own,
+// or a quantized pack's decoded into this thread's buffer (panels [p0, p1)).
+struct Panels {
+  const bf16* data;
+  std::size_t p0;
+};
+
+Panels panels(const PackedWeights& w, std::size_t p0, std::size_t p1) {
+  if (!w.quantized()) return {w.data(), 0};
+  thread_local std::unique_ptr<bf16[], detail::AlignedFree> buffer;
+  thread_local std::size_t capacity = 0;
+  const std::size_t need = (p1 - p0) * w.kp() * kPanel;
+  if (need > capacity) {
+    buffer.reset(static_cast<bf16*>(detail::allocate(need * sizeof(bf16))));
+    capacity = need;
+  }
+  w.decode_panels(p0, p1, buffer.get());
+  return {buffer.get(), p0};
+}
+
 // Loop 3's kernel arguments for the column block at n0 of the K block
 // [k0, k0 + kc): B's sub-panel and, in the last K block, the second
 // product's panel (whole K) as well.
-UkernelArgs column_block_args(const KernelInfo& kernel, const PackedWeights& w,
+UkernelArgs column_block_args(const KernelInfo& kernel, const PackedWeights& w, Panels b,
                               const BlockOptions& opt, std::size_t n0, std::size_t k0,
                               std::size_t kc, bool last) {
   const std::size_t kp = w.kp();
   UkernelArgs args{};
   args.lda = a_stride(kernel.a_layout, kp);
-  args.b = w.data() + (n0 / kPanel) * kp * kPanel + k0 * kPanel;
+  args.b = b.data + (n0 / kPanel - b.p0) * kp * kPanel + k0 * kPanel;
   args.panel_stride = kp * kPanel;
   args.kp = kc;
   args.accumulate = opt.accumulate || k0 > 0;
@@ -145,6 +167,10 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   // Rows outside the column blocks only where the item's B stays in L2.
   const bool rows_outside = kernel.mc && (n_end - n_begin) * kp * sizeof(bf16) <= kItemBBytes;
   const std::size_t kc_step = kernel.kc ? kernel.kc : kp, mc = rows_outside ? kernel.mc : m;
+  // The panels the column blocks read (a quantized pack's decoded once here).
+  const std::size_t p0 = n_begin / kPanel;
+  const Panels b = panels(
+      w, p0, std::max(p0, std::min(w.np(), round_up(std::min(n_end, n_valid), nr)) / kPanel));
   for (std::size_t k0 = 0; k0 < kp; k0 += kc_step) {
     const std::size_t kc = std::min(kc_step, kp - k0);
     const bool last = k0 + kc == kp;
@@ -156,7 +182,7 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
       for (std::size_t n0 = n_begin; n0 < n_end; n0 += nr) {
         const std::size_t nn = std::min(nr, std::min(n_end, n_valid) - std::min(n0, n_valid));
         if (nn == 0) break;
-        UkernelArgs args = column_block_args(kernel, w, opt, n0, k0, kc, last);
+        UkernelArgs args = column_block_args(kernel, w, b, opt, n0, k0, kc, last);
         // Loop 4: MR-tall row blocks, one microkernel call each.
         for (std::size_t m0 = mc0; m0 < std::min(m, mc0 + mc); m0 += mr) {
           const std::size_t mm = std::min(mr, m - m0);

@@ -93,11 +93,25 @@ PackedWeights PackedWeights::sized(std::size_t rows, std::size_t depth, bool int
   out.kp_ = round_up(std::max<std::size_t>(depth, 1), kKStep);
   out.n_ = interleaved ? 2 * round_up(rows, kPanel) : rows;
   out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
-  if (storage.data_ && storage.size() == out.np_ * out.kp_)
-    out.data_ = std::move(storage.data_);
-  else
-    out.data_.reset(static_cast<bf16*>(detail::allocate(out.np_ * out.kp_ * sizeof(bf16))));
+  out.allocate(out.np_ * out.kp_ * sizeof(bf16), std::move(storage));
   return out;
+}
+
+void PackedWeights::allocate(std::size_t bytes, PackedWeights&& storage) {
+  if (storage.data_ && storage.storage_bytes_ == bytes && !storage.quantized())
+    data_ = std::move(storage.data_);
+  else
+    data_.reset(static_cast<bf16*>(detail::allocate(bytes)));
+  storage_bytes_ = bytes;
+}
+
+std::size_t PackedWeights::bytes() const {
+  return storage_bytes_ + scales_.size() * sizeof(float) + srow_.size() * sizeof(std::uint32_t);
+}
+
+ByteRange PackedWeights::storage() const {
+  const auto b = reinterpret_cast<std::uintptr_t>(data_.get());
+  return {b, b + storage_bytes_};
 }
 
 PackedWeights PackedWeights::pack_transposed(MatView<const bf16> wt, PackedWeights&& storage) {
@@ -176,9 +190,16 @@ std::uint64_t fold(const std::vector<std::uint64_t>& parts) {
 }  // namespace
 
 std::uint64_t PackedWeights::compute_part_checksum(std::size_t part) const {
-  const std::size_t panels = np_ / kPanel, parts = part_checksums_.size();
+  const std::size_t panels = np_ / kPanel, parts = part_checksums_.size() - quantized();
+  if (part == parts) {  // a quantized pack's last part: its scales and their row index
+    const std::uint64_t s = fnv_lanes(reinterpret_cast<const unsigned char*>(scales_.data()),
+                                      scales_.size() * sizeof(float));
+    return (s ^ fnv_lanes(reinterpret_cast<const unsigned char*>(srow_.data()),
+                          srow_.size() * sizeof(std::uint32_t))) *
+           kPrime;
+  }
   const std::size_t p0 = part * panels / parts, p1 = (part + 1) * panels / parts;
-  const std::size_t panel_bytes = kp_ * kPanel * sizeof(bf16);
+  const std::size_t panel_bytes = storage_bytes_ / panels;
   return fnv_lanes(reinterpret_cast<const unsigned char*>(data_.get()) + p0 * panel_bytes,
                    (p1 - p0) * panel_bytes);
 }
@@ -192,7 +213,7 @@ std::uint64_t PackedWeights::compute_checksum() const {
 }
 
 void PackedWeights::take_checksums() {
-  part_checksums_.assign(std::min(kChecksumParts, np_ / kPanel), 0);
+  part_checksums_.assign(std::min(kChecksumParts, np_ / kPanel) + quantized(), 0);
   for (std::size_t p = 0; p < part_checksums_.size(); ++p)
     part_checksums_[p] = compute_part_checksum(p);
   audit_ = std::make_shared<moecert::detail::PackAudit>();

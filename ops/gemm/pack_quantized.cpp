@@ -1,0 +1,159 @@
+// Packing of quantized weights (moecert/formats.hpp) into the panel order of
+// the bf16 layout, and their decoding into bf16 panels for the kernels.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "contracts/gemm/gemm.hpp"
+#include "moecert/gemm.hpp"
+#include "ops/core/aligned.hpp"
+#include "ops/core/task.hpp"
+#include "ops/gemm/formats.hpp"
+#include "ops/gemm/loops.hpp"
+#include "ops/gemm/ukernel.hpp"
+
+namespace moecert::gemm {
+namespace {
+
+// The packed element index of W[n][k] (the bf16 layout's, ukernel.hpp).
+std::size_t element(std::size_t kp, std::size_t n, std::size_t k) {
+  return (n / kPanel) * kp * kPanel + (k / 2) * 2 * kPanel + (n % kPanel) * 2 + (k % 2);
+}
+
+// Writes code c of element e: a byte each, or (int4) a nibble, e even low.
+void put_code(std::uint8_t* codes, bool nibbles, std::size_t e, unsigned c) {
+  if (!nibbles) {
+    codes[e] = static_cast<std::uint8_t>(c);
+  } else {
+    std::uint8_t& b = codes[e / 2];
+    b = static_cast<std::uint8_t>(e % 2 ? (b & 0x0fu) | (c << 4) : (b & 0xf0u) | (c & 0x0fu));
+  }
+}
+
+unsigned get_code(const std::uint8_t* codes, bool nibbles, std::size_t e) {
+  return nibbles ? (e % 2 ? codes[e / 2] >> 4 : codes[e / 2] & 0x0fu) : codes[e];
+}
+
+// The block width of a scale along a dimension (0 in the table: all of it).
+std::size_t block(std::size_t b) { return b ? b : std::numeric_limits<std::size_t>::max(); }
+
+}  // namespace
+
+PackedWeights PackedWeights::pack(const QuantView& w, const QuantView& second) {
+  const moecert::detail::FpDefaults fp;
+  detail::Checker c{"gemm.pack"};
+  contracts::gemm_pack_quantized_pre(c, w, second, false);
+  if (c.stop()) return {};
+  const bool pair = second.codes != nullptr;
+  const FormatInfo& f = format_info(w.format);
+  PackedWeights out;
+  out.format_ = w.format;
+  out.interleaved_ = pair;
+  out.k_ = w.cols;
+  out.kp_ = round_up(std::max<std::size_t>(w.cols, 1), kKStep);
+  out.n_ = pair ? 2 * round_up(w.rows, kPanel) : w.rows;
+  out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
+  const bool nibbles = f.code_bits == 4;
+  out.allocate(out.np_ * out.kp_ * f.code_bits / 8, {});
+  auto* codes = reinterpret_cast<std::uint8_t*>(out.data_.get());
+  std::memset(codes, 0, out.storage_bytes_);
+  // The scale table: w's rows, then second's; columns over kp.
+  out.sblock_ = block(f.block_cols);
+  out.sstride_ = f.block_cols ? out.kp_ / f.block_cols + (out.kp_ % f.block_cols != 0) : 1;
+  const std::size_t wrows = w.scale_rows(), rows = wrows + (pair ? second.scale_rows() : 0);
+  out.scales_.assign(rows * out.sstride_, 1.0f);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const QuantView& src = r < wrows ? w : second;
+    const std::size_t sr = r < wrows ? r : r - wrows;
+    std::copy_n(src.scales + sr * src.scale_stride, src.scale_cols(),
+                &out.scales_[r * out.sstride_]);
+  }
+  // Each packed column: its source row, its codes, its table row.
+  out.srow_.assign(out.np_, 0);
+  const std::size_t br = block(f.block_rows);
+  for (std::size_t n = 0; n < out.np_; ++n) {
+    const std::size_t p = n / kPanel;
+    const bool from_second = pair && p % 2 == 1;
+    const std::size_t row = pair ? (p / 2) * kPanel + n % kPanel : n;
+    const QuantView& src = from_second ? second : w;
+    if (row >= src.rows) continue;
+    out.srow_[n] = static_cast<std::uint32_t>((from_second ? wrows : 0) + row / br);
+    for (std::size_t k = 0; k < src.cols; ++k)
+      put_code(codes, nibbles, element(out.kp_, n, k), src.code(row, k));
+  }
+  out.take_checksums();
+  contracts::gemm_pack_quantized_post(c, w, second, false, out);
+  return out;
+}
+
+PackedWeights PackedWeights::pack_transposed(const QuantView& wt, const QuantView& below) {
+  const moecert::detail::FpDefaults fp;
+  detail::Checker c{"gemm.pack"};
+  contracts::gemm_pack_quantized_pre(c, wt, below, true);
+  if (c.stop()) return {};
+  const bool stacked = below.codes != nullptr;
+  const FormatInfo& f = format_info(wt.format);
+  PackedWeights out;
+  out.format_ = wt.format;
+  out.transposed_ = true;
+  out.k_ = wt.rows + (stacked ? below.rows : 0);
+  out.n_ = wt.cols;
+  out.kp_ = round_up(std::max<std::size_t>(out.k_, 1), kKStep);
+  out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
+  const bool nibbles = f.code_bits == 4;
+  out.allocate(out.np_ * out.kp_ * f.code_bits / 8, {});
+  auto* codes = reinterpret_cast<std::uint8_t*>(out.data_.get());
+  std::memset(codes, 0, out.storage_bytes_);
+  // The scale table: wt's rows, then below's; columns over np (W's columns
+  // are the sources' columns).
+  out.sblock_ = block(f.block_cols);
+  out.sstride_ = f.block_cols ? out.np_ / f.block_cols + (out.np_ % f.block_cols != 0) : 1;
+  const std::size_t top = wt.scale_rows(), rows = top + (stacked ? below.scale_rows() : 0);
+  out.scales_.assign(rows * out.sstride_, 1.0f);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const QuantView& src = r < top ? wt : below;
+    const std::size_t sr = r < top ? r : r - top;
+    std::copy_n(src.scales + sr * src.scale_stride, src.scale_cols(),
+                &out.scales_[r * out.sstride_]);
+  }
+  // Each packed depth k is a source row: its codes, its table row.
+  out.srow_.assign(out.kp_, 0);
+  const std::size_t br = block(f.block_rows);
+  for (std::size_t k = 0; k < out.k_; ++k) {
+    const bool from_below = k >= wt.rows;
+    const QuantView& src = from_below ? below : wt;
+    const std::size_t row = from_below ? k - wt.rows : k;
+    out.srow_[k] = static_cast<std::uint32_t>((from_below ? top : 0) + row / br);
+    for (std::size_t n = 0; n < src.cols; ++n)
+      put_code(codes, nibbles, element(out.kp_, n, k), src.code(row, n));
+  }
+  out.take_checksums();
+  contracts::gemm_pack_quantized_post(c, wt, below, true, out);
+  return out;
+}
+
+bf16 PackedWeights::decoded(std::size_t n, std::size_t k, std::size_t e) const {
+  const auto* codes = reinterpret_cast<const std::uint8_t*>(data_.get());
+  const unsigned c = get_code(codes, format_info(format_).code_bits == 4, e);
+  return c ? dequantize(format_, c, scale_of(n, k)) : bf16{};
+}
+
+void PackedWeights::decode_panels(std::size_t p0, std::size_t p1, bf16* dst) const {
+  const auto* codes = reinterpret_cast<const std::uint8_t*>(data_.get());
+  const bool nibbles = format_info(format_).code_bits == 4;
+  // Panel p's elements in order: k pairs, then the panel's 16 columns, then
+  // the pair; each the code's value times its scale, rounded (formats.hpp).
+  for (std::size_t p = p0; p < p1; ++p) {
+    const std::size_t e0 = p * kp_ * kPanel;
+    bf16* d = dst + (p - p0) * kp_ * kPanel;
+    for (std::size_t kk = 0; kk < kp_ / 2; ++kk)
+      for (std::size_t i = 0; i < kPanel; ++i)
+        for (std::size_t h = 0; h < 2; ++h) {
+          const std::size_t q = (kk * kPanel + i) * 2 + h;
+          const unsigned c = get_code(codes, nibbles, e0 + q);
+          d[q] = c ? dequantize(format_, c, scale_of(p * kPanel + i, 2 * kk + h)) : bf16{};
+        }
+  }
+}
+
+}  // namespace moecert::gemm
