@@ -21,6 +21,7 @@
 #include "ops/experts/train.hpp"
 #include "ops/layer/state.hpp"
 #include "ops/workspace/arena.hpp"
+#include "support/quantized.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;
@@ -1066,4 +1067,67 @@ TEST_CASE("experts.backward: the result clauses fire on wrong gradients",
     o.dw[slot] += 10.0f;  // far past the bound
     test::expect_violation(post, "experts.backward.within_bound", Level::full);
   }
+}
+
+TEST_CASE(
+    "experts: quantized base weights give, on every ISA, the bits of the bf16 pack of the "
+    "dequantized weights, every output within its bound",
+    "[experts][formats]") {
+  constexpr WeightFormat kFormats[] = {WeightFormat::int8_channel, WeightFormat::int4_group,
+                                       WeightFormat::fp8_e4m3_block128};
+  for (WeightFormat f : kFormats)
+    for (Isa isa : kernel_isas()) {
+      DYNAMIC_SECTION(format_name(f) << " " << isa_name(isa)) {
+        Problem p = make(4, 40, 136, 3, 4, 11, Routing::tail, 17);  // I past one 128-block
+        std::mt19937_64 rng(23);
+        // Scales near 1 / (the codes' magnitude sqrt(fan-in)): weights of the bf16 problem's size.
+        const int lo = f == WeightFormat::fp8_e4m3_block128 ? -12 : -13;
+        std::vector<fixture::QuantMatrix> q[3];
+        std::vector<QuantView> views[3];
+        std::vector<bf16>* dense[3] = {&p.wg, &p.wu, &p.wd};
+        for (int m = 0; m < 3; ++m)
+          for (std::size_t e = 0; e < p.E; ++e) {
+            const std::size_t rows = m == 2 ? p.H : p.I, cols = m == 2 ? p.I : p.H;
+            q[m].push_back(fixture::random_quantized(f, rows, cols, rng, lo, lo + 3));
+            const auto w = q[m].back().dequantized();
+            std::copy(w.begin(), w.end(), dense[m]->begin() + e * rows * cols);
+          }
+        for (int m = 0; m < 3; ++m)
+          for (const auto& x : q[m]) views[m].push_back(x.view);
+        ContractScope full{Level::full, Semantic::enforce};  // within_bound and probes too
+        p.packed = experts::PackedExperts::pack(p.E, {p.wg.data(), p.E * p.I, p.H},
+                                                {p.wu.data(), p.E * p.I, p.H},
+                                                {p.wd.data(), p.E * p.H, p.I}, true);
+        std::vector<float> y(p.T * p.H, NAN), y16(p.T * p.H, NAN);  // inference, no LoRA
+        experts::forward(p.packed, p.X(), p.Idx(), p.W(), {y16.data(), p.T, p.H}, {.isa = isa});
+        const Out bf16_pack = run(p, isa);
+        p.packed = experts::PackedExperts::pack(views[0], views[1], views[2], true);
+        REQUIRE(p.packed.format() == f);
+        const Out quantized = run(p, isa);
+        CHECK(same_bits(bf16_pack.all(), quantized.all()));
+        experts::forward(p.packed, p.X(), p.Idx(), p.W(), {y.data(), p.T, p.H}, {.isa = isa});
+        CHECK(same_bits(y, y16));
+      }
+    }
+}
+
+TEST_CASE("experts.pack: shape clause on quantized views", "[experts][formats][shape]") {
+  std::mt19937_64 rng(29);
+  const auto m = [&](WeightFormat f, std::size_t rows, std::size_t cols) {
+    return fixture::random_quantized(f, rows, cols, rng, -8, -6);
+  };
+  const auto g = m(WeightFormat::int8_channel, 16, 32), u = m(WeightFormat::int8_channel, 16, 32),
+             d = m(WeightFormat::int8_channel, 32, 16), d2 = m(WeightFormat::int8_channel, 32, 17),
+             u4 = m(WeightFormat::int4_group, 16, 32);
+  const auto expect = [](std::vector<QuantView> gs, std::vector<QuantView> us,
+                         std::vector<QuantView> ds, std::string_view location) {
+    const auto v = test::expect_violation([&] { (void)experts::PackedExperts::pack(gs, us, ds); },
+                                          "experts.pack.shape", Level::check);
+    CHECK(v.location == location);
+  };
+  expect({}, {}, {}, "");
+  expect({g.view, g.view}, {u.view}, {d.view, d.view}, "");
+  expect({g.view, g.view}, {u.view, u4.view}, {d.view, d.view}, "w_up[1]");
+  expect({g.view, g.view}, {u.view, u.view}, {d.view, d2.view}, "w_down[1]");
+  CHECK(experts::PackedExperts::pack({g.view}, {u.view}, {d.view}).experts() == 1);
 }

@@ -19,6 +19,7 @@
 #include "moecert/formats.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"
+#include "support/quantized.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;
@@ -28,50 +29,10 @@ namespace {
 constexpr WeightFormat kQuantized[] = {WeightFormat::int8_channel, WeightFormat::int4_group,
                                        WeightFormat::fp8_e4m3_block128};
 
-// Codes and scales of one quantized matrix, and the view of them.
-struct Quant {
-  std::vector<std::uint8_t> codes;
-  std::vector<float> scales;
-  QuantView view;
-};
+using Quant = fixture::QuantMatrix;
 
-// A random valid code of f.
-unsigned random_code(WeightFormat f, std::mt19937_64& rng) {
-  const FormatInfo& info = format_info(f);
-  if (f == WeightFormat::fp8_e4m3_block128) {
-    unsigned c;
-    do c = static_cast<unsigned>(rng() & 255u);
-    while ((c & 0x7fu) == 0x7fu);
-    return c;
-  }
-  std::uniform_int_distribution<int> d(info.code_min, info.code_max);
-  return static_cast<unsigned>(d(rng)) & (info.code_bits == 4 ? 15u : 255u);
-}
-
-// rows x cols of format f: random codes, scales 2^[-20, 20) times [1, 2).
 Quant make(WeightFormat f, std::size_t rows, std::size_t cols, std::mt19937_64& rng) {
-  Quant q;
-  q.view.format = f;
-  q.view.rows = rows, q.view.cols = cols;
-  q.view.stride = q.view.row_bytes() + 3;  // a row stride wider than the codes
-  q.codes.assign(rows * q.view.stride, 0xee);
-  for (std::size_t n = 0; n < rows; ++n)
-    for (std::size_t k = 0; k < cols; ++k) {
-      const unsigned c = random_code(f, rng);
-      std::uint8_t& b = q.codes[n * q.view.stride + (f == WeightFormat::int4_group ? k / 2 : k)];
-      if (f != WeightFormat::int4_group)
-        b = static_cast<std::uint8_t>(c);
-      else
-        b = static_cast<std::uint8_t>(k % 2 ? (b & 0x0fu) | (c << 4) : (b & 0xf0u) | c);
-    }
-  q.view.scale_stride = q.view.scale_cols() + 1;
-  q.scales.assign(q.view.scale_rows() * q.view.scale_stride, NAN);  // NaN between rows: unread
-  std::uniform_real_distribution<double> e(-20, 20), m(1, 2);
-  for (std::size_t r = 0; r < q.view.scale_rows(); ++r)
-    for (std::size_t c = 0; c < q.view.scale_cols(); ++c)
-      q.scales[r * q.view.scale_stride + c] = static_cast<float>(std::ldexp(m(rng), int(e(rng))));
-  q.view.codes = q.codes.data(), q.view.scales = q.scales.data();
-  return q;
+  return fixture::random_quantized(f, rows, cols, rng);
 }
 
 std::vector<bf16> random_a(std::mt19937_64& rng, std::size_t n) {
@@ -238,7 +199,6 @@ TEST_CASE("gemm.pack: q_shape, q_code, q_scale, w_finite and w_range on quantize
   Quant s = make(WeightFormat::int4_group, 20, 300, rng);
   for (float bad : {0.0f, -1.0f, NAN, INFINITY}) {
     Quant t = s;
-    t.view.codes = t.codes.data(), t.view.scales = t.scales.data();
     t.scales[4 * t.view.scale_stride + 2] = bad;
     expect(t.view, "gemm.pack.q_scale", "w scale[4, 2]");
   }

@@ -118,9 +118,12 @@ inline constexpr ClauseInfo kRounding =
 inline constexpr ClauseInfo kSpread =
     post("experts.forward.spread_explained", Group::numeric,
          "y within the declared precision's probabilistic bound", Level::full);
+inline constexpr ClauseInfo kPackShape =
+    pre("experts.pack.shape", Group::shape,
+        "per expert gate, up I x H and down H x I of one quantized format");
 inline constexpr ClauseInfo kAll[] = {
     kShape,       kIdxInRange, kIdxUnique, kWeightFinite, kXFinite,  kXRange, kNoAlias,
-    kPermutation, kYFinite,    kProbe,     kWithinBound,  kRounding, kSpread};
+    kPermutation, kYFinite,    kProbe,     kWithinBound,  kRounding, kSpread, kPackShape};
 }  // namespace experts
 
 namespace experts_train {

@@ -158,6 +158,36 @@ std::pair<double, double> ExpertsProbe::narrow_sums(std::size_t row, std::size_t
   return {in[0], in[1]};
 }
 
+void experts_pack_pre(detail::Checker& c, const std::vector<QuantView>& w_gate,
+                      const std::vector<QuantView>& w_up, const std::vector<QuantView>& w_down) {
+  MOECERT_CONTRACT(c, k::kPackShape) {
+    const std::size_t E = w_gate.size();
+    const bool counts = E >= 1 && w_up.size() == E && w_down.size() == E;
+    const std::size_t I = counts ? w_gate[0].rows : 0, H = counts ? w_gate[0].cols : 0;
+    const WeightFormat f = counts ? w_gate[0].format : WeightFormat::bf16;
+    if (!counts || !I || !H || f == WeightFormat::bf16) {
+      c.fail(k::kPackShape, "",
+             fmt::format("{} gate, {} up, {} down views; gate[0] {} {}x{}", w_gate.size(),
+                         w_up.size(), w_down.size(), counts ? format_name(f) : "-", I, H),
+             "as many of each (>= 1), a quantized format, I, H >= 1");
+      return;
+    }
+    for (std::size_t e = 0; e < E; ++e) {
+      const std::pair<const char*, const QuantView*> views[] = {
+          {"w_gate", &w_gate[e]}, {"w_up", &w_up[e]}, {"w_down", &w_down[e]}};
+      for (const auto& [name, v] : views) {
+        const bool down = name[2] == 'd';
+        if (v->format != f || v->rows != (down ? H : I) || v->cols != (down ? I : H)) {
+          c.fail(k::kPackShape, fmt::format("{}[{}]", name, e),
+                 fmt::format("{} {}x{}", format_name(v->format), v->rows, v->cols),
+                 fmt::format("{} {}x{}", format_name(f), down ? H : I, down ? I : H));
+          return;
+        }
+      }
+    }
+  }
+}
+
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
                          MatView<const std::int32_t> idx, MatView<const float> weights,
                          MatView<float> y) {
@@ -190,8 +220,7 @@ void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, Ma
                "disjoint");
     for (std::size_t e = 0; e < e_count; ++e)
       for (const auto* p : {&w.gate_up(e), &w.down(e)}) {
-        const ByteRange r{reinterpret_cast<std::uintptr_t>(p->data()),
-                          reinterpret_cast<std::uintptr_t>(p->data() + p->size())};
+        const ByteRange r = p->storage();
         if (overlaps(yr, r))
           c.fail(k::kNoAlias, fmt::format("e={}", e),
                  fmt::format("y {} overlaps packed weights {}", detail::format_range(yr),

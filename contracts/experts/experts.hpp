@@ -94,6 +94,9 @@ class ExpertsProbe {
   float scale_ = 0.0f;
 };
 
+/// experts.pack.shape of a quantized pack's views.
+void experts_pack_pre(detail::Checker& c, const std::vector<QuantView>& w_gate,
+                      const std::vector<QuantView>& w_up, const std::vector<QuantView>& w_down);
 void experts_forward_pre(detail::Checker& c, const experts::PackedExperts& w, MatView<const bf16> x,
                          MatView<const std::int32_t> idx, MatView<const float> weights,
                          MatView<float> y);

@@ -20,10 +20,7 @@ using bounds::Tracked;
 
 namespace {
 
-ByteRange packed_bytes(const gemm::PackedWeights& p) {
-  return {reinterpret_cast<std::uintptr_t>(p.data()),
-          reinterpret_cast<std::uintptr_t>(p.data() + p.size())};
-}
+ByteRange packed_bytes(const gemm::PackedWeights& p) { return p.storage(); }
 
 using NamedRanges = std::vector<std::pair<std::string, ByteRange>>;
 

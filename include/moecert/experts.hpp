@@ -29,17 +29,34 @@ class PackedExperts {
   static PackedExperts pack(std::size_t experts, MatView<const bf16> w_gate,
                             MatView<const bf16> w_up, MatView<const bf16> w_down,
                             bool backward = false);
+  /// Quantized base weights (moecert/formats.hpp), one view per expert as
+  /// checkpoints store them, each with its own scales: w_gate[e], w_up[e]
+  /// [I x H], w_down[e] [H x I]. The kernels compute with the dequantized
+  /// weights bf16(fp32(code * scale)) (proofs/bounds.md §13), which the
+  /// readers below return; `backward` as above (the transposed packs hold
+  /// the same codes).
+  ///
+  /// Clauses (contracts/experts/experts.cpp):
+  ///   experts.pack.shape  pre  shape  as many views of gate, up and down (>= 1), all of one
+  ///                                   quantized format; gate and up I x H, down H x I, the same
+  ///                                   I, H >= 1 for every expert
+  /// and gemm.pack's (codes, scales, dequantized weights) on every matrix.
+  static PackedExperts pack(const std::vector<QuantView>& w_gate,
+                            const std::vector<QuantView>& w_up,
+                            const std::vector<QuantView>& w_down, bool backward = false);
 
   std::size_t experts() const { return gate_up_.size(); }
   std::size_t hidden() const { return hidden_; }
   std::size_t inter() const { return inter_; }
+  WeightFormat format() const { return format_; }
   const gemm::PackedWeights& gate_up(std::size_t e) const { return gate_up_[e]; }
   const gemm::PackedWeights& down(std::size_t e) const { return down_[e]; }
   bool has_backward() const { return !down_t_.empty(); }
   const gemm::PackedWeights& down_t(std::size_t e) const { return down_t_[e]; }
   const gemm::PackedWeights& gate_up_t(std::size_t e) const { return gate_up_t_[e]; }
   /// The weights pack() was given, read back from the packed layout into
-  /// w_gate, w_up [E*I x H] and w_down [E*H x I] (bitwise those weights).
+  /// w_gate, w_up [E*I x H] and w_down [E*H x I] (bitwise those weights; a
+  /// quantized pack's dequantized weights).
   void unpack(MatView<bf16> w_gate, MatView<bf16> w_up, MatView<bf16> w_down) const;
   /// Weights read back from the packed layout.
   bf16 gate(std::size_t e, std::size_t i, std::size_t h) const;
@@ -50,6 +67,7 @@ class PackedExperts {
  private:
   std::vector<gemm::PackedWeights> gate_up_, down_, down_t_, gate_up_t_;
   std::size_t hidden_ = 0, inter_ = 0;
+  WeightFormat format_ = WeightFormat::bf16;
 };
 
 /// Scratch and saved activations of the expert forward, kept across calls:

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "contracts/experts/experts.hpp"
 #include "moecert/experts.hpp"
 #include "ops/core/task.hpp"
 #include "ops/gemm/ukernel.hpp"
@@ -47,6 +48,35 @@ PackedExperts PackedExperts::pack(std::size_t experts, MatView<const bf16> w_gat
         out.gate_up_t_[e] = gemm::PackedWeights::pack_transposed(
             MatView<const bf16>(gu.data(), 2 * i_rows, h_rows), {});
       }));
+  return out;
+}
+
+PackedExperts PackedExperts::pack(const std::vector<QuantView>& w_gate,
+                                  const std::vector<QuantView>& w_up,
+                                  const std::vector<QuantView>& w_down, bool backward) {
+  detail::Checker c{"experts.pack"};
+  contracts::experts_pack_pre(c, w_gate, w_up, w_down);
+  if (c.stop()) return {};
+  const std::size_t E = w_gate.size();
+  PackedExperts out;
+  out.format_ = w_gate[0].format;
+  out.hidden_ = w_gate[0].cols;
+  out.inter_ = w_gate[0].rows;
+  out.gate_up_.resize(E);
+  out.down_.resize(E);
+  out.down_t_.resize(backward ? E : 0);
+  out.gate_up_t_.resize(backward ? E : 0);
+  // gemm.pack's clauses run per matrix, as for bf16 weights; the transposed
+  // packs take the same codes: W_d^T, and [W_g; W_u]^T with up's rows under
+  // gate's.
+  oneapi::tbb::parallel_for(std::size_t{0}, E, moecert::detail::task([&](std::size_t e) {
+                              out.gate_up_[e] = gemm::PackedWeights::pack(w_gate[e], w_up[e]);
+                              out.down_[e] = gemm::PackedWeights::pack(w_down[e]);
+                              if (!backward) return;
+                              out.down_t_[e] = gemm::PackedWeights::pack_transposed(w_down[e]);
+                              out.gate_up_t_[e] =
+                                  gemm::PackedWeights::pack_transposed(w_gate[e], w_up[e]);
+                            }));
   return out;
 }
 

@@ -1,0 +1,85 @@
+// Quantized weights as a checkpoint holds them (codes and scales, owned), the
+// one random filling of them, and their dequantized bf16 copy. Shared by the
+// tests, the conformance cases and the fuzzers.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "contracts/gemm/formats.hpp"
+#include "moecert/formats.hpp"
+
+namespace moecert::fixture {
+
+/// Codes and scales of one matrix, and the view of them (codes stored with
+/// 3 bytes of row padding, scales with one NaN column: neither is read).
+struct QuantMatrix {
+  std::vector<std::uint8_t> codes;
+  std::vector<float> scales;
+  QuantView view;
+
+  QuantMatrix() = default;
+  QuantMatrix(const QuantMatrix& o) : codes(o.codes), scales(o.scales), view(o.view) { rebind(); }
+  QuantMatrix& operator=(const QuantMatrix& o) {
+    codes = o.codes, scales = o.scales, view = o.view;
+    rebind();
+    return *this;
+  }
+  void rebind() { view.codes = codes.data(), view.scales = scales.data(); }
+  /// Writes code c (int4: a nibble 0..15) of element (n, k).
+  void set_code(std::size_t n, std::size_t k, unsigned c) {
+    const bool nibbles = view.format == WeightFormat::int4_group;
+    std::uint8_t& b = codes[n * view.stride + (nibbles ? k / 2 : k)];
+    b = !nibbles ? static_cast<std::uint8_t>(c)
+        : k % 2  ? static_cast<std::uint8_t>((b & 0x0fu) | (c << 4))
+                 : static_cast<std::uint8_t>((b & 0xf0u) | (c & 0x0fu));
+  }
+  /// The dequantized weights the kernels compute with, row-major.
+  std::vector<bf16> dequantized() const {
+    std::vector<bf16> w(view.rows * view.cols);
+    for (std::size_t n = 0; n < view.rows; ++n)
+      for (std::size_t k = 0; k < view.cols; ++k)
+        w[n * view.cols + k] = contracts::kernel_weight(view, n, k);
+    return w;
+  }
+};
+
+/// A random valid code of f.
+inline unsigned random_code(WeightFormat f, std::mt19937_64& rng) {
+  const FormatInfo& info = format_info(f);
+  if (f == WeightFormat::fp8_e4m3_block128) {
+    unsigned c;
+    do c = static_cast<unsigned>(rng() & 255u);
+    while ((c & 0x7fu) == 0x7fu);
+    return c;
+  }
+  std::uniform_int_distribution<int> d(info.code_min, info.code_max);
+  return static_cast<unsigned>(d(rng)) & (info.code_bits == 4 ? 15u : 255u);
+}
+
+/// rows x cols of format f: random valid codes, scales 2^[lo, hi) times
+/// [1, 2).
+inline QuantMatrix random_quantized(WeightFormat f, std::size_t rows, std::size_t cols,
+                                    std::mt19937_64& rng, int lo = -20, int hi = 20) {
+  QuantMatrix q;
+  q.view.format = f;
+  q.view.rows = rows, q.view.cols = cols;
+  q.view.stride = q.view.row_bytes() + 3;
+  q.codes.assign(rows * q.view.stride, 0xee);
+  for (std::size_t n = 0; n < rows; ++n)
+    for (std::size_t k = 0; k < cols; ++k) q.set_code(n, k, random_code(f, rng));
+  q.view.scale_stride = q.view.scale_cols() + 1;
+  q.scales.assign(q.view.scale_rows() * q.view.scale_stride, NAN);
+  std::uniform_real_distribution<double> e(lo, hi), m(1, 2);
+  for (std::size_t r = 0; r < q.view.scale_rows(); ++r)
+    for (std::size_t c = 0; c < q.view.scale_cols(); ++c)
+      q.scales[r * q.view.scale_stride + c] =
+          static_cast<float>(std::ldexp(m(rng), static_cast<int>(std::floor(e(rng)))));
+  q.rebind();
+  return q;
+}
+
+}  // namespace moecert::fixture
