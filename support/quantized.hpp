@@ -31,12 +31,10 @@ struct QuantMatrix {
   void rebind() { view.codes = codes.data(), view.scales = scales.data(); }
   /// Writes code c (int4: a nibble 0..15) of element (n, k).
   void set_code(std::size_t n, std::size_t k, unsigned c) {
-    const bool nibbles = view.format == WeightFormat::int4_group;
-    std::uint8_t& b = codes[n * view.stride + (nibbles ? k / 2 : k)];
-    b = !nibbles ? static_cast<std::uint8_t>(c)
-        : k % 2  ? static_cast<std::uint8_t>((b & 0x0fu) | (c << 4))
-                 : static_cast<std::uint8_t>((b & 0xf0u) | (c & 0x0fu));
+    out().set_code(view.format == WeightFormat::int4_group, n, k, c);
   }
+  /// The matrix as an output of its layout.
+  QuantOut out() { return {codes.data(), view.stride, scales.data(), view.scale_stride}; }
   /// The dequantized weights the kernels compute with, row-major.
   std::vector<bf16> dequantized() const {
     std::vector<bf16> w(view.rows * view.cols);

@@ -1131,3 +1131,35 @@ TEST_CASE("experts.pack: shape clause on quantized views", "[experts][formats][s
   expect({g.view, g.view}, {u.view, u.view}, {d.view, d2.view}, "w_down[1]");
   CHECK(experts::PackedExperts::pack({g.view}, {u.view}, {d.view}).experts() == 1);
 }
+
+TEST_CASE("experts: a quantized pack's codes and scales read back bitwise", "[experts][formats]") {
+  std::mt19937_64 rng(31);
+  for (WeightFormat f :
+       {WeightFormat::int8_channel, WeightFormat::int4_group, WeightFormat::fp8_e4m3_block128}) {
+    DYNAMIC_SECTION(format_name(f)) {
+      const std::size_t E = 3, H = 200, I = 136;
+      std::vector<fixture::QuantMatrix> q[3], back[3];
+      std::vector<QuantView> views[3];
+      std::vector<QuantOut> outs[3];
+      for (int m = 0; m < 3; ++m)
+        for (std::size_t e = 0; e < E; ++e) {
+          q[m].push_back(fixture::random_quantized(f, m == 2 ? H : I, m == 2 ? I : H, rng, -9, -7));
+          back[m].push_back(fixture::random_quantized(f, m == 2 ? H : I, m == 2 ? I : H, rng));
+        }
+      for (int m = 0; m < 3; ++m)
+        for (std::size_t e = 0; e < E; ++e)
+          views[m].push_back(q[m][e].view), outs[m].push_back(back[m][e].out());
+      const auto packed = experts::PackedExperts::pack(views[0], views[1], views[2], false);
+      packed.unpack(outs[0], outs[1], outs[2]);
+      for (int m = 0; m < 3; ++m)
+        for (std::size_t e = 0; e < E; ++e) {
+          const QuantView &a = q[m][e].view, &b = back[m][e].view;
+          for (std::size_t n = 0; n < a.rows; ++n)
+            for (std::size_t k = 0; k < a.cols; ++k) {
+              REQUIRE(a.code(n, k) == b.code(n, k));
+              REQUIRE(a.scale(n, k) == b.scale(n, k));
+            }
+        }
+    }
+  }
+}

@@ -246,3 +246,46 @@ TEST_CASE("gemm.pack: roundtrip and checksum catch a quantized pack's codes or s
       },
       "gemm.pack.checksum", Level::full);
 }
+
+TEST_CASE("formats: the quantizer rounds to the nearest code of the block's scale",
+          "[formats][quantize]") {
+  std::mt19937_64 rng(13);
+  std::normal_distribution<float> nd(0, 1);
+  for (WeightFormat f : kQuantized) {
+    DYNAMIC_SECTION(format_name(f)) {
+      const std::size_t rows = 131, cols = 259;  // partial blocks at both edges
+      std::vector<float> w(rows * cols);
+      for (auto& v : w) v = nd(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 9) - 4);
+      for (std::size_t k = 0; k < cols; ++k) w[7 * cols + k] = 0;  // an all-zero row
+      fixture::QuantMatrix q;
+      q.view.format = f, q.view.rows = rows, q.view.cols = cols;
+      q.view.stride = q.view.row_bytes(), q.view.scale_stride = q.view.scale_cols();
+      q.codes.assign(rows * q.view.stride, 0),
+          q.scales.assign(q.view.scale_rows() * q.view.scale_stride, 0);
+      q.rebind();
+      quantize(f, MatView<const float>(w.data(), rows, cols), q.out());
+      const FormatInfo& info = format_info(f);
+      const double top = f == WeightFormat::fp8_e4m3_block128 ? 448 : info.code_max;
+      const std::size_t br = info.block_rows ? info.block_rows : rows,
+                        bc = info.block_cols ? info.block_cols : cols;
+      for (std::size_t n = 0; n < rows; ++n)
+        for (std::size_t k = 0; k < cols; ++k) {
+          INFO("n=" << n << " k=" << k);
+          REQUIRE(contracts::code_valid(f, q.view.code(n, k)));
+          double amax = 0;
+          for (std::size_t i = n / br * br; i < std::min(rows, n / br * br + br); ++i)
+            for (std::size_t j = k / bc * bc; j < std::min(cols, k / bc * bc + bc); ++j)
+              amax = std::max(amax, std::fabs(double(w[i * cols + j])));
+          const float s = q.view.scale(n, k);
+          REQUIRE(s == (amax > 0 ? static_cast<float>(amax / top) : 1.0f));
+          // No valid code is nearer w / s than the chosen one.
+          const double target = w[n * cols + k] / double(s),
+                       got = std::fabs(contracts::code_value(f, q.view.code(n, k)) - target);
+          for (unsigned c = 0; c < (info.code_bits == 4 ? 16u : 256u); ++c)
+            if (contracts::code_valid(f, c))
+              REQUIRE(got <= std::fabs(contracts::code_value(f, c) - target));
+        }
+      CHECK(gemm::PackedWeights::pack(q.view).n() == rows);  // every clause accepts it
+    }
+  }
+}

@@ -58,6 +58,11 @@ class PackedExperts {
   /// w_gate, w_up [E*I x H] and w_down [E*H x I] (bitwise those weights; a
   /// quantized pack's dequantized weights).
   void unpack(MatView<bf16> w_gate, MatView<bf16> w_up, MatView<bf16> w_down) const;
+  /// A quantized pack's codes and scales, bitwise those pack() was given,
+  /// written per expert into outputs of the views' layouts (gate, up
+  /// [I x H], down [H x I]).
+  void unpack(const std::vector<QuantOut>& w_gate, const std::vector<QuantOut>& w_up,
+              const std::vector<QuantOut>& w_down) const;
   /// Weights read back from the packed layout.
   bf16 gate(std::size_t e, std::size_t i, std::size_t h) const;
   bf16 up(std::size_t e, std::size_t i, std::size_t h) const;

@@ -114,4 +114,32 @@ struct QuantView {
   }
 };
 
+/// Where to write quantized weights [rows x cols] of a format (QuantView's
+/// layout): codes with `stride` bytes a row, scales with `scale_stride`.
+struct QuantOut {
+  std::uint8_t* codes = nullptr;
+  std::size_t stride = 0;
+  float* scales = nullptr;
+  std::size_t scale_stride = 0;
+
+  /// Writes code c of element (n, k) (nibbles: int4, c 0..15, the byte's
+  /// other nibble kept).
+  void set_code(bool nibbles, std::size_t n, std::size_t k, unsigned c) const {
+    std::uint8_t& b = codes[n * stride + (nibbles ? k / 2 : k)];
+    b = !nibbles ? static_cast<std::uint8_t>(c)
+        : k % 2  ? static_cast<std::uint8_t>((b & 0x0fu) | (c << 4))
+                 : static_cast<std::uint8_t>((b & 0xf0u) | (c & 0x0fu));
+  }
+};
+
+/// The quantizer, for weights that start in bf16 or fp32: w [rows x cols]
+/// into format f (not bf16), round to nearest. Per block of the format
+/// (int8_channel: a row; int4_group: a row's 128 columns; fp8: 128 x 128):
+/// scale = fp32(max |w| / code_max) (code_max 127, 7 or 448; 1 for an
+/// all-zero block), then each code the value nearest w / scale (binary64),
+/// ties to even: an integer clamped to [-code_max, code_max], or an e4m3
+/// value. So |code * scale - w| <= scale / 2 (integers) or half an e4m3 ulp
+/// of w / scale times scale, plus scale's own rounding. w must be finite.
+void quantize(WeightFormat f, MatView<const float> w, const QuantOut& out);
+
 }  // namespace moecert

@@ -118,6 +118,9 @@ class PackedWeights {
         (n / kPanel) * kp_ * kPanel + (k / 2) * 2 * kPanel + (n % kPanel) * 2 + (k % 2);
     return quantized() ? decoded(n, k, e) : data_[e];
   }
+  /// A quantized pack's code of W[n][k] (int4: the nibble) and its scale.
+  unsigned code_at(std::size_t n, std::size_t k) const;
+  float scale_at(std::size_t n, std::size_t k) const { return scale_of(n, k); }
   /// Panels [p0, p1) of a quantized pack decoded into dst in the bf16 layout
   /// ((p1 - p0) kp 16 elements), bit for bit the at() values.
   void decode_panels(std::size_t p0, std::size_t p1, bf16* dst) const;

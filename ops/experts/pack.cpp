@@ -94,6 +94,40 @@ void PackedExperts::unpack(MatView<bf16> w_gate, MatView<bf16> w_up, MatView<bf1
                             }));
 }
 
+namespace {
+
+// Matrix [rows x cols] of format f held in pack p, element (n, k) at packed
+// (column(n), k): its codes and, from one element of each block, its scales.
+template <class Column>
+void unpack_matrix(const gemm::PackedWeights& p, WeightFormat f, std::size_t rows, std::size_t cols,
+                   Column column, const QuantOut& out) {
+  const FormatInfo& info = format_info(f);
+  const bool nibbles = info.code_bits == 4;
+  for (std::size_t n = 0; n < rows; ++n)
+    for (std::size_t k = 0; k < cols; ++k) out.set_code(nibbles, n, k, p.code_at(column(n), k));
+  const std::size_t br = info.block_rows ? info.block_rows : rows,
+                    bc = info.block_cols ? info.block_cols : cols;
+  for (std::size_t n = 0; n < rows; n += br)
+    for (std::size_t k = 0; k < cols; k += bc)
+      out.scales[(n / br) * out.scale_stride + k / bc] = p.scale_at(column(n), k);
+}
+
+}  // namespace
+
+void PackedExperts::unpack(const std::vector<QuantOut>& w_gate, const std::vector<QuantOut>& w_up,
+                           const std::vector<QuantOut>& w_down) const {
+  const std::size_t I = inter_, H = hidden_, P = gemm::kPanel;
+  oneapi::tbb::parallel_for(
+      std::size_t{0}, experts(), moecert::detail::task([&](std::size_t e) {
+        const auto gate = [P](std::size_t i) { return 2 * P * (i / P) + i % P; };
+        const auto up = [P](std::size_t i) { return 2 * P * (i / P) + P + i % P; };
+        unpack_matrix(gate_up_[e], format_, I, H, gate, w_gate[e]);
+        unpack_matrix(gate_up_[e], format_, I, H, up, w_up[e]);
+        unpack_matrix(
+            down_[e], format_, H, I, [](std::size_t h) { return h; }, w_down[e]);
+      }));
+}
+
 bf16 PackedExperts::gate(std::size_t e, std::size_t i, std::size_t h) const {
   return gate_up_[e].at(2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel, h);
 }

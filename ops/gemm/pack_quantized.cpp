@@ -132,6 +132,11 @@ PackedWeights PackedWeights::pack_transposed(const QuantView& wt, const QuantVie
   return out;
 }
 
+unsigned PackedWeights::code_at(std::size_t n, std::size_t k) const {
+  return get_code(reinterpret_cast<const std::uint8_t*>(data_.get()),
+                  format_info(format_).code_bits == 4, element(kp_, n, k));
+}
+
 bf16 PackedWeights::decoded(std::size_t n, std::size_t k, std::size_t e) const {
   const auto* codes = reinterpret_cast<const std::uint8_t*>(data_.get());
   const unsigned c = get_code(codes, format_info(format_).code_bits == 4, e);
