@@ -16,6 +16,7 @@
 
 #include "moecert/contracts.hpp"
 #include "moecert/experts.hpp"
+#include "moecert/formats.hpp"
 #include "moecert/layer.hpp"
 #include "moecert/moecert.h"
 #include "moecert/types.hpp"
@@ -142,6 +143,10 @@ template <>
 constexpr moecert_dtype dtype_of<double>() {
   return MOECERT_F64;
 }
+template <>
+constexpr moecert_dtype dtype_of<std::uint8_t>() {
+  return MOECERT_U8;
+}
 
 const char* dtype_name(std::int32_t dtype);
 
@@ -175,6 +180,16 @@ View<T> vec(const moecert_tensor* t, const char* name, bool required = true) {
   check_descriptor(*t, dtype_of<std::remove_const_t<T>>(), 1, name);
   return {static_cast<T*>(t->data), static_cast<std::size_t>(t->shape[0])};
 }
+
+/// The format numbered `format`, if quantized (InvalidArgument otherwise).
+WeightFormat quantized_format(std::int32_t format);
+/// A moecert_quant of `format` as a QuantView; its descriptors checked
+/// (codes u8, scales f32, 2-D; the rest is gemm.pack's clauses').
+QuantView quant_of(const moecert_quant& q, WeightFormat format, const std::string& name);
+/// The same as an output of the quantizer or an unpack, of rows x cols:
+/// codes and scales of the format's shapes.
+QuantOut quant_out(const moecert_quant& q, WeightFormat format, std::size_t rows, std::size_t cols,
+                   const std::string& name);
 
 /// The LoRA descriptor as experts::Lora (NULL or rank 0: none).
 experts::Lora lora_of(const moecert_lora* l);

@@ -5,6 +5,7 @@
 
 #include "moecert/config.hpp"
 #include "moecert/contracts.hpp"
+#include "moecert/formats.hpp"
 #include "moecert/moecert.h"
 #include "moecert/router.hpp"
 #include "moecert/types.hpp"
@@ -37,6 +38,10 @@ static_assert(MOECERT_ISA_SCALAR == as_int(Isa::scalar) &&
 static_assert(MOECERT_ROUTER_SOFTMAX_TOPK == as_int(RouterKind::softmax_topk) &&
               MOECERT_ROUTER_SIGMOID_TOPK == as_int(RouterKind::sigmoid_topk) &&
               MOECERT_ROUTER_PRODUCT_KEY == as_int(RouterKind::product_key));
+static_assert(MOECERT_FORMAT_BF16 == as_int(WeightFormat::bf16) &&
+              MOECERT_FORMAT_INT8_CHANNEL == as_int(WeightFormat::int8_channel) &&
+              MOECERT_FORMAT_INT4_GROUP == as_int(WeightFormat::int4_group) &&
+              MOECERT_FORMAT_FP8_E4M3_BLOCK128 == as_int(WeightFormat::fp8_e4m3_block128));
 static_assert(MOECERT_KEY_WEIGHTS_RAW == as_int(router::KeyWeights::raw) &&
               MOECERT_KEY_WEIGHTS_EXP == as_int(router::KeyWeights::exp) &&
               MOECERT_KEY_WEIGHTS_SOFTMAX == as_int(router::KeyWeights::softmax));
@@ -49,22 +54,23 @@ constexpr const char* kStatus[] = {"ok",
                                    "internal_error",
                                    "precondition_observed"};
 static_assert(sizeof(kStatus) / sizeof(kStatus[0]) == MOECERT_PRECONDITION_OBSERVED + 1);
-constexpr const char* kDtype[] = {"bf16", "f32", "i32", "f64"};
-static_assert(sizeof(kDtype) / sizeof(kDtype[0]) == MOECERT_F64 + 1);
+constexpr const char* kDtype[] = {"bf16", "f32", "i32", "f64", "u8"};
+static_assert(sizeof(kDtype) / sizeof(kDtype[0]) == MOECERT_U8 + 1);
 
 // The enums' own names and the last value of each, in moecert_enum order.
-constexpr const char* kEnums[] = {"status", "dtype", "level",  "semantic",
-                                  "group",  "isa",   "router", "key_weights"};
+constexpr const char* kEnums[] = {"status", "dtype",  "level",       "semantic",     "group",
+                                  "isa",    "router", "key_weights", "weight_format"};
 constexpr int kLast[] = {MOECERT_PRECONDITION_OBSERVED,
-                         MOECERT_F64,
+                         MOECERT_U8,
                          MOECERT_LEVEL_FULL,
                          MOECERT_SEMANTIC_ENFORCE,
                          MOECERT_GROUP_MEMORY,
                          static_cast<int>(kIsaCount) - 1,
                          static_cast<int>(kRouterKinds) - 1,
-                         MOECERT_KEY_WEIGHTS_SOFTMAX};
-static_assert(sizeof(kLast) / sizeof(kLast[0]) == MOECERT_ENUM_KEY_WEIGHTS + 1);
-static_assert(sizeof(kEnums) / sizeof(kEnums[0]) == MOECERT_ENUM_KEY_WEIGHTS + 1);
+                         MOECERT_KEY_WEIGHTS_SOFTMAX,
+                         static_cast<int>(kFormatCount) - 1};
+static_assert(sizeof(kLast) / sizeof(kLast[0]) == MOECERT_ENUM_WEIGHT_FORMAT + 1);
+static_assert(sizeof(kEnums) / sizeof(kEnums[0]) == MOECERT_ENUM_WEIGHT_FORMAT + 1);
 
 // A name of the C++ API as a C string (each is a literal: NUL-terminated).
 const char* c_str(std::string_view name) { return name.empty() ? nullptr : name.data(); }
@@ -76,8 +82,8 @@ extern "C" const char* moecert_enum_name(int32_t which, int32_t value) {
   using namespace moecert;
   using capi::c_str;
   if (which == -1)
-    return value >= 0 && value <= MOECERT_ENUM_KEY_WEIGHTS ? capi::kEnums[value] : nullptr;
-  if (which < 0 || which > MOECERT_ENUM_KEY_WEIGHTS || value < 0 || value > capi::kLast[which])
+    return value >= 0 && value <= MOECERT_ENUM_WEIGHT_FORMAT ? capi::kEnums[value] : nullptr;
+  if (which < 0 || which > MOECERT_ENUM_WEIGHT_FORMAT || value < 0 || value > capi::kLast[which])
     return nullptr;
   switch (static_cast<moecert_enum>(which)) {
     case MOECERT_ENUM_STATUS:
@@ -96,6 +102,8 @@ extern "C" const char* moecert_enum_name(int32_t which, int32_t value) {
       return c_str(router_kind_name(static_cast<RouterKind>(value)));
     case MOECERT_ENUM_KEY_WEIGHTS:
       return c_str(router::key_weights_name(static_cast<router::KeyWeights>(value)));
+    case MOECERT_ENUM_WEIGHT_FORMAT:
+      return c_str(format_name(static_cast<WeightFormat>(value)));
   }
   return nullptr;
 }

@@ -83,6 +83,8 @@ const char* dtype_name(std::int32_t dtype) {
       return "int32";
     case MOECERT_F64:
       return "float64";
+    case MOECERT_U8:
+      return "uint8";
     default:
       return "unknown";
   }

@@ -217,21 +217,24 @@ static void layer(void) {
  * the last. */
 static void enums(void) {
   static const int last[] = {MOECERT_PRECONDITION_OBSERVED,
-                             MOECERT_F64,
+                             MOECERT_U8,
                              MOECERT_LEVEL_FULL,
                              MOECERT_SEMANTIC_ENFORCE,
                              MOECERT_GROUP_MEMORY,
                              MOECERT_ISA_AVX2,
                              MOECERT_ROUTER_PRODUCT_KEY,
-                             MOECERT_KEY_WEIGHTS_SOFTMAX};
-  for (int which = MOECERT_ENUM_STATUS; which <= MOECERT_ENUM_KEY_WEIGHTS; ++which) {
+                             MOECERT_KEY_WEIGHTS_SOFTMAX,
+                             MOECERT_FORMAT_FP8_E4M3_BLOCK128};
+  for (int which = MOECERT_ENUM_STATUS; which <= MOECERT_ENUM_WEIGHT_FORMAT; ++which) {
     EXPECT(moecert_enum_name(-1, which) != NULL);
     for (int v = 0; v <= last[which]; ++v) EXPECT(moecert_enum_name(which, v) != NULL);
     EXPECT(moecert_enum_name(which, last[which] + 1) == NULL &&
            moecert_enum_name(which, -1) == NULL);
   }
-  EXPECT(moecert_enum_name(-1, MOECERT_ENUM_KEY_WEIGHTS + 1) == NULL);
-  EXPECT(moecert_enum_name(MOECERT_ENUM_KEY_WEIGHTS + 1, 0) == NULL);
+  EXPECT(moecert_enum_name(-1, MOECERT_ENUM_WEIGHT_FORMAT + 1) == NULL);
+  EXPECT(moecert_enum_name(MOECERT_ENUM_WEIGHT_FORMAT + 1, 0) == NULL);
+  EXPECT(strcmp(moecert_enum_name(MOECERT_ENUM_WEIGHT_FORMAT, MOECERT_FORMAT_INT4_GROUP),
+                "int4_group") == 0);
   EXPECT(strcmp(moecert_enum_name(-1, MOECERT_ENUM_ROUTER), "router") == 0);
   EXPECT(strcmp(moecert_enum_name(MOECERT_ENUM_ROUTER, MOECERT_ROUTER_SIGMOID_TOPK),
                 "sigmoid_topk") == 0);
@@ -240,6 +243,49 @@ static void enums(void) {
                 "invalid_argument") == 0);
   EXPECT(strcmp(moecert_enum_name(MOECERT_ENUM_ISA, MOECERT_ISA_AMX_EMU),
                 moecert_isa_name(MOECERT_ISA_AMX_EMU)) == 0);
+}
+
+/* Quantizes the bf16 experts into int4_group (one 128-column group: H, I <
+ * 128), packs them, reads the codes back, and runs the forward: the pack's
+ * format, the same codes, a finite y. */
+static void quantized(void) {
+  static float f[E * I * H];
+  static uint8_t codes[3][E][I * H], back[3][E][I * H];
+  static float scales[3][E][I], back_scales[3][E][I];
+  const uint16_t* src[3] = {wg, wu, wd};
+  moecert_quant q[3][E], b[3][E];
+  int64_t br = 0, bc = 0;
+  OK(moecert_format_block(MOECERT_FORMAT_INT4_GROUP, &br, &bc));
+  EXPECT(br == 1 && bc == 128);
+  for (int m = 0; m < 3; ++m)
+    for (int e = 0; e < E; ++e) {
+      const int rows = m == 2 ? H : I, cols = m == 2 ? I : H;
+      for (int i = 0; i < rows * cols; ++i) {
+        uint32_t u = (uint32_t)src[m][e * rows * cols + i] << 16;
+        memcpy(&f[i], &u, 4);
+      }
+      moecert_tensor tw = mat(f, MOECERT_F32, rows, cols);
+      q[m][e].codes = mat(codes[m][e], MOECERT_U8, rows, (cols + 1) / 2);
+      q[m][e].scales = mat(scales[m][e], MOECERT_F32, rows, 1);
+      q[m][e].cols = cols;
+      b[m][e] = q[m][e];
+      b[m][e].codes.data = back[m][e], b[m][e].scales.data = back_scales[m][e];
+      OK(moecert_quantize(MOECERT_FORMAT_INT4_GROUP, &tw, &q[m][e]));
+    }
+  moecert_experts* packed = NULL;
+  EXPECT(moecert_experts_pack_quantized(MOECERT_FORMAT_BF16, E, q[0], q[1], q[2], 1, &packed) ==
+         MOECERT_INVALID_ARGUMENT);
+  OK(moecert_experts_pack_quantized(MOECERT_FORMAT_INT4_GROUP, E, q[0], q[1], q[2], 1, &packed));
+  int32_t format = -1;
+  OK(moecert_experts_format(packed, &format));
+  EXPECT(format == MOECERT_FORMAT_INT4_GROUP);
+  OK(moecert_experts_unpack_quantized(packed, b[0], b[1], b[2]));
+  EXPECT(memcmp(codes, back, sizeof codes) == 0 && memcmp(scales, back_scales, sizeof scales) == 0);
+  moecert_tensor tx = mat(x, MOECERT_BF16, T, H), ti = mat(idx, MOECERT_I32, T, K),
+                 tw = mat(w, MOECERT_F32, T, K), ty = mat(y, MOECERT_F32, T, H);
+  OK(moecert_experts_forward(packed, &tx, &ti, &tw, &ty, MOECERT_ISA_DEFAULT));
+  for (int i = 0; i < T * H; ++i) EXPECT(isfinite(y[i]));
+  moecert_experts_free(packed);
 }
 
 int main(void) {
@@ -263,6 +309,7 @@ int main(void) {
   experts_op();
   router();
   layer();
+  quantized();
   OK(moecert_set_num_threads(0));
   if (failures)
     fprintf(stderr, "capi_test: %d failed\n", failures);

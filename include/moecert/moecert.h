@@ -42,7 +42,8 @@ typedef enum moecert_dtype {
   MOECERT_BF16 = 0,
   MOECERT_F32 = 1,
   MOECERT_I32 = 2,
-  MOECERT_F64 = 3
+  MOECERT_F64 = 3,
+  MOECERT_U8 = 4 /* quantized weight codes */
 } moecert_dtype;
 
 /* Contract levels, semantics and clause groups (moecert::Level, Semantic,
@@ -94,6 +95,14 @@ typedef enum moecert_key_weights {
   MOECERT_KEY_WEIGHTS_SOFTMAX = 2
 } moecert_key_weights;
 
+/* Weight formats (moecert::WeightFormat, moecert/formats.hpp). */
+typedef enum moecert_weight_format {
+  MOECERT_FORMAT_BF16 = 0,
+  MOECERT_FORMAT_INT8_CHANNEL = 1,
+  MOECERT_FORMAT_INT4_GROUP = 2,
+  MOECERT_FORMAT_FP8_E4M3_BLOCK128 = 3
+} moecert_weight_format;
+
 /* The enums above, for moecert_enum_name. */
 typedef enum moecert_enum {
   MOECERT_ENUM_STATUS = 0,
@@ -103,7 +112,8 @@ typedef enum moecert_enum {
   MOECERT_ENUM_GROUP = 4,
   MOECERT_ENUM_ISA = 5,
   MOECERT_ENUM_ROUTER = 6,
-  MOECERT_ENUM_KEY_WEIGHTS = 7
+  MOECERT_ENUM_KEY_WEIGHTS = 7,
+  MOECERT_ENUM_WEIGHT_FORMAT = 8
 } moecert_enum;
 
 /* The name of value `value` of enum `which` (a moecert_enum) as the C++ API,
@@ -193,6 +203,40 @@ void moecert_experts_free(moecert_experts* w);
  * w_up [E*I x H] and w_down [E*H x I] bf16 (three separate tensors). */
 moecert_status moecert_experts_unpack(const moecert_experts* w, const moecert_tensor* w_gate,
                                       const moecert_tensor* w_up, const moecert_tensor* w_down);
+/* One quantized matrix [rows x cols] of a moecert_weight_format other than
+ * bf16 (moecert::QuantView): codes u8 [rows x row bytes] (int4: ceil(cols / 2)
+ * bytes a row, element 2j in the low nibble of byte j), scales f32
+ * [ceil(rows / block rows) x ceil(cols / block columns)] (moecert_format_block). */
+typedef struct moecert_quant {
+  moecert_tensor codes;
+  moecert_tensor scales;
+  int64_t cols;
+} moecert_quant;
+
+/* A format's scale block: rows and columns of a matrix per scale (0: all). */
+moecert_status moecert_format_block(int32_t format, int64_t* block_rows, int64_t* block_cols);
+
+/* Packs quantized expert weights: w_gate, w_up, w_down point to `experts`
+ * matrices each (gate and up [I x H], down [H x I], each with its own
+ * scales), all of `format`; the kernels compute with bf16(fp32(code *
+ * scale)). backward as for moecert_experts_pack. */
+moecert_status moecert_experts_pack_quantized(int32_t format, int64_t experts,
+                                              const moecert_quant* w_gate,
+                                              const moecert_quant* w_up,
+                                              const moecert_quant* w_down, int32_t backward,
+                                              moecert_experts** out);
+/* A quantized pack's codes and scales, bitwise those it was given, written
+ * into `experts` matrices each of the packed shapes. */
+moecert_status moecert_experts_unpack_quantized(const moecert_experts* w,
+                                                const moecert_quant* w_gate,
+                                                const moecert_quant* w_up,
+                                                const moecert_quant* w_down);
+/* The pack's moecert_weight_format. */
+moecert_status moecert_experts_format(const moecert_experts* w, int32_t* format);
+/* The quantizer (moecert::quantize): w [rows x cols] f32 into codes and
+ * scales of `format` (a moecert_quant of w's shape), round to nearest. */
+moecert_status moecert_quantize(int32_t format, const moecert_tensor* w, const moecert_quant* out);
+
 /* Any pointer may be NULL. */
 moecert_status moecert_experts_shape(const moecert_experts* w, int64_t* experts, int64_t* hidden,
                                      int64_t* inter, int32_t* backward, int64_t* bytes);
