@@ -14,7 +14,7 @@ import contextlib
 from . import _abi
 from .errors import ContractViolation, Error, InvalidArgument
 
-__all__ = ["ContractViolation", "Error", "InvalidArgument", "LEVELS", "SEMANTICS", "GROUPS", "ISAS", "version",
+__all__ = ["ContractViolation", "Error", "InvalidArgument", "LEVELS", "SEMANTICS", "GROUPS", "ISAS", "FORMATS", "version",
            "build_info", "set_contract_level", "set_contract_semantic", "set_contract_groups", "contract_level",
            "contract_semantic", "contract_groups", "contract_level_cap", "contracts", "set_num_threads",
            "num_threads", "default_isa", "isa_usable"]
@@ -24,6 +24,7 @@ LEVELS = _abi.names("level")
 SEMANTICS = _abi.names("semantic")
 GROUPS = _abi.names("group")
 ISAS = _abi.names("isa")
+FORMATS = _abi.names("weight_format")
 
 __version__ = _abi.lib.moecert_version().decode()
 

@@ -27,6 +27,10 @@ class Lora(Structure):
     _fields_ = [(n, Tensor) for n in _LORA] + [("rank", c_int64), ("alpha", c_double)]
 
 
+class Quant(Structure):
+    _fields_ = [("codes", Tensor), ("scales", Tensor), ("cols", c_int64)]
+
+
 class TrainOptions(Structure):
     _fields_ = [("isa", c_int32), ("training", c_int32), ("memory_cap", c_uint64)]
 
@@ -91,6 +95,12 @@ _PROTOTYPES = {
     "moecert_enum_name": ([c_int32, c_int32], c_char_p),
     "moecert_experts_pack": ([c_int64, T, T, T, c_int32, OUT_H], c_int32),
     "moecert_experts_free": ([H], None),
+    "moecert_format_block": ([c_int32, POINTER(c_int64), POINTER(c_int64)], c_int32),
+    "moecert_quantize": ([c_int32, T, POINTER(Quant)], c_int32),
+    "moecert_experts_pack_quantized": ([c_int32, c_int64, POINTER(Quant), POINTER(Quant), POINTER(Quant), c_int32,
+                                        OUT_H], c_int32),
+    "moecert_experts_unpack_quantized": ([H, POINTER(Quant), POINTER(Quant), POINTER(Quant)], c_int32),
+    "moecert_experts_format": ([H, POINTER(c_int32)], c_int32),
     "moecert_experts_unpack": ([H, T, T, T], c_int32),
     "moecert_experts_shape": ([H, POINTER(c_int64), POINTER(c_int64), POINTER(c_int64), POINTER(c_int32),
                                POINTER(c_int64)], c_int32),
@@ -176,7 +186,7 @@ def names(enum):
 
 
 STATUS = names("status")
-BF16, F32, I32, F64 = (names("dtype").index(n) for n in ("bf16", "f32", "i32", "f64"))
+BF16, F32, I32, F64, U8 = (names("dtype").index(n) for n in ("bf16", "f32", "i32", "f64", "u8"))
 PRECONDITION_OBSERVED = STATUS.index("precondition_observed")
 
 

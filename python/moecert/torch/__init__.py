@@ -17,13 +17,14 @@ import torch
 
 from .. import set_num_threads
 from ..errors import InvalidArgument
-from . import functions, library, ops, routers
+from . import formats, functions, library, ops, routers
+from .formats import Quantized, quantize
 from .functions import EXPERTS, LAYER, Stats, experts, stats
 from .modules import MoELayer
 from .routers import product_key, sigmoid_topk, softmax_topk
 from .ops import LayerConfig, Lora, PackedExperts
 
-__all__ = ["ops", "functions", "library", "routers", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats",
+__all__ = ["ops", "functions", "formats", "library", "routers", "Quantized", "quantize", "experts", "softmax_topk", "sigmoid_topk", "product_key", "stats",
            "Stats", "EXPERTS", "LAYER", "MoELayer", "PackedExperts", "Lora", "LayerConfig"]
 
 library.register()

@@ -84,22 +84,23 @@ def check_generation(saved, generation):
 class PackedExperts:
     """Expert weights packed for moecert's kernels: the experts' storage. w_gate, w_up [E, I, H],
     w_down [E, H, I] bf16 are copied in; later changes to those tensors do not reach the pack
-    (pack again, or let MoELayer hold the weights). backward=True also packs the orientations a
-    backward multiplies by. unpack() reads the weights back bitwise; a copy, a pickle or
+    (pack again, or let MoELayer hold the weights). Quantized base weights (formats.Quantized,
+    all three of one format: gate and up [I x H], down [H x I] per expert) are packed as codes
+    and scales, the kernels computing with bf16(fp32(code * scale)). backward=True also packs the
+    orientations a backward multiplies by. unpack() reads the weights back bitwise (a quantized
+    pack: the dequantized weights; unpack_quantized() its codes and scales); a copy, a pickle or
     torch.save of a PackedExperts holds them and packs them again when loaded."""
 
     def __init__(self, w_gate, w_up, w_down, backward=True):
-        if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
-            raise InvalidArgument("w_gate: expected a [E, I, H] tensor")
-        E, I, H = w_gate.shape
-        check(w_gate, "w_gate", BF16, (E, I, H))
-        check(w_up, "w_up", BF16, (E, I, H))
-        check(w_down, "w_down", BF16, (E, H, I))
-        self.experts, self.inter, self.hidden, self.backward = E, I, H, bool(backward)
+        from .formats import Quantized
         ptr = ctypes.c_void_p()
-        with torch.no_grad():
-            packed = _abi.call("moecert_experts_pack", E, ref(describe(w_gate)), ref(describe(w_up)),
-                               ref(describe(w_down)), int(backward), ctypes.byref(ptr))
+        self.backward = bool(backward)
+        if isinstance(w_gate, Quantized):
+            self.format = w_gate.format
+            packed = self._pack_quantized(w_gate, w_up, w_down, ptr)
+        else:
+            self.format = "bf16"
+            packed = self._pack(w_gate, w_up, w_down, ptr)
         if not packed:
             raise InvalidArgument("w_gate, w_up, w_down: packing failed {} under observe".format(
                 (_abi.lib.moecert_last_error().contents.clause or b"").decode()))
@@ -114,8 +115,52 @@ class PackedExperts:
         """The key naming these packed experts in the ops' schemas (keys.py)."""
         return self._key
 
+    def _pack(self, w_gate, w_up, w_down, ptr):
+        if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
+            raise InvalidArgument("w_gate: expected a [E, I, H] tensor (or formats.Quantized)")
+        E, I, H = w_gate.shape
+        check(w_gate, "w_gate", BF16, (E, I, H))
+        check(w_up, "w_up", BF16, (E, I, H))
+        check(w_down, "w_down", BF16, (E, H, I))
+        self.experts, self.inter, self.hidden = E, I, H
+        with torch.no_grad():
+            return _abi.call("moecert_experts_pack", E, ref(describe(w_gate)), ref(describe(w_up)),
+                             ref(describe(w_down)), int(self.backward), ctypes.byref(ptr))
+
+    def _pack_quantized(self, w_gate, w_up, w_down, ptr):
+        from .formats import Quantized, descriptors, format_number
+        for name, q in (("w_up", w_up), ("w_down", w_down)):
+            if not isinstance(q, Quantized) or q.format != w_gate.format:
+                raise InvalidArgument("{}: {}, expected formats.Quantized of w_gate's format {}".format(
+                    name, type(q).__name__ if not isinstance(q, Quantized) else q.format, w_gate.format))
+        kept = [descriptors(q) for q in (w_gate, w_up, w_down)]  # the arrays and the tensors they name
+        g, u, d = (array for array, _ in kept)
+        E, I, H = len(g), g[0].codes.shape[0], w_gate.cols
+        if len(u) != E or len(d) != E:
+            raise InvalidArgument("w_gate, w_up, w_down: {}, {} and {} experts, expected as many".format(
+                E, len(u), len(d)))
+        self.experts, self.inter, self.hidden = E, I, H
+        return _abi.call("moecert_experts_pack_quantized", format_number(self.format), E, g, u, d,
+                         int(self.backward), ctypes.byref(ptr))
+
+    def unpack_quantized(self):
+        """A quantized pack's (w_gate, w_up, w_down) as formats.Quantized of new tensors holding
+        its codes and scales, bitwise those it was given."""
+        from .formats import Quantized, descriptors, shapes
+        if self.format == "bf16":
+            raise InvalidArgument("unpack_quantized: a bf16 pack (unpack() reads it)")
+        out = []
+        for rows, cols in ((self.inter, self.hidden), (self.inter, self.hidden), (self.hidden, self.inter)):
+            code_shape, scale_shape = shapes(self.format, rows, cols)
+            out.append(Quantized(self.format, torch.zeros((self.experts,) + code_shape, dtype=torch.uint8),
+                                 torch.empty((self.experts,) + scale_shape, dtype=torch.float32), cols))
+        arrays = [descriptors(q)[0] for q in out]
+        _abi.call("moecert_experts_unpack_quantized", self.ptr, *arrays)
+        return tuple(out)
+
     def unpack(self):
-        """(w_gate, w_up, w_down): new bf16 tensors holding the packed weights, bitwise."""
+        """(w_gate, w_up, w_down): new bf16 tensors holding the packed weights, bitwise (a quantized
+        pack's dequantized weights)."""
         E, I, H = self.experts, self.inter, self.hidden
         out = (torch.empty(E, I, H, dtype=torch.bfloat16), torch.empty(E, I, H, dtype=torch.bfloat16),
                torch.empty(E, H, I, dtype=torch.bfloat16))
@@ -123,7 +168,8 @@ class PackedExperts:
         return out
 
     def __reduce__(self):
-        return PackedExperts, self.unpack() + (self.backward,)
+        weights = self.unpack() if self.format == "bf16" else self.unpack_quantized()
+        return PackedExperts, weights + (self.backward,)
 
     def adopt_pools(self, other):
         """Takes `other`'s idle saved states (their arenas stay allocated across a repack)."""
