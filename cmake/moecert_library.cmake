@@ -52,6 +52,8 @@ set(MOECERT_SOURCES
   ops/gemm/pack.cpp
   ops/gemm/pack_quantized.cpp
   ops/gemm/formats.cpp
+  ops/gemm/decode_scalar.cpp
+  ops/gemm/decode_avx512.cpp
   ops/gemm/loops.cpp
   ops/gemm/matmul.cpp
   ops/gemm/stream.cpp
@@ -67,7 +69,8 @@ set(MOECERT_SOURCES
 # ISA flags on the microkernel files only (one binary carries every ISA and
 # picks at run time; ops/gemm/dispatch.cpp).
 set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_avx512_bf16.cpp
-                            ${PROJECT_SOURCE_DIR}/ops/gemm/epilogue_avx512.cpp PROPERTIES
+                            ${PROJECT_SOURCE_DIR}/ops/gemm/epilogue_avx512.cpp
+                            ${PROJECT_SOURCE_DIR}/ops/gemm/decode_avx512.cpp PROPERTIES
   COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512bf16")
 set_source_files_properties(${PROJECT_SOURCE_DIR}/ops/gemm/ukernel_avx2.cpp PROPERTIES
   COMPILE_OPTIONS "-mavx2")

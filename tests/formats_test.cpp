@@ -19,6 +19,7 @@
 #include "moecert/formats.hpp"
 #include "moecert/gemm.hpp"
 #include "moecert/isa.hpp"
+#include "ops/gemm/ukernel.hpp"
 #include "support/quantized.hpp"
 #include "test_util.hpp"
 
@@ -286,6 +287,36 @@ TEST_CASE("formats: the quantizer rounds to the nearest code of the block's scal
               REQUIRE(got <= std::fabs(contracts::code_value(f, c) - target));
         }
       CHECK(gemm::PackedWeights::pack(q.view).n() == rows);  // every clause accepts it
+    }
+  }
+}
+
+TEST_CASE("gemm.decode: every decoder gives the scalar one's bits, every code and layout",
+          "[formats][decode]") {
+  if (!isa_usable(Isa::avx512_bf16)) {
+    WARN("no AVX-512 here: only the scalar decoder runs");
+    return;
+  }
+  std::mt19937_64 rng(41);
+  for (WeightFormat f : kQuantized) {
+    DYNAMIC_SECTION(format_name(f)) {
+      // Shapes past one 128-block each way; every code value appears.
+      const Quant w = make(f, 300, 260, rng), u = make(f, 300, 260, rng);
+      const gemm::PackedWeights packs[] = {gemm::PackedWeights::pack(w.view),
+                                           gemm::PackedWeights::pack(w.view, u.view),
+                                           gemm::PackedWeights::pack_transposed(w.view, u.view)};
+      for (const auto& p : packs) {
+        const std::size_t panels = p.np() / gemm::kPanel, n = panels * p.kp() * gemm::kPanel;
+        std::vector<bf16> a(n), b(n);
+        p.decode_panels(0, panels, a.data(), gemm::decode_scalar);
+        p.decode_panels(0, panels, b.data(), gemm::decode_avx512);
+        REQUIRE(std::memcmp(a.data(), b.data(), n * sizeof(bf16)) == 0);
+        for (std::size_t q = 0; q < n; q += 97)  // the scalar decoder reads as at() does
+          REQUIRE(a[q].bits ==
+                  p.at(q / (p.kp() * gemm::kPanel) * gemm::kPanel + (q / 2) % gemm::kPanel,
+                       (q % (p.kp() * gemm::kPanel)) / 32 * 2 + q % 2)
+                      .bits);
+      }
     }
   }
 }

@@ -23,6 +23,7 @@ struct PackAccess;
 }  // namespace detail
 
 namespace gemm {
+struct DecodeArgs;  // ops/gemm/ukernel.hpp: the library's own
 
 /// Weights W [N x K] (row n = output column n, as in W[out, in]) packed for
 /// every kernel: 16-column panels of VNNI pairs, N padded to a multiple of
@@ -122,8 +123,10 @@ class PackedWeights {
   unsigned code_at(std::size_t n, std::size_t k) const;
   float scale_at(std::size_t n, std::size_t k) const { return scale_of(n, k); }
   /// Panels [p0, p1) of a quantized pack decoded into dst in the bf16 layout
-  /// ((p1 - p0) kp 16 elements), bit for bit the at() values.
-  void decode_panels(std::size_t p0, std::size_t p1, bf16* dst) const;
+  /// ((p1 - p0) kp 16 elements) by `decode` (a kernel's; every one gives
+  /// the at() values bit for bit).
+  void decode_panels(std::size_t p0, std::size_t p1, bf16* dst,
+                     void (*decode)(const DecodeArgs&)) const;
   /// The pack-time checksum of all packed bytes (the parts' folded).
   std::uint64_t checksum() const;
   /// The same, of the bytes as they are now.

@@ -204,24 +204,26 @@ const KernelInfo& kernel_info(Isa isa) {
   static const RankSumFn vec_sums = avx512 ? rank_sums_avx512 : rank_sums_scalar;
   static const ScaleToBf16Fn vec_cvt = avx512 ? scale_to_bf16_avx512 : scale_to_bf16_scalar;
   static const Dot16Fn vec_dot = avx512 ? dot16_avx512 : dot16_scalar;
+  static const DecodeFn vec_decode = avx512 ? decode_avx512 : decode_scalar;
   static const KernelInfo table[] = {
       {Isa::scalar, 8, 32, 0, 0, ALayout::rows, ukernel_scalar_8x32, ukernel_scalar_edge, false,
        no_hook, no_hook, swiglu_scalar, swiglu_backward_scalar, rank_sums_scalar,
-       scale_to_bf16_scalar, dot16_scalar, "ukernel_scalar_8x32"},
+       scale_to_bf16_scalar, dot16_scalar, decode_scalar, "ukernel_scalar_8x32"},
       {Isa::avx512_bf16, 8, 32, 0, 0, ALayout::rows, ukernel_avx512_bf16_8x32,
        ukernel_avx512_bf16_edge, false, no_hook, no_hook, swiglu_avx512, swiglu_backward_avx512,
-       rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, "ukernel_avx512_bf16_8x32"},
+       rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, decode_avx512,
+       "ukernel_avx512_bf16_8x32"},
       {Isa::amx_bf16, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_bf16_32x32,
        ukernel_amx_bf16_edge, true, amx_bf16_tile_begin, amx_bf16_tile_end, swiglu_avx512,
-       swiglu_backward_avx512, rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512,
+       swiglu_backward_avx512, rank_sums_avx512, scale_to_bf16_avx512, dot16_avx512, decode_avx512,
        "ukernel_amx_bf16_32x32"},
       {Isa::amx_emu, 32, 32, kAmxKc, kAmxMc, ALayout::tiles, ukernel_amx_emu_32x32,
        ukernel_amx_emu_edge, true, amx_emu_tile_begin, amx_emu_tile_end, vec, vec_bwd, vec_sums,
-       vec_cvt, vec_dot, "ukernel_amx_emu_32x32"},
+       vec_cvt, vec_dot, vec_decode, "ukernel_amx_emu_32x32"},
       // Its GEMM kernel computes scalar's arithmetic; the element-wise
       // kernels are amx_emu's choice (they never change a result).
       {Isa::avx2, 4, 32, 0, 0, ALayout::rows, ukernel_avx2_4x32, ukernel_avx2_edge, false, no_hook,
-       no_hook, vec, vec_bwd, vec_sums, vec_cvt, vec_dot, "ukernel_avx2_4x32"},
+       no_hook, vec, vec_bwd, vec_sums, vec_cvt, vec_dot, vec_decode, "ukernel_avx2_4x32"},
   };
   if (!isa_usable(isa))
     throw std::invalid_argument(

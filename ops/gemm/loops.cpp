@@ -69,7 +69,7 @@ struct Panels {
   std::size_t p0;
 };
 
-Panels panels(const PackedWeights& w, std::size_t p0, std::size_t p1) {
+Panels panels(const KernelInfo& kernel, const PackedWeights& w, std::size_t p0, std::size_t p1) {
   if (!w.quantized()) return {w.data(), 0};
   thread_local std::unique_ptr<bf16[], detail::AlignedFree> buffer;
   thread_local std::size_t capacity = 0;
@@ -78,7 +78,7 @@ Panels panels(const PackedWeights& w, std::size_t p0, std::size_t p1) {
     buffer.reset(static_cast<bf16*>(detail::allocate(need * sizeof(bf16))));
     capacity = need;
   }
-  w.decode_panels(p0, p1, buffer.get());
+  w.decode_panels(p0, p1, buffer.get(), kernel.decode);
   return {buffer.get(), p0};
 }
 
@@ -169,8 +169,9 @@ void gemm_block(const KernelInfo& kernel, const bf16* a, std::size_t m, const Pa
   const std::size_t kc_step = kernel.kc ? kernel.kc : kp, mc = rows_outside ? kernel.mc : m;
   // The panels the column blocks read (a quantized pack's decoded once here).
   const std::size_t p0 = n_begin / kPanel;
-  const Panels b = panels(
-      w, p0, std::max(p0, std::min(w.np(), round_up(std::min(n_end, n_valid), nr)) / kPanel));
+  const Panels b =
+      panels(kernel, w, p0,
+             std::max(p0, std::min(w.np(), round_up(std::min(n_end, n_valid), nr)) / kPanel));
   for (std::size_t k0 = 0; k0 < kp; k0 += kc_step) {
     const std::size_t kc = std::min(kc_step, kp - k0);
     const bool last = k0 + kc == kp;

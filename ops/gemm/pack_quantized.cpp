@@ -143,22 +143,10 @@ bf16 PackedWeights::decoded(std::size_t n, std::size_t k, std::size_t e) const {
   return c ? dequantize(format_, c, scale_of(n, k)) : bf16{};
 }
 
-void PackedWeights::decode_panels(std::size_t p0, std::size_t p1, bf16* dst) const {
-  const auto* codes = reinterpret_cast<const std::uint8_t*>(data_.get());
-  const bool nibbles = format_info(format_).code_bits == 4;
-  // Panel p's elements in order: k pairs, then the panel's 16 columns, then
-  // the pair; each the code's value times its scale, rounded (formats.hpp).
-  for (std::size_t p = p0; p < p1; ++p) {
-    const std::size_t e0 = p * kp_ * kPanel;
-    bf16* d = dst + (p - p0) * kp_ * kPanel;
-    for (std::size_t kk = 0; kk < kp_ / 2; ++kk)
-      for (std::size_t i = 0; i < kPanel; ++i)
-        for (std::size_t h = 0; h < 2; ++h) {
-          const std::size_t q = (kk * kPanel + i) * 2 + h;
-          const unsigned c = get_code(codes, nibbles, e0 + q);
-          d[q] = c ? dequantize(format_, c, scale_of(p * kPanel + i, 2 * kk + h)) : bf16{};
-        }
-  }
+void PackedWeights::decode_panels(std::size_t p0, std::size_t p1, bf16* dst,
+                                  void (*decode)(const DecodeArgs&)) const {
+  decode({format_, reinterpret_cast<const std::uint8_t*>(data_.get()), kp_, p0, p1, scales_.data(),
+          sstride_, sblock_, srow_.data(), transposed_, dst});
 }
 
 }  // namespace moecert::gemm

@@ -117,6 +117,24 @@ using ScaleToBf16Fn = void (*)(const float* src, float scale, bf16* dst, std::si
 using Dot16Fn = void (*)(const float* const* x, std::size_t nx, const float* w, std::size_t ldw,
                          std::size_t nw, std::size_t n, float* out, std::size_t ldo);
 
+/// Panels [p0, p1) of a quantized pack decoded into bf16 panels at dst
+/// ((p1 - p0) kp 16 elements): element q of panel p is the pack's element
+/// p kp 16 + q, bf16(fp32(code value * scale)) (formats.hpp), its scale
+/// table[srow[n] sstride + k / sblock] (transposed: table[srow[k] sstride +
+/// n / sblock]) for its packed column n and depth k. Bit-identical across
+/// implementations.
+struct DecodeArgs {
+  WeightFormat format;
+  const std::uint8_t* codes;  // the pack's, from panel 0
+  std::size_t kp, p0, p1;
+  const float* scales;
+  std::size_t sstride, sblock;  // sblock >= 16, a multiple of 32 or all of the dimension
+  const std::uint32_t* srow;
+  bool transposed;
+  bf16* dst;
+};
+using DecodeFn = void (*)(const DecodeArgs&);
+
 /// A kernel as registered in dispatch.cpp.
 struct KernelInfo {
   Isa isa;
@@ -143,6 +161,7 @@ struct KernelInfo {
   RankSumFn rank_sums;    // the gradient sums of the layer backward
   ScaleToBf16Fn to_bf16;  // fp32 rows into A operands (pack_a_f32)
   Dot16Fn dot16;          // the router linear's dot products
+  DecodeFn decode;        // quantized panels into bf16 (loops.cpp)
   const char* name;       // e.g. "ukernel_amx_bf16_32x32"
 };
 
@@ -170,6 +189,8 @@ void rank_sums_scalar(const RankSumArgs&);
 void rank_sums_avx512(const RankSumArgs&);
 void scale_to_bf16_scalar(const float* src, float scale, bf16* dst, std::size_t n);
 void scale_to_bf16_avx512(const float* src, float scale, bf16* dst, std::size_t n);
+void decode_scalar(const DecodeArgs&);
+void decode_avx512(const DecodeArgs&);
 void dot16_scalar(const float* const* x, std::size_t nx, const float* w, std::size_t ldw,
                   std::size_t nw, std::size_t n, float* out, std::size_t ldo);
 void dot16_avx512(const float* const* x, std::size_t nx, const float* w, std::size_t ldw,
