@@ -76,7 +76,8 @@ struct Case {
 
 /// Every registered case.
 std::vector<Case> all_cases();
-void add_layer_cases(std::vector<Case>& out);  // bench/layer_bench.cpp
+void add_layer_cases(std::vector<Case>& out);   // bench/layer_bench.cpp
+void add_format_cases(std::vector<Case>& out);  // bench/formats_bench.cpp
 
 /// `reps` timed calls of f (after one untimed warm-up), in ms.
 std::vector<double> time_ms(int reps, const std::function<void()>& f);

@@ -141,6 +141,7 @@ std::vector<Case> all_cases() {
   add_gemm(1024, 2816, 2048);
   add_gemm(4096, 4096, 4096);
   add_layer_cases(out);
+  add_format_cases(out);
   return out;
 }
 
