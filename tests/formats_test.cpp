@@ -300,8 +300,11 @@ TEST_CASE("gemm.decode: every decoder gives the scalar one's bits, every code an
   std::mt19937_64 rng(41);
   for (WeightFormat f : kQuantized) {
     DYNAMIC_SECTION(format_name(f)) {
-      // Shapes past one 128-block each way; every code value appears.
-      const Quant w = make(f, 300, 260, rng), u = make(f, 300, 260, rng);
+      // Shapes past one 128-block each way; every code value appears; u's
+      // scales make denormal products (packed at check: w_range is audit's).
+      const Quant w = make(f, 300, 260, rng),
+                  u = fixture::random_quantized(f, 300, 260, rng, -135, -118);
+      ContractScope check{Level::check, Semantic::enforce};
       const gemm::PackedWeights packs[] = {gemm::PackedWeights::pack(w.view),
                                            gemm::PackedWeights::pack(w.view, u.view),
                                            gemm::PackedWeights::pack_transposed(w.view, u.view)};
