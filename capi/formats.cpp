@@ -72,11 +72,13 @@ std::vector<QuantView> views(const moecert_quant* q, std::size_t n, WeightFormat
 
 extern "C" {
 
-moecert_status moecert_format_block(int32_t format, int64_t* block_rows, int64_t* block_cols) {
-  return guarded("moecert_format_block", [&] {
+moecert_status moecert_format_info(int32_t format, int32_t* code_bits, int64_t* block_rows,
+                                   int64_t* block_cols) {
+  return guarded("moecert_format_info", [&] {
     if (format < 0 || static_cast<std::size_t>(format) >= kFormatCount)
       throw InvalidArgument(fmt::format("format {}, expected 0..{}", format, kFormatCount - 1));
     const FormatInfo& f = format_info(static_cast<WeightFormat>(format));
+    if (code_bits) *code_bits = static_cast<int32_t>(f.code_bits);
     if (block_rows) *block_rows = static_cast<int64_t>(f.block_rows);
     if (block_cols) *block_cols = static_cast<int64_t>(f.block_cols);
   });

@@ -31,7 +31,7 @@ struct QuantMatrix {
   void rebind() { view.codes = codes.data(), view.scales = scales.data(); }
   /// Writes code c (int4: a nibble 0..15) of element (n, k).
   void set_code(std::size_t n, std::size_t k, unsigned c) {
-    out().set_code(view.format == WeightFormat::int4_group, n, k, c);
+    out().set_code(format_info(view.format).code_bits == 4, n, k, c);
   }
   /// The matrix as an output of its layout.
   QuantOut out() { return {codes.data(), view.stride, scales.data(), view.scale_stride}; }

@@ -255,8 +255,9 @@ static void quantized(void) {
   const uint16_t* src[3] = {wg, wu, wd};
   moecert_quant q[3][E], b[3][E];
   int64_t br = 0, bc = 0;
-  OK(moecert_format_block(MOECERT_FORMAT_INT4_GROUP, &br, &bc));
-  EXPECT(br == 1 && bc == 128);
+  int32_t bits = 0;
+  OK(moecert_format_info(MOECERT_FORMAT_INT4_GROUP, &bits, &br, &bc));
+  EXPECT(bits == 4 && br == 1 && bc == 128);
   for (int m = 0; m < 3; ++m)
     for (int e = 0; e < E; ++e) {
       const int rows = m == 2 ? H : I, cols = m == 2 ? I : H;

@@ -81,14 +81,14 @@ struct QuantView {
 
   /// Bytes of one row's codes.
   constexpr std::size_t row_bytes() const {
-    return format == WeightFormat::int4_group ? (cols + 1) / 2 : cols;
+    return (cols * format_info(format).code_bits + 7) / 8;
   }
   /// Scale rows and columns.
   constexpr std::size_t scale_rows() const { return blocks(rows, format_info(format).block_rows); }
   constexpr std::size_t scale_cols() const { return blocks(cols, format_info(format).block_cols); }
-  /// The code of element (n, k) as stored (int4: the nibble, 0..15).
+  /// The code of element (n, k) as stored (4-bit codes: the nibble, 0..15).
   constexpr unsigned code(std::size_t n, std::size_t k) const {
-    if (format != WeightFormat::int4_group) return codes[n * stride + k];
+    if (format_info(format).code_bits == 8) return codes[n * stride + k];
     const unsigned byte = codes[n * stride + k / 2];
     return k % 2 ? byte >> 4 : byte & 15u;
   }

@@ -206,15 +206,17 @@ moecert_status moecert_experts_unpack(const moecert_experts* w, const moecert_te
 /* One quantized matrix [rows x cols] of a moecert_weight_format other than
  * bf16 (moecert::QuantView): codes u8 [rows x row bytes] (int4: ceil(cols / 2)
  * bytes a row, element 2j in the low nibble of byte j), scales f32
- * [ceil(rows / block rows) x ceil(cols / block columns)] (moecert_format_block). */
+ * [ceil(rows / block rows) x ceil(cols / block columns)] (moecert_format_info). */
 typedef struct moecert_quant {
   moecert_tensor codes;
   moecert_tensor scales;
   int64_t cols;
 } moecert_quant;
 
-/* A format's scale block: rows and columns of a matrix per scale (0: all). */
-moecert_status moecert_format_block(int32_t format, int64_t* block_rows, int64_t* block_cols);
+/* A format's code width in bits (16 for bf16) and scale block: rows and
+ * columns of a matrix per scale (0: all). Any pointer may be NULL. */
+moecert_status moecert_format_info(int32_t format, int32_t* code_bits, int64_t* block_rows,
+                                   int64_t* block_cols);
 
 /* Packs quantized expert weights: w_gate, w_up, w_down point to `experts`
  * matrices each (gate and up [I x H], down [H x I], each with its own

@@ -116,11 +116,15 @@ void unpack_matrix(const gemm::PackedWeights& p, WeightFormat f, std::size_t row
 
 void PackedExperts::unpack(const std::vector<QuantOut>& w_gate, const std::vector<QuantOut>& w_up,
                            const std::vector<QuantOut>& w_down) const {
-  const std::size_t I = inter_, H = hidden_, P = gemm::kPanel;
+  const std::size_t I = inter_, H = hidden_;
   oneapi::tbb::parallel_for(
       std::size_t{0}, experts(), moecert::detail::task([&](std::size_t e) {
-        const auto gate = [P](std::size_t i) { return 2 * P * (i / P) + i % P; };
-        const auto up = [P](std::size_t i) { return 2 * P * (i / P) + P + i % P; };
+        const auto gate = [](std::size_t i) {
+          return 2 * gemm::kPanel * (i / gemm::kPanel) + i % gemm::kPanel;
+        };
+        const auto up = [](std::size_t i) {
+          return 2 * gemm::kPanel * (i / gemm::kPanel) + gemm::kPanel + i % gemm::kPanel;
+        };
         unpack_matrix(gate_up_[e], format_, I, H, gate, w_gate[e]);
         unpack_matrix(gate_up_[e], format_, I, H, up, w_up[e]);
         unpack_matrix(

@@ -79,7 +79,7 @@ inline void codes_f32(WeightFormat f, const std::uint8_t* c, __m512& lo, __m512&
 }  // namespace
 
 void decode_avx512(const DecodeArgs& a) {
-  const bool nibbles = a.format == WeightFormat::int4_group;
+  const bool nibbles = format_info(a.format).code_bits == 4;
   // Lane q of a half holds column q / 2 of the half's 8: the 16 column
   // scales spread over the two halves.
   const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);

@@ -95,7 +95,7 @@ _PROTOTYPES = {
     "moecert_enum_name": ([c_int32, c_int32], c_char_p),
     "moecert_experts_pack": ([c_int64, T, T, T, c_int32, OUT_H], c_int32),
     "moecert_experts_free": ([H], None),
-    "moecert_format_block": ([c_int32, POINTER(c_int64), POINTER(c_int64)], c_int32),
+    "moecert_format_info": ([c_int32, POINTER(c_int32), POINTER(c_int64), POINTER(c_int64)], c_int32),
     "moecert_quantize": ([c_int32, T, POINTER(Quant)], c_int32),
     "moecert_experts_pack_quantized": ([c_int32, c_int64, POINTER(Quant), POINTER(Quant), POINTER(Quant), c_int32,
                                         OUT_H], c_int32),

@@ -29,18 +29,18 @@ def format_number(name):
     return FORMATS.index(name)
 
 
-def block(name):
-    """(rows, columns) of a matrix per scale of format `name` (0: all of them)."""
-    r, c = ctypes.c_int64(), ctypes.c_int64()
-    _abi.call("moecert_format_block", FORMATS.index(name), ctypes.byref(r), ctypes.byref(c))
-    return r.value, c.value
+def info(name):
+    """(code bits, rows and columns of a matrix per scale (0: all of them)) of format `name`, as the
+    library defines it."""
+    bits, r, c = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_int64()
+    _abi.call("moecert_format_info", FORMATS.index(name), ctypes.byref(bits), ctypes.byref(r), ctypes.byref(c))
+    return bits.value, r.value, c.value
 
 
 def shapes(name, rows, cols):
     """(codes' shape, scales' shape) of one rows x cols matrix of format `name`."""
-    br, bc = block(name)
-    row_bytes = (cols + 1) // 2 if name == "int4_group" else cols
-    return (rows, row_bytes), (-(-rows // br) if br else 1, -(-cols // bc) if bc else 1)
+    bits, br, bc = info(name)
+    return (rows, (cols * bits + 7) // 8), (-(-rows // br) if br else 1, -(-cols // bc) if bc else 1)
 
 
 def _codes(t, name):
