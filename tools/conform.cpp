@@ -145,6 +145,7 @@ int run_conform(const ConformArgs& a) {
   add_router_cases(defs);
   add_kernel_cases(defs, ctx.isas);
   add_experts_train_cases(defs, ctx.isas);
+  add_format_cases(defs, ctx.isas);
   add_layer_cases(defs, ctx.isas);
   std::erase_if(defs, [&](const CaseDef& d) { return d.suite > suite; });
 

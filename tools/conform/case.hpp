@@ -88,6 +88,9 @@ void add_kernel_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
 /// The experts op with the caller's routing (forward_train + backward) per
 /// ISA and routing class (-1 slots, one expert, idle experts).
 void add_experts_train_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
+/// tools/conform/cases_formats.cpp: the GEMM over quantized packs of each
+/// weight format.
+void add_format_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
 
 /// Layer cases (forward + backward, two training steps) and the workspace plan.
 void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
