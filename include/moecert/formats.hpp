@@ -80,9 +80,7 @@ struct QuantView {
   std::size_t scale_stride = 0;
 
   /// Bytes of one row's codes.
-  constexpr std::size_t row_bytes() const {
-    return (cols * format_info(format).code_bits + 7) / 8;
-  }
+  constexpr std::size_t row_bytes() const { return (cols * format_info(format).code_bits + 7) / 8; }
   /// Scale rows and columns.
   constexpr std::size_t scale_rows() const { return blocks(rows, format_info(format).block_rows); }
   constexpr std::size_t scale_cols() const { return blocks(cols, format_info(format).block_cols); }
