@@ -7,9 +7,11 @@
 #include <cstring>
 #include <random>
 
+#include "moecert/experts.hpp"
 #include "moecert/workspace.hpp"
 #include "ops/workspace/arena.hpp"
 #include "ops/workspace/planner.hpp"
+#include "support/quantized.hpp"
 #include "test_util.hpp"
 
 using namespace moecert;
@@ -254,5 +256,60 @@ TEST_CASE("workspace.arena: guards, poison, and the alias hook", "[workspace][co
     auto v =
         test::expect_violation([&] { bad.bind(p, chk); }, "workspace.arena.disjoint", Level::check);
     CHECK(v.location == "experts.c1 and lora.xa");
+  }
+}
+
+TEST_CASE("workspace.plan: packed_weight_bytes is what a pack of each format holds",
+          "[workspace][formats]") {
+  std::mt19937_64 rng(3);
+  const std::size_t E = 2, H = 200, I = 136;  // partial blocks and panels everywhere
+  for (const FormatInfo& f : kFormatTable) {
+    if (f.format == WeightFormat::bf16) continue;
+    DYNAMIC_SECTION(f.name) {
+      std::vector<fixture::QuantMatrix> q[3];
+      std::vector<QuantView> v[3];
+      for (int m = 0; m < 3; ++m)
+        for (std::size_t e = 0; e < E; ++e)
+          q[m].push_back(
+              fixture::random_quantized(f.format, m == 2 ? H : I, m == 2 ? I : H, rng, -9, -7));
+      for (int m = 0; m < 3; ++m)
+        for (const auto& x : q[m]) v[m].push_back(x.view);  // the matrices in place
+      MoeConfig cfg;
+      cfg.experts = E, cfg.hidden = H, cfg.inter = I, cfg.topk = 1, cfg.max_tokens = 8;
+      for (bool training : {false, true}) {
+        const auto packed = experts::PackedExperts::pack(v[0], v[1], v[2], training);
+        const Plan p = workspace::plan(cfg, 8, {.training = training, .format = f.format});
+        CHECK(p.packed_weight_bytes == packed.bytes());
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "workspace.plan: DeepSeek-V3's routed experts per layer in each format, within 2% of "
+    "the format's own size",
+    "[workspace][formats]") {
+  // E256 H7168 I2048, the forward orientations (an inference or a frozen
+  // base's forward): the codes, plus scales and the packs' row index.
+  MoeConfig cfg;
+  cfg.experts = 256, cfg.hidden = 7168, cfg.inter = 2048, cfg.topk = 8, cfg.max_tokens = 1;
+  const double weights = 3.0 * 256 * 7168 * 2048;
+  struct Want {
+    WeightFormat f;
+    double scales;  // scales per expert in the checkpoint's layout
+    std::uint64_t bytes;
+  };
+  const Want want[] = {
+      {WeightFormat::bf16, 0, 22548578304},
+      {WeightFormat::int8_channel, 2.0 * 2048 + 7168, 11297357824},
+      {WeightFormat::int4_group, 2.0 * 2048 * 56 + 7168 * 16, 6001000448},
+      {WeightFormat::fp8_e4m3_block128, 2.0 * 16 * 56 + 56 * 16, 11288576000},
+  };
+  for (const Want& w : want) {
+    INFO(format_name(w.f));
+    const Plan p = workspace::plan(cfg, 1, {.training = false, .format = w.f});
+    CHECK(p.packed_weight_bytes == w.bytes);
+    const double own = weights * format_info(w.f).code_bits / 8 + 256 * w.scales * 4;
+    CHECK(double(p.packed_weight_bytes) <= 1.02 * own);
   }
 }

@@ -29,12 +29,20 @@ struct PlanArgs {
   std::int64_t tokens = 0;
   std::optional<double> alpha;
   std::string router = "softmax_topk";
+  std::string format = "bf16";
   std::optional<std::int64_t> topk_group;
   std::uint64_t cap = 0;
   bool forward_only = false, json = false;
 };
 
 void print_json(const MoeConfig& cfg, std::int64_t tokens, const workspace::Plan& p);
+
+// The weight formats' names, in their order (the --format option's choices).
+std::vector<std::string> format_names() {
+  std::vector<std::string> out;
+  for (const FormatInfo& f : kFormatTable) out.emplace_back(f.name);
+  return out;
+}
 
 // The router kinds' names, in their order (the --router option's choices).
 std::vector<std::string> router_kind_names() {
@@ -51,7 +59,8 @@ int run_plan(PlanArgs a) {
   cfg.max_tokens = a.tokens;
   cfg.router = *parse_router_kind(a.router);  // one of the names the option admits
   cfg.topk_group = a.topk_group.value_or(cfg.groups);
-  const workspace::PlanOptions opt{.training = !a.forward_only, .memory_cap = a.cap};
+  const workspace::PlanOptions opt{
+      .training = !a.forward_only, .memory_cap = a.cap, .format = *parse_format(a.format)};
   // The plan's own clauses (the config, the memory cap asked for) at least at
   // `check`, whatever the build's default: a plan is what a user checks.
   ContractSettings checked = effective_contract_settings();
@@ -118,6 +127,9 @@ void add_plan(CLI::App& app, Command& run) {
   sub->add_option("--alpha", a->alpha, "LoRA alpha (default 2r)");
   sub->add_option("--router", a->router, "router kind")
       ->check(CLI::IsMember(router_kind_names()))
+      ->capture_default_str();
+  sub->add_option("--format", a->format, "the base weights' format (packed weights' bytes)")
+      ->check(CLI::IsMember(format_names()))
       ->capture_default_str();
   sub->add_option("--groups", c.groups, "expert groups (grouped top-k)");
   sub->add_option("--topk-group", a->topk_group, "groups kept per token (default: all)");

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moecert/config.hpp"
+#include "moecert/formats.hpp"
 
 namespace moecert::workspace {
 
@@ -31,8 +32,9 @@ struct Plan {
 };
 
 struct PlanOptions {
-  bool training = true;          // forward and backward; false: the forward only
-  std::uint64_t memory_cap = 0;  // largest total_bytes allowed; 0: no cap
+  bool training = true;                      // forward and backward; false: the forward only
+  std::uint64_t memory_cap = 0;              // largest total_bytes allowed; 0: no cap
+  WeightFormat format = WeightFormat::bf16;  // the base weights' (packed_weight_bytes)
 };
 
 /// Name of a step of the layer ("forward.gate_up", "backward.dx", ...).

@@ -41,9 +41,9 @@ ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<cons
   const gemm::KernelInfo& kernel = gemm::kernel_info(stats.isa);
   Workspace temporary_ws;
   Workspace::Impl& ws = (opt.workspace ? *opt.workspace : temporary_ws).impl();
-  ws.arena.bind(
-      workspace::plan_shape({w.experts(), w.hidden(), w.inter(), k, 0, t_count, 0}, false, 0, chk),
-      chk);
+  ws.arena.bind(workspace::plan_shape({w.experts(), w.hidden(), w.inter(), k, 0, t_count, 0}, false,
+                                      0, chk, w.format()),
+                chk);
   // The gate/up GEMM's fp32 output is never kept: the audit probe gathers
   // its side of it from the epilogue.
   std::optional<contracts::ExpertsProbe> probe;

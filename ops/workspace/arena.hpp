@@ -23,7 +23,8 @@ struct Shape {
 };
 /// The plan of `s` without config validation (the ops' own entry; their
 /// preconditions checked the shapes), with the plan clauses on `c`.
-Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail::Checker& c);
+Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail::Checker& c,
+                WeightFormat format = WeightFormat::bf16);
 
 /// Poison: 0x7fc07fc0 is a quiet NaN as fp32, two NaNs as bf16, and an
 /// out-of-range expert id as int32.

@@ -58,13 +58,14 @@ const Buffer* Plan::find(std::string_view name) const {
   return nullptr;
 }
 
-Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail::Checker& chk) {
+Plan plan_shape(const Shape& s, bool training, std::uint64_t memory_cap, detail::Checker& chk,
+                WeightFormat format) {
   auto n = [](std::uint64_t x) { return Checked{x}; };
   const Dims<Checked> d{n(s.experts), n(s.hidden), n(s.inter),     n(s.topk),
                         n(s.rank),    n(s.tokens), n(s.router_out)};
   Checked total;
   const auto planned = plan_buffers(d, training, total);
-  const Checked weights = packed_weight_bytes(d, training);
+  const Checked weights = packed_weight_bytes(d, training, format_info(format));
   bool overflow = total.overflow || weights.overflow;
   for (const auto& b : planned) overflow = overflow || b.end.overflow;
   Plan p;
@@ -93,7 +94,7 @@ Plan plan(const MoeConfig& cfg, std::int64_t tokens, const PlanOptions& options)
   auto u = [](std::int64_t x) { return static_cast<std::uint64_t>(std::max<std::int64_t>(x, 0)); };
   const Shape s{u(cfg.experts),   u(cfg.hidden), u(cfg.inter),     u(cfg.topk),
                 u(cfg.lora_rank), u(tokens),     router_width(cfg)};
-  return plan_shape(s, options.training, options.memory_cap, chk);
+  return plan_shape(s, options.training, options.memory_cap, chk, options.format);
 }
 
 }  // namespace moecert::workspace

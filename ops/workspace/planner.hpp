@@ -23,6 +23,8 @@
 #include <string_view>
 #include <vector>
 
+#include "moecert/formats.hpp"
+
 namespace moecert::workspace {
 
 /// Steps of one layer's forward and backward, in execution order.
@@ -133,19 +135,36 @@ std::vector<Planned<N>> plan_buffers(const Dims<N>& d, bool training, N& total) 
   return out;
 }
 
-/// Bytes of the packed weights (bf16) the layer keeps: forward orientation
+/// Bytes of the packed weights the layer keeps: forward orientation
 /// (gate+up fused, down), with `training` also the backward one (W_d^T for
-/// dh, [W_g; W_u]^T for dx), and the LoRA factors packed both ways.
+/// dh, [W_g; W_u]^T for dx), and the LoRA factors (bf16) packed both ways.
+/// Base weights in `format` (moecert/formats.hpp): bf16 values, or codes of
+/// its width over the padded shape, plus its scale table (the source rows'
+/// blocks x the padded other dimension's blocks, fp32) and a table row index
+/// (4 bytes) per padded column, or per padded depth of a transposed pack
+/// (ops/gemm/pack_quantized.cpp).
 template <class N>
-N packed_weight_bytes(const Dims<N>& d, bool training) {
+N packed_weight_bytes(const Dims<N>& d, bool training,
+                      const FormatInfo& format = format_info(WeightFormat::bf16)) {
   const N E = d.experts, H = d.hidden, I = d.inter, r = d.rank;
   auto packed = [](const N& n, const N& k) {
     return round_up(n, kKStep) * round_up(k, kKStep) * N(2);
   };
-  N per_expert = packed(I * N(2), H) + packed(H, I);  // gate+up (interleaved), down
+  auto blocks = [](const N& n, std::uint64_t b) { return b ? (n + N(b - 1)) / N(b) : N(1); };
+  // W [n x k] whose scales have `rows` table rows and whose index has an
+  // entry per padded column (transposed: per padded depth).
+  auto base = [&](const N& n, const N& k, const N& rows, bool transposed) {
+    if (format.code_bits == 16) return packed(n, k);
+    const N np = round_up(n, kKStep), kp = round_up(k, kKStep);
+    const N cols = blocks(transposed ? np : kp, format.block_cols);
+    return np * kp * N(format.code_bits) / N(8) + rows * cols * N(4) +
+           (transposed ? kp : np) * N(4);
+  };
+  const N gu_rows = blocks(I, format.block_rows) * N(2), d_rows = blocks(H, format.block_rows);
+  N per_expert = base(I * N(2), H, gu_rows, false) + base(H, I, d_rows, false);
   N lora = packed(r * N(2), H) + packed(I * N(2), r * N(2)) + packed(r, I) + packed(H, r);
-  if (training) {
-    per_expert = per_expert + packed(I, H) + packed(H, I * N(2));  // W_d^T, [W_g; W_u]^T
+  if (training) {  // W_d^T, [W_g; W_u]^T
+    per_expert = per_expert + base(I, H, d_rows, true) + base(H, I * N(2), gu_rows, true);
     lora = lora + packed(r, H) + packed(I, r) + packed(r * N(2), I * N(2)) + packed(H, r * N(2));
   }
   return E * (per_expert + lora);
