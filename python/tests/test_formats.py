@@ -153,3 +153,67 @@ def test_bad_quantized_weights_are_refused_precisely(rng):
     with pytest.raises(moecert.ContractViolation) as e:  # down's shape is not gate's transposed
         ops.PackedExperts(q[0], q[1], formats.quantize(weights(rng)[0], "int8_channel"))
     assert e.value.clause == "experts.pack.shape"
+
+
+def _twin_layers(rng, fmt):
+    """A MoELayer with quantized base weights and one with their dequantized bf16 values, the same
+    router and LoRA parameters."""
+    torch.manual_seed(5)
+    quantized = mt.MoELayer(E, H, I, K, rank=RANK, alpha=8.0, max_tokens=T, out_dtype=torch.float32)
+    with torch.no_grad():
+        for k in ("b_gate", "b_up", "b_down"):
+            getattr(quantized, k).normal_(0, 0.3)
+    dense = copy.deepcopy(quantized)
+    quantized.quantize_base(fmt)
+    q = quantized._packed.unpack_quantized()
+    dense.set_base_weights(**{n: kernel_weights(x) for n, x in zip(ops.BASE_NAMES, q)})
+    return quantized, dense
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moelayer_over_quantized_base_weights(fmt, rng):
+    """MoELayer.quantize_base: the layer then computes bit for bit as over the dequantized weights;
+    its state_dict holds the codes and scales (and the format), which load_state_dict, deepcopy
+    and pickle restore."""
+    quantized, dense = _twin_layers(rng, fmt)
+    assert quantized.base_format == fmt and dense.base_format == "bf16"
+    x = torch.randn(T, H, generator=rng).bfloat16()
+    dy = torch.randn(T, H, generator=rng)
+
+    def step(layer):
+        xs = x.clone().requires_grad_()
+        y = layer(xs)
+        y.backward(dy)
+        return [y.detach(), xs.grad] + [getattr(layer, n).grad for n in ("router_w",) + ops.LORA_NAMES]
+
+    for a, b in zip(step(quantized), step(dense)):
+        assert torch.equal(a, b)
+    assert torch.equal(quantized.w_down, dense.w_down)  # the read-only copy: the dequantized weights
+    sd = quantized.state_dict()
+    assert {"w_gate.codes", "w_gate.scales", "base_format"} <= set(sd) and "w_gate" not in sd
+    fresh = mt.MoELayer(E, H, I, K, rank=RANK, alpha=8.0, max_tokens=T, out_dtype=torch.float32)
+    result = fresh.load_state_dict(sd)
+    assert not result.missing_keys and not result.unexpected_keys and fresh.base_format == fmt
+    for other in (fresh, copy.deepcopy(quantized), pickle.loads(pickle.dumps(quantized))):
+        assert torch.equal(other(x), quantized(x))
+        for got, want in zip(other._packed.unpack_quantized(), quantized._packed.unpack_quantized()):
+            assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+
+
+def test_quantized_base_weights_are_frozen_and_given_whole(rng):
+    layer = mt.MoELayer(E, H, I, K, rank=RANK, max_tokens=T)
+    q = [formats.quantize(w, "int8_channel") for w in weights(rng)]
+    with pytest.raises(moecert.InvalidArgument, match="give all of w_gate, w_up, w_down"):
+        layer.w_gate = q[0]
+    layer.set_base_weights(w_gate=q[0], w_up=q[1], w_down=q[2])
+    with pytest.raises(moecert.InvalidArgument, match="the base weights are int8_channel; give all"):
+        layer.w_up = torch.zeros(E, I, H)
+    with pytest.raises(moecert.InvalidArgument, match="quantized base weights are frozen"):
+        mt.MoELayer(E, H, I, K, train_base=True).quantize_base("int4_group")
+    small = mt.MoELayer(E, H, I // 2, K)
+    with pytest.raises((moecert.InvalidArgument, moecert.ContractViolation)):
+        small.set_base_weights(w_gate=q[0], w_up=q[1], w_down=q[2])
+    sd = layer.state_dict()
+    sd["base_format"] = torch.tensor(9)
+    with pytest.raises(RuntimeError, match="base_format: 9"):
+        mt.MoELayer(E, H, I, K, rank=RANK, max_tokens=T).load_state_dict(sd)

@@ -4,8 +4,10 @@ import math
 import torch
 from torch import nn
 
-from ..errors import InvalidArgument
+from .. import FORMATS
+from ..errors import ContractViolation, InvalidArgument
 from . import functions, keys, ops
+from .formats import Quantized, quantize
 from .ops import BASE_NAMES, LORA_NAMES
 
 
@@ -112,7 +114,10 @@ class PackedBase(nn.Module):
     def set_base_weights(self, **named):
         """Replaces the base weights given by their names (CPU tensors of their shapes, any float
         dtype, rounded to bf16 by .to(torch.bfloat16)); frozen ones are packed at once,
-        parameters copied into."""
+        parameters copied into. Frozen base weights may also be quantized: all of them given as
+        formats.Quantized of one format (see quantize_base)."""
+        if any(isinstance(t, Quantized) for t in named.values()):
+            return self._set_quantized(named)
         shapes = self.base_shapes()
         for name, t in named.items():
             if name not in shapes:
@@ -131,8 +136,47 @@ class PackedBase(nn.Module):
                 return
             new = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in named.items()}
             if len(new) < len(self.BASE):
+                if self.base_format != "bf16":
+                    raise InvalidArgument("{}: the base weights are {}; give all of {} (bf16 tensors or "
+                                          "formats.Quantized)".format(", ".join(new), self.base_format,
+                                                                      ", ".join(self.BASE)))
                 new = dict(self._stored(self._packed.unpack()), **new)
             self._set_pack(ops.PackedExperts(*self.split(new), backward=True))
+
+    @property
+    def base_format(self):
+        """The frozen base weights' format: "bf16" or a quantized one (moecert.FORMATS)."""
+        return self._packed.format if self._packed is not None else "bf16"
+
+    def quantize_base(self, format):
+        """Quantizes the frozen base weights (their current bf16 values, formats.quantize: round to
+        nearest per block) into `format` and packs the codes and scales: the module then computes
+        with bf16(fp32(code * scale)) and its state_dict() holds the codes and scales."""
+        if self.train_base:
+            raise InvalidArgument("quantize_base: the base weights are trained (train_base=True); quantized "
+                                  "base weights are frozen")
+        self._set_quantized({n: quantize(t, format) for n, t in self._stored(self._packed.unpack()).items()})
+
+    def _set_quantized(self, named):
+        """Packs quantized base weights given by name (all of them, formats.Quantized of one format)."""
+        if self.train_base:
+            raise InvalidArgument("quantized base weights are frozen: construct with train_base=False")
+        if tuple(self.BASE) != BASE_NAMES:
+            raise InvalidArgument("quantized base weights: give them to the experts module in moecert's layout "
+                                  "(w_gate, w_up, w_down)")
+        if set(named) != set(BASE_NAMES) or not all(isinstance(t, Quantized) for t in named.values()):
+            raise InvalidArgument("quantized base weights: give all of w_gate, w_up, w_down as formats.Quantized "
+                                  "(got {})".format(", ".join("{}: {}".format(n, type(t).__name__)
+                                                             for n, t in named.items())))
+        packed = ops.PackedExperts(named["w_gate"], named["w_up"], named["w_down"], backward=True)
+        shapes = self.base_shapes()
+        got = {"w_gate": (packed.experts, packed.inter, packed.hidden),
+               "w_down": (packed.experts, packed.hidden, packed.inter)}
+        for name in got:
+            if got[name] != tuple(shapes[name]):
+                raise InvalidArgument("size mismatch for {}: got {}, expected {}".format(
+                    name, list(got[name]), list(shapes[name])))
+        self._set_pack(packed)
 
     def _set_pack(self, packed):
         if self._packed is not None:
@@ -158,9 +202,15 @@ class PackedBase(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if not self.train_base:
+        if self.train_base:
+            return
+        if self.base_format == "bf16":
             for name, t in self._stored(self._packed.unpack()).items():
                 destination[prefix + name] = t
+            return
+        for name, q in zip(BASE_NAMES, self._packed.unpack_quantized()):  # codes and scales as they are
+            destination[prefix + name + ".codes"], destination[prefix + name + ".scales"] = q.codes, q.scales
+        destination[prefix + "base_format"] = torch.tensor(FORMATS.index(self.base_format))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -168,12 +218,32 @@ class PackedBase(nn.Module):
                                       error_msgs)
         if self.train_base:
             return
+        if prefix + "base_format" in state_dict:
+            return self._load_quantized(state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
         given = {n: state_dict[prefix + n] for n in self.BASE if prefix + n in state_dict}
         unexpected_keys[:] = [k for k in unexpected_keys if k[len(prefix):] not in given or not k.startswith(prefix)]
         missing_keys.extend(prefix + n for n in self.BASE if n not in given)
         try:
             self.set_base_weights(**given)
         except InvalidArgument as e:
+            error_msgs.append(str(e))
+
+    def _load_quantized(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs):
+        """load_state_dict of quantized base weights: codes and scales, and their format."""
+        keys = [prefix + "base_format"] + [prefix + n + part for n in BASE_NAMES for part in (".codes", ".scales")]
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in keys]
+        missing_keys.extend(k for k in keys if k not in state_dict)
+        if any(k not in state_dict for k in keys):
+            return
+        try:
+            number = int(state_dict[prefix + "base_format"])
+            if not 0 < number < len(FORMATS):
+                raise InvalidArgument("{}base_format: {}, expected 1..{}".format(prefix, number, len(FORMATS) - 1))
+            cols = {"w_gate": self.base_shapes()["w_gate"][2], "w_up": self.base_shapes()["w_up"][2],
+                    "w_down": self.base_shapes()["w_down"][2]}
+            self._set_quantized({n: Quantized(FORMATS[number], state_dict[prefix + n + ".codes"],
+                                              state_dict[prefix + n + ".scales"], cols[n]) for n in BASE_NAMES})
+        except (InvalidArgument, ContractViolation) as e:
             error_msgs.append(str(e))
 
     def _apply(self, fn, *args, **kwargs):
