@@ -217,3 +217,52 @@ def test_quantized_base_weights_are_frozen_and_given_whole(rng):
     sd["base_format"] = torch.tensor(9)
     with pytest.raises(RuntimeError, match="base_format: 9"):
         mt.MoELayer(E, H, I, K, rank=RANK, max_tokens=T).load_state_dict(sd)
+
+
+def _deepseek_checkpoint(rng, experts, hidden, inter):
+    """A tiny DeepSeek-V3-style layer 3 of FP8 experts: name -> tensor (codes as uint8)."""
+    tensors = {}
+    for e in range(experts):
+        for proj, (rows, cols) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                                   ("down_proj", (hidden, inter))):
+            q = formats.quantize(torch.randn(rows, cols, generator=rng) / cols ** 0.5, "fp8_e4m3_block128")
+            name = "model.layers.3.mlp.experts.{}.{}".format(e, proj)
+            tensors[name + ".weight"], tensors[name + ".weight_scale_inv"] = q.codes[0], q.scales[0]
+    return tensors
+
+
+def test_a_deepseek_v3_fp8_layer_from_its_checkpoint_tensors(rng):
+    """MoELayer(base=formats.deepseek_v3_experts(...)) packs the checkpoint's e4m3 codes and
+    weight_scale_inv as they are and computes as over the dequantized weights."""
+    tensors = _deepseek_checkpoint(rng, E, H, I)
+    base = formats.deepseek_v3_experts(tensors.__getitem__, layer=3, experts=E)
+    layer = mt.MoELayer(E, H, I, K, rank=RANK, router="sigmoid_topk", groups=1, topk_group=1, scaling=2.5,
+                        max_tokens=T, base=base)
+    assert layer.base_format == "fp8_e4m3_block128"
+    for got, want in zip(layer._packed.unpack_quantized(), base):
+        assert torch.equal(got.codes, torch.stack(want.codes)) and torch.equal(got.scales, torch.stack(want.scales))
+    dense = mt.MoELayer(E, H, I, K, rank=RANK, router="sigmoid_topk", scaling=2.5, max_tokens=T,
+                        base=tuple(kernel_weights(formats.Quantized(q.format, torch.stack(q.codes),
+                                                                    torch.stack(q.scales), q.cols)) for q in base))
+    dense.load_state_dict({k: v for k, v in layer.state_dict().items()
+                           if not k.startswith(("w_", "base_format"))}, strict=False)
+    x = torch.randn(T, H, generator=rng).bfloat16()
+    assert torch.equal(layer(x), dense(x))
+    with pytest.raises(moecert.InvalidArgument, match="base w_gate"):
+        mt.MoELayer(E, H, I, K, base=(torch.zeros(E, I, H + 1),) * 3)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="float8 safetensors need torch >= 2.1")
+def test_formats_checkpoint_reads_fp8_safetensors(rng, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    tensors = _deepseek_checkpoint(rng, E, H, I)
+    stored = {k: (v.view(torch.float8_e4m3fn) if k.endswith(".weight") else v) for k, v in tensors.items()}
+    names = sorted(stored)
+    safetensors.save_file({k: stored[k] for k in names[:len(names) // 2]}, str(tmp_path / "a.safetensors"))
+    safetensors.save_file({k: stored[k] for k in names[len(names) // 2:]}, str(tmp_path / "b.safetensors"))
+    weight_map = {k: ("a.safetensors" if i < len(names) // 2 else "b.safetensors") for i, k in enumerate(names)}
+    (tmp_path / "model.safetensors.index.json").write_text(__import__("json").dumps({"weight_map": weight_map}))
+    base = formats.deepseek_v3_experts(formats.checkpoint(str(tmp_path)), layer=3, experts=E)
+    want = formats.deepseek_v3_experts(tensors.__getitem__, layer=3, experts=E)
+    a, b = ops.PackedExperts(*base), ops.PackedExperts(*want)
+    assert all(torch.equal(x, y) for x, y in zip(a.unpack(), b.unpack()))

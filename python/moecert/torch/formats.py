@@ -114,3 +114,51 @@ def quantize(w, format):
         out = _abi.Quant(describe(codes[e]), describe(scales[e]), cols)
         _abi.call("moecert_quantize", number, ctypes.byref(describe(w3[e])), ctypes.byref(out))
     return Quantized(format, codes, scales, cols)
+
+
+def deepseek_v3_experts(get, layer, experts, prefix="model.layers.{layer}.mlp.experts.{expert}."):
+    """The routed experts of layer `layer` of a DeepSeek-V3 (V2, R1) FP8 checkpoint as (gate, up,
+    down) Quantized of fp8_e4m3_block128: per expert `{prefix}gate_proj.weight` (float8_e4m3fn, or
+    its bytes as uint8) with `.weight_scale_inv` (fp32), likewise up_proj and down_proj. get(name)
+    reads one tensor: safetensors' safe_open(...).get_tensor, checkpoint(directory), or a dict's
+    __getitem__. The codes and scales are used as read, never widened to bf16."""
+    out = []
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        codes, scales = [], []
+        for e in range(experts):
+            name = prefix.format(layer=layer, expert=e) + proj
+            codes.append(get(name + ".weight"))
+            scales.append(get(name + ".weight_scale_inv"))
+        if not isinstance(codes[0], torch.Tensor) or codes[0].dim() != 2:
+            raise InvalidArgument("{}: expected a 2-D tensor of e4m3 codes".format(
+                prefix.format(layer=layer, expert=0) + proj + ".weight"))
+        out.append(Quantized("fp8_e4m3_block128", codes, scales, codes[0].shape[1]))
+    return tuple(out)
+
+
+def checkpoint(directory):
+    """get(name) -> tensor over a safetensors checkpoint in `directory` (sharded, with
+    model.safetensors.index.json, or one model.safetensors), read with the safetensors package."""
+    import json
+    import os
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise InvalidArgument("checkpoint: reading safetensors needs the safetensors package") from None
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            where = json.load(f)["weight_map"]
+    else:
+        where = None
+    opened = {}
+
+    def get(name):
+        file = where.get(name) if where is not None else "model.safetensors"
+        if file is None:
+            raise InvalidArgument("{}: not in {}".format(name, index))
+        if file not in opened:
+            opened[file] = safe_open(os.path.join(directory, file), framework="pt")
+        return opened[file].get_tensor(name)
+
+    return get

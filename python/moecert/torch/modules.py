@@ -298,10 +298,13 @@ class MoELayer(PackedBase):
     backward raises."""
 
     def __init__(self, experts, hidden, inter, topk, rank=0, alpha=None, router="softmax_topk", renormalize=True,
-                 groups=1, topk_group=1, scaling=1.0, max_tokens=4096, train_base=False, out_dtype=None, isa=None):
+                 groups=1, topk_group=1, scaling=1.0, max_tokens=4096, train_base=False, out_dtype=None, isa=None,
+                 base=None):
         """Builds the layer (arguments in the class docstring): base weights N(0, 1/fan_in) rounded
-        to bf16, router_w and a_* uniform in +-1/sqrt(fan_in), router_b and b_* zero. Raises
-        moecert.InvalidArgument or ContractViolation (config.*) for an invalid configuration."""
+        to bf16, or `base` = (w_gate, w_up, w_down) as set_base_weights takes them (tensors, or
+        formats.Quantized: a checkpoint's quantized experts, never held in bf16); router_w and a_*
+        uniform in +-1/sqrt(fan_in), router_b and b_* zero. Raises moecert.InvalidArgument or
+        ContractViolation (config.*) for an invalid configuration."""
         super().__init__()
         alpha = float(alpha if alpha is not None else 2 * rank)
         self.config = ops.LayerConfig(experts, hidden, inter, topk, rank, alpha if rank else 0.0, router,
@@ -312,8 +315,19 @@ class MoELayer(PackedBase):
             raise InvalidArgument("out_dtype {!r}: expected None or a floating torch.dtype".format(out_dtype))
         E, H, I, R = experts, hidden, inter, self.config.router_outputs()
         self.isa, self.out_dtype = isa, out_dtype
-        self._init_base({n: torch.randn(*shape) / math.sqrt(shape[2]) for n, shape in self.base_shapes().items()},
-                        train_base)
+        if base is not None and isinstance(base[0], Quantized):
+            self.train_base, self._packed = bool(train_base), None
+            self._set_quantized(dict(zip(BASE_NAMES, base)))
+        else:
+            if base is not None:
+                for name, t in zip(BASE_NAMES, base):
+                    want = self.base_shapes()[name]
+                    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(want):
+                        raise InvalidArgument("base {}: {}, expected a tensor of shape {}".format(
+                            name, _what(t), list(want)))
+            self._init_base(dict(zip(BASE_NAMES, base)) if base is not None else
+                            {n: torch.randn(*shape) / math.sqrt(shape[2]) for n, shape in self.base_shapes().items()},
+                            train_base)
         self.router_w = nn.Parameter(torch.empty(R, H).uniform_(-1 / math.sqrt(H), 1 / math.sqrt(H)))
         self.router_b = nn.Parameter(torch.zeros(R))
         self.register_buffer("router_bias", torch.zeros(E) if router == "sigmoid_topk" else None)
