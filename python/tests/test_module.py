@@ -357,3 +357,20 @@ def test_docstrings_read_like_torch_modules():
     for fn in (mt.MoELayer.__init__, mt.MoELayer.forward, mt.MoELayer.set_base_weights, ops.PackedExperts,
                mt.PackedExperts.unpack, mt.experts):
         assert fn.__doc__ and len(fn.__doc__) > 40, fn
+
+
+def test_a_pickled_layer_runs_where_no_key_was_formed():
+    """A MoELayer unpickled in another process (simulated: the key registry emptied) names its
+    config and pack by keys formed there, not the pickling process's."""
+    from moecert.torch import keys
+    layer = make(False)
+    x = x_of()
+    y = layer(x)
+    data = pickle.dumps(layer)
+    saved = dict(keys._configs), dict(keys._config_keys)
+    keys._configs.clear(), keys._config_keys.clear()
+    try:
+        other = pickle.loads(data)
+        assert torch.equal(other(x), y)
+    finally:
+        keys._configs.update(saved[0]), keys._config_keys.update(saved[1])

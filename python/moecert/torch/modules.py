@@ -338,6 +338,10 @@ class MoELayer(PackedBase):
             for name, rows in (("b_gate", I), ("b_up", I), ("b_down", H)):
                 setattr(self, name, nn.Parameter(torch.zeros(E, rows, rank)))
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._config_key = keys.config_key(self.config)  # keys name this process's objects
+
     def base_shapes(self):
         c = self.config
         return {"w_gate": (c.experts, c.inter, c.hidden), "w_up": (c.experts, c.inter, c.hidden),
