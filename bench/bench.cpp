@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <numeric>
+#include <random>
 
 namespace moecert::bench {
 
@@ -126,6 +128,18 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+void uniform_routing(const Shape& s, std::vector<std::int32_t>& idx, std::vector<float>& w) {
+  idx.assign(s.t * s.k, 0), w.assign(s.t * s.k, 0.0f);
+  std::vector<std::int32_t> perm(s.e);
+  std::mt19937_64 rng(23);
+  std::iota(perm.begin(), perm.end(), 0);
+  for (std::size_t t = 0; t < s.t; ++t)
+    for (std::size_t j = 0; j < s.k; ++j) {
+      std::swap(perm[j], perm[j + rng() % (s.e - j)]);
+      idx[t * s.k + j] = perm[j], w[t * s.k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
+    }
 }
 
 Difference difference(const std::vector<float>& ours, const std::vector<float>& peer) {

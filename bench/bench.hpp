@@ -97,6 +97,9 @@ void forward_for_backward(const Options& opt, const std::function<void()>& fwd);
 void time_against_peer(const Options& opt, const std::function<void()>& f,
                        const std::function<void()>& g, Result& r);
 double median(std::vector<double> v);
+/// The experts op's routing in the experts cases: K distinct experts per
+/// token, uniform (seed 23); weights uniform in [0, 1).
+void uniform_routing(const Shape& s, std::vector<std::int32_t>& idx, std::vector<float>& w);
 
 /// How far moecert's output is from the peer's: the largest |ours - peer|
 /// and the largest |peer| over the elements.

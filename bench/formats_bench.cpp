@@ -68,16 +68,9 @@ Result format_case(const std::string& name, const Shape& s, WeightFormat f, bool
   const auto qg = quantized(f, d.wg, s.e, s.i, s.h), qu = quantized(f, d.wu, s.e, s.i, s.h),
              qd = quantized(f, d.wd, s.e, s.h, s.i);
   const auto packed = experts::PackedExperts::pack(views(qg), views(qu), views(qd), true);
-  // K distinct experts per token, uniform; weights in [0, 1).
-  std::vector<std::int32_t> idx(s.t * s.k), perm(s.e);
-  std::vector<float> w(s.t * s.k);
-  std::mt19937_64 rng(23);
-  std::iota(perm.begin(), perm.end(), 0);
-  for (std::size_t t = 0; t < s.t; ++t)
-    for (std::size_t j = 0; j < s.k; ++j) {
-      std::swap(perm[j], perm[j + rng() % (s.e - j)]);
-      idx[t * s.k + j] = perm[j], w[t * s.k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
-    }
+  std::vector<std::int32_t> idx;
+  std::vector<float> w;
+  uniform_routing(s, idx, w);
   const auto lora =
       experts::Lora::stacked(d.cfg, d.lora[0].data(), d.lora[1].data(), d.lora[2].data(),
                              d.lora[3].data(), d.lora[4].data(), d.lora[5].data());

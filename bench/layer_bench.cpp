@@ -194,15 +194,9 @@ Result experts_case(const std::string& name, const Shape& s, bool backward, cons
   r.isa = std::string(isa_name(opt.isa));
   r.peer = "onednn_eager_experts";
   const LayerData d = make(s);
-  std::vector<std::int32_t> idx(s.t * s.k), perm(s.e);
-  std::vector<float> w(s.t * s.k);
-  std::mt19937_64 rng(23);
-  std::iota(perm.begin(), perm.end(), 0);
-  for (std::size_t t = 0; t < s.t; ++t)
-    for (std::size_t j = 0; j < s.k; ++j) {
-      std::swap(perm[j], perm[j + rng() % (s.e - j)]);
-      idx[t * s.k + j] = perm[j], w[t * s.k + j] = std::uniform_real_distribution<float>(0, 1)(rng);
-    }
+  std::vector<std::int32_t> idx;
+  std::vector<float> w;
+  uniform_routing(s, idx, w);
   const auto lora =
       experts::Lora::stacked(d.cfg, d.lora[0].data(), d.lora[1].data(), d.lora[2].data(),
                              d.lora[3].data(), d.lora[4].data(), d.lora[5].data());

@@ -146,6 +146,9 @@ class PackedWeights {
   void take_checksums();
   // Storage for `bytes` of packed values or codes.
   void allocate(std::size_t bytes, PackedWeights&& storage);
+  // A quantized pack of np x kp (set): its zeroed codes, returned, and its
+  // scale table (a's rows, then b's if set, columns over `span` elements).
+  std::uint8_t* quantized_storage(const QuantView& a, const QuantView& b, std::size_t span);
   // A quantized pack's weight (n, k) decoded; e: its element index.
   bf16 decoded(std::size_t n, std::size_t k, std::size_t e) const;
   // Its scale: the scale table's row of the packed column n (or, transposed,

@@ -7,6 +7,11 @@
 // every product is zero or normal, else (a denormal or NaN product, which
 // that instruction would flush or quiet otherwise) with integer operations
 // as bf16::from_float. Own ISA flags.
+#if defined(__GNUC__) && \
+    !defined(__clang__)  // GCC 12 warns of the _mm*_undefined_* values in its own intrinsics
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 
 #include "ops/gemm/ukernel.hpp"

@@ -47,27 +47,14 @@ PackedWeights PackedWeights::pack(const QuantView& w, const QuantView& second) {
   const bool pair = second.codes != nullptr;
   const FormatInfo& f = format_info(w.format);
   PackedWeights out;
-  out.format_ = w.format;
   out.interleaved_ = pair;
   out.k_ = w.cols;
   out.kp_ = round_up(std::max<std::size_t>(w.cols, 1), kKStep);
   out.n_ = pair ? 2 * round_up(w.rows, kPanel) : w.rows;
   out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
   const bool nibbles = f.code_bits == 4;
-  out.allocate(out.np_ * out.kp_ * f.code_bits / 8, {});
-  auto* codes = reinterpret_cast<std::uint8_t*>(out.data_.get());
-  std::memset(codes, 0, out.storage_bytes_);
-  // The scale table: w's rows, then second's; columns over kp.
-  out.sblock_ = block(f.block_cols);
-  out.sstride_ = f.block_cols ? out.kp_ / f.block_cols + (out.kp_ % f.block_cols != 0) : 1;
-  const std::size_t wrows = w.scale_rows(), rows = wrows + (pair ? second.scale_rows() : 0);
-  out.scales_.assign(rows * out.sstride_, 1.0f);
-  for (std::size_t r = 0; r < rows; ++r) {
-    const QuantView& src = r < wrows ? w : second;
-    const std::size_t sr = r < wrows ? r : r - wrows;
-    std::copy_n(src.scales + sr * src.scale_stride, src.scale_cols(),
-                &out.scales_[r * out.sstride_]);
-  }
+  auto* codes = out.quantized_storage(w, second, out.kp_);  // scale columns over kp
+  const std::size_t wrows = w.scale_rows();
   // Each packed column: its source row, its codes, its table row.
   out.srow_.assign(out.np_, 0);
   const std::size_t br = block(f.block_rows);
@@ -94,28 +81,15 @@ PackedWeights PackedWeights::pack_transposed(const QuantView& wt, const QuantVie
   const bool stacked = below.codes != nullptr;
   const FormatInfo& f = format_info(wt.format);
   PackedWeights out;
-  out.format_ = wt.format;
   out.transposed_ = true;
   out.k_ = wt.rows + (stacked ? below.rows : 0);
   out.n_ = wt.cols;
   out.kp_ = round_up(std::max<std::size_t>(out.k_, 1), kKStep);
   out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
   const bool nibbles = f.code_bits == 4;
-  out.allocate(out.np_ * out.kp_ * f.code_bits / 8, {});
-  auto* codes = reinterpret_cast<std::uint8_t*>(out.data_.get());
-  std::memset(codes, 0, out.storage_bytes_);
-  // The scale table: wt's rows, then below's; columns over np (W's columns
-  // are the sources' columns).
-  out.sblock_ = block(f.block_cols);
-  out.sstride_ = f.block_cols ? out.np_ / f.block_cols + (out.np_ % f.block_cols != 0) : 1;
-  const std::size_t top = wt.scale_rows(), rows = top + (stacked ? below.scale_rows() : 0);
-  out.scales_.assign(rows * out.sstride_, 1.0f);
-  for (std::size_t r = 0; r < rows; ++r) {
-    const QuantView& src = r < top ? wt : below;
-    const std::size_t sr = r < top ? r : r - top;
-    std::copy_n(src.scales + sr * src.scale_stride, src.scale_cols(),
-                &out.scales_[r * out.sstride_]);
-  }
+  // Scale columns over np: W's columns are the sources' columns.
+  auto* codes = out.quantized_storage(wt, below, out.np_);
+  const std::size_t top = wt.scale_rows();
   // Each packed depth k is a source row: its codes, its table row.
   out.srow_.assign(out.kp_, 0);
   const std::size_t br = block(f.block_rows);
@@ -130,6 +104,25 @@ PackedWeights PackedWeights::pack_transposed(const QuantView& wt, const QuantVie
   out.take_checksums();
   contracts::gemm_pack_quantized_post(c, wt, below, true, out);
   return out;
+}
+
+std::uint8_t* PackedWeights::quantized_storage(const QuantView& a, const QuantView& b,
+                                               std::size_t span) {
+  const FormatInfo& f = format_info(a.format);
+  format_ = a.format;
+  allocate(np_ * kp_ * f.code_bits / 8, {});
+  auto* codes = reinterpret_cast<std::uint8_t*>(data_.get());
+  std::memset(codes, 0, storage_bytes_);
+  sblock_ = block(f.block_cols);
+  sstride_ = f.block_cols ? (span + f.block_cols - 1) / f.block_cols : 1;
+  const std::size_t top = a.scale_rows(), rows = top + (b.codes ? b.scale_rows() : 0);
+  scales_.assign(rows * sstride_, 1.0f);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const QuantView& src = r < top ? a : b;
+    const std::size_t sr = r < top ? r : r - top;
+    std::copy_n(src.scales + sr * src.scale_stride, src.scale_cols(), &scales_[r * sstride_]);
+  }
+  return codes;
 }
 
 unsigned PackedWeights::code_at(std::size_t n, std::size_t k) const {
