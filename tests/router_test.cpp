@@ -14,6 +14,7 @@
 
 #include "contracts/engine/compare.hpp"
 #include "contracts/engine/judging.hpp"
+#include "contracts/judge/ops.hpp"
 #include "contracts/reference/router.hpp"
 #include "contracts/router/clauses.hpp"
 #include "moecert/router.hpp"
@@ -1172,4 +1173,82 @@ TEST_CASE("router.sigmoid_topk.forward: groups within fp32 rounding of each othe
   // Group 1 clearly behind.
   test::expect_violation([&] { selection_passes(0.0f, 0.5f, 1); },
                          "router.sigmoid_topk.topk_property");
+}
+
+namespace {
+
+// A renormalised softmax top-k's backward as autograd computes it through a
+// dense softmax, in fp32 (transformers' Qwen2/3-MoE and Mixtral routers):
+// p = softmax(z) over all E, w = p_S / P, P = sum_S p; dp_S = g / P - <g, p_S>
+// / P^2, 0 elsewhere; dz = p (dp - <p, dp>). drop_renorm: dp_S = g (the
+// renormalisation's own gradient left out, a real bug).
+std::vector<float> dense_softmax_backward(const std::vector<float>& z, std::size_t T, std::size_t E,
+                                          const std::vector<std::int32_t>& idx,
+                                          const std::vector<float>& g, std::size_t K,
+                                          bool drop_renorm = false) {
+  std::vector<float> dz(T * E), p(E), dp(E);
+  for (std::size_t t = 0; t < T; ++t) {
+    const float* zt = &z[t * E];
+    const float m = *std::max_element(zt, zt + E);
+    float sum = 0;
+    for (std::size_t i = 0; i < E; ++i) sum += p[i] = std::exp(zt[i] - m);
+    for (std::size_t i = 0; i < E; ++i) p[i] /= sum;
+    float P = 0, gp = 0;
+    for (std::size_t j = 0; j < K; ++j) P += p[idx[t * K + j]];
+    for (std::size_t j = 0; j < K; ++j) gp += g[t * K + j] * p[idx[t * K + j]];
+    std::fill(dp.begin(), dp.end(), 0.0f);
+    for (std::size_t j = 0; j < K; ++j)
+      dp[idx[t * K + j]] = drop_renorm ? g[t * K + j] : g[t * K + j] / P - gp / (P * P);
+    float c = 0;
+    for (std::size_t i = 0; i < E; ++i) c += p[i] * dp[i];
+    for (std::size_t i = 0; i < E; ++i) dz[t * E + i] = p[i] * (dp[i] - c);
+  }
+  return dz;
+}
+
+}  // namespace
+
+TEST_CASE("router.softmax_topk.backward: a dense softmax's gradient passes as backward=dense",
+          "[router][softmax_topk][judge]") {
+  std::mt19937_64 rng(17);
+  for (const auto& [E, K, spread] : {std::tuple{8, 2, 1.0f}, std::tuple{64, 8, 3.0f},
+                                     std::tuple{256, 8, 2.0f}, std::tuple{64, 1, 8.0f}}) {
+    INFO("E=" << E << " K=" << K);
+    const std::size_t T = 24;
+    std::normal_distribution<float> nd(0, 1);
+    std::vector<float> z(T * E), g(T * K);
+    for (auto& v : z) v = spread * nd(rng);
+    for (auto& v : g) v = nd(rng);
+    std::vector<std::int32_t> idx(T * K);
+    std::vector<float> w(T * K);
+    router::softmax_topk_forward(MatView<const float>(z.data(), T, E),
+                                 MatView<std::int32_t>(idx.data(), T, K),
+                                 MatView<float>(w.data(), T, K), true);
+    const contracts::judge::Tensors in{{"z", {.f = z, .rows = T, .cols = std::size_t(E)}},
+                                       {"idx", {.i = idx, .rows = T, .cols = std::size_t(K)}},
+                                       {"g", {.f = g, .rows = T, .cols = std::size_t(K)}}};
+    auto verdict = [&](const std::vector<float>& dz, const char* backward) {
+      return contracts::judge::judge_op("router.softmax_topk.backward", in,
+                                        {{"dz", {.f = dz, .rows = T, .cols = std::size_t(E)}}},
+                                        {{"renormalize", "true"}, {"backward", backward}});
+    };
+    auto failed = [](const contracts::judge::Verdict& v, std::string_view id) {
+      for (const auto& c : v.clauses)
+        if (c.info.id == id) return !c.passed;
+      return false;
+    };
+    const auto dz = dense_softmax_backward(z, T, E, idx, g, K);
+    const auto ok = verdict(dz, "dense");
+    CHECK(ok.passed());
+    bool noise = false;  // the masked clause fails wherever autograd left noise
+    for (std::size_t i = 0; i < dz.size(); ++i) noise = noise || (dz[i] != 0.0f && E > K);
+    if (noise) CHECK(failed(verdict(dz, "masked"), "router.softmax_topk_backward.unselected_grad"));
+    // The renormalisation's gradient left out: the unselected experts get
+    // -p_i sum_S p g, far beyond the noise.
+    CHECK(failed(verdict(dense_softmax_backward(z, T, E, idx, g, K, true), "dense"),
+                 "router.softmax_topk_backward.unselected_grad"));
+  }
+  CHECK_THROWS_WITH(
+      contracts::judge::judge_op("router.softmax_topk.backward", {}, {}, {{"backward", "sparse"}}),
+      Catch::Contains("backward=sparse: expected masked or dense"));
 }

@@ -147,6 +147,43 @@ inline std::vector<double> softmax_topk_grad_row(const float* z, std::size_t e,
   return out;
 }
 
+/// §4.4: softmax_topk's renormalised gradient as an implementation that
+/// differentiates the dense softmax computes it (autograd through p =
+/// softmax(z) over all E, the top K taken and w = p_S / sum_S p): |dz_i -
+/// exact| per expert of a row; unselected experts get the rounding noise
+/// p_i c, c = the computed sum_S p dp (exactly 0 in the maths).
+inline std::vector<double> softmax_dense_grad_row(const float* z, std::size_t e,
+                                                  const std::int32_t* idx, const float* g,
+                                                  std::size_t k) {
+  const std::size_t v = ref::valid_prefix(idx, k);
+  const auto w = ref::softmax_topk_weights<double>(z, e, idx, k, true);
+  const auto p = ref::softmax<double>(z, e);
+  double lo = INFINITY, hi = -INFINITY, d = 0, swg = 0, gmax = 0;
+  for (std::size_t i = 0; i < e; ++i)
+    lo = std::min(lo, double(z[i])), hi = std::max(hi, double(z[i]));
+  for (std::size_t j = 0; j < v; ++j)
+    d += w[j] * g[j], swg += w[j] * std::fabs(g[j]), gmax = std::max(gmax, std::fabs(double(g[j])));
+  const double eps = softmax_rel(e, hi - lo), eps_w = renormalized_rel(v, eps);
+  const double big_w = (1 + eps_w) * swg;  // bounds sum_S w_hat |g|
+  const double gk = gamma(static_cast<double>(v)), gk4 = gamma(static_cast<double>(v + 4));
+  const double beta =
+      gk + gk4 * (2 + gk) + 2 * gamma(static_cast<double>(e)) * (1 + gk) * (1 + gk4);
+  const double eta = 8 * static_cast<double>(e + v + 8) * 2 * kMinNormal32 * (1 + gmax + big_w);
+  std::vector<double> out(e);
+  for (std::size_t i = 0; i < e; ++i) {
+    const double noise = ((1 + eps) * p[i] + 2 * kMinNormal32) * beta * big_w * (1 + kU32) + eta;
+    out[i] = noise;
+    for (std::size_t j = 0; j < v; ++j)
+      if (idx[j] == static_cast<std::int32_t>(i)) {
+        const double wh = (1 + eps_w) * w[j], diff = std::fabs(g[j] - d);
+        out[i] += wh * ((eps_w + gamma(2)) * diff + (eps_w + gk4) * (std::fabs(g[j]) + 2 * big_w)) *
+                  (1 + gamma(2));
+      }
+    if (std::isnan(out[i])) out[i] = INFINITY;
+  }
+  return out;
+}
+
 /// §4.2: sigmoid_topk gradient of a selected expert: dz = fl(c fl(fl(f_hat
 /// r_hat) fl(1 - s_hat))) with f_hat = fl(g - D_hat), r_hat = fl(s_hat /
 /// S_hat), S = sum_S s over k terms, r_j = s_j / S, D = sum_S g r; s is the

@@ -14,9 +14,12 @@ void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const
 void softmax_topk_backward_pre(detail::Checker& c, MatView<const float> z,
                                MatView<const std::int32_t> idx, MatView<const float> g,
                                MatView<float> dz);
+/// dense: the implementation differentiates the dense softmax (the judge's
+/// backward=dense; renormalised only): unselected experts may carry its
+/// rounding noise, every gradient within proofs/router.md §4.4.
 void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
                                 MatView<const std::int32_t> idx, MatView<const float> g,
-                                MatView<const float> dz, bool renormalize);
+                                MatView<const float> dz, bool renormalize, bool dense = false);
 
 void sigmoid_topk_pre(detail::Checker& c, MatView<const float> z, ByteRange z_bytes,
                       View<const float> bias, const router::SigmoidTopkParams& p,

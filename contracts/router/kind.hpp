@@ -26,6 +26,7 @@ namespace moecert::contracts {
 /// A kind's settings: from a MoeConfig (the layer) or the judge's params.
 struct RouterSettings {
   bool renormalize = true;              // softmax_topk
+  bool dense_backward = false;          // softmax_topk: judged as a dense softmax's gradient
   router::SigmoidTopkParams sigmoid{};  // sigmoid_topk
   double scaling = 1;  // sigmoid_topk: c as the bounds read it (the kernel's float c, or the ABI's)
   router::KeyWeights keys = router::KeyWeights::softmax;  // product_key

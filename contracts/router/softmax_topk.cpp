@@ -84,7 +84,8 @@ void softmax_topk_backward_pre(detail::Checker& c, MatView<const float> z,
 
 void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
                                 MatView<const std::int32_t> idx, MatView<const float> g,
-                                MatView<const float> dz, bool renormalize) {
+                                MatView<const float> dz, bool renormalize, bool dense) {
+  dense = dense && renormalize;  // not renormalised, the dense gradient is the kernel's maths
   MOECERT_CONTRACT(c, k::kSmbUnselected) {
     // Row t's verdict; `fail(location, observed, expected)` reports it.
     auto row = [&](std::size_t t, auto&& fail) {
@@ -112,6 +113,10 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
         tol = 2 * (eps + bounds::gamma(static_cast<double>(valid))) * (1 + eps) * tol +
               valid * bounds::kMinNormal32;
       }
+      // Dense: unselected experts within §4.4's rounding noise.
+      const std::vector<double> noise =
+          dense ? bounds::softmax_dense_grad_row(z.row(t), z.cols, idx.row(t), g.row(t), idx.cols)
+                : std::vector<double>{};
       thread_local std::vector<char> chosen;
       chosen.assign(z.cols, 0);
       for (std::size_t j = 0; j < valid; ++j)
@@ -120,12 +125,17 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
       for (std::size_t i = 0; i < z.cols; ++i) {
         if (chosen[i]) continue;
         const float d = dz(t, i);
-        const bool ok =
-            renormalize ? d == 0.0f : (std::fabs(dot) <= tol || d == 0.0f || (d < 0) == (dot > 0));
+        const bool ok = dense ? std::fabs(d) <= noise[i]
+                        : renormalize
+                            ? d == 0.0f
+                            : (std::fabs(dot) <= tol || d == 0.0f || (d < 0) == (dot > 0));
         if (!ok) {
           fail(fmt::format("t={} expert {}", t, i), fmt::format("dz={}", d),
-               renormalize ? "exactly 0 for an unselected expert"
-                           : fmt::format("sign of -sum_S p g = {:.6g}", -dot));
+               dense         ? fmt::format("|dz| <= {:.3g}, a dense softmax's rounding noise "
+                                                   "(proofs/router.md §4.4)",
+                                           noise[i])
+               : renormalize ? "exactly 0 for an unselected expert"
+                             : fmt::format("sign of -sum_S p g = {:.6g}", -dot));
           return false;
         }
       }
@@ -133,7 +143,7 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
     };
     // Work per row for the parallel pass: an exp in binary64 costs about as
     // much as reading 32 elements (at T1024 E64 the rows ran as one chunk).
-    detail::report_first_failing_row(z.rows, renormalize ? z.cols : 32 * z.cols, row,
+    detail::report_first_failing_row(z.rows, renormalize && !dense ? z.cols : 32 * z.cols, row,
                                      [&](std::string loc, std::string obs, std::string exp) {
                                        c.fail(k::kSmbUnselected, loc, obs, exp);
                                      });
@@ -147,9 +157,11 @@ void softmax_topk_backward_post(detail::Checker& c, MatView<const float> z,
         [&](std::size_t t) {
           const auto r = ref::softmax_topk_grad<double>(z.row(t), e, idx.row(t), g.row(t), idx.cols,
                                                         renormalize);
-          return std::pair(std::vector<double>(r.begin(), r.end()),
-                           bounds::softmax_topk_grad_row(z.row(t), e, idx.row(t), g.row(t),
-                                                         idx.cols, renormalize));
+          return std::pair(
+              std::vector<double>(r.begin(), r.end()),
+              dense ? bounds::softmax_dense_grad_row(z.row(t), e, idx.row(t), g.row(t), idx.cols)
+                    : bounds::softmax_topk_grad_row(z.row(t), e, idx.row(t), g.row(t), idx.cols,
+                                                    renormalize));
         },
         [&](std::size_t t, std::size_t i) { return dz(t, i); },
         [](std::size_t i) { return fmt::format("dz[{}]", i); });
@@ -163,11 +175,19 @@ std::size_t softmax_topk_width(std::size_t experts) { return experts; }
 
 void softmax_topk_validate(detail::Checker&, const MoeConfig&) {}
 
-constexpr std::string_view kSoftmaxTopkParams[] = {"renormalize"};
+constexpr std::string_view kSoftmaxTopkParams[] = {"renormalize", "backward"};
 
+// backward=masked (the default: unselected experts' dz exactly 0) or dense
+// (the implementation differentiates the dense softmax, §4.4).
 RouterSettings softmax_topk_judge_settings(const Params& p) {
   RouterSettings s;
   s.renormalize = flag_param(p, "renormalize", true);
+  if (const auto it = p.find("backward"); it != p.end()) {
+    if (it->second != "masked" && it->second != "dense")
+      throw std::invalid_argument(fmt::format(
+          "backward={}: expected masked or dense (a dense softmax's autograd)", it->second));
+    s.dense_backward = it->second == "dense";
+  }
   return s;
 }
 
@@ -182,13 +202,15 @@ void softmax_topk_backward_clauses(detail::Checker& c, MatView<const float> z,
                                    MatView<const std::int32_t> idx, MatView<const float> g,
                                    const RouterSettings& s, MatView<const float> dz) {
   softmax_topk_backward_pre(c, z, idx, g, writable(dz));
-  if (!c.stop()) softmax_topk_backward_post(c, z, idx, g, dz, s.renormalize);
+  if (!c.stop()) softmax_topk_backward_post(c, z, idx, g, dz, s.renormalize, s.dense_backward);
 }
 
 std::vector<double> softmax_topk_dz_rounding(const float* z, std::size_t R, const std::int32_t* idx,
                                              const float* g, std::size_t v,
                                              const RouterSettings& s) {
-  return bounds::softmax_topk_grad_row(z, R, idx, g, v, s.renormalize);
+  return s.dense_backward && s.renormalize
+             ? bounds::softmax_dense_grad_row(z, R, idx, g, v)
+             : bounds::softmax_topk_grad_row(z, R, idx, g, v, s.renormalize);
 }
 
 std::size_t softmax_topk_experts(std::size_t width) { return width; }

@@ -57,7 +57,9 @@ void softmax_topk_forward(MatView<const bf16> z, MatView<std::int32_t> idx, MatV
 ///                                                 stays in fp32 range); every z finite
 ///   router.softmax_topk_backward.no_alias  pre   alias    dz shares no byte with z, idx, g
 ///   router.softmax_topk_backward.unselected_grad post numeric renormalised: dz_j == 0 exactly for
-///                                                 every j not selected; not renormalised: every
+///                                                 every j not selected (the judge's backward=dense:
+///                                                 within a dense softmax's rounding noise,
+///                                                 proofs/router.md §4.4); not renormalised: every
 ///                                                 unselected dz_j has the sign of -sum_S p g (or is 0)
 ///   router.softmax_topk_backward.within_bound post numeric (full) every dz within proofs/router.md
 ///                                                 §4.1 of the binary64 reference given g

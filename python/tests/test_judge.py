@@ -397,6 +397,9 @@ def test_torch_layer_bugs_fail_on_their_stage():
     fwd_named = {k: bwd_in[k] for k in ("z", "idx", "weights", "dy")}
     v = check.layer_backward(**base, **fwd_named, **bwd_out, **kw)
     assert "router.softmax_topk_backward.unselected_grad" in v.failed
+    # ... unless it declares so: a dense softmax's gradient, its rounding noise bounded (router.md §4.4).
+    v = check.layer_backward(**base, **fwd_named, **bwd_out, backward="dense", **kw)
+    assert v.failed == [], v.failed
 
 
 @needs_cli
