@@ -126,8 +126,10 @@ def softmax_topk_forward(z, idx, w, renormalize=True, sorted=False):
                  sorted=sorted)
 
 
-def softmax_topk_backward(z, idx, g, dz, renormalize=True):
-    return judge("router.softmax_topk.backward", {"z": z, "idx": idx, "g": g}, {"dz": dz}, renormalize=renormalize)
+def softmax_topk_backward(z, idx, g, dz, renormalize=True, backward="masked"):
+    """backward="dense": dz is autograd's through a dense softmax (docs/JUDGE.md)."""
+    return judge("router.softmax_topk.backward", {"z": z, "idx": idx, "g": g}, {"dz": dz}, renormalize=renormalize,
+                 backward=backward)
 
 
 def sigmoid_topk_forward(z, bias, idx, w, groups=1, topk_group=1, scaling=1.0, sorted=False):

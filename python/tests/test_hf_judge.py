@@ -1,0 +1,55 @@
+"""transformers' own MoE routers judged: Qwen3-MoE's and Mixtral's gates (a softmax over all
+experts in fp32, top-k, renormalised) differentiated by autograd pass as backward="dense" and
+their forward passes as it stands (an unsorted top-k is a legitimate slot order); without the
+declaration the noise autograd leaves at unselected experts is named. Skipped where transformers
+is not installed."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import moecert.check as check  # noqa: E402
+
+E, H, T = 8, 32, 64
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2)),
+}
+COMMON = dict(vocab_size=64, hidden_size=H, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8)
+
+
+def gate_of(family):
+    cfg_name, model_name, extra = FAMILIES[family]
+    if not hasattr(transformers, cfg_name):
+        pytest.skip("transformers {} has no {}".format(transformers.__version__, cfg_name))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**dict(COMMON, **extra)))
+    gate = next(m for n, m in model.named_modules() if n.endswith("mlp.gate"))
+    with torch.no_grad():  # logits = x W^T with W = [I | 0]: z lands in the logits exactly
+        gate.weight.zero_()
+        gate.weight[:, :E] = torch.eye(E)
+    return gate
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_transformers_router_passes_as_a_dense_softmax(family):
+    gate = gate_of(family)
+    rng = torch.Generator().manual_seed(3)
+    z = torch.randn(T, E, generator=rng) * 3
+    x = torch.zeros(T, H)
+    x[:, :E] = z
+    x.requires_grad_()
+    out = gate(x)
+    logits, w, idx = out[0], out[1], out[2]
+    assert torch.equal(logits.detach(), z)
+    g = torch.randn(w.shape, generator=rng)
+    w.backward(g)
+    dz = x.grad[:, :E]
+    assert check.softmax_topk_forward(z, idx, w.detach().float(), renormalize=True).passed
+    dense = check.softmax_topk_backward(z, idx, g, dz, renormalize=True, backward="dense")
+    assert dense.passed, dense.failed
+    masked = check.softmax_topk_backward(z, idx, g, dz, renormalize=True)
+    noise = bool((dz != 0).sum() > 2 * T)  # more than the selected slots
+    assert masked.failed == (["router.softmax_topk_backward.unselected_grad"] if noise else [])
