@@ -1211,8 +1211,10 @@ std::vector<float> dense_softmax_backward(const std::vector<float>& z, std::size
 TEST_CASE("router.softmax_topk.backward: a dense softmax's gradient passes as backward=dense",
           "[router][softmax_topk][judge]") {
   std::mt19937_64 rng(17);
-  for (const auto& [E, K, spread] : {std::tuple{8, 2, 1.0f}, std::tuple{64, 8, 3.0f},
-                                     std::tuple{256, 8, 2.0f}, std::tuple{64, 1, 8.0f}}) {
+  for (const auto& shape : {std::tuple{8, 2, 1.0f}, std::tuple{64, 8, 3.0f},
+                            std::tuple{256, 8, 2.0f}, std::tuple{64, 1, 8.0f}}) {
+    const std::size_t E = std::get<0>(shape), K = std::get<1>(shape);  // lambdas capture them
+    const float spread = std::get<2>(shape);
     INFO("E=" << E << " K=" << K);
     const std::size_t T = 24;
     std::normal_distribution<float> nd(0, 1);
@@ -1224,12 +1226,12 @@ TEST_CASE("router.softmax_topk.backward: a dense softmax's gradient passes as ba
     router::softmax_topk_forward(MatView<const float>(z.data(), T, E),
                                  MatView<std::int32_t>(idx.data(), T, K),
                                  MatView<float>(w.data(), T, K), true);
-    const contracts::judge::Tensors in{{"z", {.f = z, .rows = T, .cols = std::size_t(E)}},
-                                       {"idx", {.i = idx, .rows = T, .cols = std::size_t(K)}},
-                                       {"g", {.f = g, .rows = T, .cols = std::size_t(K)}}};
+    const contracts::judge::Tensors in{{"z", {.f = z, .rows = T, .cols = E}},
+                                       {"idx", {.i = idx, .rows = T, .cols = K}},
+                                       {"g", {.f = g, .rows = T, .cols = K}}};
     auto verdict = [&](const std::vector<float>& dz, const char* backward) {
       return contracts::judge::judge_op("router.softmax_topk.backward", in,
-                                        {{"dz", {.f = dz, .rows = T, .cols = std::size_t(E)}}},
+                                        {{"dz", {.f = dz, .rows = T, .cols = E}}},
                                         {{"renormalize", "true"}, {"backward", backward}});
     };
     auto failed = [](const contracts::judge::Verdict& v, std::string_view id) {
