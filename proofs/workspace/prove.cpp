@@ -178,6 +178,9 @@ int prove(bool training, int& obligations) {
   Z total(0);
   const auto bufs = plan_buffers<Z, flaw>(d, training, total);
   const Z weights = packed_weight_bytes(d, training);
+  // Every weight format's packed bytes too: their nodes' bounds enter (1).
+  for (const moecert::FormatInfo& f : moecert::kFormatTable)
+    (void)packed_weight_bytes(d, training, f);
   const std::string mode = training ? "training" : "forward";
   int failed = 0;
   auto obligation = [&](const std::string& what, const z3::expr& claim) {
