@@ -56,3 +56,30 @@ def test_a_transformers_router_passes_as_a_dense_softmax(family):
     masked = check.softmax_topk_backward(z, idx, g, dz, renormalize=True)
     noise = bool((dz != 0).sum() > 2 * T)  # more than the selected slots
     assert not noise or "router.softmax_topk_backward.unselected_grad" in masked.failed
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_a_transformers_experts_module_passes_in_its_precision(dtype, precision):
+    """Qwen3-MoE's own experts module (transformers 5's stacked gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I]) on the caller's routing: y, dx and dL/dw pass under the precision it
+    computes in."""
+    cfg_name, model_name, extra = FAMILIES["qwen3_moe"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**dict(COMMON, **extra))).to(dtype)
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    rng = torch.Generator().manual_seed(5)
+    K = 2
+    idx = torch.stack([torch.randperm(E, generator=rng)[:K] for _ in range(T)])
+    x = torch.randn(T, H, generator=rng).to(dtype).requires_grad_()
+    w = torch.rand(T, K, generator=rng).to(dtype).requires_grad_()
+    y = experts(x, idx, w)
+    dy = torch.randn(T, H, generator=rng).to(dtype)
+    y.backward(dy)
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    inter = gate_up.shape[1] // 2
+    base = dict(w_gate=gate_up[:, :inter].contiguous(), w_up=gate_up[:, inter:].contiguous(), w_down=down)
+    fwd = check.experts_forward(x.detach(), idx, w.detach(), y=y.detach(), precision=precision, **base)
+    assert fwd.passed, fwd.failed
+    bwd = check.experts_backward(x.detach(), idx, w.detach(), dy=dy, precision=precision, dx=x.grad,
+                                 dweights=w.grad, **base)
+    assert bwd.passed, bwd.failed
