@@ -130,6 +130,34 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+// Uniform values (fill_uniform, fast at these sizes): x by 1.7, the weights
+// and LoRA A factors by 1.7/sqrt(fan-in), the LoRA B factors by 0.1; W_r
+// N(0, 1/H), b 0, dy N(0, 1).
+fixture::LayerProblem layer_problem(const Shape& s) {
+  auto i64 = [](std::size_t v) { return static_cast<std::int64_t>(v); };
+  fixture::LayerProblem d = fixture::LayerProblem::shaped({.experts = i64(s.e),
+                                                           .hidden = i64(s.h),
+                                                           .inter = i64(s.i),
+                                                           .topk = i64(s.k),
+                                                           .lora_rank = i64(s.r),
+                                                           .lora_alpha = 16.0,
+                                                           .max_tokens = i64(s.t)},
+                                                          s.t);
+  d.bias.clear();  // softmax_topk: no selection bias
+  const float sh = 1.7f / std::sqrt(float(s.h)), si = 1.7f / std::sqrt(float(s.i));
+  fill_uniform(d.x, 11, 1.7f);
+  fill_uniform(d.wg, 12, sh), fill_uniform(d.wu, 13, sh), fill_uniform(d.wd, 14, si);
+  fill_uniform(d.lora[0], 15, sh), fill_uniform(d.lora[2], 16, sh), fill_uniform(d.lora[4], 17, si);
+  fill_uniform(d.lora[1], 18, 0.1f), fill_uniform(d.lora[3], 19, 0.1f),
+      fill_uniform(d.lora[5], 20, 0.1f);
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> nd(0, 1);
+  for (auto& v : d.wr) v = nd(rng) / std::sqrt(float(s.h));
+  for (auto& v : d.dy) v = nd(rng);
+  d.pack();
+  return d;
+}
+
 void uniform_routing(const Shape& s, std::vector<std::int32_t>& idx, std::vector<float>& w) {
   idx.assign(s.t * s.k, 0), w.assign(s.t * s.k, 0.0f);
   std::vector<std::int32_t> perm(s.e);

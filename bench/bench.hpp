@@ -97,6 +97,11 @@ void forward_for_backward(const Options& opt, const std::function<void()>& fwd);
 void time_against_peer(const Options& opt, const std::function<void()>& f,
                        const std::function<void()>& g, Result& r);
 double median(std::vector<double> v);
+/// The layer and experts cases' problem of shape s, packed: uniform values
+/// (fill_uniform, fast at these sizes), x by 1.7, the weights and LoRA A
+/// factors by 1.7/sqrt(fan-in), the LoRA B factors by 0.1; W_r N(0, 1/H),
+/// b 0, dy N(0, 1).
+fixture::LayerProblem layer_problem(const Shape& s);
 /// The experts op's routing in the experts cases: K distinct experts per
 /// token, uniform (seed 23); weights uniform in [0, 1).
 void uniform_routing(const Shape& s, std::vector<std::int32_t>& idx, std::vector<float>& w);

@@ -6,8 +6,6 @@
 #include <oneapi/tbb/parallel_for.h>
 
 #include <cmath>
-#include <numeric>
-#include <random>
 
 #include "bench/bench.hpp"
 #include "moecert/experts.hpp"
@@ -51,20 +49,7 @@ Result format_case(const std::string& name, const Shape& s, WeightFormat f, bool
   r.threads = opt.threads;
   r.isa = std::string(isa_name(opt.isa));
   r.peer = "moecert_bf16";
-  auto i64 = [](std::size_t v) { return static_cast<std::int64_t>(v); };
-  fixture::LayerProblem d = fixture::LayerProblem::shaped({.experts = i64(s.e),
-                                                           .hidden = i64(s.h),
-                                                           .inter = i64(s.i),
-                                                           .topk = i64(s.k),
-                                                           .lora_rank = i64(s.r),
-                                                           .lora_alpha = 16.0,
-                                                           .max_tokens = i64(s.t)},
-                                                          s.t);
-  const float sh = 1.7f / std::sqrt(float(s.h)), si = 1.7f / std::sqrt(float(s.i));
-  fill_uniform(d.x, 11, 1.7f), fill_uniform(d.dy, 22, 1.0f);
-  fill_uniform(d.wg, 12, sh), fill_uniform(d.wu, 13, sh), fill_uniform(d.wd, 14, si);
-  for (int i = 0; i < 6; ++i) fill_uniform(d.lora[i], 15 + i, i % 2 ? 0.1f : sh);
-  d.pack();
+  const fixture::LayerProblem d = layer_problem(s);
   const auto qg = quantized(f, d.wg, s.e, s.i, s.h), qu = quantized(f, d.wu, s.e, s.i, s.h),
              qd = quantized(f, d.wd, s.e, s.h, s.i);
   const auto packed = experts::PackedExperts::pack(views(qg), views(qu), views(qd), true);

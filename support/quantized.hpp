@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "contracts/gemm/formats.hpp"
+#include "contracts/numeric/rounding.hpp"
 #include "moecert/formats.hpp"
 
 namespace moecert::fixture {
@@ -44,6 +45,34 @@ struct QuantMatrix {
     return w;
   }
 };
+
+/// C = A W^T [m x n] over quantized W's exact weights (code * scale, in
+/// binary64) and the bound of a kernel that multiplies by the dequantized
+/// weights wh: bounds::dot of |a||wh|, plus their deviation sum |a||wh - w|
+/// (proofs/bounds.md §13), plus this binary64 sum's own rounding,
+/// gamma_k(2^-53) sum |a w| (each product exact: 8 by 31 bits).
+struct ExactGemm {
+  std::vector<double> ref, bound;
+};
+inline ExactGemm exact_gemm(const std::vector<bf16>& a, std::size_t m, std::size_t k,
+                            const QuantView& w, const std::vector<bf16>& wh) {
+  const std::size_t n = w.rows;
+  ExactGemm out{std::vector<double>(m * n), std::vector<double>(m * n)};
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      double exact = 0, sa = 0, sw = 0, dev = 0;
+      for (std::size_t kk = 0; kk < k; ++kk) {
+        const double x = a[i * k + kk].to_float(), wx = contracts::exact_weight(w, j, kk),
+                     h = wh[j * k + kk].to_float();
+        exact += x * wx, sa += std::fabs(x * h), sw += std::fabs(x * wx);
+        dev += std::fabs(x) * std::fabs(h - wx);
+      }
+      out.ref[i * n + j] = exact;
+      out.bound[i * n + j] =
+          bounds::dot(k, sa) + dev + bounds::gamma(static_cast<double>(k), bounds::kU64) * sw;
+    }
+  return out;
+}
 
 /// A random valid code of f.
 inline unsigned random_code(WeightFormat f, std::mt19937_64& rng) {

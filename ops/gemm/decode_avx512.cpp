@@ -14,22 +14,13 @@
 #endif
 #include <immintrin.h>
 
+#include "ops/gemm/bf16_avx512-inl.hpp"
 #include "ops/gemm/ukernel.hpp"
 
 namespace moecert::gemm {
 namespace {
 
 constexpr std::size_t kPrefetch = 2048, kPrefetchL2 = 8192;  // in bytes of codes
-
-inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-}
 
 // 32 bf16 of the products lo (lanes 0-15) and hi (16-31).
 inline __m512i round_pair(__m512 lo, __m512 hi) {

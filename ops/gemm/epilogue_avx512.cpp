@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include "ops/core/prefetch.hpp"
+#include "ops/gemm/bf16_avx512-inl.hpp"
 #include "ops/gemm/exp_poly.hpp"
 #include "ops/gemm/ukernel.hpp"
 
@@ -40,16 +41,6 @@ inline __m512 exp16(__m512 x) {
 }
 
 // bf16::from_float on 16 lanes, packed into 16 uint16.
-inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-}
-
 // -x as scalar code computes it: a sign flip, also of NaN and of zero.
 inline __m512 neg(__m512 x) {
   return _mm512_castsi512_ps(

@@ -1,6 +1,8 @@
 // A conformance case and its result: what `moecert conform` runs and reports.
 #pragma once
 
+#include <oneapi/tbb/global_control.h>
+
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -94,6 +96,21 @@ void add_format_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
 
 /// Layer cases (forward + backward, two training steps) and the workspace plan.
 void add_layer_cases(std::vector<CaseDef>& out, const std::vector<Isa>& isas);
+
+/// Runs f with `threads` threads at most.
+template <class F>
+auto with_threads(int threads, F f) {
+  oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism,
+                                 static_cast<std::size_t>(threads));
+  return f();
+}
+/// Whether a and b hold the same bits (tools/conform/cases_kernels.cpp).
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b);
+/// Why a case of `isa` skips on this CPU.
+std::string skip_reason(Isa isa);
+/// r with b's maxima, worst element and histogram; failed when an element
+/// is beyond its bound.
+CaseResult fill_from(const compare::Bounded& b, CaseResult r);
 
 /// FNV-1a 64 of the bytes of `v`, 16 hex digits.
 std::string digest_of(const std::vector<float>& v);

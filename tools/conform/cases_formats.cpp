@@ -55,20 +55,9 @@ fixture::QuantMatrix draw(WeightFormat f, std::size_t n, std::size_t k, QData d,
   return q;
 }
 
-template <class F>
-auto with_threads(int threads, F f) {
-  oneapi::tbb::global_control g(oneapi::tbb::global_control::max_allowed_parallelism,
-                                static_cast<std::size_t>(threads));
-  return f();
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 CaseResult format_case(WeightFormat f, Isa isa, std::size_t m, std::size_t n, std::size_t k,
                        QData d, const RunContext& ctx) {
-  if (!isa_usable(isa)) return CaseResult::only(Verdict::skip, "not usable on this machine");
+  if (!isa_usable(isa)) return CaseResult::only(Verdict::skip, skip_reason(isa));
   CaseResult r;
   std::mt19937_64 rng(ctx.seed ^ (m * 131 + n * 17 + k + static_cast<unsigned>(f)));
   const fixture::QuantMatrix q = draw(f, n, k, d, rng);
@@ -85,29 +74,14 @@ CaseResult format_case(WeightFormat f, Isa isa, std::size_t m, std::size_t n, st
   };
   const auto c = with_threads(ctx.threads, [&] { return run(packed, isa); });
   r.deterministic = same_bits(c, with_threads(1, [&] { return run(packed, isa); }));
-  std::vector<double> ref(m * n), bound(m * n);
-  for (std::size_t i = 0; i < m; ++i)
-    for (std::size_t j = 0; j < n; ++j) {
-      double exact = 0, sa = 0, dev = 0;  // binary64: ulps far below the bound's scale
-      for (std::size_t kk = 0; kk < k; ++kk) {
-        const double x = a[i * k + kk].to_float(), w = contracts::exact_weight(q.view, j, kk),
-                     h = wh[j * k + kk].to_float();
-        exact += x * w, sa += std::fabs(x * h), dev += std::fabs(x) * std::fabs(h - w);
-      }
-      ref[i * n + j] = exact, bound[i * n + j] = bounds::dot(k, sa) + dev + 1e-12 * sa;
-    }
-  const compare::Bounded b = compare::bounded(c, ref, bound);
-  r.max_abs_err = b.max_abs_err, r.max_rel_err = b.max_rel_err,
-  r.max_bound_utilization = b.max_utilization;
-  r.histogram.merge(b.histogram);
-  if (!b.pass())
-    r.fail(fmt::format("{} of {} elements beyond their bound; worst element {}", b.exceeded,
-                       b.count, b.worst));
-  else if (!same_bits(c, run(dense, isa)))
+  const fixture::ExactGemm e = fixture::exact_gemm(a, m, k, q.view, wh);
+  r = fill_from(compare::bounded(c, e.ref, e.bound), r);  // fails beyond a bound
+  if (r.verdict == Verdict::pass && !same_bits(c, run(dense, isa)))
     r.fail("differs bitwise from the GEMM over the bf16 pack of the dequantized weights");
-  else if (!r.deterministic)
+  if (r.verdict == Verdict::pass && !r.deterministic)
     r.fail("results differ between 1 and N threads");
-  else if (isa == Isa::amx_bf16 && !same_bits(c, run(packed, Isa::amx_emu)))
+  if (r.verdict == Verdict::pass && isa == Isa::amx_bf16 &&
+      !same_bits(c, run(packed, Isa::amx_emu)))
     r.fail("amx_bf16 and amx_emu differ bitwise");
   if (r.verdict == Verdict::pass)
     r.detail = fmt::format("bit for bit the bf16 pack of the dequantized weights{}",

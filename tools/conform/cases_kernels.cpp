@@ -52,13 +52,7 @@ std::vector<bf16> draw(std::mt19937_64& rng, std::size_t n, Data d, float scale)
   return v;
 }
 
-// Runs f with `threads` threads at most.
-template <class F>
-auto with_threads(int threads, F f) {
-  oneapi::tbb::global_control gc(oneapi::tbb::global_control::max_allowed_parallelism,
-                                 static_cast<std::size_t>(threads));
-  return f();
-}
+}  // namespace
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
@@ -84,6 +78,8 @@ CaseResult fill_from(const compare::Bounded& b, CaseResult r) {
   }
   return r;
 }
+
+namespace {
 
 CaseResult gemm_case(Isa isa, std::size_t m, std::size_t n, std::size_t k, Data d,
                      const RunContext& ctx, bool sampled) {
