@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 .PHONY: check report python bootstrap format format-check debug release tsan stress fuzz clean
 FUZZ_SECONDS ?= 60
 FUZZ_SEED ?= 1
-FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer judge_fuzzer safetensors_fuzzer settings_fuzzer capi_fuzzer cli_fuzzer
+FUZZERS := bf16_fuzzer contract_fuzzer router_fuzzer experts_fuzzer workspace_fuzzer lora_fuzzer layer_backward_fuzzer experts_backward_fuzzer formats_fuzzer judge_fuzzer safetensors_fuzzer settings_fuzzer capi_fuzzer cli_fuzzer
 
 # The interpreter for the Python package: Debian's /usr/bin/python3, else the
 # first python3 on PATH, that imports torch (a `python3` on PATH may lack
@@ -94,7 +94,7 @@ fuzz: bootstrap
 	  mkdir -p build/fuzz/corpus/{}; echo "fuzz: {} for $(FUZZ_SECONDS) s"; \
 	  MOECERT_FUZZ_THREADS=1 build/debug/fuzz/{}_libfuzzer -max_total_time=$(FUZZ_SECONDS) -seed=$(FUZZ_SEED) \
 	    -print_final_stats=1 -artifact_prefix=build/fuzz/artifacts/{}- build/fuzz/corpus/{} fuzz/corpus/{} \
-	    > build/fuzz/{}.log 2>&1 || { tail -40 build/fuzz/{}.log; exit 255; }; \
+	    > build/fuzz/{}.log 2>&1 || { tail -40 build/fuzz/{}.log; grep -m1 "fuzz finding" build/fuzz/{}.log; exit 255; }; \
 	  echo "fuzz: {}: $$(grep -E "stat::(number_of_executed_units|average_exec_per_sec)" build/fuzz/{}.log | tr -s " " | tr "\n" " ")"'
 
 clean:

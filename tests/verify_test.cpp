@@ -87,6 +87,28 @@ TEST_CASE("verify: no blind probe where its binary32 sums would overflow", "[ver
   CHECK(r.row == 0);
 }
 
+TEST_CASE("verify: an overflowed C is left to the finite clause; an inf that cannot be one fails",
+          "[verify][numeric]") {
+  // Row 0: |a| |b| = 2^126 over k = 4 terms of one sign, C = 2^128: the
+  // exact product leaves binary32's range, C's inf is an overflow (not
+  // the probe's to judge). Row 1: small values, an inf in C is a bug.
+  const std::size_t m = 2, n = 4, k = 4;
+  Problem p{m, n, k, std::vector<bf16>(m * k), std::vector<bf16>(n * k), std::vector<float>(m * n)};
+  for (std::size_t kk = 0; kk < k; ++kk) {
+    p.a[kk] = bf16(0x1p63f), p.a[k + kk] = bf16(0.5f);
+    for (std::size_t j = 0; j < n; ++j) p.b[j * k + kk] = bf16(0x1p63f);
+  }
+  for (std::size_t j = 0; j < n; ++j) p.c[j] = INFINITY, p.c[n + j] = 4 * 0.5f * 0x1p63f;
+  const auto overflowed = verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = n});
+  CHECK(overflowed.pass);
+  p.c[n + 2] = INFINITY;
+  const auto wrong = verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = n});
+  CHECK_FALSE(wrong.pass);
+  CHECK(wrong.row == 1);
+  p.c[n + 2] = NAN;
+  CHECK_FALSE(verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = n}).pass);
+}
+
 TEST_CASE("verify: a dropped term is caught at K = 1024", "[verify][numeric]") {
   std::mt19937_64 rng(22);
   int caught = 0;

@@ -20,6 +20,7 @@ inline constexpr double kUbf16 = 0x1p-8;               // unit roundoff of bf16
 inline constexpr double kU64 = 0x1p-53;                // of binary64
 inline constexpr double kMinNormal32 = 0x1p-126;       // flush threshold
 inline constexpr double kBf16HalfDenormal = 0x1p-134;  // half the least bf16 denormal
+inline constexpr double kMaxBf16 = 0x1.fep127;         // the largest finite bf16
 /// Relative error, in binary32 ulps (units of kU32), allowed for the
 /// kernels' exp and log: ops/gemm/exp_poly.hpp measures at most 1 ulp over
 /// the normal range (tests/gemm_test.cpp), glibc's expf/logf < 1 ulp. §4.

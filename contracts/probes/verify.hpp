@@ -172,7 +172,11 @@ inline RowSide row_side(const Probe& p, std::size_t k0, const float* a, std::siz
 /// lhs = (C r)_i and cabs = the sum of |C_ij| over the probe's columns,
 /// each within gamma^(64)_width of its exact value (binary64 sums of exact
 /// terms, in any order). Never fails for a row within bounds::dot of the
-/// exact product (the allowance includes the probe's own rounding).
+/// exact product (the allowance includes the probe's own rounding). Where
+/// C's side or the probe's is not finite: if the row's computed magnitude
+/// may reach the largest bf16 (C's elements may overflow binary32, or bf16
+/// where C is rounded to it), an overflow, not judged here (residual 0,
+/// threshold infinite; C's finite clause names it); otherwise a failure.
 inline RowProbe judge_row(const Probe& p, std::size_t k, const RowSide& a, double lhs, double cabs,
                           bool c_is_bf16 = false) {
   // The probe's own rounding, relative to the exact magnitudes: gamma_8 in
@@ -184,6 +188,12 @@ inline RowProbe judge_row(const Probe& p, std::size_t k, const RowSide& a, doubl
       bounds::gamma(10) + bounds::gamma(static_cast<double>(k) + 2 * w + 2, bounds::kU64);
   const double raise = 1 + 2 * g_probe;
   const double mag = a.mag * raise, flushed = a.flushed * raise;  // Lemma 1'
+  if (!std::isfinite(lhs) || !std::isfinite(cabs) || !std::isfinite(a.rhs)) {
+    if (mag * (1 + bounds::gamma(static_cast<double>(k))) * (1 + bounds::kUbf16) >=
+        bounds::kMaxBf16)
+      return {0, INFINITY};    // an overflow
+    lhs = INFINITY, cabs = 0;  // no overflow can explain it: fails
+  }
   cabs *= raise;
   // The block's element bounds (§1, and §2 when C is bf16), summed, plus
   // twice the probe's rounding.
