@@ -179,6 +179,54 @@ def test_what_moecert_cannot_compute_is_refused():
         hf.patch(meta)
 
 
+def fp8_checkpoint(model):
+    """The routed experts of `model` as DeepSeek-V3's FP8 checkpoint stores them: per layer and
+    expert `...mlp.experts.{e}.{gate,up,down}_proj.weight` (torch.float8_e4m3fn) and
+    `.weight_scale_inv`, quantized from the model's values by moecert's quantizer."""
+    from moecert.torch import formats
+    tensors = {}
+    for name, m in model.named_modules():
+        if not name.endswith("mlp.experts"):
+            continue
+        I = m.gate_up_proj.shape[1] // 2
+        for proj, w in (("gate_proj", m.gate_up_proj[:, :I]), ("up_proj", m.gate_up_proj[:, I:]),
+                        ("down_proj", m.down_proj)):
+            q = formats.quantize(w.detach(), "fp8_e4m3_block128")
+            for e in range(w.shape[0]):
+                key = "{}.{}.{}.".format(name, e, proj)
+                tensors[key + "weight"] = q.codes[e].view(torch.float8_e4m3fn)
+                tensors[key + "weight_scale_inv"] = q.scales[e]
+    return tensors
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="needs torch.float8_e4m3fn")
+def test_deepseek_v3_from_its_fp8_checkpoint_without_bf16_experts():
+    """A DeepSeek-V3 model built with empty expert weights (accelerate's init_empty_weights: on
+    the meta device), everything else loaded, patched from the FP8 checkpoint's tensors: the same
+    logits, bitwise, as the model quantized by patch(base_format=...) from its own weights (the
+    same codes); it trains its LoRA."""
+    accelerate = pytest.importorskip("accelerate")
+    source = model_of("deepseek_v3")
+    tensors = fp8_checkpoint(source)
+    with accelerate.init_empty_weights(include_buffers=False):
+        model = type(source)(source.config)
+    rest = {k: v for k, v in source.state_dict().items() if ".mlp.experts." not in k}
+    missing, _ = model.load_state_dict(rest, strict=False, assign=True)
+    assert missing and all(".mlp.experts." in k for k in missing)
+    assert first_experts(model).gate_up_proj.device.type == "meta"
+    hf.patch(model, rank=4, init=False, checkpoint=tensors.__getitem__)
+    assert all(t.device.type == "cpu" for t in list(model.parameters()) + list(model.buffers()))
+    experts = first_experts(model)
+    assert experts.base_format == "fp8_e4m3_block128"
+    quantized = copy.deepcopy(source)
+    hf.patch(quantized, rank=4, init=False, base_format="fp8_e4m3_block128")
+    quantized.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    assert torch.equal(model(ids()).logits, quantized(ids()).logits)
+    out = model(ids(), labels=ids())
+    out.loss.backward()
+    assert experts.lora_B_up.grad is not None and experts.lora_B_up.grad.abs().sum() > 0
+
+
 def bf16_valued(model):
     with torch.no_grad():
         for p in model.parameters():

@@ -7,7 +7,9 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..torch import functions, ops
+from ..torch.formats import Quantized
 from ..torch.modules import PackedBase, _what
+from ..torch.ops import BASE_NAMES
 
 BASE = ("gate_up_proj", "down_proj")
 PROJECTIONS = ("gate", "up", "down")
@@ -49,6 +51,22 @@ def check_lora_arguments(rank, targets, init, dropout):
     targets_of(targets)
 
 
+def gate_up_rows(inter, concatenated):
+    """Experts.gate_up_rows() of a module of `inter` and `concatenated`."""
+    if concatenated:
+        return slice(0, inter), slice(inter, 2 * inter)
+    return slice(0, 2 * inter, 2), slice(1, 2 * inter, 2)
+
+
+def split_stacked(gate_up_proj, down_proj, transposed, concatenated):
+    """(w_gate, w_up [E, I, H], w_down [E, H, I]) views of transformers' stacked gate_up_proj and
+    down_proj (transposed, concatenated: as Experts takes them)."""
+    if transposed:
+        gate_up_proj, down_proj = gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
+    gate, up = gate_up_rows(gate_up_proj.shape[1] // 2, concatenated)
+    return gate_up_proj[:, gate], gate_up_proj[:, up], down_proj
+
+
 def experts_of(model):
     """[(name, Experts)] of the modules of `model`."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Experts)]
@@ -81,6 +99,13 @@ class Experts(PackedBase):
         train_base: the base weights are parameters too (packed at every forward); else the
             packed experts are their only storage (moecert.torch.modules.PackedBase).
         isa: force a kernel.
+        base: frozen quantized base weights instead of gate_up_proj and down_proj (both None
+            then): (w_gate, w_up, w_down) as moecert.torch.formats.Quantized of one format, in
+            moecert's layout [E, I, H], [E, I, H], [E, H, I] (a checkpoint's per-projection
+            tensors: DeepSeek-V3's FP8 experts as stored, formats.deepseek_v3_experts). The module
+            then computes with bf16(fp32(code * scale)); quantize_base(format) quantizes bf16 base
+            weights later. Its state_dict() holds the codes and scales (w_gate.codes, ...,
+            base_format) in place of gate_up_proj and down_proj.
 
     forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H] in
     hidden_states' dtype: sum_j w[t, j] * expert_{idx[t, j]}(x_t), x rounded to bf16, the
@@ -93,10 +118,14 @@ class Experts(PackedBase):
     routed_by = "caller"  # patch() sets "moecert" or "model": whose router chose the experts
 
     def __init__(self, gate_up_proj, down_proj, rank=0, alpha=None, train_base=False, isa=None, rslora=False,
-                 targets=PROJECTIONS, init=True, dropout=0.0, transposed=False, concatenated=True):
+                 targets=PROJECTIONS, init=True, dropout=0.0, transposed=False, concatenated=True, base=None):
         """See the class docstring; raises moecert.InvalidArgument for shapes that do not fit."""
         super().__init__()
         self.transposed, self.concatenated = bool(transposed), bool(concatenated)
+        if base is not None:
+            self._init_quantized(gate_up_proj, down_proj, base, train_base, isa)
+            self.set_lora(rank, alpha, rslora, targets, init, dropout)
+            return
         two = (2, 1) if self.transposed else (1, 2)  # the dimension of 2I, then that of H
         if not isinstance(gate_up_proj, torch.Tensor) or gate_up_proj.dim() != 3 or gate_up_proj.shape[two[0]] % 2:
             raise InvalidArgument("gate_up_proj: {}, expected {}".format(
@@ -109,6 +138,21 @@ class Experts(PackedBase):
         self.token_counts, self._aside, self._unloaded = None, None, False
         self._init_base({"gate_up_proj": gate_up_proj, "down_proj": down_proj}, train_base)
         self.set_lora(rank, alpha, rslora, targets, init, dropout)
+
+    def _init_quantized(self, gate_up_proj, down_proj, base, train_base, isa):
+        if gate_up_proj is not None or down_proj is not None:
+            raise InvalidArgument("base: quantized base weights replace gate_up_proj and down_proj; pass None for "
+                                  "those")
+        if not isinstance(base, (tuple, list)) or len(base) != 3 or not all(isinstance(q, Quantized) for q in base):
+            raise InvalidArgument("base: {}, expected (w_gate, w_up, w_down) as formats.Quantized".format(
+                _what(base)))
+        self.num_experts, self.inter, self.hidden = len(base[0].matrices()), base[0].rows(), base[0].cols
+        self.isa, self.token_counts, self._aside, self._unloaded = isa, None, None, False
+        self.train_base, self._packed = bool(train_base), None
+        self._set_quantized(dict(zip(BASE_NAMES, base)))
+
+    def dims(self):
+        return self.num_experts, self.hidden, self.inter
 
     def set_lora(self, rank, alpha=None, rslora=False, targets=PROJECTIONS, init=True, dropout=0.0):
         """Replaces the LoRA factors by fresh ones of this configuration (see the class
@@ -154,17 +198,11 @@ class Experts(PackedBase):
     def gate_up_rows(self):
         """(the gate's rows, the up projection's rows) of gate_up_proj's 2I outputs: the first I
         and the last I (concatenated), or the even and the odd ones (interleaved)."""
-        I = self.inter
-        if self.concatenated:
-            return slice(0, I), slice(I, 2 * I)
-        return slice(0, 2 * I, 2), slice(1, 2 * I, 2)
+        return gate_up_rows(self.inter, self.concatenated)
 
     def split(self, named):
-        gate_up, down = named["gate_up_proj"], named["down_proj"]
-        if self.transposed:
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        gate, up = self.gate_up_rows()
-        return gate_up[:, gate].contiguous(), gate_up[:, up].contiguous(), down.contiguous()
+        return tuple(t.contiguous() for t in split_stacked(named["gate_up_proj"], named["down_proj"],
+                                                           self.transposed, self.concatenated))
 
     def _stored(self, base):
         w_gate, w_up, w_down = base
@@ -202,6 +240,10 @@ class Experts(PackedBase):
         weight is not finite (nothing changed then)."""
         if not self.rank or self.merged:
             return
+        if self.base_format != "bf16":
+            raise InvalidArgument("merge: the base weights are {}; W + ΔW would be rounded to that format again "
+                                  "and unmerge could not restore W. Keep the adapter apart, or give bf16 base "
+                                  "weights first".format(self.base_format))
         with torch.no_grad():
             base = self._base_values()
             merged = {n: (base[n].double() + d).to(torch.bfloat16) for n, d in self.delta_weights().items()}
@@ -272,9 +314,9 @@ class Experts(PackedBase):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self):
-        return "num_experts={}, hidden={}, inter={}, rank={}, targets={}, train_base={}{}".format(
+        return "num_experts={}, hidden={}, inter={}, rank={}, targets={}, train_base={}, base_format={}{}".format(
             self.num_experts, self.hidden, self.inter, self.rank, ",".join(self.targets) or "none", self.train_base,
-            ", merged" if self.merged else "")
+            self.base_format, ", merged" if self.merged else "")
 
 
 def _initial(name, shape, init, rank, E):

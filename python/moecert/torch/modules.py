@@ -103,6 +103,10 @@ class PackedBase(nn.Module):
         """{stored name: shape}."""
         raise NotImplementedError
 
+    def dims(self):
+        """(experts E, hidden H, intermediate I)."""
+        raise NotImplementedError
+
     def split(self, named):
         """(w_gate, w_up, w_down) of the stored tensors `named`."""
         return tuple(named[n] for n in BASE_NAMES)
@@ -155,27 +159,22 @@ class PackedBase(nn.Module):
         if self.train_base:
             raise InvalidArgument("quantize_base: the base weights are trained (train_base=True); quantized "
                                   "base weights are frozen")
-        self._set_quantized({n: quantize(t, format) for n, t in self._stored(self._packed.unpack()).items()})
+        self._set_quantized({n: quantize(t, format) for n, t in zip(BASE_NAMES, self._packed.unpack())})
 
     def _set_quantized(self, named):
         """Packs quantized base weights given by name (all of them, formats.Quantized of one format)."""
         if self.train_base:
             raise InvalidArgument("quantized base weights are frozen: construct with train_base=False")
-        if tuple(self.BASE) != BASE_NAMES:
-            raise InvalidArgument("quantized base weights: give them to the experts module in moecert's layout "
-                                  "(w_gate, w_up, w_down)")
         if set(named) != set(BASE_NAMES) or not all(isinstance(t, Quantized) for t in named.values()):
-            raise InvalidArgument("quantized base weights: give all of w_gate, w_up, w_down as formats.Quantized "
-                                  "(got {})".format(", ".join("{}: {}".format(n, type(t).__name__)
-                                                             for n, t in named.items())))
+            raise InvalidArgument("quantized base weights: give all of w_gate, w_up, w_down (moecert's layout: "
+                                  "[E, I, H], [E, I, H], [E, H, I]) as formats.Quantized (got {})".format(
+                                      ", ".join("{}: {}".format(n, type(t).__name__) for n, t in named.items())))
         packed = ops.PackedExperts(named["w_gate"], named["w_up"], named["w_down"], backward=True)
-        shapes = self.base_shapes()
-        got = {"w_gate": (packed.experts, packed.inter, packed.hidden),
-               "w_down": (packed.experts, packed.hidden, packed.inter)}
-        for name in got:
-            if got[name] != tuple(shapes[name]):
-                raise InvalidArgument("size mismatch for {}: got {}, expected {}".format(
-                    name, list(got[name]), list(shapes[name])))
+        E, H, I = self.dims()
+        got, want = (packed.experts, packed.hidden, packed.inter), (E, H, I)
+        if got != want:
+            raise InvalidArgument("size mismatch for the quantized experts: got E, H, I = {}, expected {}".format(
+                got, want))
         self._set_pack(packed)
 
     def _set_pack(self, packed):
@@ -239,8 +238,8 @@ class PackedBase(nn.Module):
             number = int(state_dict[prefix + "base_format"])
             if not 0 < number < len(FORMATS):
                 raise InvalidArgument("{}base_format: {}, expected 1..{}".format(prefix, number, len(FORMATS) - 1))
-            cols = {"w_gate": self.base_shapes()["w_gate"][2], "w_up": self.base_shapes()["w_up"][2],
-                    "w_down": self.base_shapes()["w_down"][2]}
+            _, H, I = self.dims()
+            cols = {"w_gate": H, "w_up": H, "w_down": I}
             self._set_quantized({n: Quantized(FORMATS[number], state_dict[prefix + n + ".codes"],
                                               state_dict[prefix + n + ".scales"], cols[n]) for n in BASE_NAMES})
         except (InvalidArgument, ContractViolation) as e:
@@ -341,6 +340,9 @@ class MoELayer(PackedBase):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._config_key = keys.config_key(self.config)  # keys name this process's objects
+
+    def dims(self):
+        return self.config.experts, self.config.hidden, self.config.inter
 
     def base_shapes(self):
         c = self.config
