@@ -39,6 +39,12 @@ judge::Tensor tensor_of(const moecert_named_tensor& n) {
         j.i.insert(j.i.end(), m.row(r), m.row(r) + m.cols);
       break;
     }
+    case MOECERT_U8: {  // quantized weights' codes: bytes as indices
+      const auto m = capi::mat<const std::uint8_t>(t, name);
+      for (std::size_t r = 0; r < m.rows && m.cols; ++r)
+        j.i.insert(j.i.end(), m.row(r), m.row(r) + m.cols);
+      break;
+    }
     case MOECERT_BF16:
       copy_rows(capi::mat<const bf16>(t, name), j.f);
       break;

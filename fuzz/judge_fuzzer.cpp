@@ -2,7 +2,8 @@
 // op, the layer) on structure-aware hostile tensors — the op's own names at
 // shapes that mostly fit (sometimes off by one, empty or missing), values
 // with NaN, Inf, denormals and extremes, ids out of range (-2, E, E + 1000,
-// far beyond) and duplicated, parameters valid or not: the judge returns a
+// far beyond) and duplicated, quantized base weights (codes any bytes or
+// int32, scales any values), parameters valid or not: the judge returns a
 // verdict or refuses with std::invalid_argument, and nothing else (no
 // crash, no read outside a tensor: ASan; no other exception); a verdict
 // lists every row it skipped because an index clause rejected its ids.
@@ -15,6 +16,7 @@
 
 #include "contracts/judge/ops.hpp"
 #include "fuzz/decode.hpp"
+#include "moecert/formats.hpp"
 
 using namespace moecert;
 namespace judge = contracts::judge;
@@ -152,6 +154,33 @@ judge::Params params(fuzz::Decoder& d, const std::string& op, const std::string&
   return p;
 }
 
+// Now and then (experts and layer ops) the base weights given quantized:
+// param format (a quantized one, or an unknown name), each matrix's codes
+// (bytes, now and then any int32) and scales in shapes that mostly fit.
+void quantize_base(fuzz::Decoder& d, const Sizes& z, judge::Tensors& in, judge::Params& p) {
+  static const char* const names[] = {"int8_channel", "int4_group", "fp8_e4m3_block128", "int3"};
+  const char* name = names[d.u8() % 4];
+  p["format"] = name;
+  const WeightFormat f = parse_format(name).value_or(WeightFormat::int8_channel);
+  const std::pair<std::size_t, std::size_t> dims[] = {{z.i, z.h}, {z.i, z.h}, {z.h, z.i}};
+  const char* const matrices[] = {"w_gate", "w_up", "w_down"};
+  for (std::size_t m = 0; m < 3; ++m) {
+    in.erase(matrices[m]);
+    const QuantView v{f, nullptr, dims[m].first, dims[m].second, 0, nullptr, 0};
+    judge::Tensor codes, scales;
+    codes.rows = z.e * v.rows + (d.u8() % 16 == 0), codes.cols = v.row_bytes();
+    codes.i.resize(codes.rows * codes.cols);
+    for (auto& c : codes.i)
+      c = (d.u8() & 63) == 0 ? static_cast<std::int32_t>(d.u32())
+                             : static_cast<std::int32_t>(d.u8());
+    scales.rows = z.e * v.scale_rows(), scales.cols = v.scale_cols() - (d.u8() % 16 == 0);
+    scales.f.resize(scales.rows * scales.cols);
+    for (auto& x : scales.f) x = d.value_f32();
+    in.emplace(fmt::format("{}.codes", matrices[m]), std::move(codes));
+    in.emplace(fmt::format("{}.scales", matrices[m]), std::move(scales));
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -176,7 +205,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (const Spec& s : out_specs)
     if ((d.u8() & 63) != 0) out.emplace(s.name, make(d, s, z));
   judge::Params p = params(d, op, router);
-  if (lora) p["alpha"] = "2";
+  if (lora) p.insert_or_assign("alpha", std::string("2"));
+  if ((op.rfind("experts.", 0) == 0 || op.rfind("layer.", 0) == 0) && d.u8() % 4 == 0)
+    quantize_base(d, z, in, p);
   try {
     const judge::Verdict v = judge::judge_op(op, in, out, p);
     if (!std::is_sorted(v.skipped_rows.begin(), v.skipped_rows.end()) ||

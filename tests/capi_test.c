@@ -1,7 +1,7 @@
 /* The C ABI from a C program: version, settings, the experts op forward and
  * backward, a router and the judge on its outputs, the layer, a contract
  * violation (status, record, outputs untouched) and a rejected descriptor; the
- * header's enums and their names.
+ * header's enums and their names; quantized weights packed, unpacked and judged.
  * Exit status 0: all passed. */
 #include <math.h>
 #include <stdio.h>
@@ -287,6 +287,38 @@ static void quantized(void) {
   OK(moecert_experts_forward(packed, &tx, &ti, &tw, &ty, MOECERT_ISA_DEFAULT));
   for (int i = 0; i < T * H; ++i) EXPECT(isfinite(y[i]));
   moecert_experts_free(packed);
+  /* The judge on that y, the codes given as U8 stacked by expert: it passes as a mixed-precision
+   * implementation over int4_group weights; read as int8_channel, the codes' shape fails. */
+  static uint8_t stacked[3][E * I * H];
+  static float stacked_scales[3][E * I];
+  static const char* names[3][2] = {{"w_gate.codes", "w_gate.scales"},
+                                    {"w_up.codes", "w_up.scales"},
+                                    {"w_down.codes", "w_down.scales"}};
+  moecert_named_tensor in[9] = {{"x", tx, 0}, {"idx", ti, 0}, {"weights", tw, 0}};
+  for (int m = 0; m < 3; ++m) {
+    const int rows = m == 2 ? H : I, row_bytes = ((m == 2 ? I : H) + 1) / 2;
+    for (int e = 0; e < E; ++e) {
+      memcpy(stacked[m] + e * rows * row_bytes, codes[m][e], (size_t)(rows * row_bytes));
+      memcpy(stacked_scales[m] + e * rows, scales[m][e], (size_t)rows * sizeof(float));
+    }
+    in[3 + 2 * m] =
+        (moecert_named_tensor){names[m][0], mat(stacked[m], MOECERT_U8, E * rows, row_bytes), 0};
+    in[4 + 2 * m] =
+        (moecert_named_tensor){names[m][1], mat(stacked_scales[m], MOECERT_F32, E * rows, 1), 0};
+  }
+  moecert_named_tensor out[1] = {{"y", ty, 0}};
+  const char* params[2] = {"precision=mixed", "format=int4_group"};
+  char* verdict = NULL;
+  OK(moecert_check("experts.forward", in, 9, out, 1, params, 2, &verdict));
+  EXPECT(verdict && strstr(verdict, "\"verdict\":\"pass\"") != NULL &&
+         strstr(verdict, "gemm.pack.q_code") != NULL);
+  moecert_free_string(verdict);
+  params[1] = "format=int8_channel";
+  OK(moecert_check("experts.forward", in, 9, out, 1, params, 2, &verdict));
+  EXPECT(verdict &&
+         strstr(verdict, "experts.forward.shape failed: w_gate.codes 64x8, expected 64x16") !=
+             NULL);
+  moecert_free_string(verdict);
 }
 
 int main(void) {

@@ -36,8 +36,9 @@ judge::Params parse_params(const std::vector<std::string>& ps) {
   return m;
 }
 
-// A file's tensors as the judge reads them: indices (integer dtypes) in
-// int32, values in fp32 with their storage's rounding.
+// A file's tensors as the judge reads them: indices (integer dtypes, and
+// float8 codes as their bytes) in int32, values in fp32 with their
+// storage's rounding.
 judge::Tensors tensors(const Files& f) {
   judge::Tensors out;
   for (const auto& [name, t] : f) {
@@ -46,7 +47,7 @@ judge::Tensors tensors(const Files& f) {
     judge::Tensor j;
     j.cols = t.shape.size() >= 2 ? static_cast<std::size_t>(t.shape.back()) : 1;
     j.rows = j.cols ? t.elements() / j.cols : 0;
-    if (t.dtype[0] == 'I')
+    if (t.dtype[0] == 'I' || t.dtype == "U8" || t.dtype == "F8_E4M3")
       j.i = to_i32(t, name);
     else
       j.f = to_f32(t, name);

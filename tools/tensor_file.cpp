@@ -22,7 +22,7 @@ namespace {
 std::size_t dtype_bytes(const std::string& d) {
   static const std::map<std::string, std::size_t> sizes{
       {"F64", 8}, {"F32", 4}, {"F16", 2},  {"BF16", 2}, {"I64", 8}, {"I32", 4}, {"I16", 2},
-      {"I8", 1},  {"U8", 1},  {"BOOL", 1}, {"U16", 2},  {"U32", 4}, {"U64", 8}};
+      {"I8", 1},  {"U8", 1},  {"BOOL", 1}, {"U16", 2},  {"U32", 4}, {"U64", 8}, {"F8_E4M3", 1}};
   const auto it = sizes.find(d);
   return it == sizes.end() ? 0 : it->second;
 }
@@ -221,9 +221,13 @@ std::vector<std::int32_t> to_i32(const Tensor& t, const std::string& name) {
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = narrow(load<std::int64_t>(p + 8 * i), i);
   else if (t.dtype == "I16")
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = load<std::int16_t>(p + 2 * i);
+  else if (t.dtype == "I8")
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = load<std::int8_t>(p + i);
+  else if (t.dtype == "U8" || t.dtype == "F8_E4M3")  // quantized codes: their bytes
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = p[i];
   else
-    throw std::invalid_argument(
-        fmt::format("tensor {}: dtype {}, expected I32, I64 or I16", name, t.dtype));
+    throw std::invalid_argument(fmt::format(
+        "tensor {}: dtype {}, expected I32, I64, I16, I8, U8 or F8_E4M3", name, t.dtype));
   return v;
 }
 

@@ -38,7 +38,8 @@ std::map<std::string, Tensor> parse_safetensors(const std::vector<std::uint8_t>&
 /// rounded to nearest. Other dtypes: std::invalid_argument.
 std::vector<float> to_f32(const Tensor& t, const std::string& name);
 
-/// The values as int32: I32 as stored, I64 and I16 if every value fits.
+/// The values as int32: I32 as stored, I64 and I16 if every value fits,
+/// I8 as signed values, U8 and F8_E4M3 as their bytes (quantized codes).
 std::vector<std::int32_t> to_i32(const Tensor& t, const std::string& name);
 
 /// Unit roundoff of the dtype's storage (0 for F32 and F64) and half its

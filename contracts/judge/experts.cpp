@@ -5,6 +5,8 @@
 #include "contracts/judge/experts.hpp"
 
 #include <algorithm>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "contracts/bounds/experts.hpp"
@@ -12,6 +14,7 @@
 #include "contracts/engine/clauses.hpp"
 #include "contracts/engine/compare.hpp"
 #include "contracts/experts/train.hpp"
+#include "contracts/gemm/formats.hpp"
 
 namespace moecert::contracts::judge {
 namespace {
@@ -44,7 +47,68 @@ bool in_range(float v) {
   return a == 0 || (a >= 0x1p-60f && a <= 0x1p60f);
 }
 
+// Matrix m (0 gate, 1 up, 2 down) of E experts' rows x cols, its codes
+// and scales as given: whether their shapes are the format's.
+std::string quantized_shape_error(const QuantizedBase& q, std::size_t m, std::size_t E,
+                                  std::size_t rows, std::size_t cols) {
+  static constexpr const char* kNames[] = {"w_gate", "w_up", "w_down"};
+  const QuantView v{q.format, nullptr, rows, cols, 0, nullptr, 0};
+  if (q.codes[m].rows != E * rows || q.codes[m].cols != v.row_bytes())
+    return fmt::format("{}.codes {}x{}, expected {}x{} ({} {}x{} per expert)", kNames[m],
+                       q.codes[m].rows, q.codes[m].cols, E * rows, v.row_bytes(),
+                       format_name(q.format), rows, cols);
+  if (q.scales[m].rows != E * v.scale_rows() || q.scales[m].cols != v.scale_cols())
+    return fmt::format("{}.scales {}x{}, expected {}x{}", kNames[m], q.scales[m].rows,
+                       q.scales[m].cols, E * v.scale_rows(), v.scale_cols());
+  return "";
+}
+
+// Matrix m's values fp32(code * scale), expert by expert (codes as bytes).
+std::vector<float> dequantized(const QuantizedBase& q, std::size_t m, std::size_t E,
+                               std::size_t rows, std::size_t cols) {
+  QuantView v{q.format, nullptr, rows, cols, 0, nullptr, 0};
+  v.stride = v.row_bytes(), v.scale_stride = v.scale_cols();
+  std::vector<std::uint8_t> bytes(rows * v.stride);
+  std::vector<float> out(E * rows * cols);
+  for (std::size_t e = 0; e < E; ++e) {
+    for (std::size_t i = 0; i < bytes.size(); ++i)
+      bytes[i] = static_cast<std::uint8_t>(q.codes[m].data[e * bytes.size() + i]);
+    v.codes = bytes.data(), v.scales = q.scales[m].data + e * v.scale_rows() * v.scale_stride;
+    for (std::size_t n = 0; n < rows; ++n)
+      for (std::size_t k = 0; k < cols; ++k)
+        out[(e * rows + n) * cols + k] = static_cast<float>(exact_weight(v, n, k));
+  }
+  return out;
+}
+
 }  // namespace
+
+void read_quantized(const Tensors& in, WeightFormat f, ExpertsTensors& t) {
+  auto q = std::make_shared<QuantizedBase>();
+  q->format = f;
+  static constexpr const char* kNames[] = {"w_gate", "w_up", "w_down"};
+  for (std::size_t m = 0; m < 3; ++m) {
+    q->codes[m] = indices(in, "inputs", fmt::format("{}.codes", kNames[m]));
+    q->scales[m] = values(in, "inputs", fmt::format("{}.scales", kNames[m]));
+  }
+  // E from w_down's rows (H each), I from w_gate's (I each).
+  const std::size_t H = t.H, E = H ? q->codes[2].rows / H : 0, I = E ? q->codes[0].rows / E : 0;
+  const std::pair<std::size_t, std::size_t> dims[] = {{I, H}, {I, H}, {H, I}};
+  if (E == 0 || I == 0)
+    q->shape_error = fmt::format("w_down.codes {} rows, w_gate.codes {} rows for H={}",
+                                 q->codes[2].rows, q->codes[0].rows, H);
+  for (std::size_t m = 0; m < 3 && q->shape_error.empty(); ++m)
+    q->shape_error = quantized_shape_error(*q, m, E, dims[m].first, dims[m].second);
+  t.E = E, t.I = I;
+  if (q->shape_error.empty()) {
+    MatView<const float>* w[] = {&t.w_gate, &t.w_up, &t.w_down};
+    for (std::size_t m = 0; m < 3; ++m) {
+      q->values[m] = dequantized(*q, m, E, dims[m].first, dims[m].second);
+      *w[m] = {q->values[m].data(), E * dims[m].first, dims[m].second};
+    }
+  }
+  t.quantized = std::move(q);
+}
 
 bounds::Precision precision_of(const Params& p) {
   const auto it = p.find("precision");
@@ -56,14 +120,27 @@ bounds::Precision precision_of(const Params& p) {
       fmt::format("precision={}: expected fp32, mixed or bf16 for the experts op", it->second));
 }
 
+std::optional<WeightFormat> format_of(const Params& p) {
+  const auto it = p.find("format");
+  if (it == p.end() || it->second == "bf16") return std::nullopt;
+  if (const auto f = parse_format(it->second)) return *f;
+  throw std::invalid_argument(
+      fmt::format("format={}: expected one of {}", it->second, format_name_list()));
+}
+
 ExpertsTensors experts_tensors(const Tensors& in, const Params& p, bool lora_allowed) {
   ExpertsTensors t;
   t.x = values(in, "inputs", "x");
-  t.w_gate = values(in, "inputs", "w_gate");
-  t.w_up = values(in, "inputs", "w_up");
-  t.w_down = values(in, "inputs", "w_down");
-  t.H = t.x.cols, t.I = t.w_down.cols;
-  t.E = t.I ? t.w_gate.rows / t.I : 0;
+  t.H = t.x.cols;
+  if (const auto f = format_of(p)) {
+    read_quantized(in, *f, t);
+  } else {
+    t.w_gate = values(in, "inputs", "w_gate");
+    t.w_up = values(in, "inputs", "w_up");
+    t.w_down = values(in, "inputs", "w_down");
+    t.I = t.w_down.cols;
+    t.E = t.I ? t.w_gate.rows / t.I : 0;
+  }
   if (!has(in, "a_gate")) return t;
   if (!lora_allowed)
     throw std::invalid_argument("inputs: LoRA factors given; judge them as experts.forward_train");
@@ -86,6 +163,7 @@ std::string experts_shape_error(const ExpertsTensors& t, const char* y_name,
                                                                {"w_down", t.w_down}};
   const std::pair<std::size_t, std::size_t> want[] = {
       {T, K}, {T, H}, {E * I, H}, {E * I, H}, {E * H, I}};
+  if (t.quantized && !t.quantized->shape_error.empty()) return t.quantized->shape_error;
   if (E == 0 || E * I != t.w_gate.rows)
     return fmt::format("w_gate {}x{}", t.w_gate.rows, t.w_gate.cols);
   if (t.idx.rows != T || K < 1 || K > E) return fmt::format("idx {}x{}", t.idx.rows, K);
@@ -147,7 +225,47 @@ bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name
   return false;
 }
 
+namespace {
+
+// The codes (each byte, int4 each nibble, a valid code) and scales (finite,
+// > 0) of quantized base weights.
+void quantized_clauses(detail::Checker& c, const QuantizedBase& q) {
+  static constexpr const char* kNames[] = {"w_gate", "w_up", "w_down"};
+  const bool nibbles = format_info(q.format).code_bits == 4;
+  MOECERT_CONTRACT(c, clauses::gemm::kPackQCode) {
+    for (std::size_t m = 0; m < 3; ++m) {
+      const MatView<const std::int32_t> codes = q.codes[m];
+      const auto bad = [&](std::int32_t b) {
+        return b < -128 || b > 255 ||  // a byte, or an int8 code as a signed value
+               (nibbles ? !code_valid(q.format, b & 15u) || !code_valid(q.format, (b >> 4) & 15u)
+                        : !code_valid(q.format, static_cast<unsigned>(b) & 255u));
+      };
+      for (std::size_t i = 0; i < codes.rows * codes.cols; ++i)
+        if (bad(codes.data[i])) {
+          c.fail(clauses::gemm::kPackQCode,
+                 fmt::format("{}.codes[{}, {}]", kNames[m], i / codes.cols, i % codes.cols),
+                 fmt::format("{:#04x}", codes.data[i]),
+                 fmt::format("a byte of {} codes in [{}, {}]{}", format_name(q.format),
+                             format_info(q.format).code_min, format_info(q.format).code_max,
+                             nibbles ? " (each nibble)" : ""));
+          break;
+        }
+    }
+  }
+  MOECERT_CONTRACT(c, clauses::gemm::kPackQScale) {
+    for (std::size_t m = 0; m < 3; ++m)
+      if (!detail::scan(
+              c, clauses::gemm::kPackQScale, fmt::format("{}.scales", kNames[m]).c_str(),
+              q.scales[m], [](float s) { return std::isfinite(s) && s > 0; }, "finite and > 0"))
+        break;
+  }
+}
+
+}  // namespace
+
 void base_weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
+  if (t.quantized) quantized_clauses(c, *t.quantized);
+  if (c.stop()) return;
   const std::pair<const char*, MatView<const float>> base[] = {
       {"w_gate", t.w_gate}, {"w_up", t.w_up}, {"w_down", t.w_down}};
   MOECERT_CONTRACT(c, clauses::gemm::kPackWFinite) {
@@ -376,20 +494,28 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
 
 }  // namespace
 
+std::vector<std::string> quantized_families(const Params& p) {
+  if (!format_of(p)) return {};
+  return {"gemm.pack.q_code", "gemm.pack.q_scale"};
+}
+
 std::map<std::string, OpEntry> experts_entries() {
-  return {
-      {"experts.forward",
-       {forward<kForward, false>, {"experts.forward.", "gemm.pack.w_finite", "gemm.pack.w_range"}}},
-      {"experts.forward_train",
-       {forward<kForwardTrain, true>,
-        {"experts.forward_train.", "gemm.pack.w_finite", "gemm.pack.w_range"}}},
-      {"experts.backward",
-       {backward,
-        {"experts.backward.", "experts.forward_train.idx_in_range",
-         "experts.forward_train.idx_unique", "experts.forward_train.weight_finite",
-         "experts.forward_train.x_finite", "experts.forward_train.x_range",
-         "experts.forward_train.lora_finite", "experts.forward_train.lora_range",
-         "experts.forward_train.scale_finite", "gemm.pack.w_finite", "gemm.pack.w_range"}}}};
+  return {{"experts.forward",
+           {forward<kForward, false>,
+            {"experts.forward.", "gemm.pack.w_finite", "gemm.pack.w_range"},
+            quantized_families}},
+          {"experts.forward_train",
+           {forward<kForwardTrain, true>,
+            {"experts.forward_train.", "gemm.pack.w_finite", "gemm.pack.w_range"},
+            quantized_families}},
+          {"experts.backward",
+           {backward,
+            {"experts.backward.", "experts.forward_train.idx_in_range",
+             "experts.forward_train.idx_unique", "experts.forward_train.weight_finite",
+             "experts.forward_train.x_finite", "experts.forward_train.x_range",
+             "experts.forward_train.lora_finite", "experts.forward_train.lora_range",
+             "experts.forward_train.scale_finite", "gemm.pack.w_finite", "gemm.pack.w_range"},
+            quantized_families}}};
 }
 
 }  // namespace moecert::contracts::judge

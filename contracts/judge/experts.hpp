@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,8 +19,27 @@ bounds::Precision precision_of(const Params& p);
 
 /// x and the experts' weights by name, LoRA (a_*, b_* and param alpha)
 /// when given and `lora_allowed`; idx and weights are left to the caller.
-/// E = rows(w_gate) / I, r = rows(a_gate) / E.
+/// E = rows(w_gate) / I, r = rows(a_gate) / E. With param format (a
+/// quantized one of moecert/formats.hpp), the base weights as read_quantized
+/// takes them.
 ExpertsTensors experts_tensors(const Tensors& in, const Params& p, bool lora_allowed);
+
+/// Param format: the quantized weight format declared, none for bf16 or
+/// absent; std::invalid_argument for an unknown name.
+std::optional<WeightFormat> format_of(const Params& p);
+
+/// The base weights given quantized: `w_gate.codes`, `w_up.codes`,
+/// `w_down.codes` (index tensors of bytes 0..255 or int8 codes as signed
+/// values -128..127, each expert's rows
+/// stacked: [E I x row bytes], [E H x row bytes]) and `<name>.scales` (fp32
+/// [E scale rows x scale columns]); E = rows(w_down.codes) / H, I =
+/// rows(w_gate.codes) / E. Where their shapes are the format's, t's
+/// w_gate, w_up, w_down view fp32(code * scale) (contracts/gemm/formats.hpp);
+/// otherwise t.quantized->shape_error names the first misshapen tensor.
+void read_quantized(const Tensors& in, WeightFormat f, ExpertsTensors& t);
+
+/// The clause families the format param adds (gemm.pack.q_code, q_scale).
+std::vector<std::string> quantized_families(const Params& p);
 
 /// The first of idx, weights, y (named `y_name`), the weights and the LoRA
 /// factors whose shape is not the one E, H, I, r, T, K imply, or "".
@@ -30,7 +50,8 @@ std::string experts_shape_error(const ExpertsTensors& t, const char* y_name,
 bool finite_in_range(detail::Checker& c, const ClauseInfo& clause, const char* name,
                      MatView<const float> m);
 
-/// The base weights by gemm.pack.w_finite and w_range.
+/// The base weights by gemm.pack.w_finite and w_range (quantized: first
+/// their codes and scales by gemm.pack.q_code and q_scale).
 void base_weight_clauses(detail::Checker& c, const ExpertsTensors& t);
 /// m finite by `finite`, then in the bounds' range by `range` (each where
 /// its level is on); false when one failed.

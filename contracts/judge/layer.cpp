@@ -34,8 +34,11 @@ RouterKind router_of(const Params& p) {
       fmt::format("router={}: expected {}", it->second, router_kind_list()));
 }
 
+// The router kind's clauses, and the quantized weights' where declared.
 std::vector<std::string> router_families(const Params& p, const char* suffix) {
-  return {fmt::format("router.{}{}", router_kind_name(router_of(p)), suffix)};
+  std::vector<std::string> out = quantized_families(p);
+  out.push_back(fmt::format("router.{}{}", router_kind_name(router_of(p)), suffix));
+  return out;
 }
 
 // The layer's tensors: the experts op's, the router linear's and the

@@ -52,8 +52,8 @@ std::vector<std::string> accepted_params(const std::string& op) {
       if (op.ends_with(".forward")) v.emplace_back("sorted");  // its slots' order
       return v;
     }
-  if (starts("experts.")) return {"precision", "alpha", "audit"};
-  std::vector<std::string> layer = {"precision", "router", "alpha", "sorted"};
+  if (starts("experts.")) return {"precision", "alpha", "audit", "format"};
+  std::vector<std::string> layer = {"precision", "router", "alpha", "sorted", "format"};
   for (const RouterKindInfo* k : router_kinds())  // the layer's router's params
     layer.insert(layer.end(), k->judge_params.begin(), k->judge_params.end());
   return layer;

@@ -164,7 +164,7 @@ void router_linear_backward_post(detail::Checker& c, MatView<const bf16> x, MatV
                                  MatView<const float> dz, const layer::RouterLinearGrads& g,
                                  const std::vector<float>& dx_before,
                                  const RouterLinearProbe* probe) {
-  const std::size_t T = x.rows, H = x.cols, R = w.rows;
+  const std::size_t H = x.cols, R = w.rows;
   MOECERT_CONTRACT(c, k::kRlOutFinite) {
     (g.dx.empty() || detail::scan_finite(c, k::kRlOutFinite, "dx", MatView<const float>(g.dx))) &&
         (g.router_w.empty() || detail::scan_finite(c, k::kRlOutFinite, "router_w grad",

@@ -8,9 +8,12 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "contracts/numeric/precision.hpp"
+#include "moecert/formats.hpp"
 #include "moecert/types.hpp"
 
 namespace moecert::contracts {
@@ -20,7 +23,20 @@ namespace moecert::contracts {
 /// expert: w_gate, w_up [E*I x H], w_down [E*H x I]; LoRA (rank r > 0) as
 /// in experts::Lora: a_gate, a_up [E*r x H], b_gate, b_up [E*I x r],
 /// a_down [E*r x I], b_down [E*H x r], scale alpha / r.
+/// Base weights handed over quantized (w_gate, w_up, w_down in that order):
+/// each matrix's codes (a byte per element, int4 a byte per two) and scales,
+/// stacked by expert, and, where their shapes are the format's, the values
+/// fp32(code * scale) that ExpertsTensors' w_gate, w_up, w_down view.
+struct QuantizedBase {
+  WeightFormat format = WeightFormat::int8_channel;
+  std::array<MatView<const std::int32_t>, 3> codes;  // [E rows x row bytes], bytes 0..255
+  std::array<MatView<const float>, 3> scales;        // [E scale rows x scale columns]
+  std::array<std::vector<float>, 3> values;          // [E rows x cols]
+  std::string shape_error;                           // the first misshapen tensor, or ""
+};
+
 struct ExpertsTensors {
+  std::shared_ptr<const QuantizedBase> quantized = {};  // set when the base weights are
   std::size_t E = 0, H = 0, I = 0, r = 0;
   double alpha = 0;
   MatView<const float> x = {};  // [T x H]

@@ -9,6 +9,13 @@ routing) for `moecert check` to judge.
     experts_backward(..., dtype)     dx and dL/dw of experts_forward by autograd (and, asked, the
                                      LoRA factors' and base weights' gradients)
     experts_backward_no_lora_dx      the LoRA path left out of dx (x detached where it meets A)
+    dequantize(format, codes, scales, cols)  quantized base weights (codes [E, rows, row bytes]
+                                     uint8, scales fp32) as fp32 code * scale, from the formats'
+                                     definitions: int8_channel (a scale per row), int4_group
+                                     (two codes per byte, element 2j low; a scale per row and 128
+                                     columns), fp8_e4m3_block128 (e4m3 codes, a scale per 128 x 128)
+    dequantize(..., scale_block_rows=1)  the bug of reading fp8's 128 x 128 scales as per-row ones
+                                     (rows past the scale rows take the last)
 
 Weights are stacked by expert as moecert takes them: w_gate, w_up [E, I, H], w_down [E, H, I]; LoRA
 a_gate, a_up [E, r, H], b_gate, b_up [E, I, r], a_down [E, r, I], b_down [E, H, r], scale alpha / r.
@@ -86,3 +93,24 @@ def random_case(T=12, E=6, H=40, I=24, K=2, r=4, seed=5):
     idx[::3, K - 1] = -1
     weights = torch.rand(T, K, generator=gen) * (idx >= 0)
     return dict(x=x, idx=idx, weights=weights, w_gate=w_gate, w_up=w_up, w_down=w_down), lora
+
+
+def _code_values(fmt, codes, cols):
+    """float64 values of codes [..., rows, row bytes] uint8."""
+    if fmt == "int8_channel":
+        return codes.view(torch.int8).double()
+    if fmt == "int4_group":
+        nib = torch.stack([codes & 15, codes >> 4], -1).reshape(*codes.shape[:-1], -1)[..., :cols].to(torch.int16)
+        return torch.where(nib >= 8, nib - 16, nib).double()
+    c = codes.to(torch.int64)  # e4m3: S.EEEE.MMM, bias 7, exponent 0 subnormal
+    e, m = (c >> 3) & 15, (c & 7).double()
+    mag = torch.where(e == 0, m * 2.0 ** -9, (8 + m) * torch.pow(2.0, (e - 10).double()))
+    return torch.where((c >> 7) == 1, -mag, mag)
+
+
+def dequantize(fmt, codes, scales, cols, scale_block_rows=None):
+    """[E, rows, cols] fp32 of quantized weights (see the module docstring)."""
+    br, bc = {"int8_channel": (1, cols), "int4_group": (1, 128), "fp8_e4m3_block128": (128, 128)}[fmt]
+    v = _code_values(fmt, codes, cols)
+    r = torch.clamp(torch.arange(v.shape[1]) // (scale_block_rows or br), max=scales.shape[1] - 1)
+    return (v * scales.double()[:, r][:, :, torch.arange(cols) // bc]).float()

@@ -30,16 +30,19 @@ import sys
 import torch
 
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16",
-           torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
+           torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
+           torch.uint8: "U8"}
 
 
-def save(path, **tensors):
+def save(path, dtypes=None, **tensors):
+    """A safetensors file of `tensors`; dtypes: {name: safetensors dtype} for tensors stored under
+    another name of their bytes (e.g. uint8 e4m3 codes as F8_E4M3)."""
     header, blobs, offset = {}, [], 0
     for name, t in tensors.items():
         t = t.detach().contiguous().cpu()
         raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
         data = raw.numpy().tobytes()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": (dtypes or {}).get(name, _DTYPES[t.dtype]), "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)

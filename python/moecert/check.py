@@ -92,10 +92,29 @@ def _array(x, name, index):
     return np.ascontiguousarray(a), stored
 
 
+def _base(w_gate, w_up, w_down, params):
+    """The base weights as inputs: tensors, or moecert.torch.formats.Quantized of one format
+    (`<name>.codes` and `<name>.scales` stacked by expert, and param format)."""
+    named = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    kinds = {getattr(w, "format", None) for w in named.values()}
+    if kinds == {None}:
+        return named
+    if None in kinds or len(kinds) != 1:
+        raise InvalidArgument("w_gate, w_up, w_down: tensors, or formats.Quantized of one format, all three")
+    import torch
+    inputs = {}
+    for name, q in named.items():
+        mats = q.matrices()
+        inputs[name + ".codes"] = torch.stack([c for c, _ in mats])
+        inputs[name + ".scales"] = torch.stack([s for _, s in mats])
+    params["format"] = kinds.pop()
+    return inputs
+
+
 def _named(tensors, keep):
     out = (_abi.NamedTensor * len(tensors))()
     for i, (name, x) in enumerate(tensors.items()):
-        a, stored = _array(x, name, name == "idx")
+        a, stored = _array(x, name, name == "idx" or name.endswith(".codes"))
         keep.append(a)
         dtype = {np.dtype(np.float32): _abi.F32, np.dtype(np.float64): _abi.F64,
                  np.dtype(np.int32): _abi.I32}[a.dtype]
@@ -143,9 +162,10 @@ def sigmoid_topk_backward(z, idx, g, dz, scaling=1.0):
 
 def experts_forward(x, idx, weights, w_gate, w_up, w_down, y, precision, lora=None, alpha=None):
     """experts.forward (or, with `lora` {a_gate, b_gate, a_up, b_up, a_down, b_down} and alpha,
-    experts.forward_train); precision: fp32, mixed or bf16 (docs/JUDGE.md)."""
-    inputs = {"x": x, "idx": idx, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    experts.forward_train); precision: fp32, mixed or bf16 (docs/JUDGE.md). The base weights may
+    be moecert.torch.formats.Quantized of one format: judged as fp32(code * scale)."""
     params = {"precision": precision}
+    inputs = dict({"x": x, "idx": idx, "weights": weights}, **_base(w_gate, w_up, w_down, params))
     if lora is not None:
         inputs.update(lora)
         params["alpha"] = alpha
@@ -156,10 +176,9 @@ def experts_forward(x, idx, weights, w_gate, w_up, w_down, y, precision, lora=No
 def experts_backward(x, idx, weights, w_gate, w_up, w_down, dy, precision, dx=None, dweights=None,
                      lora=None, alpha=None, weight_grads=None):
     """experts.backward: dx, dweights (dL/dw) and weight_grads ({a_gate, ..., w_down: gradient}), any
-    of them, for dy; LoRA optional as in experts_forward."""
-    inputs = {"x": x, "idx": idx, "weights": weights, "w_gate": w_gate, "w_up": w_up, "w_down": w_down,
-              "dy": dy}
+    of them, for dy; LoRA and quantized base weights as in experts_forward."""
     params = {"precision": precision}
+    inputs = dict({"x": x, "idx": idx, "weights": weights, "dy": dy}, **_base(w_gate, w_up, w_down, params))
     if lora is not None:
         inputs.update(lora)
         params["alpha"] = alpha
@@ -178,9 +197,8 @@ def product_key_backward(sx, sy, idx, g, dsx, dsy, weights="softmax"):
                  weights=weights)
 
 
-def _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora):
-    inputs = {"x": x, "router_w": router_w, "router_b": router_b, "w_gate": w_gate, "w_up": w_up,
-              "w_down": w_down}
+def _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora, params):
+    inputs = dict({"x": x, "router_w": router_w, "router_b": router_b}, **_base(w_gate, w_up, w_down, params))
     if router_bias is not None:
         inputs["router_bias"] = router_bias
     if lora is not None:
@@ -198,8 +216,8 @@ def layer_forward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights, 
     params = dict(router_params, precision=precision, router=router)
     if lora is not None:
         params["alpha"] = alpha
-    return judge("layer.forward", _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora),
-                 {"z": z, "idx": idx, "weights": weights, "y": y}, **params)
+    inputs = _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora, params)
+    return judge("layer.forward", inputs, {"z": z, "idx": idx, "weights": weights, "y": y}, **params)
 
 
 def layer_backward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights, dy, dx, dweights, dz,
@@ -212,7 +230,7 @@ def layer_backward(x, router_w, router_b, w_gate, w_up, w_down, z, idx, weights,
     params = dict(router_params, precision=precision, router=router)
     if lora is not None:
         params["alpha"] = alpha
-    inputs = _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora)
+    inputs = _layer_inputs(x, router_w, router_b, w_gate, w_up, w_down, router_bias, lora, params)
     inputs.update(z=z, idx=idx, weights=weights, dy=dy)
     outputs = {"dx": dx, "dweights": dweights, "dz": dz}
     if router_w_grad is not None:

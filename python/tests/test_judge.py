@@ -351,6 +351,99 @@ def test_experts_judge_refuses_what_it_cannot_model():
     assert v.failed == ["experts.forward.idx_in_range"]
 
 
+# ---- quantized base weights: judged as fp32(code * scale) ----
+
+QUANTIZED = ("int8_channel", "int4_group", "fp8_e4m3_block128")
+
+
+def _quantized_case(fmt):
+    """random_case with H, I past one 128-block, its base weights quantized (formats.quantize),
+    and the fp32 values a PyTorch implementation dequantizes them to (examples/judge/experts.py)."""
+    from moecert.torch import formats
+    inputs, lora = experts.random_case(H=160, I=136)
+    q = {n: formats.quantize(inputs[n], fmt) for n in ("w_gate", "w_up", "w_down")}
+    dense = dict(inputs, **{n: experts.dequantize(fmt, v.codes, v.scales, v.cols) for n, v in q.items()})
+    return dict(inputs, **q), dense, lora, q
+
+
+def _wrong_dequantization(fmt, q):
+    """A bug of each format: int8 a scale applied twice, int4 the nibbles of a byte swapped, fp8
+    the 128 x 128 scales read per row."""
+    if fmt == "int8_channel":
+        return experts.dequantize(fmt, q.codes, q.scales * q.scales, q.cols)
+    if fmt == "int4_group":
+        return experts.dequantize(fmt, (q.codes << 4) | (q.codes >> 4), q.scales, q.cols)
+    return experts.dequantize(fmt, q.codes, q.scales, q.cols, scale_block_rows=1)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_torch_experts_over_quantized_weights_judged(fmt):
+    import moecert.check as check
+    quantized, dense, lora, q = _quantized_case(fmt)
+    for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        y = experts.experts_forward(**dense, lora=lora, alpha=8.0, dtype=dtype)
+        v = check.experts_forward(**quantized, y=y, precision=precision, lora=lora, alpha=8.0)
+        assert v.passed, (precision, _messages(v))
+        passed = {c["id"] for c in v.clauses if c["verdict"] == "pass"}
+        assert {"gemm.pack.q_code", "gemm.pack.q_scale", "experts.forward_train.within_bound"} <= passed
+    dy = torch.randn(12, 160, generator=torch.Generator().manual_seed(9)).bfloat16()
+    dx, dw = experts.experts_backward(**dense, dy=dy, lora=lora, alpha=8.0, dtype=torch.float32)
+    v = check.experts_backward(**quantized, dy=dy, precision="fp32", dx=dx, dweights=dw, lora=lora, alpha=8.0)
+    assert v.passed, _messages(v)
+    # One projection dequantized wrong: y fails within_bound under fp32, and fails under the
+    # wider declarations too (there by the statistical clauses where the worst-case bound is wide).
+    name = "w_down" if fmt != "fp8_e4m3_block128" else "w_gate"  # fp8: I = 136 rows past one block
+    wrong = dict(dense, **{name: _wrong_dequantization(fmt, q[name])})
+    y = experts.experts_forward(**wrong, lora=lora, alpha=8.0, dtype=torch.float32)
+    for precision in ("fp32", "mixed", "bf16"):
+        v = check.experts_forward(**quantized, y=y, precision=precision, lora=lora, alpha=8.0)
+        assert not v.passed and ("experts.forward_train.within_bound" in v.failed or precision != "fp32"), (
+            precision, v.failed)
+
+
+def test_bad_quantized_weights_fail_their_clauses():
+    import moecert.check as check
+    quantized, dense, _, q = _quantized_case("int8_channel")
+    y = experts.experts_forward(**dense, dtype=torch.float32)
+    codes = q["w_up"].codes.clone()
+    codes[2, 5, 7] = 0x80  # -128: outside the format's [-127, 127]
+    bad = dict(quantized, w_up=type(q["w_up"])("int8_channel", codes, q["w_up"].scales, q["w_up"].cols))
+    v = check.experts_forward(**bad, y=y, precision="fp32")
+    assert v.failed == ["gemm.pack.q_code"]
+    assert "w_up.codes[277, 7]" in _messages(v)[0] and "0x80" in _messages(v)[0]
+    scales = q["w_down"].scales.clone()
+    scales[1, 3] = 0
+    bad = dict(quantized, w_down=type(q["w_down"])("int8_channel", q["w_down"].codes, scales, q["w_down"].cols))
+    assert check.experts_forward(**bad, y=y, precision="fp32").failed == ["gemm.pack.q_scale"]
+    inputs = {"x": quantized["x"], "idx": quantized["idx"], "weights": quantized["weights"]}
+    for n in ("w_gate", "w_up", "w_down"):
+        inputs[n + ".codes"], inputs[n + ".scales"] = q[n].codes, q[n].scales
+    inputs["w_up.scales"] = q["w_up"].scales[:, :-1]
+    v = check.judge("experts.forward", inputs, {"y": y}, precision="fp32", format="int8_channel")
+    assert v.failed == ["experts.forward.shape"] and "w_up.scales 810x1, expected 816x1" in _messages(v)[0]
+    import moecert
+    with pytest.raises(moecert.InvalidArgument, match="format=int3: expected one of"):
+        check.judge("experts.forward", inputs, {"y": y}, precision="fp32", format="int3")
+
+
+@needs_cli
+def test_cli_judges_fp8_codes_stored_as_float8(tmp_path):
+    quantized, dense, _, q = _quantized_case("fp8_e4m3_block128")
+    y = experts.experts_forward(**dense, dtype=torch.float32)
+    (tmp_path / "fp8").mkdir()
+    tensors = {"x": quantized["x"], "idx": quantized["idx"], "weights": quantized["weights"]}
+    for n in ("w_gate", "w_up", "w_down"):
+        tensors[n + ".codes"], tensors[n + ".scales"] = q[n].codes, q[n].scales
+    routers.save(str(tmp_path / "fp8" / "inputs.safetensors"),
+                 dtypes={n + ".codes": "F8_E4M3" for n in ("w_gate", "w_up", "w_down")}, **tensors)
+    routers.save(str(tmp_path / "fp8" / "outputs.safetensors"), y=y)
+    params = ("precision=fp32", "format=fp8_e4m3_block128")
+    report = check(tmp_path, "fp8", "experts.forward", *params)
+    assert report["verdict"] == "pass", failed(report)
+    routers.save(str(tmp_path / "fp8" / "outputs.safetensors"), y=y * 1.05)
+    assert "experts.forward.within_bound" in failed(check(tmp_path, "fp8", "experts.forward", *params))
+
+
 # ---- the layer: stage by stage on the implementation's intermediates (proofs/layer.md §7) ----
 
 def _messages(v):
@@ -373,6 +466,28 @@ def test_torch_layer_judged_stage_by_stage(dtype, precision):
     judged = {c["id"] for c in v.clauses if c["verdict"] == "pass"}
     assert {"router.softmax_topk_backward.within_bound", "router.softmax_topk_backward.unselected_grad",
             "layer.backward.within_bound", "layer.backward.router_masked"} <= judged
+
+
+def test_torch_layer_over_quantized_weights_judged():
+    """The layer's judge takes quantized base weights as the experts op's does."""
+    import moecert.check as check
+    from moecert.torch import formats
+    case = layer.random_case()
+    q = {n: formats.quantize(case[n], "int4_group") for n in ("w_gate", "w_up", "w_down")}
+    case.update({n: experts.dequantize("int4_group", v.codes, v.scales, v.cols) for n, v in q.items()})
+    inputs, fwd, bwd_in, bwd_out = layer.layer_step(case, torch.float32)
+    for n in q:
+        del inputs[n], bwd_in[n]
+        inputs[n + ".codes"], inputs[n + ".scales"] = bwd_in[n + ".codes"], bwd_in[n + ".scales"] = \
+            q[n].codes, q[n].scales
+    params = dict(precision="fp32", router="softmax_topk", alpha=case["alpha"], format="int4_group")
+    for op, ins, outs in (("layer.forward", inputs, fwd), ("layer.backward", bwd_in, bwd_out)):
+        v = check.judge(op, ins, outs, **params)
+        assert v.passed, (op, _messages(v))
+        assert {"gemm.pack.q_code", "gemm.pack.q_scale", op + ".within_bound"} <= {
+            c["id"] for c in v.clauses if c["verdict"] == "pass"}
+    v = check.judge("layer.forward", inputs, dict(fwd, y=fwd["y"] * 1.05), **params)
+    assert v.failed == ["layer.forward.within_bound"]
 
 
 def test_torch_layer_bugs_fail_on_their_stage():
