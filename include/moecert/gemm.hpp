@@ -167,6 +167,7 @@ class PackedWeights {
   // dimension), the table row of each packed column (transposed: packed
   // depth), the block width along the other dimension.
   bool transposed_ = false;
+  bool normal_products_ = false;  // every nonzero code * scale normal (ukernel.hpp DecodeArgs)
   std::vector<float> scales_;
   std::vector<std::uint32_t> srow_;
   std::size_t sstride_ = 0, sblock_ = 1;

@@ -4,9 +4,11 @@
 // 0-7, then 8-15, each column's two depths side by side): codes widened to
 // fp32 (int8 and int4 exactly, e4m3 from its fields), multiplied by their
 // scales in fp32, rounded to bf16 to nearest even by VCVTNE2PS2BF16 where
-// every product is zero or normal, else (a denormal or NaN product, which
-// that instruction would flush or quiet otherwise) with integer operations
-// as bf16::from_float. Own ISA flags.
+// every product is zero or normal (throughout, for a pack whose scales
+// ensure it: DecodeArgs::normal; else checked step by step), else (a
+// denormal or NaN product, which that instruction would flush or quiet
+// otherwise) with integer operations as bf16::from_float. One loop per
+// format and rounding path. Own ISA flags.
 #if defined(__GNUC__) && \
     !defined(__clang__)  // GCC 12 warns of the _mm*_undefined_* values in its own intrinsics
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -51,9 +53,10 @@ inline __m512 e4m3(__m128i bytes) {
 }
 
 // The 32 codes of one k pair as two halves of 16 fp32 values.
-inline void codes_f32(WeightFormat f, const std::uint8_t* c, __m512& lo, __m512& hi) {
+template <WeightFormat F>
+inline void codes_f32(const std::uint8_t* c, __m512& lo, __m512& hi) {
   __m128i b0, b1;
-  if (f == WeightFormat::int4_group) {  // 16 bytes, element 2j low, 2j + 1 high
+  if constexpr (F == WeightFormat::int4_group) {  // 16 bytes, element 2j low, 2j + 1 high
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
     const __m128i low = _mm_and_si128(b, _mm_set1_epi8(15));
     const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
@@ -64,7 +67,7 @@ inline void codes_f32(WeightFormat f, const std::uint8_t* c, __m512& lo, __m512&
     b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
     b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
   }
-  if (f == WeightFormat::fp8_e4m3_block128) {
+  if constexpr (F == WeightFormat::fp8_e4m3_block128) {
     lo = e4m3(b0), hi = e4m3(b1);
   } else {
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b0));
@@ -72,45 +75,67 @@ inline void codes_f32(WeightFormat f, const std::uint8_t* c, __m512& lo, __m512&
   }
 }
 
-}  // namespace
-
-void decode_avx512(const DecodeArgs& a) {
-  const bool nibbles = format_info(a.format).code_bits == 4;
+// One panel p: its kp / 2 k pairs. Normal: every nonzero product is normal
+// (DecodeArgs::normal), rounded in one instruction.
+template <WeightFormat F, bool Normal>
+void decode_panel(const DecodeArgs& a, std::size_t p) {
+  constexpr bool nibbles = F == WeightFormat::int4_group;
   // Lane q of a half holds column q / 2 of the half's 8: the 16 column
   // scales spread over the two halves.
   const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-  for (std::size_t p = a.p0; p < a.p1; ++p) {
-    const std::size_t e0 = p * a.kp * kPanel, n0 = p * kPanel;
-    bf16* d = a.dst + (p - a.p0) * a.kp * kPanel;
-    __m512 s_lo = _mm512_setzero_ps(), s_hi = s_lo;
-    const std::size_t col = n0 / a.sblock;  // transposed: the panel's scale column
-    std::size_t block = 0, next = 0;        // not transposed: k's block, and where the next starts
-    for (std::size_t kk = 0; kk < a.kp / 2; ++kk) {
-      const std::size_t k = 2 * kk;
-      if (a.transposed) {  // one scale per depth: k's in even lanes, k + 1's in odd ones
-        s_lo = _mm512_mask_blend_ps(0xaaaa, _mm512_set1_ps(a.scales[a.srow[k] * a.sstride + col]),
-                                    _mm512_set1_ps(a.scales[a.srow[k + 1] * a.sstride + col]));
-        s_hi = s_lo;
-      } else if (k == next) {  // the 16 columns' scales of this k block
-        block = k / a.sblock, next = a.sblock > a.kp - k ? a.kp : k + a.sblock;
-        alignas(64) float s[16];
-        for (std::size_t i = 0; i < kPanel; ++i)
-          s[i] = a.scales[a.srow[n0 + i] * a.sstride + block];
-        const __m512 sv = _mm512_load_ps(s);
-        s_lo = _mm512_permutexvar_ps(lo_cols, sv), s_hi = _mm512_permutexvar_ps(hi_cols, sv);
-      }
-      __m512 lo, hi;
-      const std::uint8_t* c = a.codes + (nibbles ? (e0 + 32 * kk) / 2 : e0 + 32 * kk);
-      // The codes stream from memory once: ask for them kPrefetch bytes ahead
-      // (the hardware prefetcher alone left one core at a third of its
-      // bandwidth on the AMX machine).
-      _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetch, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchL2, _MM_HINT_T1);
-      codes_f32(a.format, c, lo, hi);
-      _mm512_storeu_si512(d + 32 * kk,
-                          round_pair(_mm512_mul_ps(lo, s_lo), _mm512_mul_ps(hi, s_hi)));
+  const std::size_t e0 = p * a.kp * kPanel, n0 = p * kPanel;
+  bf16* d = a.dst + (p - a.p0) * a.kp * kPanel;
+  __m512 s_lo = _mm512_setzero_ps(), s_hi = s_lo;
+  const std::size_t col = n0 / a.sblock;  // transposed: the panel's scale column
+  std::size_t next = 0;                   // not transposed: where the next k block starts
+  for (std::size_t kk = 0; kk < a.kp / 2; ++kk) {
+    const std::size_t k = 2 * kk;
+    if (a.transposed) {  // one scale per depth: k's in even lanes, k + 1's in odd ones
+      s_lo = _mm512_mask_blend_ps(0xaaaa, _mm512_set1_ps(a.scales[a.srow[k] * a.sstride + col]),
+                                  _mm512_set1_ps(a.scales[a.srow[k + 1] * a.sstride + col]));
+      s_hi = s_lo;
+    } else if (k == next) {  // the 16 columns' scales of this k block
+      const std::size_t block = k / a.sblock;
+      next = a.sblock > a.kp - k ? a.kp : k + a.sblock;
+      alignas(64) float s[16];
+      for (std::size_t i = 0; i < kPanel; ++i) s[i] = a.scales[a.srow[n0 + i] * a.sstride + block];
+      const __m512 sv = _mm512_load_ps(s);
+      s_lo = _mm512_permutexvar_ps(lo_cols, sv), s_hi = _mm512_permutexvar_ps(hi_cols, sv);
     }
+    __m512 lo, hi;
+    const std::uint8_t* c = a.codes + (nibbles ? (e0 + 32 * kk) / 2 : e0 + 32 * kk);
+    // The codes stream from memory once: ask for them ahead (the hardware
+    // prefetcher alone left one core at a third of its bandwidth on the AMX
+    // machine).
+    _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetch, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c) + kPrefetchL2, _MM_HINT_T1);
+    codes_f32<F>(c, lo, hi);
+    lo = _mm512_mul_ps(lo, s_lo), hi = _mm512_mul_ps(hi, s_hi);
+    const __m512i out = Normal ? (__m512i)_mm512_cvtne2ps_pbh(hi, lo) : round_pair(lo, hi);
+    _mm512_storeu_si512(d + 32 * kk, out);
+  }
+}
+
+template <WeightFormat F, bool Normal>
+void decode_panels(const DecodeArgs& a) {
+  for (std::size_t p = a.p0; p < a.p1; ++p) decode_panel<F, Normal>(a, p);
+}
+
+}  // namespace
+
+void decode_avx512(const DecodeArgs& a) {
+  const bool normal = a.normal;
+  switch (a.format) {
+    case WeightFormat::int8_channel:
+      return normal ? decode_panels<WeightFormat::int8_channel, true>(a)
+                    : decode_panels<WeightFormat::int8_channel, false>(a);
+    case WeightFormat::int4_group:
+      return normal ? decode_panels<WeightFormat::int4_group, true>(a)
+                    : decode_panels<WeightFormat::int4_group, false>(a);
+    default:
+      return normal ? decode_panels<WeightFormat::fp8_e4m3_block128, true>(a)
+                    : decode_panels<WeightFormat::fp8_e4m3_block128, false>(a);
   }
 }
 

@@ -1,6 +1,7 @@
 // Packing of quantized weights (moecert/formats.hpp) into the panel order of
 // the bf16 layout, and their decoding into bf16 panels for the kernels.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -122,6 +123,12 @@ std::uint8_t* PackedWeights::quantized_storage(const QuantView& a, const QuantVi
     const std::size_t sr = r < top ? r : r - top;
     std::copy_n(src.scales + sr * src.scale_stride, src.scale_cols(), &scales_[r * sstride_]);
   }
+  // Every nonzero code is at least 1 in magnitude (integer formats) or 2^-9
+  // (e4m3's least subnormal): every nonzero product is normal where every
+  // scale is finite and at least 2^-126 over that.
+  const float least = f.code_min < f.code_max ? 0x1p-126f : 0x1p-117f;
+  normal_products_ = std::all_of(scales_.begin(), scales_.end(),
+                                 [&](float s) { return std::isfinite(s) && s >= least; });
   return codes;
 }
 
@@ -139,7 +146,7 @@ bf16 PackedWeights::decoded(std::size_t n, std::size_t k, std::size_t e) const {
 void PackedWeights::decode_panels(std::size_t p0, std::size_t p1, bf16* dst,
                                   void (*decode)(const DecodeArgs&)) const {
   decode({format_, reinterpret_cast<const std::uint8_t*>(data_.get()), kp_, p0, p1, scales_.data(),
-          sstride_, sblock_, srow_.data(), transposed_, dst});
+          sstride_, sblock_, srow_.data(), transposed_, dst, normal_products_});
 }
 
 }  // namespace moecert::gemm

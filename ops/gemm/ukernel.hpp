@@ -132,6 +132,8 @@ struct DecodeArgs {
   const std::uint32_t* srow;
   bool transposed;
   bf16* dst;
+  bool normal;  // every nonzero product code * scale is normal (scales finite and at least
+                // 2^-126 over the least nonzero code): none needs the denormal rounding
 };
 using DecodeFn = void (*)(const DecodeArgs&);
 

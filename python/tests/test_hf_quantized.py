@@ -73,6 +73,14 @@ def test_patch_quantizes_each_blocks_experts(fmt, transposed, concatenated):
     other.load_state_dict(model.state_dict())
     _, _, x, idx, w = case()
     assert torch.equal(other[0].experts(x, idx, w), experts(x, idx, w))
+    # ... and so do the adapters alone (strict=False), the quantized base kept
+    again = nn.Sequential(stacked_block(transposed, concatenated))
+    hf.patch(again, rank=R, alpha=8.0, base_format=fmt)
+    result = again.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    assert sorted(k for k in result.missing_keys if ".experts." in k) == sorted(
+        "0.experts." + n for n in ("base_format", "w_gate.codes", "w_gate.scales", "w_up.codes", "w_up.scales",
+                                   "w_down.codes", "w_down.scales"))
+    assert torch.equal(again[0].experts(x, idx, w), experts(x, idx, w))
     with pytest.raises(moecert.InvalidArgument, match="merge: the base weights are " + fmt):
         experts.merge()
 

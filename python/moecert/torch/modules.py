@@ -220,6 +220,10 @@ class PackedBase(nn.Module):
         if prefix + "base_format" in state_dict:
             return self._load_quantized(state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
         given = {n: state_dict[prefix + n] for n in self.BASE if prefix + n in state_dict}
+        if not given:  # e.g. only the adapters, strict=False: the base weights stay as they are
+            missing_keys.extend(self._quantized_keys(prefix) if self.base_format != "bf16" else
+                                [prefix + n for n in self.BASE])
+            return
         unexpected_keys[:] = [k for k in unexpected_keys if k[len(prefix):] not in given or not k.startswith(prefix)]
         missing_keys.extend(prefix + n for n in self.BASE if n not in given)
         try:
@@ -227,9 +231,14 @@ class PackedBase(nn.Module):
         except InvalidArgument as e:
             error_msgs.append(str(e))
 
+    @staticmethod
+    def _quantized_keys(prefix):
+        """The state dict keys of quantized base weights."""
+        return [prefix + "base_format"] + [prefix + n + part for n in BASE_NAMES for part in (".codes", ".scales")]
+
     def _load_quantized(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs):
         """load_state_dict of quantized base weights: codes and scales, and their format."""
-        keys = [prefix + "base_format"] + [prefix + n + part for n in BASE_NAMES for part in (".codes", ".scales")]
+        keys = self._quantized_keys(prefix)
         unexpected_keys[:] = [k for k in unexpected_keys if k not in keys]
         missing_keys.extend(k for k in keys if k not in state_dict)
         if any(k not in state_dict for k in keys):
