@@ -1,0 +1,307 @@
+"""The conformance suite's data classes against your own implementation: moecert builds the
+inputs, calls your function, judges its outputs with moecert's judge (moecert.check, under the
+precision you declare) and reports per case.
+
+    import moecert.testing as mtest
+    report = mtest.experts_forward(my_experts, precision="bf16")
+    report.write("conformance")          # report.json, report.md, report.html, junit.xml
+    mtest.assert_conforms(report)        # in a pytest test: fails naming each case and clause
+
+Suites (each a function taking your callable; the data classes below):
+
+    router_forward(kind, fn, k=None, **params)     kind softmax_topk: fn(z, k) -> (idx, w);
+                                                  sigmoid_topk: fn(z, bias, k) -> (idx, w);
+                                                  product_key: fn(sx, sy, k) -> (idx, w)
+    router_backward(kind, fn, **params)            softmax_topk, sigmoid_topk: fn(z, idx, g) -> dz;
+                                                  product_key: fn(sx, sy, idx, g) -> (dsx, dsy)
+    experts_forward(fn, precision, lora=True)      fn(x, idx, weights, w_gate, w_up, w_down,
+                                                  lora=None, alpha=None) -> y
+    experts_backward(fn, precision, lora=True)     fn(x, idx, weights, w_gate, w_up, w_down, dy,
+                                                  lora=None, alpha=None) -> (dx, dweights)
+
+Router params are the judge's (renormalize, groups, topk_group, scaling, weights, sorted,
+backward; docs/JUDGE.md). Tensors are torch tensors in the layouts docs/JUDGE.md gives: x, the
+base weights and LoRA factors bf16 (as moecert takes them), routing weights and logits fp32,
+ids int64 (as torch.topk gives them) with -1 for an empty slot. A callable that raises on a case
+fails that case with its message.
+
+Data classes: normal; ties (many exactly equal scores); one_token; peaked (logits spread
+over +-60: near one-hot softmax); minus1_slots (rows whose last slots are empty); one_expert
+(every token routed to expert 0, the others idle); idle_experts (half the experts get no
+token); wide_exponents (rows of x scaled by 2^-20 .. 2^20); realistic (E16 H512 I384 K4 r8
+T64 for the experts, E64 K8 T64 for the routers).
+"""
+import json
+import math
+import os
+from xml.sax.saxutils import escape, quoteattr
+
+import torch
+
+from . import check
+
+ROUTER_KINDS = ("softmax_topk", "sigmoid_topk", "product_key")
+
+
+class Case:
+    """One input of a suite: its data class, the inputs by name, and the shape it was built at."""
+
+    def __init__(self, name, inputs, shape):
+        self.name, self.inputs, self.shape = name, inputs, shape
+
+    def __repr__(self):
+        return "Case({}, {})".format(self.name, self.shape)
+
+
+class Result:
+    """A case's outcome: the judge's verdict (None where the callable raised) or the error."""
+
+    def __init__(self, case, verdict=None, error=None):
+        self.case, self.verdict, self.error = case, verdict, error
+
+    @property
+    def passed(self):
+        return self.error is None and self.verdict is not None and self.verdict.passed
+
+    def failures(self):
+        """The failing clauses with their messages, or the callable's error."""
+        if self.error is not None:
+            return ["raised: {}".format(self.error)]
+        return ["{}: {}".format(c["id"], c.get("message", "")) for c in self.verdict.clauses
+                if c["verdict"] == "fail"]
+
+
+class Report:
+    """A suite's results: passed, results (Result per case), summary(), write(folder)."""
+
+    def __init__(self, op, params, results):
+        self.op, self.params, self.results = op, params, results
+
+    @property
+    def passed(self):
+        return all(r.passed for r in self.results)
+
+    def summary(self):
+        failed = [r for r in self.results if not r.passed]
+        lines = ["{}: {} of {} cases passed".format(self.op, len(self.results) - len(failed), len(self.results))]
+        for r in failed:
+            lines.append("  {} ({}):".format(r.case.name, r.case.shape))
+            lines.extend("    " + f for f in r.failures())
+        return "\n".join(lines)
+
+    def as_json(self):
+        return {"schema": "moecert-testing/1", "op": self.op, "params": self.params,
+                "verdict": "pass" if self.passed else "fail",
+                "cases": [{"name": r.case.name, "shape": r.case.shape, "verdict": "pass" if r.passed else "fail",
+                           "failures": [] if r.passed else r.failures(),
+                           "report": r.verdict.report if r.verdict is not None else None} for r in self.results]}
+
+    def write(self, folder):
+        """report.json, report.md, report.html and junit.xml in `folder` (created)."""
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "report.json"), "w") as f:
+            json.dump(self.as_json(), f, indent=1)
+        rows = ["| case | shape | verdict | failures |", "|---|---|---|---|"]
+        rows += ["| {} | {} | {} | {} |".format(r.case.name, r.case.shape, "pass" if r.passed else "**fail**",
+                                                "; ".join(r.failures()).replace("|", "\\|") if not r.passed else "")
+                 for r in self.results]
+        with open(os.path.join(folder, "report.md"), "w") as f:
+            f.write("# {}: {}\n\n{}\n".format(self.op, "pass" if self.passed else "fail", "\n".join(rows)))
+        cells = "".join("<tr><td>{}</td><td>{}</td><td class={}>{}</td><td>{}</td></tr>".format(
+            escape(r.case.name), escape(r.case.shape), "pass" if r.passed else "fail", "pass" if r.passed else "fail",
+            "<br>".join(escape(x) for x in ([] if r.passed else r.failures()))) for r in self.results)
+        with open(os.path.join(folder, "report.html"), "w") as f:
+            f.write("<!doctype html><meta charset=utf-8><title>{0}</title><style>.fail{{color:#b00}}"
+                    "td{{padding:2px 8px;vertical-align:top}}</style><h1>{0}: {1}</h1><table><tr><th>case<th>shape"
+                    "<th>verdict<th>failures</tr>{2}</table>".format(escape(self.op),
+                                                                     "pass" if self.passed else "fail", cells))
+        cases = []
+        for r in self.results:
+            body = "" if r.passed else "<failure message={}>{}</failure>".format(
+                quoteattr(r.failures()[0][:200]), escape("\n".join(r.failures())))
+            cases.append("<testcase classname={} name={}>{}</testcase>".format(
+                quoteattr(self.op), quoteattr("{} {}".format(r.case.name, r.case.shape)), body))
+        with open(os.path.join(folder, "junit.xml"), "w") as f:
+            f.write('<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name={} tests="{}" failures="{}">{}'
+                    "</testsuite>\n".format(quoteattr(self.op), len(self.results),
+                                            sum(not r.passed for r in self.results), "".join(cases)))
+
+
+def assert_conforms(report):
+    """Raises AssertionError with report.summary() unless every case passed."""
+    if not report.passed:
+        raise AssertionError(report.summary())
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _scores(name, T, E, g):
+    """Router logits [T, E] of data class `name`."""
+    if name == "ties":
+        return (torch.randint(-2, 3, (T, E), generator=g) * 0.5).float()
+    z = torch.randn(T, E, generator=g)
+    return z * 20 if name == "peaked" else z
+
+
+ROUTER_CLASSES = {"normal": (13, 16, 3), "ties": (13, 16, 4), "one_token": (1, 16, 3), "peaked": (13, 16, 3),
+                  "realistic": (64, 64, 8)}
+
+
+def router_cases(kind, k=None, seed=0):
+    """The router suites' cases: inputs z [T, E] (bias [E] for sigmoid_topk) or sx, sy [T, n]
+    (product_key, E = n^2), and K."""
+    out = []
+    for i, (name, (T, E, K)) in enumerate(ROUTER_CLASSES.items()):
+        g = _gen(seed * 100 + i)
+        K = k or K
+        if kind == "product_key":
+            n = int(math.isqrt(E))
+            sx, sy = _scores(name, T, n, g), _scores(name, T, n, g)
+            out.append(Case(name, {"sx": sx, "sy": sy, "k": K}, "T{} n{} K{}".format(T, n, K)))
+        else:
+            inputs = {"z": _scores(name, T, E, g), "k": K}
+            if kind == "sigmoid_topk":
+                inputs["bias"] = torch.randn(E, generator=g) * 0.1
+            out.append(Case(name, inputs, "T{} E{} K{}".format(T, E, K)))
+    return out
+
+
+def _selection(kind, inputs, params):
+    """A valid selection for a backward's inputs, by float64 torch (not moecert's router): the K
+    best scores (sigmoid_topk: of sigmoid(z) + bias within the best groups), ties by index."""
+    K = inputs["k"]
+    if kind == "product_key":
+        s = (inputs["sx"].double()[:, :, None] + inputs["sy"].double()[:, None, :]).flatten(1)
+    elif kind == "sigmoid_topk":
+        s = torch.sigmoid(inputs["z"].double()) + inputs["bias"].double()
+        groups, topk_group = int(params.get("groups", 1)), int(params.get("topk_group", 1))
+        T, E = s.shape
+        grouped = s.reshape(T, groups, E // groups)
+        best = grouped.topk(min(2, E // groups), -1).values.sum(-1).topk(topk_group, -1).indices
+        keep = torch.zeros(T, groups, dtype=torch.bool).scatter_(1, best, True)
+        s = torch.where(keep.repeat_interleave(E // groups, 1), s, torch.full_like(s, -math.inf))
+    else:
+        s = inputs["z"].double()
+    return torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :K]  # ties: lower index first
+
+
+def router_forward(kind, fn, k=None, seed=0, **params):
+    """Report of fn's router forward on every data class (see the module docstring)."""
+    results = []
+    for case in router_cases(kind, k, seed):
+        c = case.inputs
+        try:
+            if kind == "softmax_topk":
+                idx, w = fn(c["z"], c["k"])
+                v = check.softmax_topk_forward(c["z"], idx, w, **params)
+            elif kind == "sigmoid_topk":
+                idx, w = fn(c["z"], c["bias"], c["k"])
+                v = check.sigmoid_topk_forward(c["z"], c["bias"], idx, w, **params)
+            else:
+                idx, w = fn(c["sx"], c["sy"], c["k"])
+                v = check.product_key_forward(c["sx"], c["sy"], idx, w, **params)
+            results.append(Result(case, v))
+        except Exception as e:  # the callable's (or its outputs') failure is this case's verdict
+            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
+    return Report("router.{}.forward".format(kind), params, results)
+
+
+def router_backward(kind, fn, seed=0, **params):
+    """Report of fn's router backward on every data class, for a valid selection and an
+    upstream gradient g [T, K]."""
+    results = []
+    for case in router_cases(kind, None, seed):
+        c = case.inputs
+        idx = _selection(kind, c, params)
+        g = torch.randn(idx.shape, generator=_gen(seed + 7))
+        try:
+            if kind == "product_key":
+                dsx, dsy = fn(c["sx"], c["sy"], idx, g)
+                v = check.product_key_backward(c["sx"], c["sy"], idx, g, dsx, dsy, **params)
+            else:
+                dz = fn(c["z"], idx, g)
+                judge = check.softmax_topk_backward if kind == "softmax_topk" else check.sigmoid_topk_backward
+                v = judge(c["z"], idx, g, dz, **params)
+            results.append(Result(case, v))
+        except Exception as e:
+            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
+    return Report("router.{}.backward".format(kind), params, results)
+
+
+EXPERTS_CLASSES = {"normal": (12, 6, 40, 24, 2, 4), "minus1_slots": (12, 6, 40, 24, 3, 4),
+                   "one_token": (1, 6, 40, 24, 2, 4), "one_expert": (12, 6, 40, 24, 1, 4),
+                   "idle_experts": (12, 8, 40, 24, 2, 4), "wide_exponents": (12, 6, 40, 24, 2, 4),
+                   "realistic": (64, 16, 512, 384, 4, 8)}
+
+
+def _routing(name, T, E, K, g):
+    if name == "one_expert":
+        return torch.zeros(T, K, dtype=torch.int64), torch.rand(T, K, generator=g) + 0.1
+    pool = E // 2 if name == "idle_experts" else E
+    idx = torch.stack([torch.randperm(pool, generator=g)[:K] for _ in range(T)])
+    if name == "minus1_slots":
+        idx[::2, K - 1] = -1
+        idx[::4, K - 2] = -1
+        idx[::4, K - 1] = -1
+    w = (torch.rand(T, K, generator=g) + 0.1) * (idx >= 0)
+    return idx, w
+
+
+def experts_cases(lora=True, seed=0):
+    """The experts suites' cases: x [T, H], idx, weights [T, K], w_gate, w_up [E, I, H], w_down
+    [E, H, I], LoRA (rank r, alpha 2r) and dy [T, H]."""
+    out = []
+    for i, (name, (T, E, H, I, K, r)) in enumerate(EXPERTS_CLASSES.items()):
+        g = _gen(seed * 100 + 50 + i)
+        bf = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).bfloat16()  # noqa: E731
+        x = torch.randn(T, H, generator=g)
+        if name == "wide_exponents":
+            x = x * torch.pow(2.0, torch.randint(-20, 21, (T, 1), generator=g).float())
+        inputs = {"x": x.bfloat16(), "w_gate": bf(E, I, H, scale=H ** -0.5), "w_up": bf(E, I, H, scale=H ** -0.5),
+                  "w_down": bf(E, H, I, scale=I ** -0.5)}
+        inputs["idx"], inputs["weights"] = _routing(name, T, E, K, g)
+        inputs["dy"] = torch.randn(T, H, generator=g)
+        if lora:
+            inputs["lora"] = {"a_gate": bf(E, r, H, scale=H ** -0.5), "b_gate": bf(E, I, r, scale=0.3),
+                              "a_up": bf(E, r, H, scale=H ** -0.5), "b_up": bf(E, I, r, scale=0.3),
+                              "a_down": bf(E, r, I, scale=I ** -0.5), "b_down": bf(E, H, r, scale=0.3)}
+            inputs["alpha"] = 2.0 * r
+        out.append(Case(name, inputs, "T{} E{} H{} I{} K{}{}".format(T, E, H, I, K, " r{}".format(r) if lora else "")))
+    return out
+
+
+def _experts_args(c):
+    base = {n: c[n] for n in ("x", "idx", "weights", "w_gate", "w_up", "w_down")}
+    return base, {"lora": c.get("lora"), "alpha": c.get("alpha")}
+
+
+def experts_forward(fn, precision, lora=True, seed=0):
+    """Report of fn's experts forward (experts.forward_train with LoRA, else experts.forward)
+    on every data class under the declared precision (fp32, mixed or bf16)."""
+    results = []
+    for case in experts_cases(lora, seed):
+        base, extra = _experts_args(case.inputs)
+        try:
+            y = fn(**base, **extra)
+            results.append(Result(case, check.experts_forward(**base, y=y, precision=precision, **extra)))
+        except Exception as e:
+            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
+    return Report("experts.forward_train" if lora else "experts.forward", {"precision": precision}, results)
+
+
+def experts_backward(fn, precision, lora=True, seed=0):
+    """Report of fn's experts backward (dx and dL/dw for dy) on every data class."""
+    results = []
+    for case in experts_cases(lora, seed):
+        base, extra = _experts_args(case.inputs)
+        try:
+            dx, dweights = fn(**base, dy=case.inputs["dy"], **extra)
+            results.append(Result(case, check.experts_backward(**base, dy=case.inputs["dy"], precision=precision,
+                                                               dx=dx, dweights=dweights, **extra)))
+        except Exception as e:
+            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
+    return Report("experts.backward", {"precision": precision}, results)

@@ -1,0 +1,79 @@
+"""moecert.testing: the suites' data classes against the PyTorch implementations in
+examples/judge — the correct ones conform on every case, each seeded bug fails the case and clause
+that name it; reports in four formats; assert_conforms."""
+import functools
+import json
+import os
+import sys
+from xml.etree import ElementTree
+
+import pytest
+import torch
+
+import moecert.testing as mtest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "examples", "judge"))
+import experts  # noqa: E402
+import routers  # noqa: E402
+
+
+def test_correct_routers_conform_on_every_case():
+    for report in (mtest.router_forward("softmax_topk", routers.softmax_topk_forward),
+                   mtest.router_forward("softmax_topk", routers.softmax_topk_forward_dense),
+                   mtest.router_backward("softmax_topk", routers.softmax_topk_backward),
+                   mtest.router_forward("product_key", routers.product_key_forward),
+                   mtest.router_backward("product_key", routers.product_key_backward),
+                   mtest.router_forward("sigmoid_topk", functools.partial(routers.sigmoid_topk_forward, groups=2,
+                                                                          topk_group=1, scaling=2.5),
+                                        groups=2, topk_group=1, scaling=2.5)):
+        mtest.assert_conforms(report)
+        assert [r.case.name for r in report.results] == list(mtest.ROUTER_CLASSES)
+
+
+def test_router_bugs_fail_their_cases():
+    unmasked = mtest.router_backward("softmax_topk", routers.softmax_topk_backward_unmasked)
+    assert not unmasked.passed
+    assert all("router.softmax_topk_backward.unselected_grad" in " ".join(r.failures())
+               for r in unmasked.results if not r.passed)
+    with pytest.raises(AssertionError, match="unselected_grad"):
+        mtest.assert_conforms(unmasked)
+    bias = mtest.router_forward("sigmoid_topk", functools.partial(routers.sigmoid_topk_forward, groups=1, topk_group=1,
+                                                                  bias_in_weights=True))
+    assert not bias.passed and "router.sigmoid_topk.within_bound" in bias.summary()
+    # a callable that raises fails its cases with the message
+    raising = mtest.router_forward("softmax_topk", lambda z, k: (_ for _ in ()).throw(ValueError("no")))
+    assert not raising.passed and all(r.failures() == ["raised: ValueError: no"] for r in raising.results)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_experts_implementations_judged_on_every_data_class(lora):
+    fp32 = functools.partial(experts.experts_forward, dtype=torch.float32)
+    mtest.assert_conforms(mtest.experts_forward(fp32, "fp32", lora=lora))
+    mtest.assert_conforms(mtest.experts_forward(experts.experts_forward, "bf16", lora=lora))
+    mtest.assert_conforms(mtest.experts_backward(functools.partial(experts.experts_backward, dtype=torch.float32),
+                                                 "fp32", lora=lora))
+    swapped = mtest.experts_forward(functools.partial(experts.experts_forward_swapped, dtype=torch.float32), "fp32",
+                                    lora=lora)
+    failed = [r for r in swapped.results if not r.passed]
+    assert {r.case.name for r in failed} >= {"normal", "realistic", "wide_exponents"}
+    assert all(any(".within_bound" in f for f in r.failures()) for r in failed)
+
+
+def test_a_missing_lora_path_in_dx_fails_the_backward():
+    report = mtest.experts_backward(functools.partial(experts.experts_backward_no_lora_dx, dtype=torch.float32),
+                                    "fp32")
+    assert not report.passed and "experts.backward.within_bound" in report.summary()
+
+
+def test_reports_in_four_formats(tmp_path):
+    report = mtest.router_backward("softmax_topk", routers.softmax_topk_backward_unmasked)
+    report.write(str(tmp_path))
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["schema"] == "moecert-testing/1" and data["verdict"] == "fail"
+    assert [c["name"] for c in data["cases"]] == list(mtest.ROUTER_CLASSES)
+    suite = ElementTree.parse(tmp_path / "junit.xml").getroot()
+    assert int(suite.get("tests")) == len(report.results)
+    assert int(suite.get("failures")) == sum(not r.passed for r in report.results) > 0
+    assert "unselected_grad" in (tmp_path / "report.md").read_text()
+    assert "<table>" in (tmp_path / "report.html").read_text()
