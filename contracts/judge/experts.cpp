@@ -47,18 +47,20 @@ bool in_range(float v) {
   return a == 0 || (a >= 0x1p-60f && a <= 0x1p60f);
 }
 
+// The base weights' names, in QuantizedBase's order.
+constexpr const char* kBaseNames[] = {"w_gate", "w_up", "w_down"};
+
 // Matrix m (0 gate, 1 up, 2 down) of E experts' rows x cols, its codes
 // and scales as given: whether their shapes are the format's.
 std::string quantized_shape_error(const QuantizedBase& q, std::size_t m, std::size_t E,
                                   std::size_t rows, std::size_t cols) {
-  static constexpr const char* kNames[] = {"w_gate", "w_up", "w_down"};
   const QuantView v{q.format, nullptr, rows, cols, 0, nullptr, 0};
   if (q.codes[m].rows != E * rows || q.codes[m].cols != v.row_bytes())
-    return fmt::format("{}.codes {}x{}, expected {}x{} ({} {}x{} per expert)", kNames[m],
+    return fmt::format("{}.codes {}x{}, expected {}x{} ({} {}x{} per expert)", kBaseNames[m],
                        q.codes[m].rows, q.codes[m].cols, E * rows, v.row_bytes(),
                        format_name(q.format), rows, cols);
   if (q.scales[m].rows != E * v.scale_rows() || q.scales[m].cols != v.scale_cols())
-    return fmt::format("{}.scales {}x{}, expected {}x{}", kNames[m], q.scales[m].rows,
+    return fmt::format("{}.scales {}x{}, expected {}x{}", kBaseNames[m], q.scales[m].rows,
                        q.scales[m].cols, E * v.scale_rows(), v.scale_cols());
   return "";
 }
@@ -86,10 +88,9 @@ std::vector<float> dequantized(const QuantizedBase& q, std::size_t m, std::size_
 void read_quantized(const Tensors& in, WeightFormat f, ExpertsTensors& t) {
   auto q = std::make_shared<QuantizedBase>();
   q->format = f;
-  static constexpr const char* kNames[] = {"w_gate", "w_up", "w_down"};
   for (std::size_t m = 0; m < 3; ++m) {
-    q->codes[m] = indices(in, "inputs", fmt::format("{}.codes", kNames[m]));
-    q->scales[m] = values(in, "inputs", fmt::format("{}.scales", kNames[m]));
+    q->codes[m] = indices(in, "inputs", fmt::format("{}.codes", kBaseNames[m]));
+    q->scales[m] = values(in, "inputs", fmt::format("{}.scales", kBaseNames[m]));
   }
   // E from w_down's rows (H each), I from w_gate's (I each).
   const std::size_t H = t.H, E = H ? q->codes[2].rows / H : 0, I = E ? q->codes[0].rows / E : 0;
@@ -97,8 +98,10 @@ void read_quantized(const Tensors& in, WeightFormat f, ExpertsTensors& t) {
   if (E == 0 || I == 0)
     q->shape_error = fmt::format("w_down.codes {} rows, w_gate.codes {} rows for H={}",
                                  q->codes[2].rows, q->codes[0].rows, H);
-  for (std::size_t m = 0; m < 3 && q->shape_error.empty(); ++m)
+  for (std::size_t m = 0; m < 3 && q->shape_error.empty(); ++m) {
+    q->cols[m] = dims[m].second;
     q->shape_error = quantized_shape_error(*q, m, E, dims[m].first, dims[m].second);
+  }
   t.E = E, t.I = I;
   if (q->shape_error.empty()) {
     MatView<const float>* w[] = {&t.w_gate, &t.w_up, &t.w_down};
@@ -227,35 +230,36 @@ bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name
 
 namespace {
 
-// The codes (each byte, int4 each nibble, a valid code) and scales (finite,
-// > 0) of quantized base weights.
+// The codes (each a byte, or an int8 code as a signed value, and every
+// element's code valid: int4 the nibbles of its columns) and scales
+// (finite, > 0) of quantized base weights whose shapes are the format's.
 void quantized_clauses(detail::Checker& c, const QuantizedBase& q) {
-  static constexpr const char* kNames[] = {"w_gate", "w_up", "w_down"};
   const bool nibbles = format_info(q.format).code_bits == 4;
   MOECERT_CONTRACT(c, clauses::gemm::kPackQCode) {
     for (std::size_t m = 0; m < 3; ++m) {
       const MatView<const std::int32_t> codes = q.codes[m];
-      const auto bad = [&](std::int32_t b) {
-        return b < -128 || b > 255 ||  // a byte, or an int8 code as a signed value
-               (nibbles ? !code_valid(q.format, b & 15u) || !code_valid(q.format, (b >> 4) & 15u)
-                        : !code_valid(q.format, static_cast<unsigned>(b) & 255u));
+      const auto bad = [&](std::size_t n, std::size_t k) {  // element (n, k)
+        const std::int32_t b = codes(n, nibbles ? k / 2 : k);
+        const auto byte = static_cast<unsigned>(b) & 255u;
+        return b < -128 || b > 255 ||
+               !code_valid(q.format, nibbles ? (k % 2 ? byte >> 4 : byte & 15u) : byte);
       };
-      for (std::size_t i = 0; i < codes.rows * codes.cols; ++i)
-        if (bad(codes.data[i])) {
-          c.fail(clauses::gemm::kPackQCode,
-                 fmt::format("{}.codes[{}, {}]", kNames[m], i / codes.cols, i % codes.cols),
-                 fmt::format("{:#04x}", codes.data[i]),
-                 fmt::format("a byte of {} codes in [{}, {}]{}", format_name(q.format),
-                             format_info(q.format).code_min, format_info(q.format).code_max,
-                             nibbles ? " (each nibble)" : ""));
-          break;
-        }
+      bool found = false;
+      for (std::size_t n = 0; n < codes.rows && !found; ++n)
+        for (std::size_t k = 0; k < q.cols[m] && !found; ++k)
+          if ((found = bad(n, k)))
+            c.fail(clauses::gemm::kPackQCode,
+                   fmt::format("{}.codes[{}, {}]", kBaseNames[m], n, nibbles ? k / 2 : k),
+                   fmt::format("{:#04x}{}", codes(n, nibbles ? k / 2 : k),
+                               nibbles ? fmt::format(" (element {})", k) : ""),
+                   fmt::format("a byte of {} codes in [{}, {}]", format_name(q.format),
+                               format_info(q.format).code_min, format_info(q.format).code_max));
     }
   }
   MOECERT_CONTRACT(c, clauses::gemm::kPackQScale) {
     for (std::size_t m = 0; m < 3; ++m)
       if (!detail::scan(
-              c, clauses::gemm::kPackQScale, fmt::format("{}.scales", kNames[m]).c_str(),
+              c, clauses::gemm::kPackQScale, fmt::format("{}.scales", kBaseNames[m]).c_str(),
               q.scales[m], [](float s) { return std::isfinite(s) && s > 0; }, "finite and > 0"))
         break;
   }
@@ -264,7 +268,7 @@ void quantized_clauses(detail::Checker& c, const QuantizedBase& q) {
 }  // namespace
 
 void base_weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
-  if (t.quantized) quantized_clauses(c, *t.quantized);
+  if (t.quantized && t.quantized->shape_error.empty()) quantized_clauses(c, *t.quantized);
   if (c.stop()) return;
   const std::pair<const char*, MatView<const float>> base[] = {
       {"w_gate", t.w_gate}, {"w_up", t.w_up}, {"w_down", t.w_down}};

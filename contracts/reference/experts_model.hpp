@@ -31,6 +31,7 @@ struct QuantizedBase {
   WeightFormat format = WeightFormat::int8_channel;
   std::array<MatView<const std::int32_t>, 3> codes;  // [E rows x row bytes], bytes 0..255
   std::array<MatView<const float>, 3> scales;        // [E scale rows x scale columns]
+  std::array<std::size_t, 3> cols = {};              // elements a row
   std::array<std::vector<float>, 3> values;          // [E rows x cols]
   std::string shape_error;                           // the first misshapen tensor, or ""
 };

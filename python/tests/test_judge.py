@@ -415,6 +415,15 @@ def test_bad_quantized_weights_fail_their_clauses():
     scales[1, 3] = 0
     bad = dict(quantized, w_down=type(q["w_down"])("int8_channel", q["w_down"].codes, scales, q["w_down"].cols))
     assert check.experts_forward(**bad, y=y, precision="fp32").failed == ["gemm.pack.q_scale"]
+    # int4: each element's nibble judged, -8 (nibble 8) named with its element
+    q4 = _quantized_case("int4_group")[3]["w_gate"]
+    codes = q4.codes.clone()
+    codes[0, 3, 5] = (codes[0, 3, 5] & 15) | 0x80
+    bad = dict(quantized, **{n: _quantized_case("int4_group")[3][n] for n in ("w_up", "w_down")},
+               w_gate=type(q4)("int4_group", codes, q4.scales, q4.cols))
+    v = check.experts_forward(**bad, y=y, precision="fp32")
+    assert v.failed == ["gemm.pack.q_code"] and "w_gate.codes[3, 5]" in _messages(v)[0]
+    assert "(element 11)" in _messages(v)[0]
     inputs = {"x": quantized["x"], "idx": quantized["idx"], "weights": quantized["weights"]}
     for n in ("w_gate", "w_up", "w_down"):
         inputs[n + ".codes"], inputs[n + ".scales"] = q[n].codes, q[n].scales
