@@ -18,6 +18,14 @@ Suites (each a function taking your callable; the data classes below):
                                                   lora=None, alpha=None) -> y
     experts_backward(fn, precision, lora=True)     fn(x, idx, weights, w_gate, w_up, w_down, dy,
                                                   lora=None, alpha=None) -> (dx, dweights)
+    layer_forward(fn, precision, router="softmax_topk", lora=True, **router_params)
+                                                  fn(x, router_w, router_b, w_gate, w_up, w_down, k,
+                                                  router_bias=None, lora=None, alpha=None)
+                                                  -> (z, idx, weights, y)
+    layer_backward(fn, precision, router="softmax_topk", lora=True, **router_params)
+                                                  fn(the same, dy) -> {"z", "idx", "weights", "dx",
+                                                  "dweights", "dz"; optionally "router_w_grad",
+                                                  "router_b_grad"}
 
 Router params are the judge's (renormalize, groups, topk_group, scaling, weights, sorted,
 backward; docs/JUDGE.md). Tensors are torch tensors in the layouts docs/JUDGE.md gives: x, the
@@ -29,7 +37,9 @@ Data classes: normal; ties (many exactly equal scores); one_token; peaked (logit
 over +-60: near one-hot softmax); minus1_slots (rows whose last slots are empty); one_expert
 (every token routed to expert 0, the others idle); idle_experts (half the experts get no
 token); wide_exponents (rows of x scaled by 2^-20 .. 2^20); realistic (E16 H512 I384 K4 r8
-T64 for the experts, E64 K8 T64 for the routers).
+T64 for the experts and the layer, E64 K8 T64 for the routers). The layer's router weights are
+N(0, 1/H), its bias N(0, 0.01) (sigmoid_topk: a correction bias too); it is judged stage by stage
+on the implementation's own z, idx and weights (docs/JUDGE.md).
 """
 import json
 import math
@@ -305,3 +315,66 @@ def experts_backward(fn, precision, lora=True, seed=0):
         except Exception as e:
             results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
     return Report("experts.backward", {"precision": precision}, results)
+
+
+LAYER_CLASSES = ("normal", "one_token", "idle_experts", "wide_exponents", "realistic")
+
+
+def layer_cases(router="softmax_topk", lora=True, seed=0):
+    """The layer suites' cases: the experts cases of LAYER_CLASSES with router weights; the
+    routing comes from the implementation."""
+    out = []
+    for case in experts_cases(lora, seed):
+        if case.name not in LAYER_CLASSES:
+            continue
+        c = dict(case.inputs)
+        E, H = c["w_gate"].shape[0], c["x"].shape[1]
+        K = c.pop("idx").shape[1]
+        c.pop("weights")
+        g = _gen(seed * 100 + 90 + len(out))
+        c["router_w"] = torch.randn(E, H, generator=g) * H ** -0.5
+        c["router_b"] = torch.randn(E, generator=g) * 0.1
+        if router == "sigmoid_topk":
+            c["router_bias"] = torch.randn(E, generator=g) * 0.1
+        c["k"] = K
+        out.append(Case(case.name, c, case.shape))
+    return out
+
+
+def _layer_args(c):
+    return {n: c[n] for n in ("x", "router_w", "router_b", "w_gate", "w_up", "w_down")}, {
+        "router_bias": c.get("router_bias"), "lora": c.get("lora"), "alpha": c.get("alpha")}
+
+
+def layer_forward(fn, precision, router="softmax_topk", lora=True, seed=0, **router_params):
+    """Report of fn's layer forward on every layer data class: its z, selection and y judged
+    stage by stage under the declared precision."""
+    results = []
+    for case in layer_cases(router, lora, seed):
+        base, extra = _layer_args(case.inputs)
+        try:
+            z, idx, weights, y = fn(**base, k=case.inputs["k"], **extra)
+            results.append(Result(case, check.layer_forward(**base, z=z, idx=idx, weights=weights, y=y,
+                                                            precision=precision, router=router, **extra,
+                                                            **router_params)))
+        except Exception as e:
+            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
+    return Report("layer.forward", dict(router_params, precision=precision, router=router), results)
+
+
+def layer_backward(fn, precision, router="softmax_topk", lora=True, seed=0, **router_params):
+    """Report of fn's layer backward (with its own forward's z, idx and weights) on every layer
+    data class."""
+    results = []
+    for case in layer_cases(router, lora, seed):
+        base, extra = _layer_args(case.inputs)
+        try:
+            out = fn(**base, k=case.inputs["k"], dy=case.inputs["dy"], **extra)
+            grads = {n: out.get(n) for n in ("router_w_grad", "router_b_grad")}
+            results.append(Result(case, check.layer_backward(
+                **base, z=out["z"], idx=out["idx"], weights=out["weights"], dy=case.inputs["dy"], dx=out["dx"],
+                dweights=out["dweights"], dz=out["dz"], precision=precision, router=router, **grads, **extra,
+                **router_params)))
+        except Exception as e:
+            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
+    return Report("layer.backward", dict(router_params, precision=precision, router=router), results)

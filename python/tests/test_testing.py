@@ -15,6 +15,7 @@ import moecert.testing as mtest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "examples", "judge"))
 import experts  # noqa: E402
+import layer  # noqa: E402
 import routers  # noqa: E402
 
 
@@ -77,3 +78,27 @@ def test_reports_in_four_formats(tmp_path):
     assert int(suite.get("failures")) == sum(not r.passed for r in report.results) > 0
     assert "unselected_grad" in (tmp_path / "report.md").read_text()
     assert "<table>" in (tmp_path / "report.html").read_text()
+
+
+def _layer(dtype, **options):
+    """examples/judge/layer.py's layer step as the suites call a layer."""
+    def step(x, router_w, router_b, w_gate, w_up, w_down, k, dy=None, router_bias=None, lora=None, alpha=None):
+        case = dict(x=x, router_w=router_w, router_b=router_b, w_gate=w_gate, w_up=w_up, w_down=w_down, K=k,
+                    lora=lora or {}, alpha=alpha, dy=dy if dy is not None else torch.zeros(x.shape))
+        _, fwd, _, bwd = layer.layer_step(case, dtype, **options)
+        return dict(fwd, **bwd) if dy is not None else (fwd["z"], fwd["idx"], fwd["weights"], fwd["y"])
+    return step
+
+
+def test_a_torch_layer_judged_on_every_layer_case():
+    mtest.assert_conforms(mtest.layer_forward(_layer(torch.float32), "fp32"))
+    mtest.assert_conforms(mtest.layer_backward(_layer(torch.float32), "fp32"))
+    report = mtest.layer_forward(_layer(torch.bfloat16), "bf16")
+    mtest.assert_conforms(report)
+    assert [r.case.name for r in report.results] == list(mtest.LAYER_CLASSES)
+    # the router's bias left out of its logits: the router linear's stage names it
+    bad = mtest.layer_forward(_layer(torch.float32, bias=False), "fp32")
+    assert not bad.passed and "layer.router_linear.within_bound" in bad.summary()
+    # dx without the router's path: the backward's dx fails
+    bad = mtest.layer_backward(_layer(torch.float32, router_dx=False), "fp32")
+    assert not bad.passed and "layer.backward.within_bound" in bad.summary()
