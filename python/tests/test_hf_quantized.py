@@ -4,6 +4,9 @@ experts from a checkpoint without the model's own expert tensors (meta device); 
 op's derived bound of a float64 evaluation of the dequantized weights (the tests' own
 dequantization, test_formats.exact); codes and scales in the state dict, reloaded bitwise;
 what is refused, and that a refusal changes nothing."""
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -81,6 +84,8 @@ def test_patch_quantizes_each_blocks_experts(fmt, transposed, concatenated):
         "0.experts." + n for n in ("base_format", "w_gate.codes", "w_gate.scales", "w_up.codes", "w_up.scales",
                                    "w_down.codes", "w_down.scales"))
     assert torch.equal(again[0].experts(x, idx, w), experts(x, idx, w))
+    for twin in (copy.deepcopy(experts), pickle.loads(pickle.dumps(experts))):
+        assert twin.base_format == fmt and torch.equal(twin(x, idx, w), experts(x, idx, w))
     with pytest.raises(moecert.InvalidArgument, match="merge: the base weights are " + fmt):
         experts.merge()
 

@@ -107,8 +107,8 @@ def patch(model, rank=0, alpha=None, train_base=False, isa=None, rslora=False, t
     __getitem__): each block's experts are read from it as stored, per expert
     `{block}.experts.{e}.gate_proj.weight` (float8_e4m3fn, or its bytes as uint8) with
     `.weight_scale_inv`, likewise up_proj and down_proj, never widened to bf16; the model's own
-    expert tensors are not read (they may be on the meta device: a model built from its config
-    under torch.device("meta")). Quantized base weights are frozen (train_base=False).
+    expert tensors are not read (they may be on the meta device, as accelerate's
+    init_empty_weights leaves them). Quantized base weights are frozen (train_base=False).
     Returns the names of the modules replaced. Raises moecert.InvalidArgument naming the block
     and what is missing when a block's experts are not a plain SwiGLU (nothing is replaced then),
     or when the model has no such block (transformers 4's ModuleList of experts included)."""
