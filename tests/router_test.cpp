@@ -703,6 +703,61 @@ TEST_CASE("router.softmax_topk: precondition clauses", "[router][softmax_topk][s
   }
 }
 
+TEST_CASE("router.softmax_topk.forward: logits within an fp32 softmax's rounding are near ties",
+          "[router][softmax_topk][order]") {
+  // One row of e experts, K slots given as `idx`: the clauses' verdict
+  // (weights of the exact renormalised softmax over the selection).
+  auto judged = [](std::vector<float> z, std::vector<std::int32_t> idx,
+                   std::vector<contracts::judge::Tie>* ties) {
+    const std::size_t e = z.size(), k = idx.size();
+    std::vector<float> w(k);
+    double sum = 0;
+    for (std::size_t j = 0; j < k; ++j) sum += std::exp(double(z[idx[j]]));
+    for (std::size_t j = 0; j < k; ++j)
+      w[j] = static_cast<float>(std::exp(double(z[idx[j]])) / sum);
+    const contracts::judge::Scope judging{{.ties_any_order = false, .ties = ties}};
+    detail::Checker c{"router.softmax_topk.forward"};
+    contracts::softmax_topk_post(c, MatView<const float>(z.data(), 1, e),
+                                 MatView<const std::int32_t>(idx.data(), 1, k),
+                                 MatView<const float>(w.data(), 1, k), true);
+  };
+  const ContractScope full{Level::full, Semantic::enforce};
+  const float a = 2.5f,
+              b = std::nextafter(2.5f, 0.0f);  // adjacent: a softmax may tie or invert them
+  std::vector<contracts::judge::Tie> ties;
+  // The lower of the two placed first, or selected instead of the higher
+  // (an implementation that takes the top K of its fp32 probabilities).
+  CHECK_NOTHROW(judged({a, b, -3.0f, -4.0f}, {1, 0}, &ties));
+  CHECK_NOTHROW(judged({a, b, 3.0f, -4.0f}, {2, 1}, &ties));
+  REQUIRE(ties.size() == 2);
+  CHECK((ties[0].near && ties[0].a == 1 && ties[0].b == 0));
+  // Apart by more than that rounding: the order and the selection are forced.
+  test::expect_violation(
+      [&] {
+        judged({a, 2.4f, -3.0f, -4.0f}, {1, 0}, nullptr);
+      },
+      "router.softmax_topk.sorted");
+  test::expect_violation(
+      [&] {
+        judged({a, 2.4f, 3.0f, -4.0f}, {2, 1}, nullptr);
+      },
+      "router.softmax_topk.topk_property");
+  // Equal logits: equal probabilities in any implementation; index order.
+  test::expect_violation(
+      [&] {
+        judged({a, a, -3.0f, -4.0f}, {1, 0}, nullptr);
+      },
+      "router.softmax_topk.sorted");
+  // Far below the row's maximum both probabilities may underflow in fp32:
+  // any choice among them.
+  CHECK_NOTHROW(judged({0.0f, -200.0f, -150.0f, -300.0f}, {0, 1}, nullptr));
+  test::expect_violation(
+      [&] {
+        judged({0.0f, -20.0f, -15.0f, -300.0f}, {0, 1}, nullptr);
+      },
+      "router.softmax_topk.topk_property");
+}
+
 TEST_CASE("router.softmax_topk: postcondition clauses catch corrupted selections and weights",
           "[router][softmax_topk][index]") {
   SmRun r;

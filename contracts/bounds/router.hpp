@@ -48,6 +48,27 @@ constexpr double sigmoid_selection(double sigma_exact, double bias) {
   return es + kU32 * ((s < 0 ? -s : s) + es);
 }
 
+/// §1b: the shift below which an fp32 softmax probability of a row of e
+/// experts may leave the normal range: ln(2^-126) + ln(e) below the
+/// row's maximum.
+inline double softmax_normal_shift(std::size_t e) {
+  return 126 * std::log(2.0) - std::log(static_cast<double>(e));
+}
+
+/// §1b: how far apart two logits z_a > z_b of a softmax row (maximum
+/// z_max) may be while an fp32 implementation that selects on its own
+/// probabilities may still give b a probability no lower than a's: the
+/// shift's rounding (for a shift anywhere between 0 and z_max), exp within
+/// kExpUlps and the division; infinite where both lie `normal_shift`
+/// (softmax_normal_shift) or more below z_max.
+inline double softmax_selection_reach(double za, double zb, double zmax, double normal_shift) {
+  if (za - zmax < -normal_shift && zb - zmax < -normal_shift) return INFINITY;
+  const double sa = std::max(std::fabs(za), std::fabs(za - zmax)),
+               sb = std::max(std::fabs(zb), std::fabs(zb - zmax));
+  const double x = kExpUlps * kU32;
+  return (kU32 * (sa + sb) + 2 * x / (1 - x) + 2 * kU32 / (1 - kU32)) * (1 + 0x1p-20);
+}
+
 /// §1a: a group's fp32 score, the sum of its two best selection scores
 /// (one if the group has one expert), each within `d_max` of exact, from
 /// the exact group score g: the best-two sum moves by at most 2 d_max, then
