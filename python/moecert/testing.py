@@ -199,47 +199,45 @@ def _selection(kind, inputs, params):
     return torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :K]  # ties: lower index first
 
 
+def _judged(case, judge):
+    """The Result of judge(case.inputs) -> Verdict; what it raises (the callable's failure, or its
+    outputs refused by the judge) is the case's failure."""
+    try:
+        return Result(case, judge(case.inputs))
+    except Exception as e:
+        return Result(case, error="{}: {}".format(type(e).__name__, e))
+
+
 def router_forward(kind, fn, k=None, seed=0, **params):
     """Report of fn's router forward on every data class (see the module docstring)."""
-    results = []
-    for case in router_cases(kind, k, seed):
-        c = case.inputs
-        try:
-            if kind == "softmax_topk":
-                idx, w = fn(c["z"], c["k"])
-                v = check.softmax_topk_forward(c["z"], idx, w, **params)
-            elif kind == "sigmoid_topk":
-                idx, w = fn(c["z"], c["bias"], c["k"])
-                v = check.sigmoid_topk_forward(c["z"], c["bias"], idx, w, **params)
-            else:
-                idx, w = fn(c["sx"], c["sy"], c["k"])
-                v = check.product_key_forward(c["sx"], c["sy"], idx, w, **params)
-            results.append(Result(case, v))
-        except Exception as e:  # the callable's (or its outputs') failure is this case's verdict
-            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
-    return Report("router.{}.forward".format(kind), params, results)
+    def judge(c):
+        if kind == "softmax_topk":
+            idx, w = fn(c["z"], c["k"])
+            return check.softmax_topk_forward(c["z"], idx, w, **params)
+        if kind == "sigmoid_topk":
+            idx, w = fn(c["z"], c["bias"], c["k"])
+            return check.sigmoid_topk_forward(c["z"], c["bias"], idx, w, **params)
+        idx, w = fn(c["sx"], c["sy"], c["k"])
+        return check.product_key_forward(c["sx"], c["sy"], idx, w, **params)
+
+    return Report("router.{}.forward".format(kind), params,
+                  [_judged(case, judge) for case in router_cases(kind, k, seed)])
 
 
 def router_backward(kind, fn, seed=0, **params):
     """Report of fn's router backward on every data class, for a valid selection and an
     upstream gradient g [T, K]."""
-    results = []
-    for case in router_cases(kind, None, seed):
-        c = case.inputs
+    def judge(c):
         idx = _selection(kind, c, params)
         g = torch.randn(idx.shape, generator=_gen(seed + 7))
-        try:
-            if kind == "product_key":
-                dsx, dsy = fn(c["sx"], c["sy"], idx, g)
-                v = check.product_key_backward(c["sx"], c["sy"], idx, g, dsx, dsy, **params)
-            else:
-                dz = fn(c["z"], idx, g)
-                judge = check.softmax_topk_backward if kind == "softmax_topk" else check.sigmoid_topk_backward
-                v = judge(c["z"], idx, g, dz, **params)
-            results.append(Result(case, v))
-        except Exception as e:
-            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
-    return Report("router.{}.backward".format(kind), params, results)
+        if kind == "product_key":
+            dsx, dsy = fn(c["sx"], c["sy"], idx, g)
+            return check.product_key_backward(c["sx"], c["sy"], idx, g, dsx, dsy, **params)
+        judged = check.softmax_topk_backward if kind == "softmax_topk" else check.sigmoid_topk_backward
+        return judged(c["z"], idx, g, fn(c["z"], idx, g), **params)
+
+    return Report("router.{}.backward".format(kind), params,
+                  [_judged(case, judge) for case in router_cases(kind, None, seed)])
 
 
 EXPERTS_CLASSES = {"normal": (12, 6, 40, 24, 2, 4), "minus1_slots": (12, 6, 40, 24, 3, 4),
@@ -292,29 +290,23 @@ def _experts_args(c):
 def experts_forward(fn, precision, lora=True, seed=0):
     """Report of fn's experts forward (experts.forward_train with LoRA, else experts.forward)
     on every data class under the declared precision (fp32, mixed or bf16)."""
-    results = []
-    for case in experts_cases(lora, seed):
-        base, extra = _experts_args(case.inputs)
-        try:
-            y = fn(**base, **extra)
-            results.append(Result(case, check.experts_forward(**base, y=y, precision=precision, **extra)))
-        except Exception as e:
-            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
-    return Report("experts.forward_train" if lora else "experts.forward", {"precision": precision}, results)
+    def judge(c):
+        base, extra = _experts_args(c)
+        return check.experts_forward(**base, y=fn(**base, **extra), precision=precision, **extra)
+
+    return Report("experts.forward_train" if lora else "experts.forward", {"precision": precision},
+                  [_judged(case, judge) for case in experts_cases(lora, seed)])
 
 
 def experts_backward(fn, precision, lora=True, seed=0):
     """Report of fn's experts backward (dx and dL/dw for dy) on every data class."""
-    results = []
-    for case in experts_cases(lora, seed):
-        base, extra = _experts_args(case.inputs)
-        try:
-            dx, dweights = fn(**base, dy=case.inputs["dy"], **extra)
-            results.append(Result(case, check.experts_backward(**base, dy=case.inputs["dy"], precision=precision,
-                                                               dx=dx, dweights=dweights, **extra)))
-        except Exception as e:
-            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
-    return Report("experts.backward", {"precision": precision}, results)
+    def judge(c):
+        base, extra = _experts_args(c)
+        dx, dweights = fn(**base, dy=c["dy"], **extra)
+        return check.experts_backward(**base, dy=c["dy"], precision=precision, dx=dx, dweights=dweights, **extra)
+
+    return Report("experts.backward", {"precision": precision},
+                  [_judged(case, judge) for case in experts_cases(lora, seed)])
 
 
 LAYER_CLASSES = ("normal", "one_token", "idle_experts", "wide_exponents", "realistic")
@@ -349,32 +341,26 @@ def _layer_args(c):
 def layer_forward(fn, precision, router="softmax_topk", lora=True, seed=0, **router_params):
     """Report of fn's layer forward on every layer data class: its z, selection and y judged
     stage by stage under the declared precision."""
-    results = []
-    for case in layer_cases(router, lora, seed):
-        base, extra = _layer_args(case.inputs)
-        try:
-            z, idx, weights, y = fn(**base, k=case.inputs["k"], **extra)
-            results.append(Result(case, check.layer_forward(**base, z=z, idx=idx, weights=weights, y=y,
-                                                            precision=precision, router=router, **extra,
-                                                            **router_params)))
-        except Exception as e:
-            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
-    return Report("layer.forward", dict(router_params, precision=precision, router=router), results)
+    def judge(c):
+        base, extra = _layer_args(c)
+        z, idx, weights, y = fn(**base, k=c["k"], **extra)
+        return check.layer_forward(**base, z=z, idx=idx, weights=weights, y=y, precision=precision, router=router,
+                                   **extra, **router_params)
+
+    return Report("layer.forward", dict(router_params, precision=precision, router=router),
+                  [_judged(case, judge) for case in layer_cases(router, lora, seed)])
 
 
 def layer_backward(fn, precision, router="softmax_topk", lora=True, seed=0, **router_params):
     """Report of fn's layer backward (with its own forward's z, idx and weights) on every layer
     data class."""
-    results = []
-    for case in layer_cases(router, lora, seed):
-        base, extra = _layer_args(case.inputs)
-        try:
-            out = fn(**base, k=case.inputs["k"], dy=case.inputs["dy"], **extra)
-            grads = {n: out.get(n) for n in ("router_w_grad", "router_b_grad")}
-            results.append(Result(case, check.layer_backward(
-                **base, z=out["z"], idx=out["idx"], weights=out["weights"], dy=case.inputs["dy"], dx=out["dx"],
-                dweights=out["dweights"], dz=out["dz"], precision=precision, router=router, **grads, **extra,
-                **router_params)))
-        except Exception as e:
-            results.append(Result(case, error="{}: {}".format(type(e).__name__, e)))
-    return Report("layer.backward", dict(router_params, precision=precision, router=router), results)
+    def judge(c):
+        base, extra = _layer_args(c)
+        out = fn(**base, k=c["k"], dy=c["dy"], **extra)
+        grads = {n: out.get(n) for n in ("router_w_grad", "router_b_grad")}
+        return check.layer_backward(**base, z=out["z"], idx=out["idx"], weights=out["weights"], dy=c["dy"],
+                                    dx=out["dx"], dweights=out["dweights"], dz=out["dz"], precision=precision,
+                                    router=router, **grads, **extra, **router_params)
+
+    return Report("layer.backward", dict(router_params, precision=precision, router=router),
+                  [_judged(case, judge) for case in layer_cases(router, lora, seed)])
