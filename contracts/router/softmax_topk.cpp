@@ -37,26 +37,32 @@ void softmax_topk_post(detail::Checker& c, MatView<const float> z, MatView<const
   }
   if (c.stop()) return;
   auto score = [&](std::size_t t, std::int32_t i) { return z(t, static_cast<std::size_t>(i)); };
-  std::vector<float> top(z.rows);
-  for (std::size_t t = 0; t < z.rows; ++t) top[t] = *std::max_element(z.row(t), z.row(t) + e);
   // By z: equal logits an exact tie; logits within an fp32 softmax's
-  // rounding of each other a near tie (proofs/router.md §1b).
+  // rounding of each other a near tie (proofs/router.md §1b), which reads
+  // the row's maximum (formed where an order clause runs).
+  std::vector<float> row_max;
+  auto form_maxima = [&] {
+    row_max.resize(z.rows);
+    for (std::size_t t = 0; t < z.rows; ++t) row_max[t] = *std::max_element(z.row(t), z.row(t) + e);
+  };
   const double normal_shift = bounds::softmax_normal_shift(e);
   auto rank = [&](std::size_t t, std::int32_t a, std::int32_t b) {
     const float za = score(t, a), zb = score(t, b);
     if (za == zb) return a < b ? Rank::before : Rank::tie;
-    const double reach =
-        bounds::softmax_selection_reach(std::max(za, zb), std::min(za, zb), top[t], normal_shift);
+    const double reach = bounds::softmax_selection_reach(std::max(za, zb), std::min(za, zb),
+                                                         row_max[t], normal_shift);
     if (std::fabs(double(za) - zb) <= reach) return za > zb ? Rank::before : Rank::near;
     return ranks_before(za, a, zb, b) ? Rank::before : Rank::after;
   };
   auto any = [](auto, auto) { return true; };
   if (!judge::current().slots_any_order) {
     MOECERT_CONTRACT(c, k::kSmSorted) {
+      form_maxima();
       order_rows_by(c, k::kSmSorted, nullptr, idx, e, rank, score, any, true);
     }
   }
   MOECERT_CONTRACT(c, k::kSmTopk) {
+    if (row_max.empty()) form_maxima();
     order_rows_by(c, k::kSmSorted, &k::kSmTopk, idx, e, rank, score, any, true);
   }
   // Range and sum of each row's weights (bounds::softmax_rel); proofs/bounds.md §6.
