@@ -22,6 +22,10 @@ Suites (each a function taking your callable; the data classes below):
                                                   fn(x, router_w, router_b, w_gate, w_up, w_down, k,
                                                   router_bias=None, lora=None, alpha=None)
                                                   -> (z, idx, weights, y)
+    c_experts_forward(function)                    a C function (ctypes) as experts_forward's fn:
+                                                  int32_t f(const moecert_tensor* x, idx, weights,
+                                                  w_gate, w_up, w_down, const moecert_lora* lora,
+                                                  moecert_tensor* y) over moecert.h's descriptors
     layer_backward(fn, precision, router="softmax_topk", lora=True, **router_params)
                                                   fn(the same, dy) -> {"z", "idx", "weights", "dx",
                                                   "dweights", "dz"; optionally "router_w_grad",
@@ -41,6 +45,7 @@ T64 for the experts and the layer, E64 K8 T64 for the routers). The layer's rout
 N(0, 1/H), its bias N(0, 0.01) (sigmoid_topk: a correction bias too); it is judged stage by stage
 on the implementation's own z, idx and weights (docs/JUDGE.md).
 """
+import ctypes
 import json
 import math
 import os
@@ -364,3 +369,37 @@ def layer_backward(fn, precision, router="softmax_topk", lora=True, seed=0, **ro
 
     return Report("layer.backward", dict(router_params, precision=precision, router=router),
                   [_judged(case, judge) for case in layer_cases(router, lora, seed)])
+
+
+def c_experts_forward(function):
+    """experts_forward's fn over a C function through the C ABI's descriptors
+    (include/moecert/moecert.h): `function` a ctypes function (e.g. ctypes.CDLL(path).name) of
+    the signature
+
+        int32_t f(const moecert_tensor* x, const moecert_tensor* idx, const moecert_tensor* weights,
+                  const moecert_tensor* w_gate, const moecert_tensor* w_up, const moecert_tensor* w_down,
+                  const moecert_lora* lora, moecert_tensor* y);
+
+    x and the weights bf16 ([T, H], stacked [E*I, H], [E*I, H], [E*H, I]), idx int32 and weights
+    fp32 [T, K] (-1: an empty slot), lora NULL without LoRA (else its factors bf16 stacked as the
+    experts op takes them, rank and alpha), y fp32 [T, H] to write (NaN until written); a nonzero
+    return fails the case."""
+    from . import _abi
+    from .torch._tensors import describe
+    function.restype = ctypes.c_int32
+    function.argtypes = [ctypes.POINTER(_abi.Tensor)] * 6 + [ctypes.POINTER(_abi.Lora), ctypes.POINTER(_abi.Tensor)]
+    names = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")
+
+    def call(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None):
+        ins = [x.bfloat16().contiguous(), idx.int().contiguous(), weights.float().contiguous()] + [
+            w.bfloat16().contiguous() for w in (w_gate, w_up, w_down)]
+        y = torch.full((x.shape[0], x.shape[1]), math.nan)
+        factors = [lora[n].bfloat16().contiguous() for n in names] if lora else []
+        c_lora = _abi.Lora(*(describe(f) for f in factors), factors[0].shape[1], float(alpha)) if lora else None
+        status = function(*(ctypes.byref(describe(t)) for t in ins), ctypes.byref(c_lora) if lora else None,
+                          ctypes.byref(describe(y)))
+        if status != 0:
+            raise RuntimeError("{} returned {}".format(getattr(function, "__name__", "the C function"), status))
+        return y
+
+    return call

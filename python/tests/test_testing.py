@@ -102,3 +102,19 @@ def test_a_torch_layer_judged_on_every_layer_case():
     # dx without the router's path: the backward's dx fails
     bad = mtest.layer_backward(_layer(torch.float32, router_dx=False), "fp32")
     assert not bad.passed and "layer.backward.within_bound" in bad.summary()
+
+
+@pytest.mark.skipif(not os.environ.get("MOECERT_EXAMPLE_C"), reason="MOECERT_EXAMPLE_C (set by ctest) not set")
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_c_function_judged_through_the_abi(lora):
+    """examples/judge/experts.c, built by ctest: its fp32 experts forward conforms; the variant that
+    leaves out LoRA's alpha / r fails within_bound where LoRA counts."""
+    import ctypes
+    lib = ctypes.CDLL(os.environ["MOECERT_EXAMPLE_C"])
+    report = mtest.experts_forward(mtest.c_experts_forward(lib.example_experts_forward), "fp32", lora=lora)
+    mtest.assert_conforms(report)
+    unscaled = mtest.experts_forward(mtest.c_experts_forward(lib.example_experts_forward_unscaled), "fp32",
+                                     lora=lora)
+    assert unscaled.passed != lora  # alpha / r = 2 here: wrong only with LoRA
+    if lora:
+        assert "experts.forward_train.within_bound" in unscaled.summary()
