@@ -22,14 +22,14 @@ Suites (each a function taking your callable; the data classes below):
                                                   fn(x, router_w, router_b, w_gate, w_up, w_down, k,
                                                   router_bias=None, lora=None, alpha=None)
                                                   -> (z, idx, weights, y)
-    c_experts_forward(function)                    a C function (ctypes) as experts_forward's fn:
-                                                  int32_t f(const moecert_tensor* x, idx, weights,
-                                                  w_gate, w_up, w_down, const moecert_lora* lora,
-                                                  moecert_tensor* y) over moecert.h's descriptors
     layer_backward(fn, precision, router="softmax_topk", lora=True, **router_params)
                                                   fn(the same, dy) -> {"z", "idx", "weights", "dx",
                                                   "dweights", "dz"; optionally "router_w_grad",
                                                   "router_b_grad"}
+    c_experts_forward(function)                    a C function (ctypes) as experts_forward's fn:
+                                                  int32_t f(const moecert_tensor* x, idx, weights,
+                                                  w_gate, w_up, w_down, const moecert_lora* lora,
+                                                  moecert_tensor* y) over moecert.h's descriptors
 
 Router params are the judge's (renormalize, groups, topk_group, scaling, weights, sorted,
 backward; docs/JUDGE.md). Tensors are torch tensors in the layouts docs/JUDGE.md gives: x, the
@@ -42,7 +42,7 @@ over +-60: near one-hot softmax); minus1_slots (rows whose last slots are empty)
 (every token routed to expert 0, the others idle); idle_experts (half the experts get no
 token); wide_exponents (rows of x scaled by 2^-20 .. 2^20); realistic (E16 H512 I384 K4 r8
 T64 for the experts and the layer, E64 K8 T64 for the routers). The layer's router weights are
-N(0, 1/H), its bias N(0, 0.01) (sigmoid_topk: a correction bias too); it is judged stage by stage
+N(0, 1/H), its bias N(0, 0.1²) (sigmoid_topk: a correction bias too); it is judged stage by stage
 on the implementation's own z, idx and weights (docs/JUDGE.md).
 """
 import ctypes
