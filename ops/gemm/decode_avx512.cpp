@@ -117,25 +117,23 @@ void decode_panel(const DecodeArgs& a, std::size_t p) {
   }
 }
 
-template <WeightFormat F, bool Normal>
+// Every panel of format F, on the rounding path the pack allows.
+template <WeightFormat F>
 void decode_panels(const DecodeArgs& a) {
-  for (std::size_t p = a.p0; p < a.p1; ++p) decode_panel<F, Normal>(a, p);
+  for (std::size_t p = a.p0; p < a.p1; ++p)
+    a.normal ? decode_panel<F, true>(a, p) : decode_panel<F, false>(a, p);
 }
 
 }  // namespace
 
 void decode_avx512(const DecodeArgs& a) {
-  const bool normal = a.normal;
   switch (a.format) {
     case WeightFormat::int8_channel:
-      return normal ? decode_panels<WeightFormat::int8_channel, true>(a)
-                    : decode_panels<WeightFormat::int8_channel, false>(a);
+      return decode_panels<WeightFormat::int8_channel>(a);
     case WeightFormat::int4_group:
-      return normal ? decode_panels<WeightFormat::int4_group, true>(a)
-                    : decode_panels<WeightFormat::int4_group, false>(a);
+      return decode_panels<WeightFormat::int4_group>(a);
     default:
-      return normal ? decode_panels<WeightFormat::fp8_e4m3_block128, true>(a)
-                    : decode_panels<WeightFormat::fp8_e4m3_block128, false>(a);
+      return decode_panels<WeightFormat::fp8_e4m3_block128>(a);
   }
 }
 
