@@ -93,6 +93,13 @@ void write_reports(const judge::Verdict& v, const CheckArgs& a) {
                        t.t, t.a, t.b, t.score)
                  : fmt::format("- t={}: expert {} before expert {}, both score {:.9g}\n", t.t, t.a,
                                t.b, t.score);
+  if (!v.errors.empty())
+    md +=
+        "\n| output | relative error | worst-case bound | probabilistic bound "
+        "|\n|---|---|---|---|\n";
+  for (const auto& e : v.errors)
+    md += fmt::format("| {} | {:.3g} | {:.3g} | {:.3g} |\n", e.output, e.relative_error,
+                      e.relative_worst, e.relative_probable);
   write_file(fs::path(a.out) / "report.md", md);
   write_file(fs::path(a.out) / "junit.xml",
              fmt::format("<?xml version=\"1.0\" encoding=\"UTF-8\"?><testsuite name=\"moecert "

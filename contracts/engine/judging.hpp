@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace moecert::contracts::judge {
@@ -22,6 +23,15 @@ struct Tie {
   bool near = false;
 };
 
+/// One output's error as a whole: ||v - ref||_F / ||ref||_F, and the same
+/// ratio for the worst-case bound and for the probabilistic bound of the
+/// declared precision (NaN where not formed): how far the implementation
+/// is against how far a correct one may be, and typically is.
+struct ErrorSummary {
+  std::string output;
+  double relative_error, relative_worst, relative_probable;
+};
+
 struct Options {
   bool ties_any_order = false;
   // The slots of a row in any order: the selection is judged as a set, each
@@ -33,6 +43,7 @@ struct Options {
   // Rows a clause skipped because an index clause rejected their expert
   // ids (it would read scores through them), if recorded anywhere.
   std::vector<std::size_t>* skipped_rows = nullptr;
+  std::vector<ErrorSummary>* errors = nullptr;  // where outputs' error summaries go, if anywhere
 };
 
 /// The calling thread's options (the router clauses run on it).

@@ -363,6 +363,37 @@ namespace {
 // errors) needs data where no single rounding dominates many outputs.
 bool audit_asked(const Params& p) { return flag_param(p, "audit", true); }
 
+// Output `name`'s error as a whole (judge::ErrorSummary) against the model
+// `ref` and, where formed, the probabilistic model, for the verdict.
+void summarize(const char* name, MatView<const float> m, const std::vector<Tracked>& ref,
+               const std::vector<Tracked>* probable) {
+  std::vector<ErrorSummary>* out = judge::current().errors;
+  if (!out || !m.data) return;
+  const std::vector<float> got = contracts::values(m);
+  double err = 0, norm = 0, worst = 0, likely = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double r = ref[i].v, b = bounds::kReferenceSlack * stored(std::fabs(r), ref[i].e);
+    err += (got[i] - r) * (got[i] - r), norm += r * r, worst += b * b;
+    if (probable) {
+      const double pb =
+          bounds::kReferenceSlack * stored(std::fabs((*probable)[i].v), (*probable)[i].e);
+      likely += pb * pb;
+    }
+  }
+  out->push_back({name, std::sqrt(err / norm), std::sqrt(worst / norm),
+                  probable ? std::sqrt(likely / norm) : NAN});
+}
+
+// The weight gradients' summaries (those given).
+void summarize_weight_grads(const WeightGrads& g, const ExpertsBackward& ref,
+                            const ExpertsBackward* probable) {
+  const auto names = grad_shapes(0, 0, 0, 0);
+  for (std::size_t i = 0; i < kWeightGrads; ++i)
+    if (g[i].data)
+      summarize(fmt::format("{}_grad", names[i].name).c_str(), g[i], ref.weight_grads[i],
+                probable ? &probable->weight_grads[i] : nullptr);
+}
+
 // The experts op's inputs: the tensors by name, idx and weights among them.
 ExpertsTensors read_inputs(const Tensors& in, const Params& p, bool lora_allowed) {
   ExpertsTensors t = experts_tensors(in, p, lora_allowed);
@@ -402,17 +433,17 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   // declared precision; proofs/experts.md §4.
   const auto ref = experts_model_forward(t, p);
   MOECERT_CONTRACT(c, k.within) { within_model(c, k.within, "y", y, ref, p, kForwardProof); }
+  const bool audit = audit_asked(params);
+  const auto probable = audit ? experts_model_forward(t, bounds::probable(p)) : decltype(ref){};
+  summarize("y", y, ref, audit ? &probable : nullptr);
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
-  if (!audit_asked(params)) return;
+  if (!audit) return;
   MOECERT_CONTRACT(c, k.rounding) {
     rounding_unbiased(c, k.rounding, "y", contracts::values(y), exact(ref));
   }
   // Independent mean-zero rounding errors: every y within the probabilistic
   // bound of the declared precision (proofs/bounds.md §12).
-  MOECERT_CONTRACT(c, k.spread) {
-    within_model(c, k.spread, "y", y, experts_model_forward(t, bounds::probable(p)), p,
-                 kSpreadProof);
-  }
+  MOECERT_CONTRACT(c, k.spread) { within_model(c, k.spread, "y", y, probable, p, kSpreadProof); }
 }
 
 // The outputs given (dx, dweights: at least one) with their shapes.
@@ -476,13 +507,18 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
         (!o.dx.data || within_model(c, kt::kBwdWithin, "dx", o.dx, ref.dx, p, kBackwardProof)) &&
         weight_grads_within(c, kt::kBwdWithin, o.weights, ref, p, kBackwardProof);
   }
+  const bool audit = audit_asked(params);
+  const ExpertsBackward probable =
+      audit ? experts_model_backward(t, dy, bounds::probable(p), any_weight_grad(o.weights))
+            : ExpertsBackward{};
+  summarize("dx", o.dx, ref.dx, audit ? &probable.dx : nullptr);
+  summarize("dweights", o.dweights, ref.dweights, audit ? &probable.dweights : nullptr);
+  summarize_weight_grads(o.weights, ref, audit ? &probable : nullptr);
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
-  if (!audit_asked(params)) return;
+  if (!audit) return;
   // Independent mean-zero rounding errors: every output within the
   // probabilistic bound of the declared precision (proofs/bounds.md §12).
   MOECERT_CONTRACT(c, kt::kBwdSpread) {
-    const auto probable =
-        experts_model_backward(t, dy, bounds::probable(p), any_weight_grad(o.weights));
     (!o.dweights.data ||
      within_model(c, kt::kBwdSpread, "dweights", o.dweights, probable.dweights, p, kSpreadProof)) &&
         (!o.dx.data || within_model(c, kt::kBwdSpread, "dx", o.dx, probable.dx, p, kSpreadProof)) &&

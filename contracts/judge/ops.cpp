@@ -88,11 +88,12 @@ Verdict judge_op(const std::string& op, const Tensors& in, const Tensors& out,
     throw std::invalid_argument(fmt::format("{}: not an op the judge reads from tensors", op));
   const OpEntry& entry = it->second;
   check_params(op, params);
-  Verdict v{op, {}, {}, {}};
+  Verdict v{op, {}, {}, {}, {}};
   Options options = options_for(out);
   options.slots_any_order = !flag_param(params, "sorted", false);
   options.ties = &v.ties;
   options.skipped_rows = &v.skipped_rows;
+  options.errors = &v.errors;
   // One judgement at a time: the handler and the clause counts are the
   // process's (a violation another thread meets meanwhile is recorded in
   // that thread's list, not printed, and still raised under enforce).
@@ -159,12 +160,20 @@ std::string verdict_json(const Verdict& v, const Params& about) {
                                 {"other", t.b},
                                 {"score", t.score},
                                 {"kind", t.near ? "near" : "exact"}});
+  json::array errors;
+  auto number = [](double x) { return std::isfinite(x) ? json::value(x) : json::value(nullptr); };
+  for (const auto& e : v.errors)
+    errors.push_back(json::object{{"output", e.output},
+                                  {"relative_error", number(e.relative_error)},
+                                  {"relative_worst", number(e.relative_worst)},
+                                  {"relative_probable", number(e.relative_probable)}});
   json::object j{{"schema", "moecert-check/1"},
                  {"op", v.op},
                  {"verdict", v.passed() ? "pass" : "fail"},
                  {"clauses", std::move(clauses)},
                  {"ties", std::move(ties)},
-                 {"skipped_rows", json::value_from(v.skipped_rows)}};
+                 {"skipped_rows", json::value_from(v.skipped_rows)},
+                 {"errors", std::move(errors)}};
   for (const auto& [k, val] : about) j[k] = val;
   return json::serialize(j);
 }

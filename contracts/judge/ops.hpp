@@ -46,6 +46,9 @@ struct Verdict {
   // Rows whose expert ids an index clause rejected, which the clauses that
   // read scores or weights through the ids skipped (ascending, distinct).
   std::vector<std::size_t> skipped_rows;
+  // Each output judged against a model (the experts op's): its error as a
+  // whole against the bounds' (ErrorSummary).
+  std::vector<ErrorSummary> errors;
   bool passed() const;
 };
 

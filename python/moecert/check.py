@@ -27,7 +27,10 @@ __all__ = ["Verdict", "softmax_topk_forward", "softmax_topk_backward", "sigmoid_
 class Verdict:
     """The judge's verdict: `passed`, `clauses` (id, verdict pass|fail|not evaluated, and for a
     failure its location, observed, expected and message), `ties` (t, chosen, other, score,
-    kind: exact or near) and `failed` (the ids of the failed clauses)."""
+    kind: exact or near), `failed` (the ids of the failed clauses) and `errors` (per output judged
+    against the experts model: relative_error = ||v - ref||_F / ||ref||_F, and relative_worst,
+    relative_probable: the same ratio for the worst-case and the probabilistic bound of the
+    declared precision, None where not formed)."""
 
     def __init__(self, report):
         self.report = report
@@ -36,6 +39,7 @@ class Verdict:
         self.clauses = report["clauses"]
         self.ties = report["ties"]
         self.failed = [c["id"] for c in self.clauses if c["verdict"] == "fail"]
+        self.errors = report.get("errors", [])
 
     def __bool__(self):
         return self.passed
@@ -57,6 +61,12 @@ class Verdict:
                   ("both score {score}" if t["kind"] == "exact" else
                    "within the fp32 scores' rounding of each other (score {score})").format(**t)
                   for t in self.ties]
+        if self.errors:
+            lines += ["", "| output | relative error | worst-case bound | probabilistic bound |", "|---|---|---|---|"]
+            lines += ["| {} | {} | {} | {} |".format(e["output"], *("{:.3g}".format(e[k]) if e[k] is not None else "-"
+                                                                 for k in ("relative_error", "relative_worst",
+                                                                           "relative_probable")))
+                      for e in self.errors]
         with open(os.path.join(folder, "report.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
 

@@ -262,6 +262,32 @@ def test_torch_experts_judged_under_their_declared_precision(with_lora):
     assert [f for f in v.failed if f.endswith(".within_bound")]
 
 
+def test_the_verdict_summarises_each_outputs_error(tmp_path):
+    """Per output: ||v - ref|| / ||ref|| beside the worst-case and the probabilistic bounds' ratios.
+    A correct bf16 implementation sits within them; y off by 5% shows 5%, several times the correct
+    one's error (though still inside bf16's bounds at this size)."""
+    import moecert.check as check
+    inputs, lora = experts.random_case()
+    y = experts.experts_forward(**inputs, lora=lora, alpha=8.0, dtype=torch.bfloat16)
+    v = check.experts_forward(**inputs, y=y, precision="bf16", lora=lora, alpha=8.0)
+    (e,) = v.errors
+    assert e["output"] == "y" and 0 < e["relative_error"] <= e["relative_probable"] <= e["relative_worst"]
+    off = check.experts_forward(**inputs, y=y.float() * 1.05, precision="bf16", lora=lora, alpha=8.0)
+    assert off.errors[0]["relative_error"] == pytest.approx(0.05, rel=0.2)
+    assert off.errors[0]["relative_error"] > 5 * e["relative_error"]
+    dy = torch.randn(12, 40, generator=torch.Generator().manual_seed(4))
+    dx, dw, grads = experts.experts_backward(**inputs, dy=dy, lora=lora, alpha=8.0, dtype=torch.float32,
+                                             weight_grads=True)
+    v = check.experts_backward(**inputs, dy=dy, precision="fp32", dx=dx, dweights=dw, lora=lora, alpha=8.0,
+                               weight_grads={"b_down": grads["b_down"]})
+    assert [e["output"] for e in v.errors] == ["dx", "dweights", "b_down_grad"]
+    assert all(e["relative_error"] <= e["relative_worst"] for e in v.errors)
+    assert check.experts_forward(**inputs, y=y, precision="bf16", lora=lora, alpha=8.0,
+                                 ).errors[0]["relative_probable"] is not None
+    v.write(str(tmp_path))
+    assert "| b_down_grad |" in (tmp_path / "report.md").read_text()
+
+
 @pytest.mark.parametrize("with_lora", [False, True])
 def test_torch_experts_backward_judged(with_lora):
     import moecert.check as check
