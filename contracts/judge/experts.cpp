@@ -380,8 +380,8 @@ void summarize(const char* name, MatView<const float> m, const std::vector<Track
       likely += pb * pb;
     }
   }
-  out->push_back({name, std::sqrt(err / norm), std::sqrt(worst / norm),
-                  probable ? std::sqrt(likely / norm) : NAN});
+  auto ratio = [&](double x) { return norm > 0 ? std::sqrt(x / norm) : NAN; };
+  out->push_back({name, ratio(err), ratio(worst), probable ? ratio(likely) : NAN});
 }
 
 // The weight gradients' summaries (those given).
