@@ -209,6 +209,25 @@ bool scan_range(detail::Checker& c, const ClauseInfo& clause, const char* name,
       "0 or 2^-60 <= |v| <= 2^60");
 }
 
+void summarize_error(const char* name, MatView<const float> m, const std::vector<Tracked>& ref,
+                     const std::vector<Tracked>* probable) {
+  std::vector<ErrorSummary>* out = judge::current().errors;
+  if (!out || !m.data) return;
+  const std::vector<float> got = contracts::values(m);
+  double err = 0, norm = 0, worst = 0, likely = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double r = ref[i].v, b = bounds::kReferenceSlack * stored(std::fabs(r), ref[i].e);
+    err += (got[i] - r) * (got[i] - r), norm += r * r, worst += b * b;
+    if (probable) {
+      const double pb =
+          bounds::kReferenceSlack * stored(std::fabs((*probable)[i].v), (*probable)[i].e);
+      likely += pb * pb;
+    }
+  }
+  auto ratio = [&](double x) { return norm > 0 ? std::sqrt(x / norm) : NAN; };
+  out->push_back({name, ratio(err), ratio(worst), probable ? ratio(likely) : NAN});
+}
+
 bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name,
                   MatView<const float> m, const std::vector<Tracked>& ref,
                   const bounds::Precision& p, const char* proof) {
@@ -363,35 +382,14 @@ namespace {
 // errors) needs data where no single rounding dominates many outputs.
 bool audit_asked(const Params& p) { return flag_param(p, "audit", true); }
 
-// Output `name`'s error as a whole (judge::ErrorSummary) against the model
-// `ref` and, where formed, the probabilistic model, for the verdict.
-void summarize(const char* name, MatView<const float> m, const std::vector<Tracked>& ref,
-               const std::vector<Tracked>* probable) {
-  std::vector<ErrorSummary>* out = judge::current().errors;
-  if (!out || !m.data) return;
-  const std::vector<float> got = contracts::values(m);
-  double err = 0, norm = 0, worst = 0, likely = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double r = ref[i].v, b = bounds::kReferenceSlack * stored(std::fabs(r), ref[i].e);
-    err += (got[i] - r) * (got[i] - r), norm += r * r, worst += b * b;
-    if (probable) {
-      const double pb =
-          bounds::kReferenceSlack * stored(std::fabs((*probable)[i].v), (*probable)[i].e);
-      likely += pb * pb;
-    }
-  }
-  auto ratio = [&](double x) { return norm > 0 ? std::sqrt(x / norm) : NAN; };
-  out->push_back({name, ratio(err), ratio(worst), probable ? ratio(likely) : NAN});
-}
-
 // The weight gradients' summaries (those given).
 void summarize_weight_grads(const WeightGrads& g, const ExpertsBackward& ref,
                             const ExpertsBackward* probable) {
   const auto names = grad_shapes(0, 0, 0, 0);
   for (std::size_t i = 0; i < kWeightGrads; ++i)
     if (g[i].data)
-      summarize(fmt::format("{}_grad", names[i].name).c_str(), g[i], ref.weight_grads[i],
-                probable ? &probable->weight_grads[i] : nullptr);
+      summarize_error(fmt::format("{}_grad", names[i].name).c_str(), g[i], ref.weight_grads[i],
+                      probable ? &probable->weight_grads[i] : nullptr);
 }
 
 // The experts op's inputs: the tensors by name, idx and weights among them.
@@ -435,7 +433,7 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   MOECERT_CONTRACT(c, k.within) { within_model(c, k.within, "y", y, ref, p, kForwardProof); }
   const bool audit = audit_asked(params);
   const auto probable = audit ? experts_model_forward(t, bounds::probable(p)) : decltype(ref){};
-  summarize("y", y, ref, audit ? &probable : nullptr);
+  summarize_error("y", y, ref, audit ? &probable : nullptr);
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
   if (!audit) return;
   MOECERT_CONTRACT(c, k.rounding) {
@@ -511,8 +509,8 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
   const ExpertsBackward probable =
       audit ? experts_model_backward(t, dy, bounds::probable(p), any_weight_grad(o.weights))
             : ExpertsBackward{};
-  summarize("dx", o.dx, ref.dx, audit ? &probable.dx : nullptr);
-  summarize("dweights", o.dweights, ref.dweights, audit ? &probable.dweights : nullptr);
+  summarize_error("dx", o.dx, ref.dx, audit ? &probable.dx : nullptr);
+  summarize_error("dweights", o.dweights, ref.dweights, audit ? &probable.dweights : nullptr);
   summarize_weight_grads(o.weights, ref, audit ? &probable : nullptr);
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
   if (!audit) return;

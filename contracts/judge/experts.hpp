@@ -77,6 +77,13 @@ void weight_clauses(detail::Checker& c, const ExpertsTensors& t) {
   MOECERT_CONTRACT(c, scale) { lora_scale(c, scale, t.r, t.alpha); }
 }
 
+/// Output `name`'s error as a whole against the model `ref` and, where
+/// formed, the probabilistic model, for the verdict (ErrorSummary; nothing
+/// where no list is kept).
+void summarize_error(const char* name, MatView<const float> m,
+                     const std::vector<bounds::Tracked>& ref,
+                     const std::vector<bounds::Tracked>* probable = nullptr);
+
 /// An output against the model: |v - ref| <= its bound, widened by the
 /// output's storage; false when it failed.
 bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name,

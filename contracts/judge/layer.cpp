@@ -161,7 +161,9 @@ void layer_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
   // The router linear: z finite and within its model.
   MOECERT_CONTRACT(c, kl::kRlOutFinite) { detail::scan_finite(c, kl::kRlOutFinite, "z", t.z); }
   MOECERT_CONTRACT(c, kl::kRlWithin) {
-    within_model(c, kl::kRlWithin, "z", t.z, logits_model(t, p), p, kProof);
+    const auto model = logits_model(t, p);
+    within_model(c, kl::kRlWithin, "z", t.z, model, p, kProof);
+    summarize_error("z", t.z, model);
   }
   // The router on that z; y on the selection it made.
   router_forward(c, t, params);
@@ -169,8 +171,11 @@ void layer_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
   MOECERT_CONTRACT(c, kl::kFwdYFinite) { detail::scan_finite(c, kl::kFwdYFinite, "y", y); }
   // y's model on ids the router's index clauses rejected is not computed.
   MOECERT_CONTRACT(c, kl::kFwdWithin) {
-    if (routable(t.ex.idx, t.ex.E))
-      within_model(c, kl::kFwdWithin, "y", y, experts_model_forward(t.ex, p), p, kProof);
+    if (routable(t.ex.idx, t.ex.E)) {
+      const auto model = experts_model_forward(t.ex, p);
+      within_model(c, kl::kFwdWithin, "y", y, model, p, kProof);
+      summarize_error("y", y, model);
+    }
   }
 }
 
@@ -318,8 +323,11 @@ void layer_backward(detail::Checker& c, const Tensors& in, const Tensors& out,
   // experts model, dx and the router linear's from the implementation's dz.
   MOECERT_CONTRACT(c, kl::kBwdWithin) {
     const auto ex = experts_model_backward(t.ex, dy, p, any_weight_grad(g.experts));
+    const auto dx = dx_model(t, ex, g.dz, p);
+    summarize_error("dweights", g.dweights, ex.dweights);
+    summarize_error("dx", g.dx, dx);
     within_model(c, kl::kBwdWithin, "dweights", g.dweights, ex.dweights, p, kProof) &&
-        within_model(c, kl::kBwdWithin, "dx", g.dx, dx_model(t, ex, g.dz, p), p, kProof) &&
+        within_model(c, kl::kBwdWithin, "dx", g.dx, dx, p, kProof) &&
         (!g.router_w.data || within_model(c, kl::kBwdWithin, "router_w_grad", g.router_w,
                                           router_w_grad_model(t, g.dz, p), p, kProof)) &&
         (!g.router_b.data || within_model(c, kl::kBwdWithin, "router_b_grad", g.router_b,

@@ -496,6 +496,8 @@ def test_torch_layer_judged_stage_by_stage(dtype, precision):
     judged = {c["id"] for c in v.clauses if c["verdict"] == "pass"}
     assert {"layer.router_linear.within_bound", "router.softmax_topk.within_bound",
             "router.softmax_topk.topk_property", "layer.forward.within_bound"} <= judged
+    assert [e["output"] for e in v.errors] == ["z", "y"]
+    assert all(e["relative_error"] <= e["relative_worst"] and e["relative_probable"] is None for e in v.errors)
     v = check.judge("layer.backward", bwd_in, bwd_out, **params)
     assert v.passed, _messages(v)
     judged = {c["id"] for c in v.clauses if c["verdict"] == "pass"}
