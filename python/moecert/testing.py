@@ -30,6 +30,10 @@ Suites (each a function taking your callable; the data classes below):
                                                   int32_t f(const moecert_tensor* x, idx, weights,
                                                   w_gate, w_up, w_down, const moecert_lora* lora,
                                                   moecert_tensor* y) over moecert.h's descriptors
+    c_experts_backward(function)                   the same for experts_backward: int32_t f(x, idx,
+                                                  weights, w_gate, w_up, w_down, lora,
+                                                  const moecert_tensor* dy, moecert_tensor* dx,
+                                                  moecert_tensor* dweights)
 
 Router params are the judge's (renormalize, groups, topk_group, scaling, weights, sorted,
 backward; docs/JUDGE.md). Tensors are torch tensors in the layouts docs/JUDGE.md gives: x, the
@@ -371,6 +375,33 @@ def layer_backward(fn, precision, router="softmax_topk", lora=True, seed=0, **ro
                   [_judged(case, judge) for case in layer_cases(router, lora, seed)])
 
 
+def _c_inputs(x, idx, weights, w_gate, w_up, w_down, lora, alpha):
+    """The C ABI's descriptors of an experts case (and the tensors they point into)."""
+    from . import _abi
+    from .torch._tensors import describe
+    tensors = [x.bfloat16().contiguous(), idx.int().contiguous(), weights.float().contiguous()] + [
+        w.bfloat16().contiguous() for w in (w_gate, w_up, w_down)]
+    factors = [lora[n].bfloat16().contiguous() for n in ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")] \
+        if lora else []
+    c_lora = _abi.Lora(*(describe(f) for f in factors), factors[0].shape[1], float(alpha)) if lora else None
+    args = [ctypes.byref(describe(t)) for t in tensors] + [ctypes.byref(c_lora) if lora else None]
+    return args, (tensors, factors, c_lora)
+
+
+def _c_function(function, outputs):
+    """`function` given the C signature of six tensors, a LoRA and `outputs` tensors."""
+    from . import _abi
+    function.restype = ctypes.c_int32
+    function.argtypes = [ctypes.POINTER(_abi.Tensor)] * 6 + [ctypes.POINTER(_abi.Lora)] + [
+        ctypes.POINTER(_abi.Tensor)] * outputs
+    return function
+
+
+def _c_status(function, status):
+    if status != 0:
+        raise RuntimeError("{} returned {}".format(getattr(function, "__name__", "the C function"), status))
+
+
 def c_experts_forward(function):
     """experts_forward's fn over a C function through the C ABI's descriptors
     (include/moecert/moecert.h): `function` a ctypes function (e.g. ctypes.CDLL(path).name) of
@@ -384,22 +415,34 @@ def c_experts_forward(function):
     fp32 [T, K] (-1: an empty slot), lora NULL without LoRA (else its factors bf16 stacked as the
     experts op takes them, rank and alpha), y fp32 [T, H] to write (NaN until written); a nonzero
     return fails the case."""
-    from . import _abi
     from .torch._tensors import describe
-    function.restype = ctypes.c_int32
-    function.argtypes = [ctypes.POINTER(_abi.Tensor)] * 6 + [ctypes.POINTER(_abi.Lora), ctypes.POINTER(_abi.Tensor)]
-    names = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")
+    _c_function(function, 1)
 
     def call(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None):
-        ins = [x.bfloat16().contiguous(), idx.int().contiguous(), weights.float().contiguous()] + [
-            w.bfloat16().contiguous() for w in (w_gate, w_up, w_down)]
+        args, keep = _c_inputs(x, idx, weights, w_gate, w_up, w_down, lora, alpha)
         y = torch.full((x.shape[0], x.shape[1]), math.nan)
-        factors = [lora[n].bfloat16().contiguous() for n in names] if lora else []
-        c_lora = _abi.Lora(*(describe(f) for f in factors), factors[0].shape[1], float(alpha)) if lora else None
-        status = function(*(ctypes.byref(describe(t)) for t in ins), ctypes.byref(c_lora) if lora else None,
-                          ctypes.byref(describe(y)))
-        if status != 0:
-            raise RuntimeError("{} returned {}".format(getattr(function, "__name__", "the C function"), status))
+        _c_status(function, function(*args, ctypes.byref(describe(y))))
         return y
+
+    return call
+
+
+def c_experts_backward(function):
+    """experts_backward's fn over a C function of the signature
+
+        int32_t f(x, idx, weights, w_gate, w_up, w_down, const moecert_lora* lora,
+                  const moecert_tensor* dy, moecert_tensor* dx, moecert_tensor* dweights);
+
+    the inputs as c_experts_forward's, dy fp32 [T, H], dx fp32 [T, H] and dweights fp32 [T, K]
+    to write."""
+    from .torch._tensors import describe
+    _c_function(function, 3)
+
+    def call(x, idx, weights, w_gate, w_up, w_down, dy, lora=None, alpha=None):
+        args, keep = _c_inputs(x, idx, weights, w_gate, w_up, w_down, lora, alpha)
+        dy = dy.float().contiguous()
+        dx, dweights = torch.full(tuple(x.shape), math.nan), torch.full(tuple(idx.shape), math.nan)
+        _c_status(function, function(*args, *(ctypes.byref(describe(t)) for t in (dy, dx, dweights))))
+        return dx, dweights
 
     return call

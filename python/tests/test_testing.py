@@ -118,3 +118,12 @@ def test_a_c_function_judged_through_the_abi(lora):
     assert unscaled.passed != lora  # alpha / r = 2 here: wrong only with LoRA
     if lora:
         assert "experts.forward_train.within_bound" in unscaled.summary()
+
+
+@pytest.mark.skipif(not os.environ.get("MOECERT_EXAMPLE_C"), reason="MOECERT_EXAMPLE_C (set by ctest) not set")
+def test_a_c_backward_judged_through_the_abi():
+    import ctypes
+    lib = ctypes.CDLL(os.environ["MOECERT_EXAMPLE_C"])
+    mtest.assert_conforms(mtest.experts_backward(mtest.c_experts_backward(lib.example_experts_backward), "fp32"))
+    bad = mtest.experts_backward(mtest.c_experts_backward(lib.example_experts_backward_no_lora_dx), "fp32")
+    assert not bad.passed and "experts.backward.within_bound" in bad.summary()
