@@ -34,6 +34,12 @@ Suites (each a function taking your callable; the data classes below):
                                                   weights, w_gate, w_up, w_down, lora,
                                                   const moecert_tensor* dy, moecert_tensor* dx,
                                                   moecert_tensor* dweights)
+    c_router_forward(function)                     router_forward's fn: int32_t f(const moecert_tensor*
+                                                  a, const moecert_tensor* b, int64_t k,
+                                                  moecert_tensor* idx, moecert_tensor* w); (a, b) =
+                                                  (z, bias or NULL) or (sx, sy)
+    c_router_backward(function, kind)              router_backward's fn: int32_t f(z, idx, g, dz);
+                                                  product_key f(sx, sy, idx, g, dsx, dsy)
 
 Router params are the judge's (renormalize, groups, topk_group, scaling, weights, sorted,
 backward; docs/JUDGE.md). Tensors are torch tensors in the layouts docs/JUDGE.md gives: x, the
@@ -444,5 +450,60 @@ def c_experts_backward(function):
         dx, dweights = torch.full(tuple(x.shape), math.nan), torch.full(tuple(idx.shape), math.nan)
         _c_status(function, function(*args, *(ctypes.byref(describe(t)) for t in (dy, dx, dweights))))
         return dx, dweights
+
+    return call
+
+
+def _c_tensor(t, dtype):
+    from .torch._tensors import describe
+    t = t.to(dtype).contiguous()
+    return t, ctypes.byref(describe(t.reshape(1, -1) if t.dim() == 1 else t))
+
+
+def c_router_forward(function):
+    """router_forward's fn over a C function of the signature
+
+        int32_t f(const moecert_tensor* a, const moecert_tensor* b, int64_t k,
+                  moecert_tensor* idx, moecert_tensor* w);
+
+    (a, b) = (z fp32 [T, E], NULL; sigmoid_topk: bias fp32 [1, E]) or, for product_key, (sx, sy)
+    fp32 [T, n]; idx int32 and w fp32 [T, K] to write (idx -2 and w NaN until written)."""
+    from . import _abi
+    T = ctypes.POINTER(_abi.Tensor)
+    function.restype, function.argtypes = ctypes.c_int32, [T, T, ctypes.c_int64, T, T]
+
+    def call(*args):
+        *scores, k = args
+        ins = [_c_tensor(t, torch.float32) for t in scores]
+        rows = scores[0].shape[0]
+        idx, w = torch.full((rows, k), -2, dtype=torch.int32), torch.full((rows, k), math.nan)
+        second = ins[1][1] if len(ins) > 1 else None
+        outs = (_c_tensor(idx, torch.int32)[1], _c_tensor(w, torch.float32)[1])
+        _c_status(function, function(ins[0][1], second, k, *outs))
+        return idx.long(), w
+
+    return call
+
+
+def c_router_backward(function, kind="softmax_topk"):
+    """router_backward's fn over a C function of the signature
+
+        int32_t f(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* g,
+                  moecert_tensor* dz);
+
+    z fp32 [T, E], idx int32 and g fp32 [T, K], dz fp32 [T, E] to write; for product_key
+    f(sx, sy, idx, g, dsx, dsy) with sx, sy, dsx, dsy fp32 [T, n]."""
+    from . import _abi
+    T = ctypes.POINTER(_abi.Tensor)
+    function.restype = ctypes.c_int32
+    function.argtypes = [T] * (6 if kind == "product_key" else 4)
+
+    def call(*args):
+        *scores, idx, g = args
+        ins = [_c_tensor(t, torch.float32) for t in scores]
+        ins += [_c_tensor(idx, torch.int32), _c_tensor(g, torch.float32)]
+        outs = [torch.full(tuple(t.shape), math.nan) for t in scores]
+        _c_status(function, function(*(d for _, d in ins), *(_c_tensor(t, torch.float32)[1] for t in outs)))
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     return call

@@ -127,3 +127,15 @@ def test_a_c_backward_judged_through_the_abi():
     mtest.assert_conforms(mtest.experts_backward(mtest.c_experts_backward(lib.example_experts_backward), "fp32"))
     bad = mtest.experts_backward(mtest.c_experts_backward(lib.example_experts_backward_no_lora_dx), "fp32")
     assert not bad.passed and "experts.backward.within_bound" in bad.summary()
+
+
+@pytest.mark.skipif(not os.environ.get("MOECERT_EXAMPLE_C"), reason="MOECERT_EXAMPLE_C (set by ctest) not set")
+def test_a_c_router_judged_through_the_abi():
+    import ctypes
+    lib = ctypes.CDLL(os.environ["MOECERT_EXAMPLE_C"])
+    mtest.assert_conforms(mtest.router_forward("softmax_topk", mtest.c_router_forward(lib.example_softmax_topk_forward),
+                                               sorted=True))
+    mtest.assert_conforms(mtest.router_backward("softmax_topk",
+                                                mtest.c_router_backward(lib.example_softmax_topk_backward)))
+    bad = mtest.router_backward("softmax_topk", mtest.c_router_backward(lib.example_softmax_topk_backward_unmasked))
+    assert not bad.passed and "router.softmax_topk_backward.unselected_grad" in bad.summary()

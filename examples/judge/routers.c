@@ -1,0 +1,83 @@
+/* A small C implementation of the renormalised softmax top-k router for
+ * moecert.testing to judge through the C ABI's tensor descriptors
+ * (include/moecert/moecert.h): logits z fp32 [T, E], ids int32 and
+ * weights fp32 [T, K], upstream gradient g fp32 [T, K], dz fp32 [T, E].
+ *
+ *   example_softmax_topk_forward           the K largest logits (ties: the
+ *                                          lower index), slots in that
+ *                                          order, softmax over the K
+ *   example_softmax_topk_backward          dz of those weights for g: zero
+ *                                          off the selection
+ *   example_softmax_topk_backward_unmasked the renormalised backward written
+ *                                          through the dense softmax without
+ *                                          its mask: unselected experts get
+ *                                          -p_i sum_j w_j g_j
+ *
+ * Returns 0, or -1 for descriptors it does not take. */
+#include <math.h>
+#include <stdint.h>
+
+#include "moecert/moecert.h"
+
+static float at(const moecert_tensor* t, int64_t r, int64_t c) {
+  return ((const float*)t->data)[r * t->stride[0] + c * t->stride[1]];
+}
+
+int example_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t k,
+                                 moecert_tensor* idx, moecert_tensor* w) {
+  (void)bias;
+  if (z->dtype != MOECERT_F32 || idx->dtype != MOECERT_I32 || w->dtype != MOECERT_F32) return -1;
+  const int64_t T = z->shape[0], E = z->shape[1];
+  for (int64_t t = 0; t < T; ++t) {
+    int32_t* ids = (int32_t*)idx->data + t * idx->stride[0];
+    float* wt = (float*)w->data + t * w->stride[0];
+    for (int64_t j = 0; j < k; ++j) {  // selection sort: the best not yet taken
+      int32_t best = -1;
+      for (int32_t e = 0; e < E; ++e) {
+        int taken = 0;
+        for (int64_t q = 0; q < j; ++q) taken |= ids[q] == e;
+        if (!taken && (best < 0 || at(z, t, e) > at(z, t, best))) best = e;
+      }
+      ids[j] = best;
+    }
+    float sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += wt[j] = expf(at(z, t, ids[j]) - at(z, t, ids[0]));
+    for (int64_t j = 0; j < k; ++j) wt[j] /= sum;
+  }
+  return 0;
+}
+
+static int backward(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* g,
+                    moecert_tensor* dz, int masked) {
+  if (z->dtype != MOECERT_F32 || idx->dtype != MOECERT_I32 || g->dtype != MOECERT_F32 ||
+      dz->dtype != MOECERT_F32)
+    return -1;
+  const int64_t T = z->shape[0], E = z->shape[1], K = idx->shape[1];
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t* ids = (const int32_t*)idx->data + t * idx->stride[0];
+    float* d = (float*)dz->data + t * dz->stride[0];
+    float top = at(z, t, ids[0]), sum = 0, all = 0, wg = 0;
+    for (int64_t j = 0; j < K; ++j) top = fmaxf(top, at(z, t, ids[j]));
+    for (int64_t j = 0; j < K; ++j) sum += expf(at(z, t, ids[j]) - top);
+    for (int32_t e = 0; e < E; ++e) all += expf(at(z, t, e) - top);
+    for (int64_t j = 0; j < K; ++j) wg += expf(at(z, t, ids[j]) - top) / sum * at(g, t, j);
+    // w_j = p_j / sum_selected p: dL/dz_j = w_j (g_j - sum w g) on the
+    // selection; unmasked, every expert also gets -p_i sum w g.
+    for (int32_t e = 0; e < E; ++e) d[e] = masked ? 0 : -expf(at(z, t, e) - top) / all * wg;
+    for (int64_t j = 0; j < K; ++j) {
+      const float wj = expf(at(z, t, ids[j]) - top) / sum;
+      d[ids[j]] = wj * (at(g, t, j) - wg);
+    }
+  }
+  return 0;
+}
+
+int example_softmax_topk_backward(const moecert_tensor* z, const moecert_tensor* idx,
+                                  const moecert_tensor* g, moecert_tensor* dz) {
+  return backward(z, idx, g, dz, 1);
+}
+
+int example_softmax_topk_backward_unmasked(const moecert_tensor* z, const moecert_tensor* idx,
+                                           const moecert_tensor* g, moecert_tensor* dz) {
+  return backward(z, idx, g, dz, 0);
+}
