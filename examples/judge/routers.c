@@ -31,7 +31,7 @@ int example_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* 
   for (int64_t t = 0; t < T; ++t) {
     int32_t* ids = (int32_t*)idx->data + t * idx->stride[0];
     float* wt = (float*)w->data + t * w->stride[0];
-    for (int64_t j = 0; j < k; ++j) {  // selection sort: the best not yet taken
+    for (int64_t j = 0; j < k; ++j) { /* selection sort: the best not yet taken */
       int32_t best = -1;
       for (int32_t e = 0; e < E; ++e) {
         int taken = 0;
@@ -61,8 +61,8 @@ static int backward(const moecert_tensor* z, const moecert_tensor* idx, const mo
     for (int64_t j = 0; j < K; ++j) sum += expf(at(z, t, ids[j]) - top);
     for (int32_t e = 0; e < E; ++e) all += expf(at(z, t, e) - top);
     for (int64_t j = 0; j < K; ++j) wg += expf(at(z, t, ids[j]) - top) / sum * at(g, t, j);
-    // w_j = p_j / sum_selected p: dL/dz_j = w_j (g_j - sum w g) on the
-    // selection; unmasked, every expert also gets -p_i sum w g.
+    /* w_j = p_j / sum_selected p: dL/dz_j = w_j (g_j - sum w g) on the
+     * selection; unmasked, every expert also gets -p_i sum w g. */
     for (int32_t e = 0; e < E; ++e) d[e] = masked ? 0 : -expf(at(z, t, e) - top) / all * wg;
     for (int64_t j = 0; j < K; ++j) {
       const float wj = expf(at(z, t, ids[j]) - top) / sum;
