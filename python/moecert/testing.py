@@ -40,6 +40,10 @@ Suites (each a function taking your callable; the data classes below):
                                                   (z, bias or NULL) or (sx, sy)
     c_router_backward(function, kind)              router_backward's fn: int32_t f(z, idx, g, dz);
                                                   product_key f(sx, sy, idx, g, dsx, dsy)
+    c_layer_forward(function)                      layer_forward's fn (the softmax_topk layer without a
+                                                  router bias): int32_t f(x, router_w, router_b,
+                                                  w_gate, w_up, w_down, lora, int64_t k, z, idx,
+                                                  weights, y)
 
 Router params are the judge's (renormalize, groups, topk_group, scaling, weights, sorted,
 backward; docs/JUDGE.md). Tensors are torch tensors in the layouts docs/JUDGE.md gives: x, the
@@ -505,5 +509,38 @@ def c_router_backward(function, kind="softmax_topk"):
         outs = [torch.full(tuple(t.shape), math.nan) for t in scores]
         _c_status(function, function(*(d for _, d in ins), *(_c_tensor(t, torch.float32)[1] for t in outs)))
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return call
+
+
+def c_layer_forward(function):
+    """layer_forward's fn (a layer whose router takes no correction bias: softmax_topk,
+    product_key) over a C function of the signature
+
+        int32_t f(const moecert_tensor* x, const moecert_tensor* router_w,
+                  const moecert_tensor* router_b, const moecert_tensor* w_gate,
+                  const moecert_tensor* w_up, const moecert_tensor* w_down,
+                  const moecert_lora* lora, int64_t k, moecert_tensor* z, moecert_tensor* idx,
+                  moecert_tensor* weights, moecert_tensor* y);
+
+    x and the experts' weights and LoRA as c_experts_forward's, router_w fp32 [R, H], router_b
+    fp32 [1, R]; z fp32 [T, R], idx int32 and weights fp32 [T, K], y fp32 [T, H] to write."""
+    from . import _abi
+    T = ctypes.POINTER(_abi.Tensor)
+    function.restype = ctypes.c_int32
+    function.argtypes = [T] * 6 + [ctypes.POINTER(_abi.Lora), ctypes.c_int64] + [T] * 4
+
+    def call(x, router_w, router_b, w_gate, w_up, w_down, k, router_bias=None, lora=None, alpha=None):
+        if router_bias is not None:
+            raise ValueError("c_layer_forward: a router with a correction bias has no C signature here")
+        rows = x.shape[0]
+        idx, weights = torch.full((rows, k), -2, dtype=torch.int32), torch.full((rows, k), math.nan)
+        args, keep = _c_inputs(x, idx, weights, w_gate, w_up, w_down, lora, alpha)
+        router = [_c_tensor(router_w, torch.float32), _c_tensor(router_b, torch.float32)]
+        z, y = torch.full((rows, router_w.shape[0]), math.nan), torch.full(tuple(x.shape), math.nan)
+        outs = [_c_tensor(z, torch.float32)[1], _c_tensor(idx, torch.int32)[1], _c_tensor(weights, torch.float32)[1],
+                _c_tensor(y, torch.float32)[1]]
+        _c_status(function, function(args[0], router[0][1], router[1][1], *args[3:6], args[6], k, *outs))
+        return z, idx.long(), weights, y
 
     return call

@@ -139,3 +139,12 @@ def test_a_c_router_judged_through_the_abi():
                                                 mtest.c_router_backward(lib.example_softmax_topk_backward)))
     bad = mtest.router_backward("softmax_topk", mtest.c_router_backward(lib.example_softmax_topk_backward_unmasked))
     assert not bad.passed and "router.softmax_topk_backward.unselected_grad" in bad.summary()
+
+
+@pytest.mark.skipif(not os.environ.get("MOECERT_EXAMPLE_C"), reason="MOECERT_EXAMPLE_C (set by ctest) not set")
+def test_a_c_layer_judged_through_the_abi():
+    import ctypes
+    lib = ctypes.CDLL(os.environ["MOECERT_EXAMPLE_C"])
+    mtest.assert_conforms(mtest.layer_forward(mtest.c_layer_forward(lib.example_layer_forward), "fp32"))
+    bad = mtest.layer_forward(mtest.c_layer_forward(lib.example_layer_forward_no_bias), "fp32")
+    assert not bad.passed and "layer.router_linear.within_bound" in bad.summary()
