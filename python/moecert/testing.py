@@ -44,6 +44,10 @@ Suites (each a function taking your callable; the data classes below):
                                                   router bias): int32_t f(x, router_w, router_b,
                                                   w_gate, w_up, w_down, lora, int64_t k, z, idx,
                                                   weights, y)
+    c_layer_backward(function)                     layer_backward's fn: int32_t f(x, router_w,
+                                                  router_b, w_gate, w_up, w_down, lora, k, dy, z,
+                                                  idx, weights, dx, dweights, dz, router_w_grad,
+                                                  router_b_grad)
 
 Router params are the judge's (renormalize, groups, topk_group, scaling, weights, sorted,
 backward; docs/JUDGE.md). Tensors are torch tensors in the layouts docs/JUDGE.md gives: x, the
@@ -542,5 +546,39 @@ def c_layer_forward(function):
                 _c_tensor(y, torch.float32)[1]]
         _c_status(function, function(args[0], router[0][1], router[1][1], *args[3:6], args[6], k, *outs))
         return z, idx.long(), weights, y
+
+    return call
+
+
+def c_layer_backward(function):
+    """layer_backward's fn over a C function of the signature
+
+        int32_t f(x, router_w, router_b, w_gate, w_up, w_down, const moecert_lora* lora, int64_t k,
+                  const moecert_tensor* dy, moecert_tensor* z, moecert_tensor* idx,
+                  moecert_tensor* weights, moecert_tensor* dx, moecert_tensor* dweights,
+                  moecert_tensor* dz, moecert_tensor* router_w_grad, moecert_tensor* router_b_grad);
+
+    the inputs as c_layer_forward's and dy fp32 [T, H]; it writes its forward's z, idx and weights
+    and the gradients, fp32: dx [T, H], dweights [T, K], dz [T, R], router_w_grad [R, H],
+    router_b_grad [1, R]."""
+    from . import _abi
+    T = ctypes.POINTER(_abi.Tensor)
+    function.restype = ctypes.c_int32
+    function.argtypes = [T] * 6 + [ctypes.POINTER(_abi.Lora), ctypes.c_int64] + [T] * 9
+
+    def call(x, router_w, router_b, w_gate, w_up, w_down, k, dy, router_bias=None, lora=None, alpha=None):
+        if router_bias is not None:
+            raise ValueError("c_layer_backward: a router with a correction bias has no C signature here")
+        rows, R = x.shape[0], router_w.shape[0]
+        nan = lambda *shape: torch.full(shape, math.nan)  # noqa: E731
+        out = {"z": nan(rows, R), "idx": torch.full((rows, k), -2, dtype=torch.int32), "weights": nan(rows, k),
+               "dx": nan(*x.shape), "dweights": nan(rows, k), "dz": nan(rows, R), "router_w_grad": nan(R, x.shape[1]),
+               "router_b_grad": nan(1, R)}
+        args, keep = _c_inputs(x, out["idx"], out["weights"], w_gate, w_up, w_down, lora, alpha)
+        router = [_c_tensor(router_w, torch.float32), _c_tensor(router_b, torch.float32)]
+        d_y = _c_tensor(dy, torch.float32)
+        outs = [_c_tensor(t, t.dtype)[1] for t in out.values()]
+        _c_status(function, function(args[0], router[0][1], router[1][1], *args[3:6], args[6], k, d_y[1], *outs))
+        return dict(out, idx=out["idx"].long(), router_b_grad=out["router_b_grad"].reshape(-1))
 
     return call

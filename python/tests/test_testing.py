@@ -148,3 +148,6 @@ def test_a_c_layer_judged_through_the_abi():
     mtest.assert_conforms(mtest.layer_forward(mtest.c_layer_forward(lib.example_layer_forward), "fp32"))
     bad = mtest.layer_forward(mtest.c_layer_forward(lib.example_layer_forward_no_bias), "fp32")
     assert not bad.passed and "layer.router_linear.within_bound" in bad.summary()
+    mtest.assert_conforms(mtest.layer_backward(mtest.c_layer_backward(lib.example_layer_backward), "fp32"))
+    bad = mtest.layer_backward(mtest.c_layer_backward(lib.example_layer_backward_no_router_dx), "fp32")
+    assert not bad.passed and "layer.backward.within_bound" in bad.summary()
