@@ -18,19 +18,7 @@
 #include <string.h>
 
 #include "moecert/moecert.h"
-
-static float bf(const moecert_tensor* t, int64_t r, int64_t c) {
-  uint16_t h;
-  memcpy(&h, (const char*)t->data + 2 * (r * t->stride[0] + c * t->stride[1]), 2);
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static float f32(const moecert_tensor* t, int64_t r, int64_t c) {
-  return ((const float*)t->data)[r * t->stride[0] + c * t->stride[1]];
-}
+#include "tensor.h"
 
 /* v[o] = sum_k W[row0 + o][k] u[k] (+= scale times it when add) for o < n, W bf16. */
 static void matvec(const moecert_tensor* w, int64_t row0, int64_t n, int64_t k, const float* u,

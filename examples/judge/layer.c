@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "moecert/moecert.h"
+#include "tensor.h"
 
 int example_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t k,
                                  moecert_tensor* idx, moecert_tensor* w);
@@ -35,21 +36,9 @@ int example_experts_backward(const moecert_tensor* x, const moecert_tensor* idx,
                              const moecert_lora* lora, const moecert_tensor* dy, moecert_tensor* dx,
                              moecert_tensor* dweights);
 
-static float bf(const moecert_tensor* t, int64_t r, int64_t c) {
-  uint16_t h;
-  memcpy(&h, (const char*)t->data + 2 * (r * t->stride[0] + c * t->stride[1]), 2);
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
+/* Element (r, c) of an fp32 tensor to write. */
 static float* at(moecert_tensor* t, int64_t r, int64_t c) {
   return (float*)t->data + r * t->stride[0] + c * t->stride[1];
-}
-
-static float rw(const moecert_tensor* w, int64_t e, int64_t h) {
-  return ((const float*)w->data)[e * w->stride[0] + h * w->stride[1]];
 }
 
 /* z = x W_r^T (+ b), then the router's selection on z. */
@@ -63,7 +52,7 @@ static int route(const moecert_tensor* x, const moecert_tensor* router_w,
   for (int64_t t = 0; t < T; ++t)
     for (int64_t e = 0; e < E; ++e) {
       float s = bias ? ((const float*)router_b->data)[e * router_b->stride[1]] : 0.0f;
-      for (int64_t h = 0; h < H; ++h) s += bf(x, t, h) * rw(router_w, e, h);
+      for (int64_t h = 0; h < H; ++h) s += bf(x, t, h) * f32(router_w, e, h);
       *at(z, t, e) = s;
     }
   return example_softmax_topk_forward(z, NULL, k, idx, weights);
@@ -104,7 +93,7 @@ static int backward(const moecert_tensor* x, const moecert_tensor* router_w,
       *at(db_r, 0, e) += d;
       for (int64_t h = 0; h < H; ++h) {
         *at(dw_r, e, h) += d * bf(x, t, h);
-        if (router_dx) *at(dx, t, h) += d * rw(router_w, e, h);
+        if (router_dx) *at(dx, t, h) += d * f32(router_w, e, h);
       }
     }
   return 0;

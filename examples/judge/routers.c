@@ -18,10 +18,7 @@
 #include <stdint.h>
 
 #include "moecert/moecert.h"
-
-static float at(const moecert_tensor* t, int64_t r, int64_t c) {
-  return ((const float*)t->data)[r * t->stride[0] + c * t->stride[1]];
-}
+#include "tensor.h"
 
 int example_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t k,
                                  moecert_tensor* idx, moecert_tensor* w) {
@@ -36,12 +33,12 @@ int example_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* 
       for (int32_t e = 0; e < E; ++e) {
         int taken = 0;
         for (int64_t q = 0; q < j; ++q) taken |= ids[q] == e;
-        if (!taken && (best < 0 || at(z, t, e) > at(z, t, best))) best = e;
+        if (!taken && (best < 0 || f32(z, t, e) > f32(z, t, best))) best = e;
       }
       ids[j] = best;
     }
     float sum = 0;
-    for (int64_t j = 0; j < k; ++j) sum += wt[j] = expf(at(z, t, ids[j]) - at(z, t, ids[0]));
+    for (int64_t j = 0; j < k; ++j) sum += wt[j] = expf(f32(z, t, ids[j]) - f32(z, t, ids[0]));
     for (int64_t j = 0; j < k; ++j) wt[j] /= sum;
   }
   return 0;
@@ -56,17 +53,17 @@ static int backward(const moecert_tensor* z, const moecert_tensor* idx, const mo
   for (int64_t t = 0; t < T; ++t) {
     const int32_t* ids = (const int32_t*)idx->data + t * idx->stride[0];
     float* d = (float*)dz->data + t * dz->stride[0];
-    float top = at(z, t, ids[0]), sum = 0, all = 0, wg = 0;
-    for (int64_t j = 0; j < K; ++j) top = fmaxf(top, at(z, t, ids[j]));
-    for (int64_t j = 0; j < K; ++j) sum += expf(at(z, t, ids[j]) - top);
-    for (int32_t e = 0; e < E; ++e) all += expf(at(z, t, e) - top);
-    for (int64_t j = 0; j < K; ++j) wg += expf(at(z, t, ids[j]) - top) / sum * at(g, t, j);
+    float top = f32(z, t, ids[0]), sum = 0, all = 0, wg = 0;
+    for (int64_t j = 0; j < K; ++j) top = fmaxf(top, f32(z, t, ids[j]));
+    for (int64_t j = 0; j < K; ++j) sum += expf(f32(z, t, ids[j]) - top);
+    for (int32_t e = 0; e < E; ++e) all += expf(f32(z, t, e) - top);
+    for (int64_t j = 0; j < K; ++j) wg += expf(f32(z, t, ids[j]) - top) / sum * f32(g, t, j);
     /* w_j = p_j / sum_selected p: dL/dz_j = w_j (g_j - sum w g) on the
      * selection; unmasked, every expert also gets -p_i sum w g. */
-    for (int32_t e = 0; e < E; ++e) d[e] = masked ? 0 : -expf(at(z, t, e) - top) / all * wg;
+    for (int32_t e = 0; e < E; ++e) d[e] = masked ? 0 : -expf(f32(z, t, e) - top) / all * wg;
     for (int64_t j = 0; j < K; ++j) {
-      const float wj = expf(at(z, t, ids[j]) - top) / sum;
-      d[ids[j]] = wj * (at(g, t, j) - wg);
+      const float wj = expf(f32(z, t, ids[j]) - top) / sum;
+      d[ids[j]] = wj * (f32(g, t, j) - wg);
     }
   }
   return 0;
