@@ -138,8 +138,11 @@ class PackedWeights {
 
  private:
   friend struct moecert::detail::PackAccess;
-  // Sizes for W of `rows` x `depth` (two interleaved: 2x the columns) and
-  // storage (`storage`'s where the size matches); panels not yet written.
+  // The sizes for W of `rows` x `depth` (two interleaved: 2x the columns);
+  // no storage yet.
+  static PackedWeights shaped(std::size_t rows, std::size_t depth, bool interleaved);
+  // shaped() and bf16 storage (`storage`'s where the size matches); panels
+  // not yet written.
   static PackedWeights sized(std::size_t rows, std::size_t depth, bool interleaved,
                              PackedWeights&& storage);
   // The part checksums of the packed bytes and a fresh PackAudit.

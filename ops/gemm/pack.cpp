@@ -85,14 +85,19 @@ PackedWeights PackedWeights::pack(MatView<const bf16> w, MatView<const bf16> sec
   return out;
 }
 
-PackedWeights PackedWeights::sized(std::size_t rows, std::size_t depth, bool interleaved,
-                                   PackedWeights&& storage) {
+PackedWeights PackedWeights::shaped(std::size_t rows, std::size_t depth, bool interleaved) {
   PackedWeights out;
   out.interleaved_ = interleaved;
   out.k_ = depth;
   out.kp_ = round_up(std::max<std::size_t>(depth, 1), kKStep);
   out.n_ = interleaved ? 2 * round_up(rows, kPanel) : rows;
   out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
+  return out;
+}
+
+PackedWeights PackedWeights::sized(std::size_t rows, std::size_t depth, bool interleaved,
+                                   PackedWeights&& storage) {
+  PackedWeights out = shaped(rows, depth, interleaved);
   out.allocate(out.np_ * out.kp_ * sizeof(bf16), std::move(storage));
   return out;
 }

@@ -47,12 +47,7 @@ PackedWeights PackedWeights::pack(const QuantView& w, const QuantView& second) {
   if (c.stop()) return {};
   const bool pair = second.codes != nullptr;
   const FormatInfo& f = format_info(w.format);
-  PackedWeights out;
-  out.interleaved_ = pair;
-  out.k_ = w.cols;
-  out.kp_ = round_up(std::max<std::size_t>(w.cols, 1), kKStep);
-  out.n_ = pair ? 2 * round_up(w.rows, kPanel) : w.rows;
-  out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
+  PackedWeights out = shaped(w.rows, w.cols, pair);
   const bool nibbles = f.code_bits == 4;
   auto* codes = out.quantized_storage(w, second, out.kp_);  // scale columns over kp
   const std::size_t wrows = w.scale_rows();
@@ -81,12 +76,8 @@ PackedWeights PackedWeights::pack_transposed(const QuantView& wt, const QuantVie
   if (c.stop()) return {};
   const bool stacked = below.codes != nullptr;
   const FormatInfo& f = format_info(wt.format);
-  PackedWeights out;
+  PackedWeights out = shaped(wt.cols, wt.rows + (stacked ? below.rows : 0), false);
   out.transposed_ = true;
-  out.k_ = wt.rows + (stacked ? below.rows : 0);
-  out.n_ = wt.cols;
-  out.kp_ = round_up(std::max<std::size_t>(out.k_, 1), kKStep);
-  out.np_ = round_up(std::max<std::size_t>(out.n_, 1), 2 * kPanel);
   const bool nibbles = f.code_bits == 4;
   // Scale columns over np: W's columns are the sources' columns.
   auto* codes = out.quantized_storage(wt, below, out.np_);
