@@ -1,8 +1,14 @@
 // Rounding of 16 fp32 lanes to bf16 as bf16::from_float does (to nearest
 // even, with integer operations; NaN kept quiet), for the AVX-512 files
-// only: include it after <immintrin.h>, in a file with their ISA flags.
+// only: include it first, in a file with their ISA flags (it silences, for
+// the rest of that file, GCC 12's warnings on its own intrinsics).
 #pragma once
 
+#if defined(__GNUC__) && \
+    !defined(__clang__)  // GCC 12 warns of the _mm*_undefined_* values in its own intrinsics
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 
 namespace moecert::gemm {

@@ -9,14 +9,7 @@
 // denormal or NaN product, which that instruction would flush or quiet
 // otherwise) with integer operations as bf16::from_float. One loop per
 // format and rounding path. Own ISA flags.
-#if defined(__GNUC__) && \
-    !defined(__clang__)  // GCC 12 warns of the _mm*_undefined_* values in its own intrinsics
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-
-#include "ops/gemm/bf16_avx512-inl.hpp"
+#include "ops/gemm/bf16_avx512-inl.hpp"  // first: its pragmas precede <immintrin.h>
 #include "ops/gemm/ukernel.hpp"
 
 namespace moecert::gemm {

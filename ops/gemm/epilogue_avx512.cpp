@@ -6,15 +6,8 @@
 // does not). Rank-r sums: 16 columns per register, the rows' order kept.
 // Scaled rounding to bf16: the same integer rounding.
 // Own ISA flags.
-#if defined(__GNUC__) && \
-    !defined(__clang__)  // GCC 12 warns of the _mm*_undefined_* values in its own intrinsics
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-
 #include "ops/core/prefetch.hpp"
-#include "ops/gemm/bf16_avx512-inl.hpp"
+#include "ops/gemm/bf16_avx512-inl.hpp"  // first: its pragmas precede <immintrin.h>
 #include "ops/gemm/exp_poly.hpp"
 #include "ops/gemm/ukernel.hpp"
 
