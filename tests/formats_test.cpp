@@ -196,7 +196,8 @@ TEST_CASE("gemm.pack: q_shape, q_code, q_scale, w_finite and w_range on quantize
   big.codes[2 * big.view.stride] = 100;
   expect(big.view, "gemm.pack.w_finite", "w[2, 0]");
   Quant tiny = make(WeightFormat::int8_channel, 4, 8, rng);
-  tiny.scales[1 * tiny.view.scale_stride] = 1e-30f;  // below 2^-60 once dequantized
+  // Input data, not a tolerance: code * 1e-30 lies below w_range's 2^-60.
+  tiny.scales[1 * tiny.view.scale_stride] = 1e-30f;
   tiny.codes[1 * tiny.view.stride + 6] = 3;
   for (std::size_t k = 0; k < 6; ++k) tiny.codes[1 * tiny.view.stride + k] = 0;
   expect(tiny.view, "gemm.pack.w_range", "w[1, 6]", Level::audit);

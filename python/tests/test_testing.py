@@ -104,13 +104,21 @@ def test_a_torch_layer_judged_on_every_layer_case():
     assert not bad.passed and "layer.backward.within_bound" in bad.summary()
 
 
-@pytest.mark.skipif(not os.environ.get("MOECERT_EXAMPLE_C"), reason="MOECERT_EXAMPLE_C (set by ctest) not set")
+@pytest.fixture(scope="module")
+def lib():
+    """examples/judge's C implementations (libmoecert_example_experts.so, built by the tests; its
+    path in MOECERT_EXAMPLE_C, which ctest sets)."""
+    path = os.environ.get("MOECERT_EXAMPLE_C")
+    if not path:
+        pytest.skip("MOECERT_EXAMPLE_C (set by ctest) not set")
+    import ctypes
+    return ctypes.CDLL(path)
+
+
 @pytest.mark.parametrize("lora", [False, True])
-def test_a_c_function_judged_through_the_abi(lora):
+def test_a_c_function_judged_through_the_abi(lib, lora):
     """examples/judge/experts.c, built by ctest: its fp32 experts forward conforms; the variant that
     leaves out LoRA's alpha / r fails within_bound where LoRA counts."""
-    import ctypes
-    lib = ctypes.CDLL(os.environ["MOECERT_EXAMPLE_C"])
     report = mtest.experts_forward(mtest.c_experts_forward(lib.example_experts_forward), "fp32", lora=lora)
     mtest.assert_conforms(report)
     unscaled = mtest.experts_forward(mtest.c_experts_forward(lib.example_experts_forward_unscaled), "fp32",
@@ -120,19 +128,13 @@ def test_a_c_function_judged_through_the_abi(lora):
         assert "experts.forward_train.within_bound" in unscaled.summary()
 
 
-@pytest.mark.skipif(not os.environ.get("MOECERT_EXAMPLE_C"), reason="MOECERT_EXAMPLE_C (set by ctest) not set")
-def test_a_c_backward_judged_through_the_abi():
-    import ctypes
-    lib = ctypes.CDLL(os.environ["MOECERT_EXAMPLE_C"])
+def test_a_c_backward_judged_through_the_abi(lib):
     mtest.assert_conforms(mtest.experts_backward(mtest.c_experts_backward(lib.example_experts_backward), "fp32"))
     bad = mtest.experts_backward(mtest.c_experts_backward(lib.example_experts_backward_no_lora_dx), "fp32")
     assert not bad.passed and "experts.backward.within_bound" in bad.summary()
 
 
-@pytest.mark.skipif(not os.environ.get("MOECERT_EXAMPLE_C"), reason="MOECERT_EXAMPLE_C (set by ctest) not set")
-def test_a_c_router_judged_through_the_abi():
-    import ctypes
-    lib = ctypes.CDLL(os.environ["MOECERT_EXAMPLE_C"])
+def test_a_c_router_judged_through_the_abi(lib):
     mtest.assert_conforms(mtest.router_forward("softmax_topk", mtest.c_router_forward(lib.example_softmax_topk_forward),
                                                sorted=True))
     mtest.assert_conforms(mtest.router_backward("softmax_topk",
@@ -141,10 +143,7 @@ def test_a_c_router_judged_through_the_abi():
     assert not bad.passed and "router.softmax_topk_backward.unselected_grad" in bad.summary()
 
 
-@pytest.mark.skipif(not os.environ.get("MOECERT_EXAMPLE_C"), reason="MOECERT_EXAMPLE_C (set by ctest) not set")
-def test_a_c_layer_judged_through_the_abi():
-    import ctypes
-    lib = ctypes.CDLL(os.environ["MOECERT_EXAMPLE_C"])
+def test_a_c_layer_judged_through_the_abi(lib):
     mtest.assert_conforms(mtest.layer_forward(mtest.c_layer_forward(lib.example_layer_forward), "fp32"))
     bad = mtest.layer_forward(mtest.c_layer_forward(lib.example_layer_forward_no_bias), "fp32")
     assert not bad.passed and "layer.router_linear.within_bound" in bad.summary()
