@@ -78,11 +78,21 @@ inline Tracked input(float v, const Precision& p) {
   return {v, bf16_store(std::fabs(v), 0)};
 }
 
+/// Whether the terms of a sum have disjoint random parts (roundings
+/// independent across the terms: those parts add as a root of squares) or
+/// may share roundings (they add by the triangle inequality). Only the
+/// probabilistic model (contracts/numeric/probable.hpp) tells them apart.
+enum class Terms { independent, shared };
+
+/// The worst-case model has no random part to fold (probable.hpp's fold).
+inline Tracked fold(Tracked a) { return a; }
+
 /// An fp32-accumulated sum of n_terms products a(i) b(i), i < count, in
 /// any order (bounds.md §1 with `accumulated` for gamma_n): the propagated
 /// errors, the accumulation's, the flushes.
 template <class A, class B>
-Tracked dot_accumulated(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p) {
+Tracked dot_accumulated(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p,
+                        Terms = Terms::shared) {
   const ref::DotTerms d = ref::dot_terms(count, a, b);
   const double n = static_cast<double>(n_terms);
   return {d.v, d.propagated + accumulated(n, kU32, p) * d.mag + 3 * n * kMinNormal32 + d.flushed};
@@ -90,14 +100,16 @@ Tracked dot_accumulated(std::size_t count, A a, B b, std::size_t n_terms, const 
 
 /// An fp32-accumulated sum of n_terms products, stored as an intermediate.
 template <class A, class B>
-Tracked dot_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p) {
+Tracked dot_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p,
+                   Terms = Terms::shared) {
   return mid(dot_accumulated(count, a, b, n_terms, p), p);
 }
 
 /// An fp32-accumulated sum of n_terms elementwise products that may each
 /// be stored first (a reduction of a stored product tensor), then stored.
 template <class A, class B>
-Tracked dot_products_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p) {
+Tracked dot_products_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p,
+                            Terms = Terms::shared) {
   Tracked d = dot_accumulated(count, a, b, n_terms, p);
   double mag = 0;
   for (std::size_t i = 0; i < count; ++i) mag += a(i).mag() * b(i).mag();

@@ -8,88 +8,173 @@
 #include <cmath>
 
 #include "contracts/engine/tbb_sync.hpp"
+#include "contracts/numeric/probable.hpp"
 
 namespace moecert::contracts {
 
 namespace {
 
 using bounds::Precision;
+using bounds::Probable;
+using bounds::Terms;
 using bounds::Tracked;
+
+// The model is written once over its scalar S: Tracked (worst-case bounds)
+// or Probable (proofs/bounds.md §12). Where a sum's terms have independent
+// roundings it says so (Terms::independent); a value that several such terms
+// read is folded (its random part bounded in the worst case) first.
 
 std::size_t kpad(std::size_t n) { return (n + 31) / 32 * 32; }
 
 // One expert's weights and LoRA factors as the implementation reads them.
+template <class S>
 struct Expert {
   const ExpertsTensors& in;
   std::size_t e;
   const Precision& p;
-  Tracked at(MatView<const float> m, std::size_t rows, std::size_t i, std::size_t k) const {
-    return bounds::input(m(e * rows + i, k), p);
+  S at(MatView<const float> m, std::size_t rows, std::size_t i, std::size_t k) const {
+    return bounds::lift<S>(bounds::input(m(e * rows + i, k), p), p);
   }
 };
+
+// A sum of rows (the slots' outputs, dx's terms) in the intermediate format.
+template <class S>
+struct RowSum;
+template <>
+struct RowSum<Tracked> {
+  Tracked v{0, 0};
+  double abs = 0;
+  explicit RowSum(Terms) {}
+  void add(const Tracked& t) { v += t, abs += t.mag(); }
+  Tracked stored(std::size_t n, const Precision& p) const {
+    return bounds::sum_stored(v, abs, n, p);
+  }
+};
+Tracked row_exact(const RowSum<Tracked>& r) { return r.v; }
+double row_abs(const RowSum<Tracked>& r) { return r.abs; }
+template <>
+struct RowSum<Probable> {
+  bounds::ProbableSum sum;
+  explicit RowSum(Terms t) : sum(t) {}
+  void add(const Probable& t) { sum.add(t); }
+  Probable stored(std::size_t n, const Precision& p) const {
+    return bounds::rounded_sum(sum, n, p.mid_unit, true,
+                               2 * static_cast<double>(n) * bounds::kMinNormal32);
+  }
+};
+Probable row_exact(const RowSum<Probable>& r) {
+  return {r.sum.v, r.sum.e, r.sum.d, r.sum.random(), r.sum.lambda};
+}
+double row_abs(const RowSum<Probable>& r) { return r.sum.abs; }
 
 // base + lora of one GEMM output: each term an fp32-accumulated sum over
 // n terms (the fused length, so a fused kernel is covered too) stored, then
 // their sum stored; the base term alone without LoRA.
 template <class A, class WB, class AL, class WL>
-Tracked gemm_out(std::size_t k_base, A a, WB wb, std::size_t k_lora, AL al, WL wl, std::size_t n,
-                 const Precision& p) {
-  const Tracked base = bounds::dot_stored(k_base, a, wb, n, p);
+auto gemm_out(std::size_t k_base, A a, WB wb, std::size_t k_lora, AL al, WL wl, std::size_t n,
+              const Precision& p, Terms base_terms = Terms::shared) {
+  const auto base = bounds::dot_stored(k_base, a, wb, n, p, base_terms);
   if (k_lora == 0) return base;
   return bounds::mid(base + bounds::dot_stored(k_lora, al, wl, n, p), p);
 }
 
 // One routed pair's forward as the model keeps it for the backward.
+template <class S>
 struct PairForward {
-  std::vector<Tracked> g, u, sg, silu, h, o;
-  std::vector<Tracked> lb, lbd;  // s x A^T (gate, up), s h A_d^T as the B GEMMs read them
+  std::vector<S> g, u, sg, silu, h, o;
+  std::vector<S> lb, lbd;  // s x A^T (gate, up), s h A_d^T as the B GEMMs read them
 };
 
-// Expert e's forward for one token row x (H inputs, as read).
-PairForward pair_forward(const Expert& w, const std::vector<Tracked>& x, const Tracked& s) {
+// The errors of lb (s x A^T as the B GEMMs read it) in o, each through its
+// exact linear coefficient: o_m depends on lb_k through
+// c_mk = sum_i W_eff[m, i] dh_i/dlb_k, W_eff = W_d + s B_d A_d, dh_i/dlb_k =
+// silu'(g_i) u_i B_g[i, k] (gate) or silu(g_i) B_u[i, k] (up). lb_k's
+// roundings are its own (independent across k): its random part joins o_m's
+// with coefficient |c_mk|, its worst-case part adds |c_mk| d_k.
+void add_lb_errors(const Expert<Probable>& w, PairForward<Probable>& f,
+                   const std::vector<Probable>& lb, double s) {
+  const ExpertsTensors& in = w.in;
+  const std::size_t H = in.H, I = in.I, r = in.r, e = w.e, R = 2 * r;
+  std::vector<double> J(I * R), Q(r * R, 0.0);  // J [I x 2r], Q = A_d J [r x 2r]
+  for (std::size_t i = 0; i < I; ++i) {
+    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v;
+    const double dg = (sg + g * sg * (1 - sg)) * u, du = g * sg;
+    for (std::size_t k = 0; k < r; ++k) {
+      J[i * R + k] = dg * in.b_gate(e * I + i, k);
+      J[i * R + r + k] = du * in.b_up(e * I + i, k);
+    }
+  }
+  for (std::size_t q = 0; q < r; ++q)
+    for (std::size_t i = 0; i < I; ++i)
+      for (std::size_t k = 0; k < R; ++k) Q[q * R + k] += in.a_down(e * r + q, i) * J[i * R + k];
+  std::vector<double> c(R);
+  for (std::size_t m = 0; m < H; ++m) {
+    std::fill(c.begin(), c.end(), 0.0);
+    for (std::size_t i = 0; i < I; ++i)
+      for (std::size_t k = 0; k < R; ++k) c[k] += in.w_down(e * H + m, i) * J[i * R + k];
+    double det = 0, rnd = 0;
+    for (std::size_t k = 0; k < R; ++k) {
+      for (std::size_t q = 0; q < r; ++q) c[k] += s * in.b_down(e * H + m, q) * Q[q * R + k];
+      det += std::fabs(c[k]) * lb[k].d, rnd += c[k] * c[k] * lb[k].s * lb[k].s;
+    }
+    f.o[m].d += det, f.o[m].s = std::hypot(f.o[m].s, std::sqrt(rnd));
+  }
+}
+
+// Expert e's forward for one token row x (H inputs, as read). lb's errors
+// reach every g_i: folded, or (exact_lb, the Probable forward) kept out of
+// g's parts and added to o's by add_lb_errors.
+template <class S>
+PairForward<S> pair_forward(const Expert<S>& w, const std::vector<S>& x, const S& s,
+                            bool exact_lb = false) {
   const ExpertsTensors& in = w.in;
   const Precision& p = w.p;
   const std::size_t H = in.H, I = in.I, r = in.r;
   // xa = x [A_g; A_u]^T, lb = s xa as the second GEMM reads it.
-  std::vector<Tracked> lb(2 * r);
+  std::vector<S> lb(2 * r), lb_read(2 * r);
   for (std::size_t k = 0; k < 2 * r; ++k) {
-    const Tracked xa = bounds::dot_stored(
+    const S xa = bounds::dot_stored(
         H, [&](std::size_t q) { return x[q]; },
         [&](std::size_t q) {
           return k < r ? w.at(in.a_gate, r, k, q) : w.at(in.a_up, r, k - r, q);
         },
         kpad(H), p);
     lb[k] = bounds::operand(bounds::mid(s * xa, p), p);
+    if constexpr (std::is_same_v<S, Probable>)
+      lb_read[k] = exact_lb ? Probable{lb[k].v, lb[k].e, 0, 0, lb[k].lambda} : bounds::fold(lb[k]);
+    else
+      lb_read[k] = lb[k];
   }
   const std::size_t n1 = kpad(H) + (r ? kpad(2 * r) : 0);
-  PairForward f{std::vector<Tracked>(I),
-                std::vector<Tracked>(I),
-                std::vector<Tracked>(I),
-                std::vector<Tracked>(I),
-                std::vector<Tracked>(I),
-                std::vector<Tracked>(H),
-                lb,
-                {}};
+  PairForward<S> f{std::vector<S>(I),
+                   std::vector<S>(I),
+                   std::vector<S>(I),
+                   std::vector<S>(I),
+                   std::vector<S>(I),
+                   std::vector<S>(H),
+                   lb,
+                   {}};
   for (std::size_t i = 0; i < I; ++i) {
     auto xq = [&](std::size_t q) { return x[q]; };
     f.g[i] = gemm_out(
         H, xq, [&](std::size_t q) { return w.at(in.w_gate, I, i, q); }, r,
-        [&](std::size_t q) { return lb[q]; },
+        [&](std::size_t q) { return lb_read[q]; },
         [&](std::size_t q) { return w.at(in.b_gate, I, i, q); }, n1, p);
     f.u[i] = gemm_out(
         H, xq, [&](std::size_t q) { return w.at(in.w_up, I, i, q); }, r,
-        [&](std::size_t q) { return lb[r + q]; },
+        [&](std::size_t q) { return lb_read[r + q]; },
         [&](std::size_t q) { return w.at(in.b_up, I, i, q); }, n1, p);
     // silu(g) in fp32 (sigma with exp within 2 ulps), stored; times u, stored.
     f.sg[i] = bounds::sig(f.g[i]);
     f.silu[i] = bounds::mid(bounds::r32(f.g[i] * f.sg[i]), p);
     f.h[i] = bounds::operand(bounds::mid(f.silu[i] * f.u[i], p), p);
   }
-  std::vector<Tracked> lbd(r);
+  // h's roundings are independent across i (x and lb_read carry none).
+  std::vector<S> lbd(r);
   for (std::size_t k = 0; k < r; ++k) {
-    const Tracked ha = bounds::dot_stored(
+    const S ha = bounds::dot_stored(
         I, [&](std::size_t q) { return f.h[q]; },
-        [&](std::size_t q) { return w.at(in.a_down, r, k, q); }, kpad(I), p);
+        [&](std::size_t q) { return w.at(in.a_down, r, k, q); }, kpad(I), p, Terms::independent);
     lbd[k] = bounds::operand(bounds::mid(s * ha, p), p);
   }
   f.lbd = lbd;
@@ -99,42 +184,46 @@ PairForward pair_forward(const Expert& w, const std::vector<Tracked>& x, const T
         I, [&](std::size_t q) { return f.h[q]; },
         [&](std::size_t q) { return w.at(in.w_down, H, m, q); }, r,
         [&](std::size_t q) { return lbd[q]; },
-        [&](std::size_t q) { return w.at(in.b_down, H, m, q); }, n2, p);
+        [&](std::size_t q) { return w.at(in.b_down, H, m, q); }, n2, p, Terms::independent);
+  if constexpr (std::is_same_v<S, Probable>)
+    if (exact_lb && r) add_lb_errors(w, f, lb, s.v);
   return f;
 }
 
 // dg, du of one pair from do (as read): dh = do W_d + q_d A_d, then the
 // SwiGLU backward, each stored as the next GEMMs read it.
+template <class S>
 struct PairDgu {
-  std::vector<Tracked> dg, du, qd;
+  std::vector<S> dg, du, qd;
 };
-PairDgu pair_dgu(const Expert& w, const PairForward& f, const std::vector<Tracked>& d,
-                 const Tracked& s) {
+template <class S>
+PairDgu<S> pair_dgu(const Expert<S>& w, const PairForward<S>& f, const std::vector<S>& d,
+                    const S& s) {
   const ExpertsTensors& in = w.in;
   const Precision& p = w.p;
   const std::size_t H = in.H, I = in.I, r = in.r;
   // q_d = s (do B_d): the scale applied to do before B_d and the result
-  // stored again, so either order is covered.
-  std::vector<Tracked> qd(r);
+  // stored again, so either order is covered. Every dh_i reads it: folded.
+  std::vector<S> qd(r);
   for (std::size_t k = 0; k < r; ++k)
-    qd[k] = bounds::operand(
+    qd[k] = bounds::fold(bounds::operand(
         bounds::mid(
             bounds::dot_stored(
                 H, [&](std::size_t q) { return bounds::operand(bounds::mid(s * d[q], p), p); },
                 [&](std::size_t q) { return w.at(in.b_down, H, q, k); }, kpad(H), p),
             p),
-        p);
+        p));
   const std::size_t nh = kpad(H) + (r ? kpad(r) : 0);
-  PairDgu o{std::vector<Tracked>(I), std::vector<Tracked>(I), qd};
+  PairDgu<S> o{std::vector<S>(I), std::vector<S>(I), qd};
   for (std::size_t i = 0; i < I; ++i) {
-    const Tracked dh = gemm_out(
+    const S dh = gemm_out(
         H, [&](std::size_t q) { return d[q]; },
         [&](std::size_t q) { return w.at(in.w_down, H, q, i); }, r,
         [&](std::size_t q) { return qd[q]; },
         [&](std::size_t q) { return w.at(in.a_down, r, q, i); }, nh, p);
     // silu'(g) = sigma (1 + g (1 - sigma)) in fp32.
-    const Tracked sg = f.sg[i], one{1, 0};
-    const Tracked dsilu =
+    const S sg = f.sg[i], one{1};
+    const S dsilu =
         bounds::r32(sg * bounds::r32(one + bounds::r32(f.g[i] * bounds::r32(one - sg))));
     o.dg[i] = bounds::operand(bounds::mid(bounds::r32(bounds::mid(dh * f.u[i], p) * dsilu), p), p);
     o.du[i] = bounds::operand(bounds::mid(dh * f.silu[i], p), p);
@@ -144,58 +233,63 @@ PairDgu pair_dgu(const Expert& w, const PairForward& f, const std::vector<Tracke
 
 // What one pair's backward leaves for the weight gradients: the GEMMs'
 // operands (do, dg, du and q = s (d B) of gate, up, down), with the forward's.
+template <class S>
 struct PairGrads {
-  std::vector<Tracked> x, d, dg, du, qgu, qd;
-  PairForward f;
+  std::vector<S> x, d, dg, du, qgu, qd;
+  PairForward<S> f;
 };
 
 // The expert path of one pair: this pair's share of dx from do = wt dy
 // (dy as read), proofs/experts.md §5; its operands kept in `keep` if given.
-std::vector<Tracked> pair_dx(const Expert& w, const PairForward& f, const std::vector<Tracked>& dy,
-                             const Tracked& wt, const Tracked& s, PairGrads* keep) {
+template <class S>
+std::vector<S> pair_dx(const Expert<S>& w, const PairForward<S>& f, const std::vector<S>& dy,
+                       const S& wt, const S& s, PairGrads<S>* keep) {
   const ExpertsTensors& in = w.in;
   const Precision& p = w.p;
   const std::size_t H = in.H, I = in.I, r = in.r;
-  std::vector<Tracked> d(H);  // do = wt dy, as the GEMMs read it
-  for (std::size_t m = 0; m < H; ++m) d[m] = bounds::operand(bounds::mid(wt * dy[m], p), p);
+  // do = wt dy, as the GEMMs read it; every dh_i reads it: folded.
+  std::vector<S> d(H);
+  for (std::size_t m = 0; m < H; ++m)
+    d[m] = bounds::fold(bounds::operand(bounds::mid(wt * dy[m], p), p));
   // (Named members, not a structured binding: clang 14 cannot capture one.)
-  const PairDgu dgu = pair_dgu(w, f, d, s);
-  const std::vector<Tracked>& dg = dgu.dg;
-  const std::vector<Tracked>& du = dgu.du;
+  const PairDgu<S> dgu = pair_dgu(w, f, d, s);
+  const std::vector<S>& dg = dgu.dg;
+  const std::vector<S>& du = dgu.du;
   // q_g = s (dg B_g), q_u = s (du B_u): the scale applied to dg before B
-  // and the result stored again, so either order is covered.
-  std::vector<Tracked> qgu(2 * r);
+  // and the result stored again, so either order is covered. dg's and du's
+  // roundings are independent across i.
+  std::vector<S> qgu(2 * r);
   for (std::size_t k = 0; k < 2 * r; ++k) {
     const auto& v = k < r ? dg : du;
-    const Tracked dgb = bounds::dot_stored(
+    const S dgb = bounds::dot_stored(
         I, [&](std::size_t q) { return bounds::operand(bounds::mid(s * v[q], p), p); },
         [&](std::size_t q) {
           return k < r ? w.at(in.b_gate, I, q, k) : w.at(in.b_up, I, q, k - r);
         },
-        kpad(2 * I), p);
+        kpad(2 * I), p, Terms::independent);
     qgu[k] = bounds::operand(bounds::mid(dgb, p), p);
   }
   // dx row = dg W_g + du W_u + q_g A_g + q_u A_u: four stored sums over the
-  // fused length, added in any order.
+  // fused length, added in any order (the four share dh's roundings).
   const std::size_t nx = kpad(2 * I) + (r ? kpad(2 * r) : 0);
-  std::vector<Tracked> dxr(H);
+  constexpr Terms kIndep = Terms::independent;
+  std::vector<S> dxr(H);
   for (std::size_t m = 0; m < H; ++m) {
-    const Tracked terms[] = {bounds::dot_stored(
-                                 I, [&](std::size_t q) { return dg[q]; },
-                                 [&](std::size_t q) { return w.at(in.w_gate, I, q, m); }, nx, p),
-                             bounds::dot_stored(
-                                 I, [&](std::size_t q) { return du[q]; },
-                                 [&](std::size_t q) { return w.at(in.w_up, I, q, m); }, nx, p),
-                             bounds::dot_stored(
-                                 r, [&](std::size_t q) { return qgu[q]; },
-                                 [&](std::size_t q) { return w.at(in.a_gate, r, q, m); }, nx, p),
-                             bounds::dot_stored(
-                                 r, [&](std::size_t q) { return qgu[r + q]; },
-                                 [&](std::size_t q) { return w.at(in.a_up, r, q, m); }, nx, p)};
-    Tracked sum{0, 0};
-    double mag = 0;
-    for (const Tracked& t : terms) sum += t, mag += t.mag();
-    dxr[m] = bounds::sum_stored(sum, mag, r ? 4 : 2, p);
+    const S terms[] = {bounds::dot_stored(
+                           I, [&](std::size_t q) { return dg[q]; },
+                           [&](std::size_t q) { return w.at(in.w_gate, I, q, m); }, nx, p, kIndep),
+                       bounds::dot_stored(
+                           I, [&](std::size_t q) { return du[q]; },
+                           [&](std::size_t q) { return w.at(in.w_up, I, q, m); }, nx, p, kIndep),
+                       bounds::dot_stored(
+                           r, [&](std::size_t q) { return qgu[q]; },
+                           [&](std::size_t q) { return w.at(in.a_gate, r, q, m); }, nx, p),
+                       bounds::dot_stored(
+                           r, [&](std::size_t q) { return qgu[r + q]; },
+                           [&](std::size_t q) { return w.at(in.a_up, r, q, m); }, nx, p)};
+    RowSum<S> sum(Terms::shared);
+    for (const S& t : terms) sum.add(t);
+    dxr[m] = sum.stored(r ? 4 : 2, p);
   }
   if (keep) keep->d = d, keep->dg = dg, keep->du = du, keep->qgu = qgu, keep->qd = dgu.qd;
   return dxr;
@@ -203,10 +297,13 @@ std::vector<Tracked> pair_dx(const Expert& w, const PairForward& f, const std::v
 
 // Expert e's weight gradients over its pairs (token order): each element a
 // sum over the pairs of one product of the GEMMs' operands, accumulated in
-// fp32 in any order, stored (proofs/experts.md §6). Order: grad_shapes'.
+// fp32 in any order, stored (proofs/experts.md §6). Distinct pairs round
+// independently. Order: grad_shapes'.
+template <class S>
 void expert_weight_grads(const ExpertsTensors& in, std::size_t e,
-                         const std::vector<const PairGrads*>& pairs, const Precision& p,
-                         std::array<std::vector<Tracked>, 9>& out) {
+                         const std::vector<const PairGrads<S>*>& pairs, const Precision& p,
+                         std::array<std::vector<S>, 9>& out) {
+  using G = PairGrads<S>;
   const std::size_t H = in.H, I = in.I, r = in.r, n = pairs.size();
   // out[g] rows [e * rows, (e + 1) * rows) of cols: sum_pairs a(pair)[row] b(pair)[col].
   auto outer = [&](std::size_t g, std::size_t rows, std::size_t cols, auto a, auto b) {
@@ -214,23 +311,23 @@ void expert_weight_grads(const ExpertsTensors& in, std::size_t e,
       for (std::size_t k = 0; k < cols; ++k)
         out[g][(e * rows + i) * cols + k] = bounds::dot_stored(
             n, [&](std::size_t q) { return a(*pairs[q], i); },
-            [&](std::size_t q) { return b(*pairs[q], k); }, n, p);
+            [&](std::size_t q) { return b(*pairs[q], k); }, n, p, Terms::independent);
   };
-  auto x = [](const PairGrads& q, std::size_t k) { return q.x[k]; };
-  auto h = [](const PairGrads& q, std::size_t k) { return q.f.h[k]; };
-  auto dg = [](const PairGrads& q, std::size_t i) { return q.dg[i]; };
-  auto du = [](const PairGrads& q, std::size_t i) { return q.du[i]; };
-  auto d = [](const PairGrads& q, std::size_t m) { return q.d[m]; };
+  auto x = [](const G& q, std::size_t k) { return q.x[k]; };
+  auto h = [](const G& q, std::size_t k) { return q.f.h[k]; };
+  auto dg = [](const G& q, std::size_t i) { return q.dg[i]; };
+  auto du = [](const G& q, std::size_t i) { return q.du[i]; };
+  auto d = [](const G& q, std::size_t m) { return q.d[m]; };
   if (r) {
     outer(
-        0, r, H, [](const PairGrads& q, std::size_t k) { return q.qgu[k]; }, x);
-    outer(1, I, r, dg, [](const PairGrads& q, std::size_t k) { return q.f.lb[k]; });
+        0, r, H, [](const G& q, std::size_t k) { return q.qgu[k]; }, x);
+    outer(1, I, r, dg, [](const G& q, std::size_t k) { return q.f.lb[k]; });
     outer(
-        2, r, H, [r](const PairGrads& q, std::size_t k) { return q.qgu[r + k]; }, x);
-    outer(3, I, r, du, [r](const PairGrads& q, std::size_t k) { return q.f.lb[r + k]; });
+        2, r, H, [r](const G& q, std::size_t k) { return q.qgu[r + k]; }, x);
+    outer(3, I, r, du, [r](const G& q, std::size_t k) { return q.f.lb[r + k]; });
     outer(
-        4, r, I, [](const PairGrads& q, std::size_t k) { return q.qd[k]; }, h);
-    outer(5, H, r, d, [](const PairGrads& q, std::size_t k) { return q.f.lbd[k]; });
+        4, r, I, [](const G& q, std::size_t k) { return q.qd[k]; }, h);
+    outer(5, H, r, d, [](const G& q, std::size_t k) { return q.f.lbd[k]; });
   }
   outer(6, I, H, dg, x);
   outer(7, I, H, du, x);
@@ -238,9 +335,10 @@ void expert_weight_grads(const ExpertsTensors& in, std::size_t e,
 }
 
 // One token's rows x and dy as the implementation reads them.
-std::vector<Tracked> row_in(MatView<const float> m, std::size_t t, const Precision& p) {
-  std::vector<Tracked> v(m.cols);
-  for (std::size_t q = 0; q < m.cols; ++q) v[q] = bounds::input(m(t, q), p);
+template <class S>
+std::vector<S> row_in(MatView<const float> m, std::size_t t, const Precision& p) {
+  std::vector<S> v(m.cols);
+  for (std::size_t q = 0; q < m.cols; ++q) v[q] = bounds::lift<S>(bounds::input(m(t, q), p), p);
   return v;
 }
 
@@ -250,91 +348,109 @@ Tracked scale_of(const ExpertsTensors& in) {
   return {s, bounds::kU32 * std::fabs(s)};
 }
 
-}  // namespace
+// The model's values as the judge compares them: Tracked as they are,
+// Probable with their high-probability bounds.
+std::vector<Tracked> tracked(std::vector<Tracked>&& v) { return std::move(v); }
+std::vector<Tracked> tracked(const std::vector<Probable>& v) {
+  std::vector<Tracked> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = bounds::collapse(v[i]);
+  return out;
+}
 
-std::vector<Tracked> experts_model_forward(const ExpertsTensors& in, const Precision& p) {
+template <class S>
+std::vector<S> model_forward(const ExpertsTensors& in, const Precision& p) {
   const std::size_t T = in.x.rows, K = in.idx.cols, H = in.H;
-  const Tracked s = scale_of(in);
-  std::vector<Tracked> y(T * H);
+  const S s = bounds::lift<S>(scale_of(in), p);
+  std::vector<S> y(T * H);
   oneapi::tbb::parallel_for(
       std::size_t{0}, T, detail::TbbBody([&](std::size_t t) {
-        const std::vector<Tracked> x = row_in(in.x, t, p);
-        std::vector<Tracked> sum(H, Tracked{0, 0});
-        std::vector<double> sum_abs(H, 0.0);
+        const std::vector<S> x = row_in<S>(in.x, t, p);
+        // y = sum_j w_j o_j: products and sums in the intermediate format;
+        // distinct slots' pairs round independently.
+        std::vector<RowSum<S>> sum(H, RowSum<S>(Terms::independent));
         for (std::size_t j = 0; j < K; ++j) {
           const std::int32_t e = in.idx(t, j);
           if (e < 0) continue;
-          const auto f = pair_forward({in, static_cast<std::size_t>(e), p}, x, s);
-          const Tracked wt = bounds::input(in.weights(t, j), p);
-          for (std::size_t m = 0; m < H; ++m) {
-            const Tracked term = wt * f.o[m];
-            sum[m] += term;
-            sum_abs[m] += term.mag();
-          }
+          const auto f = pair_forward(Expert<S>{in, static_cast<std::size_t>(e), p}, x, s, true);
+          const S wt = bounds::lift<S>(bounds::input(in.weights(t, j), p), p);
+          for (std::size_t m = 0; m < H; ++m) sum[m].add(wt * f.o[m]);
         }
-        // y = sum_j w_j o_j: products and sums in the intermediate format.
-        for (std::size_t m = 0; m < H; ++m)
-          y[t * H + m] = bounds::sum_stored(sum[m], sum_abs[m], K, p);
+        for (std::size_t m = 0; m < H; ++m) y[t * H + m] = sum[m].stored(K, p);
       }));
   return y;
 }
 
+}  // namespace
+
+std::vector<Tracked> experts_model_forward(const ExpertsTensors& in, const Precision& p) {
+  if (p.lambda > 0) return tracked(model_forward<Probable>(in, p));
+  return model_forward<Tracked>(in, p);
+}
+
 namespace {
+
+// ExpertsBackward over the model's scalar.
+template <class S>
+struct Backward {
+  std::vector<S> dx, dweights, dx_rows;
+  std::vector<double> dx_rows_abs;
+  std::array<std::vector<S>, 9> weight_grads;
+};
 
 // Token t's backward: dL/dw of its slots and its dx row into b; each pair's
 // operands into keep[t * K + j] when keep is not empty.
+template <class S>
 void token_backward(const ExpertsTensors& in, MatView<const float> dy, const Precision& p,
-                    const Tracked& s, std::size_t t, ExpertsBackward& b,
-                    std::vector<PairGrads>& keep) {
+                    const S& s, std::size_t t, Backward<S>& b, std::vector<PairGrads<S>>& keep) {
   const std::size_t K = in.idx.cols, H = in.H;
-  const std::vector<Tracked> x = row_in(in.x, t, p);
+  const std::vector<S> x = row_in<S>(in.x, t, p);
   // dy as the GEMMs read it (bf16 operands: rounded).
-  std::vector<Tracked> dyr = row_in(dy, t, p);
+  std::vector<S> dyr = row_in<S>(dy, t, p);
   for (auto& v : dyr) v = bounds::operand(v, p);
-  std::vector<Tracked> sum(H, Tracked{0, 0});
-  std::vector<double> sum_abs(H, 0.0);
+  // The slots' rows: distinct pairs round independently.
+  std::vector<RowSum<S>> sum(H, RowSum<S>(Terms::independent));
   for (std::size_t j = 0; j < K; ++j) {
     const std::int32_t e = in.idx(t, j);
     if (e < 0) continue;  // dL/dw exactly 0 there
-    const Expert w{in, static_cast<std::size_t>(e), p};
+    const Expert<S> w{in, static_cast<std::size_t>(e), p};
     const auto f = pair_forward(w, x, s);
     // dL/dw = <dy, o>: products stored, an fp32 sum, stored.
     b.dweights[t * K + j] = bounds::dot_products_stored(
         H, [&](std::size_t m) { return dyr[m]; }, [&](std::size_t m) { return f.o[m]; }, H, p);
-    PairGrads* k = keep.empty() ? nullptr : &keep[t * K + j];
-    const auto dxr = pair_dx(w, f, dyr, bounds::input(in.weights(t, j), p), s, k);
+    PairGrads<S>* k = keep.empty() ? nullptr : &keep[t * K + j];
+    const auto dxr =
+        pair_dx(w, f, dyr, bounds::lift<S>(bounds::input(in.weights(t, j), p), p), s, k);
     if (k) k->x = x, k->f = f;
-    for (std::size_t m = 0; m < H; ++m) sum[m] += dxr[m], sum_abs[m] += dxr[m].mag();
+    for (std::size_t m = 0; m < H; ++m) sum[m].add(dxr[m]);
   }
   // dx = the slots' rows summed in the intermediate format.
   for (std::size_t m = 0; m < H; ++m) {
-    b.dx[t * H + m] = bounds::sum_stored(sum[m], sum_abs[m], K, p);
-    b.dx_rows[t * H + m] = sum[m];
-    b.dx_rows_abs[t * H + m] = sum_abs[m];
+    b.dx[t * H + m] = sum[m].stored(K, p);
+    b.dx_rows[t * H + m] = row_exact(sum[m]);
+    b.dx_rows_abs[t * H + m] = row_abs(sum[m]);
   }
 }
 
-}  // namespace
-
-ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const float> dy,
-                                       const Precision& p, bool weight_grads) {
+template <class S>
+Backward<S> model_backward(const ExpertsTensors& in, MatView<const float> dy, const Precision& p,
+                           bool weight_grads) {
   const std::size_t T = in.x.rows, K = in.idx.cols, H = in.H, E = in.E;
-  const Tracked s = scale_of(in);
-  ExpertsBackward b{std::vector<Tracked>(T * H),
-                    std::vector<Tracked>(T * K, Tracked{0, 0}),
-                    std::vector<Tracked>(T * H),
-                    std::vector<double>(T * H),
-                    {}};
-  std::vector<PairGrads> keep(weight_grads ? T * K : 0);
+  const S s = bounds::lift<S>(scale_of(in), p);
+  Backward<S> b{std::vector<S>(T * H),
+                std::vector<S>(T * K, S{0}),
+                std::vector<S>(T * H),
+                std::vector<double>(T * H),
+                {}};
+  std::vector<PairGrads<S>> keep(weight_grads ? T * K : 0);
   oneapi::tbb::parallel_for(std::size_t{0}, T, detail::TbbBody([&](std::size_t t) {
                               token_backward(in, dy, p, s, t, b, keep);
                             }));
   if (!weight_grads) return b;
   const std::size_t sizes[9] = {in.r * H, in.I * in.r, in.r * H, in.I * in.r, in.r * in.I,
                                 H * in.r, in.I * H,    in.I * H, H * in.I};
-  for (std::size_t g = 0; g < 9; ++g) b.weight_grads[g].assign(E * sizes[g], Tracked{0, 0});
+  for (std::size_t g = 0; g < 9; ++g) b.weight_grads[g].assign(E * sizes[g], S{0});
   oneapi::tbb::parallel_for(std::size_t{0}, E, detail::TbbBody([&](std::size_t e) {
-                              std::vector<const PairGrads*> pairs;  // in token order
+                              std::vector<const PairGrads<S>*> pairs;  // in token order
                               for (std::size_t t = 0; t < T; ++t)
                                 for (std::size_t j = 0; j < K; ++j)
                                   if (in.idx(t, j) == static_cast<std::int32_t>(e))
@@ -343,6 +459,25 @@ ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const f
                                 expert_weight_grads(in, e, pairs, p, b.weight_grads);
                             }));
   return b;
+}
+
+template <class S>
+ExpertsBackward to_tracked(Backward<S>&& b) {
+  ExpertsBackward out{tracked(std::move(b.dx)),
+                      tracked(std::move(b.dweights)),
+                      tracked(std::move(b.dx_rows)),
+                      std::move(b.dx_rows_abs),
+                      {}};
+  for (std::size_t g = 0; g < 9; ++g) out.weight_grads[g] = tracked(std::move(b.weight_grads[g]));
+  return out;
+}
+
+}  // namespace
+
+ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const float> dy,
+                                       const Precision& p, bool weight_grads) {
+  if (p.lambda > 0) return to_tracked(model_backward<Probable>(in, dy, p, weight_grads));
+  return to_tracked(model_backward<Tracked>(in, dy, p, weight_grads));
 }
 
 }  // namespace moecert::contracts

@@ -1,0 +1,186 @@
+// Probabilistic running error bounds (proofs/bounds.md §12): a value of the
+// exact computation with its worst-case bound (Tracked's, the same
+// arithmetic) and the same error split into a part bounded in the worst case
+// and a random part, a linear combination of independent mean-zero roundings
+// whose coefficients' Euclidean norm is bounded. Hoeffding's inequality
+// bounds the random part by lambda times that norm, so roundings that are
+// independent across the terms of a sum add as a root of squares.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <type_traits>
+
+#include "contracts/numeric/precision.hpp"
+
+namespace moecert::bounds {
+
+/// kernel value - exact value = D + R, |D + R| <= e (worst case), |D| <= d,
+/// R = sum_k c_k delta_k with delta_k independent, mean zero, |delta_k| <= 1
+/// and sum_k c_k^2 <= s^2. The coefficients are those of the linearised
+/// error at the exact values; second-order terms are bounded by the
+/// operands' hp(), so the bounds hold on the event that every value of the
+/// model is within its hp() (§12: a union over the values).
+struct Probable {
+  double v = 0, e = 0, d = 0, s = 0;
+  double lambda = 0;  // the declaration's Hoeffding multiplier (Precision::lambda)
+  Probable() = default;
+  Probable(double value, double err = 0) : v(value), e(err), d(err) {}
+  Probable(Tracked t, double lam) : v(t.v), e(t.e), d(t.e), lambda(lam) {}
+  Probable(double value, double err, double det, double rnd, double lam)
+      : v(value), e(err), d(det), s(rnd), lambda(lam) {}
+  /// |error| <= hp() but with probability at most 2 exp(-lambda^2 / 2).
+  double hp() const { return std::min(e, d + lambda * s); }
+  double mag() const { return std::fabs(v) + e; }  // bound on |kernel value|
+};
+
+/// A value of the worst-case model (an input, a constant) with no random
+/// part, in the model of scalar S.
+template <class S>
+S lift(Tracked t, const Precision& p) {
+  if constexpr (std::is_same_v<S, Probable>)
+    return Probable(t, p.lambda);
+  else
+    return t;
+}
+
+/// The value with its high-probability bound as a Tracked error.
+inline Tracked collapse(const Probable& a) { return {a.v, a.hp()}; }
+/// The random part bounded in the worst case: for a value read by several
+/// terms of a later sum whose other roundings are independent across terms.
+inline Probable fold(const Probable& a) { return {a.v, a.e, a.e, 0, a.lambda}; }
+/// A value the tile unit may flush (Lemma 1').
+inline bool may_flush(const Probable& a) {
+  return a.mag() > 0 && std::fabs(a.v) - a.e < kMinNormal32;
+}
+
+namespace detail {
+inline double mul0(double p, double q) { return p == 0 || q == 0 ? 0.0 : p * q; }
+inline double lam(const Probable& a, const Probable& b) { return std::max(a.lambda, b.lambda); }
+}  // namespace detail
+
+// Sums: random parts that may share roundings add by the triangle inequality.
+inline Probable operator+(Probable a, Probable b) {
+  return {a.v + b.v, a.e + b.e, a.d + b.d, a.s + b.s, detail::lam(a, b)};
+}
+inline Probable operator-(Probable a, Probable b) {
+  return {a.v - b.v, a.e + b.e, a.d + b.d, a.s + b.s, detail::lam(a, b)};
+}
+inline Probable operator-(Probable a) { return {-a.v, a.e, a.d, a.s, a.lambda}; }
+inline Probable& operator+=(Probable& a, Probable b) { return a = a + b; }
+/// a b: the first-order terms |a| err_b + |b| err_a split as the errors are,
+/// the product of the errors in the worst-case part.
+inline Probable operator*(Probable a, Probable b) {
+  using detail::mul0;
+  const double A = std::fabs(a.v), B = std::fabs(b.v), second = mul0(a.hp(), b.hp());
+  return {a.v * b.v, propagate_safe(a.e, B, A, b.e), mul0(A, b.d) + mul0(B, a.d) + second,
+          mul0(A, b.s) + mul0(B, a.s), detail::lam(a, b)};
+}
+
+/// One rounding of unit u of a computed value (|relative error| <= u, plus a
+/// flush of size `tiny`): u |v| joins the random part; u times the value's
+/// own error, and the flush, the worst-case part.
+inline Probable rounded(Probable a, double u, double tiny) {
+  return {a.v, a.e + u * (std::fabs(a.v) + a.e) + tiny, a.d + u * a.hp() + tiny,
+          std::hypot(a.s, u * std::fabs(a.v)), a.lambda};
+}
+inline Probable r32(Probable a) { return rounded(a, kU32, kMinNormal32); }
+inline Probable mid(Probable a, const Precision& p) { return rounded(a, p.mid_unit, kMinNormal32); }
+inline Probable operand(Probable a, const Precision& p) {
+  return p.bf16_operands ? rounded(a, kUbf16, kBf16HalfDenormal) : a;
+}
+
+/// sigma(a) in fp32 (§4): the error through sigma'(v) = sigma (1 - sigma),
+/// Taylor's remainder max|sigma''| / 2 hp^2 < 0.05 hp^2, and the
+/// evaluation's own error at the computed input.
+inline Probable sig(Probable a) {
+  const double sv = 1 / (1 + std::exp(-a.v)), slope = sv * (1 - sv), h = a.hp();
+  return {sv, sigmoid(sv, a.e), slope * a.d + 0.05 * h * h + sigmoid(sv + h / 4), slope * a.s,
+          a.lambda};
+}
+
+/// A running sum of Probable terms: their random parts by `terms`
+/// (precision.hpp), magnitudes and signs kept for the sum's own roundings.
+struct ProbableSum {
+  Terms terms;
+  double v = 0, e = 0, d = 0, s = 0, s2 = 0, abs = 0, pos = 0, neg = 0, sq = 0, lambda = 0;
+  explicit ProbableSum(Terms t) : terms(t) {}
+  void add(const Probable& t) {
+    v += t.v, e += t.e, d += t.d, s += t.s, s2 += t.s * t.s;
+    abs += t.mag(), sq += t.v * t.v, lambda = std::max(lambda, t.lambda);
+    (t.v >= 0 ? pos : neg) += std::fabs(t.v);
+  }
+  double random() const { return terms == Terms::independent ? std::sqrt(s2) : s; }
+  /// A bound on sum_j |error of term j| on the event.
+  double errors() const { return std::min(e, d + lambda * random()); }
+};
+
+/// The roundings of a sum of n terms in any order and summation tree, each
+/// of unit u: one per term (coefficient |t_j|, when `per_term`) and one per
+/// addition (coefficient at most max(sum t+, sum t-), the largest partial sum
+/// of the exact terms), random; the computed operands' excess over the exact
+/// ones (the terms' errors and the earlier roundings', gamma_n sum |terms|,
+/// times u per rounding) in the worst-case part; Tracked's worst case in e.
+inline Probable rounded_sum(const ProbableSum& sum, std::size_t n, double u, bool per_term,
+                            double tiny) {
+  const double nd = static_cast<double>(n), worst = gamma(nd, u) * sum.abs;
+  const double partial = std::max(sum.pos, sum.neg), adds = nd > 1 ? nd - 1 : 0;
+  const double rnd = u * std::sqrt((per_term ? sum.sq : 0) + adds * partial * partial);
+  const double roundings = (per_term ? nd : 0) + adds;
+  return {sum.v, sum.e + worst + tiny, sum.d + roundings * u * (sum.errors() + worst) + tiny,
+          std::hypot(sum.random(), rnd), sum.lambda};
+}
+
+template <class F>
+concept ProbableTerms = std::same_as<std::invoke_result_t<F, std::size_t>, Probable>;
+
+/// An fp32-accumulated sum of n_terms products a(i) b(i), i < count, in any
+/// order (§1): the operands' errors propagated (random parts as `terms`
+/// says), the accumulation's roundings random (rounded_sum), the flushes in
+/// the worst-case part; e as Tracked's dot_accumulated without lambda.
+template <ProbableTerms A, ProbableTerms B>
+Probable dot_accumulated(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p,
+                         Terms terms = Terms::shared) {
+  ProbableSum sum(terms);
+  double flushed = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    const Probable x = a(i), y = b(i);
+    sum.add(x * y);
+    // A flushed operand is below 2^-126: the product moves by less than
+    // 2^-126 times the other operand (Lemma 1').
+    flushed +=
+        (may_flush(x) ? kMinNormal32 * y.mag() : 0) + (may_flush(y) ? kMinNormal32 * x.mag() : 0);
+  }
+  sum.lambda = std::max(sum.lambda, p.lambda);
+  const double n = static_cast<double>(n_terms);
+  return rounded_sum(sum, n_terms, kU32, true, 3 * n * kMinNormal32 + flushed);
+}
+
+/// An fp32-accumulated sum of n_terms products, stored as an intermediate.
+template <ProbableTerms A, ProbableTerms B>
+Probable dot_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p,
+                    Terms terms = Terms::shared) {
+  return mid(dot_accumulated(count, a, b, n_terms, p, terms), p);
+}
+
+/// An fp32-accumulated sum of n_terms elementwise products each stored
+/// first (a rounding of its own, independent of the others), then stored.
+template <ProbableTerms A, ProbableTerms B>
+Probable dot_products_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p,
+                             Terms terms = Terms::shared) {
+  const Probable d = dot_accumulated(count, a, b, n_terms, p, terms);
+  double sq = 0, mag = 0, excess = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    const Probable x = a(i), y = b(i);
+    const double exact = std::fabs(x.v * y.v);
+    sq += exact * exact, mag += x.mag() * y.mag(), excess += x.mag() * y.mag() - exact;
+  }
+  const double tiny = static_cast<double>(count) * kMinNormal32;
+  return mid({d.v, d.e + p.mid_unit * mag + tiny, d.d + p.mid_unit * excess + tiny,
+              std::hypot(d.s, p.mid_unit * std::sqrt(sq)), d.lambda},
+             p);
+}
+
+}  // namespace moecert::bounds
