@@ -19,29 +19,19 @@ struct Precision {
   std::string_view name;
   double mid_unit;     // unit roundoff of an intermediate's storage
   bool bf16_operands;  // what a GEMM reads (inputs, activations) is rounded to bf16
-  double lambda = 0;   // > 0: accumulations bounded probabilistically (probable())
+  double lambda = 0;   // > 0: the probabilistic model (probable(), probable.hpp)
 };
 
 /// The judge's probabilistic bounds (proofs/bounds.md §12): lambda = 10
-/// makes every accumulation's bound fail with probability at most
-/// 2 exp(-lambda^2 (1 - u)^2 / 2) < 2^-71 under the model of independent,
-/// mean-zero rounding errors, so fewer than 2^40 accumulations in one
-/// judgement fail together with probability below 2^-31.
+/// makes a value's bound fail with probability at most 2 exp(-lambda^2 / 2)
+/// < 2^-71 under the model of independent, mean-zero rounding errors, so a
+/// model of fewer than 2^40 values fails with probability below 2^-31.
 inline constexpr double kProbableLambda = 10;
 
-/// The declaration p with its accumulations bounded probabilistically.
+/// The declaration p with its errors bounded probabilistically.
 constexpr Precision probable(Precision p) {
   p.lambda = kProbableLambda;
   return p;
-}
-
-/// The bound on n roundings of unit u accumulated: gamma_n, or with
-/// p.lambda > 0 Higham and Mary's exp(lambda sqrt(n) u + n u^2 / (1 - u)) - 1
-/// where it is the smaller.
-inline double accumulated(double n, double u, const Precision& p) {
-  const double worst = gamma(n, u);
-  if (p.lambda <= 0) return worst;
-  return std::min(worst, std::expm1(p.lambda * std::sqrt(n) * u + n * u * u / (1 - u)));
 }
 
 /// fp32: intermediates and GEMM operands in fp32.
@@ -88,14 +78,14 @@ enum class Terms { independent, shared };
 inline Tracked fold(Tracked a) { return a; }
 
 /// An fp32-accumulated sum of n_terms products a(i) b(i), i < count, in
-/// any order (bounds.md §1 with `accumulated` for gamma_n): the propagated
+/// any order (bounds.md §1): the propagated
 /// errors, the accumulation's, the flushes.
 template <class A, class B>
-Tracked dot_accumulated(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p,
+Tracked dot_accumulated(std::size_t count, A a, B b, std::size_t n_terms, const Precision&,
                         Terms = Terms::shared) {
   const ref::DotTerms d = ref::dot_terms(count, a, b);
   const double n = static_cast<double>(n_terms);
-  return {d.v, d.propagated + accumulated(n, kU32, p) * d.mag + 3 * n * kMinNormal32 + d.flushed};
+  return {d.v, d.propagated + gamma(n) * d.mag + 3 * n * kMinNormal32 + d.flushed};
 }
 
 /// An fp32-accumulated sum of n_terms products, stored as an intermediate.
@@ -122,8 +112,7 @@ Tracked dot_products_stored(std::size_t count, A a, B b, std::size_t n_terms, co
 /// the flush of each product and each sum.
 inline Tracked sum_stored(Tracked exact_sum, double sum_abs_terms, std::size_t n,
                           const Precision& p) {
-  return {exact_sum.v, exact_sum.e +
-                           accumulated(static_cast<double>(n), p.mid_unit, p) * sum_abs_terms +
+  return {exact_sum.v, exact_sum.e + gamma(static_cast<double>(n), p.mid_unit) * sum_abs_terms +
                            2 * static_cast<double>(n) * kMinNormal32};
 }
 

@@ -346,6 +346,21 @@ def test_an_intermediate_rounded_to_bf16_is_caught_by_the_spread():
     assert check.experts_forward(**inputs, y=y, precision="mixed").passed
 
 
+def test_y_off_by_5_percent_fails_the_probabilistic_bound_where_the_worst_case_holds_it():
+    """Declared mixed at H = 256, I = 128, K = 4: the worst case (every rounding of one sign) holds
+    y * 1.05; the probabilistic model (roundings independent across the terms of a sum, LoRA's
+    through their exact coefficients) does not, while a correct implementation passes it."""
+    import moecert.check as check
+    inputs, lora = experts.random_case(T=64, E=8, H=256, I=128, K=4)
+    y = experts.experts_forward(**inputs, lora=lora, alpha=8.0, dtype=torch.bfloat16)
+    assert check.experts_forward(**inputs, y=y, precision="mixed", lora=lora, alpha=8.0).passed
+    v = check.experts_forward(**inputs, y=y.float() * 1.05, precision="mixed", lora=lora, alpha=8.0)
+    assert "experts.forward_train.spread_explained" in v.failed, v.failed
+    assert "experts.forward_train.within_bound" not in v.failed
+    (e,) = v.errors
+    assert e["relative_probable"] < 0.5 * e["relative_worst"]
+
+
 def test_truncation_to_bf16_is_caught_by_the_rounding_audit():
     import moecert.check as check
     inputs, lora = experts.random_case(T=48)
