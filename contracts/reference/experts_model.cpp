@@ -69,13 +69,15 @@ double row_abs(const RowSum<Probable>& r) { return r.sum.abs; }
 
 // base + lora of one GEMM output: each term an fp32-accumulated sum over
 // n terms (the fused length, so a fused kernel is covered too) stored, then
-// their sum stored; the base term alone without LoRA.
+// their sum stored; the base term alone without LoRA. `last`: the stores of
+// an expert's output row, which reaches y through K terms (settled).
 template <class A, class WB, class AL, class WL>
 auto gemm_out(std::size_t k_base, A a, WB wb, std::size_t k_lora, AL al, WL wl, std::size_t n,
-              const Precision& p, Terms base_terms = Terms::shared) {
-  const auto base = bounds::dot_stored(k_base, a, wb, n, p, base_terms);
+              const Precision& p, Terms base_terms = Terms::shared, bool last = false) {
+  auto store = [&](auto v) { return last ? bounds::mid_settled(v, p) : bounds::mid(v, p); };
+  const auto base = store(bounds::dot_accumulated(k_base, a, wb, n, p, base_terms));
   if (k_lora == 0) return base;
-  return bounds::mid(base + bounds::dot_stored(k_lora, al, wl, n, p), p);
+  return store(base + store(bounds::dot_accumulated(k_lora, al, wl, n, p)));
 }
 
 // One routed pair's forward as the model keeps it for the backward.
@@ -184,7 +186,7 @@ PairForward<S> pair_forward(const Expert<S>& w, const std::vector<S>& x, const S
         I, [&](std::size_t q) { return f.h[q]; },
         [&](std::size_t q) { return w.at(in.w_down, H, m, q); }, r,
         [&](std::size_t q) { return lbd[q]; },
-        [&](std::size_t q) { return w.at(in.b_down, H, m, q); }, n2, p, Terms::independent);
+        [&](std::size_t q) { return w.at(in.b_down, H, m, q); }, n2, p, Terms::independent, true);
   if constexpr (std::is_same_v<S, Probable>)
     if (exact_lb && r) add_lb_errors(w, f, lb, s.v);
   return f;
