@@ -924,7 +924,7 @@ TEST_CASE(
 
 TEST_CASE(
     "experts.forward, forward_train, backward: spread_explained fails an output between the "
-    "probabilistic and the worst-case bound",
+    "probabilistic and the worst-case bound, scale_explained an error along y",
     "[experts][train][judge]") {
   // Declared fp32, H = 2048: the accumulations' probabilistic bound
   // (10 sqrt(n) u) is a fifth of the worst case (n u); one element moved
@@ -962,6 +962,19 @@ TEST_CASE(
     CHECK(failed(contracts::judge::judge_op(fwd, in, {{"y", y}}, params)) ==
           std::vector<std::string>{r ? "experts.forward_train.spread_explained"
                                      : "experts.forward.spread_explained"});
+    // Every element scaled by 1 + beta, beta twice the projection's bound:
+    // within the worst case, not along y (the audit sees the sign too).
+    const auto pf = contracts::experts_model_forward_probable(t, bounds::kFp32);
+    const double beta =
+        2 * (pf.along_y.det + bounds::kProbableLambda * pf.along_y.rnd) / pf.along_y.norm2;
+    contracts::judge::Tensor scaled{.rows = p.T, .cols = 2048};
+    for (const auto& v : pf.y) scaled.f.push_back(static_cast<float>(v.v * (1 + beta)));
+    const auto scale_failed = failed(contracts::judge::judge_op(fwd, in, {{"y", scaled}}, params));
+    const auto has = [&](const std::string& id) {
+      return std::find(scale_failed.begin(), scale_failed.end(), id) != scale_failed.end();
+    };
+    CHECK(has(r ? "experts.forward_train.scale_explained" : "experts.forward.scale_explained"));
+    CHECK_FALSE(has(fwd + ".within_bound"));
     const auto worst = contracts::experts_model_backward(t, p.DY(), bounds::kFp32);
     const auto probable =
         contracts::experts_model_backward(t, p.DY(), bounds::probable(bounds::kFp32));

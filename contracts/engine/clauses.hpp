@@ -118,12 +118,16 @@ inline constexpr ClauseInfo kRounding =
 inline constexpr ClauseInfo kSpread =
     post("experts.forward.spread_explained", Group::numeric,
          "y within the declared precision's probabilistic bound", Level::full);
+inline constexpr ClauseInfo kScaleExplained =
+    post("experts.forward.scale_explained", Group::numeric,
+         "y's error along the exact y within the probabilistic bound", Level::full);
 inline constexpr ClauseInfo kPackShape =
     pre("experts.pack.shape", Group::shape,
         "per expert gate, up I x H and down H x I of one quantized format");
-inline constexpr ClauseInfo kAll[] = {
-    kShape,       kIdxInRange, kIdxUnique, kWeightFinite, kXFinite,  kXRange, kNoAlias,
-    kPermutation, kYFinite,    kProbe,     kWithinBound,  kRounding, kSpread, kPackShape};
+inline constexpr ClauseInfo kAll[] = {kShape,   kIdxInRange,     kIdxUnique,   kWeightFinite,
+                                      kXFinite, kXRange,         kNoAlias,     kPermutation,
+                                      kYFinite, kProbe,          kWithinBound, kRounding,
+                                      kSpread,  kScaleExplained, kPackShape};
 }  // namespace experts
 
 namespace experts_train {
@@ -191,16 +195,19 @@ inline constexpr ClauseInfo kBwdRounding =
 inline constexpr ClauseInfo kFwdSpread =
     post("experts.forward_train.spread_explained", Group::numeric,
          "y within the declared precision's probabilistic bound", Level::full);
+inline constexpr ClauseInfo kFwdScaleExplained =
+    post("experts.forward_train.scale_explained", Group::numeric,
+         "y's error along the exact y within the probabilistic bound", Level::full);
 inline constexpr ClauseInfo kBwdSpread =
     post("experts.backward.spread_explained", Group::numeric,
          "outputs within the declared precision's probabilistic bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,       kFwdIdxInRange, kFwdIdxUnique, kFwdWeightFinite, kFwdXFinite,
-    kFwdXRange,      kFwdLoraFinite, kFwdLoraRange, kFwdScale,        kFwdNoAlias,
-    kFwdLoraPadding, kFwdYFinite,    kFwdProbe,     kFwdWithin,       kBwdState,
-    kBwdShape,       kBwdDyFinite,   kBwdNoAlias,   kBwdSavedFinite,  kBwdSavedIntact,
-    kBwdGradFinite,  kBwdEmptyZero,  kBwdDwMasked,  kBwdProbe,        kBwdWithin,
-    kFwdRounding,    kBwdRounding,   kFwdSpread,    kBwdSpread};
+    kFwdShape,       kFwdIdxInRange, kFwdIdxUnique, kFwdWeightFinite,   kFwdXFinite,
+    kFwdXRange,      kFwdLoraFinite, kFwdLoraRange, kFwdScale,          kFwdNoAlias,
+    kFwdLoraPadding, kFwdYFinite,    kFwdProbe,     kFwdWithin,         kBwdState,
+    kBwdShape,       kBwdDyFinite,   kBwdNoAlias,   kBwdSavedFinite,    kBwdSavedIntact,
+    kBwdGradFinite,  kBwdEmptyZero,  kBwdDwMasked,  kBwdProbe,          kBwdWithin,
+    kFwdRounding,    kBwdRounding,   kFwdSpread,    kFwdScaleExplained, kBwdSpread};
 }  // namespace experts_train
 
 namespace router {

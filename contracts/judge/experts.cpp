@@ -31,14 +31,16 @@ constexpr const char* kLoraNames[] = {"a_gate", "b_gate", "a_up", "b_up", "a_dow
 // experts.forward_train.
 struct ForwardClauses {
   const ClauseInfo &shape, &idx_in_range, &idx_unique, &weight_finite, &x_finite, &x_range,
-      &y_finite, &within, &rounding, &spread;
+      &y_finite, &within, &rounding, &spread, &scale;
 };
-constexpr ForwardClauses kForward{kf::kShape,    kf::kIdxInRange, kf::kIdxUnique, kf::kWeightFinite,
-                                  kf::kXFinite,  kf::kXRange,     kf::kYFinite,   kf::kWithinBound,
-                                  kf::kRounding, kf::kSpread};
+constexpr ForwardClauses kForward{kf::kShape,        kf::kIdxInRange,    kf::kIdxUnique,
+                                  kf::kWeightFinite, kf::kXFinite,       kf::kXRange,
+                                  kf::kYFinite,      kf::kWithinBound,   kf::kRounding,
+                                  kf::kSpread,       kf::kScaleExplained};
 constexpr ForwardClauses kForwardTrain{
-    kt::kFwdShape,  kt::kFwdIdxInRange, kt::kFwdIdxUnique, kt::kFwdWeightFinite, kt::kFwdXFinite,
-    kt::kFwdXRange, kt::kFwdYFinite,    kt::kFwdWithin,    kt::kFwdRounding,     kt::kFwdSpread};
+    kt::kFwdShape,    kt::kFwdIdxInRange, kt::kFwdIdxUnique,     kt::kFwdWeightFinite,
+    kt::kFwdXFinite,  kt::kFwdXRange,     kt::kFwdYFinite,       kt::kFwdWithin,
+    kt::kFwdRounding, kt::kFwdSpread,     kt::kFwdScaleExplained};
 constexpr const char* kSpreadProof = "probabilistic, proofs/bounds.md §12";
 
 // Finite, and 0 or within [2^-60, 2^60] (the bounds' range, proofs/bounds.md §0).
@@ -249,6 +251,27 @@ bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name
 
 namespace {
 
+// y's error along the exact y (the probabilistic model's ref) within the
+// projection's bound, the output's own storage rounding added.
+bool within_projection(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                       MatView<const float> m, const std::vector<Tracked>& ref,
+                       const Projection& along, const bounds::Precision& p) {
+  const std::vector<float> got = contracts::values(m);
+  double dot = 0, det = along.det;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double r = ref[i].v;
+    dot += (got[i] - r) * r;
+    det += std::fabs(r) * (stored(std::fabs(r), ref[i].e) - ref[i].e);  // the output's rounding
+  }
+  const double bound = bounds::kReferenceSlack * (det + bounds::kProbableLambda * along.rnd);
+  if (std::fabs(dot) <= bound) return true;
+  const double n2 = along.norm2 > 0 ? along.norm2 : 1;
+  c.fail(clause, name, fmt::format("<{0} - ref, ref> / <ref, ref> = {1:.4g}", name, dot / n2),
+         fmt::format("|<{} - ref, ref>| <= {:.4g} <ref, ref> (precision {}, {})", name, bound / n2,
+                     p.name, kSpreadProof));
+  return false;
+}
+
 // The codes (each a byte, or an int8 code as a signed value, and every
 // element's code valid: int4 the nibbles of its columns) and scales
 // (finite, > 0) of quantized base weights whose shapes are the format's.
@@ -432,7 +455,8 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   const auto ref = experts_model_forward(t, p);
   MOECERT_CONTRACT(c, k.within) { within_model(c, k.within, "y", y, ref, p, kForwardProof); }
   const bool audit = audit_asked(params);
-  const auto probable = audit ? experts_model_forward(t, bounds::probable(p)) : decltype(ref){};
+  const ProbableForward model = audit ? experts_model_forward_probable(t, p) : ProbableForward{};
+  const std::vector<Tracked>& probable = model.y;
   summarize_error("y", y, ref, audit ? &probable : nullptr);
   // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
   if (!audit) return;
@@ -442,6 +466,11 @@ void forward(detail::Checker& c, const Tensors& in, const Tensors& out, const Pa
   // Independent mean-zero rounding errors: every y within the probabilistic
   // bound of the declared precision (proofs/bounds.md §12).
   MOECERT_CONTRACT(c, k.spread) { within_model(c, k.spread, "y", y, probable, p, kSpreadProof); }
+  // The same model along the exact y: a scale error fails it long before
+  // any element leaves its bound (proofs/bounds.md §12).
+  MOECERT_CONTRACT(c, k.scale) {
+    within_projection(c, k.scale, "y", y, probable, model.along_y, p);
+  }
 }
 
 // The outputs given (dx, dweights: at least one) with their shapes.

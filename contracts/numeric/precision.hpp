@@ -56,9 +56,6 @@ inline Tracked mid(Tracked a, const Precision& p) {
   return {a.v, a.e + p.mid_unit * a.mag() + kMinNormal32};
 }
 
-/// The worst-case model's stores are all alike (probable.hpp's settled).
-inline Tracked mid_settled(Tracked a, const Precision& p) { return mid(a, p); }
-
 /// An activation a GEMM reads (§2 when rounded to bf16).
 inline Tracked operand(Tracked a, const Precision& p) {
   return p.bf16_operands ? Tracked{a.v, bf16_store(std::fabs(a.v), a.e)} : a;

@@ -86,20 +86,8 @@ inline Probable rounded(Probable a, double u, double tiny) {
   return {a.v, a.e + u * (std::fabs(a.v) + a.e) + tiny, a.d + u * a.hp() + tiny,
           std::hypot(a.s, u * std::fabs(a.v)), a.lambda};
 }
-/// A rounding whose value reaches the outputs through few terms (an expert's
-/// output row, summed over K slots): random or worst case (u (|v| + hp)),
-/// whichever adds less to d + lambda s. A random rounding pays lambda times
-/// its coefficient and gains only where many independent terms meet.
-inline Probable settled(Probable a, double u, double tiny) {
-  const Probable r = rounded(a, u, tiny);
-  const Probable w{a.v, r.e, a.d + u * (std::fabs(a.v) + a.hp()) + tiny, a.s, a.lambda};
-  return w.d + w.lambda * w.s < r.d + r.lambda * r.s ? w : r;
-}
 inline Probable r32(Probable a) { return rounded(a, kU32, kMinNormal32); }
 inline Probable mid(Probable a, const Precision& p) { return rounded(a, p.mid_unit, kMinNormal32); }
-inline Probable mid_settled(Probable a, const Precision& p) {
-  return settled(a, p.mid_unit, kMinNormal32);
-}
 inline Probable operand(Probable a, const Precision& p) {
   return p.bf16_operands ? rounded(a, kUbf16, kBf16HalfDenormal) : a;
 }
@@ -132,23 +120,19 @@ struct ProbableSum {
 /// The roundings of a sum of n terms in any order and summation tree, each
 /// of unit u: one per term (coefficient |t_j|, when `per_term`) and one per
 /// addition (coefficient at most max(sum t+, sum t-), the largest partial sum
-/// of the exact terms), random, the computed operands' excess over the exact
+/// of the exact terms), random; the computed operands' excess over the exact
 /// ones (the terms' errors and the earlier roundings', gamma_n sum |terms|,
-/// times u per rounding) in the worst-case part; or all of them in the worst
-/// case, gamma_n sum |terms|, whichever adds less to d + lambda s. Tracked's
-/// worst case in e.
+/// times u per rounding) in the worst-case part; Tracked's worst case in e.
+/// Every rounding of the model is random (the projection's adjoint,
+/// experts_model.cpp, counts the same ones).
 inline Probable rounded_sum(const ProbableSum& sum, std::size_t n, double u, bool per_term,
                             double tiny) {
   const double nd = static_cast<double>(n), worst = gamma(nd, u) * sum.abs;
   const double partial = std::max(sum.pos, sum.neg), adds = nd > 1 ? nd - 1 : 0;
   const double rnd = u * std::sqrt((per_term ? sum.sq : 0) + adds * partial * partial);
-  const double roundings = (per_term ? nd : 0) + adds, s0 = sum.random();
-  const Probable random{sum.v, sum.e + worst + tiny,
-                        sum.d + roundings * u * (sum.errors() + worst) + tiny, std::hypot(s0, rnd),
-                        sum.lambda};
-  const Probable bounded{sum.v, random.e, sum.d + worst + tiny, s0, sum.lambda};
-  return bounded.d + bounded.lambda * bounded.s < random.d + random.lambda * random.s ? bounded
-                                                                                      : random;
+  const double roundings = (per_term ? nd : 0) + adds;
+  return {sum.v, sum.e + worst + tiny, sum.d + roundings * u * (sum.errors() + worst) + tiny,
+          std::hypot(sum.random(), rnd), sum.lambda};
 }
 
 template <class F>

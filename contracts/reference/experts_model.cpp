@@ -69,15 +69,13 @@ double row_abs(const RowSum<Probable>& r) { return r.sum.abs; }
 
 // base + lora of one GEMM output: each term an fp32-accumulated sum over
 // n terms (the fused length, so a fused kernel is covered too) stored, then
-// their sum stored; the base term alone without LoRA. `last`: the stores of
-// an expert's output row, which reaches y through K terms (settled).
+// their sum stored; the base term alone without LoRA.
 template <class A, class WB, class AL, class WL>
 auto gemm_out(std::size_t k_base, A a, WB wb, std::size_t k_lora, AL al, WL wl, std::size_t n,
-              const Precision& p, Terms base_terms = Terms::shared, bool last = false) {
-  auto store = [&](auto v) { return last ? bounds::mid_settled(v, p) : bounds::mid(v, p); };
-  const auto base = store(bounds::dot_accumulated(k_base, a, wb, n, p, base_terms));
+              const Precision& p, Terms base_terms = Terms::shared) {
+  const auto base = bounds::dot_stored(k_base, a, wb, n, p, base_terms);
   if (k_lora == 0) return base;
-  return store(base + store(bounds::dot_accumulated(k_lora, al, wl, n, p)));
+  return bounds::mid(base + bounds::dot_stored(k_lora, al, wl, n, p), p);
 }
 
 // One routed pair's forward as the model keeps it for the backward.
@@ -186,7 +184,7 @@ PairForward<S> pair_forward(const Expert<S>& w, const std::vector<S>& x, const S
         I, [&](std::size_t q) { return f.h[q]; },
         [&](std::size_t q) { return w.at(in.w_down, H, m, q); }, r,
         [&](std::size_t q) { return lbd[q]; },
-        [&](std::size_t q) { return w.at(in.b_down, H, m, q); }, n2, p, Terms::independent, true);
+        [&](std::size_t q) { return w.at(in.b_down, H, m, q); }, n2, p, Terms::independent);
   if constexpr (std::is_same_v<S, Probable>)
     if (exact_lb && r) add_lb_errors(w, f, lb, s.v);
   return f;
@@ -359,30 +357,167 @@ std::vector<Tracked> tracked(const std::vector<Probable>& v) {
   return out;
 }
 
+// An fp32 dot's exact value and its roundings' squared coefficients per unit
+// of adjoint and u (rounded_sum's, n_terms terms): sum t^2 + (n - 1) M^2.
+struct DotExact {
+  double v = 0, q2 = 0;
+};
+template <class A, class B>
+DotExact dot_exact(std::size_t count, A a, B b, std::size_t n_terms) {
+  double v = 0, sq = 0, pos = 0, neg = 0;
+  for (std::size_t q = 0; q < count; ++q) {
+    const double t = a(q) * b(q);
+    v += t, sq += t * t, (t >= 0 ? pos : neg) += std::fabs(t);
+  }
+  const double M = std::max(pos, neg), adds = n_terms > 1 ? static_cast<double>(n_terms - 1) : 0;
+  return {v, sq + adds * M * M};
+}
+
+// A GEMM output as gemm_out stores it (base, LoRA term, their sum), read
+// with adjoint a: its roundings' squared coefficients.
+double gemm_out_roundings(double a, const DotExact& base, const DotExact* lora,
+                          const Precision& p) {
+  const double um2 = p.mid_unit * p.mid_unit, a2 = bounds::kU32 * bounds::kU32;
+  double q = um2 * base.v * base.v + a2 * base.q2;
+  if (lora) {
+    const double sum = base.v + lora->v;
+    q += um2 * (lora->v * lora->v + sum * sum) + a2 * lora->q2;
+  }
+  return a * a * q;
+}
+
+// One pair's share of the squared norm of the coefficients of <y_ref, y> on
+// the model's roundings, for ao_m = w y_ref_m (the adjoint of o_m): each
+// rounding's coefficient is the adjoint of the value it rounds times its
+// unit times that value (proofs/bounds.md §12), the roundings the Probable
+// model counts (pair_forward's, in reverse).
+double pair_projection(const Expert<Probable>& w, const PairForward<Probable>& f,
+                       const std::vector<Probable>& x, double s, const std::vector<double>& ao) {
+  const ExpertsTensors& in = w.in;
+  const Precision& p = w.p;
+  const std::size_t H = in.H, I = in.I, r = in.r, e = w.e;
+  const double um2 = p.mid_unit * p.mid_unit, ub = p.bf16_operands ? bounds::kUbf16 : 0;
+  const double ub2 = ub * ub, a2 = bounds::kU32 * bounds::kU32;
+  auto at = [&](MatView<const float> m, std::size_t rows, std::size_t i) {
+    return [m, rows, i, e](std::size_t k) { return static_cast<double>(m(e * rows + i, k)); };
+  };
+  auto h = [&](std::size_t i) { return f.h[i].v; };
+  const std::size_t n1 = kpad(H) + (r ? kpad(2 * r) : 0), n2 = kpad(I) + (r ? kpad(r) : 0);
+  std::vector<double> ah(I, 0.0), albd(r, 0.0), alb(2 * r, 0.0);
+  double q = 0;
+  // o_m = h W_d^T (+ lbd B_d^T): adjoints of h and lbd.
+  for (std::size_t m = 0; m < H; ++m) {
+    const DotExact base = dot_exact(I, h, at(in.w_down, H, m), n2);
+    const DotExact lora =
+        r ? dot_exact(
+                r, [&](std::size_t k) { return f.lbd[k].v; }, at(in.b_down, H, m), n2)
+          : DotExact{};
+    q += gemm_out_roundings(ao[m], base, r ? &lora : nullptr, p);
+    for (std::size_t i = 0; i < I; ++i) ah[i] += ao[m] * in.w_down(e * H + m, i);
+    for (std::size_t k = 0; k < r; ++k) albd[k] += ao[m] * in.b_down(e * H + m, k);
+  }
+  // lbd_k = operand(mid(s mid(ha_k))), ha_k = h A_d^T.
+  for (std::size_t k = 0; k < r; ++k) {
+    const DotExact ha = dot_exact(I, h, at(in.a_down, r, k), kpad(I));
+    const double lbd = f.lbd[k].v;
+    q += albd[k] * albd[k] * ((ub2 + um2) * lbd * lbd + s * s * (um2 * ha.v * ha.v + a2 * ha.q2));
+    for (std::size_t i = 0; i < I; ++i) ah[i] += s * albd[k] * in.a_down(e * r + k, i);
+  }
+  // h_i = operand(mid(silu_i u_i)), silu_i = mid(r32(g_i sigma_i)); g_i and
+  // u_i as gemm_out stores them: adjoints of lb.
+  auto xq = [&](std::size_t k) { return x[k].v; };
+  auto lbq = [&](std::size_t o) { return [&, o](std::size_t k) { return f.lb[o + k].v; }; };
+  for (std::size_t i = 0; i < I; ++i) {
+    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v, sl = g * sg, hv = sl * u;
+    const double asl = ah[i] * u, ag = asl * (sg + g * sg * (1 - sg)), au = ah[i] * sl;
+    q += ah[i] * ah[i] * (um2 + ub2) * hv * hv + asl * asl * (a2 + um2) * sl * sl;
+    const DotExact lg = r ? dot_exact(r, lbq(0), at(in.b_gate, I, i), n1) : DotExact{};
+    const DotExact lu = r ? dot_exact(r, lbq(r), at(in.b_up, I, i), n1) : DotExact{};
+    q += gemm_out_roundings(ag, dot_exact(H, xq, at(in.w_gate, I, i), n1), r ? &lg : nullptr, p);
+    q += gemm_out_roundings(au, dot_exact(H, xq, at(in.w_up, I, i), n1), r ? &lu : nullptr, p);
+    for (std::size_t k = 0; k < r; ++k)
+      alb[k] += ag * in.b_gate(e * I + i, k), alb[r + k] += au * in.b_up(e * I + i, k);
+  }
+  // lb_k = operand(mid(s mid(xa_k))), xa_k = x A^T.
+  for (std::size_t k = 0; k < 2 * r; ++k) {
+    const DotExact xa =
+        dot_exact(H, xq, k < r ? at(in.a_gate, r, k) : at(in.a_up, r, k - r), kpad(H));
+    const double lb = f.lb[k].v;
+    q += alb[k] * alb[k] * ((ub2 + um2) * lb * lb + s * s * (um2 * xa.v * xa.v + a2 * xa.q2));
+  }
+  return q;
+}
+
+// Token t's share of the projection: its pairs' roundings, y's own (each
+// slot's product and the K - 1 additions, rounded_sum's) and sum |y| d.
+struct TokenProjection {
+  double det = 0, q = 0, norm2 = 0;
+};
+TokenProjection token_projection(const ExpertsTensors& in, const Precision& p,
+                                 const std::vector<Probable>& x, double s,
+                                 const std::vector<std::pair<std::size_t, double>>& slots,
+                                 const std::vector<PairForward<Probable>>& pairs,
+                                 const std::vector<RowSum<Probable>>& sum, const Probable* y) {
+  const std::size_t H = in.H, K = in.idx.cols;
+  TokenProjection tp;
+  const double um2 = p.mid_unit * p.mid_unit, adds = K > 1 ? static_cast<double>(K - 1) : 0;
+  for (std::size_t m = 0; m < H; ++m) {
+    const double v = y[m].v, M = std::max(sum[m].sum.pos, sum[m].sum.neg);
+    tp.det += std::fabs(v) * y[m].d, tp.norm2 += v * v;
+    tp.q += v * v * um2 * (sum[m].sum.sq + adds * M * M);
+  }
+  std::vector<double> ao(H);
+  for (std::size_t j = 0; j < pairs.size(); ++j) {
+    for (std::size_t m = 0; m < H; ++m) ao[m] = slots[j].second * y[m].v;
+    tp.q += pair_projection({in, slots[j].first, p}, pairs[j], x, s, ao);
+  }
+  return tp;
+}
+
 template <class S>
-std::vector<S> model_forward(const ExpertsTensors& in, const Precision& p) {
+std::vector<S> model_forward(const ExpertsTensors& in, const Precision& p,
+                             Projection* along_y = nullptr) {
   const std::size_t T = in.x.rows, K = in.idx.cols, H = in.H;
   const S s = bounds::lift<S>(scale_of(in), p);
   std::vector<S> y(T * H);
+  std::vector<TokenProjection> proj(along_y ? T : 0);
   oneapi::tbb::parallel_for(
       std::size_t{0}, T, detail::TbbBody([&](std::size_t t) {
         const std::vector<S> x = row_in<S>(in.x, t, p);
         // y = sum_j w_j o_j: products and sums in the intermediate format;
         // distinct slots' pairs round independently.
         std::vector<RowSum<S>> sum(H, RowSum<S>(Terms::independent));
+        std::vector<std::pair<std::size_t, double>> slots;  // expert, weight
+        std::vector<PairForward<S>> pairs;
         for (std::size_t j = 0; j < K; ++j) {
           const std::int32_t e = in.idx(t, j);
           if (e < 0) continue;
-          const auto f = pair_forward(Expert<S>{in, static_cast<std::size_t>(e), p}, x, s, true);
+          auto f = pair_forward(Expert<S>{in, static_cast<std::size_t>(e), p}, x, s, true);
           const S wt = bounds::lift<S>(bounds::input(in.weights(t, j), p), p);
           for (std::size_t m = 0; m < H; ++m) sum[m].add(wt * f.o[m]);
+          if (!proj.empty()) slots.emplace_back(e, wt.v), pairs.push_back(std::move(f));
         }
         for (std::size_t m = 0; m < H; ++m) y[t * H + m] = sum[m].stored(K, p);
+        if constexpr (std::is_same_v<S, Probable>)
+          if (!proj.empty())
+            proj[t] = token_projection(in, p, x, s.v, slots, pairs, sum, &y[t * H]);
       }));
+  if (along_y) {
+    *along_y = {};
+    for (const TokenProjection& tp : proj)  // in token order: deterministic
+      along_y->det += tp.det, along_y->rnd += tp.q, along_y->norm2 += tp.norm2;
+    along_y->rnd = std::sqrt(along_y->rnd);
+  }
   return y;
 }
 
 }  // namespace
+
+ProbableForward experts_model_forward_probable(const ExpertsTensors& in, const Precision& p) {
+  ProbableForward out;
+  out.y = tracked(model_forward<Probable>(in, bounds::probable(p), &out.along_y));
+  return out;
+}
 
 std::vector<Tracked> experts_model_forward(const ExpertsTensors& in, const Precision& p) {
   if (p.lambda > 0) return tracked(model_forward<Probable>(in, p));

@@ -52,6 +52,21 @@ struct ExpertsTensors {
 std::vector<bounds::Tracked> experts_model_forward(const ExpertsTensors& in,
                                                    const bounds::Precision& p);
 
+/// The error of y along the exact y (proofs/bounds.md §12): the implementation's
+/// <y_hat - y, y> = D + R with |D| <= det and R a combination of independent
+/// mean-zero roundings whose coefficients' Euclidean norm is at most rnd
+/// (before the output's own storage rounding); norm2 = <y, y>.
+struct Projection {
+  double det = 0, rnd = 0, norm2 = 0;
+};
+/// experts_model_forward under probable(p), and the projection.
+struct ProbableForward {
+  std::vector<bounds::Tracked> y;
+  Projection along_y;
+};
+ProbableForward experts_model_forward_probable(const ExpertsTensors& in,
+                                               const bounds::Precision& p);
+
 /// dx [T x H] and dL/dw [T x K] of the model for dy [T x H] (each before
 /// its storage rounding; dL/dw is 0 at -1 slots). dx_rows and dx_rows_abs:
 /// per dx element, the exact sum of the slots' rows (their errors

@@ -143,6 +143,10 @@ struct ForwardStats {
 ///                                                 at lambda sqrt(n) u; a false alarm with
 ///                                                 probability <= 2^-31 on random data,
 ///                                                 proofs/bounds.md §12); the judge and conformance
+///   experts.forward.scale_explained post numeric <y - ref, ref> within the declared precision's
+///                                                 probabilistic bound: an error along y (a scale
+///                                                 off by a few %) fails it where the element
+///                                                 bounds hold it (proofs/bounds.md §12); the judge
 /// and gemm.pack.checksum (audit) on every expert's packed weights.
 ForwardStats forward(const PackedExperts& w, MatView<const bf16> x, MatView<const std::int32_t> idx,
                      MatView<const float> weights, MatView<float> y,
@@ -250,6 +254,8 @@ struct TrainOptions {
 ///                                                       conformance; proofs/bounds.md §11)
 ///   experts.forward_train.spread_explained post numeric y within the probabilistic bound
 ///                                                       (judge and conformance; proofs/bounds.md §12)
+///   experts.forward_train.scale_explained post numeric <y - ref, ref> within the probabilistic
+///                                                       bound (the judge; proofs/bounds.md §12)
 /// and experts.forward.permutation (the grouping it shares with experts::forward) and the
 /// workspace.* clauses of its arena.
 void forward_train(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,

@@ -341,7 +341,7 @@ def test_an_intermediate_rounded_to_bf16_is_caught_by_the_spread():
     assert check.experts_forward(**inputs, y=y, precision="fp32").passed
     y = experts.experts_forward(**inputs, dtype=torch.float32, h_bf16=True)
     v = check.experts_forward(**inputs, y=y, precision="fp32")
-    assert v.failed == ["experts.forward.spread_explained"], _messages(v)
+    assert v.failed == ["experts.forward.spread_explained", "experts.forward.scale_explained"], _messages(v)
     # Declared mixed (bf16 GEMM operands), the same outputs are explained.
     assert check.experts_forward(**inputs, y=y, precision="mixed").passed
 
@@ -359,6 +359,20 @@ def test_y_off_by_5_percent_fails_the_probabilistic_bound_where_the_worst_case_h
     assert "experts.forward_train.within_bound" not in v.failed
     (e,) = v.errors
     assert e["relative_probable"] < 0.5 * e["relative_worst"]
+
+
+def test_y_off_by_2_percent_declared_bf16_fails_along_y():
+    """Declared bf16 (every intermediate in bf16), the per-element bounds hold y * 1.05; the error
+    along the exact y, <y - ref, ref>, has a bound a few times bf16's u, and y * 1.02 fails it."""
+    import moecert.check as check
+    inputs, _ = experts.random_case(T=64, E=8, H=256, I=128, K=4)
+    y = experts.experts_forward(**inputs, dtype=torch.bfloat16)
+    assert check.experts_forward(**inputs, y=y, precision="bf16").passed
+    for factor in (1.02, 0.95):
+        v = check.experts_forward(**inputs, y=y.float() * factor, precision="bf16")
+        assert "experts.forward.scale_explained" in v.failed, v.failed
+        assert "experts.forward.within_bound" not in v.failed
+        assert "<y - ref, ref> / <ref, ref> = " in _messages(v)[v.failed.index("experts.forward.scale_explained")]
 
 
 def test_truncation_to_bf16_is_caught_by_the_rounding_audit():
