@@ -27,6 +27,7 @@ set(MOECERT_SOURCES
   contracts/judge/ops.cpp contracts/judge/router.cpp contracts/judge/experts.cpp
   contracts/judge/layer.cpp
   contracts/reference/experts_model.cpp
+  contracts/reference/experts_projection.cpp
   ops/router/kinds.cpp
   ops/router/softmax_topk.cpp
   ops/router/sigmoid_topk.cpp

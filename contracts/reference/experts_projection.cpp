@@ -1,0 +1,163 @@
+// The experts model's Probable extras (proofs/bounds.md §12): lb's errors
+// in o through their exact coefficients, and the projection of y's error on
+// the exact y, an adjoint pass over each pair's roundings.
+#include <algorithm>
+#include <cmath>
+
+#include "contracts/reference/experts_pair.hpp"
+
+namespace moecert::contracts::pair {
+
+// The errors of lb (s x A^T as the B GEMMs read it) in o, each through its
+// exact linear coefficient: o_m depends on lb_k through
+// c_mk = sum_i W_eff[m, i] dh_i/dlb_k, W_eff = W_d + s B_d A_d, dh_i/dlb_k =
+// silu'(g_i) u_i B_g[i, k] (gate) or silu(g_i) B_u[i, k] (up). lb_k's
+// roundings are its own (independent across k): its random part joins o_m's
+// with coefficient |c_mk|, its worst-case part adds |c_mk| d_k.
+void add_lb_errors(const Expert<Probable>& w, PairForward<Probable>& f,
+                   const std::vector<Probable>& lb, double s) {
+  const ExpertsTensors& in = w.in;
+  const std::size_t H = in.H, I = in.I, r = in.r, e = w.e, R = 2 * r;
+  std::vector<double> J(I * R), Q(r * R, 0.0);  // J [I x 2r], Q = A_d J [r x 2r]
+  for (std::size_t i = 0; i < I; ++i) {
+    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v;
+    const double dg = (sg + g * sg * (1 - sg)) * u, du = g * sg;
+    for (std::size_t k = 0; k < r; ++k) {
+      J[i * R + k] = dg * in.b_gate(e * I + i, k);
+      J[i * R + r + k] = du * in.b_up(e * I + i, k);
+    }
+  }
+  for (std::size_t q = 0; q < r; ++q)
+    for (std::size_t i = 0; i < I; ++i)
+      for (std::size_t k = 0; k < R; ++k) Q[q * R + k] += in.a_down(e * r + q, i) * J[i * R + k];
+  std::vector<double> c(R);
+  for (std::size_t m = 0; m < H; ++m) {
+    std::fill(c.begin(), c.end(), 0.0);
+    for (std::size_t i = 0; i < I; ++i)
+      for (std::size_t k = 0; k < R; ++k) c[k] += in.w_down(e * H + m, i) * J[i * R + k];
+    double det = 0, rnd = 0;
+    for (std::size_t k = 0; k < R; ++k) {
+      for (std::size_t q = 0; q < r; ++q) c[k] += s * in.b_down(e * H + m, q) * Q[q * R + k];
+      det += std::fabs(c[k]) * lb[k].d, rnd += c[k] * c[k] * lb[k].s * lb[k].s;
+    }
+    f.o[m].d += det, f.o[m].s = std::hypot(f.o[m].s, std::sqrt(rnd));
+  }
+}
+
+namespace {
+
+// An fp32 dot's exact value and its roundings' squared coefficients per unit
+// of adjoint and u (rounded_sum's, n_terms terms): sum t^2 + (n - 1) M^2.
+struct DotExact {
+  double v = 0, q2 = 0;
+};
+template <class A, class B>
+DotExact dot_exact(std::size_t count, A a, B b, std::size_t n_terms) {
+  double v = 0, sq = 0, pos = 0, neg = 0;
+  for (std::size_t q = 0; q < count; ++q) {
+    const double t = a(q) * b(q);
+    v += t, sq += t * t, (t >= 0 ? pos : neg) += std::fabs(t);
+  }
+  const double M = std::max(pos, neg), adds = n_terms > 1 ? static_cast<double>(n_terms - 1) : 0;
+  return {v, sq + adds * M * M};
+}
+
+// A GEMM output as gemm_out stores it (base, LoRA term, their sum), read
+// with adjoint a: its roundings' squared coefficients.
+double gemm_out_roundings(double a, const DotExact& base, const DotExact* lora,
+                          const Precision& p) {
+  const double um2 = p.mid_unit * p.mid_unit, a2 = bounds::kU32 * bounds::kU32;
+  double q = um2 * base.v * base.v + a2 * base.q2;
+  if (lora) {
+    const double sum = base.v + lora->v;
+    q += um2 * (lora->v * lora->v + sum * sum) + a2 * lora->q2;
+  }
+  return a * a * q;
+}
+
+// One pair's share of the squared norm of the coefficients of <y_ref, y> on
+// the model's roundings, for ao_m = w y_ref_m (the adjoint of o_m): each
+// rounding's coefficient is the adjoint of the value it rounds times its
+// unit times that value (proofs/bounds.md §12), the roundings the Probable
+// model counts (pair_forward's, in reverse).
+double pair_projection(const Expert<Probable>& w, const PairForward<Probable>& f,
+                       const std::vector<Probable>& x, double s, const std::vector<double>& ao) {
+  const ExpertsTensors& in = w.in;
+  const Precision& p = w.p;
+  const std::size_t H = in.H, I = in.I, r = in.r, e = w.e;
+  const double um2 = p.mid_unit * p.mid_unit, ub = p.bf16_operands ? bounds::kUbf16 : 0;
+  const double ub2 = ub * ub, a2 = bounds::kU32 * bounds::kU32;
+  auto at = [&](MatView<const float> m, std::size_t rows, std::size_t i) {
+    return [m, rows, i, e](std::size_t k) { return static_cast<double>(m(e * rows + i, k)); };
+  };
+  auto h = [&](std::size_t i) { return f.h[i].v; };
+  const std::size_t n1 = kpad(H) + (r ? kpad(2 * r) : 0), n2 = kpad(I) + (r ? kpad(r) : 0);
+  std::vector<double> ah(I, 0.0), albd(r, 0.0), alb(2 * r, 0.0);
+  double q = 0;
+  // o_m = h W_d^T (+ lbd B_d^T): adjoints of h and lbd.
+  for (std::size_t m = 0; m < H; ++m) {
+    const DotExact base = dot_exact(I, h, at(in.w_down, H, m), n2);
+    const DotExact lora =
+        r ? dot_exact(
+                r, [&](std::size_t k) { return f.lbd[k].v; }, at(in.b_down, H, m), n2)
+          : DotExact{};
+    q += gemm_out_roundings(ao[m], base, r ? &lora : nullptr, p);
+    for (std::size_t i = 0; i < I; ++i) ah[i] += ao[m] * in.w_down(e * H + m, i);
+    for (std::size_t k = 0; k < r; ++k) albd[k] += ao[m] * in.b_down(e * H + m, k);
+  }
+  // lbd_k = operand(mid(s mid(ha_k))), ha_k = h A_d^T.
+  for (std::size_t k = 0; k < r; ++k) {
+    const DotExact ha = dot_exact(I, h, at(in.a_down, r, k), kpad(I));
+    const double lbd = f.lbd[k].v;
+    q += albd[k] * albd[k] * ((ub2 + um2) * lbd * lbd + s * s * (um2 * ha.v * ha.v + a2 * ha.q2));
+    for (std::size_t i = 0; i < I; ++i) ah[i] += s * albd[k] * in.a_down(e * r + k, i);
+  }
+  // h_i = operand(mid(silu_i u_i)), silu_i = mid(r32(g_i sigma_i)); g_i and
+  // u_i as gemm_out stores them: adjoints of lb.
+  auto xq = [&](std::size_t k) { return x[k].v; };
+  auto lbq = [&](std::size_t o) { return [&, o](std::size_t k) { return f.lb[o + k].v; }; };
+  for (std::size_t i = 0; i < I; ++i) {
+    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v, sl = g * sg, hv = sl * u;
+    const double asl = ah[i] * u, ag = asl * (sg + g * sg * (1 - sg)), au = ah[i] * sl;
+    q += ah[i] * ah[i] * (um2 + ub2) * hv * hv + asl * asl * (a2 + um2) * sl * sl;
+    const DotExact lg = r ? dot_exact(r, lbq(0), at(in.b_gate, I, i), n1) : DotExact{};
+    const DotExact lu = r ? dot_exact(r, lbq(r), at(in.b_up, I, i), n1) : DotExact{};
+    q += gemm_out_roundings(ag, dot_exact(H, xq, at(in.w_gate, I, i), n1), r ? &lg : nullptr, p);
+    q += gemm_out_roundings(au, dot_exact(H, xq, at(in.w_up, I, i), n1), r ? &lu : nullptr, p);
+    for (std::size_t k = 0; k < r; ++k)
+      alb[k] += ag * in.b_gate(e * I + i, k), alb[r + k] += au * in.b_up(e * I + i, k);
+  }
+  // lb_k = operand(mid(s mid(xa_k))), xa_k = x A^T.
+  for (std::size_t k = 0; k < 2 * r; ++k) {
+    const DotExact xa =
+        dot_exact(H, xq, k < r ? at(in.a_gate, r, k) : at(in.a_up, r, k - r), kpad(H));
+    const double lb = f.lb[k].v;
+    q += alb[k] * alb[k] * ((ub2 + um2) * lb * lb + s * s * (um2 * xa.v * xa.v + a2 * xa.q2));
+  }
+  return q;
+}
+
+}  // namespace
+
+TokenProjection token_projection(const ExpertsTensors& in, const Precision& p,
+                                 const std::vector<Probable>& x, double s,
+                                 const std::vector<std::pair<std::size_t, double>>& slots,
+                                 const std::vector<PairForward<Probable>>& pairs,
+                                 const std::vector<RowSum<Probable>>& sum, const Probable* y) {
+  const std::size_t H = in.H, K = in.idx.cols;
+  TokenProjection tp;
+  const double um2 = p.mid_unit * p.mid_unit, adds = K > 1 ? static_cast<double>(K - 1) : 0;
+  for (std::size_t m = 0; m < H; ++m) {
+    const double v = y[m].v, M = std::max(sum[m].sum.pos, sum[m].sum.neg);
+    tp.det += std::fabs(v) * y[m].d, tp.norm2 += v * v;
+    tp.q += v * v * um2 * (sum[m].sum.sq + adds * M * M);
+  }
+  std::vector<double> ao(H);
+  for (std::size_t j = 0; j < pairs.size(); ++j) {
+    for (std::size_t m = 0; m < H; ++m) ao[m] = slots[j].second * y[m].v;
+    tp.q += pair_projection({in, slots[j].first, p}, pairs[j], x, s, ao);
+  }
+  return tp;
+}
+
+}  // namespace moecert::contracts::pair
