@@ -375,6 +375,48 @@ def test_y_off_by_2_percent_declared_bf16_fails_along_y():
         assert "<y - ref, ref> / <ref, ref> = " in _messages(v)[v.failed.index("experts.forward.scale_explained")]
 
 
+@pytest.mark.parametrize("factor", ["b_gate", "b_up", "b_down"])
+def test_a_lora_scale_dropped_fails_the_probabilistic_bounds_under_every_declaration(factor):
+    """The LoRA scale s = alpha / r left out of one projection, in a bf16 or an fp32 implementation:
+    declared bf16, mixed or fp32, the error fails spread_explained and scale_explained."""
+    import moecert.check as check
+    inputs, lora = experts.random_case(T=64, E=8, H=256, I=128, K=4)
+    bad = dict(lora, **{factor: lora[factor] / (8.0 / lora["a_gate"].shape[1])})
+    for precision, dtype in (("bf16", torch.bfloat16), ("mixed", torch.bfloat16), ("fp32", torch.float32)):
+        y = experts.experts_forward(**inputs, lora=bad, alpha=8.0, dtype=dtype)
+        v = check.experts_forward(**inputs, y=y, precision=precision, lora=lora, alpha=8.0)
+        assert {"experts.forward_train.spread_explained", "experts.forward_train.scale_explained"} <= set(
+            v.failed), (precision, v.failed)
+
+
+def test_router_weights_without_renormalisation_or_scaling_fail_the_routers_bound():
+    """A softmax top-k not renormalised, a sigmoid router's routed scaling factor (2.5) dropped: the
+    router's within_bound names the weights, whatever the experts' declared precision."""
+    import moecert.check as check
+    case = layer.random_case()
+    lora = dict(case["lora"])
+    base = {k: case[k] for k in ("x", "router_w", "router_b", "w_gate", "w_up", "w_down")}
+    z = torch.nn.functional.linear(case["x"].float(), case["router_w"], case["router_b"])
+
+    def y_of(idx, w, dtype):
+        return experts.experts_forward(case["x"], idx, w, case["w_gate"], case["w_up"], case["w_down"], lora,
+                                       case["alpha"], dtype)
+    top, idx = torch.topk(torch.softmax(z, -1), case["K"], -1)
+    sig, sig_idx = torch.topk(torch.sigmoid(z), case["K"], -1)
+    normalised = sig / sig.sum(-1, keepdim=True)
+    for precision, dtype in (("bf16", torch.bfloat16), ("mixed", torch.bfloat16), ("fp32", torch.float32)):
+        kw = dict(base, z=z, precision=precision, lora=lora, alpha=case["alpha"])
+        v = check.layer_forward(**kw, idx=idx.int(), weights=top, y=y_of(idx.int(), top, dtype),
+                                router="softmax_topk")
+        assert "router.softmax_topk.within_bound" in v.failed, (precision, v.failed)
+        sigmoid = dict(kw, idx=sig_idx.int(), router="sigmoid_topk", router_bias=torch.zeros(z.shape[1]),
+                       scaling=2.5)
+        right = normalised * 2.5
+        assert check.layer_forward(**sigmoid, weights=right, y=y_of(sig_idx.int(), right, dtype)).passed
+        v = check.layer_forward(**sigmoid, weights=normalised, y=y_of(sig_idx.int(), normalised, dtype))
+        assert v.failed == ["router.sigmoid_topk.within_bound"], (precision, v.failed)
+
+
 def test_truncation_to_bf16_is_caught_by_the_rounding_audit():
     import moecert.check as check
     inputs, lora = experts.random_case(T=48)
