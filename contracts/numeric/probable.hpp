@@ -22,18 +22,26 @@ namespace moecert::bounds {
 /// and sum_k c_k^2 <= s^2. The coefficients are those of the linearised
 /// error at the exact values; second-order terms are bounded by the
 /// operands' hp(), so the bounds hold on the event that every value of the
-/// model is within its hp() (§12: a union over the values).
+/// model is within its hp() (§12: a union over the values). x bounds a
+/// further error whose linear part a caller accounts for itself (the model's
+/// lb): it propagates linearly and enters hp(), not d or s.
 struct Probable {
   double v = 0, e = 0, d = 0, s = 0;
   double lambda = 0;  // the declaration's Hoeffding multiplier (Precision::lambda)
+  double x = 0;
   Probable() = default;
   Probable(double value, double err = 0) : v(value), e(err), d(err) {}
   Probable(Tracked t, double lam) : v(t.v), e(t.e), d(t.e), lambda(lam) {}
   Probable(double value, double err, double det, double rnd, double lam)
       : v(value), e(err), d(det), s(rnd), lambda(lam) {}
   /// |error| <= hp() but with probability at most 2 exp(-lambda^2 / 2).
-  double hp() const { return std::min(e, d + lambda * s); }
+  double hp() const { return std::min(e, d + lambda * s + x); }
   double mag() const { return std::fabs(v) + e; }  // bound on |kernel value|
+  Probable with_x(double ext) const {
+    Probable r = *this;
+    r.x = ext;
+    return r;
+  }
 };
 
 /// A value of the worst-case model (an input, a constant) with no random
@@ -51,6 +59,17 @@ inline Tracked collapse(const Probable& a) { return {a.v, a.hp()}; }
 /// The random part bounded in the worst case: for a value read by several
 /// terms of a later sum whose other roundings are independent across terms.
 inline Probable fold(const Probable& a) { return {a.v, a.e, a.e, 0, a.lambda}; }
+/// The value with its errors' linear part left to the caller: x = hp().
+inline Probable external(const Probable& a) {
+  Probable r{a.v, a.e, 0, 0, a.lambda};
+  r.x = a.hp();
+  return r;
+}
+/// a with x's linear part accounted for by the caller.
+inline Probable accounted(Probable a) {
+  a.x = 0;
+  return a;
+}
 /// A value the tile unit may flush (Lemma 1').
 inline bool may_flush(const Probable& a) {
   return a.mag() > 0 && std::fabs(a.v) - a.e < kMinNormal32;
@@ -63,28 +82,34 @@ inline double lam(const Probable& a, const Probable& b) { return std::max(a.lamb
 
 // Sums: random parts that may share roundings add by the triangle inequality.
 inline Probable operator+(Probable a, Probable b) {
-  return {a.v + b.v, a.e + b.e, a.d + b.d, a.s + b.s, detail::lam(a, b)};
+  Probable r{a.v + b.v, a.e + b.e, a.d + b.d, a.s + b.s, detail::lam(a, b)};
+  r.x = a.x + b.x;
+  return r;
 }
 inline Probable operator-(Probable a, Probable b) {
-  return {a.v - b.v, a.e + b.e, a.d + b.d, a.s + b.s, detail::lam(a, b)};
+  return a + Probable{-b.v, b.e, b.d, b.s, b.lambda}.with_x(b.x);
 }
-inline Probable operator-(Probable a) { return {-a.v, a.e, a.d, a.s, a.lambda}; }
+inline Probable operator-(Probable a) {
+  return Probable{-a.v, a.e, a.d, a.s, a.lambda}.with_x(a.x);
+}
 inline Probable& operator+=(Probable& a, Probable b) { return a = a + b; }
 /// a b: the first-order terms |a| err_b + |b| err_a split as the errors are,
 /// the product of the errors in the worst-case part.
 inline Probable operator*(Probable a, Probable b) {
   using detail::mul0;
   const double A = std::fabs(a.v), B = std::fabs(b.v), second = mul0(a.hp(), b.hp());
-  return {a.v * b.v, propagate_safe(a.e, B, A, b.e), mul0(A, b.d) + mul0(B, a.d) + second,
-          mul0(A, b.s) + mul0(B, a.s), detail::lam(a, b)};
+  return Probable{a.v * b.v, propagate_safe(a.e, B, A, b.e), mul0(A, b.d) + mul0(B, a.d) + second,
+                  mul0(A, b.s) + mul0(B, a.s), detail::lam(a, b)}
+      .with_x(mul0(A, b.x) + mul0(B, a.x));
 }
 
 /// One rounding of unit u of a computed value (|relative error| <= u, plus a
 /// flush of size `tiny`): u |v| joins the random part; u times the value's
 /// own error, and the flush, the worst-case part.
 inline Probable rounded(Probable a, double u, double tiny) {
-  return {a.v, a.e + u * (std::fabs(a.v) + a.e) + tiny, a.d + u * a.hp() + tiny,
-          std::hypot(a.s, u * std::fabs(a.v)), a.lambda};
+  return Probable{a.v, a.e + u * (std::fabs(a.v) + a.e) + tiny, a.d + u * a.hp() + tiny,
+                  std::hypot(a.s, u * std::fabs(a.v)), a.lambda}
+      .with_x(a.x);
 }
 inline Probable r32(Probable a) { return rounded(a, kU32, kMinNormal32); }
 inline Probable mid(Probable a, const Precision& p) { return rounded(a, p.mid_unit, kMinNormal32); }
@@ -97,24 +122,25 @@ inline Probable operand(Probable a, const Precision& p) {
 /// evaluation's own error at the computed input.
 inline Probable sig(Probable a) {
   const double sv = 1 / (1 + std::exp(-a.v)), slope = sv * (1 - sv), h = a.hp();
-  return {sv, sigmoid(sv, a.e), slope * a.d + 0.05 * h * h + sigmoid(sv + h / 4), slope * a.s,
-          a.lambda};
+  return Probable{sv, sigmoid(sv, a.e), slope * a.d + 0.05 * h * h + sigmoid(sv + h / 4),
+                  slope * a.s, a.lambda}
+      .with_x(slope * a.x);
 }
 
 /// A running sum of Probable terms: their random parts by `terms`
 /// (precision.hpp), magnitudes and signs kept for the sum's own roundings.
 struct ProbableSum {
   Terms terms;
-  double v = 0, e = 0, d = 0, s = 0, s2 = 0, abs = 0, pos = 0, neg = 0, sq = 0, lambda = 0;
+  double v = 0, e = 0, d = 0, s = 0, s2 = 0, abs = 0, pos = 0, neg = 0, sq = 0, lambda = 0, x = 0;
   explicit ProbableSum(Terms t) : terms(t) {}
   void add(const Probable& t) {
     v += t.v, e += t.e, d += t.d, s += t.s, s2 += t.s * t.s;
-    abs += t.mag(), sq += t.v * t.v, lambda = std::max(lambda, t.lambda);
+    abs += t.mag(), sq += t.v * t.v, lambda = std::max(lambda, t.lambda), x += t.x;
     (t.v >= 0 ? pos : neg) += std::fabs(t.v);
   }
   double random() const { return terms == Terms::independent ? std::sqrt(s2) : s; }
   /// A bound on sum_j |error of term j| on the event.
-  double errors() const { return std::min(e, d + lambda * random()); }
+  double errors() const { return std::min(e, d + lambda * random() + x); }
 };
 
 /// The roundings of a sum of n terms in any order and summation tree, each
@@ -131,8 +157,10 @@ inline Probable rounded_sum(const ProbableSum& sum, std::size_t n, double u, boo
   const double partial = std::max(sum.pos, sum.neg), adds = nd > 1 ? nd - 1 : 0;
   const double rnd = u * std::sqrt((per_term ? sum.sq : 0) + adds * partial * partial);
   const double roundings = (per_term ? nd : 0) + adds;
-  return {sum.v, sum.e + worst + tiny, sum.d + roundings * u * (sum.errors() + worst) + tiny,
-          std::hypot(sum.random(), rnd), sum.lambda};
+  return Probable{sum.v, sum.e + worst + tiny,
+                  sum.d + roundings * u * (sum.errors() + worst) + tiny,
+                  std::hypot(sum.random(), rnd), sum.lambda}
+      .with_x(sum.x);
 }
 
 template <class F>
@@ -180,8 +208,9 @@ Probable dot_products_stored(std::size_t count, A a, B b, std::size_t n_terms, c
     sq += exact * exact, mag += x.mag() * y.mag(), excess += x.mag() * y.mag() - exact;
   }
   const double tiny = static_cast<double>(count) * kMinNormal32;
-  return mid({d.v, d.e + p.mid_unit * mag + tiny, d.d + p.mid_unit * excess + tiny,
-              std::hypot(d.s, p.mid_unit * std::sqrt(sq)), d.lambda},
+  return mid(Probable{d.v, d.e + p.mid_unit * mag + tiny, d.d + p.mid_unit * excess + tiny,
+                      std::hypot(d.s, p.mid_unit * std::sqrt(sq)), d.lambda}
+                 .with_x(d.x),
              p);
 }
 

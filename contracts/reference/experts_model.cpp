@@ -41,7 +41,7 @@ PairForward<S> pair_forward(const Expert<S>& w, const std::vector<S>& x, const S
         kpad(H), p);
     lb[k] = bounds::operand(bounds::mid(s * xa, p), p);
     if constexpr (std::is_same_v<S, Probable>)
-      lb_read[k] = exact_lb ? Probable{lb[k].v, lb[k].e, 0, 0, lb[k].lambda} : bounds::fold(lb[k]);
+      lb_read[k] = exact_lb ? bounds::external(lb[k]) : bounds::fold(lb[k]);
     else
       lb_read[k] = lb[k];
   }

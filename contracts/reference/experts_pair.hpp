@@ -62,7 +62,7 @@ struct RowSum<Probable> {
   }
 };
 inline Probable row_exact(const RowSum<Probable>& r) {
-  return {r.sum.v, r.sum.e, r.sum.d, r.sum.random(), r.sum.lambda};
+  return Probable{r.sum.v, r.sum.e, r.sum.d, r.sum.random(), r.sum.lambda}.with_x(r.sum.x);
 }
 inline double row_abs(const RowSum<Probable>& r) { return r.sum.abs; }
 

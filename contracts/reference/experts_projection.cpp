@@ -40,6 +40,7 @@ void add_lb_errors(const Expert<Probable>& w, PairForward<Probable>& f,
       for (std::size_t q = 0; q < r; ++q) c[k] += s * in.b_down(e * H + m, q) * Q[q * R + k];
       det += std::fabs(c[k]) * lb[k].d, rnd += c[k] * c[k] * lb[k].s * lb[k].s;
     }
+    f.o[m] = bounds::accounted(f.o[m]);
     f.o[m].d += det, f.o[m].s = std::hypot(f.o[m].s, std::sqrt(rnd));
   }
 }
