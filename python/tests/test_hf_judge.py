@@ -83,3 +83,28 @@ def test_a_transformers_experts_module_passes_in_its_precision(dtype, precision)
     bwd = check.experts_backward(x.detach(), idx, w.detach(), dy=dy, precision=precision, dx=x.grad,
                                  dweights=w.grad, **base)
     assert bwd.passed, bwd.failed
+
+
+def test_a_transformers_experts_module_off_by_5_percent_fails_along_y():
+    """Qwen3-MoE's experts module in bf16 at E16 H512 I384 K4, 64 tokens: its y passes every clause
+    declared bf16 (the probabilistic ones included); y * 1.05 fails scale_explained, the error along
+    the exact y, where every element's own bound still holds it."""
+    cfg_name, model_name, extra = FAMILIES["qwen3_moe"]
+    torch.manual_seed(0)
+    cfg = dict(COMMON, **extra, hidden_size=512, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**cfg)).to(torch.bfloat16)
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    rng = torch.Generator().manual_seed(6)
+    idx = torch.stack([torch.randperm(16, generator=rng)[:4] for _ in range(T)])
+    x = torch.randn(T, 512, generator=rng).to(torch.bfloat16)
+    w = torch.softmax(torch.randn(T, 4, generator=rng), -1).to(torch.bfloat16)
+    with torch.no_grad():
+        y = experts(x, idx, w)
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    inter = gate_up.shape[1] // 2
+    base = dict(w_gate=gate_up[:, :inter].contiguous(), w_up=gate_up[:, inter:].contiguous(), w_down=down)
+    v = check.experts_forward(x, idx, w, y=y, precision="bf16", **base)
+    assert v.passed, v.failed
+    off = check.experts_forward(x, idx, w, y=y.float() * 1.05, precision="bf16", **base)
+    assert "experts.forward.scale_explained" in off.failed, off.failed
+    assert "experts.forward.within_bound" not in off.failed
