@@ -119,4 +119,15 @@ TEST_CASE("compare.rounding_audit: truncation is flagged, round to nearest is no
   // Too few elements: never flagged.
   const auto c = compare::rounding_audit(std::span(truncated).first(40), std::span(ref).first(40));
   CHECK_FALSE(c.biased());
+  // A lean within kLean (58% toward zero, a bf16 SwiGLU's) passes; 75% fails.
+  auto leaning = [&](std::size_t every) {  // truncate 1 in `every`, else nearest
+    std::vector<float> v(ref.size());
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = i % every ? nearest[i] : truncated[i];
+    return compare::rounding_audit(v, ref);
+  };
+  const auto lean = leaning(6), heavy = leaning(2);
+  CHECK(double(lean.toward_zero) / double(lean.audited) > 0.55);
+  CHECK_FALSE(lean.biased());
+  CHECK(double(heavy.toward_zero) / double(heavy.audited) > 0.7);
+  CHECK(heavy.biased());
 }

@@ -48,16 +48,23 @@ Bounded bounded(std::span<const float> got, std::span<const double> ref,
 /// Round-to-nearest errors are as often toward zero as away from it;
 /// truncation's are always toward zero. With N elements whose error and
 /// reference are nonzero, k of them toward zero, the audit flags a bias when
-/// |k/N - 1/2| > eps = sqrt(ln(2/alpha) / (2N)) (Hoeffding: a false alarm
-/// with probability <= alpha under the model of independent, symmetric
-/// rounding errors). Below kMinAudited elements it never flags.
+/// |k/N - 1/2| > kLean + eps, eps = sqrt(ln(2/alpha) / (2N)) (Hoeffding: a
+/// false alarm with probability <= alpha under the model of independent
+/// rounding errors leaning at most kLean to one side). Below kMinAudited
+/// elements it never flags.
 struct RoundingAudit {
   static constexpr std::size_t kMinAudited = 64;
   static constexpr double kAlpha = 0x1p-30;  // false-alarm probability
+  /// The lean granted to an implementation's own functions: PyTorch 2.11's
+  /// bf16 silu errs toward zero 51.5% of the time, and a bf16 SwiGLU's y 58%;
+  /// a truncated final rounding sends ~100% of the errors toward zero.
+  static constexpr double kLean = 0.1;
   std::size_t audited = 0, toward_zero = 0;
-  double eps = 0;  // the threshold on |k/N - 1/2|
+  double eps = 0;  // Hoeffding's part of the threshold on |k/N - 1/2|
+  double threshold() const { return kLean + eps; }
   bool biased() const {
-    return audited >= kMinAudited && std::abs(double(toward_zero) / double(audited) - 0.5) > eps;
+    return audited >= kMinAudited &&
+           std::abs(double(toward_zero) / double(audited) - 0.5) > threshold();
   }
 };
 RoundingAudit rounding_audit(std::span<const float> got, std::span<const double> ref);

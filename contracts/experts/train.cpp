@@ -148,7 +148,9 @@ bool rounding_unbiased(detail::Checker& c, const ClauseInfo& clause, std::string
   c.fail(clause, std::string(name),
          fmt::format("{} of {} errors toward zero ({:.3f})", a.toward_zero, a.audited,
                      double(a.toward_zero) / double(a.audited)),
-         fmt::format("|fraction - 1/2| <= {:.3f} (round to nearest; proofs/bounds.md §11)", a.eps));
+         fmt::format("|fraction - 1/2| <= {:.3f} (round to nearest, leaning at most {}; "
+                     "proofs/bounds.md §11)",
+                     a.threshold(), compare::RoundingAudit::kLean));
   return false;
 }
 

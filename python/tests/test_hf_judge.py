@@ -91,7 +91,8 @@ def test_a_transformers_experts_module_off_by_5_percent_fails_along_y():
     the exact y, where every element's own bound still holds it."""
     cfg_name, model_name, extra = FAMILIES["qwen3_moe"]
     torch.manual_seed(0)
-    cfg = dict(COMMON, **extra, hidden_size=512, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384)
+    cfg = dict(COMMON, **extra)
+    cfg.update(hidden_size=512, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384)
     model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**cfg)).to(torch.bfloat16)
     experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
     rng = torch.Generator().manual_seed(6)
