@@ -174,7 +174,13 @@ TEST_CASE("layer.forward, layer.backward: each stage's error is named by its cla
   CHECK(has(
       forward_with("idx", 3, [](jg::Tensor& t, std::size_t i) { std::swap(t.i[i], t.i[i + 1]); }),
       "router.softmax_topk.sorted"));
-  CHECK(forward_with("y", 50, off) == Ids{"layer.forward.within_bound"});
+  CHECK(forward_with("y", 50, off) ==
+        Ids{"layer.forward.spread_explained", "layer.forward.within_bound"});
+  // Every y 5% too large: the error along y.
+  jg::Tensors scaled = s.forward_out;
+  for (float& v : scaled.at("y").f) v *= 1.05f;
+  CHECK(has(failures(jg::judge_op("layer.forward", s.in, scaled, s.params)),
+            "layer.forward.scale_explained"));
   CHECK(has(forward_with("y", 50, [](jg::Tensor& t, std::size_t i) { t.f[i] = NAN; }),
             "layer.forward.y_finite"));
 

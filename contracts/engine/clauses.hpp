@@ -369,6 +369,12 @@ inline constexpr ClauseInfo kFwdProbe =
          Level::audit);
 inline constexpr ClauseInfo kFwdWithin =
     post("layer.forward.within_bound", Group::numeric, "z and y within bound", Level::full);
+inline constexpr ClauseInfo kFwdSpread =
+    post("layer.forward.spread_explained", Group::numeric,
+         "y within the declared precision's probabilistic bound", Level::full);
+inline constexpr ClauseInfo kFwdScaleExplained =
+    post("layer.forward.scale_explained", Group::numeric,
+         "y's error along the exact y within the probabilistic bound", Level::full);
 inline constexpr ClauseInfo kBwdState = pre("layer.backward.state", Group::shape,
                                             "saved holds a training forward of this config and T");
 inline constexpr ClauseInfo kBwdShape =
@@ -409,11 +415,13 @@ inline constexpr ClauseInfo kRlProbe = post("layer.router_linear.probe", Group::
 inline constexpr ClauseInfo kRlWithin = post("layer.router_linear.within_bound", Group::numeric,
                                              "every output within bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,     kFwdXFinite,      kFwdXRange,   kFwdLoraFinite,  kFwdLoraRange,   kFwdScale,
-    kFwdNoAlias,   kFwdLoraPadding,  kFwdYFinite,  kFwdProbe,       kFwdWithin,      kBwdState,
-    kBwdShape,     kBwdDyFinite,     kBwdNoAlias,  kBwdSavedFinite, kBwdSavedIntact, kBwdGradFinite,
-    kBwdEmptyZero, kBwdRouterMasked, kBwdProbe,    kBwdWithin,      kRlShape,        kRlFinite,
-    kRlXRange,     kRlNoAlias,       kRlOutFinite, kRlProbe,        kRlWithin};
+    kFwdShape,         kFwdXFinite,     kFwdXRange,      kFwdLoraFinite, kFwdLoraRange,
+    kFwdScale,         kFwdNoAlias,     kFwdLoraPadding, kFwdYFinite,    kFwdProbe,
+    kFwdWithin,        kBwdState,       kBwdShape,       kBwdDyFinite,   kBwdNoAlias,
+    kBwdSavedFinite,   kBwdSavedIntact, kBwdGradFinite,  kBwdEmptyZero,  kBwdRouterMasked,
+    kBwdProbe,         kBwdWithin,      kRlShape,        kRlFinite,      kRlXRange,
+    kRlNoAlias,        kRlOutFinite,    kRlProbe,        kRlWithin,      kFwdSpread,
+    kFwdScaleExplained};
 }  // namespace layer
 
 }  // namespace moecert::clauses

@@ -249,10 +249,6 @@ bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name
   return false;
 }
 
-namespace {
-
-// y's error along the exact y (the probabilistic model's ref) within the
-// projection's bound, the output's own storage rounding added.
 bool within_projection(detail::Checker& c, const ClauseInfo& clause, const char* name,
                        MatView<const float> m, const std::vector<Tracked>& ref,
                        const Projection& along, const bounds::Precision& p) {
@@ -271,6 +267,8 @@ bool within_projection(detail::Checker& c, const ClauseInfo& clause, const char*
                      p.name, kSpreadProof));
   return false;
 }
+
+namespace {
 
 // The codes (each a byte, or an int8 code as a signed value, and every
 // element's code valid: int4 the nibbles of its columns) and scales
@@ -403,7 +401,11 @@ namespace {
 
 // Param audit (true): the rounding audit; its model (independent, symmetric
 // errors) needs data where no single rounding dominates many outputs.
+}  // namespace
+
 bool audit_asked(const Params& p) { return flag_param(p, "audit", true); }
+
+namespace {
 
 // The weight gradients' summaries (those given).
 void summarize_weight_grads(const WeightGrads& g, const ExpertsBackward& ref,

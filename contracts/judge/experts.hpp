@@ -90,6 +90,18 @@ bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name
                   MatView<const float> m, const std::vector<bounds::Tracked>& ref,
                   const bounds::Precision& p, const char* proof);
 
+/// <m - ref, ref> within the projection's bound (proofs/bounds.md §12), ref
+/// the probabilistic model's values, the output's storage rounding added;
+/// the relative error along ref in the message.
+bool within_projection(detail::Checker& c, const ClauseInfo& clause, const char* name,
+                       MatView<const float> m, const std::vector<bounds::Tracked>& ref,
+                       const Projection& along, const bounds::Precision& p);
+
+/// Param audit (true): the rounding audit and the probabilistic clauses;
+/// their model (independent errors) needs data where no single rounding
+/// dominates many outputs.
+bool audit_asked(const Params& p);
+
 /// The weight gradients among the outputs (`a_gate_grad`, `b_gate_grad`,
 /// `a_up_grad`, `b_up_grad`, `a_down_grad`, `b_down_grad`, `w_gate_grad`,
 /// `w_up_grad`, `w_down_grad`: grad_shapes' order); a null view where one

@@ -23,6 +23,7 @@ using bounds::Precision;
 using bounds::Tracked;
 
 constexpr const char* kProof = "proofs/layer.md §7";
+constexpr const char* kSpreadProof = "probabilistic, proofs/bounds.md §12";
 
 RouterKind router_of(const Params& p) {
   const auto it = p.find("router");
@@ -176,6 +177,16 @@ void layer_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
       within_model(c, kl::kFwdWithin, "y", y, model, p, kProof);
       summarize_error("y", y, model);
     }
+  }
+  // y under the probabilistic model, element by element and along y
+  // (proofs/bounds.md §12), unless audit=false.
+  if (c.stop() || !audit_asked(params) || !routable(t.ex.idx, t.ex.E)) return;
+  const ProbableForward model = experts_model_forward_probable(t.ex, p);
+  MOECERT_CONTRACT(c, kl::kFwdSpread) {
+    within_model(c, kl::kFwdSpread, "y", y, model.y, p, kSpreadProof);
+  }
+  MOECERT_CONTRACT(c, kl::kFwdScaleExplained) {
+    within_projection(c, kl::kFwdScaleExplained, "y", y, model.y, model.along_y, p);
   }
 }
 
@@ -350,6 +361,7 @@ std::map<std::string, OpEntry> layer_entries() {
       "layer.forward.lora_finite",      "layer.forward.lora_range",
       "layer.forward.scale_finite",     "layer.forward.shape",
       "layer.forward.y_finite",         "layer.forward.within_bound",
+      "layer.forward.spread_explained", "layer.forward.scale_explained",
       "layer.router_linear.out_finite", "layer.router_linear.within_bound"};
   std::vector<std::string> bwd = {
       "layer.forward.x_finite",      "layer.forward.x_range",

@@ -53,7 +53,7 @@ std::vector<std::string> accepted_params(const std::string& op) {
       return v;
     }
   if (starts("experts.")) return {"precision", "alpha", "audit", "format"};
-  std::vector<std::string> layer = {"precision", "router", "alpha", "sorted", "format"};
+  std::vector<std::string> layer = {"precision", "router", "alpha", "sorted", "format", "audit"};
   for (const RouterKindInfo* k : router_kinds())  // the layer's router's params
     layer.insert(layer.end(), k->judge_params.begin(), k->judge_params.end());
   return layer;

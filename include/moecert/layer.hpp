@@ -116,6 +116,10 @@ struct BackwardOptions {
 ///                                              products, as experts.forward_train.probe, and of z,
 ///                                              as layer.router_linear.probe (audit)
 ///   layer.forward.within_bound  post  numeric  every y element within the chained bound (full)
+///   layer.forward.spread_explained post numeric y within the declared precision's probabilistic
+///                                              bound (the judge; proofs/bounds.md §12)
+///   layer.forward.scale_explained post numeric <y - ref, ref> within the probabilistic bound (the
+///                                              judge; proofs/bounds.md §12)
 /// and the clauses of the router, experts.forward and workspace.* it runs.
 void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y,
              Saved& saved, const ForwardOptions& opt = {});
