@@ -14,6 +14,10 @@
  *                                   dx, dz by the router's backward, dx plus
  *                                   dz W_r, and dW_r = dz^T x, db = sum dz
  *   example_layer_backward_no_router_dx  the bug of leaving dz W_r out of dx
+ *   example_layer_forward_sigmoid, example_layer_backward_sigmoid
+ *                                   the same with routers.c's sigmoid top-k
+ *                                   router and its correction bias
+ *                                   router_bias fp32 [1, E] (after router_b)
  *
  * Returns 0, or -1 for descriptors it does not take. */
 #include <stdint.h>
@@ -25,6 +29,10 @@
 int example_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t k,
                                  moecert_tensor* idx, moecert_tensor* w);
 int example_softmax_topk_backward(const moecert_tensor* z, const moecert_tensor* idx,
+                                  const moecert_tensor* g, moecert_tensor* dz);
+int example_sigmoid_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t k,
+                                 moecert_tensor* idx, moecert_tensor* w);
+int example_sigmoid_topk_backward(const moecert_tensor* z, const moecert_tensor* idx,
                                   const moecert_tensor* g, moecert_tensor* dz);
 int example_experts_forward(const moecert_tensor* x, const moecert_tensor* idx,
                             const moecert_tensor* weights, const moecert_tensor* w_gate,
@@ -41,10 +49,11 @@ static float* at(moecert_tensor* t, int64_t r, int64_t c) {
   return (float*)t->data + r * t->stride[0] + c * t->stride[1];
 }
 
-/* z = x W_r^T (+ b), then the router's selection on z. */
+/* z = x W_r^T (+ b), then the router's selection on z: softmax top-k, or
+ * with a correction bias the sigmoid top-k. */
 static int route(const moecert_tensor* x, const moecert_tensor* router_w,
-                 const moecert_tensor* router_b, int64_t k, moecert_tensor* z, moecert_tensor* idx,
-                 moecert_tensor* weights, int bias) {
+                 const moecert_tensor* router_b, const moecert_tensor* router_bias, int64_t k,
+                 moecert_tensor* z, moecert_tensor* idx, moecert_tensor* weights, int bias) {
   if (x->dtype != MOECERT_BF16 || router_w->dtype != MOECERT_F32 ||
       router_b->dtype != MOECERT_F32 || z->dtype != MOECERT_F32)
     return -1;
@@ -55,32 +64,36 @@ static int route(const moecert_tensor* x, const moecert_tensor* router_w,
       for (int64_t h = 0; h < H; ++h) s += bf(x, t, h) * f32(router_w, e, h);
       *at(z, t, e) = s;
     }
-  return example_softmax_topk_forward(z, NULL, k, idx, weights);
+  return router_bias ? example_sigmoid_topk_forward(z, router_bias, k, idx, weights)
+                     : example_softmax_topk_forward(z, NULL, k, idx, weights);
 }
 
 static int forward(const moecert_tensor* x, const moecert_tensor* router_w,
-                   const moecert_tensor* router_b, const moecert_tensor* w_gate,
-                   const moecert_tensor* w_up, const moecert_tensor* w_down,
-                   const moecert_lora* lora, int64_t k, moecert_tensor* z, moecert_tensor* idx,
-                   moecert_tensor* weights, moecert_tensor* y, int bias) {
-  const int status = route(x, router_w, router_b, k, z, idx, weights, bias);
+                   const moecert_tensor* router_b, const moecert_tensor* router_bias,
+                   const moecert_tensor* w_gate, const moecert_tensor* w_up,
+                   const moecert_tensor* w_down, const moecert_lora* lora, int64_t k,
+                   moecert_tensor* z, moecert_tensor* idx, moecert_tensor* weights,
+                   moecert_tensor* y, int bias) {
+  const int status = route(x, router_w, router_b, router_bias, k, z, idx, weights, bias);
   return status ? status : example_experts_forward(x, idx, weights, w_gate, w_up, w_down, lora, y);
 }
 
 /* The layer's gradients for dy (see the file's comment); router_dx = 0
  * leaves dz W_r out of dx. */
 static int backward(const moecert_tensor* x, const moecert_tensor* router_w,
-                    const moecert_tensor* router_b, const moecert_tensor* w_gate,
-                    const moecert_tensor* w_up, const moecert_tensor* w_down,
-                    const moecert_lora* lora, int64_t k, const moecert_tensor* dy,
-                    moecert_tensor* z, moecert_tensor* idx, moecert_tensor* weights,
-                    moecert_tensor* dx, moecert_tensor* dweights, moecert_tensor* dz,
-                    moecert_tensor* dw_r, moecert_tensor* db_r, int router_dx) {
-  int status = route(x, router_w, router_b, k, z, idx, weights, 1);
+                    const moecert_tensor* router_b, const moecert_tensor* router_bias,
+                    const moecert_tensor* w_gate, const moecert_tensor* w_up,
+                    const moecert_tensor* w_down, const moecert_lora* lora, int64_t k,
+                    const moecert_tensor* dy, moecert_tensor* z, moecert_tensor* idx,
+                    moecert_tensor* weights, moecert_tensor* dx, moecert_tensor* dweights,
+                    moecert_tensor* dz, moecert_tensor* dw_r, moecert_tensor* db_r, int router_dx) {
+  int status = route(x, router_w, router_b, router_bias, k, z, idx, weights, 1);
   if (!status)
     status =
         example_experts_backward(x, idx, weights, w_gate, w_up, w_down, lora, dy, dx, dweights);
-  if (!status) status = example_softmax_topk_backward(z, idx, dweights, dz);
+  if (!status)
+    status = router_bias ? example_sigmoid_topk_backward(z, idx, dweights, dz)
+                         : example_softmax_topk_backward(z, idx, dweights, dz);
   if (status) return status;
   const int64_t T = x->shape[0], H = x->shape[1], E = router_w->shape[0];
   for (int64_t e = 0; e < E; ++e) {
@@ -104,7 +117,7 @@ int example_layer_forward(const moecert_tensor* x, const moecert_tensor* router_
                           const moecert_tensor* w_up, const moecert_tensor* w_down,
                           const moecert_lora* lora, int64_t k, moecert_tensor* z,
                           moecert_tensor* idx, moecert_tensor* weights, moecert_tensor* y) {
-  return forward(x, router_w, router_b, w_gate, w_up, w_down, lora, k, z, idx, weights, y, 1);
+  return forward(x, router_w, router_b, NULL, w_gate, w_up, w_down, lora, k, z, idx, weights, y, 1);
 }
 
 int example_layer_forward_no_bias(const moecert_tensor* x, const moecert_tensor* router_w,
@@ -112,7 +125,7 @@ int example_layer_forward_no_bias(const moecert_tensor* x, const moecert_tensor*
                                   const moecert_tensor* w_up, const moecert_tensor* w_down,
                                   const moecert_lora* lora, int64_t k, moecert_tensor* z,
                                   moecert_tensor* idx, moecert_tensor* weights, moecert_tensor* y) {
-  return forward(x, router_w, router_b, w_gate, w_up, w_down, lora, k, z, idx, weights, y, 0);
+  return forward(x, router_w, router_b, NULL, w_gate, w_up, w_down, lora, k, z, idx, weights, y, 0);
 }
 
 int example_layer_backward(const moecert_tensor* x, const moecert_tensor* router_w,
@@ -122,8 +135,8 @@ int example_layer_backward(const moecert_tensor* x, const moecert_tensor* router
                            moecert_tensor* z, moecert_tensor* idx, moecert_tensor* weights,
                            moecert_tensor* dx, moecert_tensor* dweights, moecert_tensor* dz,
                            moecert_tensor* dw_r, moecert_tensor* db_r) {
-  return backward(x, router_w, router_b, w_gate, w_up, w_down, lora, k, dy, z, idx, weights, dx,
-                  dweights, dz, dw_r, db_r, 1);
+  return backward(x, router_w, router_b, NULL, w_gate, w_up, w_down, lora, k, dy, z, idx, weights,
+                  dx, dweights, dz, dw_r, db_r, 1);
 }
 
 int example_layer_backward_no_router_dx(
@@ -132,6 +145,30 @@ int example_layer_backward_no_router_dx(
     const moecert_lora* lora, int64_t k, const moecert_tensor* dy, moecert_tensor* z,
     moecert_tensor* idx, moecert_tensor* weights, moecert_tensor* dx, moecert_tensor* dweights,
     moecert_tensor* dz, moecert_tensor* dw_r, moecert_tensor* db_r) {
-  return backward(x, router_w, router_b, w_gate, w_up, w_down, lora, k, dy, z, idx, weights, dx,
-                  dweights, dz, dw_r, db_r, 0);
+  return backward(x, router_w, router_b, NULL, w_gate, w_up, w_down, lora, k, dy, z, idx, weights,
+                  dx, dweights, dz, dw_r, db_r, 0);
+}
+
+int example_layer_forward_sigmoid(const moecert_tensor* x, const moecert_tensor* router_w,
+                                  const moecert_tensor* router_b, const moecert_tensor* router_bias,
+                                  const moecert_tensor* w_gate, const moecert_tensor* w_up,
+                                  const moecert_tensor* w_down, const moecert_lora* lora, int64_t k,
+                                  moecert_tensor* z, moecert_tensor* idx, moecert_tensor* weights,
+                                  moecert_tensor* y) {
+  if (!router_bias) return -1;
+  return forward(x, router_w, router_b, router_bias, w_gate, w_up, w_down, lora, k, z, idx, weights,
+                 y, 1);
+}
+
+int example_layer_backward_sigmoid(const moecert_tensor* x, const moecert_tensor* router_w,
+                                   const moecert_tensor* router_b,
+                                   const moecert_tensor* router_bias, const moecert_tensor* w_gate,
+                                   const moecert_tensor* w_up, const moecert_tensor* w_down,
+                                   const moecert_lora* lora, int64_t k, const moecert_tensor* dy,
+                                   moecert_tensor* z, moecert_tensor* idx, moecert_tensor* weights,
+                                   moecert_tensor* dx, moecert_tensor* dweights, moecert_tensor* dz,
+                                   moecert_tensor* dw_r, moecert_tensor* db_r) {
+  if (!router_bias) return -1;
+  return backward(x, router_w, router_b, router_bias, w_gate, w_up, w_down, lora, k, dy, z, idx,
+                  weights, dx, dweights, dz, dw_r, db_r, 1);
 }

@@ -12,6 +12,12 @@
  *                                          through the dense softmax without
  *                                          its mask: unselected experts get
  *                                          -p_i sum_j w_j g_j
+ *   example_sigmoid_topk_forward           one group (DeepSeek-V3's router
+ *                                          with G = 1): the K largest
+ *                                          sigmoid(z) + bias[e], weights
+ *                                          s_j / sum of the K s (scaling 1)
+ *   example_sigmoid_topk_backward          dz of those weights: zero off the
+ *                                          selection
  *
  * Returns 0, or -1 for descriptors it does not take. */
 #include <math.h>
@@ -20,23 +26,37 @@
 #include "moecert/moecert.h"
 #include "tensor.h"
 
+static float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+/* Row t's score of expert e: z, or (bias given) sigmoid(z) + bias[e]. */
+static float score(const moecert_tensor* z, const moecert_tensor* bias, int64_t t, int32_t e) {
+  return bias ? sigmoid(f32(z, t, e)) + ((const float*)bias->data)[e * bias->stride[1]]
+              : f32(z, t, e);
+}
+
+/* The k best scores of row t in ids, best first (ties: the lower index). */
+static void select_k(const moecert_tensor* z, const moecert_tensor* bias, int64_t t, int64_t k,
+                     int32_t* ids) {
+  for (int64_t j = 0; j < k; ++j) { /* selection sort: the best not yet taken */
+    int32_t best = -1;
+    for (int32_t e = 0; e < z->shape[1]; ++e) {
+      int taken = 0;
+      for (int64_t q = 0; q < j; ++q) taken |= ids[q] == e;
+      if (!taken && (best < 0 || score(z, bias, t, e) > score(z, bias, t, best))) best = e;
+    }
+    ids[j] = best;
+  }
+}
+
 int example_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t k,
                                  moecert_tensor* idx, moecert_tensor* w) {
   (void)bias;
   if (z->dtype != MOECERT_F32 || idx->dtype != MOECERT_I32 || w->dtype != MOECERT_F32) return -1;
-  const int64_t T = z->shape[0], E = z->shape[1];
+  const int64_t T = z->shape[0];
   for (int64_t t = 0; t < T; ++t) {
     int32_t* ids = (int32_t*)idx->data + t * idx->stride[0];
     float* wt = (float*)w->data + t * w->stride[0];
-    for (int64_t j = 0; j < k; ++j) { /* selection sort: the best not yet taken */
-      int32_t best = -1;
-      for (int32_t e = 0; e < E; ++e) {
-        int taken = 0;
-        for (int64_t q = 0; q < j; ++q) taken |= ids[q] == e;
-        if (!taken && (best < 0 || f32(z, t, e) > f32(z, t, best))) best = e;
-      }
-      ids[j] = best;
-    }
+    select_k(z, NULL, t, k, ids);
     float sum = 0;
     for (int64_t j = 0; j < k; ++j) sum += wt[j] = expf(f32(z, t, ids[j]) - f32(z, t, ids[0]));
     for (int64_t j = 0; j < k; ++j) wt[j] /= sum;
@@ -77,4 +97,42 @@ int example_softmax_topk_backward(const moecert_tensor* z, const moecert_tensor*
 int example_softmax_topk_backward_unmasked(const moecert_tensor* z, const moecert_tensor* idx,
                                            const moecert_tensor* g, moecert_tensor* dz) {
   return backward(z, idx, g, dz, 0);
+}
+
+int example_sigmoid_topk_forward(const moecert_tensor* z, const moecert_tensor* bias, int64_t k,
+                                 moecert_tensor* idx, moecert_tensor* w) {
+  if (z->dtype != MOECERT_F32 || !bias || bias->dtype != MOECERT_F32 || idx->dtype != MOECERT_I32 ||
+      w->dtype != MOECERT_F32)
+    return -1;
+  for (int64_t t = 0; t < z->shape[0]; ++t) {
+    int32_t* ids = (int32_t*)idx->data + t * idx->stride[0];
+    float* wt = (float*)w->data + t * w->stride[0];
+    select_k(z, bias, t, k, ids);
+    float sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += wt[j] = sigmoid(f32(z, t, ids[j]));
+    for (int64_t j = 0; j < k; ++j) wt[j] /= sum;
+  }
+  return 0;
+}
+
+int example_sigmoid_topk_backward(const moecert_tensor* z, const moecert_tensor* idx,
+                                  const moecert_tensor* g, moecert_tensor* dz) {
+  if (z->dtype != MOECERT_F32 || idx->dtype != MOECERT_I32 || g->dtype != MOECERT_F32 ||
+      dz->dtype != MOECERT_F32)
+    return -1;
+  const int64_t T = z->shape[0], E = z->shape[1], K = idx->shape[1];
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t* ids = (const int32_t*)idx->data + t * idx->stride[0];
+    float* d = (float*)dz->data + t * dz->stride[0];
+    float sum = 0, wg = 0;
+    for (int64_t j = 0; j < K; ++j) sum += sigmoid(f32(z, t, ids[j]));
+    for (int64_t j = 0; j < K; ++j) wg += sigmoid(f32(z, t, ids[j])) / sum * f32(g, t, j);
+    /* w_j = s_j / S: dL/ds_j = (g_j - sum w g) / S, ds/dz = s (1 - s). */
+    for (int32_t e = 0; e < E; ++e) d[e] = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      const float sj = sigmoid(f32(z, t, ids[j]));
+      d[ids[j]] = (f32(g, t, j) - wg) / sum * sj * (1 - sj);
+    }
+  }
+  return 0;
 }

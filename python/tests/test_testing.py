@@ -150,3 +150,15 @@ def test_a_c_layer_judged_through_the_abi(lib):
     mtest.assert_conforms(mtest.layer_backward(mtest.c_layer_backward(lib.example_layer_backward), "fp32"))
     bad = mtest.layer_backward(mtest.c_layer_backward(lib.example_layer_backward_no_router_dx), "fp32")
     assert not bad.passed and "layer.backward.within_bound" in bad.summary()
+
+
+def test_a_c_layer_with_a_correction_bias_judged_through_the_abi(lib):
+    """A sigmoid top-k layer (DeepSeek-V3's router, one group) in C: router_bias after router_b."""
+    fwd = mtest.c_layer_forward(lib.example_layer_forward_sigmoid, correction_bias=True)
+    mtest.assert_conforms(mtest.layer_forward(fwd, "fp32", router="sigmoid_topk"))
+    bwd = mtest.c_layer_backward(lib.example_layer_backward_sigmoid, correction_bias=True)
+    mtest.assert_conforms(mtest.layer_backward(bwd, "fp32", router="sigmoid_topk"))
+    # The signature says whether the bias is passed; a mismatch is refused before the call (and
+    # fails each case with that message).
+    report = mtest.layer_forward(fwd, "fp32", router="softmax_topk")
+    assert not report.passed and "router_bias missing" in report.summary()
