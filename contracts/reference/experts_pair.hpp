@@ -89,7 +89,8 @@ struct PairForward {
 // c_mk = sum_i W_eff[m, i] dh_i/dlb_k, W_eff = W_d + s B_d A_d, dh_i/dlb_k =
 // silu'(g_i) u_i B_g[i, k] (gate) or silu(g_i) B_u[i, k] (up). lb_k's
 // roundings are its own (independent across k): its random part joins o_m's
-// with coefficient |c_mk|, its worst-case part adds |c_mk| d_k.
+// with coefficient |c_mk|, its worst-case part adds |c_mk| d_k, and o_m's x
+// (lb's error carried coherently, Probable::x) is dropped.
 void add_lb_errors(const Expert<Probable>& w, PairForward<Probable>& f,
                    const std::vector<Probable>& lb, double s);
 
