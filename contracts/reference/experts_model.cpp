@@ -21,6 +21,24 @@ using bounds::Terms;
 using bounds::Tracked;
 using namespace pair;
 
+// lb = s x [A_g; A_u]^T as the B GEMMs read it (xa stored, then s xa).
+template <class S>
+std::vector<S> lora_lb(const Expert<S>& w, const std::vector<S>& x, const S& s) {
+  const ExpertsTensors& in = w.in;
+  const std::size_t H = in.H, r = in.r;
+  std::vector<S> lb(2 * r);
+  for (std::size_t k = 0; k < 2 * r; ++k) {
+    const S xa = bounds::dot_stored(
+        H, [&](std::size_t q) { return x[q]; },
+        [&](std::size_t q) {
+          return k < r ? w.at(in.a_gate, r, k, q) : w.at(in.a_up, r, k - r, q);
+        },
+        kpad(H), w.p);
+    lb[k] = bounds::operand(bounds::mid(s * xa, w.p), w.p);
+  }
+  return lb;
+}
+
 // Expert e's forward for one token row x (H inputs, as read). lb's errors
 // reach every g_i: folded, or (exact_lb, the Probable forward) kept out of
 // g's parts and added to o's by add_lb_errors.
@@ -30,21 +48,11 @@ PairForward<S> pair_forward(const Expert<S>& w, const std::vector<S>& x, const S
   const ExpertsTensors& in = w.in;
   const Precision& p = w.p;
   const std::size_t H = in.H, I = in.I, r = in.r;
-  // xa = x [A_g; A_u]^T, lb = s xa as the second GEMM reads it.
-  std::vector<S> lb(2 * r), lb_read(2 * r);
-  for (std::size_t k = 0; k < 2 * r; ++k) {
-    const S xa = bounds::dot_stored(
-        H, [&](std::size_t q) { return x[q]; },
-        [&](std::size_t q) {
-          return k < r ? w.at(in.a_gate, r, k, q) : w.at(in.a_up, r, k - r, q);
-        },
-        kpad(H), p);
-    lb[k] = bounds::operand(bounds::mid(s * xa, p), p);
-    if constexpr (std::is_same_v<S, Probable>)
+  const std::vector<S> lb = lora_lb(w, x, s);
+  std::vector<S> lb_read = lb;
+  if constexpr (std::is_same_v<S, Probable>)
+    for (std::size_t k = 0; k < 2 * r; ++k)
       lb_read[k] = exact_lb ? bounds::external(lb[k]) : bounds::fold(lb[k]);
-    else
-      lb_read[k] = lb[k];
-  }
   const std::size_t n1 = kpad(H) + (r ? kpad(2 * r) : 0);
   PairForward<S> f{std::vector<S>(I),
                    std::vector<S>(I),
