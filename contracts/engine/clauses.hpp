@@ -399,6 +399,9 @@ inline constexpr ClauseInfo kBwdProbe =
          "probes of the experts' row GEMMs and the router linear", Level::audit);
 inline constexpr ClauseInfo kBwdWithin =
     post("layer.backward.within_bound", Group::numeric, "gradients within bound", Level::full);
+inline constexpr ClauseInfo kBwdSpread =
+    post("layer.backward.spread_explained", Group::numeric,
+         "dL/dw, dx and the experts' gradients within the probabilistic bound", Level::full);
 inline constexpr ClauseInfo kRlShape =
     pre("layer.router_linear.shape", Group::shape,
         "x T x H, W_r R x H, b R; z, dz T x R; grads of their shapes");
@@ -415,13 +418,13 @@ inline constexpr ClauseInfo kRlProbe = post("layer.router_linear.probe", Group::
 inline constexpr ClauseInfo kRlWithin = post("layer.router_linear.within_bound", Group::numeric,
                                              "every output within bound", Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,         kFwdXFinite,     kFwdXRange,      kFwdLoraFinite, kFwdLoraRange,
-    kFwdScale,         kFwdNoAlias,     kFwdLoraPadding, kFwdYFinite,    kFwdProbe,
-    kFwdWithin,        kBwdState,       kBwdShape,       kBwdDyFinite,   kBwdNoAlias,
-    kBwdSavedFinite,   kBwdSavedIntact, kBwdGradFinite,  kBwdEmptyZero,  kBwdRouterMasked,
-    kBwdProbe,         kBwdWithin,      kRlShape,        kRlFinite,      kRlXRange,
-    kRlNoAlias,        kRlOutFinite,    kRlProbe,        kRlWithin,      kFwdSpread,
-    kFwdScaleExplained};
+    kFwdShape,          kFwdXFinite,     kFwdXRange,      kFwdLoraFinite, kFwdLoraRange,
+    kFwdScale,          kFwdNoAlias,     kFwdLoraPadding, kFwdYFinite,    kFwdProbe,
+    kFwdWithin,         kBwdState,       kBwdShape,       kBwdDyFinite,   kBwdNoAlias,
+    kBwdSavedFinite,    kBwdSavedIntact, kBwdGradFinite,  kBwdEmptyZero,  kBwdRouterMasked,
+    kBwdProbe,          kBwdWithin,      kRlShape,        kRlFinite,      kRlXRange,
+    kRlNoAlias,         kRlOutFinite,    kRlProbe,        kRlWithin,      kFwdSpread,
+    kFwdScaleExplained, kBwdSpread};
 }  // namespace layer
 
 }  // namespace moecert::clauses

@@ -345,6 +345,16 @@ void layer_backward(detail::Checker& c, const Tensors& in, const Tensors& out,
                                           router_b_grad_model(g.dz, p), p, kProof)) &&
         weight_grads_within(c, kl::kBwdWithin, g.experts, ex, p, kProof);
   }
+  // The same under the probabilistic model (proofs/bounds.md §12), unless
+  // audit=false; the router linear's gradients are sums of the given dz.
+  if (c.stop() || !audit_asked(params)) return;
+  MOECERT_CONTRACT(c, kl::kBwdSpread) {
+    const auto ex =
+        experts_model_backward(t.ex, dy, bounds::probable(p), any_weight_grad(g.experts));
+    within_model(c, kl::kBwdSpread, "dweights", g.dweights, ex.dweights, p, kSpreadProof) &&
+        within_model(c, kl::kBwdSpread, "dx", g.dx, dx_model(t, ex, g.dz, p), p, kSpreadProof) &&
+        weight_grads_within(c, kl::kBwdSpread, g.experts, ex, p, kSpreadProof);
+  }
 }
 
 std::vector<std::string> forward_router(const Params& p) { return router_families(p, "."); }
@@ -364,12 +374,13 @@ std::map<std::string, OpEntry> layer_entries() {
       "layer.forward.spread_explained", "layer.forward.scale_explained",
       "layer.router_linear.out_finite", "layer.router_linear.within_bound"};
   std::vector<std::string> bwd = {
-      "layer.forward.x_finite",      "layer.forward.x_range",
-      "layer.forward.lora_finite",   "layer.forward.lora_range",
-      "layer.forward.scale_finite",  "layer.backward.shape",
-      "layer.backward.saved_finite", "layer.backward.dy_finite",
-      "layer.backward.grad_finite",  "layer.backward.router_masked",
-      "layer.backward.within_bound", "layer.backward.empty_expert_zero"};
+      "layer.forward.x_finite",         "layer.forward.x_range",
+      "layer.forward.lora_finite",      "layer.forward.lora_range",
+      "layer.forward.scale_finite",     "layer.backward.shape",
+      "layer.backward.saved_finite",    "layer.backward.dy_finite",
+      "layer.backward.grad_finite",     "layer.backward.router_masked",
+      "layer.backward.within_bound",    "layer.backward.empty_expert_zero",
+      "layer.backward.spread_explained"};
   fwd.insert(fwd.end(), weights.begin(), weights.end());
   bwd.insert(bwd.end(), weights.begin(), weights.end());
   return {{"layer.forward", {layer_forward, fwd, forward_router}},

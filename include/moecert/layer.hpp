@@ -155,6 +155,9 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///                                              layer.router_linear.probe (audit)
 ///   layer.backward.within_bound post  numeric  every gradient, and M_A, M_G, within its derived
 ///                                              bound of the reference backward (full)
+///   layer.backward.spread_explained post numeric dL/dw, dx and the experts' gradients within
+///                                              the declared precision's probabilistic bound (the
+///                                              judge; proofs/bounds.md §12)
 /// and the clauses of the router backward it runs (dL/dw outside the router's domain is its
 /// g_finite; a sigmoid router's dz beyond fp32 its dz_finite, before grad_finite could see it).
 void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,

@@ -613,7 +613,7 @@ def test_torch_layer_bugs_fail_on_their_stage():
     _, _, bwd_in, bwd_out = layer.layer_step(case, torch.float32, router_dx=False)
     fwd_named = {k: bwd_in[k] for k in ("z", "idx", "weights", "dy")}
     v = check.layer_backward(**base, **fwd_named, **bwd_out, **kw)
-    assert v.failed == ["layer.backward.within_bound"]
+    assert v.failed == ["layer.backward.within_bound", "layer.backward.spread_explained"]
     fail = next(c for c in v.clauses if c["verdict"] == "fail")
     assert fail["location"].startswith("dx[")
     # The softmax over all experts, then renormalised: dz at unselected experts is not 0 (failure mode 5).
