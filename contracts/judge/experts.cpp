@@ -397,12 +397,6 @@ bool weight_grads_within(detail::Checker& c, const ClauseInfo& clause, const Wei
   return true;
 }
 
-namespace {
-
-// Param audit (true): the rounding audit; its model (independent, symmetric
-// errors) needs data where no single rounding dominates many outputs.
-}  // namespace
-
 bool audit_asked(const Params& p) { return flag_param(p, "audit", true); }
 
 namespace {

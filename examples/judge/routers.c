@@ -64,11 +64,16 @@ int example_softmax_topk_forward(const moecert_tensor* z, const moecert_tensor* 
   return 0;
 }
 
+/* Whether a router backward takes these descriptors: z, g, dz fp32, idx int32. */
+static int backward_takes(const moecert_tensor* z, const moecert_tensor* idx,
+                          const moecert_tensor* g, const moecert_tensor* dz) {
+  return z->dtype == MOECERT_F32 && idx->dtype == MOECERT_I32 && g->dtype == MOECERT_F32 &&
+         dz->dtype == MOECERT_F32;
+}
+
 static int backward(const moecert_tensor* z, const moecert_tensor* idx, const moecert_tensor* g,
                     moecert_tensor* dz, int masked) {
-  if (z->dtype != MOECERT_F32 || idx->dtype != MOECERT_I32 || g->dtype != MOECERT_F32 ||
-      dz->dtype != MOECERT_F32)
-    return -1;
+  if (!backward_takes(z, idx, g, dz)) return -1;
   const int64_t T = z->shape[0], E = z->shape[1], K = idx->shape[1];
   for (int64_t t = 0; t < T; ++t) {
     const int32_t* ids = (const int32_t*)idx->data + t * idx->stride[0];
@@ -117,9 +122,7 @@ int example_sigmoid_topk_forward(const moecert_tensor* z, const moecert_tensor* 
 
 int example_sigmoid_topk_backward(const moecert_tensor* z, const moecert_tensor* idx,
                                   const moecert_tensor* g, moecert_tensor* dz) {
-  if (z->dtype != MOECERT_F32 || idx->dtype != MOECERT_I32 || g->dtype != MOECERT_F32 ||
-      dz->dtype != MOECERT_F32)
-    return -1;
+  if (!backward_takes(z, idx, g, dz)) return -1;
   const int64_t T = z->shape[0], E = z->shape[1], K = idx->shape[1];
   for (int64_t t = 0; t < T; ++t) {
     const int32_t* ids = (const int32_t*)idx->data + t * idx->stride[0];
