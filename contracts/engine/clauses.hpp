@@ -191,7 +191,8 @@ inline constexpr ClauseInfo kBwdWithin =
     post("experts.backward.within_bound", Group::numeric, "outputs within bound", Level::full);
 inline constexpr ClauseInfo kBwdRounding =
     post("experts.backward.rounding_unbiased", Group::numeric,
-         "dx's and dweights' errors not biased toward or away from zero", Level::full);
+         "dx's, dweights' and the weight gradients' errors not biased toward or away from zero",
+         Level::full);
 inline constexpr ClauseInfo kFwdSpread =
     post("experts.forward_train.spread_explained", Group::numeric,
          "y within the declared precision's probabilistic bound", Level::full);

@@ -401,6 +401,35 @@ bool audit_asked(const Params& p) { return flag_param(p, "audit", true); }
 
 namespace {
 
+// The weight gradients' errors without a sign bias, audited on one element
+// per row and per column of each expert's block: a row (or a column) of a
+// gradient shares the roundings of one operand row (dg, h, ...), so a few
+// tokens give whole rows one sign, while elements on distinct rows and
+// columns depend on disjoint roundings (proofs/bounds.md §11).
+bool weight_grads_unbiased(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g,
+                           const ExpertsBackward& ref, std::size_t E) {
+  const auto names = grad_shapes(0, 0, 0, 0);
+  for (std::size_t i = 0; i < kWeightGrads; ++i) {
+    if (!g[i].data || E == 0) continue;
+    const std::size_t rows = g[i].rows / E, cols = g[i].cols;
+    std::vector<float> got;
+    std::vector<double> want;
+    for (std::size_t e = 0; e < E; ++e)
+      for (std::size_t d = 0; d < std::min(rows, cols); ++d) {
+        got.push_back(g[i](e * rows + d, d));
+        want.push_back(ref.weight_grads[i][(e * rows + d) * cols + d].v);
+      }
+    const std::string name = fmt::format("{}_grad (one element per row and column of an expert)",
+                                         names[i].name);
+    if (!rounding_unbiased(c, clause, name, got, want)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+namespace {
+
 // The weight gradients' summaries (those given).
 void summarize_weight_grads(const WeightGrads& g, const ExpertsBackward& ref,
                             const ExpertsBackward* probable) {
@@ -551,7 +580,8 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
     (!o.dweights.data || rounding_unbiased(c, kt::kBwdRounding, "dweights",
                                            contracts::values(o.dweights), exact(ref.dweights))) &&
         (!o.dx.data ||
-         rounding_unbiased(c, kt::kBwdRounding, "dx", contracts::values(o.dx), exact(ref.dx)));
+         rounding_unbiased(c, kt::kBwdRounding, "dx", contracts::values(o.dx), exact(ref.dx))) &&
+        weight_grads_unbiased(c, kt::kBwdRounding, o.weights, ref, t.E);
   }
 }
 

@@ -9,6 +9,8 @@ routing) for `moecert check` to judge.
     experts_backward(..., dtype)     dx and dL/dw of experts_forward by autograd (and, asked, the
                                      LoRA factors' and base weights' gradients)
     experts_backward_no_lora_dx      the LoRA path left out of dx (x detached where it meets A)
+    experts_backward(..., dg_truncated=True)  dL/dg cut to bf16 by truncation (>> 16) on its way to
+                                     the gate's gradients, as a kernel that truncates an operand
     dequantize(format, codes, scales, cols)  quantized base weights (codes [E, rows, row bytes]
                                      uint8, scales fp32) as fp32 code * scale, from the formats'
                                      definitions: int8_channel (a scale per row), int4_group
@@ -23,8 +25,20 @@ a_gate, a_up [E, r, H], b_gate, b_up [E, I, r], a_down [E, r, I], b_down [E, H, 
 import torch
 
 
+class _TruncatedGrad(torch.autograd.Function):
+    """The identity; its backward hands on the gradient cut to bf16 by truncation."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.float().view(torch.int32) & -65536).view(torch.float32).to(grad.dtype)
+
+
 def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None,
-                    dtype=torch.bfloat16, swapped=False, lora_dx=True, h_bf16=False):
+                    dtype=torch.bfloat16, swapped=False, lora_dx=True, h_bf16=False, dg_truncated=False):
     T, H = x.shape
     E = w_gate.shape[0]
     x = x.to(dtype)  # (the same tensor when already of dtype: autograd reaches the caller's)
@@ -43,6 +57,8 @@ def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None
             u = u + ((xl @ lora["a_up"][e].to(dtype).T) @ lora["b_up"][e].to(dtype).T) * s
         if swapped:
             g, u = u, g
+        if dg_truncated:
+            g = _TruncatedGrad.apply(g)
         h = torch.nn.functional.silu(g) * u
         if h_bf16:
             h = h.bfloat16().to(dtype)
@@ -58,17 +74,17 @@ def experts_forward_swapped(*args, **kwargs):
 
 
 def experts_backward(x, idx, weights, w_gate, w_up, w_down, dy, lora=None, alpha=None,
-                     dtype=torch.bfloat16, lora_dx=True, weight_grads=False):
+                     dtype=torch.bfloat16, lora_dx=True, weight_grads=False, dg_truncated=False):
     """(dx, dweights) of experts_forward for dy, by autograd in `dtype`; with weight_grads also
     {name: gradient} of the LoRA factors and the base weights (a_gate, ..., w_down)."""
     x = x.detach().to(dtype).requires_grad_()
     weights = weights.detach().clone().requires_grad_()
     leaves = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down, **(lora or {})}
     if weight_grads:
-        leaves = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+        leaves = {k: v.detach().float().requires_grad_() for k, v in leaves.items()}  # fp32 gradients
     base = [leaves[k] for k in ("w_gate", "w_up", "w_down")]
     lora = {k: leaves[k] for k in lora} if lora else None
-    y = experts_forward(x, idx, weights, *base, lora, alpha, dtype, lora_dx=lora_dx)
+    y = experts_forward(x, idx, weights, *base, lora, alpha, dtype, lora_dx=lora_dx, dg_truncated=dg_truncated)
     y.backward(dy.to(dtype))
     if not weight_grads:
         return x.grad, weights.grad

@@ -313,8 +313,10 @@ struct Gradients {
 ///                                                     here (proofs/bounds.md §9.3)
 ///   experts.backward.within_bound      post  numeric  every requested output within its derived bound of
 ///                                                     the reference backward (full)
-///   experts.backward.rounding_unbiased post  numeric  dx's and dweights' errors unbiased (judge and
-///                                                     conformance; proofs/bounds.md §11)
+///   experts.backward.rounding_unbiased post  numeric  dx's, dweights' and the weight gradients'
+///                                                     errors unbiased (a weight gradient's on one
+///                                                     element per row and column of an expert;
+///                                                     judge and conformance; proofs/bounds.md §11)
 ///   experts.backward.spread_explained  post  numeric  every output given within the probabilistic
 ///                                                     bound (judge and conformance; proofs/bounds.md
 ///                                                     §12)

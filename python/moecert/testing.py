@@ -17,7 +17,10 @@ Suites (each a function taking your callable; the data classes below):
     experts_forward(fn, precision, lora=True)      fn(x, idx, weights, w_gate, w_up, w_down,
                                                   lora=None, alpha=None) -> y
     experts_backward(fn, precision, lora=True)     fn(x, idx, weights, w_gate, w_up, w_down, dy,
-                                                  lora=None, alpha=None) -> (dx, dweights)
+                                                  lora=None, alpha=None) -> (dx, dweights) or
+                                                  (dx, dweights, {name: gradient}) with the LoRA
+                                                  factors' and base weights' gradients (a_gate, ...,
+                                                  w_down; those given are judged)
     layer_forward(fn, precision, router="softmax_topk", lora=True, **router_params)
                                                   fn(x, router_w, router_b, w_gate, w_up, w_down, k,
                                                   router_bias=None, lora=None, alpha=None)
@@ -324,11 +327,13 @@ def experts_forward(fn, precision, lora=True, seed=0):
 
 
 def experts_backward(fn, precision, lora=True, seed=0):
-    """Report of fn's experts backward (dx and dL/dw for dy) on every data class."""
+    """Report of fn's experts backward (dx, dL/dw and the weight gradients it returns, for dy) on
+    every data class."""
     def judge(c):
         base, extra = _experts_args(c)
-        dx, dweights = fn(**base, dy=c["dy"], **extra)
-        return check.experts_backward(**base, dy=c["dy"], precision=precision, dx=dx, dweights=dweights, **extra)
+        dx, dweights, *grads = fn(**base, dy=c["dy"], **extra)
+        return check.experts_backward(**base, dy=c["dy"], precision=precision, dx=dx, dweights=dweights,
+                                      weight_grads=grads[0] if grads else None, **extra)
 
     return Report("experts.backward", {"precision": precision},
                   [_judged(case, judge) for case in experts_cases(lora, seed)])

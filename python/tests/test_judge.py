@@ -2,6 +2,7 @@
 the correct ones and the one that only orders ties its own way pass (the ties named), the ones
 with failure mode 1's -1 decoding and failure mode 5's missing mask fail on the clause that names
 the bug. The command is the build's (MOECERT_CLI, set by ctest)."""
+import functools
 import json
 import os
 import subprocess
@@ -429,6 +430,27 @@ def test_truncation_to_bf16_is_caught_by_the_rounding_audit():
     assert v.failed == ["experts.forward_train.rounding_unbiased"]  # within its bound, biased
 
 
+def test_a_truncating_conversion_in_a_weight_gradient_is_caught_by_the_rounding_audit():
+    """dL/dg cut to bf16 by truncation before the gate's gradients (a float32 implementation
+    declared mixed, whose GEMM operands are bf16), and a weight gradient stored by truncation:
+    within every bound, biased toward zero. The audit reads one element per row and column of
+    each expert (a row shares one operand row's roundings)."""
+    import moecert.check as check
+    inputs, lora = experts.random_case(T=64, E=8, H=256, I=128, K=4)
+    dy = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(3))
+    judged = functools.partial(check.experts_backward, **inputs, dy=dy, lora=lora, alpha=8.0)
+    _, _, grads = experts.experts_backward(**inputs, dy=dy, lora=lora, alpha=8.0, dtype=torch.float32,
+                                           weight_grads=True)
+    assert judged(weight_grads=grads, precision="mixed").passed
+    for bad, precision in ((experts.experts_backward(**inputs, dy=dy, lora=lora, alpha=8.0, dtype=torch.float32,
+                                                     weight_grads=True, dg_truncated=True)[2], "mixed"),
+                           (dict(grads, w_gate=(grads["w_gate"].view(torch.int32) & -65536).view(torch.float32)),
+                            "bf16")):
+        v = judged(weight_grads=bad, precision=precision)
+        assert v.failed == ["experts.backward.rounding_unbiased"], _messages(v)
+        assert next(c for c in v.clauses if c["verdict"] == "fail")["location"].startswith("w_gate_grad")
+
+
 def test_experts_judge_refuses_what_it_cannot_model():
     import moecert
     import moecert.check as check
@@ -739,3 +761,77 @@ def test_cli_refuses_untrusted_files_and_params_with_exit_2(cases, tmp_path):
                            if name != "report" else [CLI, "check", "router.product_key.forward"] + args,
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 2 and message in r.stderr, (name, r.returncode, r.stderr)
+
+
+# ---- errors only a correct judge sees ----------------------------------------------------------
+
+def _last_row_outputs():
+    """(name, judge(outputs) -> Verdict, the correct outputs, the output to corrupt) per judged
+    output, each of several rows; the judge declared fp32."""
+    import moecert.check as check
+    inputs, lora = experts.random_case(T=12, E=3, K=3)
+    inputs["idx"][-1] = torch.tensor([2, 0, 1], dtype=inputs["idx"].dtype)  # the last row: every slot
+    inputs["weights"][-1] = torch.tensor([0.5, 0.3, 0.2])
+    dy = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(3))
+    dx, dw, grads = experts.experts_backward(**inputs, dy=dy, lora=lora, alpha=8.0, dtype=torch.float32,
+                                             weight_grads=True)
+    z = torch.randn(9, 16, generator=torch.Generator().manual_seed(4))
+    idx, w = routers.softmax_topk_forward(z, 3)
+    g = torch.randn(idx.shape, generator=torch.Generator().manual_seed(5))
+    case = layer.random_case()
+    _, fwd, _, _ = layer.layer_step(case, dtype=torch.float32)
+    lin = {k: case[k] for k in ("x", "router_w", "router_b", "w_gate", "w_up", "w_down")}
+    experts_bwd = functools.partial(check.experts_backward, **inputs, dy=dy, precision="fp32", lora=lora, alpha=8.0)
+    return [
+        ("y", lambda o: check.experts_forward(**inputs, precision="fp32", lora=lora, alpha=8.0, **o),
+         {"y": experts.experts_forward(**inputs, lora=lora, alpha=8.0, dtype=torch.float32)}, "y"),
+        ("dx", lambda o: experts_bwd(**o), {"dx": dx}, "dx"),
+        ("dweights", lambda o: experts_bwd(**o), {"dweights": dw}, "dweights"),
+        ("b_down_grad", lambda o: experts_bwd(weight_grads=o), {"b_down": grads["b_down"]}, "b_down"),
+        ("w_down_grad", lambda o: experts_bwd(weight_grads=o), {"w_down": grads["w_down"]}, "w_down"),
+        ("w", lambda o: check.softmax_topk_forward(z, idx, **o), {"w": w}, "w"),
+        ("dz", lambda o: check.softmax_topk_backward(z, idx, g, **o), {"dz": routers.softmax_topk_backward(z, idx, g)},
+         "dz"),
+        ("z", lambda o: check.layer_forward(**lin, **o, precision="fp32", router="softmax_topk", lora=case["lora"],
+                                            alpha=case["alpha"]), dict(fwd), "z"),
+    ]
+
+
+@pytest.mark.parametrize("which", range(8))
+def test_a_wrong_last_row_fails_its_bound(which):
+    """The last element of the last row 1% off (by an exact multiple of its bound's scale, not
+    rounding): a judge that stops a row short, or reads rows with a wrong stride, passes it."""
+    name, judged, outputs, key = _last_row_outputs()[which]
+    assert judged(outputs).passed, name
+    bad = {k: v.clone() for k, v in outputs.items()}
+    last = bad[key].reshape(-1, bad[key].shape[-1])
+    if key == "dweights":
+        last[-1, -1] = last[-1, -1] * 1.01 + 0.01
+    else:
+        last[-1, -1] = last[-1, -1] * 1.01 + 0.01 * float(last.abs().max())
+    v = judged(bad)
+    assert not v.passed, name
+    rows = last.shape[0]
+    located = [c.get("location", "") for c in v.clauses if c["verdict"] == "fail"]
+    r, c = rows - 1, last.shape[1] - 1
+    assert any("[{}, {}]".format(r, c) in loc or loc.startswith("t={} ".format(r)) for loc in located), (name, located)
+
+
+def test_output_storage_rounding_is_the_outputs_not_the_inputs():
+    """The rounding an output's storage adds is the output's dtype's: weights computed in fp32 and
+    stored in bf16 pass beside fp32 logits; the same bf16 values stored in fp32 fail beside bf16
+    logits (a judge that took the rounding from the inputs would pass them). Likewise y."""
+    import moecert.check as check
+    z = torch.randn(64, 16, generator=torch.Generator().manual_seed(6))
+    idx, w = routers.softmax_topk_forward(z, 4)
+    assert check.softmax_topk_forward(z, idx, w.bfloat16()).passed
+    zb = z.bfloat16()
+    idx, w = routers.softmax_topk_forward(zb.float(), 4)
+    assert check.softmax_topk_forward(zb, idx, w).passed
+    v = check.softmax_topk_forward(zb, idx, w.bfloat16().float())
+    assert "router.softmax_topk.within_bound" in v.failed, v.failed
+    inputs, lora = experts.random_case(T=64, E=8, H=256, I=128, K=4)
+    y = experts.experts_forward(**inputs, dtype=torch.float32)
+    assert check.experts_forward(**inputs, y=y.bfloat16(), precision="fp32").passed
+    v = check.experts_forward(**inputs, y=y.bfloat16().float(), precision="fp32")
+    assert {"experts.forward.within_bound", "experts.forward.spread_explained"} & set(v.failed), v.failed

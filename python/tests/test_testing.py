@@ -61,6 +61,21 @@ def test_experts_implementations_judged_on_every_data_class(lora):
     assert all(any(".within_bound" in f for f in r.failures()) for r in failed)
 
 
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_weight_gradients_judged_on_every_data_class(dtype, precision):
+    """The LoRA factors' and base weights' gradients (autograd's) conform; the gate's computed
+    from dL/dg truncated to bf16 (declared mixed) fail the rounding audit where it has the
+    elements to see it."""
+    grads = functools.partial(experts.experts_backward, dtype=dtype, weight_grads=True)
+    mtest.assert_conforms(mtest.experts_backward(grads, precision))
+    if dtype == torch.bfloat16:
+        return
+    truncated = mtest.experts_backward(functools.partial(experts.experts_backward, dtype=torch.float32,
+                                                         weight_grads=True, dg_truncated=True), "mixed")
+    failed = {r.case.name: r.failures() for r in truncated.results if not r.passed}
+    assert "realistic" in failed and all("rounding_unbiased" in " ".join(f) for f in failed.values()), failed
+
+
 def test_a_missing_lora_path_in_dx_fails_the_backward():
     report = mtest.experts_backward(functools.partial(experts.experts_backward_no_lora_dx, dtype=torch.float32),
                                     "fp32")
