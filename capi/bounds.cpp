@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -73,15 +74,17 @@ void put_weights(const G& g, const ref::LayerResult<Tracked>& r, std::size_t E, 
 // x and dy (optional) as views, after checking that `saved` holds a training
 // forward of their T.
 template <class Saved>
-std::pair<MatView<const bf16>, MatView<const float>> saved_rows(const Saved& saved,
-                                                                const moecert_tensor* x,
-                                                                const moecert_tensor* dy) {
+std::pair<MatView<const bf16>, std::optional<MatView<const float>>> saved_rows(
+    const Saved& saved, const moecert_tensor* x, const moecert_tensor* dy) {
   if (!saved.valid()) throw InvalidArgument("saved: holds no training forward");
   const auto xv = mat<const bf16>(x, "x");
-  const auto dyv = mat<const float>(dy, "dy", false);
   const std::size_t T = saved.impl().tokens;
-  if (xv.rows != T || (dyv.data && dyv.rows != xv.rows))
-    throw InvalidArgument(fmt::format("x or dy: {} rows, the forward had T = {}", xv.rows, T));
+  if (xv.rows != T) throw InvalidArgument(fmt::format("x: {} rows, the forward had T = {}", xv.rows, T));
+  if (!capi::present(dy)) return {xv, std::nullopt};
+  const auto dyv = mat<const float>(dy, "dy");
+  if (dyv.rows != T || dyv.cols != xv.cols)
+    throw InvalidArgument(
+        fmt::format("dy: {}x{}, expected {}x{} (x's)", dyv.rows, dyv.cols, T, xv.cols));
   return {xv, dyv};
 }
 
@@ -107,11 +110,11 @@ moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lo
     const auto& g = grads ? *grads : none;
     const auto l = h.lora.again(lora);
     const auto d =
-        contracts::experts_data<Tracked>(p, l, xv, dyv.data, experts::saved_view(s.impl()));
-    const auto r = ref::layer_reference(d, dyv.data != nullptr, paths_of(g, &g.dweights));
+        contracts::experts_data<Tracked>(p, l, xv, dyv, experts::saved_view(s.impl()));
+    const auto r = ref::layer_reference(d, dyv.has_value(), paths_of(g, &g.dweights));
     const std::size_t T = d.T, H = d.H, I = d.I, E = d.E, K = d.K;
     put(y, r.y, T, H, "y bound");
-    if (!dyv.data) return;
+    if (!dyv) return;
     put(&g.dx, r.dx, T, H, "dx bound"), put(&g.dweights, r.dw, T, K, "dweights bound");
     put(&g.m_a, r.m_a, T, E, "m_a bound"), put(&g.m_g, r.m_g, T, E, "m_g bound");
     put_weights(g, r, E, H, I, d.r);
@@ -136,12 +139,12 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
     auto paths = paths_of(g, nullptr);
     paths.router = any({&g.dx, &g.router_w, &g.router_b});  // dx: both paths summed
     const float* dw =
-        dyv.data && paths.router ? s.impl().arena.get<float>("router.dw", T * K) : nullptr;
-    const auto r = contracts::layer_bounds(c, lw, xv, dyv.data, layer::saved_view(s), paths, dw);
+        dyv && paths.router ? s.impl().arena.get<float>("router.dw", T * K) : nullptr;
+    const auto r = contracts::layer_bounds(c, lw, xv, dyv, layer::saved_view(s), paths, dw);
     const std::size_t H = lw.experts->hidden(), I = lw.experts->inter(), E = lw.experts->experts(),
                       R = lw.router_w.rows;
     put(y, r.y, T, H, "y bound");
-    if (!dyv.data) return;
+    if (!dyv) return;
     put(&g.dx, r.dx, T, H, "dx bound"), put(&g.router_w, r.dwr, R, H, "router_w bound");
     put(&g.router_b, r.db, 1, R, "router_b bound");
     put(&g.m_a, r.m_a, T, E, "m_a bound"), put(&g.m_g, r.m_g, T, E, "m_g bound");

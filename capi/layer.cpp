@@ -93,6 +93,28 @@ moecert_status moecert_layer_saved_routing(const moecert_layer_saved* s, const m
   });
 }
 
+moecert_status moecert_layer_saved_router(const moecert_layer_saved* s, const moecert_tensor* z,
+                                          const moecert_tensor* dweights,
+                                          const moecert_tensor* dz) {
+  return guarded("moecert_layer_saved_router", [&] {
+    const auto& saved = handle(s, "saved").saved;
+    auto copy = [](MatView<const float> from, const moecert_tensor* t, const char* name,
+                   const char* missing) {
+      const auto to = mat<float>(t, name, false);
+      if (to.empty() && to.data == nullptr) return;
+      if (from.data == nullptr) throw InvalidArgument(fmt::format("{}: {}", name, missing));
+      if (to.rows != from.rows || to.cols != from.cols)
+        throw InvalidArgument(
+            fmt::format("{}: {}x{}, expected {}x{}", name, to.rows, to.cols, from.rows, from.cols));
+      for (std::size_t i = 0; i < from.rows; ++i)
+        for (std::size_t j = 0; j < from.cols; ++j) to(i, j) = from(i, j);
+    };
+    copy(saved.logits(), z, "z", "no training forward since the last backward");
+    copy(saved.router_dw(), dweights, "dweights", "no backward with the router path since the forward");
+    copy(saved.router_dz(), dz, "dz", "no backward with the router path since the forward");
+  });
+}
+
 moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_layer_weights* w,
                                      const moecert_tensor* x, const moecert_tensor* y,
                                      moecert_layer_saved* saved,

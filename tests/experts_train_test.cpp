@@ -886,7 +886,7 @@ TEST_CASE(
     experts::Saved saved;
     train_step(p, o, saved);
     const auto ref = ref::layer_reference(
-        contracts::experts_data<bounds::Tracked>(p.packed, p.lora_view(), p.X(), p.dy.data(),
+        contracts::experts_data<bounds::Tracked>(p.packed, p.lora_view(), p.X(), p.DY(),
                                                  experts::saved_view(saved.impl())),
         true, {.base = true});
     // Half moecert's own bound toward zero on every element.

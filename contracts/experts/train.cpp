@@ -245,7 +245,8 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
 
 template <class S>
 ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::Lora& lora,
-                               MatView<const bf16> x, const float* dy, const TrainSaved& s) {
+                               MatView<const bf16> x, std::optional<MatView<const float>> dy,
+                               const TrainSaved& s) {
   ref::LayerData<S> d;
   d.T = x.rows, d.H = w.hidden(), d.I = w.inter(), d.E = w.experts(), d.K = s.topk, d.r = lora.rank,
   d.R = 0;
@@ -276,19 +277,18 @@ ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::L
   d.idx.assign(s.idx, s.idx + d.T * d.K);
   d.w_given.resize(d.T * d.K);
   for (std::size_t i = 0; i < d.T * d.K; ++i) d.w_given[i] = S(double(s.weights[i]));
-  if (dy) {
-    d.dy.resize(d.T * d.H);
-    for (std::size_t i = 0; i < d.T * d.H; ++i) d.dy[i] = S(double(dy[i]));
-  }
+  if (dy) put(d.dy, *dy);
   return d;
 }
 
 template ref::LayerData<double> experts_data<double>(const experts::PackedExperts&,
                                                      const experts::Lora&, MatView<const bf16>,
-                                                     const float*, const TrainSaved&);
+                                                     std::optional<MatView<const float>>,
+                                                     const TrainSaved&);
 template ref::LayerData<Tracked> experts_data<Tracked>(const experts::PackedExperts&,
                                                        const experts::Lora&, MatView<const bf16>,
-                                                       const float*, const TrainSaved&);
+                                                       std::optional<MatView<const float>>,
+                                                       const TrainSaved&);
 
 // ---- experts.forward_train -----------------------------------------------------
 
@@ -352,7 +352,7 @@ void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts
   // Inputs exact, no overflow; every y within layer_reference over Tracked with
   // the caller's weights (the layer's expert part); proofs/experts.md §1.
   MOECERT_CONTRACT(c, k::kFwdWithin) {
-    const auto ref = ref::layer_reference(experts_data<Tracked>(w, lora, x, nullptr, s), false);
+    const auto ref = ref::layer_reference(experts_data<Tracked>(w, lora, x, std::nullopt, s), false);
     within(c, k::kFwdWithin, "y", y.cols, values(y), ref.y, "proofs/experts.md §1");
   }
 }
@@ -451,11 +451,10 @@ void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
   // Tracked (dweights, dx, LoRA, base); proofs/experts.md §2.
   MOECERT_CONTRACT(c, k::kBwdWithin) {
     [&] {  // a failure ends this clause, not the others (observe goes on)
-      static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
       const bool expert = wants_expert_path(g);
       const bool base = !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty();
       const auto r =
-          ref::layer_reference(experts_data<Tracked>(w, lora, x, dy.data ? dy.data : &no_tokens, s),
+          ref::layer_reference(experts_data<Tracked>(w, lora, x, dy, s),
                                true, {expert, !g.dweights.empty(), expert && base});
       const char* proof = "proofs/experts.md §2";
       if (!g.dweights.empty() &&

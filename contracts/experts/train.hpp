@@ -264,9 +264,10 @@ bool within(detail::Checker& c, const ClauseInfo& clause, std::string_view name,
             std::string_view proof);
 
 /// The experts op's inputs as reference data of scalar S (idx and weights
-/// from the saved state: the kernel's copies), dy optional.
+/// from the saved state: the kernel's copies), dy [T x H] optional.
 template <class S>
 ref::LayerData<S> experts_data(const experts::PackedExperts& w, const experts::Lora& lora,
-                               MatView<const bf16> x, const float* dy, const TrainSaved& s);
+                               MatView<const bf16> x, std::optional<MatView<const float>> dy,
+                               const TrainSaved& s);
 
 }  // namespace moecert::contracts

@@ -12,7 +12,7 @@ using bounds::Tracked;
 
 template <class S>
 ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatView<const bf16> x,
-                             const float* dy, const LayerSaved& s) {
+                             std::optional<MatView<const float>> dy, const LayerSaved& s) {
   const auto H = static_cast<std::size_t>(cfg.hidden), R = router_width(cfg);
   auto d = experts_data<S>(*w.experts, cfg.lora_rank ? w.lora : experts::Lora{}, x, dy, s.train);
   d.router = true, d.R = R;
@@ -29,20 +29,23 @@ ref::LayerData<S> layer_data(const MoeConfig& cfg, const layer::Weights& w, MatV
 }
 
 template ref::LayerData<double> layer_data<double>(const MoeConfig&, const layer::Weights&,
-                                                   MatView<const bf16>, const float*,
+                                                   MatView<const bf16>,
+                                                   std::optional<MatView<const float>>,
                                                    const LayerSaved&);
 template ref::LayerData<Tracked> layer_data<Tracked>(const MoeConfig&, const layer::Weights&,
-                                                     MatView<const bf16>, const float*,
+                                                     MatView<const bf16>,
+                                                     std::optional<MatView<const float>>,
                                                      const LayerSaved&);
 
 ref::LayerResult<Tracked> layer_bounds(const MoeConfig& cfg, const layer::Weights& w,
-                                       MatView<const bf16> x, const float* dy, const LayerSaved& s,
+                                       MatView<const bf16> x,
+                                       std::optional<MatView<const float>> dy, const LayerSaved& s,
                                        ref::Paths paths, const float* dw_kernel) {
   const auto d = layer_data<Tracked>(cfg, w, x, dy, s);
   const RouterKindInfo& kind = router_kind(cfg.router);
   const RouterSettings settings = router_settings(cfg);
   return ref::layer_reference(
-      d, dy != nullptr, paths, [&](std::size_t t, std::vector<Tracked>& dz) {
+      d, dy.has_value(), paths, [&](std::size_t t, std::vector<Tracked>& dz) {
         if (!dw_kernel) return;
         // The router backward kernel's own rounding, given the g it was fed
         // (proofs/router.md §4).

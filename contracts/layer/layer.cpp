@@ -163,7 +163,7 @@ void layer_forward_post(detail::Checker& c, const MoeConfig& cfg, const layer::W
             c, k::kFwdWithin, "z", x.rows, d.R,
             [&](std::size_t t, std::size_t e) { return s.logits[t * d.R + e]; }, zr))
       return;
-    const auto ref = layer_bounds(cfg, w, x, nullptr, s, {}, nullptr);
+    const auto ref = layer_bounds(cfg, w, x, std::nullopt, s, {}, nullptr);
     within(
         c, k::kFwdWithin, "y", x.rows, d.H, [&](std::size_t t, std::size_t m) { return y(t, m); },
         ref.y);
@@ -307,9 +307,8 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
   // Conditioned on the kernel's routing and dL/dw; every gradient within
   // layer_bounds (expert path, router path, base weights); proofs/layer.md §3-4.
   MOECERT_CONTRACT(c, k::kBwdWithin) {
-    static const float no_tokens = 0;  // T = 0: dy may be null, the backward still runs
     const auto ref =
-        layer_bounds(cfg, w, x, dy.data ? dy.data : &no_tokens, s,
+        layer_bounds(cfg, w, x, dy, s,
                      {opt.expert_path, opt.router_path, opt.expert_path && wants_base(g)}, dw);
     auto mat = [&](MatView<float> m) {
       return [m](std::size_t i, std::size_t j) { return m(i, j); };

@@ -73,6 +73,13 @@ class Saved {
   std::size_t bytes() const;  // arena held
   MatView<const std::int32_t> idx() const;
   MatView<const float> weights() const;
+  /// The router's logits z [T x R] of the last training forward, until a
+  /// backward runs (its buffers reuse those bytes); else the empty view.
+  MatView<const float> logits() const;
+  /// dL/dw [T x K] and dz [T x R] of the last backward that ran the router
+  /// path (dz: product_key's as [dsx | dsy]); else the empty view.
+  MatView<const float> router_dw() const;
+  MatView<const float> router_dz() const;
   struct Impl;
   Impl& impl() { return *impl_; }
   const Impl& impl() const { return *impl_; }

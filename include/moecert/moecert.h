@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MOECERT_ABI_VERSION 2
+#define MOECERT_ABI_VERSION 3
 
 typedef enum moecert_status {
   MOECERT_OK = 0,
@@ -354,6 +354,13 @@ void moecert_layer_saved_free(moecert_layer_saved* s);
  * (each absent or written). */
 moecert_status moecert_layer_saved_routing(const moecert_layer_saved* s, const moecert_tensor* idx,
                                            const moecert_tensor* weights);
+/* The router's intermediates, each absent or written (f32): z [T x R] the
+ * logits of the last training forward (until a backward reuses their
+ * memory); dweights [T x K] (dL/dw) and dz [T x R] (product_key: [dsx | dsy])
+ * of the last backward that ran the router path. One asked for and not held:
+ * MOECERT_INVALID_ARGUMENT. */
+moecert_status moecert_layer_saved_router(const moecert_layer_saved* s, const moecert_tensor* z,
+                                          const moecert_tensor* dweights, const moecert_tensor* dz);
 
 moecert_status moecert_layer_forward(const moecert_config* cfg, const moecert_layer_weights* w,
                                      const moecert_tensor* x, const moecert_tensor* y,

@@ -32,6 +32,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   contracts::layer_backward_pre(chk, cfg, w, x, dy, saved_view(saved), grads);
   if (chk.stop()) return;
   Saved::Impl& s = saved.impl();
+  s.logits_kept = s.router_grads = false;  // the backward's buffers reuse the logits' bytes
   const std::size_t T = x.rows, K = static_cast<std::size_t>(cfg.topk);
   const std::size_t R = router_width(cfg);
   const gemm::KernelInfo& kernel = gemm::kernel_info(s.isa);
@@ -110,6 +111,7 @@ void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,
   arena.leave(chk);
   contracts::layer_backward_post(chk, cfg, w, x, dy, saved_view(saved), grads, opt, judges.grads,
                                  judges.probe, linear_probe ? &*linear_probe : nullptr);
+  s.router_grads = opt.router_path && !chk.stop();
 }
 
 }  // namespace moecert::layer

@@ -28,6 +28,23 @@ bool Saved::valid() const { return impl_->valid; }
 std::size_t Saved::bytes() const { return impl_->arena.capacity(); }
 MatView<const std::int32_t> Saved::idx() const { return impl_->idx_view(); }
 MatView<const float> Saved::weights() const { return impl_->weights_view(); }
+MatView<const float> Saved::logits() const {
+  const Impl& s = *impl_;
+  const std::size_t R = router_width(s.cfg);
+  return s.valid && s.logits_kept ? MatView<const float>{s.logits, s.tokens, R, R}
+                                  : MatView<const float>{};
+}
+MatView<const float> Saved::router_dw() const {
+  const Impl& s = *impl_;
+  if (!s.valid || !s.router_grads) return {};
+  return {s.arena.get<float>("router.dw", s.tokens * s.topk), s.tokens, s.topk, s.topk};
+}
+MatView<const float> Saved::router_dz() const {
+  const Impl& s = *impl_;
+  if (!s.valid || !s.router_grads) return {};
+  const std::size_t R = router_width(s.cfg);
+  return {s.arena.get<float>("router.dz", s.tokens * R), s.tokens, R, R};
+}
 
 Weights Weights::stacked(const MoeConfig& cfg, const experts::PackedExperts& experts,
                          const float* router_w, const float* router_b, const float* router_bias,
@@ -51,6 +68,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   detail::Checker chk{"layer.forward"};
   Saved::Impl& s = saved.impl();
   s.valid = false;  // a forward that fails a precondition under observe saves nothing
+  s.logits_kept = s.router_grads = false;
   contracts::layer_forward_pre(chk, cfg, w, x, y);
   if (chk.stop()) return;
   s.cfg = cfg;
@@ -87,6 +105,7 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
   contracts::LayerSaved view = saved_view(s);
   view.train.rows.probe = probe ? &*probe : nullptr;
   contracts::layer_forward_post(chk, cfg, w, x, y, view);
+  s.logits_kept = opt.training;  // router.logits live until the backward's router phase
 }
 
 }  // namespace moecert::layer

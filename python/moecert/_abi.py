@@ -11,7 +11,7 @@ from ctypes import (POINTER, Structure, c_char_p, c_double, c_float, c_int32, c_
 
 from .errors import raise_for
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class Tensor(Structure):
@@ -120,6 +120,7 @@ _PROTOTYPES = {
     "moecert_layer_saved_new": ([OUT_H], c_int32),
     "moecert_layer_saved_free": ([H], None),
     "moecert_layer_saved_routing": ([H, T, T], c_int32),
+    "moecert_layer_saved_router": ([H, T, T, T], c_int32),
     "moecert_layer_forward": ([POINTER(Config), POINTER(LayerWeights), T, T, H, POINTER(TrainOptions)], c_int32),
     "moecert_layer_backward": ([POINTER(Config), POINTER(LayerWeights), T, T, H, POINTER(LayerGrads), c_int32,
                                 c_int32], c_int32),

@@ -28,7 +28,8 @@ Suites (each a function taking your callable; the data classes below):
     layer_backward(fn, precision, router="softmax_topk", lora=True, **router_params)
                                                   fn(the same, dy) -> {"z", "idx", "weights", "dx",
                                                   "dweights", "dz"; optionally "router_w_grad",
-                                                  "router_b_grad"}
+                                                  "router_b_grad", "weight_grads": {a_gate, ...,
+                                                  w_down: gradient}}
     c_experts_forward(function)                    a C function (ctypes) as experts_forward's fn:
                                                   int32_t f(const moecert_tensor* x, idx, weights,
                                                   w_gate, w_up, w_down, const moecert_lora* lora,
@@ -387,7 +388,7 @@ def layer_backward(fn, precision, router="softmax_topk", lora=True, seed=0, **ro
     def judge(c):
         base, extra = _layer_args(c)
         out = fn(**base, k=c["k"], dy=c["dy"], **extra)
-        grads = {n: out.get(n) for n in ("router_w_grad", "router_b_grad")}
+        grads = {n: out.get(n) for n in ("router_w_grad", "router_b_grad", "weight_grads")}
         return check.layer_backward(**base, z=out["z"], idx=out["idx"], weights=out["weights"], dy=c["dy"],
                                     dx=out["dx"], dweights=out["dweights"], dz=out["dz"], precision=precision,
                                     router=router, **grads, **extra, **router_params)

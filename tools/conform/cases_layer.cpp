@@ -133,7 +133,8 @@ struct StepOutputs {
 void judge_step(CaseResult& r, const Layer& l, const layer::Weights& w, layer::Saved& saved,
                 StepOutputs& o, bool base, bool audit) {
   const auto view = layer::saved_view(saved);
-  const auto ref = contracts::layer_bounds(l.cfg, w, {l.x.data(), l.T, l.H}, l.dy.data(), view,
+  const auto ref = contracts::layer_bounds(l.cfg, w, {l.x.data(), l.T, l.H},
+                                           MatView<const float>{l.dy.data(), l.T, l.H}, view,
                                            {.base = base}, view.router_dw);
   const std::pair<const char*, std::pair<std::vector<float>*, const std::vector<bounds::Tracked>*>>
       named[] = {{"y", {&o.y, &ref.y}},

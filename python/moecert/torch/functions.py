@@ -21,16 +21,22 @@ class Stats:
     is passed to: m_a[t, e] = ||activations of t in expert e||, m_g[t, e] = the norm of t's
     gradient of e's trainable matrices (LoRA factors, or base weights without LoRA); 0 where t is
     not routed to e. None until that backward ran. Under torch.compile keep one recorder for every
-    step: the op names it by a key the graph holds."""
+    step: the op names it by a key the graph holds.
 
-    def __init__(self):
+    With routing=True a layer's training forward also hands over its router's z [T, R] (the
+    logits), idx [T, K] int32 and weights [T, K], and its backward dweights [T, K] (dL/dw) and
+    dz [T, R] (product_key: [dsx | dsy]); fp32 copies, for judging or logging the routing."""
+
+    def __init__(self, routing=False):
         self.m_a = self.m_g = None
+        self.routing = bool(routing)
+        self.z = self.idx = self.weights = self.dweights = self.dz = None
         keys.key_of(self)
 
 
-def stats():
+def stats(routing=False):
     """A fresh Stats recorder: pass it as `stats=` to an op or a module's forward."""
-    return Stats()
+    return Stats(routing)
 
 
 def _f32(t):
@@ -207,15 +213,30 @@ def _layer_forward(x, router_w, router_b, router_bias, a_gate, b_gate, a_up, b_u
     saved = packed.layer_pool.take()
     y, saved = ops.layer_forward(cfg, packed, _f32(router_w), _f32(router_b), _bf16(x), _f32(router_bias), lora,
                                  saved, isa, training)
+    recorder = _routing_recorder(stats)
+    if recorder and training and not saved.failed:
+        recorder.z = ops.layer_router(saved, ("z",))["z"]
+        recorder.idx, recorder.weights = ops.layer_routing(saved)
+        recorder.dweights = recorder.dz = None
     return [y, _state(saved, packed.layer_pool, training)]
+
+
+def _routing_recorder(stats):
+    """The Stats recorder a layer op was given, when it asked for the routing."""
+    recorder = keys.lookup(stats, "stats") if stats else None
+    return recorder if recorder is not None and recorder.routing else None
 
 
 def _layer_backward(state, x, router_w, router_b, a_gate, b_gate, a_up, b_up, a_down, b_down, w_gate, w_up, w_down,
                     dy, config, packed, stats, wanted):
     saved = keys.resume(state, ops.check_generation)
     want = {n for n, w in zip(_LAYER_GRADS, wanted) if w} | ({"m_a", "m_g"} if stats else set())
+    router_path = bool(want & {"dx", "router_w", "router_b"})
     grads = ops.layer_backward(saved, dy, want, expert_path=bool(want - {"router_w", "router_b"}),
-                               router_path=bool(want & {"dx", "router_w", "router_b"}), dx_dtype=_dx_dtype(x))
+                               router_path=router_path, dx_dtype=_dx_dtype(x))
+    recorder = _routing_recorder(stats)
+    if recorder and router_path:
+        recorder.dweights, recorder.dz = ops.layer_router(saved, ("dweights", "dz")).values()
     saved.keep[0].layer_pool.give(saved)
     _record(stats, grads)
     return _results(_LAYER_GRADS, grads, dy)

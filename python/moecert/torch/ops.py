@@ -721,6 +721,20 @@ def layer_routing(saved):
     return idx, w
 
 
+def layer_router(saved, want=("z",)):
+    """The router's intermediates named in `want` (fp32): z [T, R], the logits of the last training
+    forward (until its backward); dweights [T, K] (dL/dw) and dz [T, R] of the last backward with
+    the router path."""
+    cfg, T = saved.config, saved.tokens
+    shapes = {"z": (T, cfg.router_outputs()), "dweights": (T, cfg.topk), "dz": (T, cfg.router_outputs())}
+    unknown = set(want) - set(shapes)
+    if unknown:
+        raise InvalidArgument("unknown outputs {}: expected some of z, dweights, dz".format(sorted(unknown)))
+    out = {n: torch.empty(shapes[n], dtype=torch.float32) for n in shapes if n in want}
+    _op("moecert_layer_saved_router", out.values(), saved.ptr, *(ref(describe(out.get(n))) for n in shapes))
+    return out
+
+
 def _layer_grad_shapes(cfg, T):
     E, H, I = cfg.experts, cfg.hidden, cfg.inter
     shapes = {"dx": (T, H), "router_w": (cfg.router_outputs(), H), "router_b": (cfg.router_outputs(),),
