@@ -194,6 +194,26 @@ TEST_CASE("experts.backward: every output within its derived bound, every ISA an
       }
 }
 
+TEST_CASE("experts.backward: a dy with rows wider than H is read by its stride (full)",
+          "[experts][train]") {
+  const Problem p = make(8, 40, 24, 3, 4, 13, Routing::tail);
+  const Out dense = run(p);
+  const std::size_t ld = p.H + 3;
+  std::vector<float> wide(p.T * ld, NAN);  // NaN between the rows: read only if misread
+  for (std::size_t t = 0; t < p.T; ++t)
+    std::copy_n(p.dy.data() + t * p.H, p.H, wide.data() + t * ld);
+  Out o;
+  o.y.assign(p.T * p.H, NAN);
+  experts::Saved saved;
+  ContractScope s{Level::full, Semantic::enforce};
+  experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
+                         saved);
+  experts::backward(p.packed, p.lora_view(), p.X(), {wide.data(), p.T, p.H, ld}, saved,
+                    o.views(p));
+  CHECK(o.dx == dense.dx);
+  CHECK(o.dw == dense.dw);
+}
+
 TEST_CASE(
     "experts.forward_train: the judge's model of a mixed-precision implementation bounds the "
     "kernel "
