@@ -6,6 +6,15 @@ routing) for `moecert check` to judge.
                                      every op in `dtype` (bfloat16: PyTorch eager's rounding after each)
     experts_forward_swapped          the bug of silu applied to u instead of g
     experts_forward(..., h_bf16=True)  h stored in bf16 in an otherwise float32 implementation
+    experts_forward_stacked(x, idx, weights, gate_up_proj, down_proj, dtype)   correct, in
+                                     transformers 5's stacked layout: gate_up_proj [E, 2I, H] holds
+                                     W_g then W_u along its rows, down_proj [E, H, I]; gate and up
+                                     are the two halves of x gate_up_proj[e]^T (no LoRA)
+    experts_forward_stacked(..., halves_swapped=True)  the halves read the other way round (up,
+                                     gate): silu applied to u
+    stacked(forward)                 the suite's callable (moecert.testing) of a stacked-layout
+                                     forward: W_g and W_u stacked into gate_up_proj, dx and dL/dw
+                                     by autograd when dy is given
     experts_backward(..., dtype)     dx and dL/dw of experts_forward by autograd (and, asked, the
                                      LoRA factors' and base weights' gradients)
     experts_backward_no_lora_dx      the LoRA path left out of dx (x detached where it meets A)
@@ -67,6 +76,38 @@ def experts_forward(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None
             o = o + ((h @ lora["a_down"][e].to(dtype).T) @ lora["b_down"][e].to(dtype).T) * s
         y.index_add_(0, tok, weights[tok, slot].to(dtype)[:, None] * o)
     return y
+
+
+def experts_forward_stacked(x, idx, weights, gate_up_proj, down_proj, dtype=torch.bfloat16, halves_swapped=False):
+    T, H = x.shape
+    x = x.to(dtype)
+    y = torch.zeros(T, H, dtype=dtype)
+    for e in range(gate_up_proj.shape[0]):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gate, up = torch.nn.functional.linear(x[tok], gate_up_proj[e].to(dtype)).chunk(2, dim=-1)
+        if halves_swapped:
+            gate, up = up, gate
+        o = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_proj[e].to(dtype))
+        y.index_add_(0, tok, o * weights[tok, slot, None].to(dtype))
+    return y
+
+
+def stacked(forward):
+    """fn(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None, dy=None) of moecert.testing
+    over `forward` (experts_forward_stacked with its options bound): y, or (dx, dweights) with dy."""
+    def fn(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None, dy=None):
+        if lora is not None:
+            raise ValueError("the stacked layout here has no LoRA")
+        gate_up = torch.cat([w_gate, w_up], dim=1)
+        if dy is None:
+            return forward(x, idx, weights, gate_up, w_down)
+        x, weights = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+        y = forward(x, idx, weights, gate_up, w_down)
+        y.backward(dy.to(y.dtype))
+        return x.grad, weights.grad
+    return fn
 
 
 def experts_forward_swapped(*args, **kwargs):

@@ -10,6 +10,13 @@ the SwiGLU experts with LoRA of experts.py) for `moecert check` to judge, with i
     layer_step(..., softmax_all=True)  the softmax over all E, then the top K renormalised: the same
                                        weights, but autograd's dz at the unselected experts is
                                        rounding noise where the maths gives exactly 0
+    layer_step(..., router_dtype=torch.bfloat16)  the router linear in bf16, as a model cast to
+                                       bf16 computes it (router_w and router_b bf16 parameters, z
+                                       stored in bf16), its softmax in fp32 over the bf16 logits,
+                                       the weights stored in bf16
+    layer_step(..., softmax_all=True, renormalize=False)  the K largest of the softmax over all E
+                                       without renormalising them: another router (a layer declared
+                                       renormalised fails it)
 
 Returns (inputs, forward outputs, backward inputs, backward outputs) as the judge names them
 (docs/JUDGE.md).
@@ -30,24 +37,26 @@ def random_case(T=16, E=8, H=40, I=24, K=2, r=4, seed=7):
     return dict(base, router_w=router_w, router_b=router_b, dy=dy, lora=lora, alpha=2.0 * r, K=K)
 
 
-def layer_step(case, dtype=torch.bfloat16, bias=True, router_dx=True, softmax_all=False):
+def layer_step(case, dtype=torch.bfloat16, bias=True, router_dx=True, softmax_all=False, router_dtype=torch.float32,
+               renormalize=True):
     x = case["x"].detach().to(dtype).requires_grad_()
-    router_w = case["router_w"].detach().clone().requires_grad_()
-    router_b = case["router_b"].detach().clone().requires_grad_()
-    xr = (x if router_dx else x.detach()).float()
+    router_w = case["router_w"].detach().to(router_dtype).requires_grad_()
+    router_b = case["router_b"].detach().to(router_dtype).requires_grad_()
+    xr = (x if router_dx else x.detach()).to(router_dtype)
     z = torch.nn.functional.linear(xr, router_w, router_b if bias else None)
     z.retain_grad()
     if softmax_all:
-        top, idx = torch.topk(torch.softmax(z, dim=-1), case["K"], dim=-1)
-        weights = top / top.sum(dim=-1, keepdim=True)
+        top, idx = torch.topk(torch.softmax(z, dim=-1, dtype=torch.float32), case["K"], dim=-1)
+        weights = (top / top.sum(dim=-1, keepdim=True) if renormalize else top).to(router_dtype)
     else:
         top, idx = torch.topk(z, case["K"], dim=-1)
-        weights = torch.softmax(top, dim=-1)
+        weights = torch.softmax(top.float(), dim=-1).to(router_dtype)
     weights.retain_grad()
     y = experts.experts_forward(x, idx, weights, case["w_gate"], case["w_up"], case["w_down"], case["lora"],
                                 case["alpha"], dtype)
     y.backward(case["dy"].to(dtype))
-    inputs = {k: case[k] for k in ("x", "router_w", "router_b", "w_gate", "w_up", "w_down")}
+    inputs = {k: case[k] for k in ("x", "w_gate", "w_up", "w_down")}
+    inputs.update(router_w=router_w.detach(), router_b=router_b.detach())
     inputs.update(case["lora"])
     forward_out = {"z": z.detach(), "idx": idx.int(), "weights": weights.detach(), "y": y.detach()}
     backward_in = dict(inputs, z=forward_out["z"], idx=forward_out["idx"], weights=forward_out["weights"],

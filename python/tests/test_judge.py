@@ -598,6 +598,27 @@ def test_torch_layer_judged_stage_by_stage(dtype, precision):
             "layer.backward.within_bound", "layer.backward.router_masked"} <= judged
 
 
+@pytest.mark.parametrize("softmax_all", [False, True])
+def test_a_bf16_router_judged_stage_by_stage(softmax_all):
+    """The router as a model cast to bf16 computes it (router_w, router_b and z in bf16, the softmax
+    in fp32 over the bf16 logits, the weights stored in bf16; with softmax_all over all E, then
+    the K largest renormalised, differentiated densely): passes declared bf16; the K largest of
+    the softmax over all E not renormalised fails the router's bound."""
+    import moecert.check as check
+    case = layer.random_case()
+    params = dict(precision="bf16", router="softmax_topk", alpha=case["alpha"],
+                  backward="dense" if softmax_all else "masked")
+    inputs, fwd, bwd_in, bwd_out = layer.layer_step(case, router_dtype=torch.bfloat16, softmax_all=softmax_all)
+    assert fwd["z"].dtype == fwd["weights"].dtype == bwd_out["dz"].dtype == torch.bfloat16
+    for op, ins, outs in (("layer.forward", inputs, fwd), ("layer.backward", bwd_in, bwd_out)):
+        v = check.judge(op, ins, outs, **params)
+        assert v.passed, (op, _messages(v))
+    if softmax_all:
+        inputs, fwd, _, _ = layer.layer_step(case, router_dtype=torch.bfloat16, softmax_all=True, renormalize=False)
+        v = check.judge("layer.forward", inputs, fwd, **params)
+        assert "router.softmax_topk.within_bound" in v.failed and "layer.forward.within_bound" not in v.failed
+
+
 def test_torch_layer_over_quantized_weights_judged():
     """The layer's judge takes quantized base weights as the experts op's does."""
     import moecert.check as check

@@ -76,6 +76,19 @@ def test_weight_gradients_judged_on_every_data_class(dtype, precision):
     assert "realistic" in failed and all("rounding_unbiased" in " ".join(f) for f in failed.values()), failed
 
 
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_the_stacked_layout_judged_on_every_data_class(dtype, precision):
+    """transformers 5's stacked experts (gate_up_proj [E, 2I, H]) conform forward and backward;
+    its halves read the other way round fail within_bound on every case with tokens."""
+    forward = functools.partial(experts.experts_forward_stacked, dtype=dtype)
+    mtest.assert_conforms(mtest.experts_forward(experts.stacked(forward), precision, lora=False))
+    mtest.assert_conforms(mtest.experts_backward(experts.stacked(forward), precision, lora=False))
+    swapped = mtest.experts_forward(experts.stacked(functools.partial(forward, halves_swapped=True)), precision,
+                                    lora=False)
+    assert not any(r.passed for r in swapped.results)
+    assert all("experts.forward.within_bound" in " ".join(r.failures()) for r in swapped.results)
+
+
 def test_a_missing_lora_path_in_dx_fails_the_backward():
     report = mtest.experts_backward(functools.partial(experts.experts_backward_no_lora_dx, dtype=torch.float32),
                                     "fp32")
