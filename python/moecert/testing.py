@@ -63,7 +63,8 @@ Data classes: normal; ties (many exactly equal scores); one_token; peaked (logit
 over +-60: near one-hot softmax); minus1_slots (rows whose last slots are empty); one_expert
 (every token routed to expert 0, the others idle); idle_experts (half the experts get no
 token); wide_exponents (rows of x scaled by 2^-20 .. 2^20); realistic (E16 H512 I384 K4 r8
-T64 for the experts and the layer, E64 K8 T64 for the routers). The layer's router weights are
+T64 for the experts and the layer, E64 K8 T64 for the routers). Routing weights are
+bf16-representable (a bf16 model's router hands them over in bf16). The layer's router weights are
 N(0, 1/H), its bias N(0, 0.1²) (sigmoid_topk: a correction bias too); it is judged stage by stage
 on the implementation's own z, idx and weights (docs/JUDGE.md). sigmoid_topk's logits must stay
 at or above -87 (sigma(z) normal: its scores_finite clause), so its layer suite leaves out
@@ -277,14 +278,14 @@ EXPERTS_CLASSES = {"normal": (12, 6, 40, 24, 2, 4), "minus1_slots": (12, 6, 40, 
 
 def _routing(name, T, E, K, g):
     if name == "one_expert":
-        return torch.zeros(T, K, dtype=torch.int64), torch.rand(T, K, generator=g) + 0.1
+        return torch.zeros(T, K, dtype=torch.int64), (torch.rand(T, K, generator=g) + 0.1).bfloat16().float()
     pool = E // 2 if name == "idle_experts" else E
     idx = torch.stack([torch.randperm(pool, generator=g)[:K] for _ in range(T)])
     if name == "minus1_slots":
         idx[::2, K - 1] = -1
         idx[::4, K - 2] = -1
         idx[::4, K - 1] = -1
-    w = (torch.rand(T, K, generator=g) + 0.1) * (idx >= 0)
+    w = ((torch.rand(T, K, generator=g) + 0.1) * (idx >= 0)).bfloat16().float()  # as a bf16 router hands them over
     return idx, w
 
 

@@ -109,3 +109,141 @@ def test_a_transformers_experts_module_off_by_5_percent_fails_along_y():
     off = check.experts_forward(x, idx, w, y=y.float() * 1.05, precision="bf16", **base)
     assert "experts.forward.scale_explained" in off.failed, off.failed
     assert "experts.forward.within_bound" not in off.failed
+
+
+# ---- transformers' blocks through moecert.testing's suite ------------------------------------------
+
+import functools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+import moecert.testing as mtest  # noqa: E402
+
+MLA = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+           num_key_value_heads=4)
+BLOCKS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  lambda E, I, K: dict(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I,
+                                       norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                lambda E, I, K: dict(num_local_experts=E, num_experts_per_tok=K, intermediate_size=I)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    lambda E, I, K: dict(n_routed_experts=E, num_experts_per_tok=K, moe_intermediate_size=I, n_group=1,
+                                         topk_group=1, first_k_dense_replace=0, n_shared_experts=1, **MLA)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def block_module(family, suffix, E, H, I, K, dtype):
+    """The module named *.mlp.<suffix> (experts or gate) of a one-layer model of the family."""
+    cfg_name, model_name, extra = BLOCKS[family]
+    if not hasattr(transformers, cfg_name):
+        pytest.skip("transformers {} has no {}".format(transformers.__version__, cfg_name))
+    cfg = dict(vocab_size=64, hidden_size=H, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8)
+    cfg.update(extra(E, I, K))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**cfg)).to(dtype)
+    return next(m for n, m in model.named_modules() if n.endswith("mlp." + suffix))
+
+
+def hf_experts(family, dtype):
+    """The suite's callable over the family's own experts module (transformers 5's stacked
+    gate_up_proj, down_proj) in `dtype`, its weights set to the case's. transformers' experts take
+    K ids a row: an empty (-1) slot goes to expert 0 with its weight 0 (the same y), and dL/dw
+    there is set to 0 (the glue a caller writes)."""
+    def fn(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None, dy=None):
+        E, I, H = w_gate.shape
+        module = block_module(family, "experts", E, H, I, idx.shape[1], dtype)
+        with torch.no_grad():
+            module.gate_up_proj.copy_(torch.cat([w_gate, w_up], 1))
+            module.down_proj.copy_(w_down)
+        x = x.to(dtype).requires_grad_(dy is not None)
+        w = weights.to(dtype).requires_grad_(dy is not None)
+        y = module(x, idx.clamp(min=0), w)
+        if dy is None:
+            return y.detach()
+        y.backward(dy.to(dtype))
+        return x.grad, w.grad.masked_fill(idx < 0, 0)
+    return fn
+
+
+def _gate(family, E, K):
+    """The family's router with its weight [I | 0] (hidden 64 >= E): x = [z | 0] gives logits z."""
+    gate = block_module(family, "gate", E, 64, 16, K, torch.float32)
+    with torch.no_grad():
+        gate.weight.zero_()
+        gate.weight[:, :E] = torch.eye(E)
+    return gate
+
+
+def hf_router(family, dz=False):
+    """The suite's router callable over the family's gate: (idx, w) of z, or with dz=True the
+    gradient of its weights for dL/dw = g by autograd (its own selection must be the suite's)."""
+    def route(z, k, bias=None, idx=None, g=None):
+        gate = _gate(family, z.shape[1], k)
+        if bias is not None:
+            with torch.no_grad():
+                gate.e_score_correction_bias.copy_(bias)
+        x = torch.zeros(z.shape[0], 64)
+        x[:, :z.shape[1]] = z
+        x.requires_grad_(g is not None)
+        logits, w, ids = gate(x)[:3]
+        assert torch.equal(logits.detach().float(), z)
+        if g is None:
+            return ids, w.detach().float()
+        if not torch.equal(ids.long().sort(-1).values, idx.long().sort(-1).values):
+            raise AssertionError("the gate selected {} where the suite's selection is {}".format(
+                ids.tolist(), idx.tolist()))
+        w.backward(_in_slots_of(ids, idx, g))
+        return x.grad[:, :z.shape[1]]
+    if family == "deepseek_v3":
+        return (lambda z, idx, g: route(z, idx.shape[1], torch.zeros(z.shape[1]), idx, g)) if dz else \
+            (lambda z, bias, k: route(z, k, bias))
+    return (lambda z, idx, g: route(z, idx.shape[1], None, idx, g)) if dz else (lambda z, k: route(z, k))
+
+
+def _in_slots_of(ids, idx, g):
+    """g [T, K] given per slot of idx, rearranged to the slots of ids (the same sets)."""
+    out = torch.empty_like(g)
+    for t in range(ids.shape[0]):
+        where = {int(e): j for j, e in enumerate(idx[t])}
+        for j, e in enumerate(ids[t]):
+            out[t, j] = g[t, where[int(e)]]
+    return out
+
+
+def _record(name, report):
+    folder = os.environ.get("MOECERT_HF_VERDICTS")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        report.write(os.path.join(folder, name))
+        with open(os.path.join(folder, "summary.jsonl"), "a") as f:
+            f.write(json.dumps({"suite": name, "passed": report.passed, "summary": report.summary()}) + "\n")
+    return report
+
+
+@pytest.mark.parametrize("family", list(BLOCKS))
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_transformers_experts_modules_conform_on_the_suite(family, dtype, precision):
+    fn = hf_experts(family, dtype)
+    name = "{}-experts-{}".format(family, precision)
+    mtest.assert_conforms(_record(name + "-forward", mtest.experts_forward(fn, precision, lora=False)))
+    mtest.assert_conforms(_record(name + "-backward", mtest.experts_backward(fn, precision, lora=False)))
+
+
+@pytest.mark.parametrize("family", list(BLOCKS))
+def test_transformers_routers_conform_on_the_suite(family):
+    """The gates' forwards as they stand; their backwards by autograd declared dense (the softmax
+    over all experts); a case where the gate's own selection is not the suite's (exact ties) is
+    reported as such."""
+    kind = "sigmoid_topk" if family == "deepseek_v3" else "softmax_topk"
+    params = {"scaling": float(_gate(family, 16, 3).routed_scaling_factor)} if kind == "sigmoid_topk" else {}
+    fwd = _record("{}-router-forward".format(family), mtest.router_forward(kind, hf_router(family), **params))
+    mtest.assert_conforms(fwd)
+    if kind == "softmax_topk":
+        params["backward"] = "dense"
+    bwd = _record("{}-router-backward".format(family), mtest.router_backward(kind, hf_router(family, dz=True),
+                                                                            **params))
+    for r in bwd.results:
+        assert r.passed or (r.case.name == "ties" and "selected" in " ".join(r.failures())), r.failures()
