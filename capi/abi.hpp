@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <new>
 #include <optional>
 #include <stdexcept>
@@ -180,6 +181,19 @@ View<T> vec(const moecert_tensor* t, const char* name, bool required = true) {
   check_descriptor(*t, dtype_of<std::remove_const_t<T>>(), 1, name);
   return {static_cast<T*>(t->data), static_cast<std::size_t>(t->shape[0])};
 }
+
+/// Expert ids [T x K] an op reads: an int32 descriptor in place; an int64 one
+/// (torch.topk's) narrowed into storage held here, a value outside int32
+/// refused naming its place, and refused when it shares memory with one of
+/// `outputs` (the op then never sees the caller's bytes).
+class Ids {
+ public:
+  MatView<const std::int32_t> view(const moecert_tensor* t, const char* name,
+                                   std::initializer_list<const moecert_tensor*> outputs);
+
+ private:
+  std::vector<std::int32_t> narrow_;
+};
 
 /// The format numbered `format`, if quantized (InvalidArgument otherwise).
 WeightFormat quantized_format(std::int32_t format);

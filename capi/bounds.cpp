@@ -79,7 +79,8 @@ std::pair<MatView<const bf16>, std::optional<MatView<const float>>> saved_rows(
   if (!saved.valid()) throw InvalidArgument("saved: holds no training forward");
   const auto xv = mat<const bf16>(x, "x");
   const std::size_t T = saved.impl().tokens;
-  if (xv.rows != T) throw InvalidArgument(fmt::format("x: {} rows, the forward had T = {}", xv.rows, T));
+  if (xv.rows != T)
+    throw InvalidArgument(fmt::format("x: {} rows, the forward had T = {}", xv.rows, T));
   if (!capi::present(dy)) return {xv, std::nullopt};
   const auto dyv = mat<const float>(dy, "dy");
   if (dyv.rows != T || dyv.cols != xv.cols)
@@ -109,8 +110,7 @@ moecert_status moecert_experts_bounds(const moecert_experts* w, const moecert_lo
     const moecert_experts_grads none{};
     const auto& g = grads ? *grads : none;
     const auto l = h.lora.again(lora);
-    const auto d =
-        contracts::experts_data<Tracked>(p, l, xv, dyv, experts::saved_view(s.impl()));
+    const auto d = contracts::experts_data<Tracked>(p, l, xv, dyv, experts::saved_view(s.impl()));
     const auto r = ref::layer_reference(d, dyv.has_value(), paths_of(g, &g.dweights));
     const std::size_t T = d.T, H = d.H, I = d.I, E = d.E, K = d.K;
     put(y, r.y, T, H, "y bound");
@@ -138,8 +138,7 @@ moecert_status moecert_layer_bounds(const moecert_config* cfg, const moecert_lay
     // leaves in the arena.
     auto paths = paths_of(g, nullptr);
     paths.router = any({&g.dx, &g.router_w, &g.router_b});  // dx: both paths summed
-    const float* dw =
-        dyv && paths.router ? s.impl().arena.get<float>("router.dw", T * K) : nullptr;
+    const float* dw = dyv && paths.router ? s.impl().arena.get<float>("router.dw", T * K) : nullptr;
     const auto r = contracts::layer_bounds(c, lw, xv, dyv, layer::saved_view(s), paths, dw);
     const std::size_t H = lw.experts->hidden(), I = lw.experts->inter(), E = lw.experts->experts(),
                       R = lw.router_w.rows;
@@ -162,7 +161,8 @@ moecert_status moecert_router_bounds(int32_t kind, double param, const moecert_t
     const auto& info = contracts::router_kind(static_cast<RouterKind>(kind));
     const contracts::RouterSettings settings = info.abi_settings(param);
     const auto zv = mat<const float>(z, "z");
-    const auto iv = mat<const std::int32_t>(idx, "idx");
+    capi::Ids ids;
+    const auto iv = ids.view(idx, "idx", {w_bound, dz_bound});
     const auto gv = mat<const float>(g, "g", false);
     const std::size_t T = zv.rows, K = iv.cols, C = zv.cols;
     const std::size_t experts = info.experts_of(C);

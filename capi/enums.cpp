@@ -54,14 +54,14 @@ constexpr const char* kStatus[] = {"ok",
                                    "internal_error",
                                    "precondition_observed"};
 static_assert(sizeof(kStatus) / sizeof(kStatus[0]) == MOECERT_PRECONDITION_OBSERVED + 1);
-constexpr const char* kDtype[] = {"bf16", "f32", "i32", "f64", "u8"};
-static_assert(sizeof(kDtype) / sizeof(kDtype[0]) == MOECERT_U8 + 1);
+constexpr const char* kDtype[] = {"bf16", "f32", "i32", "f64", "u8", "i64"};
+static_assert(sizeof(kDtype) / sizeof(kDtype[0]) == MOECERT_I64 + 1);
 
 // The enums' own names and the last value of each, in moecert_enum order.
 constexpr const char* kEnums[] = {"status", "dtype",  "level",       "semantic",     "group",
                                   "isa",    "router", "key_weights", "weight_format"};
 constexpr int kLast[] = {MOECERT_PRECONDITION_OBSERVED,
-                         MOECERT_U8,
+                         MOECERT_I64,
                          MOECERT_LEVEL_FULL,
                          MOECERT_SEMANTIC_ENFORCE,
                          MOECERT_GROUP_MEMORY,

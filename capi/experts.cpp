@@ -109,7 +109,8 @@ moecert_status moecert_experts_forward(const moecert_experts* w, const moecert_t
                                        const moecert_tensor* y, int32_t isa) {
   return guarded("moecert_experts_forward", [&] {
     const auto& p = handle(w, "experts").packed;
-    experts::forward(p, mat<const bf16>(x, "x"), mat<const std::int32_t>(idx, "idx"),
+    capi::Ids ids;
+    experts::forward(p, mat<const bf16>(x, "x"), ids.view(idx, "idx", {y}),
                      mat<const float>(weights, "weights"), mat<float>(y, "y"),
                      {.isa = capi::isa_of(isa)});
   });
@@ -123,8 +124,9 @@ moecert_status moecert_experts_forward_train(const moecert_experts* w, const moe
   return guarded("moecert_experts_forward_train", [&] {
     const auto& p = handle(w, "experts").packed;
     auto& h = handle(saved, "saved");
+    capi::Ids ids;
     experts::forward_train(p, h.lora.forward(lora), mat<const bf16>(x, "x"),
-                           mat<const std::int32_t>(idx, "idx"),
+                           ids.view(idx, "idx", {y}),
                            mat<const float>(weights, "weights"), mat<float>(y, "y"), h.saved,
                            capi::train_options(options));
   });

@@ -110,7 +110,8 @@ moecert_status moecert_layer_saved_router(const moecert_layer_saved* s, const mo
         for (std::size_t j = 0; j < from.cols; ++j) to(i, j) = from(i, j);
     };
     copy(saved.logits(), z, "z", "no training forward since the last backward");
-    copy(saved.router_dw(), dweights, "dweights", "no backward with the router path since the forward");
+    copy(saved.router_dw(), dweights, "dweights",
+         "no backward with the router path since the forward");
     copy(saved.router_dz(), dz, "dz", "no backward with the router path since the forward");
   });
 }

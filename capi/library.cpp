@@ -3,9 +3,12 @@
 #include <fmt/format.h>
 #include <oneapi/tbb/global_control.h>
 
+#include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <utility>
 #include <vector>
 
 #include "capi/abi.hpp"
@@ -85,6 +88,8 @@ const char* dtype_name(std::int32_t dtype) {
       return "float64";
     case MOECERT_U8:
       return "uint8";
+    case MOECERT_I64:
+      return "int64";
     default:
       return "unknown";
   }
@@ -112,6 +117,63 @@ void check_descriptor(const moecert_tensor& t, moecert_dtype dtype, int ndim, co
         fmt::format("{}: row stride {} < {} columns", name, t.stride[0], t.shape[1]));
   if (!t.data && elements > 0)
     throw InvalidArgument(fmt::format("{}: null data with {} elements", name, elements));
+}
+
+namespace {
+
+std::size_t dtype_bytes(std::int32_t dtype) {
+  switch (dtype) {
+    case MOECERT_BF16:
+      return 2;
+    case MOECERT_U8:
+      return 1;
+    case MOECERT_F64:
+    case MOECERT_I64:
+      return 8;
+    default:
+      return 4;
+  }
+}
+
+// The bytes [begin, end) a present descriptor's elements span.
+std::pair<std::uintptr_t, std::uintptr_t> span_of(const moecert_tensor& t) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(t.data);
+  const std::int64_t rows = t.ndim == 2 ? t.shape[0] : 1, cols = t.shape[t.ndim - 1];
+  if (rows == 0 || cols == 0) return {begin, begin};
+  const std::int64_t last = (rows - 1) * (t.ndim == 2 ? t.stride[0] : 0) + cols;
+  return {begin, begin + static_cast<std::uintptr_t>(last) * dtype_bytes(t.dtype)};
+}
+
+bool overlap(const moecert_tensor& a, const moecert_tensor* b) {
+  if (!present(b)) return false;
+  const auto [a0, a1] = span_of(a);
+  const auto [b0, b1] = span_of(*b);
+  return a0 < b1 && b0 < a1;
+}
+
+}  // namespace
+
+MatView<const std::int32_t> Ids::view(const moecert_tensor* t, const char* name,
+                                      std::initializer_list<const moecert_tensor*> outputs) {
+  if (!present(t) || t->dtype != MOECERT_I64) return mat<const std::int32_t>(t, name);
+  check_descriptor(*t, MOECERT_I64, 2, name);
+  const auto rows = static_cast<std::size_t>(t->shape[0]), cols = static_cast<std::size_t>(t->shape[1]);
+  const auto* wide = static_cast<const std::int64_t*>(t->data);
+  const auto stride = static_cast<std::size_t>(t->stride[0]);
+  for (const moecert_tensor* out : outputs)
+    if (overlap(*t, out))
+      throw InvalidArgument(fmt::format("{} and an output share memory; pass separate tensors", name));
+  narrow_.resize(rows * cols);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < cols; ++c) {
+      const std::int64_t v = wide[r * stride + c];
+      if (v < std::numeric_limits<std::int32_t>::min() ||
+          v > std::numeric_limits<std::int32_t>::max())
+        throw InvalidArgument(fmt::format(
+            "{}[{}, {}] = {}: expected -1 <= id < the expert count (an int32)", name, r, c, v));
+      narrow_[r * cols + c] = static_cast<std::int32_t>(v);
+    }
+  return {narrow_.data(), rows, cols};
 }
 
 experts::Lora lora_of(const moecert_lora* l) {

@@ -53,7 +53,8 @@ moecert_status moecert_softmax_topk_backward(const moecert_tensor* z, const moec
                                              const moecert_tensor* g, const moecert_tensor* dz,
                                              int32_t renormalize) {
   return guarded("moecert_softmax_topk_backward", [&] {
-    router::softmax_topk_backward(mat<const float>(z, "z"), mat<const std::int32_t>(idx, "idx"),
+    capi::Ids ids;
+    router::softmax_topk_backward(mat<const float>(z, "z"), ids.view(idx, "idx", {dz}),
                                   mat<const float>(g, "g"), mat<float>(dz, "dz"), renormalize != 0);
   });
 }
@@ -75,8 +76,9 @@ moecert_status moecert_sigmoid_topk_backward(const moecert_tensor* z, const moec
                                              int64_t topk_group, float scaling,
                                              const moecert_tensor* dz) {
   return guarded("moecert_sigmoid_topk_backward", [&] {
+    capi::Ids ids;
     router::sigmoid_topk_backward(
-        mat<const float>(z, "z"), mat<const std::int32_t>(idx, "idx"), mat<const float>(g, "g"),
+        mat<const float>(z, "z"), ids.view(idx, "idx", {dz}), mat<const float>(g, "g"),
         sigmoid_params(groups, topk_group, scaling), mat<float>(dz, "dz"));
   });
 }
@@ -100,8 +102,9 @@ moecert_status moecert_product_key_backward(const moecert_tensor* sx, const moec
                                             int32_t mode, const moecert_tensor* dsx,
                                             const moecert_tensor* dsy) {
   return guarded("moecert_product_key_backward", [&] {
+    capi::Ids ids;
     router::product_key_backward(mat<const float>(sx, "sx"), mat<const float>(sy, "sy"),
-                                 mat<const std::int32_t>(idx, "idx"), mat<const float>(g, "g"),
+                                 ids.view(idx, "idx", {dsx, dsy}), mat<const float>(g, "g"),
                                  key_weights(mode), mat<float>(dsx, "dsx"), mat<float>(dsy, "dsy"));
   });
 }

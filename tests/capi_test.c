@@ -125,6 +125,30 @@ static void experts_op(void) {
          MOECERT_INVALID_ARGUMENT);
   EXPECT(strstr(moecert_last_error()->message, "x: dtype float32, expected bfloat16") != NULL);
 
+  /* int64 ids (torch.topk's): y bitwise that of the int32 ids; a value outside int32 and ids
+   * sharing memory with y refused, naming them, y untouched. */
+  static float y32[T * H];
+  memcpy(y32, y, sizeof y);
+  OK(moecert_experts_forward_train(packed, &l, &tx, &ti, &tw, &ty, saved, NULL));
+  memcpy(y32, y, sizeof y);
+  int64_t wide[T * K];
+  for (int i = 0; i < T * K; ++i) wide[i] = idx[i];
+  moecert_tensor ti64 = mat(wide, MOECERT_I64, T, K);
+  OK(moecert_experts_forward_train(packed, &l, &tx, &ti64, &tw, &ty, saved, NULL));
+  EXPECT(memcmp(y, y32, sizeof y) == 0);
+  EXPECT(strcmp(moecert_enum_name(MOECERT_ENUM_DTYPE, MOECERT_I64), "i64") == 0);
+  wide[1 * K + 0] = (int64_t)1 << 40;
+  for (int i = 0; i < T * H; ++i) y[i] = -7.0f;
+  EXPECT(moecert_experts_forward(packed, &tx, &ti64, &tw, &ty, MOECERT_ISA_DEFAULT) ==
+         MOECERT_INVALID_ARGUMENT);
+  EXPECT(strstr(moecert_last_error()->message, "idx[1, 0] = 1099511627776") != NULL);
+  EXPECT(y[0] == -7.0f);
+  wide[1 * K + 0] = idx[1 * K + 0];
+  moecert_tensor over = mat(wide, MOECERT_F32, T, K); /* y's bytes on the ids' */
+  EXPECT(moecert_experts_forward(packed, &tx, &ti64, &tw, &over, MOECERT_ISA_DEFAULT) ==
+         MOECERT_INVALID_ARGUMENT);
+  EXPECT(strstr(moecert_last_error()->message, "idx and an output share memory") != NULL);
+
   moecert_experts_saved_free(saved);
   moecert_experts_free(packed);
 }
@@ -156,6 +180,12 @@ static void router(void) {
   const char* params[1] = {"renormalize=true"};
   char* verdict = NULL;
   OK(moecert_check("router.softmax_topk.forward", in, 1, out, 2, params, 1, &verdict));
+  EXPECT(verdict && strstr(verdict, "\"verdict\":\"pass\"") != NULL);
+  moecert_free_string(verdict);
+  /* The ids as int64 (torch.topk's) read the same. */
+  int64_t sel64[2 * 2] = {sel[0], sel[1], sel[2], sel[3]};
+  moecert_named_tensor out64[2] = {{"idx", mat(sel64, MOECERT_I64, 2, 2), 0}, {"w", tsw, 0}};
+  OK(moecert_check("router.softmax_topk.forward", in, 1, out64, 2, params, 1, &verdict));
   EXPECT(verdict && strstr(verdict, "\"verdict\":\"pass\"") != NULL);
   moecert_free_string(verdict);
   const int32_t first = sel[0];
@@ -217,7 +247,7 @@ static void layer(void) {
  * the last. */
 static void enums(void) {
   static const int last[] = {MOECERT_PRECONDITION_OBSERVED,
-                             MOECERT_U8,
+                             MOECERT_I64,
                              MOECERT_LEVEL_FULL,
                              MOECERT_SEMANTIC_ENFORCE,
                              MOECERT_GROUP_MEMORY,

@@ -208,8 +208,7 @@ TEST_CASE("experts.backward: a dy with rows wider than H is read by its stride (
   ContractScope s{Level::full, Semantic::enforce};
   experts::forward_train(p.packed, p.lora_view(), p.X(), p.Idx(), p.W(), {o.y.data(), p.T, p.H},
                          saved);
-  experts::backward(p.packed, p.lora_view(), p.X(), {wide.data(), p.T, p.H, ld}, saved,
-                    o.views(p));
+  experts::backward(p.packed, p.lora_view(), p.X(), {wide.data(), p.T, p.H, ld}, saved, o.views(p));
   CHECK(o.dx == dense.dx);
   CHECK(o.dw == dense.dw);
 }

@@ -183,6 +183,17 @@ TEST_CASE("layer.forward, layer.backward: each stage's error is named by its cla
             "layer.forward.scale_explained"));
   CHECK(has(forward_with("y", 50, [](jg::Tensor& t, std::size_t i) { t.f[i] = NAN; }),
             "layer.forward.y_finite"));
+  // Every output cut to bf16 by truncation: within the bounds, biased toward zero.
+  auto truncated = [](jg::Tensors out, const char* name) {
+    for (float& v : out.at(name).f)
+      v = bf16::from_bits(static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(v) >> 16))
+              .to_float();
+    return out;
+  };
+  const auto cut_y =
+      failures(jg::judge_op("layer.forward", s.in, truncated(s.forward_out, "y"), s.params));
+  CHECK(has(cut_y, "layer.forward.rounding_unbiased"));
+  CHECK(!has(cut_y, "layer.forward.within_bound"));
 
   const jg::Tensors& in = s.backward_in;
   auto backward_with = [&](const char* name, std::size_t i, auto change) {
@@ -196,6 +207,10 @@ TEST_CASE("layer.forward, layer.backward: each stage's error is named by its cla
                                                  "layer.backward.within_bound",
                                                  "router.softmax_topk_backward.within_bound"});
   CHECK(backward_with("dx", 33, off) == beyond);
+  const auto cut_dx =
+      failures(jg::judge_op("layer.backward", in, truncated(s.backward_out, "dx"), s.params));
+  CHECK(has(cut_dx, "layer.backward.rounding_unbiased"));
+  CHECK(!has(cut_dx, "layer.backward.within_bound"));
   CHECK(backward_with("router_w_grad", 33, off) == Ids{"layer.backward.within_bound"});
   CHECK(backward_with("router_b_grad", 3, off) == Ids{"layer.backward.within_bound"});
   auto far_off = [](jg::Tensor& t, std::size_t i) { t.f[i] += 100; };

@@ -271,8 +271,7 @@ namespace {
 // reference's own logits and weights.
 ref::LayerData<Hp> hp_data(const Problem& p, const layer::Saved& saved) {
   const auto w = p.weights();
-  const auto dd =
-      contracts::layer_data<double>(p.cfg, w, p.X(), p.DY(), layer::saved_view(saved));
+  const auto dd = contracts::layer_data<double>(p.cfg, w, p.X(), p.DY(), layer::saved_view(saved));
   ref::LayerData<Hp> d;
   d.T = dd.T, d.H = dd.H, d.I = dd.I, d.E = dd.E, d.K = dd.K, d.r = dd.r, d.R = dd.R;
   d.kind = dd.kind, d.renormalize = dd.renormalize, d.scaling = dd.scaling, d.scale = dd.scale;
@@ -371,8 +370,8 @@ TEST_CASE("layer: per-token statistics equal a one-token-at-a-time reference bac
     const Problem p = make(RouterKind::softmax_topk, 6, 24, 16, 2, r, 9, 5);
     Run k = run(p, Isa::scalar);
     const auto w = p.weights();
-    const auto bound = contracts::layer_bounds(p.cfg, w, p.X(), p.DY(),
-                                               layer::saved_view(k.saved), {}, nullptr);
+    const auto bound =
+        contracts::layer_bounds(p.cfg, w, p.X(), p.DY(), layer::saved_view(k.saved), {}, nullptr);
     const auto all =
         contracts::layer_data<double>(p.cfg, w, p.X(), p.DY(), layer::saved_view(k.saved));
     for (std::size_t t = 0; t < p.T; ++t) {
@@ -691,9 +690,8 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
   SECTION("within_bound") {
     ContractScope s{Level::full, Semantic::enforce};
     bwd(saved, p.DY());
-    const auto ref =
-        contracts::layer_bounds(p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), {},
-                                saved.impl().arena.get<float>("router.dw", p.T * p.K));
+    const auto ref = contracts::layer_bounds(p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), {},
+                                             saved.impl().arena.get<float>("router.dw", p.T * p.K));
     g.bd[5] = static_cast<float>(ref.dbd[5].v - 2 * ref.dbd[5].e);
     auto v = test::expect_violation(
         [&] {
@@ -704,9 +702,9 @@ TEST_CASE("layer: backward clauses", "[layer][contracts]") {
         "layer.backward.within_bound", Level::full);
     CHECK(v.location == "b_down grad[1, 1]");  // element 5 of a 4-column matrix
     g.bd[5] = static_cast<float>(ref.dbd[5].v);
-    const auto base = contracts::layer_bounds(
-        p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), {.base = true},
-        saved.impl().arena.get<float>("router.dw", p.T * p.K));
+    const auto base =
+        contracts::layer_bounds(p.cfg, w, p.X(), p.DY(), layer::saved_view(saved), {.base = true},
+                                saved.impl().arena.get<float>("router.dw", p.T * p.K));
     std::size_t at = 0;  // the element whose bound is tightest relative to its value
     for (std::size_t i = 1; i < base.dwg.size(); ++i)
       if (base.dwg[i].e * std::fabs(base.dwg[at].v) < base.dwg[at].e * std::fabs(base.dwg[i].v))

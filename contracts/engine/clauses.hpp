@@ -370,6 +370,9 @@ inline constexpr ClauseInfo kFwdProbe =
          Level::audit);
 inline constexpr ClauseInfo kFwdWithin =
     post("layer.forward.within_bound", Group::numeric, "z and y within bound", Level::full);
+inline constexpr ClauseInfo kFwdRounding =
+    post("layer.forward.rounding_unbiased", Group::numeric,
+         "y's errors not biased toward or away from zero", Level::full);
 inline constexpr ClauseInfo kFwdSpread =
     post("layer.forward.spread_explained", Group::numeric,
          "y within the declared precision's probabilistic bound", Level::full);
@@ -400,6 +403,10 @@ inline constexpr ClauseInfo kBwdProbe =
          "probes of the experts' row GEMMs and the router linear", Level::audit);
 inline constexpr ClauseInfo kBwdWithin =
     post("layer.backward.within_bound", Group::numeric, "gradients within bound", Level::full);
+inline constexpr ClauseInfo kBwdRounding =
+    post("layer.backward.rounding_unbiased", Group::numeric,
+         "dL/dw's, dx's and the experts' gradients' errors not biased toward or away from zero",
+         Level::full);
 inline constexpr ClauseInfo kBwdSpread =
     post("layer.backward.spread_explained", Group::numeric,
          "dL/dw, dx and the experts' gradients within the probabilistic bound", Level::full);
@@ -425,7 +432,7 @@ inline constexpr ClauseInfo kAll[] = {
     kBwdSavedFinite,    kBwdSavedIntact, kBwdGradFinite,  kBwdEmptyZero,  kBwdRouterMasked,
     kBwdProbe,          kBwdWithin,      kRlShape,        kRlFinite,      kRlXRange,
     kRlNoAlias,         kRlOutFinite,    kRlProbe,        kRlWithin,      kFwdSpread,
-    kFwdScaleExplained, kBwdSpread};
+    kFwdScaleExplained, kBwdSpread,      kFwdRounding,    kBwdRounding};
 }  // namespace layer
 
 }  // namespace moecert::clauses

@@ -352,7 +352,8 @@ void experts_train_forward_post(detail::Checker& c, const experts::PackedExperts
   // Inputs exact, no overflow; every y within layer_reference over Tracked with
   // the caller's weights (the layer's expert part); proofs/experts.md §1.
   MOECERT_CONTRACT(c, k::kFwdWithin) {
-    const auto ref = ref::layer_reference(experts_data<Tracked>(w, lora, x, std::nullopt, s), false);
+    const auto ref =
+        ref::layer_reference(experts_data<Tracked>(w, lora, x, std::nullopt, s), false);
     within(c, k::kFwdWithin, "y", y.cols, values(y), ref.y, "proofs/experts.md §1");
   }
 }
@@ -453,9 +454,8 @@ void experts_backward_post(detail::Checker& c, const experts::PackedExperts& w,
     [&] {  // a failure ends this clause, not the others (observe goes on)
       const bool expert = wants_expert_path(g);
       const bool base = !g.w_gate.empty() || !g.w_up.empty() || !g.w_down.empty();
-      const auto r =
-          ref::layer_reference(experts_data<Tracked>(w, lora, x, dy, s),
-                               true, {expert, !g.dweights.empty(), expert && base});
+      const auto r = ref::layer_reference(experts_data<Tracked>(w, lora, x, dy, s), true,
+                                          {expert, !g.dweights.empty(), expert && base});
       const char* proof = "proofs/experts.md §2";
       if (!g.dweights.empty() &&
           !within(c, k::kBwdWithin, "dweights", s.topk, values(g.dweights), r.dw, proof))

@@ -399,13 +399,9 @@ bool weight_grads_within(detail::Checker& c, const ClauseInfo& clause, const Wei
 
 bool audit_asked(const Params& p) { return flag_param(p, "audit", true); }
 
-namespace {
-
-// The weight gradients' errors without a sign bias, audited on one element
-// per row and per column of each expert's block: a row (or a column) of a
-// gradient shares the roundings of one operand row (dg, h, ...), so a few
-// tokens give whole rows one sign, while elements on distinct rows and
-// columns depend on disjoint roundings (proofs/bounds.md §11).
+// A row (or a column) of a weight gradient shares the roundings of one
+// operand row (dg, h, ...), so a few tokens give whole rows one sign, while
+// elements on distinct rows and columns depend on disjoint roundings.
 bool weight_grads_unbiased(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g,
                            const ExpertsBackward& ref, std::size_t E) {
   const auto names = grad_shapes(0, 0, 0, 0);
@@ -419,14 +415,12 @@ bool weight_grads_unbiased(detail::Checker& c, const ClauseInfo& clause, const W
         got.push_back(g[i](e * rows + d, d));
         want.push_back(ref.weight_grads[i][(e * rows + d) * cols + d].v);
       }
-    const std::string name = fmt::format("{}_grad (one element per row and column of an expert)",
-                                         names[i].name);
+    const std::string name =
+        fmt::format("{}_grad (one element per row and column of an expert)", names[i].name);
     if (!rounding_unbiased(c, clause, name, got, want)) return false;
   }
   return true;
 }
-
-}  // namespace
 
 namespace {
 

@@ -122,5 +122,10 @@ void weight_grads_idle_zero(detail::Checker& c, const ClauseInfo& clause, const 
 bool weight_grads_within(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g,
                          const ExpertsBackward& model, const bounds::Precision& p,
                          const char* proof);
+/// Every weight gradient given without a sign bias against the model's exact
+/// values, audited on one element per row and column of each of the E
+/// experts (proofs/bounds.md §11); false when one failed.
+bool weight_grads_unbiased(detail::Checker& c, const ClauseInfo& clause, const WeightGrads& g,
+                           const ExpertsBackward& model, std::size_t E);
 
 }  // namespace moecert::contracts::judge

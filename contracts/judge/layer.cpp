@@ -182,6 +182,9 @@ void layer_forward(detail::Checker& c, const Tensors& in, const Tensors& out,
   // (proofs/bounds.md §12), unless audit=false.
   if (c.stop() || !audit_asked(params) || !routable(t.ex.idx, t.ex.E)) return;
   const ProbableForward model = experts_model_forward_probable(t.ex, p);
+  MOECERT_CONTRACT(c, kl::kFwdRounding) {
+    rounding_unbiased(c, kl::kFwdRounding, "y", contracts::values(y), exact(model.y));
+  }
   MOECERT_CONTRACT(c, kl::kFwdSpread) {
     within_model(c, kl::kFwdSpread, "y", y, model.y, p, kSpreadProof);
   }
@@ -348,12 +351,19 @@ void layer_backward(detail::Checker& c, const Tensors& in, const Tensors& out,
   // The same under the probabilistic model (proofs/bounds.md §12), unless
   // audit=false; the router linear's gradients are sums of the given dz.
   if (c.stop() || !audit_asked(params)) return;
+  const auto ex = experts_model_backward(t.ex, dy, bounds::probable(p), any_weight_grad(g.experts));
+  const auto dx = dx_model(t, ex, g.dz, p);
   MOECERT_CONTRACT(c, kl::kBwdSpread) {
-    const auto ex =
-        experts_model_backward(t.ex, dy, bounds::probable(p), any_weight_grad(g.experts));
     within_model(c, kl::kBwdSpread, "dweights", g.dweights, ex.dweights, p, kSpreadProof) &&
-        within_model(c, kl::kBwdSpread, "dx", g.dx, dx_model(t, ex, g.dz, p), p, kSpreadProof) &&
+        within_model(c, kl::kBwdSpread, "dx", g.dx, dx, p, kSpreadProof) &&
         weight_grads_within(c, kl::kBwdSpread, g.experts, ex, p, kSpreadProof);
+  }
+  // Round to nearest: errors without a sign bias (proofs/bounds.md §11).
+  MOECERT_CONTRACT(c, kl::kBwdRounding) {
+    rounding_unbiased(c, kl::kBwdRounding, "dweights", contracts::values(g.dweights),
+                      exact(ex.dweights)) &&
+        rounding_unbiased(c, kl::kBwdRounding, "dx", contracts::values(g.dx), exact(dx)) &&
+        weight_grads_unbiased(c, kl::kBwdRounding, g.experts, ex, t.ex.E);
   }
 }
 
@@ -367,20 +377,21 @@ std::vector<std::string> backward_router(const Params& p) {
 std::map<std::string, OpEntry> layer_entries() {
   const std::vector<std::string> weights = {"gemm.pack.w_finite", "gemm.pack.w_range"};
   std::vector<std::string> fwd = {
-      "layer.forward.x_finite",         "layer.forward.x_range",
-      "layer.forward.lora_finite",      "layer.forward.lora_range",
-      "layer.forward.scale_finite",     "layer.forward.shape",
-      "layer.forward.y_finite",         "layer.forward.within_bound",
-      "layer.forward.spread_explained", "layer.forward.scale_explained",
-      "layer.router_linear.out_finite", "layer.router_linear.within_bound"};
+      "layer.forward.x_finite",          "layer.forward.x_range",
+      "layer.forward.lora_finite",       "layer.forward.lora_range",
+      "layer.forward.scale_finite",      "layer.forward.shape",
+      "layer.forward.y_finite",          "layer.forward.within_bound",
+      "layer.forward.spread_explained",  "layer.forward.scale_explained",
+      "layer.forward.rounding_unbiased", "layer.router_linear.out_finite",
+      "layer.router_linear.within_bound"};
   std::vector<std::string> bwd = {
-      "layer.forward.x_finite",         "layer.forward.x_range",
-      "layer.forward.lora_finite",      "layer.forward.lora_range",
-      "layer.forward.scale_finite",     "layer.backward.shape",
-      "layer.backward.saved_finite",    "layer.backward.dy_finite",
-      "layer.backward.grad_finite",     "layer.backward.router_masked",
-      "layer.backward.within_bound",    "layer.backward.empty_expert_zero",
-      "layer.backward.spread_explained"};
+      "layer.forward.x_finite",          "layer.forward.x_range",
+      "layer.forward.lora_finite",       "layer.forward.lora_range",
+      "layer.forward.scale_finite",      "layer.backward.shape",
+      "layer.backward.saved_finite",     "layer.backward.dy_finite",
+      "layer.backward.grad_finite",      "layer.backward.router_masked",
+      "layer.backward.within_bound",     "layer.backward.empty_expert_zero",
+      "layer.backward.spread_explained", "layer.backward.rounding_unbiased"};
   fwd.insert(fwd.end(), weights.begin(), weights.end());
   bwd.insert(bwd.end(), weights.begin(), weights.end());
   return {{"layer.forward", {layer_forward, fwd, forward_router}},

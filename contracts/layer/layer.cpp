@@ -307,9 +307,8 @@ void layer_backward_post(detail::Checker& c, const MoeConfig& cfg, const layer::
   // Conditioned on the kernel's routing and dL/dw; every gradient within
   // layer_bounds (expert path, router path, base weights); proofs/layer.md §3-4.
   MOECERT_CONTRACT(c, k::kBwdWithin) {
-    const auto ref =
-        layer_bounds(cfg, w, x, dy, s,
-                     {opt.expert_path, opt.router_path, opt.expert_path && wants_base(g)}, dw);
+    const auto ref = layer_bounds(
+        cfg, w, x, dy, s, {opt.expert_path, opt.router_path, opt.expert_path && wants_base(g)}, dw);
     auto mat = [&](MatView<float> m) {
       return [m](std::size_t i, std::size_t j) { return m(i, j); };
     };

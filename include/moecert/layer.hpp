@@ -127,6 +127,8 @@ struct BackwardOptions {
 ///                                              bound (the judge; proofs/bounds.md §12)
 ///   layer.forward.scale_explained post numeric <y - ref, ref> within the probabilistic bound (the
 ///                                              judge; proofs/bounds.md §12)
+///   layer.forward.rounding_unbiased post numeric y's errors as often toward zero as away from it
+///                                              (the judge; proofs/bounds.md §11)
 /// and the clauses of the router, experts.forward and workspace.* it runs.
 void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatView<float> y,
              Saved& saved, const ForwardOptions& opt = {});
@@ -165,6 +167,10 @@ void forward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x, MatV
 ///   layer.backward.spread_explained post numeric dL/dw, dx and the experts' gradients within
 ///                                              the declared precision's probabilistic bound (the
 ///                                              judge; proofs/bounds.md §12)
+///   layer.backward.rounding_unbiased post numeric dL/dw's, dx's and the experts' gradients' errors
+///                                              unbiased (a weight gradient's on one element per
+///                                              row and column of an expert; the judge; proofs/
+///                                              bounds.md §11)
 /// and the clauses of the router backward it runs (dL/dw outside the router's domain is its
 /// g_finite; a sigmoid router's dz beyond fp32 its dz_finite, before grad_finite could see it).
 void backward(const MoeConfig& cfg, const Weights& w, MatView<const bf16> x,

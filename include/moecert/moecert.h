@@ -43,7 +43,8 @@ typedef enum moecert_dtype {
   MOECERT_F32 = 1,
   MOECERT_I32 = 2,
   MOECERT_F64 = 3,
-  MOECERT_U8 = 4 /* quantized weight codes */
+  MOECERT_U8 = 4, /* quantized weight codes */
+  MOECERT_I64 = 5 /* expert ids given to an op (torch.topk's): narrowed to int32 */
 } moecert_dtype;
 
 /* Contract levels, semantics and clause groups (moecert::Level, Semantic,
@@ -268,7 +269,11 @@ typedef struct moecert_train_options {
 } moecert_train_options;
 
 /* Inference forward (experts::forward): x [T x H] bf16, idx [T x K] int32,
- * weights [T x K] f32, y [T x H] f32. */
+ * weights [T x K] f32, y [T x H] f32. Ids an op reads (here, the training
+ * forward, the router backwards, moecert_router_bounds) may also be int64
+ * (MOECERT_I64): narrowed to int32, a value outside int32 refused naming its
+ * place (MOECERT_INVALID_ARGUMENT), as is an int64 idx sharing memory with an
+ * output. Ids an op writes are int32. */
 moecert_status moecert_experts_forward(const moecert_experts* w, const moecert_tensor* x,
                                        const moecert_tensor* idx, const moecert_tensor* weights,
                                        const moecert_tensor* y, int32_t isa);

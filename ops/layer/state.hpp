@@ -10,9 +10,9 @@ namespace moecert::layer {
 
 struct Saved::Impl : experts::TrainState {
   MoeConfig cfg;
-  float* logits = nullptr;     // router.logits [T x R]
-  bool logits_kept = false;    // a training forward's logits, until a backward reuses them
-  bool router_grads = false;   // router.dw and router.dz of a backward's router path
+  float* logits = nullptr;    // router.logits [T x R]
+  bool logits_kept = false;   // a training forward's logits, until a backward reuses them
+  bool router_grads = false;  // router.dw and router.dz of a backward's router path
 };
 
 /// The saved state as the contracts read it: the experts op's, the config,

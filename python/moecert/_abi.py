@@ -187,7 +187,7 @@ def names(enum):
 
 
 STATUS = names("status")
-BF16, F32, I32, F64, U8 = (names("dtype").index(n) for n in ("bf16", "f32", "i32", "f64", "u8"))
+BF16, F32, I32, F64, U8, I64 = (names("dtype").index(n) for n in ("bf16", "f32", "i32", "f64", "u8", "i64"))
 PRECONDITION_OBSERVED = STATUS.index("precondition_observed")
 
 

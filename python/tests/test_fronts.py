@@ -153,8 +153,8 @@ def test_the_routing_recorder_refuses_what_it_does_not_hold():
 def _strided(t, dtype, pad):
     """t as `dtype` in rows `pad` elements wider than t (2-D; a 3-D [E, m, n] as [E*m, n])."""
     t2 = t.reshape(-1, t.shape[-1]).to(dtype)
-    wide = torch.full((t2.shape[0], t2.shape[1] + pad), float("nan") if dtype.is_floating_point else -7,
-                      dtype=dtype)
+    gap = float("nan") if dtype.is_floating_point else (2 ** 40 if dtype == torch.int64 else -7)  # never an id
+    wide = torch.full((t2.shape[0], t2.shape[1] + pad), gap, dtype=dtype)
     wide[:, :t2.shape[1]] = t2
     return wide, _abi.Tensor(wide.data_ptr(), describe(t2).dtype, 2, tuple(t2.shape), (t2.shape[1] + pad, 1))
 
@@ -205,10 +205,10 @@ def _factor_grads(s, grads, lora):
 
 
 def c_abi_experts(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None, dy=None, pad=3,
-                  factors=torch.bfloat16):
+                  factors=torch.bfloat16, ids=torch.int32):
     """moecert_experts_pack / forward_train / backward on descriptors with row strides `pad`
-    beyond their width, LoRA factors as `factors`; the backward's dx, dL/dw and the factors'
-    gradients."""
+    beyond their width, ids as `ids`, LoRA factors as `factors`; the backward's dx, dL/dw and
+    the factors' gradients."""
     s = _Strided(pad)
     handle, saved = s.pack(w_gate, w_up, w_down), ctypes.c_void_p()
     try:
@@ -217,7 +217,7 @@ def c_abi_experts(x, idx, weights, w_gate, w_up, w_down, lora=None, alpha=None, 
         lo = ctypes.byref(c_lora) if c_lora else None
         xd = s(x, torch.bfloat16)
         y, yd = s.out(x.shape)
-        _call("moecert_experts_forward_train", handle, lo, ctypes.byref(xd), ctypes.byref(s(idx, torch.int32)),
+        _call("moecert_experts_forward_train", handle, lo, ctypes.byref(xd), ctypes.byref(s(idx, ids)),
               ctypes.byref(s(weights, torch.float32)), ctypes.byref(yd), saved, None)
         if dy is None:
             return y.clone()
@@ -287,8 +287,8 @@ def test_the_c_abi_layer_conforms_with_strided_rows():
     mtest.assert_conforms(mtest.layer_backward(c_abi_layer, "mixed", sorted=True))
 
 
-@pytest.mark.parametrize("factors", [torch.bfloat16, torch.float32])
-def test_the_c_abi_experts_conform_with_strided_rows(factors):
-    fn = functools.partial(c_abi_experts, factors=factors)
+@pytest.mark.parametrize("factors, ids", [(torch.bfloat16, torch.int64), (torch.float32, torch.int32)])
+def test_the_c_abi_experts_conform_with_strided_rows(factors, ids):
+    fn = functools.partial(c_abi_experts, factors=factors, ids=ids)
     mtest.assert_conforms(mtest.experts_forward(fn, "mixed"))
     mtest.assert_conforms(mtest.experts_backward(fn, "mixed"))

@@ -639,7 +639,7 @@ def test_torch_layer_over_quantized_weights_judged():
             c["id"] for c in v.clauses if c["verdict"] == "pass"}
     v = check.judge("layer.forward", inputs, dict(fwd, y=fwd["y"] * 1.05), **params)
     assert v.failed == ["layer.forward.within_bound", "layer.forward.spread_explained",
-                        "layer.forward.scale_explained"]
+                        "layer.forward.scale_explained", "layer.forward.rounding_unbiased"]
 
 
 def test_torch_layer_bugs_fail_on_their_stage():
@@ -670,6 +670,22 @@ def test_torch_layer_bugs_fail_on_their_stage():
 
 
 @needs_cli
+def test_a_layer_truncating_its_outputs_fails_the_rounding_audit():
+    """y and dx of a float32 layer stored in bf16 by truncation, declared bf16: within every bound,
+    biased toward zero."""
+    import moecert.check as check
+    case = layer.random_case()
+    inputs, fwd, bwd_in, bwd_out = layer.layer_step(case, torch.float32)
+    params = dict(precision="bf16", router="softmax_topk", alpha=case["alpha"])
+    truncate = lambda t: (t.float().view(torch.int32) & -65536).view(torch.float32)  # noqa: E731
+    assert check.judge("layer.forward", inputs, fwd, **params).passed
+    v = check.judge("layer.forward", inputs, dict(fwd, y=truncate(fwd["y"])), **params)
+    assert v.failed == ["layer.forward.rounding_unbiased"], _messages(v)
+    assert check.judge("layer.backward", bwd_in, bwd_out, **params).passed
+    v = check.judge("layer.backward", bwd_in, dict(bwd_out, dx=truncate(bwd_out["dx"])), **params)
+    assert v.failed == ["layer.backward.rounding_unbiased"], _messages(v)
+
+
 def test_cli_judges_the_layer(tmp_path):
     case = layer.random_case()
     inputs, fwd, bwd_in, bwd_out = layer.layer_step(case, torch.bfloat16)

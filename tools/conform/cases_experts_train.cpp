@@ -157,10 +157,9 @@ std::vector<float> forward_backward(const Problem& p, Isa isa, CaseResult* r = n
   experts::backward(p.packed, p.lora_view(), {p.x.data(), d.T, d.H}, {p.dy.data(), d.T, d.H}, saved,
                     gr);
   if (r) {
-    const auto data =
-        contracts::experts_data<bounds::Tracked>(p.packed, p.lora_view(), {p.x.data(), d.T, d.H},
-                                                 MatView<const float>{p.dy.data(), d.T, d.H},
-                                                 experts::saved_view(saved.impl()));
+    const auto data = contracts::experts_data<bounds::Tracked>(
+        p.packed, p.lora_view(), {p.x.data(), d.T, d.H},
+        MatView<const float>{p.dy.data(), d.T, d.H}, experts::saved_view(saved.impl()));
     const auto ref = ref::layer_reference(data, true, {.base = true});
     const std::pair<const char*, const std::vector<bounds::Tracked>*> refs[] = {
         {"a_gate grad", &ref.dag}, {"b_gate grad", &ref.dbg}, {"a_up grad", &ref.dau},

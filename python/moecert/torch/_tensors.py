@@ -8,7 +8,7 @@ from .. import _abi
 from ..errors import InvalidArgument
 
 DTYPES = {torch.bfloat16: _abi.BF16, torch.float32: _abi.F32, torch.int32: _abi.I32, torch.float64: _abi.F64,
-          torch.uint8: _abi.U8}
+          torch.uint8: _abi.U8, torch.int64: _abi.I64}
 ABSENT = _abi.Tensor()
 
 
