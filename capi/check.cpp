@@ -42,7 +42,8 @@ judge::Tensor tensor_of(const moecert_named_tensor& n) {
     case MOECERT_I64: {  // ids as torch.topk gives them: narrowed (one outside int32 refused)
       capi::Ids ids;
       const auto m = ids.view(t, name, {});
-      for (std::size_t r = 0; r < m.rows && m.cols; ++r) j.i.insert(j.i.end(), m.row(r), m.row(r) + m.cols);
+      for (std::size_t r = 0; r < m.rows && m.cols; ++r)
+        j.i.insert(j.i.end(), m.row(r), m.row(r) + m.cols);
       break;
     }
     case MOECERT_U8: {  // quantized weights' codes: bytes as indices

@@ -126,9 +126,8 @@ moecert_status moecert_experts_forward_train(const moecert_experts* w, const moe
     auto& h = handle(saved, "saved");
     capi::Ids ids;
     experts::forward_train(p, h.lora.forward(lora), mat<const bf16>(x, "x"),
-                           ids.view(idx, "idx", {y}),
-                           mat<const float>(weights, "weights"), mat<float>(y, "y"), h.saved,
-                           capi::train_options(options));
+                           ids.view(idx, "idx", {y}), mat<const float>(weights, "weights"),
+                           mat<float>(y, "y"), h.saved, capi::train_options(options));
   });
 }
 

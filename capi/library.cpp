@@ -157,12 +157,14 @@ MatView<const std::int32_t> Ids::view(const moecert_tensor* t, const char* name,
                                       std::initializer_list<const moecert_tensor*> outputs) {
   if (!present(t) || t->dtype != MOECERT_I64) return mat<const std::int32_t>(t, name);
   check_descriptor(*t, MOECERT_I64, 2, name);
-  const auto rows = static_cast<std::size_t>(t->shape[0]), cols = static_cast<std::size_t>(t->shape[1]);
+  const auto rows = static_cast<std::size_t>(t->shape[0]),
+             cols = static_cast<std::size_t>(t->shape[1]);
   const auto* wide = static_cast<const std::int64_t*>(t->data);
   const auto stride = static_cast<std::size_t>(t->stride[0]);
   for (const moecert_tensor* out : outputs)
     if (overlap(*t, out))
-      throw InvalidArgument(fmt::format("{} and an output share memory; pass separate tensors", name));
+      throw InvalidArgument(
+          fmt::format("{} and an output share memory; pass separate tensors", name));
   narrow_.resize(rows * cols);
   for (std::size_t r = 0; r < rows; ++r)
     for (std::size_t c = 0; c < cols; ++c) {
