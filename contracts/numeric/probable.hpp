@@ -12,19 +12,22 @@
 #include <concepts>
 #include <cstddef>
 #include <type_traits>
+#include <utility>
 
 #include "contracts/numeric/precision.hpp"
 
 namespace moecert::bounds {
 
 /// kernel value - exact value = D + R, |D + R| <= e (worst case), |D| <= d,
-/// R = sum_k c_k delta_k with delta_k independent, mean zero, |delta_k| <= 1
-/// and sum_k c_k^2 <= s^2. The coefficients are those of the linearised
-/// error at the exact values; second-order terms are bounded by the
-/// operands' hp(), so the bounds hold on the event that every value of the
-/// model is within its hp() (§12: a union over the values). x bounds a
-/// further error whose linear part a caller accounts for itself (the model's
-/// lb): it propagates linearly and enters hp(), not d or s.
+/// R = sum_k c_k delta_k with delta_k mean zero given the roundings before
+/// them, |delta_k| <= 1, and sum_k c_k^2 <= s^2, each c_k bounded before
+/// delta_k is drawn (a rounding's coefficient is the computed value it
+/// rounds, |v| + hp() on the event that every earlier value is within its
+/// hp(): §12, Azuma's inequality on the martingale stopped where a value
+/// leaves its hp(), and a union over the values). Second-order terms that
+/// are not such increments are bounded by the operands' hp() in d. x bounds
+/// a further error whose linear part a caller accounts for itself (the
+/// model's lb): it propagates linearly and enters hp(), not d or s.
 struct Probable {
   double v = 0, e = 0, d = 0, s = 0;
   double lambda = 0;  // the declaration's Hoeffding multiplier (Precision::lambda)
@@ -104,17 +107,41 @@ inline Probable operator*(Probable a, Probable b) {
 }
 
 /// One rounding of unit u of a computed value (|relative error| <= u, plus a
-/// flush of size `tiny`): u |v| joins the random part; u times the value's
-/// own error, and the flush, the worst-case part.
+/// flush of size `tiny`): its coefficient, the computed value, at most
+/// |v| + hp() on the event, joins the random part; the flush the worst-case
+/// part.
 inline Probable rounded(Probable a, double u, double tiny) {
-  return Probable{a.v, a.e + u * (std::fabs(a.v) + a.e) + tiny, a.d + u * a.hp() + tiny,
-                  std::hypot(a.s, u * std::fabs(a.v)), a.lambda}
+  return Probable{a.v, a.e + u * (std::fabs(a.v) + a.e) + tiny, a.d + tiny,
+                  std::hypot(a.s, u * (std::fabs(a.v) + a.hp())), a.lambda}
       .with_x(a.x);
 }
 inline Probable r32(Probable a) { return rounded(a, kU32, kMinNormal32); }
 inline Probable mid(Probable a, const Precision& p) { return rounded(a, p.mid_unit, kMinNormal32); }
 inline Probable operand(Probable a, const Precision& p) {
   return p.bf16_operands ? rounded(a, kUbf16, kBf16HalfDenormal) : a;
+}
+
+/// a b for operands whose errors come from disjoint sets of roundings (the
+/// gate's and the up projection's of one pair): with b's roundings drawn
+/// first, the error a (b^ - b) + b^ (a^ - a) has b^ (|b^| <= |b| + hp_b) as
+/// the coefficient of a's roundings, known before them, so b's error times
+/// a's random part joins the random part (root of squares: disjoint
+/// roundings), times a's worst-case part the worst-case part; times a's
+/// external part x it is the caller's, whose coefficients for x read b^ as
+/// its linear part's do (the model's add_lb_errors).
+inline Probable mul_disjoint(Probable a, Probable b, bool b_first) {
+  using detail::mul0;
+  if (!b_first) std::swap(a, b);
+  const double A = std::fabs(a.v), B = std::fabs(b.v), hb = b.hp();
+  return Probable{a.v * b.v, propagate_safe(a.e, B, A, b.e),
+                  mul0(A, b.d) + mul0(B, a.d) + mul0(hb, a.d),
+                  std::hypot(mul0(A, b.s), mul0(B + hb, a.s)), detail::lam(a, b)}
+      .with_x(mul0(A, b.x) + mul0(B, a.x));
+}
+/// mul_disjoint in the order with the smaller bound.
+inline Probable mul_disjoint(const Probable& a, const Probable& b) {
+  const Probable ab = mul_disjoint(a, b, true), ba = mul_disjoint(a, b, false);
+  return ab.d + ab.lambda * ab.s <= ba.d + ba.lambda * ba.s ? ab : ba;
 }
 
 /// sigma(a) in fp32 (§4): the error through sigma'(v) = sigma (1 - sigma),
@@ -132,34 +159,42 @@ inline Probable sig(Probable a) {
 struct ProbableSum {
   Terms terms;
   double v = 0, e = 0, d = 0, s = 0, s2 = 0, abs = 0, pos = 0, neg = 0, sq = 0, lambda = 0, x = 0;
+  double hp = 0, hp2 = 0;  // sum of the terms' hp() and of their squares
   explicit ProbableSum(Terms t) : terms(t) {}
   void add(const Probable& t) {
     v += t.v, e += t.e, d += t.d, s += t.s, s2 += t.s * t.s;
     abs += t.mag(), sq += t.v * t.v, lambda = std::max(lambda, t.lambda), x += t.x;
+    const double h = t.hp();
+    hp += h, hp2 += h * h;
     (t.v >= 0 ? pos : neg) += std::fabs(t.v);
   }
   double random() const { return terms == Terms::independent ? std::sqrt(s2) : s; }
-  /// A bound on sum_j |error of term j| on the event.
-  double errors() const { return std::min(e, d + lambda * random() + x); }
 };
 
-/// The roundings of a sum of n terms in any order and summation tree, each
-/// of unit u: one per term (coefficient |t_j|, when `per_term`) and one per
-/// addition (coefficient at most max(sum t+, sum t-), the largest partial sum
-/// of the exact terms), random; the computed operands' excess over the exact
-/// ones (the terms' errors and the earlier roundings', gamma_n sum |terms|,
-/// times u per rounding) in the worst-case part; Tracked's worst case in e.
-/// Every rounding of the model is random (the projection's adjoint,
-/// experts_model.cpp, counts the same ones).
+/// The squared norm of the roundings' coefficients of a sum of n terms in
+/// any order and summation tree, per unit u: one rounding per term (when
+/// `per_term`; coefficient the computed term, |t_j| + hp_j on the event, so
+/// the norm is at most sqrt(sum t^2) + sqrt(sum hp^2)) and one per addition
+/// (coefficient a computed partial sum: at most max(sum t+, sum t-), plus
+/// every term's hp, plus the earlier roundings, gamma_n sum |terms|).
+/// rounded_sum and the projection's adjoint (experts_projection.cpp) count
+/// the same roundings.
+inline double rounding_coefficients(double sq, double hp2, double partial, double hp, double worst,
+                                    std::size_t n, bool per_term) {
+  const double adds = n > 1 ? static_cast<double>(n - 1) : 0;
+  const double t = std::sqrt(sq) + std::sqrt(hp2), m = partial + hp + worst;
+  return (per_term ? t * t : 0) + adds * m * m;
+}
+/// The roundings of a sum of n terms, each of unit u, random
+/// (rounding_coefficients); Tracked's worst case in e.
 inline Probable rounded_sum(const ProbableSum& sum, std::size_t n, double u, bool per_term,
                             double tiny) {
-  const double nd = static_cast<double>(n), worst = gamma(nd, u) * sum.abs;
-  const double partial = std::max(sum.pos, sum.neg), adds = nd > 1 ? nd - 1 : 0;
-  const double rnd = u * std::sqrt((per_term ? sum.sq : 0) + adds * partial * partial);
-  const double roundings = (per_term ? nd : 0) + adds;
-  return Probable{sum.v, sum.e + worst + tiny,
-                  sum.d + roundings * u * (sum.errors() + worst) + tiny,
-                  std::hypot(sum.random(), rnd), sum.lambda}
+  const double worst = gamma(static_cast<double>(n), u) * sum.abs;
+  const double rnd =
+      u * std::sqrt(rounding_coefficients(sum.sq, sum.hp2, std::max(sum.pos, sum.neg), sum.hp,
+                                          worst, n, per_term));
+  return Probable{sum.v, sum.e + worst + tiny, sum.d + tiny, std::hypot(sum.random(), rnd),
+                  sum.lambda}
       .with_x(sum.x);
 }
 
@@ -201,14 +236,14 @@ template <ProbableTerms A, ProbableTerms B>
 Probable dot_products_stored(std::size_t count, A a, B b, std::size_t n_terms, const Precision& p,
                              Terms terms = Terms::shared) {
   const Probable d = dot_accumulated(count, a, b, n_terms, p, terms);
-  double sq = 0, mag = 0, excess = 0;
+  double sq = 0, mag = 0;  // each stored product's coefficient: at most |x| |y| computed
   for (std::size_t i = 0; i < count; ++i) {
     const Probable x = a(i), y = b(i);
-    const double exact = std::fabs(x.v * y.v);
-    sq += exact * exact, mag += x.mag() * y.mag(), excess += x.mag() * y.mag() - exact;
+    const double m = x.mag() * y.mag();
+    sq += m * m, mag += m;
   }
   const double tiny = static_cast<double>(count) * kMinNormal32;
-  return mid(Probable{d.v, d.e + p.mid_unit * mag + tiny, d.d + p.mid_unit * excess + tiny,
+  return mid(Probable{d.v, d.e + p.mid_unit * mag + tiny, d.d + tiny,
                       std::hypot(d.s, p.mid_unit * std::sqrt(sq)), d.lambda}
                  .with_x(d.x),
              p);

@@ -75,7 +75,7 @@ PairForward<S> pair_forward(const Expert<S>& w, const std::vector<S>& x, const S
     // silu(g) in fp32 (sigma with exp within 2 ulps), stored; times u, stored.
     f.sg[i] = bounds::sig(f.g[i]);
     f.silu[i] = bounds::mid(bounds::r32(f.g[i] * f.sg[i]), p);
-    f.h[i] = bounds::operand(bounds::mid(f.silu[i] * f.u[i], p), p);
+    f.h[i] = bounds::operand(bounds::mid(product_disjoint(f.silu[i], f.u[i], true), p), p);
   }
   // h's roundings are independent across i (x and lb_read carry none).
   std::vector<S> lbd(r);
@@ -93,8 +93,10 @@ PairForward<S> pair_forward(const Expert<S>& w, const std::vector<S>& x, const S
         [&](std::size_t q) { return w.at(in.w_down, H, m, q); }, r,
         [&](std::size_t q) { return lbd[q]; },
         [&](std::size_t q) { return w.at(in.b_down, H, m, q); }, n2, p, Terms::independent);
-  if constexpr (std::is_same_v<S, Probable>)
+  if constexpr (std::is_same_v<S, Probable>) {
+    for (const S& o : f.o) f.o_hp.push_back(o.hp());
     if (exact_lb && r) add_lb_errors(w, f, lb, s.v);
+  }
   return f;
 }
 
@@ -133,8 +135,10 @@ PairDgu<S> pair_dgu(const Expert<S>& w, const PairForward<S>& f, const std::vect
     const S sg = f.sg[i], one{1};
     const S dsilu =
         bounds::r32(sg * bounds::r32(one + bounds::r32(f.g[i] * bounds::r32(one - sg))));
-    o.dg[i] = bounds::operand(bounds::mid(bounds::r32(bounds::mid(dh * f.u[i], p) * dsilu), p), p);
-    o.du[i] = bounds::operand(bounds::mid(dh * f.silu[i], p), p);
+    // dh's roundings (the backward's) and the forward's g and u are disjoint.
+    const S dhu = bounds::mid(product_disjoint(dh, f.u[i]), p);
+    o.dg[i] = bounds::operand(bounds::mid(bounds::r32(product_disjoint(dhu, dsilu)), p), p);
+    o.du[i] = bounds::operand(bounds::mid(product_disjoint(dh, f.silu[i]), p), p);
   }
   return o;
 }

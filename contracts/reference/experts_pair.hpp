@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -77,11 +79,23 @@ auto gemm_out(std::size_t k_base, A a, WB wb, std::size_t k_lora, AL al, WL wl, 
   return bounds::mid(base + bounds::dot_stored(k_lora, al, wl, n, p), p);
 }
 
+// a b for operands whose errors come from disjoint roundings: Probable's
+// cross term random (bounds::mul_disjoint; b_first: b's roundings drawn
+// first, the order the projection's adjoint assumes), Tracked's product.
+template <class S>
+S product_disjoint(const S& a, const S& b, std::optional<bool> b_first = {}) {
+  if constexpr (std::is_same_v<S, Probable>)
+    return b_first ? bounds::mul_disjoint(a, b, *b_first) : bounds::mul_disjoint(a, b);
+  else
+    return a * b;
+}
+
 // One routed pair's forward as the model keeps it for the backward.
 template <class S>
 struct PairForward {
   std::vector<S> g, u, sg, silu, h, o;
-  std::vector<S> lb, lbd;  // s x A^T (gate, up), s h A_d^T as the B GEMMs read them
+  std::vector<S> lb, lbd;    // s x A^T (gate, up), s h A_d^T as the B GEMMs read them
+  std::vector<double> o_hp;  // o's hp() before lb's errors were accounted (Probable)
 };
 
 // The errors of lb (s x A^T as the B GEMMs read it) in o, each through its

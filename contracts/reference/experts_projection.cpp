@@ -9,37 +9,51 @@
 namespace moecert::contracts::pair {
 
 // The errors of lb (s x A^T as the B GEMMs read it) in o, each through its
-// exact linear coefficient: o_m depends on lb_k through
-// c_mk = sum_i W_eff[m, i] dh_i/dlb_k, W_eff = W_d + s B_d A_d, dh_i/dlb_k =
-// silu'(g_i) u_i B_g[i, k] (gate) or silu(g_i) B_u[i, k] (up). lb_k's
-// roundings are its own (independent across k): its random part joins o_m's
-// with coefficient |c_mk|, its worst-case part adds |c_mk| d_k, and o_m's x
-// (lb's error carried coherently, Probable::x) is dropped.
+// linear coefficient: o_m depends on lb_k through c_mk = sum_i W_eff[m, i]
+// dh_i/dlb_k, W_eff = W_d + s B_d A_d, dh_i/dlb_k = silu'(g_i) u^_i B_g[i, k]
+// (gate: u^ the computed u, within hp(u) of u, as h's product reads it) or
+// silu(g_i) B_u[i, k] (up). lb_k's roundings are its own (independent across
+// k): its random part joins o_m's with coefficient at most |c_mk| + the
+// perturbation u^ - u makes, its worst-case part adds that times d_k, and
+// o_m's x (lb's error carried coherently, Probable::x) is dropped.
 void add_lb_errors(const Expert<Probable>& w, PairForward<Probable>& f,
                    const std::vector<Probable>& lb, double s) {
   const ExpertsTensors& in = w.in;
   const std::size_t H = in.H, I = in.I, r = in.r, e = w.e, R = 2 * r;
-  std::vector<double> J(I * R), Q(r * R, 0.0);  // J [I x 2r], Q = A_d J [r x 2r]
+  // J [I x 2r] and its perturbation Jr, Q = A_d J and Qr = |A_d| Jr [r x 2r].
+  std::vector<double> J(I * R), Jr(I * R, 0.0), Q(r * R, 0.0), Qr(r * R, 0.0);
   for (std::size_t i = 0; i < I; ++i) {
-    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v;
-    const double dg = (sg + g * sg * (1 - sg)) * u, du = g * sg;
+    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v, dsilu = sg + g * sg * (1 - sg);
+    const double dg = dsilu * u, du = g * sg, dgr = std::fabs(dsilu) * f.u[i].hp();
     for (std::size_t k = 0; k < r; ++k) {
       J[i * R + k] = dg * in.b_gate(e * I + i, k);
+      Jr[i * R + k] = dgr * std::fabs(in.b_gate(e * I + i, k));
       J[i * R + r + k] = du * in.b_up(e * I + i, k);
     }
   }
   for (std::size_t q = 0; q < r; ++q)
-    for (std::size_t i = 0; i < I; ++i)
-      for (std::size_t k = 0; k < R; ++k) Q[q * R + k] += in.a_down(e * r + q, i) * J[i * R + k];
-  std::vector<double> c(R);
+    for (std::size_t i = 0; i < I; ++i) {
+      const double a = in.a_down(e * r + q, i);
+      for (std::size_t k = 0; k < R; ++k)
+        Q[q * R + k] += a * J[i * R + k], Qr[q * R + k] += std::fabs(a) * Jr[i * R + k];
+    }
+  std::vector<double> c(R), cr(R);
   for (std::size_t m = 0; m < H; ++m) {
     std::fill(c.begin(), c.end(), 0.0);
-    for (std::size_t i = 0; i < I; ++i)
-      for (std::size_t k = 0; k < R; ++k) c[k] += in.w_down(e * H + m, i) * J[i * R + k];
+    std::fill(cr.begin(), cr.end(), 0.0);
+    for (std::size_t i = 0; i < I; ++i) {
+      const double wd = in.w_down(e * H + m, i);
+      for (std::size_t k = 0; k < R; ++k)
+        c[k] += wd * J[i * R + k], cr[k] += std::fabs(wd) * Jr[i * R + k];
+    }
     double det = 0, rnd = 0;
     for (std::size_t k = 0; k < R; ++k) {
-      for (std::size_t q = 0; q < r; ++q) c[k] += s * in.b_down(e * H + m, q) * Q[q * R + k];
-      det += std::fabs(c[k]) * lb[k].d, rnd += c[k] * c[k] * lb[k].s * lb[k].s;
+      for (std::size_t q = 0; q < r; ++q) {
+        const double bd = s * in.b_down(e * H + m, q);
+        c[k] += bd * Q[q * R + k], cr[k] += std::fabs(bd) * Qr[q * R + k];
+      }
+      const double ck = std::fabs(c[k]) + cr[k];
+      det += ck * lb[k].d, rnd += ck * ck * lb[k].s * lb[k].s;
     }
     f.o[m] = bounds::accounted(f.o[m]);
     f.o[m].d += det, f.o[m].s = std::hypot(f.o[m].s, std::sqrt(rnd));
@@ -48,40 +62,51 @@ void add_lb_errors(const Expert<Probable>& w, PairForward<Probable>& f,
 
 namespace {
 
-// An fp32 dot's exact value and its roundings' squared coefficients per unit
-// of adjoint and u (rounded_sum's, n_terms terms): sum t^2 + (n - 1) M^2.
+// An fp32 dot of Probable operands a(q) and exact weights b(q): its exact
+// value and its roundings' squared coefficients per unit of adjoint and u
+// (rounded_sum's, n_terms terms: bounds::rounding_coefficients).
 struct DotExact {
   double v = 0, q2 = 0;
 };
 template <class A, class B>
 DotExact dot_exact(std::size_t count, A a, B b, std::size_t n_terms) {
-  double v = 0, sq = 0, pos = 0, neg = 0;
+  double v = 0, sq = 0, pos = 0, neg = 0, hp = 0, hp2 = 0, abs = 0;
   for (std::size_t q = 0; q < count; ++q) {
-    const double t = a(q) * b(q);
+    const Probable x = a(q);
+    const double w = std::fabs(b(q)), t = x.v * b(q), h = x.hp() * w;
     v += t, sq += t * t, (t >= 0 ? pos : neg) += std::fabs(t);
+    hp += h, hp2 += h * h, abs += x.mag() * w;
   }
-  const double M = std::max(pos, neg), adds = n_terms > 1 ? static_cast<double>(n_terms - 1) : 0;
-  return {v, sq + adds * M * M};
+  const double worst = bounds::gamma(static_cast<double>(n_terms), bounds::kU32) * abs;
+  return {v, bounds::rounding_coefficients(sq, hp2, std::max(pos, neg), hp, worst, n_terms, true)};
 }
 
 // A GEMM output as gemm_out stores it (base, LoRA term, their sum), read
-// with adjoint a: its roundings' squared coefficients.
-double gemm_out_roundings(double a, const DotExact& base, const DotExact* lora,
+// with adjoint of magnitude a: its roundings' squared coefficients, each
+// stored value's within hp of the exact one (hp: the output's, which bounds
+// each stage's).
+double gemm_out_roundings(double a, const DotExact& base, const DotExact* lora, double hp,
                           const Precision& p) {
   const double um2 = p.mid_unit * p.mid_unit, a2 = bounds::kU32 * bounds::kU32;
-  double q = um2 * base.v * base.v + a2 * base.q2;
-  if (lora) {
-    const double sum = base.v + lora->v;
-    q += um2 * (lora->v * lora->v + sum * sum) + a2 * lora->q2;
-  }
+  auto c2 = [hp](double v) { return (std::fabs(v) + hp) * (std::fabs(v) + hp); };
+  double q = um2 * c2(base.v) + a2 * base.q2;
+  if (lora) q += um2 * (c2(lora->v) + c2(base.v + lora->v)) + a2 * lora->q2;
   return a * a * q;
 }
+
+// An adjoint with its perturbation: |coefficient| <= |c| + r. A rounding's
+// coefficient through h_i = silu_i u_i reads the computed u_i (the product's
+// cross term, bounds::mul_disjoint with u's roundings first): r = |ah| hp(u).
+struct Adjoint {
+  double c = 0, r = 0;
+  double mag() const { return std::fabs(c) + r; }
+};
 
 // One pair's share of the squared norm of the coefficients of <y_ref, y> on
 // the model's roundings, for ao_m = w y_ref_m (the adjoint of o_m): each
 // rounding's coefficient is the adjoint of the value it rounds times its
-// unit times that value (proofs/bounds.md §12), the roundings the Probable
-// model counts (pair_forward's, in reverse).
+// unit times the computed value, |v| + hp() (proofs/bounds.md §12), the
+// roundings the Probable model counts (pair_forward's, in reverse).
 double pair_projection(const Expert<Probable>& w, const PairForward<Probable>& f,
                        const std::vector<Probable>& x, double s, const std::vector<double>& ao) {
   const ExpertsTensors& in = w.in;
@@ -92,49 +117,60 @@ double pair_projection(const Expert<Probable>& w, const PairForward<Probable>& f
   auto at = [&](MatView<const float> m, std::size_t rows, std::size_t i) {
     return [m, rows, i, e](std::size_t k) { return static_cast<double>(m(e * rows + i, k)); };
   };
-  auto h = [&](std::size_t i) { return f.h[i].v; };
+  auto c2 = [](const Probable& v) { return (std::fabs(v.v) + v.hp()) * (std::fabs(v.v) + v.hp()); };
+  auto h = [&](std::size_t i) { return f.h[i]; };
   const std::size_t n1 = kpad(H) + (r ? kpad(2 * r) : 0), n2 = kpad(I) + (r ? kpad(r) : 0);
-  std::vector<double> ah(I, 0.0), albd(r, 0.0), alb(2 * r, 0.0);
+  std::vector<double> ah(I, 0.0), albd(r, 0.0);
+  std::vector<Adjoint> alb(2 * r);
   double q = 0;
   // o_m = h W_d^T (+ lbd B_d^T): adjoints of h and lbd.
   for (std::size_t m = 0; m < H; ++m) {
     const DotExact base = dot_exact(I, h, at(in.w_down, H, m), n2);
     const DotExact lora =
         r ? dot_exact(
-                r, [&](std::size_t k) { return f.lbd[k].v; }, at(in.b_down, H, m), n2)
+                r, [&](std::size_t k) { return f.lbd[k]; }, at(in.b_down, H, m), n2)
           : DotExact{};
-    q += gemm_out_roundings(ao[m], base, r ? &lora : nullptr, p);
+    q += gemm_out_roundings(ao[m], base, r ? &lora : nullptr, f.o_hp[m], p);
     for (std::size_t i = 0; i < I; ++i) ah[i] += ao[m] * in.w_down(e * H + m, i);
     for (std::size_t k = 0; k < r; ++k) albd[k] += ao[m] * in.b_down(e * H + m, k);
   }
-  // lbd_k = operand(mid(s mid(ha_k))), ha_k = h A_d^T.
+  // lbd_k = operand(mid(s mid(ha_k))), ha_k = h A_d^T (hp(ha) <= hp(lbd) / s).
   for (std::size_t k = 0; k < r; ++k) {
     const DotExact ha = dot_exact(I, h, at(in.a_down, r, k), kpad(I));
-    const double lbd = f.lbd[k].v;
-    q += albd[k] * albd[k] * ((ub2 + um2) * lbd * lbd + s * s * (um2 * ha.v * ha.v + a2 * ha.q2));
+    const double hha = std::fabs(ha.v) + f.lbd[k].hp() / s;
+    q += albd[k] * albd[k] * ((ub2 + um2) * c2(f.lbd[k]) + s * s * (um2 * hha * hha + a2 * ha.q2));
     for (std::size_t i = 0; i < I; ++i) ah[i] += s * albd[k] * in.a_down(e * r + k, i);
   }
   // h_i = operand(mid(silu_i u_i)), silu_i = mid(r32(g_i sigma_i)); g_i and
   // u_i as gemm_out stores them: adjoints of lb.
-  auto xq = [&](std::size_t k) { return x[k].v; };
-  auto lbq = [&](std::size_t o) { return [&, o](std::size_t k) { return f.lb[o + k].v; }; };
+  auto xq = [&](std::size_t k) { return x[k]; };
+  auto lbq = [&](std::size_t o) { return [&, o](std::size_t k) { return f.lb[o + k]; }; };
   for (std::size_t i = 0; i < I; ++i) {
-    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v, sl = g * sg, hv = sl * u;
-    const double asl = ah[i] * u, ag = asl * (sg + g * sg * (1 - sg)), au = ah[i] * sl;
-    q += ah[i] * ah[i] * (um2 + ub2) * hv * hv + asl * asl * (a2 + um2) * sl * sl;
+    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v, sl = g * sg,
+                 dsilu = sg + g * sg * (1 - sg);
+    const Adjoint asl{ah[i] * u, std::fabs(ah[i]) * f.u[i].hp()};
+    const Adjoint ag{asl.c * dsilu, asl.r * std::fabs(dsilu)};
+    const double au = ah[i] * sl;
+    q += ah[i] * ah[i] * (um2 + ub2) * c2(f.h[i]) +
+         asl.mag() * asl.mag() * (a2 + um2) * c2(f.silu[i]);
     const DotExact lg = r ? dot_exact(r, lbq(0), at(in.b_gate, I, i), n1) : DotExact{};
     const DotExact lu = r ? dot_exact(r, lbq(r), at(in.b_up, I, i), n1) : DotExact{};
-    q += gemm_out_roundings(ag, dot_exact(H, xq, at(in.w_gate, I, i), n1), r ? &lg : nullptr, p);
-    q += gemm_out_roundings(au, dot_exact(H, xq, at(in.w_up, I, i), n1), r ? &lu : nullptr, p);
-    for (std::size_t k = 0; k < r; ++k)
-      alb[k] += ag * in.b_gate(e * I + i, k), alb[r + k] += au * in.b_up(e * I + i, k);
+    q += gemm_out_roundings(ag.mag(), dot_exact(H, xq, at(in.w_gate, I, i), n1), r ? &lg : nullptr,
+                            f.g[i].hp(), p);
+    q += gemm_out_roundings(au, dot_exact(H, xq, at(in.w_up, I, i), n1), r ? &lu : nullptr,
+                            f.u[i].hp(), p);
+    for (std::size_t k = 0; k < r; ++k) {
+      const double bg = in.b_gate(e * I + i, k);
+      alb[k].c += ag.c * bg, alb[k].r += ag.r * std::fabs(bg);
+      alb[r + k].c += au * in.b_up(e * I + i, k);
+    }
   }
-  // lb_k = operand(mid(s mid(xa_k))), xa_k = x A^T.
+  // lb_k = operand(mid(s mid(xa_k))), xa_k = x A^T (hp(xa) <= hp(lb) / s).
   for (std::size_t k = 0; k < 2 * r; ++k) {
     const DotExact xa =
         dot_exact(H, xq, k < r ? at(in.a_gate, r, k) : at(in.a_up, r, k - r), kpad(H));
-    const double lb = f.lb[k].v;
-    q += alb[k] * alb[k] * ((ub2 + um2) * lb * lb + s * s * (um2 * xa.v * xa.v + a2 * xa.q2));
+    const double hxa = std::fabs(xa.v) + f.lb[k].hp() / s, a = alb[k].mag();
+    q += a * a * ((ub2 + um2) * c2(f.lb[k]) + s * s * (um2 * hxa * hxa + a2 * xa.q2));
   }
   return q;
 }
@@ -148,11 +184,14 @@ TokenProjection token_projection(const ExpertsTensors& in, const Precision& p,
                                  const std::vector<RowSum<Probable>>& sum, const Probable* y) {
   const std::size_t H = in.H, K = in.idx.cols;
   TokenProjection tp;
-  const double um2 = p.mid_unit * p.mid_unit, adds = K > 1 ? static_cast<double>(K - 1) : 0;
+  const double um2 = p.mid_unit * p.mid_unit;
   for (std::size_t m = 0; m < H; ++m) {
-    const double v = y[m].v, M = std::max(sum[m].sum.pos, sum[m].sum.neg);
+    const auto& t = sum[m].sum;
+    const double v = y[m].v, worst = bounds::gamma(static_cast<double>(K), p.mid_unit) * t.abs;
     tp.det += std::fabs(v) * y[m].d, tp.norm2 += v * v;
-    tp.q += v * v * um2 * (sum[m].sum.sq + adds * M * M);
+    tp.q +=
+        v * v * um2 *
+        bounds::rounding_coefficients(t.sq, t.hp2, std::max(t.pos, t.neg), t.hp, worst, K, true);
   }
   std::vector<double> ao(H);
   for (std::size_t j = 0; j < pairs.size(); ++j) {

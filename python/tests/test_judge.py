@@ -376,6 +376,23 @@ def test_y_off_by_2_percent_declared_bf16_fails_along_y():
         assert "<y - ref, ref> / <ref, ref> = " in _messages(v)[v.failed.index("experts.forward.scale_explained")]
 
 
+def test_y_off_by_5_percent_fails_along_y_under_every_declaration_with_large_lora():
+    """moecert.testing's realistic class (E16 H512 I384 K4 r8, 64 tokens; B entries 0.3, so each
+    LoRA term is about as large as the base one): a correct implementation in each declaration's
+    arithmetic passes; y * 1.05 fails scale_explained under bf16, mixed and fp32 alike."""
+    import moecert.check as check
+    import moecert.testing as mtest
+    c = next(c for c in mtest.experts_cases() if c.name == "realistic").inputs
+    base = {k: c[k] for k in ("x", "idx", "weights", "w_gate", "w_up", "w_down")}
+    for precision, dtype in (("bf16", torch.bfloat16), ("mixed", torch.float32), ("fp32", torch.float32)):
+        y = experts.experts_forward(**base, lora=c["lora"], alpha=c["alpha"], dtype=dtype)
+        judged = functools.partial(check.experts_forward, **base, precision=precision, lora=c["lora"],
+                                   alpha=c["alpha"])
+        assert judged(y=y).passed, precision
+        v = judged(y=y.float() * 1.05)
+        assert "experts.forward_train.scale_explained" in v.failed, (precision, v.failed)
+
+
 @pytest.mark.parametrize("factor", ["b_gate", "b_up", "b_down"])
 def test_a_lora_scale_dropped_fails_the_probabilistic_bounds_under_every_declaration(factor):
     """The LoRA scale s = alpha / r left out of one projection, in a bf16 or an fp32 implementation:
