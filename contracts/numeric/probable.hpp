@@ -145,11 +145,14 @@ inline Probable mul_disjoint(const Probable& a, const Probable& b) {
 }
 
 /// sigma(a) in fp32 (§4): the error through sigma'(v) = sigma (1 - sigma),
-/// Taylor's remainder max|sigma''| / 2 hp^2 < 0.05 hp^2, and the
-/// evaluation's own error at the computed input.
+/// Taylor's remainder max|sigma''| / 2 hp^2 over [v - hp, v + hp] (|sigma''|
+/// < 0.1, and |sigma''| <= sigma (1 - sigma) < e^-|t|: far from 0 the
+/// remainder vanishes with the slope), and the evaluation's own error at the
+/// computed input.
 inline Probable sig(Probable a) {
   const double sv = 1 / (1 + std::exp(-a.v)), slope = sv * (1 - sv), h = a.hp();
-  return Probable{sv, sigmoid(sv, a.e), slope * a.d + 0.05 * h * h + sigmoid(sv + h / 4),
+  const double far = std::fabs(a.v) - h, curve = far > 0 ? std::min(0.1, std::exp(-far)) : 0.1;
+  return Probable{sv, sigmoid(sv, a.e), slope * a.d + 0.5 * curve * h * h + sigmoid(sv + h / 4),
                   slope * a.s, a.lambda}
       .with_x(slope * a.x);
 }
