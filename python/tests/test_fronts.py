@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+import moecert
 import moecert.testing as mtest
 import moecert.torch as mt
 from moecert import _abi
@@ -75,7 +76,6 @@ def _backward_through(forward, idx, g, *scores):
 
 
 def test_python_routers_conform():
-    K = {c.name: c.inputs["k"] for c in mtest.router_cases("softmax_topk")}
     mtest.assert_conforms(mtest.router_forward("softmax_topk", mt.softmax_topk, sorted=True))
     mtest.assert_conforms(mtest.router_backward(
         "softmax_topk", lambda z, idx, g: _backward_through(lambda s: mt.softmax_topk(s, idx.shape[1]), idx, g, z)))
@@ -84,7 +84,6 @@ def test_python_routers_conform():
     mtest.assert_conforms(mtest.router_backward(
         "product_key", lambda sx, sy, idx, g: _backward_through(
             lambda a, b: mt.product_key(a, b, idx.shape[1]), idx, g, sx, sy)))
-    assert K  # the suite's classes were built
 
 
 def test_python_sigmoid_router_backward_conforms():
@@ -137,14 +136,14 @@ def test_the_routing_recorder_refuses_what_it_does_not_hold():
     x = torch.randn(5, 64)
     saved = mt.ops.layer_forward(layer.config, layer._packed, layer.router_w.detach(), layer.router_b.detach(),
                                  x.bfloat16())[1]
-    with pytest.raises(mt.InvalidArgument if hasattr(mt, "InvalidArgument") else Exception, match="dweights"):
+    with pytest.raises(moecert.InvalidArgument, match="dweights: no backward"):
         mt.ops.layer_router(saved, ("dweights",))
     z = mt.ops.layer_router(saved)["z"]
     assert torch.equal(z, mt.ops.router_linear_forward(x.bfloat16(), layer.router_w.detach(),
                                                        layer.router_b.detach()))
     mt.ops.layer_backward(saved, torch.randn(5, 64), want=("dx",))
     assert mt.ops.layer_router(saved, ("dweights", "dz"))["dz"].shape == (5, 8)
-    with pytest.raises(Exception, match="z: no training forward"):
+    with pytest.raises(moecert.InvalidArgument, match="z: no training forward"):
         mt.ops.layer_router(saved)
 
 
