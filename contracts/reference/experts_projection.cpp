@@ -102,6 +102,109 @@ struct Adjoint {
   double mag() const { return std::fabs(c) + r; }
 };
 
+// One pair's forward with the units its roundings take.
+struct PairRoundings {
+  const Expert<Probable>& w;
+  const PairForward<Probable>& f;
+  const std::vector<Probable>& x;
+  double s, um2, ub2, a2;
+  std::size_t n1, n2;
+  PairRoundings(const Expert<Probable>& w_, const PairForward<Probable>& f_,
+                const std::vector<Probable>& x_, double s_)
+      : w(w_), f(f_), x(x_), s(s_) {
+    const Precision& p = w.p;
+    const double ub = p.bf16_operands ? bounds::kUbf16 : 0;
+    um2 = p.mid_unit * p.mid_unit, ub2 = ub * ub, a2 = bounds::kU32 * bounds::kU32;
+    n1 = kpad(w.in.H) + (w.in.r ? kpad(2 * w.in.r) : 0);
+    n2 = kpad(w.in.I) + (w.in.r ? kpad(w.in.r) : 0);
+  }
+  // Row i of expert e's block of m, as a function of the column.
+  auto at(MatView<const float> m, std::size_t rows, std::size_t i) const {
+    return [m, rows, i, e = w.e](std::size_t k) { return static_cast<double>(m(e * rows + i, k)); };
+  }
+  // A rounding's squared coefficient per unit of adjoint and u: the computed value's.
+  static double c2(const Probable& v) {
+    return (std::fabs(v.v) + v.hp()) * (std::fabs(v.v) + v.hp());
+  }
+  // A value stored as operand(mid(s mid(dot))), dot = sum_q a(q) b(q):
+  // its roundings per unit of adjoint (hp(dot) <= hp(value) / s).
+  double scaled_store(const Probable& value, const DotExact& dot) const {
+    const double hd = std::fabs(dot.v) + value.hp() / s;
+    return (ub2 + um2) * c2(value) + s * s * (um2 * hd * hd + a2 * dot.q2);
+  }
+
+  // o_m = h W_d^T (+ lbd B_d^T) and lbd_k = s h A_d^T, for o's adjoint ao:
+  // their roundings, and h's adjoint into ah.
+  double down(const std::vector<double>& ao, std::vector<double>& ah) const {
+    const ExpertsTensors& in = w.in;
+    const std::size_t H = in.H, I = in.I, r = in.r, e = w.e;
+    auto h = [&](std::size_t i) { return f.h[i]; };
+    std::vector<double> albd(r, 0.0);
+    double q = 0;
+    for (std::size_t m = 0; m < H; ++m) {
+      const DotExact base = dot_exact(I, h, at(in.w_down, H, m), n2);
+      const DotExact lora =
+          r ? dot_exact(
+                  r, [&](std::size_t k) { return f.lbd[k]; }, at(in.b_down, H, m), n2)
+            : DotExact{};
+      q += gemm_out_roundings(ao[m], base, r ? &lora : nullptr, f.o_hp[m], w.p);
+      for (std::size_t i = 0; i < I; ++i) ah[i] += ao[m] * in.w_down(e * H + m, i);
+      for (std::size_t k = 0; k < r; ++k) albd[k] += ao[m] * in.b_down(e * H + m, k);
+    }
+    for (std::size_t k = 0; k < r; ++k) {
+      q +=
+          albd[k] * albd[k] * scaled_store(f.lbd[k], dot_exact(I, h, at(in.a_down, r, k), kpad(I)));
+      for (std::size_t i = 0; i < I; ++i) ah[i] += s * albd[k] * in.a_down(e * r + k, i);
+    }
+    return q;
+  }
+
+  // h_i = operand(mid(silu_i u^_i)), silu_i = mid(r32(g_i sigma_i)), g_i and
+  // u_i as gemm_out stores them, for h's adjoint ah: their roundings, and
+  // lb's adjoint into alb.
+  double swiglu(const std::vector<double>& ah, std::vector<Adjoint>& alb) const {
+    const ExpertsTensors& in = w.in;
+    const std::size_t H = in.H, I = in.I, r = in.r, e = w.e;
+    auto xq = [&](std::size_t k) { return x[k]; };
+    auto lbq = [&](std::size_t o) { return [&, o](std::size_t k) { return f.lb[o + k]; }; };
+    double q = 0;
+    for (std::size_t i = 0; i < I; ++i) {
+      const double g = f.g[i].v, sg = f.sg[i].v, sl = g * sg, dsilu = sg + g * sg * (1 - sg);
+      const Adjoint asl{ah[i] * f.u[i].v, std::fabs(ah[i]) * f.u[i].hp()};
+      const Adjoint ag{asl.c * dsilu, asl.r * std::fabs(dsilu)};
+      const double au = ah[i] * sl;
+      q += ah[i] * ah[i] * (um2 + ub2) * c2(f.h[i]) +
+           asl.mag() * asl.mag() * (a2 + um2) * c2(f.silu[i]);
+      const DotExact lg = r ? dot_exact(r, lbq(0), at(in.b_gate, I, i), n1) : DotExact{};
+      const DotExact lu = r ? dot_exact(r, lbq(r), at(in.b_up, I, i), n1) : DotExact{};
+      q += gemm_out_roundings(ag.mag(), dot_exact(H, xq, at(in.w_gate, I, i), n1),
+                              r ? &lg : nullptr, f.g[i].hp(), w.p);
+      q += gemm_out_roundings(au, dot_exact(H, xq, at(in.w_up, I, i), n1), r ? &lu : nullptr,
+                              f.u[i].hp(), w.p);
+      for (std::size_t k = 0; k < r; ++k) {
+        const double bg = in.b_gate(e * I + i, k);
+        alb[k].c += ag.c * bg, alb[k].r += ag.r * std::fabs(bg);
+        alb[r + k].c += au * in.b_up(e * I + i, k);
+      }
+    }
+    return q;
+  }
+
+  // lb_k = operand(mid(s mid(xa_k))), xa_k = x A^T, for lb's adjoint alb.
+  double lora_in(const std::vector<Adjoint>& alb) const {
+    const ExpertsTensors& in = w.in;
+    const std::size_t H = in.H, r = in.r;
+    auto xq = [&](std::size_t k) { return x[k]; };
+    double q = 0;
+    for (std::size_t k = 0; k < 2 * r; ++k) {
+      const DotExact xa =
+          dot_exact(H, xq, k < r ? at(in.a_gate, r, k) : at(in.a_up, r, k - r), kpad(H));
+      q += alb[k].mag() * alb[k].mag() * scaled_store(f.lb[k], xa);
+    }
+    return q;
+  }
+};
+
 // One pair's share of the squared norm of the coefficients of <y_ref, y> on
 // the model's roundings, for ao_m = w y_ref_m (the adjoint of o_m): each
 // rounding's coefficient is the adjoint of the value it rounds times its
@@ -109,70 +212,12 @@ struct Adjoint {
 // roundings the Probable model counts (pair_forward's, in reverse).
 double pair_projection(const Expert<Probable>& w, const PairForward<Probable>& f,
                        const std::vector<Probable>& x, double s, const std::vector<double>& ao) {
-  const ExpertsTensors& in = w.in;
-  const Precision& p = w.p;
-  const std::size_t H = in.H, I = in.I, r = in.r, e = w.e;
-  const double um2 = p.mid_unit * p.mid_unit, ub = p.bf16_operands ? bounds::kUbf16 : 0;
-  const double ub2 = ub * ub, a2 = bounds::kU32 * bounds::kU32;
-  auto at = [&](MatView<const float> m, std::size_t rows, std::size_t i) {
-    return [m, rows, i, e](std::size_t k) { return static_cast<double>(m(e * rows + i, k)); };
-  };
-  auto c2 = [](const Probable& v) { return (std::fabs(v.v) + v.hp()) * (std::fabs(v.v) + v.hp()); };
-  auto h = [&](std::size_t i) { return f.h[i]; };
-  const std::size_t n1 = kpad(H) + (r ? kpad(2 * r) : 0), n2 = kpad(I) + (r ? kpad(r) : 0);
-  std::vector<double> ah(I, 0.0), albd(r, 0.0);
-  std::vector<Adjoint> alb(2 * r);
-  double q = 0;
-  // o_m = h W_d^T (+ lbd B_d^T): adjoints of h and lbd.
-  for (std::size_t m = 0; m < H; ++m) {
-    const DotExact base = dot_exact(I, h, at(in.w_down, H, m), n2);
-    const DotExact lora =
-        r ? dot_exact(
-                r, [&](std::size_t k) { return f.lbd[k]; }, at(in.b_down, H, m), n2)
-          : DotExact{};
-    q += gemm_out_roundings(ao[m], base, r ? &lora : nullptr, f.o_hp[m], p);
-    for (std::size_t i = 0; i < I; ++i) ah[i] += ao[m] * in.w_down(e * H + m, i);
-    for (std::size_t k = 0; k < r; ++k) albd[k] += ao[m] * in.b_down(e * H + m, k);
-  }
-  // lbd_k = operand(mid(s mid(ha_k))), ha_k = h A_d^T (hp(ha) <= hp(lbd) / s).
-  for (std::size_t k = 0; k < r; ++k) {
-    const DotExact ha = dot_exact(I, h, at(in.a_down, r, k), kpad(I));
-    const double hha = std::fabs(ha.v) + f.lbd[k].hp() / s;
-    q += albd[k] * albd[k] * ((ub2 + um2) * c2(f.lbd[k]) + s * s * (um2 * hha * hha + a2 * ha.q2));
-    for (std::size_t i = 0; i < I; ++i) ah[i] += s * albd[k] * in.a_down(e * r + k, i);
-  }
-  // h_i = operand(mid(silu_i u_i)), silu_i = mid(r32(g_i sigma_i)); g_i and
-  // u_i as gemm_out stores them: adjoints of lb.
-  auto xq = [&](std::size_t k) { return x[k]; };
-  auto lbq = [&](std::size_t o) { return [&, o](std::size_t k) { return f.lb[o + k]; }; };
-  for (std::size_t i = 0; i < I; ++i) {
-    const double g = f.g[i].v, sg = f.sg[i].v, u = f.u[i].v, sl = g * sg,
-                 dsilu = sg + g * sg * (1 - sg);
-    const Adjoint asl{ah[i] * u, std::fabs(ah[i]) * f.u[i].hp()};
-    const Adjoint ag{asl.c * dsilu, asl.r * std::fabs(dsilu)};
-    const double au = ah[i] * sl;
-    q += ah[i] * ah[i] * (um2 + ub2) * c2(f.h[i]) +
-         asl.mag() * asl.mag() * (a2 + um2) * c2(f.silu[i]);
-    const DotExact lg = r ? dot_exact(r, lbq(0), at(in.b_gate, I, i), n1) : DotExact{};
-    const DotExact lu = r ? dot_exact(r, lbq(r), at(in.b_up, I, i), n1) : DotExact{};
-    q += gemm_out_roundings(ag.mag(), dot_exact(H, xq, at(in.w_gate, I, i), n1), r ? &lg : nullptr,
-                            f.g[i].hp(), p);
-    q += gemm_out_roundings(au, dot_exact(H, xq, at(in.w_up, I, i), n1), r ? &lu : nullptr,
-                            f.u[i].hp(), p);
-    for (std::size_t k = 0; k < r; ++k) {
-      const double bg = in.b_gate(e * I + i, k);
-      alb[k].c += ag.c * bg, alb[k].r += ag.r * std::fabs(bg);
-      alb[r + k].c += au * in.b_up(e * I + i, k);
-    }
-  }
-  // lb_k = operand(mid(s mid(xa_k))), xa_k = x A^T (hp(xa) <= hp(lb) / s).
-  for (std::size_t k = 0; k < 2 * r; ++k) {
-    const DotExact xa =
-        dot_exact(H, xq, k < r ? at(in.a_gate, r, k) : at(in.a_up, r, k - r), kpad(H));
-    const double hxa = std::fabs(xa.v) + f.lb[k].hp() / s, a = alb[k].mag();
-    q += a * a * ((ub2 + um2) * c2(f.lb[k]) + s * s * (um2 * hxa * hxa + a2 * xa.q2));
-  }
-  return q;
+  const PairRoundings pr(w, f, x, s);
+  std::vector<double> ah(w.in.I, 0.0);
+  std::vector<Adjoint> alb(2 * w.in.r);
+  const double down = pr.down(ao, ah);
+  const double swiglu = pr.swiglu(ah, alb);
+  return down + swiglu + pr.lora_in(alb);
 }
 
 }  // namespace
