@@ -61,6 +61,7 @@ PairForward<S> pair_forward(const Expert<S>& w, const std::vector<S>& x, const S
                    std::vector<S>(I),
                    std::vector<S>(H),
                    lb,
+                   {},
                    {}};
   for (std::size_t i = 0; i < I; ++i) {
     auto xq = [&](std::size_t q) { return x[q]; };
