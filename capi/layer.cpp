@@ -14,6 +14,25 @@ using capi::InvalidArgument;
 using capi::mat;
 using capi::vec;
 
+namespace {
+
+// A saved state's rows `from` into the descriptor t, when t is given;
+// `missing` (if not null) says why `from` may be absent.
+template <class T>
+void copy_saved(MatView<const T> from, const moecert_tensor* t, const char* name,
+                const char* missing = nullptr) {
+  const auto to = mat<T>(t, name, false);
+  if (to.empty() && to.data == nullptr) return;
+  if (missing && from.data == nullptr) throw InvalidArgument(fmt::format("{}: {}", name, missing));
+  if (to.rows != from.rows || to.cols != from.cols)
+    throw InvalidArgument(
+        fmt::format("{}: {}x{}, expected {}x{}", name, to.rows, to.cols, from.rows, from.cols));
+  for (std::size_t i = 0; i < from.rows; ++i)
+    for (std::size_t j = 0; j < from.cols; ++j) to(i, j) = from(i, j);
+}
+
+}  // namespace
+
 namespace moecert::capi {
 
 MoeConfig config_of(const moecert_config* c) {
@@ -80,16 +99,8 @@ moecert_status moecert_layer_saved_routing(const moecert_layer_saved* s, const m
   return guarded("moecert_layer_saved_routing", [&] {
     const auto& saved = handle(s, "saved").saved;
     if (!saved.valid()) throw InvalidArgument("saved: holds no training forward");
-    auto copy = [](auto from, auto to, const char* name) {
-      if (to.empty() && to.data == nullptr) return;
-      if (to.rows != from.rows || to.cols != from.cols)
-        throw InvalidArgument(
-            fmt::format("{}: {}x{}, expected {}x{}", name, to.rows, to.cols, from.rows, from.cols));
-      for (std::size_t i = 0; i < from.rows; ++i)
-        for (std::size_t j = 0; j < from.cols; ++j) to(i, j) = from(i, j);
-    };
-    copy(saved.idx(), mat<std::int32_t>(idx, "idx", false), "idx");
-    copy(saved.weights(), mat<float>(weights, "weights", false), "weights");
+    copy_saved(saved.idx(), idx, "idx");
+    copy_saved(saved.weights(), weights, "weights");
   });
 }
 
@@ -98,21 +109,10 @@ moecert_status moecert_layer_saved_router(const moecert_layer_saved* s, const mo
                                           const moecert_tensor* dz) {
   return guarded("moecert_layer_saved_router", [&] {
     const auto& saved = handle(s, "saved").saved;
-    auto copy = [](MatView<const float> from, const moecert_tensor* t, const char* name,
-                   const char* missing) {
-      const auto to = mat<float>(t, name, false);
-      if (to.empty() && to.data == nullptr) return;
-      if (from.data == nullptr) throw InvalidArgument(fmt::format("{}: {}", name, missing));
-      if (to.rows != from.rows || to.cols != from.cols)
-        throw InvalidArgument(
-            fmt::format("{}: {}x{}, expected {}x{}", name, to.rows, to.cols, from.rows, from.cols));
-      for (std::size_t i = 0; i < from.rows; ++i)
-        for (std::size_t j = 0; j < from.cols; ++j) to(i, j) = from(i, j);
-    };
-    copy(saved.logits(), z, "z", "no training forward since the last backward");
-    copy(saved.router_dw(), dweights, "dweights",
-         "no backward with the router path since the forward");
-    copy(saved.router_dz(), dz, "dz", "no backward with the router path since the forward");
+    copy_saved(saved.logits(), z, "z", "no training forward since the last backward");
+    copy_saved(saved.router_dw(), dweights, "dweights",
+               "no backward with the router path since the forward");
+    copy_saved(saved.router_dz(), dz, "dz", "no backward with the router path since the forward");
   });
 }
 
