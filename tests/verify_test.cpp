@@ -109,6 +109,25 @@ TEST_CASE("verify: an overflowed C is left to the finite clause; an inf that can
   CHECK_FALSE(verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = n}).pass);
 }
 
+TEST_CASE("verify: an inf in A (an overflow upstream) is not this product's to judge",
+          "[verify][numeric]") {
+  // A's row 0 holds an inf where B's column is 0 (a block-diagonal factor):
+  // the row's magnitude |a| |B|^T |r| is NaN there, and C may be finite.
+  // Row 1 is finite and judged as ever: a wrong C there still fails.
+  const std::size_t m = 2, n = 2, k = 4;
+  Problem p{m, n, k, std::vector<bf16>(m * k), std::vector<bf16>(n * k), std::vector<float>(m * n)};
+  for (std::size_t kk = 0; kk < k; ++kk) {
+    p.a[kk] = bf16(kk == 3 ? INFINITY : 1.0f), p.a[k + kk] = bf16(0.5f);
+    p.b[kk] = bf16(kk < 2 ? 1.0f : 0.0f), p.b[k + kk] = bf16(0.0f);
+  }
+  p.c = {2.0f, 0.0f, 1.0f, 0.0f};
+  CHECK(verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = n}).pass);
+  p.c[2] = 1.5f;
+  const auto wrong = verify::probe_gemm_nt(p.A(), p.B(), p.C(), {.width = n});
+  CHECK_FALSE(wrong.pass);
+  CHECK(wrong.row == 1);
+}
+
 TEST_CASE("verify: a dropped term is caught at K = 1024", "[verify][numeric]") {
   std::mt19937_64 rng(22);
   int caught = 0;

@@ -175,8 +175,10 @@ inline RowSide row_side(const Probe& p, std::size_t k0, const float* a, std::siz
 /// exact product (the allowance includes the probe's own rounding). Where
 /// C's side or the probe's is not finite: if the row's computed magnitude
 /// may reach the largest bf16 (C's elements may overflow binary32, or bf16
-/// where C is rounded to it), an overflow, not judged here (residual 0,
-/// threshold infinite; C's finite clause names it); otherwise a failure.
+/// where C is rounded to it) or is itself not finite (A's row holds an inf
+/// or NaN: an overflow upstream of this product), an overflow, not judged
+/// here (residual 0, threshold infinite; the finite clause of the output it
+/// reaches names it); otherwise a failure.
 inline RowProbe judge_row(const Probe& p, std::size_t k, const RowSide& a, double lhs, double cabs,
                           bool c_is_bf16 = false) {
   // The probe's own rounding, relative to the exact magnitudes: gamma_8 in
@@ -189,9 +191,9 @@ inline RowProbe judge_row(const Probe& p, std::size_t k, const RowSide& a, doubl
   const double raise = 1 + 2 * g_probe;
   const double mag = a.mag * raise, flushed = a.flushed * raise;  // Lemma 1'
   if (!std::isfinite(lhs) || !std::isfinite(cabs) || !std::isfinite(a.rhs)) {
-    if (mag * (1 + bounds::gamma(static_cast<double>(k))) * (1 + bounds::kUbf16) >=
-        bounds::kMaxBf16)
-      return {0, INFINITY};    // an overflow
+    if (!(mag * (1 + bounds::gamma(static_cast<double>(k))) * (1 + bounds::kUbf16) <
+          bounds::kMaxBf16))
+      return {0, INFINITY};    // an overflow (NaN: an inf of A met a 0 of B)
     lhs = INFINITY, cabs = 0;  // no overflow can explain it: fails
   }
   cabs *= raise;
