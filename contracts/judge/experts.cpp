@@ -253,13 +253,23 @@ bool within_projection(detail::Checker& c, const ClauseInfo& clause, const char*
                        MatView<const float> m, const std::vector<Tracked>& ref,
                        const Projection& along, const bounds::Precision& p) {
   const std::vector<float> got = contracts::values(m);
-  double dot = 0, det = along.det;
+  // The output's storage rounding, the last one: at its worst case, or as
+  // one more rounding of the combination (coefficient |r| times the value
+  // rounded, |r| + hp), whichever bounds it lower (a choice made from the
+  // exact values, before any rounding is drawn); its flushes at worst.
+  const judge::Options& o = judge::current();
+  double dot = 0, out_worst = 0, out_tiny = 0, out_rnd2 = 0;
   for (std::size_t i = 0; i < got.size(); ++i) {
-    const double r = ref[i].v;
+    const double r = ref[i].v, a = std::fabs(r) * o.output_unit * (std::fabs(r) + ref[i].e);
     dot += (got[i] - r) * r;
-    det += std::fabs(r) * (stored(std::fabs(r), ref[i].e) - ref[i].e);  // the output's rounding
+    out_worst += a, out_tiny += std::fabs(r) * (o.output_unit ? o.output_tiny : 0.0);
+    out_rnd2 += a * a;
   }
-  const double bound = bounds::kReferenceSlack * (det + bounds::kProbableLambda * along.rnd);
+  const double lambda = bounds::kProjectionLambda;
+  const double bound =
+      bounds::kReferenceSlack *
+      (along.det + out_tiny +
+       std::min(out_worst + lambda * along.rnd, lambda * std::hypot(along.rnd, std::sqrt(out_rnd2))));
   if (std::fabs(dot) <= bound) return true;
   const double n2 = along.norm2 > 0 ? along.norm2 : 1;
   c.fail(clause, name, fmt::format("<{0} - ref, ref> / <ref, ref> = {1:.4g}", name, dot / n2),

@@ -90,9 +90,10 @@ bool within_model(detail::Checker& c, const ClauseInfo& clause, const char* name
                   MatView<const float> m, const std::vector<bounds::Tracked>& ref,
                   const bounds::Precision& p, const char* proof);
 
-/// <m - ref, ref> within the projection's bound (proofs/bounds.md §12), ref
-/// the probabilistic model's values, the output's storage rounding added;
-/// the relative error along ref in the message.
+/// <m - ref, ref> within the projection's bound at kProjectionLambda
+/// (proofs/bounds.md §12), ref the probabilistic model's values, the
+/// output's storage rounding added at its worst case or as a random term,
+/// whichever is smaller; the relative error along ref in the message.
 bool within_projection(detail::Checker& c, const ClauseInfo& clause, const char* name,
                        MatView<const float> m, const std::vector<bounds::Tracked>& ref,
                        const Projection& along, const bounds::Precision& p);

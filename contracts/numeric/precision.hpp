@@ -27,6 +27,10 @@ struct Precision {
 /// < 2^-71 under the model of independent, mean-zero rounding errors, so a
 /// model of fewer than 2^40 values fails with probability below 2^-31.
 inline constexpr double kProbableLambda = 10;
+/// A projection of an output on its exact value is one combination of the
+/// roundings: lambda = 7 bounds it but with probability 2 exp(-24.5) <
+/// 2^-34 under the model (beside its values' 2^-31 above).
+inline constexpr double kProjectionLambda = 7;
 
 /// The declaration p with its errors bounded probabilistically.
 constexpr Precision probable(Precision p) {

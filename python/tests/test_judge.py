@@ -393,6 +393,22 @@ def test_y_off_by_5_percent_fails_along_y_under_every_declaration_with_large_lor
         assert "experts.forward_train.scale_explained" in v.failed, (precision, v.failed)
 
 
+def test_y_off_by_5_percent_fails_along_y_declared_bf16_on_every_suite_class():
+    """moecert.testing's experts classes without LoRA, down to one token (H40 I24): a bf16
+    implementation passes, and its y * 1.05 fails scale_explained declared bf16 on each one but
+    wide_exponents (rows of x spread over 2^+-20: each row's bound along y is its own)."""
+    import moecert.check as check
+    import moecert.testing as mtest
+    for case in mtest.experts_cases(lora=False):
+        if case.name == "wide_exponents":
+            continue
+        base = {k: case.inputs[k] for k in ("x", "idx", "weights", "w_gate", "w_up", "w_down")}
+        y = experts.experts_forward(**base, dtype=torch.bfloat16)
+        assert check.experts_forward(**base, y=y, precision="bf16").passed, case.name
+        v = check.experts_forward(**base, y=y.float() * 1.05, precision="bf16")
+        assert "experts.forward.scale_explained" in v.failed, (case.name, v.failed)
+
+
 @pytest.mark.parametrize("factor", ["b_gate", "b_up", "b_down"])
 def test_a_lora_scale_dropped_fails_the_probabilistic_bounds_under_every_declaration(factor):
     """The LoRA scale s = alpha / r left out of one projection, in a bf16 or an fp32 implementation:
