@@ -267,9 +267,9 @@ bool within_projection(detail::Checker& c, const ClauseInfo& clause, const char*
   }
   const double lambda = bounds::kProjectionLambda;
   const double bound =
-      bounds::kReferenceSlack *
-      (along.det + out_tiny +
-       std::min(out_worst + lambda * along.rnd, lambda * std::hypot(along.rnd, std::sqrt(out_rnd2))));
+      bounds::kReferenceSlack * (along.det + out_tiny +
+                                 std::min(out_worst + lambda * along.rnd,
+                                          lambda * std::hypot(along.rnd, std::sqrt(out_rnd2))));
   if (std::fabs(dot) <= bound) return true;
   const double n2 = along.norm2 > 0 ? along.norm2 : 1;
   c.fail(clause, name, fmt::format("<{0} - ref, ref> / <ref, ref> = {1:.4g}", name, dot / n2),
