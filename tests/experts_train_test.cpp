@@ -1000,6 +1000,19 @@ TEST_CASE(
     CHECK(failed(contracts::judge::judge_op(
               "experts.backward", in, {{"dx", between(worst.dx, probable.dx, p.T)}}, params)) ==
           std::vector<std::string>{"experts.backward.spread_explained"});
+    // Without LoRA, dx scaled by 1 + beta, beta twice its projection's
+    // bound: within the element bounds, not along dx.
+    if (r) continue;
+    const auto& along = probable.along_dx;
+    const double dbeta = 2 * (along.det + bounds::kProjectionLambda * along.rnd) / along.norm2;
+    contracts::judge::Tensor dx{.rows = p.T, .cols = 2048};
+    for (const auto& v : probable.dx) dx.f.push_back(static_cast<float>(v.v * (1 + dbeta)));
+    const auto dx_failed =
+        failed(contracts::judge::judge_op("experts.backward", in, {{"dx", dx}}, params));
+    CHECK(std::find(dx_failed.begin(), dx_failed.end(), "experts.backward.scale_explained") !=
+          dx_failed.end());
+    CHECK(std::find(dx_failed.begin(), dx_failed.end(), "experts.backward.within_bound") ==
+          dx_failed.end());
   }
 }
 

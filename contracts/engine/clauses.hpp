@@ -202,13 +202,18 @@ inline constexpr ClauseInfo kFwdScaleExplained =
 inline constexpr ClauseInfo kBwdSpread =
     post("experts.backward.spread_explained", Group::numeric,
          "outputs within the declared precision's probabilistic bound", Level::full);
+inline constexpr ClauseInfo kBwdScaleExplained =
+    post("experts.backward.scale_explained", Group::numeric,
+         "dx's and dweights' errors along the exact dx and dweights within the probabilistic bound",
+         Level::full);
 inline constexpr ClauseInfo kAll[] = {
-    kFwdShape,       kFwdIdxInRange, kFwdIdxUnique, kFwdWeightFinite,   kFwdXFinite,
-    kFwdXRange,      kFwdLoraFinite, kFwdLoraRange, kFwdScale,          kFwdNoAlias,
-    kFwdLoraPadding, kFwdYFinite,    kFwdProbe,     kFwdWithin,         kBwdState,
-    kBwdShape,       kBwdDyFinite,   kBwdNoAlias,   kBwdSavedFinite,    kBwdSavedIntact,
-    kBwdGradFinite,  kBwdEmptyZero,  kBwdDwMasked,  kBwdProbe,          kBwdWithin,
-    kFwdRounding,    kBwdRounding,   kFwdSpread,    kFwdScaleExplained, kBwdSpread};
+    kFwdShape,         kFwdIdxInRange, kFwdIdxUnique, kFwdWeightFinite,   kFwdXFinite,
+    kFwdXRange,        kFwdLoraFinite, kFwdLoraRange, kFwdScale,          kFwdNoAlias,
+    kFwdLoraPadding,   kFwdYFinite,    kFwdProbe,     kFwdWithin,         kBwdState,
+    kBwdShape,         kBwdDyFinite,   kBwdNoAlias,   kBwdSavedFinite,    kBwdSavedIntact,
+    kBwdGradFinite,    kBwdEmptyZero,  kBwdDwMasked,  kBwdProbe,          kBwdWithin,
+    kFwdRounding,      kBwdRounding,   kFwdSpread,    kFwdScaleExplained, kBwdSpread,
+    kBwdScaleExplained};
 }  // namespace experts_train
 
 namespace router {

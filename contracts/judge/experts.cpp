@@ -580,6 +580,14 @@ void backward(detail::Checker& c, const Tensors& in, const Tensors& out, const P
         (!o.dx.data || within_model(c, kt::kBwdSpread, "dx", o.dx, probable.dx, p, kSpreadProof)) &&
         weight_grads_within(c, kt::kBwdSpread, o.weights, probable, p, kSpreadProof);
   }
+  // The same model along the exact dx and dL/dw: an error a token's
+  // elements share fails it where each element's bound holds it.
+  MOECERT_CONTRACT(c, kt::kBwdScaleExplained) {
+    (!o.dweights.data || within_projection(c, kt::kBwdScaleExplained, "dweights", o.dweights,
+                                           probable.dweights, probable.along_dweights, p)) &&
+        (!o.dx.data || within_projection(c, kt::kBwdScaleExplained, "dx", o.dx, probable.dx,
+                                         probable.along_dx, p));
+  }
   MOECERT_CONTRACT(c, kt::kBwdRounding) {
     (!o.dweights.data || rounding_unbiased(c, kt::kBwdRounding, "dweights",
                                            contracts::values(o.dweights), exact(ref.dweights))) &&

@@ -132,10 +132,7 @@ PairDgu<S> pair_dgu(const Expert<S>& w, const PairForward<S>& f, const std::vect
         [&](std::size_t q) { return w.at(in.w_down, H, q, i); }, r,
         [&](std::size_t q) { return qd[q]; },
         [&](std::size_t q) { return w.at(in.a_down, r, q, i); }, nh, p);
-    // silu'(g) = sigma (1 + g (1 - sigma)) in fp32.
-    const S sg = f.sg[i], one{1};
-    const S dsilu =
-        bounds::r32(sg * bounds::r32(one + bounds::r32(f.g[i] * bounds::r32(one - sg))));
+    const S dsilu = dsilu_of(f, i);
     // dh's roundings (the backward's) and the forward's g and u are disjoint.
     const S dhu = bounds::mid(product_disjoint(dh, f.u[i]), p);
     o.dg[i] = bounds::operand(bounds::mid(bounds::r32(product_disjoint(dhu, dsilu)), p), p);
@@ -152,18 +149,31 @@ struct PairGrads {
   PairForward<S> f;
 };
 
-// The expert path of one pair: this pair's share of dx from do = wt dy
-// (dy as read), proofs/experts.md §5; its operands kept in `keep` if given.
+// do = wt dy (dy as read) as the GEMMs read it.
 template <class S>
-std::vector<S> pair_dx(const Expert<S>& w, const PairForward<S>& f, const std::vector<S>& dy,
-                       const S& wt, const S& s, PairGrads<S>* keep) {
+std::vector<S> do_read(const std::vector<S>& dy, const S& wt, const Precision& p) {
+  std::vector<S> d(dy.size());
+  for (std::size_t m = 0; m < dy.size(); ++m) d[m] = bounds::operand(bounds::mid(wt * dy[m], p), p);
+  return d;
+}
+
+// The expert path of one pair: this pair's share of dx from do (do_read),
+// proofs/experts.md §5; its operands kept in `keep` if given.
+template <class S>
+std::vector<S> pair_dx(const Expert<S>& w, const PairForward<S>& f, const std::vector<S>& dread,
+                       const S& s, PairGrads<S>* keep) {
   const ExpertsTensors& in = w.in;
   const Precision& p = w.p;
   const std::size_t H = in.H, I = in.I, r = in.r;
-  // do = wt dy, as the GEMMs read it; every dh_i reads it: folded.
+  // Every dh_i reads do: its errors folded, or (Probable) left external,
+  // for the projection along dx to take through their coefficients
+  // (do_along).
   std::vector<S> d(H);
   for (std::size_t m = 0; m < H; ++m)
-    d[m] = bounds::fold(bounds::operand(bounds::mid(wt * dy[m], p), p));
+    if constexpr (std::is_same_v<S, Probable>)
+      d[m] = bounds::external(dread[m]);
+    else
+      d[m] = bounds::fold(dread[m]);
   // (Named members, not a structured binding: clang 14 cannot capture one.)
   const PairDgu<S> dgu = pair_dgu(w, f, d, s);
   const std::vector<S>& dg = dgu.dg;
@@ -322,12 +332,14 @@ std::vector<Tracked> experts_model_forward(const ExpertsTensors& in, const Preci
 
 namespace {
 
-// ExpertsBackward over the model's scalar.
+// ExpertsBackward over the model's scalar; under Probable, per token, do's
+// errors along dx (DoAlong).
 template <class S>
 struct Backward {
   std::vector<S> dx, dweights, dx_rows;
   std::vector<double> dx_rows_abs;
   std::array<std::vector<S>, 9> weight_grads;
+  std::vector<DoAlong> do_along;
 };
 
 // Token t's backward: dL/dw of its slots and its dx row into b; each pair's
@@ -342,25 +354,40 @@ void token_backward(const ExpertsTensors& in, MatView<const float> dy, const Pre
   for (auto& v : dyr) v = bounds::operand(v, p);
   // The slots' rows: distinct pairs round independently.
   std::vector<RowSum<S>> sum(H, RowSum<S>(Terms::independent));
+  std::vector<std::pair<std::size_t, std::vector<S>>> dos;  // expert, do (Probable)
+  std::vector<PairForward<S>> fs;
   for (std::size_t j = 0; j < K; ++j) {
     const std::int32_t e = in.idx(t, j);
     if (e < 0) continue;  // dL/dw exactly 0 there
     const Expert<S> w{in, static_cast<std::size_t>(e), p};
-    const auto f = pair_forward(w, x, s);
+    auto f = pair_forward(w, x, s);
     // dL/dw = <dy, o>: products stored, an fp32 sum, stored.
     b.dweights[t * K + j] = bounds::dot_products_stored(
         H, [&](std::size_t m) { return dyr[m]; }, [&](std::size_t m) { return f.o[m]; }, H, p);
     PairGrads<S>* k = keep.empty() ? nullptr : &keep[t * K + j];
-    const auto dxr =
-        pair_dx(w, f, dyr, bounds::lift<S>(bounds::input(in.weights(t, j), p), p), s, k);
+    std::vector<S> d = do_read(dyr, bounds::lift<S>(bounds::input(in.weights(t, j), p), p), p);
+    const auto dxr = pair_dx(w, f, d, s, k);
     if (k) k->x = x, k->f = f;
     for (std::size_t m = 0; m < H; ++m) sum[m].add(dxr[m]);
+    if constexpr (std::is_same_v<S, Probable>)
+      dos.emplace_back(static_cast<std::size_t>(e), std::move(d)), fs.push_back(std::move(f));
   }
   // dx = the slots' rows summed in the intermediate format.
   for (std::size_t m = 0; m < H; ++m) {
     b.dx[t * H + m] = sum[m].stored(K, p);
     b.dx_rows[t * H + m] = row_exact(sum[m]);
     b.dx_rows_abs[t * H + m] = row_abs(sum[m]);
+  }
+  // do's errors along the exact dx row: each pair's own roundings, dy's
+  // shared by the token's pairs (their norms add).
+  if constexpr (std::is_same_v<S, Probable>) {
+    std::vector<double> a(H);
+    for (std::size_t m = 0; m < H; ++m) a[m] = b.dx[t * H + m].v;
+    DoAlong& out = b.do_along[t];
+    for (std::size_t q = 0; q < dos.size(); ++q) {
+      const DoAlong one = do_along({in, dos[q].first, p}, fs[q], dos[q].second, s.v, a);
+      out.det += one.det, out.rnd += one.rnd;
+    }
   }
 }
 
@@ -373,7 +400,8 @@ Backward<S> model_backward(const ExpertsTensors& in, MatView<const float> dy, co
                 std::vector<S>(T * K, S{0}),
                 std::vector<S>(T * H),
                 std::vector<double>(T * H),
-                {}};
+                {},
+                std::vector<DoAlong>(T)};
   std::vector<PairGrads<S>> keep(weight_grads ? T * K : 0);
   oneapi::tbb::parallel_for(std::size_t{0}, T, detail::TbbBody([&](std::size_t t) {
                               token_backward(in, dy, p, s, t, b, keep);
@@ -394,13 +422,44 @@ Backward<S> model_backward(const ExpertsTensors& in, MatView<const float> dy, co
   return b;
 }
 
+// A [T x cols] output's error along its exact value: within a token the
+// elements share roundings (their random parts add by the triangle
+// inequality), distinct tokens' roundings are disjoint (root of squares).
+// Each element counts its worst case, or its worst-case part and its random
+// part, whichever bounds it lower at kProjectionLambda (chosen from the
+// exact values).
+// With `external` (dx: per token, do's errors along the row, DoAlong), the
+// elements' external parts are taken from there instead; do's roundings
+// are not among the elements' random parts (root of squares with them).
+Projection along_rows(const std::vector<Probable>& v, std::size_t cols,
+                      const std::vector<DoAlong>* external = nullptr) {
+  Projection pr;
+  double rnd2 = 0;
+  for (std::size_t t = 0; cols && t < v.size() / cols; ++t) {
+    double rnd = 0;
+    const bool ext = external != nullptr;
+    for (std::size_t o = t * cols; o < (t + 1) * cols; ++o) {
+      const double a = std::fabs(v[o].v), part = v[o].d + (ext ? 0.0 : v[o].x);
+      if (v[o].e <= part + bounds::kProjectionLambda * v[o].s)
+        pr.det += a * v[o].e;
+      else
+        pr.det += a * part, rnd += a * v[o].s;
+      pr.norm2 += v[o].v * v[o].v;
+    }
+    if (ext) pr.det += (*external)[t].det, rnd = std::hypot(rnd, (*external)[t].rnd);
+    rnd2 += rnd * rnd;
+  }
+  pr.rnd = std::sqrt(rnd2);
+  return pr;
+}
+
 template <class S>
-ExpertsBackward to_tracked(Backward<S>&& b) {
-  ExpertsBackward out{tracked(std::move(b.dx)),
-                      tracked(std::move(b.dweights)),
-                      tracked(std::move(b.dx_rows)),
-                      std::move(b.dx_rows_abs),
-                      {}};
+ExpertsBackward to_tracked(Backward<S>&& b, std::size_t H, std::size_t K) {
+  ExpertsBackward out;
+  if constexpr (std::is_same_v<S, Probable>)
+    out.along_dx = along_rows(b.dx, H, &b.do_along), out.along_dweights = along_rows(b.dweights, K);
+  out.dx = tracked(std::move(b.dx)), out.dweights = tracked(std::move(b.dweights));
+  out.dx_rows = tracked(std::move(b.dx_rows)), out.dx_rows_abs = std::move(b.dx_rows_abs);
   for (std::size_t g = 0; g < 9; ++g) out.weight_grads[g] = tracked(std::move(b.weight_grads[g]));
   return out;
 }
@@ -409,8 +468,9 @@ ExpertsBackward to_tracked(Backward<S>&& b) {
 
 ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const float> dy,
                                        const Precision& p, bool weight_grads) {
-  if (p.lambda > 0) return to_tracked(model_backward<Probable>(in, dy, p, weight_grads));
-  return to_tracked(model_backward<Tracked>(in, dy, p, weight_grads));
+  const std::size_t H = in.H, K = in.idx.cols;
+  if (p.lambda > 0) return to_tracked(model_backward<Probable>(in, dy, p, weight_grads), H, K);
+  return to_tracked(model_backward<Tracked>(in, dy, p, weight_grads), H, K);
 }
 
 }  // namespace moecert::contracts

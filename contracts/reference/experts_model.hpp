@@ -74,11 +74,15 @@ ProbableForward experts_model_forward_probable(const ExpertsTensors& in,
 /// more rows to that sum (the layer's router linear). With weight_grads,
 /// the nine weight gradients in contracts::grad_shapes' order (the six
 /// LoRA factors', empty without LoRA, then w_gate, w_up, w_down), each
-/// stacked by expert; exactly 0 for an expert without tokens.
+/// stacked by expert; exactly 0 for an expert without tokens. Under the
+/// probabilistic model, dx's and dL/dw's errors along their exact values
+/// (proofs/bounds.md §12: a token's elements share roundings, distinct
+/// tokens' do not).
 struct ExpertsBackward {
   std::vector<bounds::Tracked> dx, dweights, dx_rows;
   std::vector<double> dx_rows_abs;
   std::array<std::vector<bounds::Tracked>, 9> weight_grads;
+  Projection along_dx, along_dweights;
 };
 ExpertsBackward experts_model_backward(const ExpertsTensors& in, MatView<const float> dy,
                                        const bounds::Precision& p, bool weight_grads = false);

@@ -108,6 +108,25 @@ struct PairForward {
 void add_lb_errors(const Expert<Probable>& w, PairForward<Probable>& f,
                    const std::vector<Probable>& lb, double s);
 
+// silu'(g_i) = sigma (1 + g (1 - sigma)) in fp32, from the pair's forward.
+template <class S>
+S dsilu_of(const PairForward<S>& f, std::size_t i) {
+  const S sg = f.sg[i], one{1};
+  return bounds::r32(sg * bounds::r32(one + bounds::r32(f.g[i] * bounds::r32(one - sg))));
+}
+
+// do's errors in one pair's dx row along the adjoint a [H] (proofs/bounds.md
+// §12): do (as read, `d`) reaches dx through dh, dg and du, which carry it
+// as their external part; here through its exact coefficients c = J^T a
+// (J the row's Jacobian in do, read at the computed u, silu and silu':
+// |c| grows by the radius their errors make). det = sum |c_m| d_m, rnd the
+// norm of do's random parts' coefficients (do_m's roundings are its own).
+struct DoAlong {
+  double det = 0, rnd = 0;
+};
+DoAlong do_along(const Expert<Probable>& w, const PairForward<Probable>& f,
+                 const std::vector<Probable>& d, double s, const std::vector<double>& a);
+
 // Token t's share of the projection of y's error on the exact y (Projection):
 // its pairs' roundings (pair_forward's, in reverse), y's own and sum |y| d.
 struct TokenProjection {

@@ -246,4 +246,50 @@ TokenProjection token_projection(const ExpertsTensors& in, const Precision& p,
   return tp;
 }
 
+DoAlong do_along(const Expert<Probable>& w, const PairForward<Probable>& f,
+                 const std::vector<Probable>& d, double s, const std::vector<double>& a) {
+  const ExpertsTensors& in = w.in;
+  const std::size_t H = in.H, I = in.I, r = in.r, e = w.e;
+  // dx row = dg W_g + du W_u + s (dg B_g) A_g + s (du B_u) A_u: the adjoints
+  // of dg and du; s read within u32 of its value.
+  std::vector<double> aag(r, 0.0), aau(r, 0.0);
+  for (std::size_t q = 0; q < r; ++q)
+    for (std::size_t m = 0; m < H; ++m)
+      aag[q] += in.a_gate(e * r + q, m) * a[m], aau[q] += in.a_up(e * r + q, m) * a[m];
+  // dg = (dh u^) silu'^, du = dh silu^: dh's adjoint at the exact values,
+  // with the radius of the computed ones.
+  std::vector<Adjoint> adh(I);
+  for (std::size_t i = 0; i < I; ++i) {
+    double adg = 0, adu = 0, lora = 0;
+    for (std::size_t m = 0; m < H; ++m)
+      adg += in.w_gate(e * I + i, m) * a[m], adu += in.w_up(e * I + i, m) * a[m];
+    for (std::size_t q = 0; q < r; ++q) {
+      const double g = s * in.b_gate(e * I + i, q) * aag[q], u = s * in.b_up(e * I + i, q) * aau[q];
+      adg += g, adu += u, lora += std::fabs(g) + std::fabs(u);
+    }
+    const Probable ds = dsilu_of(f, i);
+    const double u = f.u[i].v, hu = f.u[i].hp(), hd = ds.hp(), sl = f.silu[i].v;
+    const double rg = std::fabs(adg) + bounds::kU32 * lora,
+                 ru = std::fabs(adu) + bounds::kU32 * lora;
+    adh[i].c = adg * u * ds.v + adu * sl;
+    adh[i].r = rg * (hu * std::fabs(ds.v) + std::fabs(u) * hd + hu * hd) + ru * f.silu[i].hp() +
+               bounds::kU32 * lora * (std::fabs(u * ds.v) + std::fabs(sl));
+  }
+  // dh = do W_d (+ q_d A_d, q_d folded: do's errors through it are in its
+  // worst-case part).
+  DoAlong out;
+  double rnd2 = 0;
+  for (std::size_t m = 0; m < H; ++m) {
+    double c = 0, cr = 0;
+    for (std::size_t i = 0; i < I; ++i) {
+      const double wd = in.w_down(e * H + m, i);
+      c += wd * adh[i].c, cr += std::fabs(wd) * adh[i].r;
+    }
+    const double k = std::fabs(c) + cr;
+    out.det += k * d[m].d, rnd2 += k * k * d[m].s * d[m].s;
+  }
+  out.rnd = std::sqrt(rnd2);
+  return out;
+}
+
 }  // namespace moecert::contracts::pair

@@ -320,6 +320,11 @@ struct Gradients {
 ///   experts.backward.spread_explained  post  numeric  every output given within the probabilistic
 ///                                                     bound (judge and conformance; proofs/bounds.md
 ///                                                     §12)
+///   experts.backward.scale_explained   post  numeric  <dx - ref, ref> and <dweights - ref, ref>
+///                                                     within the probabilistic bound: an error a
+///                                                     token's elements share (a scale off by a few
+///                                                     %) fails it where the element bounds hold it
+///                                                     (judge and conformance; proofs/bounds.md §12)
 void backward(const PackedExperts& w, const Lora& lora, MatView<const bf16> x,
               MatView<const float> dy, Saved& saved, const Gradients& grads);
 

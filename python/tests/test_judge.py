@@ -409,6 +409,28 @@ def test_y_off_by_5_percent_fails_along_y_declared_bf16_on_every_suite_class():
         assert "experts.forward.scale_explained" in v.failed, (case.name, v.failed)
 
 
+def test_dx_off_fails_along_dx_without_lora():
+    """moecert.testing's normal and realistic experts classes without LoRA: a correct backward in
+    each declaration's arithmetic passes; dx * 1.05 fails experts.backward.scale_explained declared
+    mixed or fp32, dx * 1.1 declared bf16 (where every element's worst-case bound still holds it)."""
+    import moecert.check as check
+    import moecert.testing as mtest
+    for case in mtest.experts_cases(lora=False):
+        if case.name not in ("normal", "realistic"):
+            continue
+        base = {k: case.inputs[k] for k in ("x", "idx", "weights", "w_gate", "w_up", "w_down")}
+        for precision, dtype, factor in (("bf16", torch.bfloat16, 1.1), ("mixed", torch.bfloat16, 1.05),
+                                         ("fp32", torch.float32, 1.05)):
+            dx, dw = experts.experts_backward(**base, dy=case.inputs["dy"], dtype=dtype)[:2]
+            judged = functools.partial(check.experts_backward, **base, dy=case.inputs["dy"], precision=precision,
+                                       dweights=dw)
+            assert judged(dx=dx).passed, (case.name, precision)
+            v = judged(dx=dx.float() * factor)
+            assert "experts.backward.scale_explained" in v.failed, (case.name, precision, v.failed)
+            if precision == "bf16":
+                assert "experts.backward.within_bound" not in v.failed, case.name
+
+
 @pytest.mark.parametrize("factor", ["b_gate", "b_up", "b_down"])
 def test_a_lora_scale_dropped_fails_the_probabilistic_bounds_under_every_declaration(factor):
     """The LoRA scale s = alpha / r left out of one projection, in a bf16 or an fp32 implementation:
