@@ -393,10 +393,12 @@ def test_y_off_by_5_percent_fails_along_y_under_every_declaration_with_large_lor
         assert "experts.forward_train.scale_explained" in v.failed, (precision, v.failed)
 
 
-def test_y_off_by_5_percent_fails_along_y_declared_bf16_on_every_suite_class():
+def test_y_off_by_5_percent_fails_a_bound_declared_bf16_on_every_suite_class():
     """moecert.testing's experts classes without LoRA, down to one token (H40 I24): a bf16
-    implementation passes, and its y * 1.05 fails scale_explained declared bf16 on each one but
-    wide_exponents (rows of x spread over 2^+-20: each row's bound along y is its own)."""
+    implementation passes, and its y * 1.05 fails a bound clause declared bf16 on each one but
+    wide_exponents (rows of x spread over 2^+-20: each row's bound along y is its own):
+    scale_explained, or at one token (a bound along y of 4.3%, less the implementation's own
+    error) within_bound."""
     import moecert.check as check
     import moecert.testing as mtest
     for case in mtest.experts_cases(lora=False):
@@ -406,7 +408,9 @@ def test_y_off_by_5_percent_fails_along_y_declared_bf16_on_every_suite_class():
         y = experts.experts_forward(**base, dtype=torch.bfloat16)
         assert check.experts_forward(**base, y=y, precision="bf16").passed, case.name
         v = check.experts_forward(**base, y=y.float() * 1.05, precision="bf16")
-        assert "experts.forward.scale_explained" in v.failed, (case.name, v.failed)
+        along = "experts.forward.scale_explained" in v.failed
+        assert along or (case.name == "one_token" and "experts.forward.within_bound" in v.failed), (
+            case.name, v.failed)
 
 
 def test_dx_off_fails_along_dx_without_lora():
