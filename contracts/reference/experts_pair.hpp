@@ -127,6 +127,16 @@ struct DoAlong {
 DoAlong do_along(const Expert<Probable>& w, const PairForward<Probable>& f,
                  const std::vector<Probable>& d, double s, const std::vector<double>& a);
 
+// dL/dw = <dy, o> of one pair (dy as read; o of the pair's forward f over
+// x): the worst case `stored` (dot_products_stored's) with its parts
+// rebuilt (proofs/bounds.md §12): o's roundings through their coefficients
+// for the adjoint dy (the projection's adjoint pass), dy's own read at the
+// computed o (|o| + hp), the products' stores and the fp32 sum's roundings,
+// then the store; o's and dy's worst-case parts and the flushes in d.
+Probable pair_dweight(const Expert<Probable>& w, const PairForward<Probable>& f,
+                      const std::vector<Probable>& x, double s, const std::vector<Probable>& dy,
+                      const Probable& stored);
+
 // Token t's share of the projection of y's error on the exact y (Projection):
 // its pairs' roundings (pair_forward's, in reverse), y's own and sum |y| d.
 struct TokenProjection {

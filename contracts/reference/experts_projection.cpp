@@ -246,6 +246,37 @@ TokenProjection token_projection(const ExpertsTensors& in, const Precision& p,
   return tp;
 }
 
+Probable pair_dweight(const Expert<Probable>& w, const PairForward<Probable>& f,
+                      const std::vector<Probable>& x, double s, const std::vector<Probable>& dy,
+                      const Probable& stored) {
+  const Precision& p = w.p;
+  const std::size_t H = w.in.H;
+  std::vector<double> ao(H);
+  for (std::size_t m = 0; m < H; ++m) ao[m] = dy[m].v;
+  // dy^ o^ - dy o = dy (o^ - o) + o^ (dy^ - dy): o's roundings drawn first.
+  double d = 0, q = pair_projection(w, f, x, s, ao);
+  double sq = 0, hp = 0, hp2 = 0, pos = 0, neg = 0, abs = 0;
+  const double um2 = p.mid_unit * p.mid_unit;
+  for (std::size_t m = 0; m < H; ++m) {
+    const Probable &a = dy[m], &o = f.o[m];
+    const double oc = std::fabs(o.v) + o.hp(), ac = std::fabs(a.v) + a.hp();
+    d += std::fabs(a.v) * o.d + oc * a.d;
+    d += (bounds::may_flush(a) ? bounds::kMinNormal32 * o.mag() : 0) +
+         (bounds::may_flush(o) ? bounds::kMinNormal32 * a.mag() : 0) + bounds::kMinNormal32;
+    q += oc * oc * a.s * a.s + um2 * (ac * oc) * (ac * oc);  // dy's roundings, the product's store
+    const double t = a.v * o.v, h = std::fabs(a.v) * o.hp() + oc * a.hp();
+    sq += t * t, hp += h, hp2 += h * h, abs += a.mag() * o.mag();
+    (t >= 0 ? pos : neg) += std::fabs(t);
+  }
+  const double worst = bounds::gamma(static_cast<double>(H), bounds::kU32) * abs;
+  q += bounds::kU32 * bounds::kU32 *
+       bounds::rounding_coefficients(sq, hp2, std::max(pos, neg), hp, worst, H, true);
+  d += 3 * static_cast<double>(H) * bounds::kMinNormal32;
+  const double rnd = std::sqrt(q), before = d + p.lambda * rnd;
+  return Probable{stored.v, stored.e, d + bounds::kMinNormal32,
+                  std::hypot(rnd, p.mid_unit * (std::fabs(stored.v) + before)), p.lambda};
+}
+
 DoAlong do_along(const Expert<Probable>& w, const PairForward<Probable>& f,
                  const std::vector<Probable>& d, double s, const std::vector<double>& a) {
   const ExpertsTensors& in = w.in;
