@@ -365,8 +365,8 @@ void token_backward(const ExpertsTensors& in, MatView<const float> dy, const Pre
     b.dweights[t * K + j] = bounds::dot_products_stored(
         H, [&](std::size_t m) { return dyr[m]; }, [&](std::size_t m) { return f.o[m]; }, H, p);
     if constexpr (std::is_same_v<S, Probable>)  // o with lb's errors through their coefficients
-      b.dweights[t * K + j] =
-          pair_dweight(w, in.r ? pair_forward(w, x, s, true) : f, x, s.v, dyr, b.dweights[t * K + j]);
+      b.dweights[t * K + j] = pair_dweight(w, in.r ? pair_forward(w, x, s, true) : f, x, s.v, dyr,
+                                           b.dweights[t * K + j]);
     PairGrads<S>* k = keep.empty() ? nullptr : &keep[t * K + j];
     std::vector<S> d = do_read(dyr, bounds::lift<S>(bounds::input(in.weights(t, j), p), p), p);
     const auto dxr = pair_dx(w, f, d, s, k);
