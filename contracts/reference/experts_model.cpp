@@ -342,6 +342,27 @@ struct Backward {
   std::vector<DoAlong> do_along;
 };
 
+// A routed pair as the projection on dx reads it: its expert, do and forward.
+struct PairDo {
+  std::size_t e;
+  std::vector<Probable> d;
+  PairForward<Probable> f;
+};
+
+// do's errors along a token's exact dx row (H values): each pair's own
+// roundings, dy's shared by the token's pairs (their norms add).
+DoAlong token_do_along(const ExpertsTensors& in, const Precision& p, double s, const Probable* dx,
+                       const std::vector<PairDo>& pairs) {
+  std::vector<double> a(in.H);
+  for (std::size_t m = 0; m < in.H; ++m) a[m] = dx[m].v;
+  DoAlong out;
+  for (const PairDo& q : pairs) {
+    const DoAlong one = do_along({in, q.e, p}, q.f, q.d, s, a);
+    out.det += one.det, out.rnd += one.rnd;
+  }
+  return out;
+}
+
 // Token t's backward: dL/dw of its slots and its dx row into b; each pair's
 // operands into keep[t * K + j] when keep is not empty.
 template <class S>
@@ -354,8 +375,7 @@ void token_backward(const ExpertsTensors& in, MatView<const float> dy, const Pre
   for (auto& v : dyr) v = bounds::operand(v, p);
   // The slots' rows: distinct pairs round independently.
   std::vector<RowSum<S>> sum(H, RowSum<S>(Terms::independent));
-  std::vector<std::pair<std::size_t, std::vector<S>>> dos;  // expert, do (Probable)
-  std::vector<PairForward<S>> fs;
+  std::vector<PairDo> pairs;  // (Probable)
   for (std::size_t j = 0; j < K; ++j) {
     const std::int32_t e = in.idx(t, j);
     if (e < 0) continue;  // dL/dw exactly 0 there
@@ -373,7 +393,7 @@ void token_backward(const ExpertsTensors& in, MatView<const float> dy, const Pre
     if (k) k->x = x, k->f = f;
     for (std::size_t m = 0; m < H; ++m) sum[m].add(dxr[m]);
     if constexpr (std::is_same_v<S, Probable>)
-      dos.emplace_back(static_cast<std::size_t>(e), std::move(d)), fs.push_back(std::move(f));
+      pairs.push_back({static_cast<std::size_t>(e), std::move(d), std::move(f)});
   }
   // dx = the slots' rows summed in the intermediate format.
   for (std::size_t m = 0; m < H; ++m) {
@@ -381,17 +401,8 @@ void token_backward(const ExpertsTensors& in, MatView<const float> dy, const Pre
     b.dx_rows[t * H + m] = row_exact(sum[m]);
     b.dx_rows_abs[t * H + m] = row_abs(sum[m]);
   }
-  // do's errors along the exact dx row: each pair's own roundings, dy's
-  // shared by the token's pairs (their norms add).
-  if constexpr (std::is_same_v<S, Probable>) {
-    std::vector<double> a(H);
-    for (std::size_t m = 0; m < H; ++m) a[m] = b.dx[t * H + m].v;
-    DoAlong& out = b.do_along[t];
-    for (std::size_t q = 0; q < dos.size(); ++q) {
-      const DoAlong one = do_along({in, dos[q].first, p}, fs[q], dos[q].second, s.v, a);
-      out.det += one.det, out.rnd += one.rnd;
-    }
-  }
+  if constexpr (std::is_same_v<S, Probable>)
+    b.do_along[t] = token_do_along(in, p, s.v, &b.dx[t * H], pairs);
 }
 
 template <class S>
