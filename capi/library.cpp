@@ -9,7 +9,6 @@
 #include <mutex>
 #include <new>
 #include <optional>
-#include <utility>
 #include <vector>
 
 #include "capi/abi.hpp"
@@ -136,27 +135,27 @@ std::size_t dtype_bytes(std::int32_t dtype) {
   }
 }
 
-// The bytes [begin, end) a descriptor's elements span; none for one that is
-// malformed (its op refuses it before writing anything) or past 2^63 bytes.
-std::optional<std::pair<std::uintptr_t, std::uintptr_t>> span_of(const moecert_tensor& t) {
+// The bytes a descriptor's elements span; none for one that is malformed
+// (its op refuses it before writing anything) or past 2^63 bytes.
+std::optional<ByteRange> span_of(const moecert_tensor& t) {
   if (t.ndim != 1 && t.ndim != 2) return std::nullopt;
   const std::int64_t rows = t.ndim == 2 ? t.shape[0] : 1, cols = t.shape[t.ndim - 1];
   const std::int64_t stride = t.ndim == 2 ? t.stride[0] : 0;
   if (rows < 0 || cols < 0 || stride < 0) return std::nullopt;
   const auto begin = reinterpret_cast<std::uintptr_t>(t.data);
-  if (rows == 0 || cols == 0) return std::pair{begin, begin};
+  if (rows == 0 || cols == 0) return ByteRange{begin, begin};
   std::int64_t last = 0;
   if (__builtin_mul_overflow(rows - 1, stride, &last) ||
       __builtin_add_overflow(last, cols, &last) ||
       __builtin_mul_overflow(last, static_cast<std::int64_t>(dtype_bytes(t.dtype)), &last))
     return std::nullopt;
-  return std::pair{begin, begin + static_cast<std::uintptr_t>(last)};
+  return ByteRange{begin, begin + static_cast<std::uintptr_t>(last)};
 }
 
 bool overlap(const moecert_tensor& a, const moecert_tensor* b) {
   if (!present(b)) return false;
   const auto sa = span_of(a), sb = span_of(*b);
-  return sa && sb && sa->first < sb->second && sb->first < sa->second;
+  return sa && sb && overlaps(*sa, *sb);
 }
 
 }  // namespace

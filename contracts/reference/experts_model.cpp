@@ -449,9 +449,9 @@ Projection along_rows(const std::vector<Probable>& v, std::size_t cols,
                       const std::vector<DoAlong>* external = nullptr) {
   Projection pr;
   double rnd2 = 0;
+  const bool ext = external != nullptr;
   for (std::size_t t = 0; cols && t < v.size() / cols; ++t) {
     double rnd = 0;
-    const bool ext = external != nullptr;
     for (std::size_t o = t * cols; o < (t + 1) * cols; ++o) {
       const double a = std::fabs(v[o].v), part = v[o].d + (ext ? 0.0 : v[o].x);
       if (v[o].e <= part + bounds::kProjectionLambda * v[o].s)
